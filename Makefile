@@ -1,0 +1,15 @@
+# README's two commands: `make run` (set up, then train the default experiment) and `make test`.
+.PHONY: setup run test test-fast
+
+setup:
+	bash scripts/setup.sh
+
+run: setup
+	.venv/bin/python run.py $(ARGS)
+
+test: setup
+	.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# Pure tests only (no Ray, vLLM or DeepSpeed processes): seconds.
+test-fast: setup
+	.venv/bin/python -m pytest -q -p no:cacheprovider -m "not integration" $(PYTEST_ARGS)

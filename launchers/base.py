@@ -1,0 +1,76 @@
+"""What every launcher shares: its config fields, a Ray session context, and placement creation.
+
+A launcher only owns the Ray connection. `session()` connects (local: starts) Ray and always
+disconnects on the way out, exceptions included, so Hydra multirun jobs in one process each get a
+clean Ray. Subclasses say how to connect (`_init_kwargs`) and how many GPUs there are (`gpus_present`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import ray
+
+from rlhf_orch.topology.plan import PlacementPlan
+from rlhf_orch.topology.ray_placement import RayPlacement
+
+
+class RayLauncher(ABC):
+    """Base of `LocalRayLauncher` and `ClusterRayLauncher` (fields = `LauncherConfig`)."""
+
+    def __init__(
+        self,
+        dry_run: bool = False,
+        logical_gpus: int = 0,
+        num_cpus: Optional[int] = None,
+        address: Optional[str] = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        if logical_gpus < 0:
+            raise ValueError(f"launcher.logical_gpus={logical_gpus} must be >= 0")
+        if num_cpus is not None and num_cpus < 1:
+            raise ValueError(f"launcher.num_cpus={num_cpus} must be >= 1 (or null for the default)")
+        self.dry_run = dry_run
+        self.logical_gpus = logical_gpus
+        self.num_cpus = num_cpus
+        self.address = address
+        self.startup_timeout_s = startup_timeout_s
+
+    @abstractmethod
+    def _init_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `ray.init`."""
+
+    @abstractmethod
+    def gpus_present(self) -> int:
+        """GPUs Ray can schedule (real or logical)."""
+
+    @contextmanager
+    def session(self) -> Iterator["RayLauncher"]:
+        """Connect to Ray for the body and disconnect afterwards, whatever happens."""
+        if ray.is_initialized():
+            raise RuntimeError(
+                "Ray is already initialised in this process; a launcher session must own its connection "
+                "(call ray.shutdown() first or run the body inside the existing session)"
+            )
+        ray.init(**self._init_kwargs())
+        try:
+            yield self
+        finally:
+            ray.shutdown()
+
+    def placement(self, plan: PlacementPlan) -> RayPlacement:
+        """Placement groups for `plan`, waited on for at most `startup_timeout_s` (use as `with`)."""
+        return RayPlacement(plan, ready_timeout_s=self.startup_timeout_s)
+
+    def check_gpus(self, plan: PlacementPlan) -> None:
+        """Refuse a plan that asks for more GPUs than Ray has, naming both numbers."""
+        present = self.gpus_present()
+        if plan.total_gpus > present:
+            raise RuntimeError(
+                f"the {plan.layout} placement needs {plan.total_gpus} GPUs but Ray has {present}: "
+                "lower placement.nodes/gpus_per_node or the per-role GPUs, or (CPU testing) set "
+                f"launcher.logical_gpus={plan.total_gpus}"
+            )

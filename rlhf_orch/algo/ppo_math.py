@@ -1,0 +1,236 @@
+"""Token-level PPO math for language models, in one place (after CleanRL's `ppo.py`).
+
+Conventions
+-----------
+Every per-token tensor is `[B, T]` over *action positions*: entry `t` belongs to the prediction of
+one response token. `mask` (`[B, T]`, bool or 0/1 of any dtype) is 1 where that position is a real
+response token and 0 elsewhere -- right padding, and also leading prompt positions when the caller
+passes a full `[B, L-1]` layout (see `rlhf_orch.transfer.batch.PaddedBatch.action_mask`).
+
+Every reduction is masked, and masked positions are *selected away* (`torch.where`), never
+multiplied by 0: padding may hold garbage (`-inf` log-probs, NaN values) and `nan * 0` is NaN.
+Inputs are sanitised before any `exp`, so no NaN/inf can leak into gradients either.
+
+A reduction over zero real tokens (an all-padding micro-batch, an empty response) is defined as 0,
+not NaN: such a micro-batch still runs a backward pass (so data-parallel ranks stay in lockstep)
+and must contribute nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+# --------------------------------------------------------------------------- masked reductions
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `x` over positions where `mask` is set (over `dim`, or over everything).
+
+    Zero selected positions give 0 (not NaN), see the module docstring.
+    """
+    keep = mask.bool()
+    total = torch.where(keep, x, torch.zeros_like(x))
+    count = keep.to(x.dtype)
+    if dim is None:
+        return total.sum() / count.sum().clamp(min=1.0)
+    return total.sum(dim) / count.sum(dim).clamp(min=1.0)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of `x` over the masked positions (Bessel-corrected when `unbiased` and n > 1)."""
+    keep = mask.bool()
+    mean = masked_mean(x, keep)
+    centred_sq = torch.where(keep, (x - mean) ** 2, torch.zeros_like(x))
+    n = keep.sum().to(x.dtype)
+    # Bessel's correction as in torch.std / TRL; undefined for n <= 1, where we fall back to /n.
+    # (torch.where rather than `if n > 1` so no host sync is forced on a GPU.)
+    denom = torch.where(n > 1, n - 1.0, n.clamp(min=1.0)) if unbiased else n.clamp(min=1.0)
+    return centred_sq.sum() / denom
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise `x` to unit variance over the masked positions (and zero mean if `shift_mean`).
+
+    `shift_mean=False` keeps the original mean -- used for rewards, whose sign carries meaning.
+    Masked-out positions come back as 0 so padding stays inert downstream.
+    """
+    keep = mask.bool()
+    mean = masked_mean(x, keep)
+    var = masked_var(x, keep)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(keep, whitened, torch.zeros_like(whitened))
+
+
+# --------------------------------------------------------------------------- KL to the reference
+def _kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    # Unbiased, can be negative per token: log pi(a) - log pi_ref(a).
+    return logprobs - ref_logprobs
+
+
+def _kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    # Schulman's k3: r - log r - 1 with r = pi_ref/pi. Unbiased, always >= 0, lower variance.
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": _kl_k1, "k3": _kl_k3}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs (same shape as inputs)."""
+    try:
+        estimate = KL_ESTIMATORS[estimator]
+    except KeyError:
+        raise ValueError(
+            f"algo.kl_estimator={estimator!r} is not a known KL estimator; "
+            f"allowed values: {sorted(KL_ESTIMATORS)}"
+        ) from None
+    return estimate(logprobs, ref_logprobs)
+
+
+# --------------------------------------------------------------------------- rewards and GAE
+def last_token_onehot(mask: Tensor) -> Tensor:
+    """Bool `[B, T]`, True at each row's last masked position; an all-zero row has none."""
+    keep = mask.bool()
+    positions = torch.arange(keep.shape[-1], device=keep.device).expand_as(keep)
+    # Highest masked position per row; rows with no masked position get -1 and so match nothing.
+    last = torch.where(keep, positions, torch.full_like(positions, -1)).amax(dim=-1, keepdim=True)
+    return positions == last
+
+
+def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+    """Per-token rewards: `-kl_coef * kl` everywhere, plus the sequence score at its last token.
+
+    A row with no real token (an empty response) has no action to credit, so its score is
+    dropped here (it still counts in reward statistics computed from `scores`).
+    """
+    keep = mask.bool()
+    penalty = torch.where(keep, -kl_coef * kl, torch.zeros_like(kl))
+    at_last = last_token_onehot(keep)
+    return penalty + at_last.to(penalty.dtype) * scores.to(penalty.dtype).unsqueeze(-1)
+
+
+@torch.no_grad()  # advantages and returns are fixed targets, never differentiated through
+def gae_advantages(
+    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Generalised Advantage Estimation over the real tokens of each row, in reverse time.
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        R_t     = A_t + V_t
+
+    The "next" step of a real token is the next *real* token of the same row, so masked positions
+    -- right padding, leading prompt positions, or holes -- are skipped and never leak. After a
+    row's last real token the episode ends: V = 0 and A = 0 there. Masked outputs are 0.
+    """
+    keep = mask.bool()
+    batch, steps = rewards.shape
+    next_value = rewards.new_zeros(batch)
+    next_advantage = rewards.new_zeros(batch)
+    advantages = torch.zeros_like(rewards)
+    for t in reversed(range(steps)):
+        real = keep[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        # Only real tokens move the recursion; masked ones are transparent.
+        next_advantage = torch.where(real, advantage, next_advantage)
+        next_value = torch.where(real, values[:, t], next_value)
+        advantages[:, t] = torch.where(real, advantage, torch.zeros_like(advantage))
+    returns = torch.where(keep, advantages + values, torch.zeros_like(advantages))
+    return advantages, returns
+
+
+# --------------------------------------------------------------------------- losses
+def policy_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate, masked mean over tokens.
+
+        ratio = exp(logp - logp_old)
+        loss  = mean( max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) )
+
+    Stats (detached 0-dim tensors, so callers can all-reduce them without a host sync):
+    `clipfrac` -- fraction of tokens where the clipped term was chosen (gradient is zero there);
+    `approx_kl` -- k3 estimate of KL(old || new), `(ratio - 1) - log ratio`, as in CleanRL.
+    """
+    keep = mask.bool()
+    zero = torch.zeros_like(logprobs)
+    # Sanitise before exp: padding may hold -inf log-probs.
+    log_ratio = torch.where(keep, logprobs - old_logprobs, zero)
+    advantages = torch.where(keep, advantages, zero)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    loss = masked_mean(torch.maximum(unclipped, clipped), keep)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), keep),
+            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, keep),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss: `0.5 * mean( max((V - R)^2, (V_clip - R)^2) )`, masked.
+
+    `V_clip = V_old + clip(V - V_old, -eps, eps)` keeps the critic from moving far from the values
+    the advantages were computed with. Stat `vf_clipfrac`: fraction of tokens where the clipped
+    term was the larger one (detached 0-dim tensor).
+    """
+    keep = mask.bool()
+    zero = torch.zeros_like(values)
+    values = torch.where(keep, values, zero)
+    old_values = torch.where(keep, old_values, zero)
+    returns = torch.where(keep, returns, zero)
+    values_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
+    unclipped_sq = (values - returns) ** 2
+    clipped_sq = (values_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_sq, clipped_sq), keep)
+    with torch.no_grad():
+        stats = {"vf_clipfrac": masked_mean((clipped_sq > unclipped_sq).to(values.dtype), keep)}
+    return loss, stats
+
+
+# --------------------------------------------------------------------------- log-probs
+def logprobs_from_logits(
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: float = 1.0,
+    max_chunk_elements: int = 1 << 24,
+) -> Tensor:
+    """`log softmax(logits / temperature)[token]` for every position: `[..., V]`, `[...]` -> `[...]`.
+
+    Works for padded (`[B, L, V]`, `[B, L]`) and packed (`[N, V]`, `[N]`) layouts; the caller does
+    the next-token shift. Computed as `logit[token] - logsumexp(logits)` in float32 over chunks of
+    rows, so no full `[..., V]` log-softmax (nor a full float32 copy of bf16 logits) is ever
+    materialised at once -- the peak extra memory is one chunk of `max_chunk_elements` floats.
+    (Under autograd each chunk's float32 copy is kept for backward; the saving is largest in the
+    no-grad reference / old-log-prob passes.) `temperature` must match the sampling temperature
+    for these to be comparable with the engine's log-probs.
+    """
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree: "
+            "tokens must match logits without the vocabulary dimension"
+        )
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)
+    flat_tokens = tokens.reshape(-1, 1).long()
+    rows_per_chunk = max(1, max_chunk_elements // vocab)
+    chunks = []
+    for start in range(0, flat_logits.shape[0], rows_per_chunk):
+        chunk = flat_logits[start : start + rows_per_chunk].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        picked = chunk.gather(-1, flat_tokens[start : start + rows_per_chunk]).squeeze(-1)
+        chunks.append(picked - torch.logsumexp(chunk, dim=-1))
+    if not chunks:  # zero positions
+        return flat_logits.new_zeros(tokens.shape, dtype=torch.float32)
+    return torch.cat(chunks).reshape(tokens.shape)

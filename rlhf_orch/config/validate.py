@@ -1,0 +1,201 @@
+"""Checks of derived quantities, run on the driver before Ray or any actor starts.
+
+Each check is a small function returning the problems it found; every problem names the config
+key, the value it has, and the fix. `validate` runs them all and raises one `ConfigError`
+listing every problem, so a user fixes everything in one go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from rlhf_orch.config.schema import RootConfig
+from rlhf_orch.topology.plan import PlacementPlan
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str
+    value: object
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value!r}: {self.fix}"
+
+
+class ConfigError(ValueError):
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid configuration ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n{lines}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What this machine (or the Ray cluster) offers, as far as checks need to know."""
+
+    gpus: int  # GPUs Ray will offer (real, or logical when launcher.logical_gpus is set)
+    cuda: bool  # real CUDA devices present (NCCL and CUDA IPC need them)
+
+
+def _batch_sizes(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    a = cfg.algo
+    problems = []
+    seqs = a.rollout_batch_size * a.samples_per_prompt
+    if seqs % a.train_batch_size:
+        problems.append(
+            Problem(
+                "algo.train_batch_size",
+                a.train_batch_size,
+                f"must divide algo.rollout_batch_size x algo.samples_per_prompt = {seqs}; "
+                f"use a divisor of {seqs} (e.g. {_largest_divisor_at_most(seqs, a.train_batch_size)})",
+            )
+        )
+    for role in ("actor", "critic"):
+        dp = len(plan.slots_for(role))
+        if dp == 0:
+            continue
+        if seqs % dp:
+            problems.append(
+                Problem(
+                    f"placement.{role}_ranks",
+                    dp,
+                    f"{seqs} sequences per step (rollout_batch_size x samples_per_prompt) do not split over "
+                    f"{dp} {role} ranks; use a rank count dividing {seqs} or change algo.rollout_batch_size",
+                )
+            )
+        elif a.train_batch_size % (a.micro_batch_size * dp):
+            problems.append(
+                Problem(
+                    "algo.micro_batch_size",
+                    a.micro_batch_size,
+                    f"algo.train_batch_size={a.train_batch_size} must be a multiple of micro_batch_size x {role} "
+                    f"data-parallel size ({a.micro_batch_size} x {dp}); pick micro_batch_size dividing "
+                    f"{a.train_batch_size // dp if a.train_batch_size % dp == 0 else a.train_batch_size}",
+                )
+            )
+    actor_dp = len(plan.slots_for("actor"))
+    critic_dp = len(plan.slots_for("critic"))
+    if actor_dp and critic_dp and actor_dp % critic_dp:
+        problems.append(
+            Problem(
+                "placement.critic_ranks",
+                critic_dp,
+                f"experience is sharded over the {actor_dp} actor ranks and each critic rank takes whole shards; "
+                f"use a critic rank count that divides {actor_dp}",
+            )
+        )
+    return problems
+
+
+def _largest_divisor_at_most(n: int, k: int) -> int:
+    return max(d for d in range(1, max(min(n, k), 1) + 1) if n % d == 0)
+
+
+def _gpus(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    need = plan.total_gpus
+    if need <= hw.gpus:
+        return []
+    fix = (
+        "use placement=cpu_local on a machine without GPUs, or set launcher.logical_gpus="
+        f"{int(need + 0.999)} to emulate GPUs with Ray logical GPUs (CPU testing only)"
+        if not hw.cuda
+        else f"ask for at most {hw.gpus} GPUs (placement.gpus_per_node x placement.nodes) or run on a larger cluster"
+    )
+    return [Problem("placement", f"{plan.layout} needing {need:g} GPUs, {hw.gpus} present", fix)]
+
+
+def _lengths(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    d, m = cfg.data, cfg.model
+    total = d.prompt_max_len + d.response_max_len
+    if total > m.context_len:
+        return [
+            Problem(
+                "data.response_max_len",
+                d.response_max_len,
+                f"data.prompt_max_len + data.response_max_len = {total} exceeds model.context_len={m.context_len}; "
+                f"lower data.response_max_len to {max(m.context_len - d.prompt_max_len, 0)} or pick a longer-context model",
+            )
+        ]
+    return []
+
+
+def _sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    problems = []
+    backend = cfg.sync.backend
+    if backend not in ("gloo", "nccl"):
+        problems.append(Problem("sync.backend", backend, "use 'gloo' or 'nccl'"))
+    elif backend == "nccl" and not hw.cuda:
+        problems.append(
+            Problem(
+                "sync.backend",
+                backend,
+                "NCCL needs CUDA GPUs and this machine has none; use the gloo variant of the same strategy "
+                "(e.g. sync=gloo_bucketed instead of sync=nccl_bucketed)",
+            )
+        )
+    bucket_mb = getattr(cfg.sync, "bucket_mb", None)
+    if bucket_mb is not None and bucket_mb <= 0:
+        problems.append(Problem("sync.bucket_mb", bucket_mb, "must be > 0 (typical: 64-1024)"))
+    return problems
+
+
+def _algorithm(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    a = cfg.algo
+    problems = []
+    if a.kl_estimator not in ("k1", "k3"):
+        problems.append(Problem("algo.kl_estimator", a.kl_estimator, "use 'k1' or 'k3'"))
+    for key in ("num_steps", "rollout_batch_size", "samples_per_prompt", "train_batch_size", "micro_batch_size", "ppo_epochs"):
+        if getattr(a, key) < 1:
+            problems.append(Problem(f"algo.{key}", getattr(a, key), "must be >= 1"))
+    if not 0 < a.clip_eps < 1:
+        problems.append(Problem("algo.clip_eps", a.clip_eps, "must be in (0, 1), typically 0.2"))
+    if a.temperature <= 0:
+        problems.append(Problem("algo.temperature", a.temperature, "must be > 0 (PPO needs sampled responses)"))
+    if cfg.trainer.zero_stage not in (0, 1, 2, 3):
+        problems.append(Problem("trainer.zero_stage", cfg.trainer.zero_stage, "DeepSpeed ZeRO stages are 0, 1, 2 or 3"))
+    return problems
+
+
+def _roles(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    problems = []
+    if cfg.placement.reward != "function":
+        problems.append(
+            Problem(
+                "placement.reward",
+                cfg.placement.reward,
+                "the configured data scores responses with a rule; use placement.reward=function",
+            )
+        )
+    for role in ("actor", "critic", "reference", "engine"):
+        if not plan.slots_for(role):
+            problems.append(Problem(f"placement ({plan.layout})", f"no {role}", f"the plan must place at least one {role}"))
+    return problems
+
+
+def _model_source(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    path = getattr(cfg.model, "name_or_path", None)
+    if path and (path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().exists()):
+        return [Problem("model.name_or_path", path, "no such directory; give an existing checkpoint directory or a hub id")]
+    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
+        return [Problem("model.dtype", cfg.model.dtype, "use float32 (CPU), bfloat16 or float16")]
+    return []
+
+
+CHECKS: tuple[Callable[[RootConfig, PlacementPlan, Hardware], list[Problem]], ...] = (
+    _batch_sizes,
+    _gpus,
+    _lengths,
+    _sync_backend,
+    _algorithm,
+    _roles,
+    _model_source,
+)
+
+
+def validate(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> None:
+    problems = [p for check in CHECKS for p in check(cfg, plan, hw)]
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,165 @@
+"""The embedded verifiable task: reverse a short string of digits.
+
+A prompt reads ``rev 3 1 4 =`` and the ideal response is ``4 1 3`` followed by EOS. Every piece is a
+separate space-delimited word, so the tiny model's tokenizer (rlhf_orch.models.tiny) maps each word
+to exactly one token: a prompt with d digits is 1 (BOS) + 1 (``rev``) + d + 1 (``=``) tokens, plus
+``filler_tokens`` filler words in front for the long-context variant.
+
+The reward is a pure function of the prompt's answer and the response text (``score_response``), so
+it can run anywhere, including inside a Ray task, without the task object.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+# Words the task uses; the tiny tokenizer must hold each as one token.
+DIGIT_WORDS: tuple[str, ...] = tuple(str(d) for d in range(10))
+INSTRUCTION_WORD = "rev"
+ANSWER_MARKER = "="
+# Filler words are drawn at random (not one repeated word) so long prompts are not trivially
+# compressible by prefix caching and look like real context to the engines.
+FILLER_WORDS: tuple[str, ...] = ("a", "b", "c", "d", "f", "g", "h", "k")
+
+# Bumped whenever the prompt format or the reward changes, so models warm-started on the old task
+# are rebuilt (the tiny model's cache key includes it).
+TASK_FORMAT_VERSION = 1
+
+# A response is read as a sequence of items: each digit is one item, each run of other
+# non-space characters is one junk item ("rev", "=", "<eos>" leaking as text, ...).
+_RESPONSE_ITEM = re.compile(r"\d|[^\d\s]+")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance. Frozen and made of plain values, so it pickles cheaply into Ray tasks."""
+
+    text: str  # what the policy is conditioned on, e.g. "rev 3 1 4 ="
+    answer: str  # the ideal response text (without EOS), e.g. "4 1 3"
+    digits: str  # the digits to reverse, e.g. "314"
+
+
+def score_response(answer: str, response_text: str) -> float:
+    """Partial credit in [0, 1]: answer digits in the right position / max(answer, response) length.
+
+    Dividing by the longer of the two makes extra items (more digits, junk words, or a missing EOS
+    that lets the policy ramble on) cost credit, so the unique optimum is the exact answer.
+    """
+    target = answer.split()
+    items = _RESPONSE_ITEM.findall(response_text)
+    if not target or not items:
+        return 0.0
+    in_place = sum(1 for want, got in zip(target, items) if want == got)
+    return in_place / max(len(target), len(items))
+
+
+def reward_fn(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float]:
+    """Batch reward: pure and picklable, so it can be shipped to a Ray task as is."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    return [score_response(p.answer, r) for p, r in zip(prompts, responses)]
+
+
+class DigitReverseTask:
+    """Prompt source and rule-based reward of the digit-reversal task."""
+
+    # Separate random streams, so the warm-start corpus never replays the PPO prompt sequence.
+    _PROMPT_STREAM = 1
+    _CORPUS_STREAM = 2
+
+    def __init__(
+        self,
+        prompt_max_len: int,
+        response_max_len: int,
+        seed: int,
+        min_digits: int,
+        max_digits: int,
+        filler_tokens: int,
+    ) -> None:
+        if not 1 <= min_digits <= max_digits:
+            raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        if filler_tokens < 0:
+            raise ValueError(f"filler_tokens must be >= 0, got {filler_tokens}")
+        self.prompt_max_len = prompt_max_len
+        self.response_max_len = response_max_len
+        self.seed = seed
+        self.min_digits = min_digits
+        self.max_digits = max_digits
+        self.filler_tokens = filler_tokens
+        if self.max_prompt_tokens > prompt_max_len:
+            raise ValueError(
+                f"prompts take up to {self.max_prompt_tokens} tokens (BOS + {filler_tokens} filler "
+                f"+ rev + {max_digits} digits + =) but prompt_max_len is {prompt_max_len}"
+            )
+        if self.max_response_tokens > response_max_len:
+            raise ValueError(
+                f"the answer takes up to {self.max_response_tokens} tokens ({max_digits} digits + "
+                f"EOS) but response_max_len is {response_max_len}"
+            )
+
+    # ----------------------------------------------------------------- sizes (tiny tokenizer)
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt in tokens of the tiny tokenizer, BOS included."""
+        return 1 + self.filler_tokens + 1 + self.max_digits + 1
+
+    @property
+    def max_response_tokens(self) -> int:
+        """Longest ideal response in tokens, EOS included."""
+        return self.max_digits + 1
+
+    # ----------------------------------------------------------------- sampling
+    def sample_prompts(self, n: int, step: int) -> list[Prompt]:
+        """`n` prompts for PPO step `step`; the same (seed, step, n) always gives the same list."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        rng = np.random.default_rng([self.seed, self._PROMPT_STREAM, step])
+        return [self._draw(rng) for _ in range(n)]
+
+    def corpus(self, n: int) -> list[str]:
+        """`n` solved examples (prompt + " " + answer), for tokenizer training and the warm start."""
+        rng = np.random.default_rng([self.seed, self._CORPUS_STREAM])
+        return [self.solved_text(self._draw(rng)) for _ in range(n)]
+
+    @staticmethod
+    def solved_text(prompt: Prompt) -> str:
+        """The prompt followed by its ideal response (the EOS is the tokenizer's business)."""
+        return f"{prompt.text} {prompt.answer}"
+
+    @staticmethod
+    def vocabulary_words() -> tuple[str, ...]:
+        """Every word a prompt or answer can contain; a tokenizer for the task needs all of them."""
+        return DIGIT_WORDS + (INSTRUCTION_WORD, ANSWER_MARKER) + FILLER_WORDS
+
+    def _draw(self, rng: np.random.Generator) -> Prompt:
+        length = int(rng.integers(self.min_digits, self.max_digits + 1))
+        digits = "".join(str(int(d)) for d in rng.integers(0, 10, size=length))
+        words: list[str] = []
+        if self.filler_tokens:
+            picks = rng.integers(0, len(FILLER_WORDS), size=self.filler_tokens)
+            words.extend(FILLER_WORDS[int(i)] for i in picks)
+        words.append(INSTRUCTION_WORD)
+        words.extend(digits)
+        words.append(ANSWER_MARKER)
+        return Prompt(text=" ".join(words), answer=" ".join(reversed(digits)), digits=digits)
+
+    # ----------------------------------------------------------------- reward
+    def reward(self, prompt: Prompt, response_text: str) -> float:
+        """Partial credit in [0, 1] for one response (see `score_response`)."""
+        return score_response(prompt.answer, response_text)
+
+    def definition(self) -> dict[str, int]:
+        """What identifies the task (for cache keys of models trained on it)."""
+        return {
+            "format_version": TASK_FORMAT_VERSION,
+            "prompt_max_len": self.prompt_max_len,
+            "response_max_len": self.response_max_len,
+            "seed": self.seed,
+            "min_digits": self.min_digits,
+            "max_digits": self.max_digits,
+            "filler_tokens": self.filler_tokens,
+        }

@@ -1,0 +1,137 @@
+"""A vLLM engine as a Ray actor: generate rollouts, receive weights, report its weight version."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rlhf_orch.sync.buckets import Bucket, TensorMeta
+from rlhf_orch.sync.group import GroupAddress
+
+
+@dataclass
+class EngineSpec:
+    """Everything an engine needs to start; built on the driver from the config."""
+
+    model_path: str
+    dtype: str
+    max_model_len: int
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.5
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True
+
+
+@dataclass
+class Generation:
+    """One sampled response (token ids only: the driver never needs text)."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finished: bool  # False when cut at response_max_len
+    weight_version: int
+
+
+class VLLMEngine:
+    """Wraps `vllm.LLM` in the actor's own process (no extra engine-core process)."""
+
+    def __init__(self, spec: EngineSpec, engine_index: int):
+        # Keep the engine core in this process so Ray's placement and GPU ids apply to it.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(spec.kv_cache_gb)))))
+        from vllm import LLM
+
+        self.index = engine_index
+        self.weight_version = 0
+        self.spec = spec
+        self.llm = LLM(
+            model=spec.model_path,
+            dtype=spec.dtype,
+            max_model_len=spec.max_model_len,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            seed=spec.seed + engine_index,
+            enforce_eager=spec.enforce_eager,
+            enable_prefix_caching=spec.enable_prefix_caching,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            worker_extension_cls="rlhf_orch.engines.worker_extension.WeightSyncWorkerExtension",
+        )
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self, prompts: list[list[int]], prompt_indices: list[int], n: int, max_tokens: int, temperature: float
+    ) -> list[Generation]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # No per-request seed: with one, vLLM draws the n samples of a prompt identically. The
+        # engine's own seed (LLM(seed=...)) makes runs reproducible instead.
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        gens: list[Generation] = []
+        for idx, out in zip(prompt_indices, outputs):
+            for comp in out.outputs:
+                ids = list(comp.token_ids)
+                lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
+                gens.append(
+                    Generation(idx, list(out.prompt_token_ids), ids, lps, comp.finish_reason == "stop", self.weight_version)
+                )
+        return gens
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Logprob of every token after the first, as the engine's current weights score it."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        result = []
+        for seq, out in zip(sequences, outs):
+            lps = out.prompt_logprobs[1:]
+            result.append([lp[tok].logprob for lp, tok in zip(lps, seq[1:])])
+        return result
+
+    # ------------------------------------------------------------------ weights
+    def join_weight_group(self, address: GroupAddress, rank_offset: int) -> list[int]:
+        return self.llm.collective_rpc("rlhf_join_weight_group", args=(address, rank_offset))
+
+    def receive_buckets(self, buckets: list[Bucket], src_of_bucket: list[int], version: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        nbytes = self.llm.collective_rpc("rlhf_receive_buckets", args=(buckets, src_of_bucket))
+        return self._finish_update(version, sum(nbytes), t0)
+
+    def begin_update(self) -> None:
+        self.llm.collective_rpc("rlhf_begin_update")
+
+    def receive_tensor(self, meta: TensorMeta, src: int) -> int:
+        return sum(self.llm.collective_rpc("rlhf_receive_tensor", args=(meta, src)))
+
+    def finish_update(self, version: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("rlhf_finish_update")
+        return self._finish_update(version, 0, t0)
+
+    def _finish_update(self, version: int, nbytes: int, t0: float) -> dict[str, Any]:
+        # Cached prefixes were computed with the old weights: drop them, then publish the version.
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+        return {"engine": self.index, "version": version, "bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+    def weight_checksum(self) -> float:
+        return sum(self.llm.collective_rpc("rlhf_weight_checksum"))
+
+    def get_weight_version(self) -> int:
+        return self.weight_version
+
+    def ping(self) -> int:
+        return self.index
+
+
+VLLMEngineActor = ray.remote(VLLMEngine)

@@ -1,0 +1,1 @@
+"""Step metrics: metrics.jsonl always, plus the configured logger (console, wandb)."""

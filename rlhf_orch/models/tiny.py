@@ -1,0 +1,109 @@
+"""The tiny local policy: built on first use, cached by content, shared safely between processes.
+
+Many processes (Ray actors for the actor, critic, reference and every vLLM engine) ask for the
+same model at once. The first one to take the file lock builds it into a temporary directory and
+renames it into place; the rename is atomic, so a directory under its final name is always
+complete, and everyone else either finds it or waits on the lock and then finds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, fields
+from pathlib import Path
+
+from filelock import FileLock
+
+from rlhf_orch.config.schema import DigitTaskConfig
+from rlhf_orch.data.digit_task import DigitReverseTask
+from rlhf_orch.models.base import ModelSource
+from rlhf_orch.models.tiny_build import TinyLlamaSpec, WarmStartRecipe, build_tiny_checkpoint
+
+# Bumped when the build procedure changes in a way the spec, recipe and task do not capture.
+BUILD_FORMAT_VERSION = 2  # 2: model vocabulary = tokenizer size
+
+
+def default_warm_start_task() -> DigitReverseTask:
+    """The task the warm start trains on: the data config's defaults, whatever data option runs.
+
+    The warm start is part of "the model", so a long-context data option (filler tokens) reuses
+    the same checkpoint as the default one.
+    """
+    defaults = DigitTaskConfig()
+    kwargs = {f.name: getattr(defaults, f.name) for f in fields(DigitTaskConfig) if f.name != "_target_"}
+    return DigitReverseTask(**kwargs)
+
+
+class TinyLlama(ModelSource):
+    """A small Llama with a locally trained BPE tokenizer, warm-started on the digit task."""
+
+    def __init__(
+        self,
+        context_len: int,
+        dtype: str,
+        hidden_size: int,
+        num_layers: int,
+        num_heads: int,
+        intermediate_size: int,
+        vocab_size: int,
+        warmup_steps: int,
+        cache_dir: str,
+    ) -> None:
+        super().__init__(context_len, dtype)
+        self.spec = TinyLlamaSpec(
+            context_len=context_len,
+            dtype=dtype,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            intermediate_size=intermediate_size,
+            vocab_size=vocab_size,
+            warmup_steps=warmup_steps,
+        )
+        self.spec.validate()  # fail at instantiate time, not inside a remote actor
+        self.recipe = WarmStartRecipe()
+        self.task = default_warm_start_task()
+        self.cache_dir = Path(cache_dir).expanduser()
+
+    @property
+    def cache_key(self) -> str:
+        """Hash of everything the checkpoint depends on."""
+        identity = {
+            "build_format_version": BUILD_FORMAT_VERSION,
+            "spec": asdict(self.spec),
+            "recipe": asdict(self.recipe),
+            "task": self.task.definition(),
+        }
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def model_id(self) -> str:
+        return f"tiny-llama-{self.cache_key}"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.cache_dir / self.model_id
+
+    def path(self) -> str:
+        """The checkpoint directory, built first if no process has built it yet."""
+        final = self.checkpoint_dir
+        if final.is_dir():  # fast path: the rename below makes a present directory a complete one
+            return str(final)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.cache_dir / f"{self.model_id}.lock")):
+            if not final.is_dir():  # another process may have built it while we waited
+                self._build_into(final)
+        return str(final)
+
+    def _build_into(self, final: Path) -> None:
+        staging = Path(tempfile.mkdtemp(prefix=f".{self.model_id}.building-", dir=self.cache_dir))
+        try:
+            build_tiny_checkpoint(staging, self.spec, self.task, self.recipe)
+            os.rename(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise

@@ -1,0 +1,260 @@
+"""Building the tiny policy: train a tokenizer, initialise a small Llama, warm-start it, save both.
+
+Everything here is seeded and single-process, so the same spec gives the same checkpoint. Caching,
+locking and atomic publication live in rlhf_orch.models.tiny; this module only writes a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rlhf_orch.data.digit_task import ANSWER_MARKER, DigitReverseTask
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+
+# vLLM's CPU attention kernels reject smaller heads (see /work/shared/ENVIRONMENT.md).
+MIN_HEAD_DIM = 32
+
+
+@dataclass(frozen=True)
+class WarmStartRecipe:
+    """Supervised warm start hyper-parameters. Part of the cache key: change one, get a new model.
+
+    The warm start has two phases over its `warmup_steps` AdamW steps:
+
+    1. clean (the first 1 - noisy_fraction of the steps, at `lr`): exact demonstrations teach the
+       copy-in-reverse mechanism and the answer length;
+    2. noisy (the rest, at `noisy_lr`): demonstrations whose digits are each replaced by a random
+       digit with probability `answer_noise`. The mechanism stays, but the policy becomes unsure:
+       at temperature 1 it writes the right digit only about half the time.
+
+    Why not simply stop a clean warm start early: an early-stopped model lacks the mechanism, and
+    policy-gradient steps at PPO's learning rate barely move it (measured with an HF-sampled
+    REINFORCE loop: mean reward 0.32 -> 0.35 over 30 steps of 32x4 at lr 1e-4). A policy that knows
+    the mechanism but is unsure of it is the situation RL is good at (sharpening a behaviour already
+    in the sample distribution): from this recipe with warmup_steps=150, a PPO loop with PPOConfig's
+    defaults (critic, GAE, k1 KL 0.01, actor lr 1e-4) went 0.32 -> 0.73 in 30 steps.
+    """
+
+    lr: float = 3e-3
+    noisy_lr: float = 1e-3
+    noisy_fraction: float = 1 / 3
+    answer_noise: float = 0.6
+    batch_size: int = 128
+    tokenizer_corpus_size: int = 2000
+    init_seed: int = 0
+    threads: int = 2  # fixed, so results do not depend on how many cores the builder happens to see
+
+    def phases(self, steps: int) -> list[tuple[int, float, float]]:
+        """(steps, learning rate, answer noise) of each phase, for `steps` steps in all."""
+        noisy_steps = round(steps * self.noisy_fraction)
+        return [(steps - noisy_steps, self.lr, 0.0), (noisy_steps, self.noisy_lr, self.answer_noise)]
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    """Everything that determines the built checkpoint (besides the task and the recipe)."""
+
+    context_len: int
+    dtype: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    warmup_steps: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def validate(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} not divisible by num_heads {self.num_heads}")
+        if self.head_dim < MIN_HEAD_DIM:
+            raise ValueError(
+                f"head_dim = hidden_size / num_heads = {self.head_dim} < {MIN_HEAD_DIM}: "
+                "vLLM's CPU attention does not support it; use fewer heads or a larger hidden size"
+            )
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+def train_tokenizer(task: DigitReverseTask, vocab_size: int, corpus_size: int) -> PreTrainedTokenizerFast:
+    """A byte-pair tokenizer trained on the task corpus, with every task word as a single token.
+
+    Metaspace pre-tokenisation marks word starts with "▁" and BPE merges each "▁<word>" into one
+    token, which is what makes the task's token counts exact (see rlhf_orch.data.digit_task).
+    """
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False
+    )
+    # The vocabulary line is repeated so rare words (fillers never appear in the default corpus)
+    # still earn their merge.
+    vocabulary_line = " ".join(task.vocabulary_words())
+    texts = task.corpus(corpus_size) + [vocabulary_line] * 50
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
+    for word in task.vocabulary_words():
+        pieces = tokenizer.encode(word, add_special_tokens=False).tokens
+        if len(pieces) != 1:
+            raise RuntimeError(f"task word {word!r} is {pieces} with vocab_size {vocab_size}; raise it")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+    )
+
+
+def init_llama(spec: TinyLlamaSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but vocab_size is {spec.vocab_size}")
+    config = LlamaConfig(
+        # Exactly the tokenizer's size: spare embedding rows would be ids the tokenizer cannot
+        # decode, and PPO's temperature-1 sampling does draw them now and then.
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        max_position_embeddings=spec.context_len,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def _corrupt_answer(answer_text: str, noise: float, rng: np.random.Generator) -> str:
+    """Each answer digit replaced by a uniformly random digit with probability `noise`.
+
+    The length is kept: the policy should stop at the right place, only the digits are unsure.
+    """
+    words = answer_text.split()
+    for i in range(len(words)):
+        if rng.random() < noise:
+            words[i] = str(int(rng.integers(0, 10)))
+    return " ".join(words)
+
+
+def _tokenize_supervised(
+    texts: list[str], tokenizer: PreTrainedTokenizerFast, answer_noise: float, seed: int
+) -> tuple[list[list[int]], list[int]]:
+    """Token ids of each (noisy) solved text + EOS, and how many leading tokens are prompt."""
+    rng = np.random.default_rng(seed)
+    sequences: list[list[int]] = []
+    prompt_lengths: list[int] = []
+    for text in texts:
+        prompt_text, answer_text = text.rsplit(f" {ANSWER_MARKER} ", 1)
+        answer_text = _corrupt_answer(answer_text, answer_noise, rng)
+        prompt_ids = tokenizer(f"{prompt_text} {ANSWER_MARKER}").input_ids
+        answer_ids = tokenizer(answer_text, add_special_tokens=False).input_ids
+        sequences.append(prompt_ids + answer_ids + [tokenizer.eos_token_id])
+        prompt_lengths.append(len(prompt_ids))
+    return sequences, prompt_lengths
+
+
+def _collate(
+    sequences: list[list[int]], prompt_lengths: list[int], pad_id: int
+) -> dict[str, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    labels = torch.full((len(sequences), width), -100, dtype=torch.long)
+    for row, (seq, prompt_len) in enumerate(zip(sequences, prompt_lengths)):
+        ids = torch.tensor(seq, dtype=torch.long)
+        input_ids[row, : len(seq)] = ids
+        attention_mask[row, : len(seq)] = 1
+        labels[row, prompt_len : len(seq)] = ids[prompt_len:]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def warm_start(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    task: DigitReverseTask,
+    steps: int,
+    recipe: WarmStartRecipe,
+) -> list[float]:
+    """`steps` AdamW steps of answer-only cross-entropy (see WarmStartRecipe); returns the losses."""
+    if steps == 0:
+        return []
+    texts = task.corpus(steps * recipe.batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    model.train()
+    losses: list[float] = []
+    start = 0
+    for phase, (phase_steps, lr, noise) in enumerate(recipe.phases(steps)):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        phase_texts = texts[start * recipe.batch_size : (start + phase_steps) * recipe.batch_size]
+        sequences, prompt_lengths = _tokenize_supervised(
+            phase_texts, tokenizer, noise, seed=recipe.init_seed + phase
+        )
+        for step in range(phase_steps):
+            rows = slice(step * recipe.batch_size, (step + 1) * recipe.batch_size)
+            batch = _collate(sequences[rows], prompt_lengths[rows], tokenizer.pad_token_id)
+            loss = model(**batch).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        start += phase_steps
+    model.eval()
+    return losses
+
+
+def build_tiny_checkpoint(
+    out_dir: Path, spec: TinyLlamaSpec, task: DigitReverseTask, recipe: WarmStartRecipe
+) -> None:
+    """Write a loadable checkpoint (model, tokenizer, generation config, build_info.json) to out_dir."""
+    spec.validate()
+    started = time.perf_counter()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)
+    try:
+        tokenizer = train_tokenizer(task, spec.vocab_size, recipe.tokenizer_corpus_size)
+        tokenizer.model_max_length = spec.context_len
+        model = init_llama(spec, tokenizer, recipe.init_seed)
+        losses = warm_start(model, tokenizer, task, spec.warmup_steps, recipe)
+    finally:
+        torch.set_num_threads(previous_threads)
+    model.to(getattr(torch, spec.dtype))
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(out_dir)
+    info = {
+        "spec": asdict(spec),
+        "recipe": asdict(recipe),
+        "task": task.definition(),
+        "tokenizer_size": len(tokenizer),
+        "warm_start_first_loss": losses[0] if losses else None,
+        "warm_start_final_loss": losses[-1] if losses else None,
+        "build_seconds": round(time.perf_counter() - started, 2),
+        "built_at": time.time(),
+    }
+    (out_dir / "build_info.json").write_text(json.dumps(info, indent=2))

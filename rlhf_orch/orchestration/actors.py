@@ -1,0 +1,93 @@
+"""Materialise a PlacementPlan into Ray actors: engines, policy, critic and reference ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
+from rlhf_orch.topology.plan import PlacementPlan
+from rlhf_orch.topology.ray_placement import RayPlacement
+from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorker, TrainerSpec
+
+# Environment every actor of a run gets: tokenizers threads fight the trainer's on small boxes.
+_ACTOR_ENV = {
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
+
+
+class ActorStartError(RuntimeError):
+    """An actor failed while starting (bad checkpoint, out of memory, ...)."""
+
+
+@dataclass
+class RoleActors:
+    engines: list[Any] = field(default_factory=list)
+    policy: list[Any] = field(default_factory=list)
+    critic: list[Any] = field(default_factory=list)
+    reference: list[Any] = field(default_factory=list)
+
+    def all(self) -> list[Any]:
+        return [*self.engines, *self.policy, *self.critic, *self.reference]
+
+    def kill(self) -> None:
+        for actor in self.all():
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone is fine when tearing down
+                pass
+
+
+def _remote(cls, placement: RayPlacement, slot, env: dict[str, str]):
+    options = placement.options_for(slot)
+    options["runtime_env"] = {"env_vars": env}
+    return ray.remote(cls).options(**options)
+
+
+def start_role_actors(
+    plan: PlacementPlan,
+    placement: RayPlacement,
+    engine_spec: EngineSpec,
+    policy_spec: TrainerSpec,
+    critic_spec: TrainerSpec,
+    reference_spec: TrainerSpec,
+    timeout_s: float,
+    cpu_kv_cache_gb: float,
+) -> RoleActors:
+    env = dict(_ACTOR_ENV, VLLM_CPU_KVCACHE_SPACE=str(max(1, int(round(cpu_kv_cache_gb)))))
+    actors = RoleActors()
+    for slot in plan.slots_for("engine"):
+        actors.engines.append(_remote(VLLMEngine, placement, slot, env).remote(engine_spec, slot.rank))
+    for role, cls, spec, bucket in (
+        ("actor", PolicyWorker, policy_spec, actors.policy),
+        ("critic", CriticWorker, critic_spec, actors.critic),
+        ("reference", ReferenceWorker, reference_spec, actors.reference),
+    ):
+        slots = plan.slots_for(role)
+        for slot in slots:
+            bucket.append(_remote(cls, placement, slot, env).remote(spec, slot.rank, len(slots)))
+
+    try:
+        # DeepSpeed needs each role's ranks in one torch.distributed world (rank 0 hosts it).
+        inits = []
+        for group in (actors.policy, actors.critic):
+            host, port = ray.get(group[0].rendezvous_address.remote(), timeout=timeout_s)
+            inits += [a.init_distributed.remote(host, port) for a in group]
+        ray.get(inits, timeout=timeout_s)
+        ray.get([a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference)], timeout=timeout_s)
+        ray.get([e.ping.remote() for e in actors.engines], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        actors.kill()
+        raise ActorStartError(
+            f"actors did not start within {timeout_s:.0f}s (launcher.startup_timeout_s); "
+            "check memory and the model path"
+        ) from e
+    except ray.exceptions.RayActorError as e:
+        actors.kill()
+        raise ActorStartError(f"an actor died while starting: {e}") from e
+    return actors

@@ -1,0 +1,107 @@
+"""The interface every weight-sync strategy shares: prepare once, push every step, verify.
+
+A strategy object is built on the driver by `hydra.utils.instantiate(cfg.sync)`. `prepare` and
+`push` run on the driver and only issue Ray calls; `send` runs inside each policy rank (the
+object is pickled there), next to the weights; the engine side lives in
+`rlhf_orch.engines.worker_extension`.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rlhf_orch.sync.group import BroadcastGroup
+
+
+class WeightSyncError(RuntimeError):
+    """A sync could not complete (dead engine, timeout): raised instead of hanging."""
+
+
+@dataclass
+class SyncReport:
+    version: int
+    seconds: float
+    bytes_per_engine: int
+    engines: int
+    sender_stats: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_per_engine / max(self.seconds, 1e-9) / 1e9
+
+
+class WeightSync(abc.ABC):
+    """Weights from the policy rank(s) to every engine worker, over one broadcast group."""
+
+    #: How many policy ranks send (rank 0 .. senders-1); the rest only join ZeRO-3 gathers.
+    senders: int = 1
+
+    def __init__(self, backend: str = "gloo", timeout_s: float = 120.0):
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._policy: list[Any] = []
+        self._engines: list[Any] = []
+
+    # ------------------------------------------------------------------ driver side
+    def prepare(self, policy_ranks: list[Any], engines: list[Any], engine_tp: int) -> None:
+        """Form the broadcast group once: senders are ranks 0..S-1, engine workers follow."""
+        self._policy, self._engines = list(policy_ranks), list(engines)
+        senders = min(self.senders, len(policy_ranks))
+        world = senders + len(engines) * engine_tp
+        address = ray.get(policy_ranks[0].weight_group_address.remote(world, self.backend, self.timeout_s))
+        joins = [policy_ranks[r].join_weight_group.remote(address, r) for r in range(senders)]
+        joins += [e.join_weight_group.remote(address, senders + i * engine_tp) for i, e in enumerate(engines)]
+        self._wait(joins, "forming the weight-sync group")
+
+    def push(self, version: int) -> SyncReport:
+        """Send the policy's current weights to every engine; they report `version` after."""
+        t0 = time.perf_counter()
+        calls = [rank.run_weight_sync.remote(self, self._engines, version) for rank in self._policy]
+        stats = self._wait(calls, f"pushing weight version {version}")
+        seconds = time.perf_counter() - t0
+        nbytes = sum(int(s.get("bytes", 0)) for s in stats)
+        return SyncReport(version, seconds, nbytes, len(self._engines), stats)
+
+    def verify(self, version: int) -> None:
+        """Every engine reports the version just pushed (a rollout can then name its weights)."""
+        versions = self._wait([e.get_weight_version.remote() for e in self._engines], "reading engine versions")
+        stale = [i for i, v in enumerate(versions) if v != version]
+        if stale:
+            raise WeightSyncError(f"engines {stale} report weight versions {[versions[i] for i in stale]}, expected {version}")
+
+    def _wait(self, refs: list[ray.ObjectRef], what: str) -> list[Any]:
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            raise WeightSyncError(
+                f"weight sync timed out after {self.timeout_s:.0f}s while {what}; an engine or trainer is stuck "
+                f"(raise sync.timeout_s if the model is very large)"
+            ) from e
+        except ray.exceptions.RayActorError as e:
+            raise WeightSyncError(f"an engine or trainer process died while {what}: {e}") from e
+
+    # ------------------------------------------------------------------ sender side (policy rank)
+    def run_send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:
+        """`send`, with transport failures turned into a WeightSyncError that says what happened."""
+        try:
+            return self.send(weights, group, engines, version, rank)
+        except WeightSyncError:
+            raise
+        except RuntimeError as e:
+            # gloo/NCCL report a vanished peer as a RuntimeError ("Connection closed by peer").
+            raise WeightSyncError(
+                f"weight broadcast from policy rank {rank} failed (an engine probably died): {e}"
+            ) from e
+
+    @abc.abstractmethod
+    def send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:
+        """Run inside policy rank `rank`; `group` is None on ranks that do not send."""
+
+    def _engine_calls(self, refs: list[ray.ObjectRef], what: str) -> list[Any]:
+        # Same error translation on the sender side: a dead engine must not hang a trainer rank.
+        return self._wait(refs, what)

@@ -1,0 +1,159 @@
+"""Bucket planning and (un)packing: pure functions shared by every sync strategy and backend.
+
+A bucket is one flat byte buffer holding several parameters back to back. Sender and receiver
+derive the same `Bucket` list from the same parameter metadata, so only the metadata crosses
+the control plane once per update and the data plane carries raw bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+# Offsets are aligned so every view is aligned for any dtype and vectorised copies stay fast.
+_ALIGN = 64
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver needs to allocate and name one parameter."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
+        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    meta: TensorMeta
+    offset: int  # byte offset inside the bucket
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    nbytes: int
+    slots: tuple[TensorSlot, ...]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.meta.name for s in self.slots]
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Greedy, order-preserving: fill a bucket until the next tensor would overflow it.
+
+    Order is kept so the receiver sees each layer's tensors together (vLLM's layer-wise reload
+    processes a layer as soon as all of its weights arrived). A tensor larger than the bucket
+    gets a bucket of its own; bucket boundaries may fall anywhere between tensors, also inside
+    a decoder layer.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"sync.bucket_mb must be > 0 (got {bucket_bytes} bytes)")
+    buckets: list[Bucket] = []
+    slots: list[TensorSlot] = []
+    used = 0
+    for meta in metas:
+        size = meta.nbytes
+        if slots and _aligned(used) + size > bucket_bytes:
+            buckets.append(Bucket(len(buckets), used, tuple(slots)))
+            slots, used = [], 0
+        offset = _aligned(used)
+        slots.append(TensorSlot(meta, offset))
+        used = offset + size
+    if slots:
+        buckets.append(Bucket(len(buckets), used, tuple(slots)))
+    return buckets
+
+
+def bucket_capacity(buckets: list[Bucket]) -> int:
+    """Bytes a reusable buffer needs to hold any of these buckets."""
+    return max((b.nbytes for b in buckets), default=0)
+
+
+def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
+    """Copy the bucket's tensors into `buffer` (uint8, >= bucket.nbytes); returns the used view."""
+    for slot in bucket.slots:
+        src = tensors[slot.meta.name]
+        dst = buffer[slot.offset : slot.offset + slot.meta.nbytes]
+        dst.view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+    return buffer[: bucket.nbytes]
+
+
+def unpack_bucket(bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views (no copies) of every tensor in a received bucket buffer."""
+    for slot in bucket.slots:
+        meta = slot.meta
+        raw = buffer[slot.offset : slot.offset + meta.nbytes]
+        yield meta.name, raw.view(dtype_from_name(meta.dtype)).view(meta.shape)
+
+
+def layer_key(name: str) -> str | None:
+    """The decoder layer a parameter belongs to ("model.layers.3"), or None outside the layers.
+
+    vLLM processes a layer once all of its weights arrived; layers are keyed by the outermost
+    integer segment of the name, like vLLM's own `layerwise_groups`.
+    """
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def buffer_release_points(buckets: list[Bucket]) -> list[int]:
+    """For each bucket, the global tensor position after which its buffer may be reused.
+
+    That is the position of the last tensor of the last layer touching the bucket: until that
+    tensor has been handed over, the receiver may still hold views into the bucket. Tensors
+    outside the decoder layers (embeddings, final norm, lm_head) may be processed only when the
+    reload finishes (a vocabulary padded beyond the checkpoint's rows never "completes"), so
+    their buckets are held to the end.
+    """
+    names = [n for b in buckets for n in b.names]
+    end = len(names)
+    last_of_layer: dict[str, int] = {}
+    for pos, name in enumerate(names):
+        key = layer_key(name)
+        if key is not None:
+            last_of_layer[key] = pos
+    points = []
+    for b in buckets:
+        keys = [layer_key(n) for n in b.names]
+        points.append(end if None in keys else max(last_of_layer[k] for k in keys))
+    return points

@@ -1,0 +1,1 @@
+"""DeepSpeed trainer workers (Ray actors are thin shells in `workers.py`)."""

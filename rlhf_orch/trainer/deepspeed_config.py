@@ -1,0 +1,34 @@
+"""The DeepSpeed config dict for one trainer role: a pure function of our config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def deepspeed_config(
+    *,
+    zero_stage: int,
+    micro_batch_size: int,
+    train_batch_size: int,
+    data_parallel_size: int,
+    grad_clip: float,
+    dtype: str,
+) -> dict[str, Any]:
+    grad_accum = train_batch_size // (micro_batch_size * data_parallel_size)
+    config: dict[str, Any] = {
+        "train_batch_size": micro_batch_size * grad_accum * data_parallel_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == "bfloat16":
+        config["bf16"] = {"enabled": True}
+    elif dtype == "float16":
+        config["fp16"] = {"enabled": True}
+    if zero_stage == 3:
+        # Gather-on-demand is what makes ZeRO-3 useful; keep prefetch modest for small models.
+        config["zero_optimization"].update({"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e4})
+    return config

@@ -1,0 +1,44 @@
+"""The trainer's weights as a sync strategy sees them: metadata, then full tensors on demand.
+
+Under ZeRO-3 each rank holds a shard of every parameter; `gathered(names)` all-gathers exactly the
+parameters of one bucket (or one tensor for per-tensor sync), so a sync never materialises the
+whole model at once and never gathers one tensor at a time when it sends buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from rlhf_orch.sync.buckets import TensorMeta, dtype_name
+
+
+class ModuleWeightSource:
+    """Parameters of an HF model wrapped by DeepSpeed, under their checkpoint names."""
+
+    def __init__(self, module: nn.Module, zero_stage: int):
+        self.module = module
+        self.zero_stage = zero_stage
+        # named_parameters() drops duplicates, so tied lm_head is sent once as embed_tokens.
+        self._params: dict[str, nn.Parameter] = dict(module.named_parameters())
+
+    def metas(self) -> list[TensorMeta]:
+        metas = []
+        for name, p in self._params.items():
+            shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the full shape here
+            metas.append(TensorMeta(name, dtype_name(p.dtype), shape))
+        return metas
+
+    @contextlib.contextmanager
+    def gathered(self, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        params = [self._params[n] for n in names]
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                yield {n: p.data for n, p in zip(names, params)}
+        else:
+            yield {n: p.data for n, p in zip(names, params)}

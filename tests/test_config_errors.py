@@ -1,0 +1,128 @@
+"""Bad input is refused before Ray starts, with a message naming the key, the value and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import OmegaConfBaseException
+
+from rlhf_orch.app import check
+from rlhf_orch.config.validate import ConfigError
+from rlhf_orch.topology.plan import PlacementError
+from tests.conftest import compose_config, has_cuda
+from hydra.utils import instantiate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _check(overrides: list[str]):
+    cfg = compose_config(overrides)
+    return check(cfg, instantiate(cfg.launcher))
+
+
+def test_default_config_is_valid():
+    typed, plan = _check([])
+    assert plan.layout == "cpu_local"
+    assert typed.sync.backend == "gloo"
+
+
+# (overrides, key named in the message, words of the fix)
+BAD = [
+    (["algo.train_batch_size=48"], "algo.train_batch_size=48", "divisor of 128"),
+    (["algo.micro_batch_size=24"], "algo.micro_batch_size=24", "micro_batch_size dividing"),
+    (["placement.actor_ranks=3"], "placement.actor_ranks=3", "do not split over 3 actor ranks"),
+    (["placement.actor_ranks=2", "placement.critic_ranks=4"], "placement.critic_ranks=4", "divides 2"),
+    (["data.response_max_len=9000"], "data.response_max_len=9000", "exceeds model.context_len=8192"),
+    (["algo.kl_estimator=k2"], "algo.kl_estimator='k2'", "'k1' or 'k3'"),
+    (["trainer.zero_stage=4"], "trainer.zero_stage=4", "0, 1, 2 or 3"),
+    (["sync.bucket_mb=0"], "sync.bucket_mb=0", "must be > 0"),
+    (["algo.temperature=0"], "algo.temperature=0", "must be > 0"),
+    (["placement.reward=model"], "placement.reward='model'", "placement.reward=function"),
+    (["model=qwen2_5_0_5b", "model.name_or_path=/no/such/checkpoint"], "model.name_or_path='/no/such/checkpoint'", "no such directory"),
+    (["algo.ppo_epochs=0"], "algo.ppo_epochs=0", "must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fix", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_override_names_key_value_and_fix(overrides, key, fix):
+    with pytest.raises(ConfigError) as err:
+        _check(overrides)
+    message = str(err.value)
+    assert key in message
+    assert fix in message
+
+
+@pytest.mark.skipif(has_cuda(), reason="checks the no-GPU message")
+def test_nccl_without_gpus_explains_gloo_alternative():
+    with pytest.raises(ConfigError) as err:
+        _check(["sync=nccl_bucketed", "data=long8k"])
+    message = str(err.value)
+    assert "sync.backend='nccl'" in message and "NCCL needs CUDA GPUs" in message
+    assert "sync=gloo_bucketed" in message
+
+
+@pytest.mark.skipif(has_cuda(), reason="checks the no-GPU message")
+def test_gpu_placement_without_gpus_suggests_logical_gpus():
+    with pytest.raises(ConfigError) as err:
+        _check(["placement=split"])
+    assert "launcher.logical_gpus=8" in str(err.value)
+    assert "placement=cpu_local" in str(err.value)
+
+
+def test_impossible_split_is_a_placement_error():
+    with pytest.raises(PlacementError) as err:
+        _check(["placement=split", "placement.critic_gpus=1", "placement.vllm_gpus=3", "placement.engine_tp=2", "launcher.logical_gpus=8"])
+    assert "placement.vllm_gpus" in str(err.value) and "placement.engine_tp" in str(err.value)
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(ConfigError) as err:
+        _check(["algo.kl_estimator=k9", "trainer.zero_stage=7"])
+    assert len(err.value.problems) == 2
+
+
+@pytest.mark.parametrize("override", ["sync.bucket_mbb=3", "algo.num_steps=abc", "sync=nope"])
+def test_hydra_refuses_unknown_keys_bad_types_and_options(override):
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)):
+        compose_config([override])
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "run.py", *args, "hydra.run.dir=${oc.env:TMPDIR,/tmp}/rlhf_orch_cli_${now:%H%M%S%f}"],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+
+
+@pytest.mark.skipif(has_cuda(), reason="checks the no-GPU message")
+def test_cli_nccl_on_cpu_exits_2_fast_with_message():
+    t0 = time.perf_counter()
+    proc = _run("sync=nccl_bucketed", "data=long8k")
+    assert proc.returncode == 2
+    assert "NCCL needs CUDA GPUs" in proc.stderr and "sync=gloo_bucketed" in proc.stderr
+    assert time.perf_counter() - t0 < 60  # refused before Ray, vLLM or DeepSpeed start
+
+
+def test_cli_unknown_key_exits_nonzero():
+    proc = _run("sync.bucket_mbb=3")
+    assert proc.returncode != 0
+    assert "bucket_mbb" in proc.stderr
+
+
+def test_cli_dry_run_prints_split_plan():
+    proc = _run("launcher.dry_run=true", "placement=split")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for word in ("engine", "actor", "critic", "reference", "node"):
+        assert word in out
+
+
+def test_cli_cfg_job_prints_composed_config():
+    proc = subprocess.run([sys.executable, "run.py", "--cfg", "job", "sync=gloo_per_tensor"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "PerTensorBroadcastSync" in proc.stdout and "placement:" in proc.stdout
