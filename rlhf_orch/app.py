@@ -56,6 +56,10 @@ def main(cfg: DictConfig) -> int:
     except (ConfigError, PlacementError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except ConnectionError as e:
+        # launcher=cluster asks the cluster how many GPUs it has before anything starts.
+        print(f"error: cannot reach the Ray cluster at launcher.address={launcher.address!r}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
 
     if typed.launcher.dry_run:
         print(plan.describe())
