@@ -5,11 +5,13 @@ import torch
 
 from rlhf_orch.sync.buckets import (
     TensorMeta,
+    balanced_owners,
     bucket_capacity,
     buffer_release_points,
     layer_key,
     pack_bucket,
     plan_buckets,
+    reusable_buffers,
     unpack_bucket,
 )
 
@@ -90,3 +92,52 @@ def test_layer_key():
 def test_bad_bucket_size():
     with pytest.raises(ValueError, match="sync.bucket_mb"):
         plan_buckets([TensorMeta("a", "float32", (1,))], 0)
+
+
+def test_balanced_owners_interleave_and_balance_bytes():
+    metas = [TensorMeta(f"t{i}", "float32", (256,)) for i in range(12)]
+    buckets = plan_buckets(metas, 1024)  # one tensor per bucket, equal sizes
+    owners = balanced_owners(buckets, 3)
+    assert owners[:6] == [0, 1, 2, 0, 1, 2]  # consecutive buckets go to different senders
+    load = [sum(b.nbytes for b, o in zip(buckets, owners) if o == s) for s in range(3)]
+    assert max(load) == min(load)
+
+
+def test_balanced_owners_with_one_oversized_bucket():
+    metas = [TensorMeta("embed", "float32", (4096,))] + [TensorMeta(f"t{i}", "float32", (256,)) for i in range(8)]
+    buckets = plan_buckets(metas, 1024)
+    owners = balanced_owners(buckets, 2)
+    # The 16 KB embedding bucket fills sender 0; the small ones then go to sender 1 first.
+    assert owners[0] == 0 and owners[1:5] == [1, 1, 1, 1]
+    with pytest.raises(ValueError):
+        balanced_owners(buckets, 0)
+
+
+def test_reusable_buffers_persist_and_grow():
+    class Holder:
+        pass
+
+    holder = Holder()
+    first = reusable_buffers(holder, 100, torch.device("cpu"))
+    assert len(first) == 2 and all(b.numel() >= 100 for b in first)
+    assert reusable_buffers(holder, 80, torch.device("cpu"))[0].data_ptr() == first[0].data_ptr()
+    bigger = reusable_buffers(holder, 1000, torch.device("cpu"))
+    assert bigger[0].numel() >= 1000
+
+
+def test_receive_pool_releases_buffers_only_after_their_layers():
+    from rlhf_orch.engines.worker_extension import ReceiveBufferPool
+
+    params = _params()
+    metas = [TensorMeta.of(n, t) for n, t in params.items()]
+    buckets = plan_buckets(metas, 5000)
+    pool = ReceiveBufferPool(bucket_capacity(buckets), torch.device("cpu"))
+    packed = []
+    for b in buckets:
+        buf = pool.acquire()[: b.nbytes]
+        pack_bucket(b, params, buf)
+        packed.append((b, buf))
+    streamed = dict((n, t.clone()) for n, t in pool.stream(iter(packed), buffer_release_points(buckets)))
+    assert all(torch.equal(streamed[n], t) for n, t in params.items())
+    pool.release_all()  # embeddings' buffers are held to the end, then all come back
+    assert len(pool._free) == pool.allocated == len(buckets)

@@ -4,13 +4,19 @@ Reloading goes through vLLM's own layer-wise reload (`model_runner.reload_weight
 `is_checkpoint_format=True`, i.e. Hugging Face names; vLLM fuses q/k/v and gate/up itself and
 re-packs CPU linear weights). Bucketed updates stream: the weights iterator handed to vLLM
 receives bucket k+1 from the group while vLLM processes the layers completed by bucket k.
-Per-tensor updates open the same layer-wise session once, feed one tensor per call, and close it.
+Per-tensor updates open the same layer-wise session once, feed one tensor per call, and close it;
+handed-over buckets (Ray object store, CUDA IPC) use that session too, one call per bucket, each
+copied into a pooled buffer first. An engine may belong to several groups (one per sender of a
+multi-sender strategy), keyed by group name.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator, Protocol
 
 import torch
 
@@ -22,7 +28,15 @@ from rlhf_orch.sync.buckets import (
     dtype_from_name,
     unpack_bucket,
 )
-from rlhf_orch.sync.group import BroadcastGroup, GroupAddress
+from rlhf_orch.sync.group import DEFAULT_GROUP, BroadcastGroup, GroupAddress
+
+
+class BucketPayload(Protocol):
+    """A bucket handed over without a collective (Ray object store, CUDA IPC handle)."""
+
+    device: torch.device
+
+    def copy_into(self, buffer: torch.Tensor) -> None: ...
 
 
 class _ExpectedReloadWarnings(logging.Filter):
@@ -42,60 +56,102 @@ class _ExpectedReloadWarnings(logging.Filter):
 class WeightSyncWorkerExtension:
     """Mixin: `self` is a vLLM Worker (has `model_runner`, `rank`)."""
 
-    # ------------------------------------------------------------------ group
+    # ------------------------------------------------------------------ groups
     def rlhf_join_weight_group(self, address: GroupAddress, rank_offset: int) -> int:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_ExpectedReloadWarnings())
         rank = rank_offset + self.rank
-        self._rlhf_group = BroadcastGroup(address, rank)
+        # One group per sender: multi-sender strategies make an engine a member of several.
+        groups = getattr(self, "_rlhf_groups", {})
+        groups[address.name] = BroadcastGroup(address, rank)
+        self._rlhf_groups = groups
         return rank
 
-    def _rlhf_pool(self, capacity: int) -> ReceiveBufferPool:
+    def _rlhf_group(self, name: str = DEFAULT_GROUP) -> BroadcastGroup:
+        return self._rlhf_groups[name]
+
+    def _rlhf_pool(self, capacity: int, device: torch.device) -> ReceiveBufferPool:
         # Receive buffers persist across updates: allocating ~1 GB per step costs more than the wire.
         pool = getattr(self, "_rlhf_buffer_pool", None)
-        if pool is None or pool.capacity < capacity:
-            pool = ReceiveBufferPool(capacity, self._rlhf_group.device)
+        if pool is None or pool.capacity < capacity or pool.device != device:
+            pool = ReceiveBufferPool(capacity, device)
             self._rlhf_buffer_pool = pool
         return pool
 
-    # ------------------------------------------------------------------ bucketed
-    def rlhf_receive_buckets(self, buckets: list[Bucket], src_of_bucket: list[int]) -> int:
-        """Receive every bucket (bucket i broadcast by rank src_of_bucket[i]) and reload."""
-        group = self._rlhf_group
-        pool = self._rlhf_pool(bucket_capacity(buckets))
-        release_after = buffer_release_points(buckets)
-        received = {"bytes": 0}
+    # ------------------------------------------------------------------ bucketed broadcast
+    def rlhf_receive_buckets(
+        self, buckets: list[Bucket], routes: list[tuple[str, int]], receive_ahead: int = 1, load: bool = True
+    ) -> dict:
+        """Receive every bucket (bucket i broadcast on group routes[i][0] by its rank routes[i][1]) and reload.
 
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            position = 0
-            for bucket in buckets:
-                buf = pool.acquire()[: bucket.nbytes]
-                group.broadcast(buf, src_of_bucket[bucket.index]).wait()
-                received["bytes"] += bucket.nbytes
-                pool.hold(buf, release_after[bucket.index])
-                for item in unpack_bucket(bucket, buf):
-                    yield item
-                    # vLLM processes a layer inside load_weights as soon as its last tensor
-                    # arrived, so once we are asked for the next tensor, earlier layers are done.
-                    pool.release_through(position)
-                    position += 1
-            pool.release_through(position)
+        Up to `receive_ahead` later buckets are already being received while vLLM loads the
+        current one, so the wire and the engine's load overlap (one per sender keeps every
+        sender of a multi-sender update busy). `load=False` (benchmark profiling only) receives
+        and unpacks every bucket but skips vLLM's reload, to separate transport from load cost.
+        """
+        device = self._rlhf_group(routes[0][0]).device if routes else torch.device("cpu")
+        pool = self._rlhf_pool(bucket_capacity(buckets), device)
+        stats = {"bytes": 0, "wait_s": 0.0}
 
+        def arrivals() -> Iterator[tuple[Bucket, torch.Tensor]]:
+            posted: deque[tuple[torch.Tensor, object]] = deque()
+            next_to_post = 0
+            for k in range(len(buckets)):
+                while next_to_post < len(buckets) and next_to_post <= k + receive_ahead:
+                    buf = pool.acquire()[: buckets[next_to_post].nbytes]
+                    group, src = routes[next_to_post]
+                    posted.append((buf, self._rlhf_group(group).broadcast(buf, src)))
+                    next_to_post += 1
+                buf, work = posted.popleft()
+                t0 = time.perf_counter()
+                work.wait()
+                stats["wait_s"] += time.perf_counter() - t0
+                stats["bytes"] += buckets[k].nbytes
+                yield buckets[k], buf
+
+        t0 = time.perf_counter()
         model = self.model_runner.get_model()
-        self.model_runner.reload_weights(weights_iterator=stream(), is_checkpoint_format=True)
+        try:
+            tensors = pool.stream(arrivals(), buffer_release_points(buckets))
+            if not load:
+                for _ in tensors:
+                    pass
+                return dict(stats, seconds=time.perf_counter() - t0)
+            self.model_runner.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+        finally:
+            pool.release_all()
         refresh_tied_layers(model)
-        return received["bytes"]
+        return dict(stats, seconds=time.perf_counter() - t0)
 
-    # ------------------------------------------------------------------ per tensor
-    def rlhf_begin_update(self) -> None:
+    # ------------------------------------------------------------------ reload session (per tensor, handed-over buckets)
+    def rlhf_begin_update(self, buckets: list[Bucket] | None = None) -> None:
+        """Open vLLM's layer-wise reload; with `buckets`, handed-over buckets follow one call each."""
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model_runner.get_model())
+        self._rlhf_session = _HandoverSession(buffer_release_points(buckets)) if buckets else None
 
-    def rlhf_receive_tensor(self, meta: TensorMeta, src: int = 0) -> int:
-        tensor = torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype), device=self._rlhf_group.device)
-        self._rlhf_group.broadcast(tensor, src).wait()
+    def rlhf_receive_tensor(self, meta: TensorMeta, src: int = 0, group: str = DEFAULT_GROUP) -> int:
+        tensor = torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype), device=self._rlhf_group(group).device)
+        self._rlhf_group(group).broadcast(tensor, src).wait()
         self.model_runner.get_model().load_weights([(meta.name, tensor)])
         return meta.nbytes
+
+    def rlhf_load_bucket(self, bucket: Bucket, payload: BucketPayload, capacity: int) -> int:
+        """Load one handed-over bucket (object store, CUDA IPC) inside the open session.
+
+        The payload is copied into a pooled buffer first, so the sender may reuse its own buffer
+        as soon as this call returns even if vLLM still holds views of an unfinished layer.
+        """
+        session = self._rlhf_session
+        pool = self._rlhf_pool(capacity, payload.device)
+        buf = pool.acquire()[: bucket.nbytes]
+        payload.copy_into(buf)
+        pool.hold(buf, session.release_after[bucket.index])
+        self.model_runner.get_model().load_weights(list(unpack_bucket(bucket, buf)))
+        session.position += len(bucket.slots)
+        # load_weights processed every layer completed by these tensors before returning.
+        pool.release_through(session.position)
+        return bucket.nbytes
 
     def rlhf_finish_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
@@ -103,11 +159,37 @@ class WeightSyncWorkerExtension:
         model = self.model_runner.get_model()
         finalize_layerwise_reload(model, self.model_runner.model_config)
         refresh_tied_layers(model)
+        pool = getattr(self, "_rlhf_buffer_pool", None)
+        if pool is not None:
+            pool.release_all()  # non-layer tensors (embeddings) are processed only by finalize
+        self._rlhf_session = None
+
+    # ------------------------------------------------------------------ the limit (benchmark)
+    def rlhf_receive_raw(self, nbytes: int, src: int = 0, group: str = DEFAULT_GROUP) -> float:
+        """Receive one raw broadcast of `nbytes` into a kept buffer: no RPC per tensor, no unpack, no load."""
+        buf = getattr(self, "_rlhf_raw_buffer", None)
+        if buf is None or buf.numel() != nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self._rlhf_group(group).device)
+            self._rlhf_raw_buffer = buf
+        t0 = time.perf_counter()
+        self._rlhf_group(group).broadcast(buf, src).wait()
+        return time.perf_counter() - t0
+
+    def rlhf_drop_raw_buffer(self) -> None:
+        self._rlhf_raw_buffer = None
 
     # ------------------------------------------------------------------ checks
     def rlhf_weight_checksum(self) -> float:
         """Sum of all parameters as the engine holds them (cheap 'did anything change' probe)."""
         return float(sum(p.detach().double().sum() for p in self.model_runner.get_model().parameters()))
+
+
+@dataclass
+class _HandoverSession:
+    """Where a handed-over update stands: the release point of every bucket, tensors loaded so far."""
+
+    release_after: list[int]
+    position: int = 0
 
 
 class ReceiveBufferPool:
@@ -135,6 +217,24 @@ class ReceiveBufferPool:
     def hold(self, view: torch.Tensor, release_after_position: int) -> None:
         self._held.append((release_after_position, view))
 
+    def stream(
+        self, arrivals: Iterator[tuple[Bucket, torch.Tensor]], release_after: list[int]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, view) of every tensor of the arriving buckets, releasing buffers as vLLM finishes layers."""
+        position = 0
+        for bucket, buf in arrivals:
+            self.hold(buf, release_after[bucket.index])
+            for item in unpack_bucket(bucket, buf):
+                yield item
+                # vLLM processes a layer inside load_weights as soon as its last tensor
+                # arrived, so once we are asked for the next tensor, earlier layers are done.
+                self.release_through(position)
+                position += 1
+
+    def release_all(self) -> None:
+        """After the reload finished nothing holds a view any more (also after a failed one)."""
+        self.release_through(1 << 62)
+
     def release_through(self, position: int) -> None:
         still_held = []
         for release_at, view in self._held:
@@ -158,6 +258,7 @@ def refresh_tied_layers(model: torch.nn.Module) -> None:
         if isinstance(weight, torch.nn.Parameter) and hasattr(module, "quant_method"):
             owners.setdefault(id(weight), []).append(module)
     for modules in owners.values():
-        if len(modules) > 1:
-            for module in modules:
-                module.quant_method.process_weights_after_loading(module)
+        # The first owner in module order (embed_tokens) is the one the checkpoint names, so the
+        # reload already processed it; only the others (lm_head) hold stale repacked copies.
+        for module in modules[1:]:
+            module.quant_method.process_weights_after_loading(module)

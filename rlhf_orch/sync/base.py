@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from rlhf_orch.sync.group import BroadcastGroup
+from rlhf_orch.sync.group import DEFAULT_GROUP, BroadcastGroup
 
 
 class WeightSyncError(RuntimeError):
@@ -35,28 +35,57 @@ class SyncReport:
         return self.bytes_per_engine / max(self.seconds, 1e-9) / 1e9
 
 
-class WeightSync(abc.ABC):
-    """Weights from the policy rank(s) to every engine worker, over one broadcast group."""
+@dataclass(frozen=True)
+class GroupSpec:
+    """One broadcast group: a sending policy rank (group rank 0) and the engines it reaches.
 
-    #: How many policy ranks send (rank 0 .. senders-1); the rest only join ZeRO-3 gathers.
-    senders: int = 1
+    Each engine's workers follow the sender (`engine_tp` group ranks per engine, in order).
+    """
+
+    name: str
+    sender: int
+    engines: tuple[int, ...]
+
+
+class WeightSync(abc.ABC):
+    """Weights from the policy rank(s) to every engine worker.
+
+    Subclasses say which groups they need (`group_specs`) and what one policy rank does during an
+    update (`send`); forming the groups, fanning `send` out to every policy rank, timeouts and
+    error translation are shared here.
+    """
 
     def __init__(self, backend: str = "gloo", timeout_s: float = 120.0):
         self.backend = backend
         self.timeout_s = timeout_s
         self._policy: list[Any] = []
         self._engines: list[Any] = []
+        self._specs: list[GroupSpec] = []
 
     # ------------------------------------------------------------------ driver side
+    def group_specs(self, policy_ranks: int, engines: int) -> list[GroupSpec]:
+        """Groups to form once; default: policy rank 0 broadcasts to every engine."""
+        return [GroupSpec(DEFAULT_GROUP, 0, tuple(range(engines)))]
+
     def prepare(self, policy_ranks: list[Any], engines: list[Any], engine_tp: int) -> None:
-        """Form the broadcast group once: senders are ranks 0..S-1, engine workers follow."""
+        """Form every group once; each sender hosts its group's rendezvous store."""
         self._policy, self._engines = list(policy_ranks), list(engines)
-        senders = min(self.senders, len(policy_ranks))
-        world = senders + len(engines) * engine_tp
-        address = ray.get(policy_ranks[0].weight_group_address.remote(world, self.backend, self.timeout_s))
-        joins = [policy_ranks[r].join_weight_group.remote(address, r) for r in range(senders)]
-        joins += [e.join_weight_group.remote(address, senders + i * engine_tp) for i, e in enumerate(engines)]
-        self._wait(joins, "forming the weight-sync group")
+        specs = self._specs = self.group_specs(len(policy_ranks), len(engines))
+        addresses = self._wait(
+            [
+                policy_ranks[spec.sender].weight_group_address.remote(
+                    1 + len(spec.engines) * engine_tp, self.backend, self.timeout_s, spec.name
+                )
+                for spec in specs
+            ],
+            "choosing weight-sync group addresses",
+        )
+        joins = []
+        # Every engine joins its groups in the same order, so no two groups wait on each other.
+        for spec, address in zip(specs, addresses):
+            joins.append(policy_ranks[spec.sender].join_weight_group.remote(address, 0))
+            joins += [engines[e].join_weight_group.remote(address, 1 + j * engine_tp) for j, e in enumerate(spec.engines)]
+        self._wait(joins, "forming the weight-sync groups")
 
     def push(self, version: int) -> SyncReport:
         """Send the policy's current weights to every engine; they report `version` after."""

@@ -1,58 +1,90 @@
 """Bucketed broadcast: parameters packed into flat buffers of `bucket_mb`, one engine call per update.
 
-The engine opens one layer-wise reload session and consumes buckets as they arrive; the sender
-keeps two persistent buffers so packing bucket k+1 overlaps the (asynchronous) broadcast of
-bucket k. Under ZeRO-3 parameters are gathered a bucket at a time.
+The engine opens one layer-wise reload session and consumes buckets as they arrive, already
+receiving the next bucket while vLLM loads the current one. The sender keeps two persistent
+buffers so packing bucket k+1 overlaps the (asynchronous) broadcast of bucket k. Under ZeRO-3
+parameters are gathered a bucket at a time.
+
+The multi-sender strategy (`multi_sender.py`) is this class with more than one group: it only
+changes which sender broadcasts which bucket to which engine (`route`).
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Any
 
-import torch
-
 from rlhf_orch.sync.base import WeightSync
-from rlhf_orch.sync.buckets import Bucket, bucket_capacity, pack_bucket, plan_buckets
+from rlhf_orch.sync.buckets import Bucket, bucket_capacity, pack_bucket, plan_buckets, reusable_buffers
 from rlhf_orch.sync.group import BroadcastGroup
+
+# Sender buffers: one being packed while the other is on the wire.
+_SEND_BUFFERS = 2
 
 
 class BucketedBroadcastSync(WeightSync):
+    #: False only in the benchmark's transport profile (engines receive but skip vLLM's load).
+    engine_loads: bool = True
+
     def __init__(self, backend: str = "gloo", timeout_s: float = 120.0, bucket_mb: float = 256.0):
         super().__init__(backend, timeout_s)
         self.bucket_mb = bucket_mb
 
+    # ------------------------------------------------------------------ routing (overridden by multi-sender)
     def plan(self, weights) -> list[Bucket]:
         return plan_buckets(weights.metas(), int(self.bucket_mb * 2**20))
 
+    def route(self, buckets: list[Bucket], engines: int) -> list[list[int]]:
+        """route[e][i]: index of the group spec (= sender) that delivers bucket i to engine e."""
+        return [[0] * len(buckets) for _ in range(engines)]
+
+    def receive_ahead(self) -> int:
+        """Buckets an engine receives ahead of the one vLLM is loading."""
+        return 1
+
+    # ------------------------------------------------------------------ sender side
     def send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:
         buckets = self.plan(weights)
-        is_sender = rank == 0
-        calls = [e.receive_buckets.remote(buckets, [0] * len(buckets), version) for e in engines] if is_sender else []
-        buffers = self._send_buffers(weights, bucket_capacity(buckets), group) if is_sender else []
-        in_flight = None
+        specs = self._specs  # formed by prepare() on the driver; travels with this object
+        route = self.route(buckets, len(engines))
+        mine = {i for e, row in enumerate(route) for i, s in enumerate(row) if specs[s].sender == rank}
+        calls = []
+        if rank == 0:
+            # The lead rank tells every engine, once, which group each bucket arrives on.
+            for e, engine in enumerate(engines):
+                routes = [(specs[s].name, 0) for s in route[e]]
+                calls.append(engine.receive_buckets.remote(buckets, routes, version, self.receive_ahead(), self.engine_loads))
+        stats = {"pack_s": 0.0, "wire_wait_s": 0.0, "gather_s": 0.0}
+        buffers = reusable_buffers(weights, bucket_capacity([buckets[i] for i in mine]), group.device, _SEND_BUFFERS) if mine else []
+        in_flight: deque = deque()
+        sent = 0
         for bucket in buckets:
-            with weights.gathered(bucket.names) as tensors:  # collective under ZeRO-3: all ranks
-                if not is_sender:
+            t0 = time.perf_counter()
+            with weights.gathered(bucket.names) as tensors:  # collective under ZeRO-3: every rank
+                stats["gather_s"] += time.perf_counter() - t0
+                if bucket.index not in mine:
                     continue
-                # Pack bucket k into one buffer while bucket k-1 is still on the wire from the other.
-                view = pack_bucket(bucket, tensors, buffers[bucket.index % 2])
-                if in_flight is not None:
-                    in_flight.wait()
-                in_flight = group.broadcast(view, 0)
-        if in_flight is not None:
-            in_flight.wait()
+                if len(in_flight) == _SEND_BUFFERS:
+                    # The buffer about to be packed is the one of the oldest broadcast.
+                    t1 = time.perf_counter()
+                    in_flight.popleft().wait()
+                    stats["wire_wait_s"] += time.perf_counter() - t1
+                t1 = time.perf_counter()
+                view = pack_bucket(bucket, tensors, buffers[sent % _SEND_BUFFERS])
+                stats["pack_s"] += time.perf_counter() - t1
+                in_flight.append(group.broadcast(view, 0))
+                sent += 1
+        t1 = time.perf_counter()
+        while in_flight:
+            in_flight.popleft().wait()
+        stats["wire_wait_s"] += time.perf_counter() - t1
         reports = self._engine_calls(calls, "engines loading the buckets")
         return {
-            "bytes": sum(b.nbytes for b in buckets) if is_sender else 0,
+            "bytes": sum(b.nbytes for b in buckets) if rank == 0 else 0,
+            "sent_bytes": sum(buckets[i].nbytes for i in mine),
             "buckets": len(buckets),
-            "engine_load_s": max((r["seconds"] for r in reports), default=0.0),
+            "engine_s": max((r["seconds"] for r in reports), default=0.0),
+            "engine_wire_wait_s": max((r.get("wire_wait_s", 0.0) for r in reports), default=0.0),
+            **stats,
         }
-
-    @staticmethod
-    def _send_buffers(weights, capacity: int, group: BroadcastGroup) -> list[torch.Tensor]:
-        # Persistent across updates: a fresh 1 GB allocation per step costs more than the wire.
-        cached = getattr(weights, "_bucket_buffers", None)
-        if cached is None or cached[0].numel() < capacity:
-            cached = [torch.empty(capacity, dtype=torch.uint8, device=group.device) for _ in range(2)]
-            weights._bucket_buffers = cached
-        return cached

@@ -157,3 +157,33 @@ def buffer_release_points(buckets: list[Bucket]) -> list[int]:
         keys = [layer_key(n) for n in b.names]
         points.append(end if None in keys else max(last_of_layer[k] for k in keys))
     return points
+
+
+def balanced_owners(buckets: list[Bucket], owners: int) -> list[int]:
+    """Which of `owners` senders sends each bucket: least-loaded (in bytes) first, in bucket order.
+
+    Deterministic, so every rank derives the same assignment from the same plan. Consecutive
+    buckets go to different senders, so all senders are busy at once from the first bucket on.
+    """
+    if owners < 1:
+        raise ValueError(f"need at least one sender (got {owners})")
+    load = [0] * owners
+    result = []
+    for bucket in buckets:
+        owner = min(range(owners), key=lambda s: (load[s], s))
+        load[owner] += bucket.nbytes
+        result.append(owner)
+    return result
+
+
+def reusable_buffers(holder: object, capacity: int, device: torch.device, count: int = 2) -> list[torch.Tensor]:
+    """`count` flat byte buffers of at least `capacity`, kept on `holder` across updates.
+
+    Persistent because a fresh ~1 GB allocation per step (page faults, zeroing) costs more than
+    the wire; reallocated only when a bigger bucket or another device is needed.
+    """
+    cached = getattr(holder, "_sync_send_buffers", None)
+    if cached is None or len(cached) < count or cached[0].numel() < capacity or cached[0].device != device:
+        cached = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(count)]
+        holder._sync_send_buffers = cached
+    return cached

@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 
 
+#: The broadcast group of single-sender strategies; multi-sender strategies name one per sender.
+DEFAULT_GROUP = "rlhf_orch_weights"
+
+
 @dataclass(frozen=True)
 class GroupAddress:
     """Where the group's rendezvous store listens; sent to every member."""
@@ -26,16 +30,16 @@ class GroupAddress:
     world_size: int
     backend: str
     timeout_s: float
-    name: str = "rlhf_orch_weights"
+    name: str = DEFAULT_GROUP
 
 
-def free_port_address(world_size: int, backend: str, timeout_s: float) -> GroupAddress:
+def free_port_address(world_size: int, backend: str, timeout_s: float, name: str = DEFAULT_GROUP) -> GroupAddress:
     """An address on this host with a port nobody is listening on (taken by the store next)."""
     host = socket.gethostbyname(socket.gethostname()) if backend == "nccl" else _reachable_ip()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
-    return GroupAddress(host, port, world_size, backend, timeout_s)
+    return GroupAddress(host, port, world_size, backend, timeout_s, name)
 
 
 def _reachable_ip() -> str:
@@ -88,6 +92,7 @@ class BroadcastGroup:
         prefixed = dist.PrefixStore(address.name, self._store)
         self.group = _GROUP_FACTORIES[address.backend](prefixed, rank, address.world_size, timeout)
         self.rank = rank
+        self.name = address.name
         self.world_size = address.world_size
         self.device = torch.device("cuda", torch.cuda.current_device()) if address.backend == "nccl" else torch.device("cpu")
 

@@ -33,12 +33,16 @@ class ModuleWeightSource:
         return metas
 
     @contextlib.contextmanager
-    def gathered(self, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+    def gathered(self, names: list[str], modifier_rank: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """Full tensors of `names` for the duration of the block (collective under ZeRO-3).
+
+        `modifier_rank`: under ZeRO-3, the rank whose in-place changes are kept (None: read only).
+        """
         params = [self._params[n] for n in names]
         if self.zero_stage == 3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
                 yield {n: p.data for n, p in zip(names, params)}
         else:
             yield {n: p.data for n, p in zip(names, params)}

@@ -1,0 +1,45 @@
+"""Buckets through Ray's object store: for clusters where no collective group can be formed.
+
+The sender `ray.put`s each packed bucket; engines receive the reference inside their per-bucket
+call and copy the bytes out (on another node Ray moves the object first). Nothing but Ray's own
+connections is needed: no open port between trainer and engines, no gloo/NCCL rendezvous.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from rlhf_orch.sync.handover import HandoverSync
+
+
+@dataclass
+class ObjectStorePayload:
+    ref: ray.ObjectRef  # nested in a dataclass, so Ray passes the reference, not the bytes
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def copy_into(self, buffer: torch.Tensor) -> None:
+        array = ray.get(self.ref)  # zero-copy, read-only view of the shared-memory object
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable array": we only read it
+            buffer.copy_(torch.from_numpy(array))
+
+
+class ObjectStoreSync(HandoverSync):
+    def __init__(self, backend: str = "ray", timeout_s: float = 120.0, bucket_mb: float = 256.0):
+        if backend != "ray":
+            raise ValueError(f"sync.backend={backend!r}: the object-store strategy moves buckets with Ray ('ray')")
+        super().__init__(backend, timeout_s, bucket_mb)
+
+    def buffer_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def publish(self, packed: torch.Tensor) -> Any:
+        return ObjectStorePayload(ray.put(packed.numpy()))
