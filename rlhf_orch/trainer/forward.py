@@ -1,26 +1,172 @@
-"""Forward passes on one micro-batch: next-token logprobs (policy, reference) and values (critic)."""
+"""Forward passes on one micro-batch: next-token logprobs (policy, reference) and values (critic).
+
+Two layouts, one code path:
+
+* `PaddedBatch` -> `[b, L]` with an attention mask; outputs `[b, L-1]`.
+* `PackedBatch` -> ONE row `[1, N]` holding every sequence back to back, `position_ids` restarting
+  at 0 per sequence and `cu_seqlens` passed down to the attention as HF's varlen kwargs
+  (`cu_seq_lens_q/k`, `max_length_q/k`). Outputs are `[N]`, aligned with `mb.action_mask`
+  (position t = prediction of token t+1; each sequence's last position predicts nothing and is 0).
+
+Attention never crosses a sequence boundary: the model is loaded with `packed_attention_impl()`,
+which is flash-attention varlen on a CUDA machine that has `flash_attn`, and otherwise
+`varlen_sdpa` (registered below): torch SDPA run causally on each `cu_seqlens` segment. That needs
+no `[N, N]` mask -- at a 128k-token budget a block-diagonal mask alone would be 17 GB -- and costs
+sum(L_i^2) like the kernels do. For padded batches `varlen_sdpa` is plain HF sdpa, so one model
+object serves both layouts.
+"""
 
 from __future__ import annotations
 
+from functools import singledispatch
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhf_orch.algo.ppo_math import logprobs_from_logits
-from rlhf_orch.transfer.batch import PaddedBatch
+from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch
+
+VARLEN_SDPA = "varlen_sdpa"
 
 
-def sequence_logprobs(model: nn.Module, mb: PaddedBatch, temperature: float) -> Tensor:
-    """[b, L-1]: logprob of token t+1 given tokens <= t (aligned with `mb.action_mask`)."""
-    logits = model(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
-    ).logits
-    return logprobs_from_logits(logits[:, :-1], mb.input_ids[:, 1:], temperature=temperature)
+# --------------------------------------------------------------------------- attention
+def varlen_sdpa_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """HF attention interface. `query/key/value`: `[1, heads, N, head_dim]` when packed."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if cu_seq_lens_q is None:  # padded (or single unpadded) batch: HF's own sdpa path
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one row [1, N], got batch {query.shape[0]}")
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    bounds = cu_seq_lens_q.tolist()
+    dropout_p = dropout if module.training else 0.0
+    segments = [
+        F.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout_p, is_causal=True, scale=scaling
+        )
+        for a, b in zip(bounds[:-1], bounds[1:])
+        if b > a
+    ]
+    out = torch.cat(segments, dim=2) if segments else query.new_zeros(query.shape)
+    return out.transpose(1, 2).contiguous(), None
 
 
-def sequence_values(critic: nn.Module, mb: PaddedBatch) -> Tensor:
-    """[b, L-1]: value of the state after token t (aligned with `mb.action_mask`)."""
-    values = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
-    return values[:, :-1]
+def _varlen_sdpa_mask(**kwargs: Any) -> Tensor | None:
+    # Packed calls pass no 2-D mask: the segments come from cu_seq_lens, and building HF's
+    # block-diagonal [N, N] mask would cost N^2 memory for nothing. Padded calls get sdpa's mask.
+    from transformers.masking_utils import sdpa_mask
+
+    if kwargs.get("attention_mask") is None:
+        return None
+    return sdpa_mask(**kwargs)
+
+
+def _register_varlen_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN_SDPA, _varlen_sdpa_mask)
+
+
+def packed_attention_impl(device: torch.device | str | None = None) -> str:
+    """The attention implementation that serves packed micro-batches on `device`."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    _register_varlen_sdpa()
+    return VARLEN_SDPA
+
+
+# --------------------------------------------------------------------------- model inputs per layout
+@singledispatch
+def model_inputs(mb: Any) -> dict[str, Tensor | int]:
+    raise TypeError(f"no forward inputs for {type(mb).__name__}")
+
+
+@model_inputs.register
+def _(mb: PaddedBatch) -> dict[str, Tensor | int]:
+    return {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids}
+
+
+@model_inputs.register
+def _(mb: PackedBatch) -> dict[str, Tensor | int]:
+    cu = mb.cu_seqlens.to(device=mb.input_ids.device, dtype=torch.int32)
+    longest = mb.max_seqlen
+    return {
+        "input_ids": mb.input_ids.unsqueeze(0),
+        "position_ids": mb.position_ids.unsqueeze(0),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
+
+
+@singledispatch
+def _next_token_aligned(mb: Any, per_position: Tensor) -> Tensor:
+    raise TypeError(type(mb).__name__)
+
+
+@_next_token_aligned.register
+def _(mb: PaddedBatch, per_position: Tensor) -> Tensor:
+    return per_position[:, :-1]  # [b, L] -> [b, L-1]
+
+
+@_next_token_aligned.register
+def _(mb: PackedBatch, per_position: Tensor) -> Tensor:
+    # [1, N] -> [N]; a sequence's last position would predict the next sequence's first token:
+    # zero it, like the padded layout's padding (conversions carry 0 there).
+    flat = per_position[0]
+    return flat * _predicts_next(mb).to(flat.dtype)
+
+
+def _predicts_next(mb: PackedBatch) -> Tensor:
+    keep = torch.ones(mb.num_tokens, dtype=torch.bool, device=mb.input_ids.device)
+    keep[(mb.cu_seqlens[1:].long() - 1).to(keep.device)] = False
+    return keep
+
+
+def _shifted_tokens(mb: PaddedBatch | PackedBatch) -> Tensor:
+    """Per position t, token t+1 (packed: the last token's "next" is itself, masked anyway)."""
+    ids = mb.input_ids
+    if isinstance(mb, PaddedBatch):
+        return ids[:, 1:]
+    return torch.cat([ids[1:], ids[-1:]]).unsqueeze(0)
+
+
+# --------------------------------------------------------------------------- public forwards
+def sequence_logprobs(model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float) -> Tensor:
+    """Logprob of token t+1 given tokens <= t, aligned with `mb.action_mask` ([b, L-1] or [N])."""
+    logits = model(**model_inputs(mb), use_cache=False).logits
+    if isinstance(mb, PaddedBatch):
+        logits = logits[:, :-1]
+    logprobs = logprobs_from_logits(logits, _shifted_tokens(mb), temperature=temperature)
+    return logprobs if isinstance(mb, PaddedBatch) else _next_token_aligned(mb, logprobs)
+
+
+def sequence_values(critic: nn.Module, mb: PaddedBatch | PackedBatch) -> Tensor:
+    """Value of the state after token t, aligned with `mb.action_mask` ([b, L-1] or [N])."""
+    return _next_token_aligned(mb, critic(**model_inputs(mb)))
 
 
 class CriticModel(nn.Module):
@@ -34,22 +180,24 @@ class CriticModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None, **varlen: Any) -> Tensor:
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **varlen
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 
-def load_policy(path: str, dtype: str) -> nn.Module:
+def load_policy(path: str, dtype: str, device: torch.device | str | None = None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), attn_implementation=packed_attention_impl(device)
+    )
 
 
-def load_critic(path: str, dtype: str) -> CriticModel:
+def load_critic(path: str, dtype: str, device: torch.device | str | None = None) -> CriticModel:
     from transformers import AutoModel
 
-    backbone = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))
+    backbone = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=packed_attention_impl(device))
     critic = CriticModel(backbone, backbone.config.hidden_size)
     return critic.to(getattr(torch, dtype))

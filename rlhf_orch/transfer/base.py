@@ -1,34 +1,99 @@
-"""The interface of the `transfer` group: how a step's rollout reaches the trainer ranks.
+"""The interface of the `transfer` group: how a step's rollout gets from the engines to the trainers.
 
-`layout` is pure (samples -> per-rank micro-batches); `hand_over` moves each rank's share with
-one `ray.put` per rank, so each worker fetches only its own slice.
+A strategy has two halves:
+
+* `layout(samples, ...)` -- pure: samples -> per-shard micro-batches, exactly what its trainers
+  end up holding. Tests compare strategies through it without Ray.
+* `deliver(request, route)` -- the distributed data path: which engine makes what, who packs it,
+  and how it reaches the trainer ranks. The driver keeps only `Delivery` (lengths, rewards, sizes,
+  timings); experience tensors stay in the object store between actors except in the padded
+  baseline, which gathers on the driver on purpose.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import ray
 
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample, shard_for_ranks, split_by_count
+from rlhf_orch.transfer.engine_side import RolloutJob, RolloutMeta, Scorer
 
 MicroBatch = PaddedBatch | PackedBatch
 
 
 @dataclass
-class HandOver:
-    """Object refs, one per data-parallel shard, plus what it cost to make them."""
+class RolloutRequest:
+    """One step's rollout, as the driver asks for it."""
 
-    shard_refs: list[ray.ObjectRef]
+    prompts: list[Any]  # the task's prompt objects (what the scorer reads)
+    prompt_ids: list[list[int]]
+    samples_per_prompt: int
+    max_tokens: int
+    temperature: float
+    scorer: Scorer
+    num_shards: int  # data-parallel ranks of the policy
+    micro_batch_size: int
+    pad_id: int
+    max_seq_len: int  # prompt_max_len + response_max_len
+    decode: Callable[[list[list[int]]], list[str]] | None = None  # driver-side decoding (baseline only)
+
+    def job(self, prompt_indices: Sequence[int], scorer: Scorer | None) -> RolloutJob:
+        return RolloutJob(
+            prompt_ids={p: self.prompt_ids[p] for p in prompt_indices},
+            prompts={p: self.prompts[p] for p in prompt_indices},
+            samples_per_prompt=self.samples_per_prompt,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            scorer=scorer,
+        )
+
+
+@dataclass
+class Route:
+    """The actors a delivery talks to, and how to wait on them."""
+
+    engines: list[Any]
+    consumers: list[list[Any]]  # per shard: every actor that must stage it (policy, critic, reference)
+    get: Callable[..., list[Any]]  # get(refs, what, engine_call=False) with the loop's timeout/errors
+    wait: Callable[..., Any] = ray.wait
+
+
+@dataclass
+class Delivery:
+    """What the driver keeps of a step's rollout: metadata, never experience tensors."""
+
+    meta: RolloutMeta  # by global sample index
     wire_bytes: int
-    padded_tokens: int
-    real_tokens: int
+    wire_tokens: int  # token positions moved (padding included)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(self.meta.seq_lens)
+
+
+def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
+    rows = sorted(
+        (i, s, r, w) for m in parts for i, s, r, w in zip(m.indices, m.seq_lens, m.response_lens, m.rewards)
+    )
+    return RolloutMeta(
+        indices=[row[0] for row in rows],
+        seq_lens=[row[1] for row in rows],
+        response_lens=[row[2] for row in rows],
+        rewards=[row[3] for row in rows],
+        score_s=max((m.score_s for m in parts), default=0.0),
+        generated_at=max((m.generated_at for m in parts), default=0.0),
+    )
 
 
 class RolloutTransfer(abc.ABC):
     def __init__(self, max_in_flight: int = 4, token_budget: int = 0):
+        if max_in_flight < 1:
+            raise ValueError(f"transfer.max_in_flight={max_in_flight} must be >= 1")
         self.max_in_flight = max_in_flight
         self.token_budget = token_budget
 
@@ -36,16 +101,22 @@ class RolloutTransfer(abc.ABC):
     def layout(
         self, samples: Sequence[Sample], num_shards: int, micro_batch_size: int, pad_id: int
     ) -> list[list[MicroBatch]]:
-        """Per shard, the micro-batches it trains on (every sample exactly once, order kept)."""
+        """Per shard, the micro-batches it trains on (every sample exactly once)."""
 
-    def hand_over(
-        self, samples: Sequence[Sample], num_shards: int, micro_batch_size: int, pad_id: int
-    ) -> HandOver:
-        shards = self.layout(samples, num_shards, micro_batch_size, pad_id)
-        wire = sum(mb.nbytes for shard in shards for mb in shard)
-        padded = sum(int(mb.input_ids.numel()) for shard in shards for mb in shard)
-        real = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        return HandOver([ray.put(shard) for shard in shards], wire, padded, real)
+    @abc.abstractmethod
+    def deliver(self, request: RolloutRequest, route: Route) -> Delivery:
+        """Generate the rollout and leave every shard staged on its consumers."""
+
+    # ------------------------------------------------------------------ shared helper
+    @staticmethod
+    def _stage_all(route: Route, calls_for_shard: Callable[[int, Any], ray.ObjectRef]) -> list[ray.ObjectRef]:
+        return [calls_for_shard(shard, actor) for shard, actors in enumerate(route.consumers) for actor in actors]
+
+    @staticmethod
+    def _timed(timings: dict[str, float], key: str, t0: float) -> float:
+        now = time.perf_counter()
+        timings[key] = now - t0
+        return now
 
 
 def count_micro_batches(samples: Sequence[Sample], num_shards: int, micro_batch_size: int) -> list[list[list[Sample]]]:

@@ -47,6 +47,9 @@ class Sample:
     engine_logprobs: list[float] | Tensor | None = None  # per response token, from vLLM
     weight_version: int = 0  # policy version the engine generated it with
     index: int = 0  # position in the rollout, so order survives sharding and streaming
+    # Further per-response-token values (e.g. a full PPO experience: old/ref logprobs, values,
+    # advantages, returns), one entry per response token; they become `fields[name]` of a batch.
+    fields: dict[str, list[float] | Tensor] = field(default_factory=dict)
 
 
 def _as_ids(ids: list[int] | Tensor) -> Tensor:
@@ -251,14 +254,44 @@ class PackedBatch:
         )
         engine_logprobs = [s.engine_logprobs for s in samples]
         with_logprobs = sum(lp is not None for lp in engine_logprobs)
+        # Fields are scattered with the response lengths known here (recomputing them from the
+        # mask per field made this the slowest part of packing a rollout).
         if with_logprobs == len(samples):
-            batch.add_response_field(ENGINE_LOGPROBS, engine_logprobs)
+            batch.fields[ENGINE_LOGPROBS] = _scatter_response_values(action_mask, engine_logprobs, response_lens)
         elif with_logprobs:
             raise ValueError(
                 f"{with_logprobs} of {len(samples)} samples carry engine_logprobs; "
                 "either all samples of a batch carry them or none does"
             )
+        names = set(samples[0].fields)
+        for sample in samples:
+            if set(sample.fields) != names:
+                raise ValueError(
+                    f"sample index={sample.index} carries fields {sorted(sample.fields)}, the first sample "
+                    f"{sorted(names)}; every sample of a batch must carry the same fields"
+                )
+        for name in sorted(names):
+            batch.fields[name] = _scatter_response_values(action_mask, [s.fields[name] for s in samples], response_lens)
         return batch
+
+    @classmethod
+    def concat(cls, batches: Sequence[PackedBatch]) -> PackedBatch:
+        """One batch holding `batches`' sequences in order (they must carry the same fields)."""
+        if not batches:
+            raise ValueError("cannot concatenate zero batches")
+        names = set(batches[0].fields)
+        if any(set(b.fields) != names for b in batches):
+            raise ValueError(f"batches carry different fields: {[sorted(b.fields) for b in batches]}")
+        return cls(
+            input_ids=torch.cat([b.input_ids for b in batches]),
+            cu_seqlens=_cu_seqlens(torch.cat([b.seq_lens for b in batches])),
+            position_ids=torch.cat([b.position_ids for b in batches]),
+            action_mask=torch.cat([b.action_mask for b in batches]),
+            scores=torch.cat([b.scores for b in batches]),
+            indices=torch.cat([b.indices for b in batches]),
+            weight_versions=torch.cat([b.weight_versions for b in batches]),
+            fields={name: torch.cat([b.fields[name] for b in batches]) for name in sorted(names)},
+        )
 
     def to_padded(self, pad_id: int, pad_to: int | None = None) -> PaddedBatch:
         """Right-pad to the longest sequence, or to `pad_to` tokens (must fit every sequence)."""
@@ -315,6 +348,7 @@ class PackedBatch:
                     engine_logprobs=per_sample_fields[b].get(ENGINE_LOGPROBS),
                     weight_version=int(self.weight_versions[b]),
                     index=int(self.indices[b]),
+                    fields={k: v for k, v in per_sample_fields[b].items() if k != ENGINE_LOGPROBS},
                 )
             )
         return samples
@@ -396,6 +430,40 @@ class PackedBatch:
         return _tensors_nbytes(_all_tensors(self))
 
 
+# --------------------------------------------------------------------------- wire format
+def _to_wire(t: Tensor):
+    # CPU tensors travel as numpy arrays: pickle protocol 5 ships their bytes out of band, so Ray
+    # copies them straight into (and maps them straight out of) the object store, and a view
+    # ships only its own bytes. Plain torch pickling goes through a byte stream at a fraction of
+    # memcpy speed.
+    return t.numpy() if t.device.type == "cpu" else t
+
+
+def _from_wire(a) -> Tensor:
+    import warnings
+
+    if isinstance(a, Tensor):
+        return a
+    with warnings.catch_warnings():
+        # Arrays mapped from Ray's object store are read-only; nothing writes into experience
+        # tensors in place (every step makes new tensors), so they are used without a copy.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+def _rebuild_batch(cls, tensors: dict, fields: dict):
+    return cls(**{k: _from_wire(v) for k, v in tensors.items()}, fields={k: _from_wire(v) for k, v in fields.items()})
+
+
+def _reduce_batch(batch):
+    tensors = {f.name: _to_wire(getattr(batch, f.name)) for f in dataclass_fields(batch) if f.name != "fields"}
+    return _rebuild_batch, (type(batch), tensors, {k: _to_wire(v) for k, v in batch.fields.items()})
+
+
+PaddedBatch.__reduce__ = _reduce_batch  # type: ignore[method-assign]
+PackedBatch.__reduce__ = _reduce_batch  # type: ignore[method-assign]
+
+
 # --------------------------------------------------------------------------- layout-independent
 def _scatter_response_values(
     action_mask: Tensor, per_sample: Sequence[Tensor | list[float]], response_lens: Tensor
@@ -444,6 +512,17 @@ def split_by_count(n_seqs: int, micro_batch_size: int) -> list[range]:
     if n_seqs < 0:
         raise ValueError(f"n_seqs={n_seqs} must be >= 0")
     return [range(s, min(s + micro_batch_size, n_seqs)) for s in range(0, n_seqs, micro_batch_size)]
+
+
+def near_equal_ranges(n: int, parts: int) -> list[range]:
+    """`parts` contiguous ranges covering 0..n-1, sizes differing by at most one (larger first)."""
+    base, extra = divmod(n, parts)
+    ranges, start = [], 0
+    for k in range(parts):
+        size = base + (1 if k < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
 
 
 def shard_for_ranks(n: int, num_ranks: int) -> list[range]:

@@ -1,11 +1,21 @@
-"""Baseline: every sequence padded to the whole batch's longest, assembled on the driver."""
+"""Baseline: the driver gathers every sample, pads all of them to the batch's longest, sends shards.
+
+This is the data path that does not scale (OpenRLHF's before its fixes), kept as the honest
+reference point: engines return whole samples to the driver, the driver scores them, pads every
+field to the global max length and puts one object per shard.
+"""
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
-from rlhf_orch.transfer.base import MicroBatch, RolloutTransfer, count_micro_batches
+import ray
+
+from rlhf_orch.transfer.base import Delivery, MicroBatch, RolloutRequest, RolloutTransfer, Route, count_micro_batches
 from rlhf_orch.transfer.batch import PaddedBatch, Sample
+from rlhf_orch.transfer.engine_side import RolloutMeta
+from rlhf_orch.transfer.plan import prompt_chunks, whole_prompt_requests
 
 
 class PaddedTransfer(RolloutTransfer):
@@ -15,3 +25,42 @@ class PaddedTransfer(RolloutTransfer):
             [PaddedBatch.from_samples(mb, pad_id, pad_to=global_max) for mb in shard]
             for shard in count_micro_batches(samples, num_shards, micro_batch_size)
         ]
+
+    def deliver(self, request: RolloutRequest, route: Route) -> Delivery:
+        timings: dict[str, float] = {}
+        t = time.perf_counter()
+        chunks = prompt_chunks(len(request.prompts), len(route.engines))
+        calls = [
+            engine.produce_samples.remote(whole_prompt_requests(chunk, request.samples_per_prompt), request.job(chunk, None))
+            for engine, chunk in zip(route.engines, chunks)
+            if len(chunk)
+        ]
+        parts = route.get(calls, "generating", engine_call=True)
+        samples = sorted((s for part, _ in parts for s in part), key=lambda s: s.index)
+        generated_at = max(at for _, at in parts)  # the engines' clock: generation end, before the gather
+        t = self._timed(timings, "generate", t)
+
+        texts = request.decode([s.response_ids.tolist() for s in samples])
+        for sample, text in zip(samples, texts):
+            sample.reward = float(request.scorer(request.prompts[sample.index // request.samples_per_prompt], text))
+        t = self._timed(timings, "reward", t)
+
+        shards = self.layout(samples, request.num_shards, request.micro_batch_size, request.pad_id)
+        refs = [ray.put(shard) for shard in shards]
+        route.get(self._stage_all(route, lambda shard, actor: actor.stage.remote(shard, refs[shard])), "handing experience to the trainers")
+        self._timed(timings, "hand_over", t)
+        # From "generation finished" to "every trainer holds its data": the gather to the driver,
+        # scoring there, padding, one put per shard, and the trainers' fetch.
+        timings["transfer"] = timings["transfer_after_generate"] = time.time() - generated_at
+        meta = RolloutMeta(
+            indices=[s.index for s in samples],
+            seq_lens=[len(s.prompt_ids) + len(s.response_ids) for s in samples],
+            response_lens=[len(s.response_ids) for s in samples],
+            rewards=[s.reward for s in samples],
+        )
+        return Delivery(
+            meta=meta,
+            wire_bytes=sum(mb.nbytes for shard in shards for mb in shard),
+            wire_tokens=sum(int(mb.input_ids.numel()) for shard in shards for mb in shard),
+            timings=timings,
+        )

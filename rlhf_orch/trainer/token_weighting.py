@@ -1,0 +1,107 @@
+"""Optimizer steps over micro-batches whose count and size vary (token-budget packing).
+
+Count-based micro-batches give every optimizer step `train_batch / (micro x dp)` equal passes and
+DeepSpeed's own gradient-accumulation counter works. Token-budget micro-batches do not divide
+that way, so the worker drives the boundary itself (`set_gradient_accumulation_boundary`) and
+weights each micro-batch's token-mean loss by `tokens_mb / tokens_step x dp` (tokens_step summed
+over data-parallel ranks; DeepSpeed averages gradients over the dp ranks). The update is then the
+token mean over the optimizer step's sequences, whatever the micro-batch cut -- so the same
+rollout gives the same loss and update under every transfer strategy. Ranks agree on the step
+boundaries because the planners give every rank the same number of micro-batches.
+
+Also the row view GAE needs: per-token experience of a packed micro-batch is laid out as
+`[b, L-1]` rows here (on this rank, CPU) and the results go back to the packed layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import singledispatch
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, near_equal_ranges
+
+
+@dataclass(frozen=True)
+class OptimizerStepPlan:
+    step_of: tuple[int, ...]  # micro-batch position -> optimizer step
+    boundaries: frozenset[int]  # positions after which the optimizer steps
+    step_tokens: tuple[int, ...]  # action tokens per step, summed over data-parallel ranks
+    world_size: int
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_tokens)
+
+    def weight(self, position: int, tokens: int) -> float:
+        return tokens * self.world_size / max(self.step_tokens[self.step_of[position]], 1)
+
+    def is_boundary(self, position: int) -> bool:
+        return position in self.boundaries
+
+
+def _all_reduce_sum(values: list[int], world_size: int) -> list[int]:
+    import torch.distributed as dist
+
+    if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return [int(round(v)) for v in t.tolist()]
+
+
+def plan_optimizer_steps(mbs: Sequence[Any], train_batch_size: int, world_size: int) -> OptimizerStepPlan:
+    """Steps per epoch = rollout sequences (all ranks) / train_batch_size, at least 1, at most
+    one per micro-batch; micro-batches are grouped contiguously."""
+    if not mbs:
+        raise ValueError("no micro-batches to train on")
+    sequences = sum(int((mb.indices >= 0).sum()) for mb in mbs)  # stand-ins for empty micro-batches have index -1
+    (global_sequences,) = _all_reduce_sum([sequences], world_size)
+    num_steps = max(1, min(len(mbs), global_sequences // max(train_batch_size, 1)))
+    groups = near_equal_ranges(len(mbs), num_steps)
+    local_tokens = [sum(int(mbs[p].action_mask.sum()) for p in g) for g in groups]
+    step_tokens = _all_reduce_sum(local_tokens, world_size)
+    step_of = tuple(k for k, g in enumerate(groups) for _ in g)
+    return OptimizerStepPlan(step_of, frozenset(g[-1] for g in groups), tuple(step_tokens), world_size)
+
+
+# --------------------------------------------------------------------------- rows for GAE
+@singledispatch
+def _as_rows(mb: Any, fields: dict[str, Tensor], pad_id: int) -> PaddedBatch:
+    raise TypeError(type(mb).__name__)
+
+
+@_as_rows.register
+def _(mb: PaddedBatch, fields: dict[str, Tensor], pad_id: int) -> PaddedBatch:
+    return dataclasses.replace(mb.to("cpu"), fields={k: v.cpu() for k, v in fields.items()})
+
+
+@_as_rows.register
+def _(mb: PackedBatch, fields: dict[str, Tensor], pad_id: int) -> PaddedBatch:
+    return dataclasses.replace(mb.to("cpu"), fields={k: v.cpu() for k, v in fields.items()}).to_padded(pad_id)
+
+
+def rows_for_targets(
+    mbs: Sequence[Any], old: Sequence[Tensor], ref: Sequence[Tensor], values: Sequence[Tensor], pad_id: int
+) -> list[PaddedBatch]:
+    return [_as_rows(mb, {"old": o, "ref": r, "values": v}, pad_id) for mb, o, r, v in zip(mbs, old, ref, values)]
+
+
+@singledispatch
+def targets_in_layout(mb: Any, rows: PaddedBatch, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    raise TypeError(type(mb).__name__)
+
+
+@targets_in_layout.register
+def _(mb: PaddedBatch, rows: PaddedBatch, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v.to(mb.input_ids.device) for k, v in tensors.items()}
+
+
+@targets_in_layout.register
+def _(mb: PackedBatch, rows: PaddedBatch, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    packed = dataclasses.replace(rows, fields=dict(tensors)).to_packed()
+    return {k: v.to(mb.input_ids.device) for k, v in packed.fields.items()}
