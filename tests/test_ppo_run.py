@@ -80,3 +80,46 @@ def test_dead_engine_stops_the_run_and_keeps_finished_steps(tmp_path):
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1]  # the finished step is on disk
     assert not ray.is_initialized()  # Ray was shut down on the way out
+
+
+LAYOUTS = {
+    # One logical GPU shared by every role, each with its fraction.
+    "colocated": ["placement=colocated", "placement.gpus_per_node=1", "placement.actor_ranks=1",
+                  "placement.critic_ranks=1", "placement.reference_ranks=1", "placement.engines=1",
+                  "launcher.logical_gpus=1"],
+    # Disjoint trainer and vLLM GPUs; the reference shares the actor's GPU.
+    "split": ["placement=split", "placement.gpus_per_node=3", "placement.actor_gpus=1",
+              "placement.critic_gpus=1", "placement.vllm_gpus=1", "launcher.logical_gpus=3"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_ppo_step_on_logical_gpu_layout_lands_where_planned(tmp_path, layout):
+    cfg = compose_config(["experiment=quick", "algo.num_steps=1", *LAYOUTS[layout]])
+    launcher = instantiate(cfg.launcher)
+    typed, plan = check(cfg, launcher)
+    seen: dict[tuple[str, int], dict] = {}
+
+    def record_placement(step: int, loop) -> None:
+        a = loop.actors
+        for info in ray.get([x.placement.remote() for x in (*a.engines, *a.policy, *a.critic, *a.reference)]):
+            seen[(info["role"], info["rank"])] = info
+
+    run_training(cfg, typed, plan, launcher, tmp_path, callbacks=[record_placement])
+    assert len(_metrics(tmp_path)) == 1
+    # Every process of the plan ran and holds exactly the GPU its bundle was given.
+    gpu_of_bundle: dict[int, str] = {}
+    for slot in plan.slots:
+        if slot.role == "reward":
+            continue
+        info = seen[(slot.role, slot.rank)]
+        assert len(info["gpu_ids"]) == 1
+        gpu = info["gpu_ids"][0]
+        assert gpu_of_bundle.setdefault(slot.bundles[0], gpu) == gpu  # same bundle -> same GPU
+    trainer_gpus = {seen[("actor", 0)]["gpu_ids"][0], seen[("critic", 0)]["gpu_ids"][0]}
+    engine_gpus = {seen[("engine", 0)]["gpu_ids"][0]}
+    if layout == "split":
+        assert trainer_gpus.isdisjoint(engine_gpus)
+        assert seen[("reference", 0)]["gpu_ids"] == seen[("actor", 0)]["gpu_ids"]
+    else:
+        assert trainer_gpus == engine_gpus

@@ -11,7 +11,7 @@ Derived quantities (divisibility, GPU counts, lengths) are checked in `rlhf_orch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -84,11 +84,19 @@ class TransferConfig:
 # --------------------------------------------------------------------------- sync
 @dataclass
 class SyncConfig:
-    """How weights move from trainer rank(s) to every engine after each step."""
+    """How weights move from trainer rank(s) to every engine after each step.
+
+    The ClassVars are not config keys: they say what each strategy needs, for
+    `validate._sync_backend` (no per-strategy branches there).
+    """
 
     _target_: str = MISSING
     backend: str = "gloo"  # "gloo" or "nccl"; honoured, never silently replaced
     timeout_s: float = 120.0
+
+    backends: ClassVar[tuple[str, ...]] = ("gloo", "nccl")  # transports this strategy can use
+    needs_colocated_engines: ClassVar[bool] = False  # engine and trainer share a GPU (CUDA IPC)
+    min_policy_ranks: ClassVar[int] = 1
 
 
 @dataclass
@@ -100,6 +108,40 @@ class PerTensorSyncConfig(SyncConfig):
 class BucketedSyncConfig(SyncConfig):
     _target_: str = "rlhf_orch.sync.bucketed.BucketedBroadcastSync"
     bucket_mb: float = 256.0
+
+
+@dataclass
+class MultiSenderSyncConfig(BucketedSyncConfig):
+    """Several policy ranks send at once, each a share of the buckets (or of the engines)."""
+
+    _target_: str = "rlhf_orch.sync.multi_sender.MultiSenderBroadcastSync"
+    senders: int = 2  # used: min(senders, placement.actor_ranks)
+    shard_by: str = "buckets"  # "buckets" or "engines"
+
+    min_policy_ranks: ClassVar[int] = 2
+
+
+@dataclass
+class ObjectStoreSyncConfig(SyncConfig):
+    """Buckets through Ray's object store: no collective group between trainer and engines."""
+
+    _target_: str = "rlhf_orch.sync.object_store.ObjectStoreSync"
+    backend: str = "ray"
+    bucket_mb: float = 256.0
+
+    backends: ClassVar[tuple[str, ...]] = ("ray",)
+
+
+@dataclass
+class CudaIpcSyncConfig(SyncConfig):
+    """Colocated trainer and engine on one GPU: CUDA IPC handles of bucket buffers, no link."""
+
+    _target_: str = "rlhf_orch.sync.cuda_ipc.CudaIpcSync"
+    backend: str = "cuda_ipc"
+    bucket_mb: float = 512.0
+
+    backends: ClassVar[tuple[str, ...]] = ("cuda_ipc",)
+    needs_colocated_engines: ClassVar[bool] = True
 
 
 # --------------------------------------------------------------------------- data
@@ -266,7 +308,13 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "split_schema": SplitPlacementConfig,
     },
     "transfer": {"transfer_schema": TransferConfig},
-    "sync": {"per_tensor_schema": PerTensorSyncConfig, "bucketed_schema": BucketedSyncConfig},
+    "sync": {
+        "per_tensor_schema": PerTensorSyncConfig,
+        "bucketed_schema": BucketedSyncConfig,
+        "multi_sender_schema": MultiSenderSyncConfig,
+        "object_store_schema": ObjectStoreSyncConfig,
+        "cuda_ipc_schema": CudaIpcSyncConfig,
+    },
     "data": {"digit_task_schema": DigitTaskConfig},
     "model": {"tiny_schema": TinyModelConfig, "hf_schema": HFModelConfig},
     "algo": {"ppo_schema": PPOConfig},

@@ -122,21 +122,54 @@ def _lengths(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem
     return []
 
 
+# Transports that need real CUDA devices, with the CPU alternative to name in the fix.
+_CUDA_BACKENDS = {
+    "nccl": ("NCCL", "use the gloo variant of the same strategy (e.g. sync=gloo_bucketed instead of sync=nccl_bucketed)"),
+    "cuda_ipc": ("CUDA IPC", "use sync=gloo_bucketed (or sync=object_store where no collective group can be formed)"),
+}
+
+
 def _sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     problems = []
-    backend = cfg.sync.backend
-    if backend not in ("gloo", "nccl"):
-        problems.append(Problem("sync.backend", backend, "use 'gloo' or 'nccl'"))
-    elif backend == "nccl" and not hw.cuda:
+    sync = cfg.sync
+    backend = sync.backend
+    # What the chosen strategy needs is declared on its schema (ClassVars), not listed here.
+    if backend not in sync.backends:
+        problems.append(Problem("sync.backend", backend, f"this strategy supports {' or '.join(map(repr, sync.backends))}"))
+    elif backend in _CUDA_BACKENDS and not hw.cuda:
         problems.append(
             Problem(
                 "sync.backend",
                 backend,
-                "NCCL needs CUDA GPUs and this machine has none; use the gloo variant of the same strategy "
-                "(e.g. sync=gloo_bucketed instead of sync=nccl_bucketed)",
+                f"{_CUDA_BACKENDS[backend][0]} needs CUDA GPUs and this machine has none; {_CUDA_BACKENDS[backend][1]}",
             )
         )
-    bucket_mb = getattr(cfg.sync, "bucket_mb", None)
+    if sync.needs_colocated_engines and plan.layout != "colocated":
+        problems.append(
+            Problem(
+                "placement",
+                plan.layout,
+                "CUDA IPC hands over GPU memory, so every engine must share a GPU with the policy: "
+                "use placement=colocated, or sync=nccl_bucketed for separate GPUs",
+            )
+        )
+    actor_ranks = len(plan.slots_for("actor"))
+    if actor_ranks < sync.min_policy_ranks:
+        problems.append(
+            Problem(
+                "placement.actor_ranks",
+                actor_ranks,
+                f"this sync strategy shards the sending over >= {sync.min_policy_ranks} policy ranks; set "
+                f"placement.actor_ranks={sync.min_policy_ranks} (or more), or use sync=gloo_bucketed with one rank",
+            )
+        )
+    senders = getattr(sync, "senders", None)
+    if senders is not None and senders < 1:
+        problems.append(Problem("sync.senders", senders, "must be >= 1 (policy ranks that send at once)"))
+    shard_by = getattr(sync, "shard_by", None)
+    if shard_by is not None and shard_by not in ("buckets", "engines"):
+        problems.append(Problem("sync.shard_by", shard_by, "use 'buckets' (each sender a share of the buckets) or 'engines'"))
+    bucket_mb = getattr(sync, "bucket_mb", None)
     if bucket_mb is not None and bucket_mb <= 0:
         problems.append(Problem("sync.bucket_mb", bucket_mb, "must be > 0 (typical: 64-1024)"))
     return problems
@@ -175,6 +208,27 @@ def _roles(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     return problems
 
 
+def _transfer(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    """Rollout transfer knobs: the in-flight bound and the packed token budget vs sequence length."""
+    t, d, a = cfg.transfer, cfg.data, cfg.algo
+    problems = []
+    if t.max_in_flight < 1:
+        problems.append(Problem("transfer.max_in_flight", t.max_in_flight, "must be >= 1 (micro-batches handed over but not yet staged; typical 2-8)"))
+    longest = d.prompt_max_len + d.response_max_len
+    if t.token_budget < 0:
+        problems.append(Problem("transfer.token_budget", t.token_budget, f"must be >= 0; 0 derives algo.micro_batch_size x {longest}"))
+    elif 0 < t.token_budget < longest:
+        problems.append(
+            Problem(
+                "transfer.token_budget",
+                t.token_budget,
+                f"a sequence can be data.prompt_max_len + data.response_max_len = {longest} tokens and must fit one "
+                f"micro-batch; set transfer.token_budget >= {longest} (or 0 to derive {a.micro_batch_size} x {longest})",
+            )
+        )
+    return problems
+
+
 def _model_source(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     path = getattr(cfg.model, "name_or_path", None)
     if path and (path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().exists()):
@@ -192,6 +246,7 @@ CHECKS: tuple[Callable[[RootConfig, PlacementPlan, Hardware], list[Problem]], ..
     _algorithm,
     _roles,
     _model_source,
+    _transfer,
 )
 
 

@@ -11,6 +11,8 @@ import ray
 
 from rlhf_orch.sync.buckets import Bucket, TensorMeta
 from rlhf_orch.sync.group import GroupAddress
+from rlhf_orch.transfer.engine_side import Completion, RolloutJob, RolloutProducer
+from rlhf_orch.transfer.plan import CompletionRequest
 
 
 @dataclass
@@ -40,8 +42,12 @@ class Generation:
     weight_version: int
 
 
-class VLLMEngine:
-    """Wraps `vllm.LLM` in the actor's own process (no extra engine-core process)."""
+class VLLMEngine(RolloutProducer):
+    """Wraps `vllm.LLM` in the actor's own process (no extra engine-core process).
+
+    As a `RolloutProducer` it also builds, scores and hands over experience itself (see
+    `rlhf_orch.transfer.engine_side`): it supplies `_complete` and `_decode` below.
+    """
 
     def __init__(self, spec: EngineSpec, engine_index: int):
         # Keep the engine core in this process so Ray's placement and GPU ids apply to it.
@@ -85,6 +91,41 @@ class VLLMEngine:
                 )
         return gens
 
+    def _complete(self, requests, job: RolloutJob):
+        """Continuous batching over all `requests`; yields each request's completions as it finishes."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [
+            SamplingParams(n=r.count, max_tokens=job.max_tokens, temperature=job.temperature, logprobs=0, detokenize=False)
+            for r in requests
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=job.prompt_ids[r.prompt_index]) for r in requests]
+        request_ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        # enqueue returns vLLM's internal ids ("<external>-<8 random chars>"); outputs carry the
+        # external one. Key by the external id.
+        by_id: dict[str, CompletionRequest] = {str(rid).rsplit("-", 1)[0]: r for rid, r in zip(request_ids, requests)}
+        engine = self.llm.llm_engine
+        while by_id and engine.has_unfinished_requests():
+            for out in engine.step():
+                key = str(out.request_id)
+                if not out.finished or key not in by_id:
+                    continue
+                request = by_id.pop(key)
+                first = request.indices(job.samples_per_prompt).start
+                prompt_ids = list(out.prompt_token_ids)
+                completions = []
+                for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+                    ids = list(comp.token_ids)
+                    lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
+                    completions.append(Completion(first + j, prompt_ids, ids, lps))
+                yield completions
+        if by_id:
+            raise RuntimeError(f"vLLM finished without answering {len(by_id)} request(s)")
+
+    def _decode(self, token_ids):
+        return self.llm.get_tokenizer().batch_decode([list(map(int, t)) for t in token_ids], skip_special_tokens=True)
+
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Logprob of every token after the first, as the engine's current weights score it."""
         from vllm import SamplingParams
@@ -102,21 +143,41 @@ class VLLMEngine:
     def join_weight_group(self, address: GroupAddress, rank_offset: int) -> list[int]:
         return self.llm.collective_rpc("rlhf_join_weight_group", args=(address, rank_offset))
 
-    def receive_buckets(self, buckets: list[Bucket], src_of_bucket: list[int], version: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        nbytes = self.llm.collective_rpc("rlhf_receive_buckets", args=(buckets, src_of_bucket))
-        return self._finish_update(version, sum(nbytes), t0)
+    def receive_buckets(
+        self, buckets: list[Bucket], routes: list[tuple[str, int]], version: int, receive_ahead: int = 1, load: bool = True
+    ) -> dict[str, Any]:
+        """One call per update: stream every bucket (bucket i from group/rank routes[i]) into vLLM.
 
-    def begin_update(self) -> None:
-        self.llm.collective_rpc("rlhf_begin_update")
+        `load=False` only profiles the transport (scripts/bench_sync.py): the weights stay as they were.
+        """
+        t0 = time.perf_counter()
+        per_worker = self.llm.collective_rpc("rlhf_receive_buckets", args=(buckets, routes, receive_ahead, load))
+        report = self._finish_update(version, sum(w["bytes"] for w in per_worker), t0)
+        # Time this engine sat waiting for the wire (the rest of `seconds` is vLLM's load).
+        report["wire_wait_s"] = max(w["wait_s"] for w in per_worker)
+        return report
+
+    def begin_update(self, buckets: list[Bucket] | None = None) -> None:
+        self.llm.collective_rpc("rlhf_begin_update", args=(buckets,))
 
     def receive_tensor(self, meta: TensorMeta, src: int) -> int:
         return sum(self.llm.collective_rpc("rlhf_receive_tensor", args=(meta, src)))
+
+    def load_bucket(self, bucket: Bucket, payload: Any, capacity: int) -> int:
+        """One handed-over bucket (object store ref, CUDA IPC handle) inside the open session."""
+        return sum(self.llm.collective_rpc("rlhf_load_bucket", args=(bucket, payload, capacity)))
 
     def finish_update(self, version: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.llm.collective_rpc("rlhf_finish_update")
         return self._finish_update(version, 0, t0)
+
+    def receive_raw_broadcast(self, nbytes: int) -> float:
+        """The benchmark's limit: one raw broadcast into a kept buffer (see PolicyWorker.send_raw_broadcast)."""
+        return max(self.llm.collective_rpc("rlhf_receive_raw", args=(nbytes,)))
+
+    def drop_raw_broadcast_buffer(self) -> None:
+        self.llm.collective_rpc("rlhf_drop_raw_buffer")
 
     def _finish_update(self, version: int, nbytes: int, t0: float) -> dict[str, Any]:
         # Cached prefixes were computed with the old weights: drop them, then publish the version.
@@ -132,6 +193,11 @@ class VLLMEngine:
 
     def ping(self) -> int:
         return self.index
+
+    def placement(self) -> dict[str, Any]:
+        from rlhf_orch.topology.introspect import where_am_i
+
+        return where_am_i("engine", self.index)
 
 
 VLLMEngineActor = ray.remote(VLLMEngine)

@@ -16,7 +16,7 @@ from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorke
 _ACTOR_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_LEVEL": "ERROR",
     "TRANSFORMERS_VERBOSITY": "error",
 }
 

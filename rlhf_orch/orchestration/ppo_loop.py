@@ -1,7 +1,9 @@
-"""The PPO loop, readable top to bottom: generate -> score -> hand over -> experience -> train -> sync.
+"""The PPO loop, readable top to bottom: rollout (generate, score, hand over) -> experience -> train -> sync.
 
-The driver holds prompts, token ids of the responses and scalar rewards; the experience tensors
-move between actors as Ray object references (the driver never materialises them).
+The rollout's data path is the `transfer` strategy's business (`RolloutTransfer.deliver`): with
+`micro_batched` and `packed` the engines score and hand experience to the trainers themselves and
+the driver holds only prompts, lengths and rewards; `padded` is the gather-on-the-driver baseline.
+After that, experience tensors move between actors as Ray object references.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ import ray
 from rlhf_orch.algo.experience import AdvantageSettings
 from rlhf_orch.orchestration.actors import RoleActors
 from rlhf_orch.sync.base import WeightSync
-from rlhf_orch.transfer.base import RolloutTransfer
-from rlhf_orch.transfer.batch import Sample
+from rlhf_orch.transfer.base import Delivery, RolloutRequest, RolloutTransfer, Route
 
 
 class EngineDiedError(RuntimeError):
@@ -33,6 +34,7 @@ class LoopSettings:
     temperature: float
     seed: int
     step_timeout_s: float
+    max_seq_len: int = 0  # prompt_max_len + response_max_len (0: longest prompt + response_max_len)
 
 
 class PPOLoop:
@@ -61,23 +63,12 @@ class PPOLoop:
         timings: dict[str, float] = {}
         t_step = time.perf_counter()
 
-        # 1. Generate: prompts split over engines, each engine samples `samples_per_prompt` each.
-        t = time.perf_counter()
+        # 1-3. Rollout: generate, score with the rule, and stage every data-parallel shard on the
+        #      policy, critic and reference ranks that need it (how: the transfer strategy).
         prompts = self.task.sample_prompts(s.rollout_batch_size, step)
-        generations = self._generate(prompts, step)
-        timings["generate"] = time.perf_counter() - t
-
-        # 2. Score with the rule (cheap, on the driver: it needs only text).
-        t = time.perf_counter()
-        samples = self._score(prompts, generations)
-        timings["reward"] = time.perf_counter() - t
-
-        # 3. Hand over: each data-parallel shard goes once to every worker that needs it.
-        t = time.perf_counter()
-        handover = self.transfer.hand_over(samples, len(self.actors.policy), s.micro_batch_size, self.tokenizer.pad_token_id)
-        shards = handover.shard_refs
-        self._get(self._stage_calls(shards), "handing experience to the trainers")
-        timings["transfer"] = time.perf_counter() - t
+        delivery = self.transfer.deliver(self._rollout_request(prompts), self._route())
+        timings.update(delivery.timings)
+        shards = range(len(self.actors.policy))
 
         # 4. Experience: reference logprobs and values (object refs), then old logprobs + GAE
         #    on the policy ranks, which pass the critic its returns.
@@ -111,47 +102,33 @@ class PPOLoop:
         timings["sync"] = time.perf_counter() - t
         timings["step"] = time.perf_counter() - t_step
 
-        return self._metrics(step, samples, handover, exp_stats, policy_stats, critic_stats, report, timings)
+        return self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, report, timings)
 
     # ------------------------------------------------------------------ pieces
-    def _generate(self, prompts: Sequence[Any], step: int) -> list[Any]:
+    def _rollout_request(self, prompts: Sequence[Any]) -> RolloutRequest:
         s = self.settings
-        engines = self.actors.engines
-        encoded = [self.tokenizer(p.text).input_ids for p in prompts]
-        chunks = [list(range(len(prompts)))[i :: len(engines)] for i in range(len(engines))]
-        calls = [
-            engine.generate.remote(
-                [encoded[i] for i in chunk], chunk, s.samples_per_prompt, s.response_max_len, s.temperature
-            )
-            for engine, chunk in zip(engines, chunks)
-            if chunk
+        tokenizer = self.tokenizer
+        prompt_ids = [tokenizer(p.text).input_ids for p in prompts]
+        return RolloutRequest(
+            prompts=list(prompts),
+            prompt_ids=prompt_ids,
+            samples_per_prompt=s.samples_per_prompt,
+            max_tokens=s.response_max_len,
+            temperature=s.temperature,
+            scorer=self.task.reward,
+            num_shards=len(self.actors.policy),
+            micro_batch_size=s.micro_batch_size,
+            pad_id=tokenizer.pad_token_id,
+            max_seq_len=s.max_seq_len or max(map(len, prompt_ids)) + s.response_max_len,
+            decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
+        )
+
+    def _route(self) -> Route:
+        """Per shard, every actor that stages it: its policy rank, critic and reference."""
+        consumers = [
+            [rank, self._critic_for(i), self._reference_for(i)] for i, rank in enumerate(self.actors.policy)
         ]
-        results = self._get(calls, "generating", engine_call=True)
-        gens = [g for r in results for g in r]
-        gens.sort(key=lambda g: g.prompt_index)  # stable: samples of one prompt stay together
-        return gens
-
-    def _score(self, prompts: Sequence[Any], generations: list[Any]) -> list[Sample]:
-        texts = self.tokenizer.batch_decode([g.response_ids for g in generations], skip_special_tokens=True)
-        samples = []
-        for index, (gen, text) in enumerate(zip(generations, texts)):
-            reward = float(self.task.reward(prompts[gen.prompt_index], text))
-            samples.append(
-                Sample(
-                    prompt_ids=gen.prompt_ids,
-                    response_ids=gen.response_ids,
-                    reward=reward,
-                    weight_version=gen.weight_version,
-                    index=index,
-                )
-            )
-        return samples
-
-    def _stage_calls(self, shards: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
-        calls = [rank.stage.remote(i, shards[i]) for i, rank in enumerate(self.actors.policy)]
-        calls += [self._critic_for(i).stage.remote(i, shards[i]) for i in range(len(shards))]
-        calls += [self._reference_for(i).stage.remote(i, shards[i]) for i in range(len(shards))]
-        return calls
+        return Route(engines=list(self.actors.engines), consumers=consumers, get=self._get)
 
     def _critic_for(self, shard: int):
         return self.actors.critic[shard % len(self.actors.critic)]
@@ -171,9 +148,9 @@ class PPOLoop:
         except ray.exceptions.GetTimeoutError as e:
             raise EngineDiedError(f"no answer within {self.settings.step_timeout_s:.0f}s while {what}") from e
 
-    def _metrics(self, step, samples, handover, exp_stats, policy_stats, critic_stats, report, timings) -> dict[str, Any]:
-        rewards = [s.reward for s in samples]
-        response_tokens = sum(len(s.response_ids) for s in samples)
+    def _metrics(self, step, delivery: Delivery, exp_stats, policy_stats, critic_stats, report, timings) -> dict[str, Any]:
+        rewards = delivery.meta.rewards
+        response_tokens = sum(delivery.meta.response_lens)
 
         def mean(rows: list[dict[str, float]], key: str) -> float:
             return sum(r[key] for r in rows) / max(len(rows), 1)
@@ -191,13 +168,14 @@ class PPOLoop:
             "policy/clipfrac": mean(policy_stats, "clipfrac"),
             "policy/approx_kl": mean(policy_stats, "approx_kl"),
             "critic/vf_clipfrac": mean(critic_stats, "vf_clipfrac"),
-            "response/mean_len": response_tokens / len(samples),
-            "transfer/wire_bytes": handover.wire_bytes,
-            "transfer/padded_tokens": handover.padded_tokens,
-            "transfer/real_tokens": handover.real_tokens,
+            "response/mean_len": response_tokens / len(rewards),
+            "response/max_len": max(delivery.meta.response_lens),
+            "transfer/wire_bytes": delivery.wire_bytes,
+            "transfer/padded_tokens": delivery.wire_tokens,
+            "transfer/real_tokens": delivery.real_tokens,
             "sync/bytes_per_engine": report.bytes_per_engine,
             "sync/gb_per_s": report.gb_per_s,
-            "perf/tokens_per_s": (handover.real_tokens) / max(timings["step"], 1e-9),
+            "perf/tokens_per_s": delivery.real_tokens / max(timings["step"], 1e-9),
             "perf/gen_tokens_per_s": response_tokens / max(timings["generate"], 1e-9),
         }
         metrics.update({f"time/{k}": v for k, v in timings.items()})

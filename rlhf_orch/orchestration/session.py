@@ -109,6 +109,7 @@ def run_training(
                         samples_per_prompt=a.samples_per_prompt,
                         micro_batch_size=a.micro_batch_size,
                         response_max_len=typed.data.response_max_len,
+                        max_seq_len=typed.data.prompt_max_len + typed.data.response_max_len,
                         temperature=a.temperature,
                         seed=typed.seed,
                         step_timeout_s=max(typed.sync.timeout_s, 600.0),

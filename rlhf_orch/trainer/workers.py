@@ -19,8 +19,10 @@ from rlhf_orch.algo.experience import AdvantageSettings, compute_targets
 from rlhf_orch.algo.ppo_math import masked_mean, policy_loss, value_loss
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config
 from rlhf_orch.trainer.forward import load_critic, load_policy, sequence_logprobs, sequence_values
+from rlhf_orch.trainer.token_weighting import OptimizerStepPlan, plan_optimizer_steps, rows_for_targets, targets_in_layout
 from rlhf_orch.trainer.weight_source import ModuleWeightSource
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch
+from rlhf_orch.transfer.inbox import ExperienceInbox
 
 
 @dataclass(frozen=True)
@@ -50,13 +52,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _as_padded(mb: PaddedBatch | PackedBatch, pad_id: int) -> PaddedBatch:
-    # Compute runs on right-padded micro-batches; a packed wire format is unpacked per micro-batch.
-    return mb.to_padded(pad_id) if isinstance(mb, PackedBatch) else mb
-
-
-class _Worker:
-    """Process set-up shared by all trainer roles."""
+class _Worker(ExperienceInbox):
+    """Process set-up shared by all trainer roles; receiving experience comes from `ExperienceInbox`."""
 
     role = "worker"
 
@@ -69,22 +66,16 @@ class _Worker:
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        # Experience this rank holds, by shard index: list of micro-batches.
-        self._staged: dict[int, list[PaddedBatch]] = {}
+        # Experience this rank holds, by shard index: list of micro-batches (padded or packed,
+        # as the transfer strategy delivered them; the forward takes both).
+        self._staged: dict[int, list[PaddedBatch | PackedBatch]] = {}
+        self.pad_id = spec.pad_id
 
     # ---------------------------------------------------------------- placement introspection
     def placement(self) -> dict[str, Any]:
-        import ray
+        from rlhf_orch.topology.introspect import where_am_i
 
-        ctx = ray.get_runtime_context()
-        return {
-            "role": self.role,
-            "rank": self.rank,
-            "node_id": ctx.get_node_id(),
-            "placement_group_id": ctx.get_placement_group_id(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "pid": os.getpid(),
-        }
+        return where_am_i(self.role, self.rank)
 
     # ---------------------------------------------------------------- distributed set-up
     def rendezvous_address(self) -> tuple[str, int]:
@@ -114,16 +105,32 @@ class _Worker:
         )
 
     # ---------------------------------------------------------------- experience hand-over
-    def stage(self, shard: int, micro_batches: list[PaddedBatch | PackedBatch]) -> int:
-        """Take this rank's share of the rollout (Ray resolves the object ref into the list)."""
-        self._staged[shard] = [_as_padded(mb, self.spec.pad_id).to(self.device) for mb in micro_batches]
-        return sum(mb.nbytes for mb in micro_batches)
+    def _receive(self, mb: PaddedBatch | PackedBatch) -> PaddedBatch | PackedBatch:
+        return mb.to(self.device)
 
-    def drop_staged(self) -> None:
-        self._staged.clear()
+    def _micro_batches(self, shard: int) -> list[PaddedBatch | PackedBatch]:
+        mbs = self._staged[shard]
+        if any(mb is None for mb in mbs):
+            raise RuntimeError(f"shard {shard}: {sum(mb is None for mb in mbs)} streamed micro-batches never arrived")
+        return mbs
 
-    def _micro_batches(self, shard: int) -> list[PaddedBatch]:
-        return self._staged[shard]
+    def _step_plan(self, mbs: list[PaddedBatch | PackedBatch]) -> OptimizerStepPlan:
+        """Optimizer steps over `mbs`, and each step's action tokens summed over data-parallel ranks."""
+        return plan_optimizer_steps(mbs, self.spec.train_batch_size, self.world_size)
+
+    def _accumulate(self, plan: OptimizerStepPlan, position: int, loss: torch.Tensor, tokens: int) -> float:
+        """Backward of one micro-batch weighted by its share of the step's tokens; step at the boundary.
+
+        The micro-batch loss is a token mean; times tokens / (step tokens over all ranks) x ranks it
+        becomes this micro-batch's share of the step's token mean (DeepSpeed then averages over
+        ranks). So the update is the token mean over the optimizer step's sequences however they
+        were cut into micro-batches -- count-based or token-budget, fixed or varying counts.
+        """
+        weight = plan.weight(position, tokens)
+        self.engine.set_gradient_accumulation_boundary(plan.is_boundary(position))
+        self.engine.backward(loss * weight, scale_wrt_gas=False)
+        self.engine.step()
+        return float(loss.detach()) * weight
 
     def _ds_engine(self, model: torch.nn.Module, lr: float):
         import deepspeed
@@ -149,7 +156,7 @@ class PolicyWorker(_Worker):
     role = "actor"
 
     def build(self) -> int:
-        model = load_policy(self.spec.model_path, self.spec.dtype).to(self.device)
+        model = load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device)
         model.config.use_cache = False
         self.engine = self._ds_engine(model, self.spec.lr)
         self.weights = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
@@ -166,32 +173,43 @@ class PolicyWorker(_Worker):
         ref_logprobs = [r.to(self.device) for r in ref_logprobs]
         values = [v.to(self.device) for v in values]
         old = [sequence_logprobs(self.engine, mb, self.spec.temperature).float() for mb in mbs]
+        # GAE runs backwards along each sequence: on [b, L-1] rows (packed micro-batches are
+        # unpacked here, in this process, for this math only), results go back to the mb's layout.
+        rows = rows_for_targets(mbs, old, ref_logprobs, values, self.spec.pad_id)
         targets, stats = compute_targets(
-            [mb.action_mask for mb in mbs], [mb.scores for mb in mbs], old, ref_logprobs, values, settings
+            [r.action_mask for r in rows],
+            [r.scores for r in rows],
+            [r.fields["old"] for r in rows],
+            [r.fields["ref"] for r in rows],
+            [r.fields["values"] for r in rows],
+            settings,
         )
-        for mb, lp, t in zip(mbs, old, targets):
+        returns = []
+        for mb, lp, r, t in zip(mbs, old, rows, targets):
+            in_layout = targets_in_layout(mb, r, {"advantages": t.advantages, "returns": t.returns})
             mb.fields["old_logprobs"] = lp
-            mb.fields["advantages"] = t.advantages
-        return stats, [t.returns.cpu() for t in targets]
+            mb.fields["advantages"] = in_layout["advantages"]
+            returns.append(in_layout["returns"].cpu())
+        return stats, returns
 
     def train(self, shard: int) -> dict[str, float]:
         self.engine.train()
+        mbs = self._micro_batches(shard)
+        plan = self._step_plan(mbs)
         totals: dict[str, float] = {"policy_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0}
-        n = 0
         for _ in range(self.spec.ppo_epochs):
-            for mb in self._micro_batches(shard):
+            for position, mb in enumerate(mbs):
                 logprobs = sequence_logprobs(self.engine, mb, self.spec.temperature)
                 loss, stats = policy_loss(
                     logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mb.action_mask, self.spec.clip_eps
                 )
-                self.engine.backward(loss)
-                self.engine.step()
-                totals["policy_loss"] += loss.item()
-                totals["clipfrac"] += float(stats["clipfrac"])
-                totals["approx_kl"] += float(stats["approx_kl"])
-                n += 1
+                tokens = int(mb.action_mask.sum())
+                totals["policy_loss"] += self._accumulate(plan, position, loss, tokens)
+                totals["clipfrac"] += float(stats["clipfrac"]) * plan.weight(position, tokens)
+                totals["approx_kl"] += float(stats["approx_kl"]) * plan.weight(position, tokens)
         self.drop_staged()
-        return {k: v / max(n, 1) for k, v in totals.items()}
+        # Token means per optimizer step, averaged over steps and epochs.
+        return {k: v / (plan.num_steps * self.spec.ppo_epochs) for k, v in totals.items()}
 
     # ---------------------------------------------------------------- weight sync
     def join_weight_group(self, address, rank: int) -> int:
@@ -200,10 +218,26 @@ class PolicyWorker(_Worker):
         self.weight_group = BroadcastGroup(address, rank)
         return rank
 
-    def weight_group_address(self, world_size: int, backend: str, timeout_s: float):
+    def weight_group_address(self, world_size: int, backend: str, timeout_s: float, name: str = "rlhf_orch_weights"):
         from rlhf_orch.sync.group import free_port_address
 
-        return free_port_address(world_size, backend, timeout_s)
+        return free_port_address(world_size, backend, timeout_s, name)
+
+    def send_raw_broadcast(self, nbytes: int) -> float:
+        """The sync's hardware limit: one broadcast of a pre-filled `nbytes` buffer (no packing, RPC, load).
+
+        The buffer is allocated and filled once and kept, so repetitions time the wire alone.
+        """
+        buf = getattr(self, "_raw_broadcast_buffer", None)
+        if buf is None or buf.numel() != nbytes:
+            buf = torch.ones(nbytes, dtype=torch.uint8, device=self.weight_group.device)
+            self._raw_broadcast_buffer = buf
+        t0 = time.perf_counter()
+        self.weight_group.broadcast(buf, 0).wait()
+        return time.perf_counter() - t0
+
+    def drop_raw_broadcast_buffer(self) -> None:
+        self._raw_broadcast_buffer = None
 
     def run_weight_sync(self, strategy, engines: list, version: int) -> dict[str, float]:
         """Every policy rank calls this (ZeRO-3 gathers are collective); senders also send."""
@@ -228,8 +262,12 @@ class PolicyWorker(_Worker):
     def perturb_weights(self, scale: float, seed: int) -> None:
         """Add seeded noise to every weight (tests: a sync must then change the engine)."""
         gen = torch.Generator().manual_seed(seed)
-        for p in self.engine.module.parameters():
-            p.add_(torch.randn(p.shape, generator=gen).to(p) * scale)
+        # Same seed on every rank: replicated weights (ZeRO-0/1/2) stay identical; under ZeRO-3
+        # the full parameters are gathered and rank 0's change is what gets re-partitioned.
+        names = [m.name for m in self.weights.metas()]
+        with self.weights.gathered(names, modifier_rank=0) as full:
+            for p in full.values():
+                p.add_(torch.randn(p.shape, generator=gen).to(p) * scale)
 
 
 class CriticWorker(_Worker):
@@ -238,7 +276,7 @@ class CriticWorker(_Worker):
     role = "critic"
 
     def build(self) -> int:
-        model = load_critic(self.spec.model_path, self.spec.dtype).to(self.device)
+        model = load_critic(self.spec.model_path, self.spec.dtype, self.device).to(self.device)
         self.engine = self._ds_engine(model, self.spec.lr)
         self._old_values: dict[int, list[torch.Tensor]] = {}
         return sum(p.numel() for p in model.parameters())
@@ -254,22 +292,26 @@ class CriticWorker(_Worker):
         import ray
 
         self.engine.train()
-        total, clip, n = 0.0, 0.0, 0
         # Refs nested in a dict are not resolved by Ray: fetch them here, worker to worker.
         returns_by_shard = {s: ray.get(r) if isinstance(r, ray.ObjectRef) else r for s, r in returns_by_shard.items()}
+        work = [
+            (mb, old_v, ret)
+            for shard, returns in sorted(returns_by_shard.items())
+            for mb, old_v, ret in zip(self._micro_batches(shard), self._old_values[shard], returns)
+        ]
+        plan = self._step_plan([mb for mb, _, _ in work])
+        total, clip = 0.0, 0.0
         for _ in range(self.spec.ppo_epochs):
-            for shard, returns in sorted(returns_by_shard.items()):
-                for mb, old_v, ret in zip(self._micro_batches(shard), self._old_values[shard], returns):
-                    values = sequence_values(self.engine, mb)
-                    loss, stats = value_loss(values, old_v, ret.to(self.device), mb.action_mask, self.spec.clip_eps)
-                    self.engine.backward(loss)
-                    self.engine.step()
-                    total += loss.item()
-                    clip += float(stats["vf_clipfrac"])
-                    n += 1
+            for position, (mb, old_v, ret) in enumerate(work):
+                values = sequence_values(self.engine, mb)
+                loss, stats = value_loss(values, old_v, ret.to(self.device), mb.action_mask, self.spec.clip_eps)
+                tokens = int(mb.action_mask.sum())
+                total += self._accumulate(plan, position, loss, tokens)
+                clip += float(stats["vf_clipfrac"]) * plan.weight(position, tokens)
         self.drop_staged()
         self._old_values.clear()
-        return {"value_loss": total / max(n, 1), "vf_clipfrac": clip / max(n, 1)}
+        steps = plan.num_steps * self.spec.ppo_epochs
+        return {"value_loss": total / steps, "vf_clipfrac": clip / steps}
 
 
 class ReferenceWorker(_Worker):
@@ -278,7 +320,7 @@ class ReferenceWorker(_Worker):
     role = "reference"
 
     def build(self) -> int:
-        self.model = load_policy(self.spec.model_path, self.spec.dtype).to(self.device).eval()
+        self.model = load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         return sum(p.numel() for p in self.model.parameters())
