@@ -51,9 +51,9 @@ def cuda_ipc_payload(packed: torch.Tensor) -> CudaIpcPayload:
 
 
 class CudaIpcSync(HandoverSync):
+    transport = "cuda_ipc"
+
     def __init__(self, backend: str = "cuda_ipc", timeout_s: float = 120.0, bucket_mb: float = 512.0):
-        if backend != "cuda_ipc":
-            raise ValueError(f"sync.backend={backend!r}: the CUDA IPC strategy has no other transport ('cuda_ipc')")
         super().__init__(backend, timeout_s, bucket_mb)
 
     def buffer_device(self) -> torch.device:

@@ -28,7 +28,14 @@ _SEND_BUFFERS = 2
 
 
 class HandoverSync(WeightSync):
+    #: The one transport a hand-over strategy has; `sync.backend` must name it.
+    transport: str
+
     def __init__(self, backend: str, timeout_s: float = 120.0, bucket_mb: float = 256.0):
+        if backend != self.transport:
+            raise ValueError(
+                f"sync.backend={backend!r}: {type(self).__name__} has one transport, {self.transport!r}"
+            )
         super().__init__(backend, timeout_s)
         self.bucket_mb = bucket_mb
 

@@ -33,9 +33,9 @@ class ObjectStorePayload:
 
 
 class ObjectStoreSync(HandoverSync):
+    transport = "ray"
+
     def __init__(self, backend: str = "ray", timeout_s: float = 120.0, bucket_mb: float = 256.0):
-        if backend != "ray":
-            raise ValueError(f"sync.backend={backend!r}: the object-store strategy moves buckets with Ray ('ray')")
         super().__init__(backend, timeout_s, bucket_mb)
 
     def buffer_device(self) -> torch.device:
