@@ -1,0 +1,41 @@
+"""Step loggers: console line, metrics.jsonl, and W&B in offline mode (no network, no key)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from rlhf_orch.logging.base import MetricsFile
+from rlhf_orch.logging.console import format_step_line
+from rlhf_orch.logging.wandb_logger import WandbLogger
+
+METRICS = {"reward/mean": 0.5, "kl": 0.01, "loss/policy": -0.1, "time/step": 0.4, "time/sync": 0.02}
+
+
+def test_console_line_shows_the_key_metrics():
+    line = format_step_line(3, 10, METRICS)
+    assert line.startswith("step    3/10")
+    assert "reward 0.500" in line and "sync 0.02s" in line
+
+
+def test_metrics_file_appends_one_json_object_per_step(tmp_path):
+    f = MetricsFile(tmp_path)
+    f.write({"step": 1, **METRICS})
+    f.write({"step": 2, "reward/mean": math.nan})  # non-finite values become null, not invalid JSON
+    f.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[1]["reward/mean"] is None
+
+
+def test_wandb_logger_runs_offline_into_the_run_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="rlhf_orch_test")
+    logger.start(str(tmp_path), {"algo": {"num_steps": 2}}, "unit")
+    logger.log(1, METRICS)
+    logger.log(2, METRICS)
+    logger.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("*.wandb"))  # the offline run's data file was written
