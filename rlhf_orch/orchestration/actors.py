@@ -18,6 +18,8 @@ _ACTOR_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_LOGGING_LEVEL": "ERROR",
     "TRANSFORMERS_VERBOSITY": "error",
+    # vLLM's CPU build imports a deprecated torch.distributed alias; the warning says nothing to users.
+    "PYTHONWARNINGS": "ignore::FutureWarning",
 }
 
 
