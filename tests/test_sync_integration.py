@@ -15,6 +15,8 @@ import pytest
 import ray
 
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
+from rlhf_orch.transfer.engine_side import RolloutJob
+from rlhf_orch.transfer.plan import whole_prompt_requests
 from rlhf_orch.sync.base import WeightSyncError
 from rlhf_orch.sync.bucketed import BucketedBroadcastSync
 from rlhf_orch.sync.multi_sender import MultiSenderBroadcastSync
@@ -121,8 +123,11 @@ def test_rollouts_report_weight_version(cluster):
     sync = BucketedBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=1)
     sync.prepare(policies[(2, 1)], engines, engine_tp=1)
     sync.push(7)
-    gens = ray.get(engines[0].generate.remote([[1, 5, 6]], [0], 2, 4, 1.0))
-    assert {g.weight_version for g in gens} == {7}
+    # The rollout path every transfer strategy builds its samples with.
+    job = RolloutJob(prompt_ids={0: [1, 5, 6]}, prompts={0: None}, samples_per_prompt=2, max_tokens=4, temperature=1.0, scorer=None)
+    samples, _ = ray.get(engines[0].produce_samples.remote(whole_prompt_requests(range(1), 2), job))
+    assert len(samples) == 2
+    assert {s.weight_version for s in samples} == {7}
 
 
 def test_sync_to_dead_engine_raises_not_hangs(cluster):

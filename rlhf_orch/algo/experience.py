@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rlhf_orch.algo.ppo_math import gae_advantages, kl_penalty, masked_mean, masked_whiten, token_rewards
+from rlhf_orch.algo.ppo_math import gae_advantages, kl_penalty, masked_whiten, token_rewards
 
 
 @dataclass(frozen=True)
@@ -73,4 +73,4 @@ def compute_targets(
     return targets, stats
 
 
-__all__ = ["AdvantageSettings", "MicroBatchTargets", "compute_targets", "masked_mean"]
+__all__ = ["AdvantageSettings", "MicroBatchTargets", "compute_targets"]

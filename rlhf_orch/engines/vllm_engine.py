@@ -30,18 +30,6 @@ class EngineSpec:
     enforce_eager: bool = True
 
 
-@dataclass
-class Generation:
-    """One sampled response (token ids only: the driver never needs text)."""
-
-    prompt_index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
-    finished: bool  # False when cut at response_max_len
-    weight_version: int
-
-
 class VLLMEngine(RolloutProducer):
     """Wraps `vllm.LLM` in the actor's own process (no extra engine-core process).
 
@@ -70,32 +58,14 @@ class VLLMEngine(RolloutProducer):
             worker_extension_cls="rlhf_orch.engines.worker_extension.WeightSyncWorkerExtension",
         )
 
-    # ------------------------------------------------------------------ generation
-    def generate(
-        self, prompts: list[list[int]], prompt_indices: list[int], n: int, max_tokens: int, temperature: float
-    ) -> list[Generation]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        # No per-request seed: with one, vLLM draws the n samples of a prompt identically. The
-        # engine's own seed (LLM(seed=...)) makes runs reproducible instead.
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, logprobs=0, detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        gens: list[Generation] = []
-        for idx, out in zip(prompt_indices, outputs):
-            for comp in out.outputs:
-                ids = list(comp.token_ids)
-                lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
-                gens.append(
-                    Generation(idx, list(out.prompt_token_ids), ids, lps, comp.finish_reason == "stop", self.weight_version)
-                )
-        return gens
-
+    # ------------------------------------------------------------------ generation (RolloutProducer)
     def _complete(self, requests, job: RolloutJob):
         """Continuous batching over all `requests`; yields each request's completions as it finishes."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # No per-request seed: with one, vLLM draws the n samples of a prompt identically. The
+        # engine's own seed (LLM(seed=...)) makes runs reproducible instead.
         params = [
             SamplingParams(n=r.count, max_tokens=job.max_tokens, temperature=job.temperature, logprobs=0, detokenize=False)
             for r in requests
@@ -184,9 +154,6 @@ class VLLMEngine(RolloutProducer):
         self.llm.reset_prefix_cache()
         self.weight_version = version
         return {"engine": self.index, "version": version, "bytes": nbytes, "seconds": time.perf_counter() - t0}
-
-    def weight_checksum(self) -> float:
-        return sum(self.llm.collective_rpc("rlhf_weight_checksum"))
 
     def get_weight_version(self) -> int:
         return self.weight_version

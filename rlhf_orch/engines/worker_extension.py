@@ -178,11 +178,6 @@ class WeightSyncWorkerExtension:
     def rlhf_drop_raw_buffer(self) -> None:
         self._rlhf_raw_buffer = None
 
-    # ------------------------------------------------------------------ checks
-    def rlhf_weight_checksum(self) -> float:
-        """Sum of all parameters as the engine holds them (cheap 'did anything change' probe)."""
-        return float(sum(p.detach().double().sum() for p in self.model_runner.get_model().parameters()))
-
 
 @dataclass
 class _HandoverSession:

@@ -68,13 +68,13 @@ class PPOLoop:
         prompts = self.task.sample_prompts(s.rollout_batch_size, step)
         delivery = self.transfer.deliver(self._rollout_request(prompts), self._route())
         timings.update(delivery.timings)
-        shards = range(len(self.actors.policy))
+        num_shards = len(self.actors.policy)  # one experience shard per policy rank
 
         # 4. Experience: reference logprobs and values (object refs), then old logprobs + GAE
         #    on the policy ranks, which pass the critic its returns.
         t = time.perf_counter()
-        ref_lp = [self._reference_for(i).logprobs.remote(i) for i in range(len(shards))]
-        values = [self._critic_for(i).values.remote(i) for i in range(len(shards))]
+        ref_lp = [self._reference_for(i).logprobs.remote(i) for i in range(num_shards)]
+        values = [self._critic_for(i).values.remote(i) for i in range(num_shards)]
         made = [
             rank.make_experience.options(num_returns=2).remote(i, ref_lp[i], values[i], self.advantage)
             for i, rank in enumerate(self.actors.policy)
@@ -87,7 +87,7 @@ class PPOLoop:
         t = time.perf_counter()
         policy_calls = [rank.train.remote(i) for i, rank in enumerate(self.actors.policy)]
         critic_calls = [
-            critic.train.remote({i: returns[i] for i in self._shards_of_critic(c, len(shards))})
+            critic.train.remote({i: returns[i] for i in self._shards_of_critic(c, num_shards)})
             for c, critic in enumerate(self.actors.critic)
         ]
         policy_stats = self._get(policy_calls, "training the policy")

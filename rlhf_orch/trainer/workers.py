@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rlhf_orch.algo.experience import AdvantageSettings, compute_targets
-from rlhf_orch.algo.ppo_math import masked_mean, policy_loss, value_loss
+from rlhf_orch.algo.ppo_math import policy_loss, value_loss
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config
 from rlhf_orch.trainer.forward import load_critic, load_policy, sequence_logprobs, sequence_values
 from rlhf_orch.trainer.token_weighting import OptimizerStepPlan, plan_optimizer_steps, rows_for_targets, targets_in_layout
