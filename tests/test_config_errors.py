@@ -38,11 +38,26 @@ BAD = [
     (["placement.actor_ranks=3"], "placement.actor_ranks=3", "do not split over 3 actor ranks"),
     (["placement.actor_ranks=2", "placement.critic_ranks=4"], "placement.critic_ranks=4", "divides 2"),
     (["data.response_max_len=9000"], "data.response_max_len=9000", "exceeds model.context_len=8192"),
-    (["algo.kl_estimator=k2"], "algo.kl_estimator='k2'", "'k1' or 'k3'"),
+    (["algo.kl_estimator=k3"], "algo.kl_estimator='k3'", "algo.kl_placement=in_loss"),
+    (["algo.kl_placement=in_loss", "algo.kl_estimator=k9"], "algo.kl_estimator='k9'", "k1, k2, k3, low_var_kl"),
+    (["algo.kl_placement=sideways"], "algo.kl_placement='sideways'", "'in_reward'"),
+    (["algo=grpo", "algo.samples_per_prompt=1"], "algo.samples_per_prompt=1", ">= 2"),
+    (["algo=rloo", "algo.kl_placement=in_reward", "algo.kl_estimator=k1"], "algo.kl_placement='in_reward'", "in_loss"),
+    (["algo.loss_agg=mean"], "algo.loss_agg='mean'", "seq-mean-token-sum-norm"),
+    (["algo.clip_high=0"], "algo.clip_high=0", "(0, 1)"),
+    (["algo.gamma=1.5"], "algo.gamma=1.5", "[0, 1]"),
+    (["algo.actor_lr=-1e-4"], "algo.actor_lr=-0.0001", ">= 0"),
+    (["algo.kl_coef=-0.1"], "algo.kl_coef=-0.1", ">= 0"),
+    (["algo.value_clip_eps=0"], "algo.value_clip_eps=0", "> 0"),
+    (["algo=dapo", "transfer=padded"], "algo.dynamic_sampling=True", "transfer=packed"),
+    (["algo=dapo", "transfer=packed", "reward=model"], "algo.dynamic_sampling=True", "rule reward"),
+    (["algo=dapo", "transfer=packed", "algo.overlong_buffer=16"], "algo.overlong_buffer=16", "data.response_max_len=16"),
     (["trainer.zero_stage=4"], "trainer.zero_stage=4", "0, 1, 2 or 3"),
     (["sync.bucket_mb=0"], "sync.bucket_mb=0", "must be > 0"),
     (["algo.temperature=0"], "algo.temperature=0", "must be > 0"),
-    (["placement.reward=model"], "placement.reward='model'", "placement.reward=function"),
+    (["eval.samples_per_prompt=0"], "eval.samples_per_prompt=0", "must be >= 1"),
+    (["eval.samples_per_prompt=4"], "eval.samples_per_prompt=4", "set eval.temperature > 0"),
+    (["eval.every_n_steps=-1"], "eval.every_n_steps=-1", "must be >= 0"),
     (["model=qwen2_5_0_5b", "model.name_or_path=/no/such/checkpoint"], "model.name_or_path='/no/such/checkpoint'", "no such directory"),
     (["algo.ppo_epochs=0"], "algo.ppo_epochs=0", "must be >= 1"),
 ]
@@ -86,7 +101,7 @@ def test_all_problems_reported_together():
     assert len(err.value.problems) == 2
 
 
-@pytest.mark.parametrize("override", ["sync.bucket_mbb=3", "algo.num_steps=abc", "sync=nope"])
+@pytest.mark.parametrize("override", ["sync.bucket_mbb=3", "algo.num_steps=abc", "sync=nope", "placement.reward=model"])
 def test_hydra_refuses_unknown_keys_bad_types_and_options(override):
     with pytest.raises((ConfigCompositionException, OmegaConfBaseException)):
         compose_config([override])

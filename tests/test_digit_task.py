@@ -57,19 +57,40 @@ def test_reward_optimum_is_exact_answer() -> None:
     assert all(s < 1.0 for c, s in scores.items() if c != answer)
 
 
-def test_task_reward_uses_prompt_answer() -> None:
+def test_prompts_carry_the_answer_as_label_and_their_source() -> None:
+    prompt = default_task().batch(1, 0)[0]
+    assert prompt.source == "digit_reverse"
+    assert score_response(prompt.label, prompt.label) == 1.0
+    assert score_response(prompt.label, "") == 0.0
+
+
+def test_sampler_state_is_the_batch_count_and_restores_exactly(tokenizer) -> None:
     task = default_task()
-    prompt = task.sample_prompts(1, step=0)[0]
-    assert task.reward(prompt, prompt.answer) == 1.0
-    assert task.reward(prompt, "") == 0.0
-    assert 0.0 <= task.reward(prompt, "x 1 y 2 z 3 w 4 5 6 7 8 9 0 1 2") <= 1.0
+    task.bind(tokenizer)
+    first = task.sample_prompts(4)
+    assert first[0].prompt_ids == tuple(tokenizer(first[0].text).input_ids)
+    state = task.state_dict()
+    following = [task.sample_prompts(4) for _ in range(3)]
+    resumed = default_task()
+    resumed.bind(tokenizer)
+    resumed.load_state_dict(state)
+    assert [resumed.sample_prompts(4) for _ in range(3)] == following
+    assert [p.text for p in first] == [p.text for p in default_task().batch(4, 1)]
+
+
+def test_eval_prompts_are_fixed_and_held_out() -> None:
+    task = default_task(eval_size=16)
+    held_out = task.eval_prompts()
+    assert len(held_out) == 16 and task.eval_prompts(5) == held_out[:5]
+    assert held_out == default_task(eval_size=16).eval_prompts()
+    assert [p.text for p in held_out] != [p.text for p in task.batch(16, 1)]
 
 
 def test_reward_fn_is_picklable_and_batched() -> None:
     task = default_task()
-    prompts = task.sample_prompts(3, step=5)
+    prompts = task.batch(3, 5)
     fn, shipped = pickle.loads(pickle.dumps((reward_fn, prompts)))
-    assert fn(shipped, [p.answer for p in shipped]) == [1.0, 1.0, 1.0]
+    assert fn(shipped, [p.label for p in shipped]) == [1.0, 1.0, 1.0]
     assert fn(shipped, ["", "", ""]) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError):
         fn(shipped, [""])
@@ -77,20 +98,20 @@ def test_reward_fn_is_picklable_and_batched() -> None:
 
 # ----------------------------------------------------------------------------- prompts
 def test_prompt_format() -> None:
-    prompt = default_task().sample_prompts(1, step=0)[0]
+    prompt = default_task().batch(1, 0)[0]
     words = prompt.text.split()
     assert words[0] == "rev" and words[-1] == "="
-    assert "".join(words[1:-1]) == prompt.digits
-    assert prompt.answer == " ".join(reversed(prompt.digits))
-    assert 3 <= len(prompt.digits) <= 5
+    assert "".join(words[1:-1]) == prompt.extra["digits"]
+    assert prompt.label == " ".join(reversed(prompt.extra["digits"]))
+    assert 3 <= len(prompt.extra["digits"]) <= 5
 
 
 def test_sample_prompts_deterministic_in_seed_and_step() -> None:
     task = default_task()
-    assert task.sample_prompts(32, step=3) == default_task().sample_prompts(32, step=3)
-    assert task.sample_prompts(32, step=3) != task.sample_prompts(32, step=4)
-    assert task.sample_prompts(32, step=3) != default_task(seed=99).sample_prompts(32, step=3)
-    lengths = {len(p.digits) for p in task.sample_prompts(200, step=0)}
+    assert task.batch(32, 3) == default_task().batch(32, 3)
+    assert task.batch(32, 3) != task.batch(32, 4)
+    assert task.batch(32, 3) != default_task(seed=99).batch(32, 3)
+    lengths = {len(p.extra["digits"]) for p in task.batch(200, 0)}
     assert lengths == {3, 4, 5}
 
 
@@ -106,32 +127,32 @@ def test_corpus_is_solved_prompts() -> None:
 
 def test_filler_prefix_length() -> None:
     task = long_task()
-    for prompt in task.sample_prompts(4, step=0):
+    for prompt in task.batch(4, 0):
         words = prompt.text.split()
         assert words.index("rev") == 960
         assert set(words[:960]) <= set(DigitReverseTask.vocabulary_words())
-    assert task.sample_prompts(2, step=1) == long_task().sample_prompts(2, step=1)
+    assert task.batch(2, 1) == long_task().batch(2, 1)
 
 
 # ----------------------------------------------------------------------------- token lengths
 @pytest.mark.parametrize("make_task", [default_task, long_task], ids=["default", "long8k"])
 def test_prompts_fit_prompt_max_len(tokenizer, make_task) -> None:
     task = make_task()
-    for prompt in task.sample_prompts(64, step=0):
+    for prompt in task.batch(64, 0):
         ids = tokenizer(prompt.text).input_ids
         assert ids[0] == tokenizer.bos_token_id
         # One token per word plus BOS: the count the task's own length check relies on.
         assert len(ids) == len(prompt.text.split()) + 1
         assert len(ids) <= task.prompt_max_len
-        answer_ids = tokenizer(prompt.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        answer_ids = tokenizer(prompt.label, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         assert len(answer_ids) <= task.response_max_len
     assert task.max_prompt_tokens <= task.prompt_max_len
 
 
 def test_answer_tokens_decode_back_to_answer(tokenizer) -> None:
-    prompt = default_task().sample_prompts(1, step=0)[0]
-    ids = tokenizer(prompt.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-    assert score_response(prompt.answer, tokenizer.decode(ids, skip_special_tokens=True)) == 1.0
+    prompt = default_task().batch(1, 0)[0]
+    ids = tokenizer(prompt.label, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    assert score_response(prompt.label, tokenizer.decode(ids, skip_special_tokens=True)) == 1.0
 
 
 def test_rejects_configs_that_do_not_fit() -> None:
@@ -145,7 +166,7 @@ def test_rejects_configs_that_do_not_fit() -> None:
 
 
 def test_prompt_is_plain_frozen_data() -> None:
-    prompt = Prompt(text="rev 1 2 =", answer="2 1", digits="12")
+    prompt = Prompt(text="rev 1 2 =", label="2 1", source="digit_reverse")
     with pytest.raises(AttributeError):
         prompt.text = "x"  # type: ignore[misc]
     assert pickle.loads(pickle.dumps(prompt)) == prompt

@@ -409,3 +409,53 @@ def test_instantiated_placement_surfaces_planner_errors(compose_config) -> None:
                          "placement.actor_gpus=2")
     with pytest.raises(PlacementError, match="placement.vllm_gpus=3 is not divisible by placement.engine_tp=2"):
         hydra.utils.instantiate(cfg.placement).plan()
+
+
+# --------------------------------------------------------------------------- critic-free, no reference
+def test_cpu_local_critic_free_places_no_critic_and_reward_beside_actors() -> None:
+    plan = cpu_local(actor_ranks=2, critic_ranks=2, critic=False, reward="model")
+    assert plan.roles == ("actor", "reference", "reward", "engine")
+    assert plan.num_ranks("critic") == 0 and plan.num_ranks("reward") == 2
+    assert_consistent(plan)
+    assert cpu_local(critic=False, reference=False).roles == ("actor", "engine")
+
+
+def test_colocated_critic_free_claims_no_critic_fraction() -> None:
+    plan = colocated(critic=False)
+    assert plan.num_ranks("critic") == 0
+    for (node, bundle), gpus in claimed_per_bundle(plan).items():
+        assert gpus == pytest.approx(0.25 + 0.15 + 0.35)  # actor + reference + engine, no critic
+    assert_consistent(plan)
+    assert colocated(critic=False, reference=False, reward="model").roles == ("actor", "reward", "engine")
+
+
+def test_split_critic_free_gives_critic_gpus_to_vllm_and_ratio_trainer_share_to_actor() -> None:
+    plan = split(critic=False)  # explicit 4 actor + 2 critic + 2 vLLM of 8
+    assert plan.num_ranks("critic") == 0
+    assert plan.num_ranks("actor") == 4 and plan.num_ranks("engine") == 4 and plan.total_gpus == 8
+    ratio = split(ratio="3:1", critic=False)
+    assert ratio.num_ranks("actor") == 6 and ratio.num_ranks("engine") == 2 and ratio.num_ranks("critic") == 0
+    assert_consistent(plan)
+    assert_consistent(ratio)
+
+
+def test_split_without_reference_or_critic_gives_the_actor_whole_gpus_and_the_reward_model_a_share() -> None:
+    plan = split(critic=False, reference=False)
+    assert all(s.num_gpus == 1.0 for s in plan.slots_for("actor")) and plan.num_ranks("reference") == 0
+    with_rm = split(critic=False, reward="model")
+    for actor, ref, rm in zip(with_rm.slots_for("actor"), with_rm.slots_for("reference"), with_rm.slots_for("reward")):
+        assert actor.bundles == ref.bundles == rm.bundles
+        assert actor.num_gpus + ref.num_gpus + rm.num_gpus == pytest.approx(1.0)
+    assert_consistent(with_rm)
+
+
+def test_composed_critic_free_algorithm_plans_no_critic(compose_config) -> None:
+    from rlhf_orch.app import check
+
+    for algo in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo"):
+        cfg = compose_config(f"algo={algo}", "placement=split", "launcher.logical_gpus=8", "launcher.dry_run=true")
+        _, plan = check(cfg, hydra.utils.instantiate(cfg.launcher))
+        assert "critic" not in plan.roles, algo
+        assert ("reference" in plan.roles) == (algo != "dapo"), algo  # DAPO has no KL term
+    cfg = compose_config("algo=ppo", "placement=split", "launcher.logical_gpus=8", "launcher.dry_run=true")
+    assert "critic" in check(cfg, hydra.utils.instantiate(cfg.launcher))[1].roles

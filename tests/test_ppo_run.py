@@ -12,7 +12,7 @@ import ray
 from omegaconf import OmegaConf
 
 from rlhf_orch.app import check
-from rlhf_orch.orchestration.ppo_loop import EngineDiedError
+from rlhf_orch.orchestration.loop import EngineDiedError
 from rlhf_orch.orchestration.session import run_training
 from tests.conftest import compose_config
 from hydra.utils import instantiate

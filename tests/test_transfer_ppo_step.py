@@ -16,7 +16,7 @@ import socket
 import pytest
 import torch
 
-from rlhf_orch.algo.experience import AdvantageSettings
+from rlhf_orch.algo.estimators import PPO
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorker, TrainerSpec
 from rlhf_orch.transfer.batch import Sample
 from rlhf_orch.transfer.micro_batched import MicroBatchedTransfer
@@ -25,7 +25,7 @@ from rlhf_orch.transfer.padded import PaddedTransfer
 
 pytestmark = pytest.mark.integration
 PAD = 0
-SETTINGS = AdvantageSettings(gamma=1.0, lam=0.95, kl_coef=0.05, kl_estimator="k1", whiten_advantages=True)
+ALGO = PPO(gamma=1.0, lam=0.95, kl_coef=0.05, kl_estimator="k1", whiten_advantages=True)
 
 
 def _free_port() -> int:
@@ -74,8 +74,8 @@ def _ppo_step(transfer, path: str, train_batch_size: int = 12):
     num_micro_batches = len(policy._staged[0])
     ref = reference.logprobs(0)
     values = critic.values(0)
-    stats, returns = policy.make_experience(0, ref, values, SETTINGS)
-    p = policy.train(0)
+    stats, returns = policy.make_experience(0, ref, values, ALGO, {s.index: s.reward for s in samples})
+    p = policy.train(0, ALGO, norm_len=16)
     c = critic.train({0: returns})
     weights = torch.cat([t.detach().flatten() for t in policy.engine.module.parameters()])
     return {"policy": p, "critic": c, "kl": stats["kl"], "weights": weights, "mbs": num_micro_batches, "steps": policy.engine.global_steps}

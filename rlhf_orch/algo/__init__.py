@@ -1,8 +1,36 @@
-"""PPO for language models: pure tensor math (`ppo_math`)."""
+"""RLHF algorithms as pure tensor math.
 
+`ppo_math`: masked reductions, KL estimators k1/k3, token rewards, PPO's policy and value losses,
+log-probs. `advantages`: GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++(-baseline), DAPO's overlong
+penalty and dynamic-sampling filter. `losses`: loss aggregation (veRL's modes, data-parallel
+denominators), the decoupled-clip policy loss, KL estimators k1/k2/k3, entropy, TIS weights.
+"""
+
+from rlhf_orch.algo.advantages import (
+    dynamic_sampling_keep,
+    gae_advantages,
+    grpo_advantages,
+    masked_moments,
+    outcome_to_tokens,
+    overlong_reward_penalty,
+    reinforce_pp_advantages,
+    reinforce_pp_returns,
+    rloo_advantages,
+    whiten_with_moments,
+)
+from rlhf_orch.algo.losses import (
+    KL_DIVERGENCE_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
+    aggregation_weights,
+    clipped_policy_loss,
+    entropy_from_logits,
+    kl_divergence,
+    loss_denominator,
+    truncated_is_weights,
+)
 from rlhf_orch.algo.ppo_math import (
     KL_ESTIMATORS,
-    gae_advantages,
     kl_penalty,
     last_token_onehot,
     logprobs_from_logits,
@@ -15,15 +43,33 @@ from rlhf_orch.algo.ppo_math import (
 )
 
 __all__ = [
+    "KL_DIVERGENCE_ESTIMATORS",
     "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "aggregate_loss",
+    "aggregation_weights",
+    "clipped_policy_loss",
+    "dynamic_sampling_keep",
+    "entropy_from_logits",
     "gae_advantages",
+    "grpo_advantages",
+    "kl_divergence",
     "kl_penalty",
     "last_token_onehot",
     "logprobs_from_logits",
+    "loss_denominator",
     "masked_mean",
+    "masked_moments",
     "masked_var",
     "masked_whiten",
+    "outcome_to_tokens",
+    "overlong_reward_penalty",
     "policy_loss",
+    "reinforce_pp_advantages",
+    "reinforce_pp_returns",
+    "rloo_advantages",
     "token_rewards",
+    "truncated_is_weights",
     "value_loss",
+    "whiten_with_moments",
 ]

@@ -92,7 +92,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor
     return estimate(logprobs, ref_logprobs)
 
 
-# --------------------------------------------------------------------------- rewards and GAE
+# --------------------------------------------------------------------------- rewards
 def last_token_onehot(mask: Tensor) -> Tensor:
     """Bool `[B, T]`, True at each row's last masked position; an all-zero row has none."""
     keep = mask.bool()
@@ -114,35 +114,8 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> T
     return penalty + at_last.to(penalty.dtype) * scores.to(penalty.dtype).unsqueeze(-1)
 
 
-@torch.no_grad()  # advantages and returns are fixed targets, never differentiated through
-def gae_advantages(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
-    """Generalised Advantage Estimation over the real tokens of each row, in reverse time.
-
-        delta_t = r_t + gamma * V_{t+1} - V_t
-        A_t     = delta_t + gamma * lam * A_{t+1}
-        R_t     = A_t + V_t
-
-    The "next" step of a real token is the next *real* token of the same row, so masked positions
-    -- right padding, leading prompt positions, or holes -- are skipped and never leak. After a
-    row's last real token the episode ends: V = 0 and A = 0 there. Masked outputs are 0.
-    """
-    keep = mask.bool()
-    batch, steps = rewards.shape
-    next_value = rewards.new_zeros(batch)
-    next_advantage = rewards.new_zeros(batch)
-    advantages = torch.zeros_like(rewards)
-    for t in reversed(range(steps)):
-        real = keep[:, t]
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = delta + gamma * lam * next_advantage
-        # Only real tokens move the recursion; masked ones are transparent.
-        next_advantage = torch.where(real, advantage, next_advantage)
-        next_value = torch.where(real, values[:, t], next_value)
-        advantages[:, t] = torch.where(real, advantage, torch.zeros_like(advantage))
-    returns = torch.where(keep, advantages + values, torch.zeros_like(advantages))
-    return advantages, returns
+# `gae_advantages` lives in `rlhf_orch.algo.advantages` with the other advantage estimators and is
+# re-exported from here (see `__getattr__` at the end of this module).
 
 
 # --------------------------------------------------------------------------- losses
@@ -234,3 +207,13 @@ def logprobs_from_logits(
     if not chunks:  # zero positions
         return flat_logits.new_zeros(tokens.shape, dtype=torch.float32)
     return torch.cat(chunks).reshape(tokens.shape)
+
+
+def __getattr__(name: str):
+    # `from rlhf_orch.algo.ppo_math import gae_advantages` keeps working. Resolved lazily (PEP 562)
+    # because `advantages` imports this module's primitives: an eager import here would be a cycle.
+    if name == "gae_advantages":
+        from rlhf_orch.algo.advantages import gae_advantages
+
+        return gae_advantages
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

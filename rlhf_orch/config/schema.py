@@ -28,7 +28,6 @@ class PlacementConfig:
     reference_ranks: int = 1  # forward-only copies of the initial policy
     engines: int = 1  # vLLM engines
     engine_tp: int = 1  # tensor-parallel size of one engine (GPUs per engine)
-    reward: str = "function"  # "function" (rule, no resources) or "model" (a ranked reward model)
     nodes: int = 1
     gpus_per_node: int = 0
 
@@ -147,7 +146,7 @@ class CudaIpcSyncConfig(SyncConfig):
 # --------------------------------------------------------------------------- data
 @dataclass
 class DataConfig:
-    """A prompt source with a rule-based reward."""
+    """A prompt source (`rlhf_orch.data.base.PromptSource`)."""
 
     _target_: str = MISSING
     prompt_max_len: int = 32  # tokens
@@ -163,6 +162,105 @@ class DigitTaskConfig(DataConfig):
     min_digits: int = 3
     max_digits: int = 5
     filler_tokens: int = 0  # extra context tokens in front of the task (for long-context runs)
+    eval_size: int = 64  # held-out prompts (their own random stream) for evaluation
+
+
+@dataclass
+class FilesDataConfig(DataConfig):
+    """Prompts from local files (.jsonl, .json, .parquet) or hub datasets (`hf:<name>[:<config>]@<split>`).
+
+    The default column mapping is veRL's parquet layout; OpenRLHF's jsonl takes
+    `data.prompt_key=<input key> data.label_key=<label key>`.
+    """
+
+    _target_: str = "rlhf_orch.data.files.PromptDataset"
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: Optional[str] = "prompt"  # a plain string column or a chat-messages column
+    label_key: Optional[str] = "reward_model.ground_truth"  # dots read nested fields
+    label_regex: Optional[str] = None  # label = first group of this regex in the label column
+    label_columns: Optional[list[str]] = None  # label = {column: value} of these columns instead
+    source_key: str = "data_source"
+    default_source: str = "default"  # when the source column is absent
+    extra_key: str = "extra_info"
+    chat_template: bool = True
+    prompt_template: Optional[str] = None  # with {prompt} (and any column as {column})
+    system_prompt: Optional[str] = None
+    overlong: str = "error"  # "error" or "filter"
+    shuffle: bool = True
+    prompt_max_len: int = 512
+    response_max_len: int = 512
+
+
+# --------------------------------------------------------------------------- reward
+@dataclass
+class RewardConfig:
+    """How responses are scored (`rlhf_orch.reward`). Rules run where the samples are (engines).
+
+    `timeout_s` and `pool_size` say how the rule runs (not the rule's own arguments): a sample
+    taking longer than `timeout_s` scores 0 and is counted; `pool_size > 0` scores in that many
+    Ray tasks instead of inline on the engine.
+    """
+
+    _target_: str = MISSING
+    timeout_s: float = 10.0
+    pool_size: int = 0
+
+    execution_keys: ClassVar[tuple[str, ...]] = ("timeout_s", "pool_size")
+    scores_after_handover: ClassVar[bool] = False
+
+
+@dataclass
+class DigitRuleConfig(RewardConfig):
+    _target_: str = "rlhf_orch.reward.rules.DigitReverseRule"
+
+
+@dataclass
+class GSM8KRuleConfig(RewardConfig):
+    _target_: str = "rlhf_orch.reward.rules.GSM8KRule"
+    method: str = "strict"  # "strict" (#### extraction, as veRL scores) or "flexible" (last number)
+    format_score: float = 0.0
+    score: float = 1.0
+
+
+@dataclass
+class MathVerifyRuleConfig(RewardConfig):
+    _target_: str = "rlhf_orch.reward.rules.MathVerifyRule"
+
+
+@dataclass
+class CountdownRuleConfig(RewardConfig):
+    _target_: str = "rlhf_orch.reward.rules.CountdownRule"
+    format_score: float = 0.1
+    score: float = 1.0
+
+
+@dataclass
+class CustomRewardConfig(RewardConfig):
+    """A user's function: veRL's `compute_score(data_source, solution_str, ground_truth, extra_info)`."""
+
+    _target_: str = "rlhf_orch.reward.custom.CustomReward"
+    path: str = MISSING
+    name: str = "compute_score"
+    batched: bool = False
+
+
+@dataclass
+class ModelRewardConfig(RewardConfig):
+    """A sequence-classification reward model in its own Ray actor(s), placed by the planner.
+
+    `model_path: null` builds the tiny reward model locally (CPU tests). A rule can be added with
+    `+reward@reward.rule=<rule option>`; the score is `weight * model + rule_weight * rule`.
+    """
+
+    _target_: str = "rlhf_orch.reward.model.RewardModel"
+    model_path: Optional[str] = None
+    weight: float = 1.0
+    rule: Optional[Any] = None
+    rule_weight: float = 1.0
+    micro_batch_size: int = 16
+
+    scores_after_handover: ClassVar[bool] = True  # known only once its ranks hold the sequences
 
 
 # --------------------------------------------------------------------------- model
@@ -198,25 +296,130 @@ class HFModelConfig(ModelConfig):
 
 # --------------------------------------------------------------------------- algo
 @dataclass
-class PPOConfig:
-    _target_: str = "rlhf_orch.algo.ppo.PPO"
+class AlgoConfig:
+    """The RL algorithm: the schedule every option shares, the policy loss, the KL term.
+
+    Each option's `_target_` is a class in `rlhf_orch.algo.estimators` that extends its schema
+    below (so the built object carries these fields and adds the math). The ClassVars say what the
+    algorithm needs (`validate`, the planner and the loop ask, never check names).
+    """
+
+    _target_: str = MISSING
     num_steps: int = 100
     rollout_batch_size: int = 32  # prompts per step
     samples_per_prompt: int = 4
     train_batch_size: int = 64  # sequences per optimizer step (global)
     micro_batch_size: int = 16  # sequences per forward/backward on one rank
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over the rollout; micro-batches reshuffled between passes
     actor_lr: float = 1e-4
+    temperature: float = 1.0  # sampling temperature of the rollout (and of the trainer's logprobs)
+    grad_clip: float = 1.0
+    # Policy loss: PPO's clipped surrogate with a decoupled range [1 - clip_low, 1 + clip_high].
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    # "token-mean", "seq-mean-token-sum", "seq-mean-token-mean" or "seq-mean-token-sum-norm".
+    loss_agg: str = "token-mean"
+    loss_agg_norm_len: int = 0  # seq-mean-token-sum-norm's constant; 0 = data.response_max_len
+    entropy_coef: float = 0.0
+    # KL to the reference: "in_reward" (a per-token penalty in the reward; k1 or k2) or "in_loss"
+    # (a loss term; k1, k2 or low_var_kl/k3) or "off". k3 in the reward is refused: its gradient
+    # there is biased (it is an estimator of the KL's value, not of its gradient).
+    kl_placement: str = "in_reward"
+    kl_coef: float = 0.01
+    kl_estimator: str = "k1"
+
+    needs_critic: ClassVar[bool] = False
+    group_estimator: ClassVar[bool] = False  # advantages compare the samples of one prompt
+
+    # Derived (not keys): what the KL settings ask of the run.
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.kl_placement == "in_reward" and self.kl_coef > 0
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.kl_placement == "in_loss" and self.kl_coef > 0
+
+    @property
+    def needs_reference(self) -> bool:
+        """A reference model is placed and run only when a KL term uses it."""
+        return self.kl_in_reward or self.kl_in_loss
+
+
+@dataclass
+class PPOConfig(AlgoConfig):
+    """PPO with a learned critic: GAE over KL-shaped token rewards."""
+
+    _target_: str = "rlhf_orch.algo.estimators.PPO"
     critic_lr: float = 5e-4
     gamma: float = 1.0
     lam: float = 0.95
-    clip_eps: float = 0.2
     value_clip_eps: float = 0.2
-    kl_coef: float = 0.01
-    kl_estimator: str = "k1"  # "k1" or "k3"
-    whiten_advantages: bool = True
-    temperature: float = 1.0
-    grad_clip: float = 1.0
+    whiten_advantages: bool = True  # over the global batch (all data-parallel ranks)
+
+    needs_critic: ClassVar[bool] = True
+
+
+@dataclass
+class GRPOConfig(AlgoConfig):
+    """GRPO: outcome advantages relative to the prompt's group; norm_by_std=false is Dr. GRPO."""
+
+    _target_: str = "rlhf_orch.algo.estimators.GRPO"
+    norm_by_std: bool = True
+    eps: float = 1e-6
+    kl_placement: str = "in_loss"
+    kl_coef: float = 0.001
+    kl_estimator: str = "low_var_kl"
+
+    group_estimator: ClassVar[bool] = True
+
+
+@dataclass
+class RLOOConfig(AlgoConfig):
+    """RLOO: each sample's baseline is the mean reward of the other samples of its prompt."""
+
+    _target_: str = "rlhf_orch.algo.estimators.RLOO"
+    kl_placement: str = "in_loss"
+    kl_coef: float = 0.001
+    kl_estimator: str = "low_var_kl"
+
+    group_estimator: ClassVar[bool] = True
+
+
+@dataclass
+class ReinforcePPConfig(AlgoConfig):
+    """REINFORCE++: discounted return-to-go of KL-shaped rewards, normalised over the global batch."""
+
+    _target_: str = "rlhf_orch.algo.estimators.ReinforcePP"
+    gamma: float = 1.0
+    group_baseline: bool = False  # reinforce_pp_baseline: subtract the prompt group's mean score first
+
+
+@dataclass
+class DAPOConfig(GRPOConfig):
+    """DAPO: GRPO with clip-higher, token-mean loss, no KL, dynamic sampling and overlong shaping."""
+
+    _target_: str = "rlhf_orch.algo.estimators.DAPO"
+    clip_high: float = 0.28
+    kl_placement: str = "off"
+    kl_coef: float = 0.0
+    dynamic_sampling: bool = True
+    max_gen_batches: int = 4  # rollout rounds per step at most to fill the batch with informative groups
+    overlong_buffer: int = 0  # tokens before data.response_max_len where the penalty ramps in (0: off)
+    overlong_penalty: float = 1.0
+
+
+# --------------------------------------------------------------------------- evaluation
+@dataclass
+class EvalConfig:
+    """Held-out evaluation on the engines with the current weights, scored by the run's reward."""
+
+    every_n_steps: int = 0  # 0 = off
+    before_train: bool = False
+    num_prompts: int = 0  # 0 = the whole validation set
+    samples_per_prompt: int = 1  # k of mean@k / pass@k
+    temperature: float = 0.0  # 0 = greedy
+    pass_threshold: float = 1.0  # a sample "passes" when its score reaches this
 
 
 # --------------------------------------------------------------------------- trainer
@@ -289,14 +492,19 @@ class RootConfig:
     transfer: TransferConfig = MISSING
     sync: SyncConfig = MISSING
     data: DataConfig = MISSING
+    reward: RewardConfig = MISSING
     model: ModelConfig = MISSING
-    algo: PPOConfig = MISSING
+    algo: AlgoConfig = MISSING
     logger: LoggerConfig = MISSING
     launcher: LauncherConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 1
     experiment_name: str = "default"
+    # A published run this experiment reproduces: source, hardware, the published numbers with the
+    # metric that measures each and its tolerance (conf/experiment/*.yaml; scripts/reproduce.py).
+    reference: Optional[Any] = None
 
 
 # Schemas each group option extends: conf/<group>/<option>.yaml starts with
@@ -315,9 +523,23 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "object_store_schema": ObjectStoreSyncConfig,
         "cuda_ipc_schema": CudaIpcSyncConfig,
     },
-    "data": {"digit_task_schema": DigitTaskConfig},
+    "data": {"digit_task_schema": DigitTaskConfig, "files_schema": FilesDataConfig},
+    "reward": {
+        "digit_rule_schema": DigitRuleConfig,
+        "gsm8k_schema": GSM8KRuleConfig,
+        "math_verify_schema": MathVerifyRuleConfig,
+        "countdown_schema": CountdownRuleConfig,
+        "custom_schema": CustomRewardConfig,
+        "model_reward_schema": ModelRewardConfig,
+    },
     "model": {"tiny_schema": TinyModelConfig, "hf_schema": HFModelConfig},
-    "algo": {"ppo_schema": PPOConfig},
+    "algo": {
+        "ppo_schema": PPOConfig,
+        "grpo_schema": GRPOConfig,
+        "rloo_schema": RLOOConfig,
+        "reinforce_pp_schema": ReinforcePPConfig,
+        "dapo_schema": DAPOConfig,
+    },
     "logger": {"console_schema": ConsoleLoggerConfig, "wandb_schema": WandbLoggerConfig},
     "launcher": {"local_schema": LocalLauncherConfig, "cluster_schema": ClusterLauncherConfig},
 }

@@ -176,17 +176,85 @@ def _sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pr
 
 
 def _algorithm(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    from rlhf_orch.algo.losses import KL_DIVERGENCE_ESTIMATORS, LOSS_AGGREGATIONS
+
     a = cfg.algo
     problems = []
-    if a.kl_estimator not in ("k1", "k3"):
-        problems.append(Problem("algo.kl_estimator", a.kl_estimator, "use 'k1' or 'k3'"))
     for key in ("num_steps", "rollout_batch_size", "samples_per_prompt", "train_batch_size", "micro_batch_size", "ppo_epochs"):
         if getattr(a, key) < 1:
             problems.append(Problem(f"algo.{key}", getattr(a, key), "must be >= 1"))
-    if not 0 < a.clip_eps < 1:
-        problems.append(Problem("algo.clip_eps", a.clip_eps, "must be in (0, 1), typically 0.2"))
+    for key in ("clip_low", "clip_high"):
+        if not 0 < getattr(a, key) < 1:
+            problems.append(Problem(f"algo.{key}", getattr(a, key), "must be in (0, 1), typically 0.2 (DAPO: clip_high 0.28)"))
+    if a.loss_agg not in LOSS_AGGREGATIONS:
+        problems.append(Problem("algo.loss_agg", a.loss_agg, f"use one of {', '.join(LOSS_AGGREGATIONS)}"))
+    if a.loss_agg_norm_len < 0:
+        problems.append(Problem("algo.loss_agg_norm_len", a.loss_agg_norm_len, "must be >= 0 (0 = data.response_max_len)"))
+    if a.kl_placement not in ("in_reward", "in_loss", "off"):
+        problems.append(Problem("algo.kl_placement", a.kl_placement, "use 'in_reward' (a reward penalty), 'in_loss' (a loss term) or 'off'"))
+    elif a.kl_placement == "in_reward" and a.kl_estimator not in ("k1", "k2"):
+        problems.append(
+            Problem(
+                "algo.kl_estimator",
+                a.kl_estimator,
+                "as a reward penalty use 'k1' (or 'k2'): k3/low_var_kl's gradient there is biased; "
+                "for k3 set algo.kl_placement=in_loss",
+            )
+        )
+    elif a.kl_estimator not in KL_DIVERGENCE_ESTIMATORS:
+        problems.append(Problem("algo.kl_estimator", a.kl_estimator, f"use one of {', '.join(KL_DIVERGENCE_ESTIMATORS)}"))
+    for key in ("kl_coef", "entropy_coef", "actor_lr", "grad_clip"):
+        if getattr(a, key) < 0:
+            problems.append(Problem(f"algo.{key}", getattr(a, key), "must be >= 0"))
     if a.temperature <= 0:
-        problems.append(Problem("algo.temperature", a.temperature, "must be > 0 (PPO needs sampled responses)"))
+        problems.append(Problem("algo.temperature", a.temperature, "must be > 0 (policy-gradient methods need sampled responses)"))
+    if a.group_estimator and a.samples_per_prompt < 2:
+        problems.append(
+            Problem(
+                "algo.samples_per_prompt",
+                a.samples_per_prompt,
+                "a group estimator compares the samples of one prompt: use >= 2 (typically 4-16)",
+            )
+        )
+    if a.group_estimator and a.kl_placement == "in_reward":
+        problems.append(
+            Problem(
+                "algo.kl_placement",
+                a.kl_placement,
+                "outcome advantages take one score per sample; put the KL in the loss (algo.kl_placement=in_loss) or turn it off",
+            )
+        )
+    if getattr(a, "dynamic_sampling", False):
+        if cfg.transfer._target_ != "rlhf_orch.transfer.packed.PackedTransfer":
+            problems.append(
+                Problem(
+                    "algo.dynamic_sampling",
+                    True,
+                    "dynamic sampling keeps samples on the engines until the batch is full, which the packed "
+                    "hand-over does: use transfer=packed (or algo.dynamic_sampling=false)",
+                )
+            )
+        if cfg.reward.scores_after_handover:
+            problems.append(
+                Problem(
+                    "algo.dynamic_sampling",
+                    True,
+                    "dynamic sampling filters groups before the hand-over, but a reward model scores after it: "
+                    "use a rule reward, or algo.dynamic_sampling=false",
+                )
+            )
+        if getattr(a, "max_gen_batches", 1) < 1:
+            problems.append(Problem("algo.max_gen_batches", a.max_gen_batches, "must be >= 1 (rollout rounds per step)"))
+    for key in ("gamma", "lam"):
+        value = getattr(a, key, None)
+        if value is not None and not 0 <= value <= 1:
+            problems.append(Problem(f"algo.{key}", value, "must be in [0, 1]"))
+    if getattr(a, "value_clip_eps", 1.0) <= 0:
+        problems.append(Problem("algo.value_clip_eps", a.value_clip_eps, "must be > 0 (typically 0.2)"))
+    if getattr(a, "overlong_buffer", 0) < 0 or getattr(a, "overlong_buffer", 0) >= cfg.data.response_max_len > 0:
+        problems.append(
+            Problem("algo.overlong_buffer", a.overlong_buffer, f"must be in [0, data.response_max_len={cfg.data.response_max_len})")
+        )
     if cfg.trainer.zero_stage not in (0, 1, 2, 3):
         problems.append(Problem("trainer.zero_stage", cfg.trainer.zero_stage, "DeepSpeed ZeRO stages are 0, 1, 2 or 3"))
     return problems
@@ -194,15 +262,8 @@ def _algorithm(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Probl
 
 def _roles(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     problems = []
-    if cfg.placement.reward != "function":
-        problems.append(
-            Problem(
-                "placement.reward",
-                cfg.placement.reward,
-                "the configured data scores responses with a rule; use placement.reward=function",
-            )
-        )
-    for role in ("actor", "critic", "reference", "engine"):
+    needed = ["actor", "engine"] + ["critic"] * cfg.algo.needs_critic + ["reference"] * cfg.algo.needs_reference
+    for role in needed:
         if not plan.slots_for(role):
             problems.append(Problem(f"placement ({plan.layout})", f"no {role}", f"the plan must place at least one {role}"))
     return problems
@@ -229,6 +290,28 @@ def _transfer(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
     return problems
 
 
+def _evaluation(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    e = cfg.eval
+    problems = []
+    for key in ("every_n_steps", "num_prompts"):
+        if getattr(e, key) < 0:
+            problems.append(Problem(f"eval.{key}", getattr(e, key), "must be >= 0 (0 = off / the whole validation set)"))
+    if e.samples_per_prompt < 1:
+        problems.append(Problem("eval.samples_per_prompt", e.samples_per_prompt, "must be >= 1 (the k of mean@k and pass@k)"))
+    if e.temperature < 0:
+        problems.append(Problem("eval.temperature", e.temperature, "must be >= 0 (0 = greedy)"))
+    if e.temperature == 0 and e.samples_per_prompt > 1:
+        problems.append(
+            Problem(
+                "eval.samples_per_prompt",
+                e.samples_per_prompt,
+                "greedy decoding (eval.temperature=0) gives k identical samples; set eval.temperature > 0 "
+                "(e.g. 0.6) for pass@k with k > 1, or eval.samples_per_prompt=1",
+            )
+        )
+    return problems
+
+
 def _model_source(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     path = getattr(cfg.model, "name_or_path", None)
     if path and (path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().exists()):
@@ -247,6 +330,7 @@ CHECKS: tuple[Callable[[RootConfig, PlacementPlan, Hardware], list[Problem]], ..
     _roles,
     _model_source,
     _transfer,
+    _evaluation,
 )
 
 

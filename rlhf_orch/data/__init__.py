@@ -1,5 +1,6 @@
-"""Prompt sources with rule-based rewards."""
+"""Prompt sources: the embedded digit task, and datasets from files or the hub (`rlhf_orch.data.files`)."""
 
-from rlhf_orch.data.digit_task import DigitReverseTask, Prompt, reward_fn, score_response
+from rlhf_orch.data.base import Prompt, PromptSource
+from rlhf_orch.data.digit_task import DigitReverseTask, reward_fn, score_response
 
-__all__ = ["DigitReverseTask", "Prompt", "reward_fn", "score_response"]
+__all__ = ["DigitReverseTask", "Prompt", "PromptSource", "reward_fn", "score_response"]

@@ -5,17 +5,19 @@ separate space-delimited word, so the tiny model's tokenizer (rlhf_orch.models.t
 to exactly one token: a prompt with d digits is 1 (BOS) + 1 (``rev``) + d + 1 (``=``) tokens, plus
 ``filler_tokens`` filler words in front for the long-context variant.
 
-The reward is a pure function of the prompt's answer and the response text (``score_response``), so
-it can run anywhere, including inside a Ray task, without the task object.
+The task is a `PromptSource` like any dataset: prompts carry the answer as their `label` and the
+source name ``digit_reverse``, and the reward is the rule `rlhf_orch.reward.rules.DigitReverseRule`
+(``reward=digit_reverse``), a pure function of the label and the response text (``score_response``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
+
+from rlhf_orch.data.base import Prompt, PromptSource
 
 # Words the task uses; the tiny tokenizer must hold each as one token.
 DIGIT_WORDS: tuple[str, ...] = tuple(str(d) for d in range(10))
@@ -34,13 +36,7 @@ TASK_FORMAT_VERSION = 1
 _RESPONSE_ITEM = re.compile(r"\d|[^\d\s]+")
 
 
-@dataclass(frozen=True)
-class Prompt:
-    """One task instance. Frozen and made of plain values, so it pickles cheaply into Ray tasks."""
-
-    text: str  # what the policy is conditioned on, e.g. "rev 3 1 4 ="
-    answer: str  # the ideal response text (without EOS), e.g. "4 1 3"
-    digits: str  # the digits to reverse, e.g. "314"
+SOURCE = "digit_reverse"
 
 
 def score_response(answer: str, response_text: str) -> float:
@@ -61,15 +57,17 @@ def reward_fn(prompts: Sequence[Prompt], responses: Sequence[str]) -> list[float
     """Batch reward: pure and picklable, so it can be shipped to a Ray task as is."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    return [score_response(p.answer, r) for p, r in zip(prompts, responses)]
+    return [score_response(p.label, r) for p, r in zip(prompts, responses)]
 
 
-class DigitReverseTask:
-    """Prompt source and rule-based reward of the digit-reversal task."""
+class DigitReverseTask(PromptSource):
+    """Prompt source of the digit-reversal task: an endless seeded stream, plus a held-out set."""
 
-    # Separate random streams, so the warm-start corpus never replays the PPO prompt sequence.
+    # Separate random streams, so the warm-start corpus never replays the PPO prompt sequence and
+    # evaluation prompts are never trained on (up to chance collisions of short digit strings).
     _PROMPT_STREAM = 1
     _CORPUS_STREAM = 2
+    _EVAL_STREAM = 3
 
     def __init__(
         self,
@@ -79,6 +77,7 @@ class DigitReverseTask:
         min_digits: int,
         max_digits: int,
         filler_tokens: int,
+        eval_size: int = 64,
     ) -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
@@ -90,6 +89,11 @@ class DigitReverseTask:
         self.min_digits = min_digits
         self.max_digits = max_digits
         self.filler_tokens = filler_tokens
+        if eval_size < 0:
+            raise ValueError(f"eval_size must be >= 0, got {eval_size}")
+        self.eval_size = eval_size
+        self._batches_drawn = 0  # the sampler's whole state: batch k is a pure function of (seed, k)
+        self._tokenizer: Any = None
         if self.max_prompt_tokens > prompt_max_len:
             raise ValueError(
                 f"prompts take up to {self.max_prompt_tokens} tokens (BOS + {filler_tokens} filler "
@@ -112,12 +116,43 @@ class DigitReverseTask:
         """Longest ideal response in tokens, EOS included."""
         return self.max_digits + 1
 
-    # ----------------------------------------------------------------- sampling
-    def sample_prompts(self, n: int, step: int) -> list[Prompt]:
-        """`n` prompts for PPO step `step`; the same (seed, step, n) always gives the same list."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        rng = np.random.default_rng([self.seed, self._PROMPT_STREAM, step])
+    # ----------------------------------------------------------------- PromptSource
+    def bind(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    @property
+    def num_train_prompts(self) -> None:
+        return None  # an endless generator
+
+    def sample_prompts(self, n: int) -> list[Prompt]:
+        """The next `n` training prompts (batch number `batches drawn + 1`)."""
+        self._batches_drawn += 1
+        return self._tokenized(self.batch(n, self._batches_drawn))
+
+    def eval_prompts(self, limit: int = 0) -> list[Prompt]:
+        """The held-out set: `eval_size` prompts of their own stream, in a fixed order."""
+        rng = np.random.default_rng([self.seed, self._EVAL_STREAM])
+        prompts = [self._draw(rng) for _ in range(self.eval_size)]
+        return self._tokenized(prompts[:limit] if limit else prompts)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches_drawn": self._batches_drawn}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._batches_drawn = int(state["batches_drawn"])
+
+    def _tokenized(self, prompts: list[Prompt]) -> list[Prompt]:
+        if self._tokenizer is None:
+            return prompts
+        tok = self._tokenizer
+        return [Prompt(p.text, p.label, p.source, p.extra, tuple(tok(p.text).input_ids)) for p in prompts]
+
+    # ----------------------------------------------------------------- sampling (pure)
+    def batch(self, n: int, index: int) -> list[Prompt]:
+        """Batch number `index` of `n` prompts: the same (seed, index, n) always gives the same list."""
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        rng = np.random.default_rng([self.seed, self._PROMPT_STREAM, index])
         return [self._draw(rng) for _ in range(n)]
 
     def corpus(self, n: int) -> list[str]:
@@ -128,7 +163,7 @@ class DigitReverseTask:
     @staticmethod
     def solved_text(prompt: Prompt) -> str:
         """The prompt followed by its ideal response (the EOS is the tokenizer's business)."""
-        return f"{prompt.text} {prompt.answer}"
+        return f"{prompt.text} {prompt.label}"
 
     @staticmethod
     def vocabulary_words() -> tuple[str, ...]:
@@ -145,12 +180,7 @@ class DigitReverseTask:
         words.append(INSTRUCTION_WORD)
         words.extend(digits)
         words.append(ANSWER_MARKER)
-        return Prompt(text=" ".join(words), answer=" ".join(reversed(digits)), digits=digits)
-
-    # ----------------------------------------------------------------- reward
-    def reward(self, prompt: Prompt, response_text: str) -> float:
-        """Partial credit in [0, 1] for one response (see `score_response`)."""
-        return score_response(prompt.answer, response_text)
+        return Prompt(text=" ".join(words), label=" ".join(reversed(digits)), source=SOURCE, extra={"digits": digits})
 
     def definition(self) -> dict[str, int]:
         """What identifies the task (for cache keys of models trained on it)."""

@@ -88,7 +88,7 @@ class VLLMEngine(RolloutProducer):
                 for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
                     ids = list(comp.token_ids)
                     lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
-                    completions.append(Completion(first + j, prompt_ids, ids, lps))
+                    completions.append(Completion(first + j, prompt_ids, ids, lps, truncated=comp.finish_reason == "length"))
                 yield completions
         if by_id:
             raise RuntimeError(f"vLLM finished without answering {len(by_id)} request(s)")

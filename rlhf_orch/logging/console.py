@@ -29,6 +29,15 @@ def format_step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
     for key, label, fmt in _LINE_KEYS:
         if key in metrics and metrics[key] is not None:
             parts.append(f"{label} {fmt.format(metrics[key])}")
+    failed = (metrics.get("reward/errors") or 0) + (metrics.get("reward/timeouts") or 0)
+    if failed:
+        parts.append(f"reward failures {failed}")
+    # Evaluation results (eval/<source>/mean@k, pass@k), one group per data source.
+    for key in sorted(k for k in metrics if k.startswith("eval/") and "/mean@" in k):
+        source, stat = key[len("eval/") :].rsplit("/", 1)
+        k = stat.split("@", 1)[1]
+        passed = metrics.get(f"eval/{source}/pass@{k}")
+        parts.append(f"eval {source} mean@{k} {metrics[key]:.3f} pass@{k} {passed:.3f}")
     return " | ".join(parts)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rlhf_orch.models.base import ModelSource
+from rlhf_orch.models.hub import resolve_local_checkpoint
 
 
 class HFModel(ModelSource):
@@ -19,6 +20,10 @@ class HFModel(ModelSource):
         return self.name_or_path
 
     def path(self) -> str:
-        # Not resolved here: each consumer (vLLM, transformers) has its own download/cache logic,
-        # and resolving on the driver would download the weights to the wrong machine.
+        # Not resolved to a snapshot directory: each consumer (vLLM, transformers) has its own
+        # cache logic and may run on another node. `check()` proves it loads before Ray starts.
         return self.name_or_path
+
+    def check(self) -> None:
+        """Refuse (one line) a hub id that is neither a local directory nor in the local HF cache."""
+        resolve_local_checkpoint(self.name_or_path, "model.name_or_path")

@@ -1,30 +1,21 @@
-"""The tiny local policy: built on first use, cached by content, shared safely between processes.
-
-Many processes (Ray actors for the actor, critic, reference and every vLLM engine) ask for the
-same model at once. The first one to take the file lock builds it into a temporary directory and
-renames it into place; the rename is atomic, so a directory under its final name is always
-complete, and everyone else either finds it or waits on the lock and then finds it.
-"""
+"""The tiny local policy: built on first use, cached by content, shared safely between processes
+(`rlhf_orch.models.cache.build_once`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
-
-from filelock import FileLock
 
 from rlhf_orch.config.schema import DigitTaskConfig
 from rlhf_orch.data.digit_task import DigitReverseTask
 from rlhf_orch.models.base import ModelSource
+from rlhf_orch.models.cache import build_once
 from rlhf_orch.models.tiny_build import TinyLlamaSpec, WarmStartRecipe, build_tiny_checkpoint
 
 # Bumped when the build procedure changes in a way the spec, recipe and task do not capture.
-BUILD_FORMAT_VERSION = 2  # 2: model vocabulary = tokenizer size
+BUILD_FORMAT_VERSION = 3  # 2: model vocabulary = tokenizer size; 3: chat template
 
 
 def default_warm_start_task() -> DigitReverseTask:
@@ -90,20 +81,12 @@ class TinyLlama(ModelSource):
 
     def path(self) -> str:
         """The checkpoint directory, built first if no process has built it yet."""
-        final = self.checkpoint_dir
-        if final.is_dir():  # fast path: the rename below makes a present directory a complete one
-            return str(final)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.cache_dir / f"{self.model_id}.lock")):
-            if not final.is_dir():  # another process may have built it while we waited
-                self._build_into(final)
-        return str(final)
+        return build_once(
+            self.cache_dir, self.model_id, lambda staging: build_tiny_checkpoint(staging, self.spec, self.task, self.recipe)
+        )
 
-    def _build_into(self, final: Path) -> None:
-        staging = Path(tempfile.mkdtemp(prefix=f".{self.model_id}.building-", dir=self.cache_dir))
-        try:
-            build_tiny_checkpoint(staging, self.spec, self.task, self.recipe)
-            os.rename(staging, final)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+    def reward_model_path(self) -> str:
+        """The tiny reward model for this policy (`reward=model` with no model_path), built on first use."""
+        from rlhf_orch.models.tiny_reward import tiny_reward_model_path
+
+        return tiny_reward_model_path(self.path(), self.cache_dir)

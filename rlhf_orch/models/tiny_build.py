@@ -21,8 +21,16 @@ from rlhf_orch.data.digit_task import ANSWER_MARKER, DigitReverseTask
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 
-# vLLM's CPU attention kernels reject smaller heads (see /work/shared/ENVIRONMENT.md).
+# vLLM's CPU attention kernels reject smaller heads.
 MIN_HEAD_DIM = 32
+
+# The tiny model knows no roles: its chat template renders the user turns as the plain task text
+# after BOS, so chat-format rows (veRL's parquet layout) of the digit task reach the model exactly as
+# the plain prompts do (same token ids), and `data.chat_template=true` works with it.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ message['content'] }}{% endif %}{% endfor %}"
+)
 
 
 @dataclass(frozen=True)
@@ -122,13 +130,15 @@ def train_tokenizer(task: DigitReverseTask, vocab_size: int, corpus_size: int) -
         pieces = tokenizer.encode(word, add_special_tokens=False).tokens
         if len(pieces) != 1:
             raise RuntimeError(f"task word {word!r} is {pieces} with vocab_size {vocab_size}; raise it")
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def init_llama(spec: TinyLlamaSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:

@@ -24,7 +24,7 @@ from rlhf_orch.models.tiny import TinyLlama, default_warm_start_task
 
 def evaluation_prompts(task: DigitReverseTask, num_prompts: int, samples_per_prompt: int) -> list[Prompt]:
     """Step-0 prompts, each repeated `samples_per_prompt` times (as a PPO rollout batch is)."""
-    return [p for p in task.sample_prompts(num_prompts, step=0) for _ in range(samples_per_prompt)]
+    return [p for p in task.batch(num_prompts, 0) for _ in range(samples_per_prompt)]
 
 
 def hf_mean_reward(path: str, prompts: list[Prompt], max_new_tokens: int, seed: int) -> float:
@@ -94,7 +94,7 @@ def main() -> None:
 
     vllm_reward, responses = vllm_mean_reward(path, prompts, task.response_max_len, max_model_len, args.seed)
     for prompt, response in list(zip(prompts, responses))[:8]:
-        print(f"  {prompt.text!r:>24} -> {response!r:<16} (want {prompt.answer!r})")
+        print(f"  {prompt.text!r:>24} -> {response!r:<16} (want {prompt.label!r})")
     hf_reward = hf_mean_reward(path, prompts, task.response_max_len, args.seed)
     print(f"initial mean reward over {len(prompts)} samples: vLLM {vllm_reward:.3f}, HF {hf_reward:.3f}")
 

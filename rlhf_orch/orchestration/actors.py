@@ -10,7 +10,7 @@ import ray
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
-from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorker, TrainerSpec
+from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, TrainerSpec
 
 # Environment every actor of a run gets: tokenizers threads fight the trainer's on small boxes.
 _ACTOR_ENV = {
@@ -33,9 +33,10 @@ class RoleActors:
     policy: list[Any] = field(default_factory=list)
     critic: list[Any] = field(default_factory=list)
     reference: list[Any] = field(default_factory=list)
+    reward: list[Any] = field(default_factory=list)  # reward model ranks (reward=model only)
 
     def all(self) -> list[Any]:
-        return [*self.engines, *self.policy, *self.critic, *self.reference]
+        return [*self.engines, *self.policy, *self.critic, *self.reference, *self.reward]
 
     def kill(self) -> None:
         for actor in self.all():
@@ -56,10 +57,11 @@ def start_role_actors(
     placement: RayPlacement,
     engine_spec: EngineSpec,
     policy_spec: TrainerSpec,
-    critic_spec: TrainerSpec,
-    reference_spec: TrainerSpec,
+    critic_spec: TrainerSpec | None,
+    reference_spec: TrainerSpec | None,
     timeout_s: float,
     cpu_kv_cache_gb: float,
+    reward_spec: TrainerSpec | None = None,
 ) -> RoleActors:
     env = dict(_ACTOR_ENV, VLLM_CPU_KVCACHE_SPACE=str(max(1, int(round(cpu_kv_cache_gb)))))
     actors = RoleActors()
@@ -69,6 +71,7 @@ def start_role_actors(
         ("actor", PolicyWorker, policy_spec, actors.policy),
         ("critic", CriticWorker, critic_spec, actors.critic),
         ("reference", ReferenceWorker, reference_spec, actors.reference),
+        ("reward", RewardModelWorker, reward_spec, actors.reward),
     ):
         slots = plan.slots_for(role)
         for slot in slots:
@@ -77,11 +80,11 @@ def start_role_actors(
     try:
         # DeepSpeed needs each role's ranks in one torch.distributed world (rank 0 hosts it).
         inits = []
-        for group in (actors.policy, actors.critic):
+        for group in (g for g in (actors.policy, actors.critic) if g):
             host, port = ray.get(group[0].rendezvous_address.remote(), timeout=timeout_s)
             inits += [a.init_distributed.remote(host, port) for a in group]
         ray.get(inits, timeout=timeout_s)
-        ray.get([a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference)], timeout=timeout_s)
+        ray.get([a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference, *actors.reward)], timeout=timeout_s)
         ray.get([e.ping.remote() for e in actors.engines], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
         actors.kill()

@@ -23,7 +23,6 @@ class _Placement:
     reference_ranks: int
     engines: int
     engine_tp: int
-    reward: str
     nodes: int
     gpus_per_node: int
 
@@ -31,9 +30,12 @@ class _Placement:
     # Fields the layout derives instead of reading (not passed to the planner).
     derived: ClassVar[tuple[str, ...]] = ()
 
-    def plan(self) -> PlacementPlan:
+    def plan(self, reward_model: bool = False, critic: bool = True, reference: bool = True) -> PlacementPlan:
+        """The layout; `reward_model`: the `reward` option has a reward-model role to place;
+        `critic` / `reference`: the algorithm has a critic / a KL term (otherwise those roles get no
+        ranks and no GPUs)."""
         kwargs = {k: v for k, v in asdict(self).items() if k not in self.derived}
-        return type(self).planner(**kwargs)
+        return type(self).planner(**kwargs, reward="model" if reward_model else "function", critic=critic, reference=reference)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -298,13 +298,18 @@ def plan_cpu_local(
     nodes: int = 1,
     gpus_per_node: int = 0,
     cpus_per_process: float = 1.0,
+    critic: bool = True,
+    reference: bool = True,
 ) -> PlacementPlan:
     """Everything on node 0's CPUs: one CPU bundle per process, no GPUs.
 
     An engine with engine_tp=k gets k bundles (its TP workers are processes too); a reward model
-    gets one bundle per critic rank.
+    gets one bundle per critic rank (per actor rank without a critic). `critic=False` (a
+    critic-free algorithm) places no critic at all, `reference=False` (no KL term) no reference.
     """
-    _check_ranks(actor_ranks, critic_ranks, reference_ranks, engines, engine_tp)
+    critic_ranks = critic_ranks if critic else 0
+    reference_ranks = reference_ranks if reference else 0
+    _check_ranks(actor_ranks, critic_ranks, reference_ranks, engines, engine_tp, critic, reference)
     _require_reward_kind(reward)
     if nodes != 1:
         raise PlacementError(
@@ -329,7 +334,7 @@ def plan_cpu_local(
     for role, ranks in (("actor", actor_ranks), ("critic", critic_ranks), ("reference", reference_ranks)):
         for rank in range(ranks):
             add(role, rank, 1)
-    for rank in range(_reward_ranks(reward, critic_ranks)):
+    for rank in range(_reward_ranks(reward, critic_ranks or actor_ranks)):
         add("reward", rank, 1)
     for rank in range(engines):
         add("engine", rank, engine_tp)
@@ -352,14 +357,20 @@ def plan_colocated(
     engine_fraction: float,
     reward_fraction: Optional[float] = None,
     cpus_per_process: float = 1.0,
+    critic: bool = True,
+    reference: bool = True,
 ) -> PlacementPlan:
     """One bundle per GPU shared by every role; rank r of each role sits on global GPU r.
 
     Engine e owns GPUs [e*engine_tp, (e+1)*engine_tp) and claims engine_fraction on each. A reward
-    model (reward="model") puts one rank on each critic rank's GPU, claiming reward_fraction
-    (default: reference_fraction, as it is a forward-only model like the reference).
+    model (reward="model") puts one rank on each critic rank's GPU (each actor rank's without a
+    critic), claiming reward_fraction (default: reference_fraction, as it is a forward-only model
+    like the reference). Without a critic (`critic=False`) or a reference (`reference=False`) their
+    fractions are simply not claimed.
     """
-    _check_ranks(actor_ranks, critic_ranks, reference_ranks, engines, engine_tp)
+    critic_ranks = critic_ranks if critic else 0
+    reference_ranks = reference_ranks if reference else 0
+    _check_ranks(actor_ranks, critic_ranks, reference_ranks, engines, engine_tp, critic, reference)
     _require_reward_kind(reward)
     _check_gpu_nodes(nodes, gpus_per_node)
     fractions = {
@@ -392,7 +403,7 @@ def plan_colocated(
     for role, ranks in (("actor", actor_ranks), ("critic", critic_ranks), ("reference", reference_ranks)):
         for rank in range(ranks):
             ledger.add(role, rank, [rank], fractions[role][1])
-    for rank in range(_reward_ranks(reward, critic_ranks)):
+    for rank in range(_reward_ranks(reward, critic_ranks or actor_ranks)):
         ledger.add("reward", rank, [rank], fractions["reward"][1])
     for rank in range(engines):
         first = rank * engine_tp
@@ -418,14 +429,25 @@ def split_gpu_counts(
     actor_gpus: int,
     critic_gpus: int,
     vllm_gpus: int,
+    critic: bool = True,
 ) -> SplitGpuCounts:
     """Resolve the split layout's GPU counts from `ratio` or the explicit per-role counts.
 
     With ratio "T:V" all nodes*gpus_per_node GPUs are split T:V between trainer and vLLM; the trainer
     share is divided between actor and critic in proportion actor_gpus:critic_gpus (rounded, each
-    keeps at least one GPU).
+    keeps at least one GPU). Without a critic (`critic=False`): with `ratio` the whole trainer share
+    goes to the actor; with explicit counts the critic's GPUs join the vLLM GPUs (critic-free
+    algorithms sample several responses per prompt: generation is where the time goes).
     """
     capacity = nodes * gpus_per_node
+    if not critic:
+        counts = split_gpu_counts(
+            nodes=nodes, gpus_per_node=gpus_per_node, ratio=ratio, actor_gpus=actor_gpus,
+            critic_gpus=max(critic_gpus, 1), vllm_gpus=vllm_gpus,
+        )
+        if ratio is None:
+            return SplitGpuCounts(counts.actor, 0, counts.vllm + critic_gpus)
+        return SplitGpuCounts(counts.actor + counts.critic, 0, counts.vllm)
     if ratio is None:
         _require_at_least("actor_gpus", actor_gpus, 1, "the actor needs at least one GPU")
         _require_at_least("critic_gpus", critic_gpus, 1, "the critic needs at least one GPU")
@@ -477,6 +499,8 @@ def plan_split(
     reference_fraction: float,
     reward_fraction: Optional[float] = None,
     cpus_per_process: float = 1.0,
+    critic: bool = True,
+    reference: bool = True,
 ) -> PlacementPlan:
     """Trainer GPUs and vLLM GPUs disjoint; ranks and engines follow from the GPU counts.
 
@@ -484,6 +508,7 @@ def plan_split(
     (claiming reference_fraction); one critic rank per critic GPU (claiming 1 - reward_fraction when a
     reward model shares it); one engine per engine_tp vLLM GPUs. Engines take the first GPUs so that
     every TP group starts on a multiple of engine_tp and never straddles a node; then actor, then critic.
+    Without a reference (`reference=False`) the actor keeps its whole GPU.
     """
     _require_at_least("engine_tp", engine_tp, 1, "an engine needs at least one GPU")
     _require_reward_kind(reward)
@@ -501,6 +526,7 @@ def plan_split(
         actor_gpus=actor_gpus,
         critic_gpus=critic_gpus,
         vllm_gpus=vllm_gpus,
+        critic=critic,
     )
     if counts.vllm % engine_tp != 0:
         if ratio is None:
@@ -520,9 +546,16 @@ def plan_split(
     for rank in range(counts.vllm // engine_tp):
         ledger.add("engine", rank, list(range(next_gpu, next_gpu + engine_tp)), 1.0)
         next_gpu += engine_tp
+    # Without a critic the reward model sits beside the actor ranks instead.
+    reward_beside_actor = reward_model and counts.critic == 0
+    reference_share = reference_fraction if reference else 0.0
     for rank in range(counts.actor):
-        ledger.add("actor", rank, [next_gpu], 1 - reference_fraction)
-        ledger.add("reference", rank, [next_gpu], reference_fraction)
+        actor_share = 1 - reference_share - (reward_share if reward_beside_actor else 0.0)
+        ledger.add("actor", rank, [next_gpu], actor_share)
+        if reference:
+            ledger.add("reference", rank, [next_gpu], reference_fraction)
+        if reward_beside_actor:
+            ledger.add("reward", rank, [next_gpu], reward_share)
         next_gpu += 1
     for rank in range(counts.critic):
         ledger.add("critic", rank, [next_gpu], critic_share)
@@ -533,10 +566,20 @@ def plan_split(
 
 
 # --------------------------------------------------------------------------- shared helpers
-def _check_ranks(actor_ranks: int, critic_ranks: int, reference_ranks: int, engines: int, engine_tp: int) -> None:
-    _require_at_least("actor_ranks", actor_ranks, 1, "PPO needs at least one actor rank")
-    _require_at_least("critic_ranks", critic_ranks, 1, "PPO needs at least one critic rank")
-    _require_at_least("reference_ranks", reference_ranks, 1, "the KL penalty needs a reference rank")
+def _check_ranks(
+    actor_ranks: int,
+    critic_ranks: int,
+    reference_ranks: int,
+    engines: int,
+    engine_tp: int,
+    critic: bool = True,
+    reference: bool = True,
+) -> None:
+    _require_at_least("actor_ranks", actor_ranks, 1, "the policy needs at least one rank")
+    if critic:
+        _require_at_least("critic_ranks", critic_ranks, 1, "an algorithm with a critic needs at least one critic rank")
+    if reference:
+        _require_at_least("reference_ranks", reference_ranks, 1, "the KL term needs a reference rank")
     _require_at_least("engines", engines, 1, "rollouts need at least one vLLM engine")
     _require_at_least("engine_tp", engine_tp, 1, "an engine needs at least one device")
 

@@ -157,11 +157,23 @@ def _shifted_tokens(mb: PaddedBatch | PackedBatch) -> Tensor:
 # --------------------------------------------------------------------------- public forwards
 def sequence_logprobs(model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float) -> Tensor:
     """Logprob of token t+1 given tokens <= t, aligned with `mb.action_mask` ([b, L-1] or [N])."""
+    return sequence_logprobs_and_entropy(model, mb, temperature, entropy=False)[0]
+
+
+def sequence_logprobs_and_entropy(
+    model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float, entropy: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """`sequence_logprobs` and, when asked, the entropy of each next-token distribution (same layout)."""
+    from rlhf_orch.algo.losses import entropy_from_logits
+
     logits = model(**model_inputs(mb), use_cache=False).logits
     if isinstance(mb, PaddedBatch):
         logits = logits[:, :-1]
     logprobs = logprobs_from_logits(logits, _shifted_tokens(mb), temperature=temperature)
-    return logprobs if isinstance(mb, PaddedBatch) else _next_token_aligned(mb, logprobs)
+    ent = entropy_from_logits(logits / temperature if temperature != 1.0 else logits) if entropy else None
+    if isinstance(mb, PaddedBatch):
+        return logprobs, ent
+    return _next_token_aligned(mb, logprobs), (_next_token_aligned(mb, ent) if entropy else None)
 
 
 def sequence_values(critic: nn.Module, mb: PaddedBatch | PackedBatch) -> Tensor:
@@ -201,3 +213,37 @@ def load_critic(path: str, dtype: str, device: torch.device | str | None = None)
     backbone = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=packed_attention_impl(device))
     critic = CriticModel(backbone, backbone.config.hidden_size)
     return critic.to(getattr(torch, dtype))
+
+
+def load_reward_model(path: str, dtype: str, device: torch.device | str | None = None) -> nn.Module:
+    """A `*ForSequenceClassification` checkpoint, with the attention that serves packed micro-batches."""
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=getattr(torch, dtype), attn_implementation=packed_attention_impl(device)
+    )
+
+
+def _last_token_positions(mb: PaddedBatch | PackedBatch) -> Tensor:
+    """Index of each sequence's last token: [b] rows' column (padded) or [b] flat positions (packed)."""
+    if isinstance(mb, PaddedBatch):
+        return mb.seq_lens.to(mb.input_ids.device).long() - 1
+    return mb.cu_seqlens[1:].to(mb.input_ids.device).long() - 1
+
+
+def sequence_scores(reward_model: nn.Module, mb: PaddedBatch | PackedBatch) -> Tensor:
+    """[b] scalar scores: the classification head at each sequence's last token (as HF computes it).
+
+    The backbone runs on the micro-batch's own layout (packed: varlen, no padding), and only the
+    last positions go through the head -- what `*ForSequenceClassification.forward` does after
+    locating the last non-pad token, without needing a pad token to find it.
+    """
+    backbone = getattr(reward_model, reward_model.base_model_prefix)
+    inputs = model_inputs(mb)
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state  # [b, L, h] or [1, N, h]
+    last = _last_token_positions(mb)
+    if isinstance(mb, PaddedBatch):
+        picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    else:
+        picked = hidden[0, last]
+    return reward_model.score(picked).squeeze(-1).float()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import singledispatch
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -30,41 +30,52 @@ from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, near_equal_ranges
 class OptimizerStepPlan:
     step_of: tuple[int, ...]  # micro-batch position -> optimizer step
     boundaries: frozenset[int]  # positions after which the optimizer steps
-    step_tokens: tuple[int, ...]  # action tokens per step, summed over data-parallel ranks
+    # The loss's normaliser per step, summed over data-parallel ranks: action tokens for a
+    # token mean, sequences (x a constant length) for the seq-mean aggregations.
+    step_tokens: tuple[float, ...]
     world_size: int
 
     @property
     def num_steps(self) -> int:
         return len(self.step_tokens)
 
-    def weight(self, position: int, tokens: int) -> float:
-        return tokens * self.world_size / max(self.step_tokens[self.step_of[position]], 1)
+    def weight(self, position: int, tokens: float) -> float:
+        """Weight of a micro-batch's loss normalised by its own `tokens` (its local denominator)."""
+        return tokens * self.world_size / max(self.step_tokens[self.step_of[position]], 1e-12)
 
     def is_boundary(self, position: int) -> bool:
         return position in self.boundaries
 
 
-def _all_reduce_sum(values: list[int], world_size: int) -> list[int]:
+def all_reduce_sum(values: list[float], world_size: int) -> list[float]:
+    """Sum over the data-parallel ranks of this process group (identity with one rank)."""
     import torch.distributed as dist
 
     if world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
         return values
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
-    return [int(round(v)) for v in t.tolist()]
+    return t.tolist()
 
 
-def plan_optimizer_steps(mbs: Sequence[Any], train_batch_size: int, world_size: int) -> OptimizerStepPlan:
+def action_tokens(mb: Any) -> float:
+    return float(mb.action_mask.sum())
+
+
+def plan_optimizer_steps(
+    mbs: Sequence[Any], train_batch_size: int, world_size: int, denominator: Callable[[Any], float] = action_tokens
+) -> OptimizerStepPlan:
     """Steps per epoch = rollout sequences (all ranks) / train_batch_size, at least 1, at most
-    one per micro-batch; micro-batches are grouped contiguously."""
+    one per micro-batch; micro-batches are grouped contiguously. `denominator(mb)` is a
+    micro-batch's share of its step's loss normaliser (default: its action tokens, a token mean)."""
     if not mbs:
         raise ValueError("no micro-batches to train on")
     sequences = sum(int((mb.indices >= 0).sum()) for mb in mbs)  # stand-ins for empty micro-batches have index -1
-    (global_sequences,) = _all_reduce_sum([sequences], world_size)
-    num_steps = max(1, min(len(mbs), global_sequences // max(train_batch_size, 1)))
+    (global_sequences,) = all_reduce_sum([sequences], world_size)
+    num_steps = max(1, min(len(mbs), int(round(global_sequences)) // max(train_batch_size, 1)))
     groups = near_equal_ranges(len(mbs), num_steps)
-    local_tokens = [sum(int(mbs[p].action_mask.sum()) for p in g) for g in groups]
-    step_tokens = _all_reduce_sum(local_tokens, world_size)
+    local = [sum(denominator(mbs[p]) for p in g) for g in groups]
+    step_tokens = all_reduce_sum(local, world_size)
     step_of = tuple(k for k, g in enumerate(groups) for _ in g)
     return OptimizerStepPlan(step_of, frozenset(g[-1] for g in groups), tuple(step_tokens), world_size)
 

@@ -15,11 +15,26 @@ from typing import Any
 
 import torch
 
-from rlhf_orch.algo.experience import AdvantageSettings, compute_targets
-from rlhf_orch.algo.ppo_math import policy_loss, value_loss
+from rlhf_orch.algo.estimators import Algorithm, TargetRows
+from rlhf_orch.algo.losses import aggregate_loss, clipped_policy_loss, kl_divergence, loss_denominator
+from rlhf_orch.algo.ppo_math import masked_mean, value_loss
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config
-from rlhf_orch.trainer.forward import load_critic, load_policy, sequence_logprobs, sequence_values
-from rlhf_orch.trainer.token_weighting import OptimizerStepPlan, plan_optimizer_steps, rows_for_targets, targets_in_layout
+from rlhf_orch.trainer.forward import (
+    load_critic,
+    load_policy,
+    load_reward_model,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+    sequence_scores,
+    sequence_values,
+)
+from rlhf_orch.trainer.token_weighting import (
+    OptimizerStepPlan,
+    all_reduce_sum,
+    plan_optimizer_steps,
+    rows_for_targets,
+    targets_in_layout,
+)
 from rlhf_orch.trainer.weight_source import ModuleWeightSource
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch
 from rlhf_orch.transfer.inbox import ExperienceInbox
@@ -165,51 +180,107 @@ class PolicyWorker(_Worker):
 
     @torch.no_grad()
     def make_experience(
-        self, shard: int, ref_logprobs: list[torch.Tensor], values: list[torch.Tensor], settings: AdvantageSettings
+        self,
+        shard: int,
+        ref_logprobs: list[torch.Tensor] | None,
+        values: list[torch.Tensor] | None,
+        algo: Algorithm,
+        sample_values: dict[int, float],
     ) -> tuple[dict[str, float], list[torch.Tensor]]:
-        """Old logprobs, then KL-shaped rewards and GAE. Returns stats and the critic's returns."""
+        """Old logprobs, then the algorithm's token targets. Returns stats and the critic's returns.
+
+        `sample_values` (sample index -> value) is what the algorithm computed on the driver from
+        the final scores: the score itself (PPO, REINFORCE++), a group-centred score, or the
+        advantage (GRPO, RLOO, DAPO). `ref_logprobs` / `values` are None when the algorithm has no
+        reference / critic. Batch-wide normalisation is over all policy ranks (they all call this).
+        """
         self.engine.eval()
         mbs = self._micro_batches(shard)
-        ref_logprobs = [r.to(self.device) for r in ref_logprobs]
-        values = [v.to(self.device) for v in values]
         old = [sequence_logprobs(self.engine, mb, self.spec.temperature).float() for mb in mbs]
-        # GAE runs backwards along each sequence: on [b, L-1] rows (packed micro-batches are
-        # unpacked here, in this process, for this math only), results go back to the mb's layout.
-        rows = rows_for_targets(mbs, old, ref_logprobs, values, self.spec.pad_id)
-        targets, stats = compute_targets(
-            [r.action_mask for r in rows],
-            [r.scores for r in rows],
-            [r.fields["old"] for r in rows],
-            [r.fields["ref"] for r in rows],
-            [r.fields["values"] for r in rows],
-            settings,
-        )
+        ref = [r.to(self.device) for r in ref_logprobs] if ref_logprobs is not None else None
+        vals = [v.to(self.device) for v in values] if values is not None else None
+        # Targets run along each sequence: on [b, L-1] rows (packed micro-batches are unpacked
+        # here, in this process, for this math only); results go back to the mb's layout.
+        rows = rows_for_targets(mbs, old, ref or old, vals or old, self.spec.pad_id)
+        target_rows = [
+            TargetRows(
+                mask=r.action_mask,
+                sample_values=torch.tensor([sample_values.get(int(i), 0.0) for i in r.indices], dtype=torch.float32),
+                old_logprobs=r.fields["old"],
+                ref_logprobs=r.fields["ref"] if ref is not None else None,
+                values=r.fields["values"] if vals is not None else None,
+            )
+            for r in rows
+        ]
+        world = self.world_size
+        targets = algo.token_targets(target_rows, lambda t: torch.tensor(all_reduce_sum(t.tolist(), world), dtype=t.dtype))
         returns = []
-        for mb, lp, r, t in zip(mbs, old, rows, targets):
-            in_layout = targets_in_layout(mb, r, {"advantages": t.advantages, "returns": t.returns})
+        for k, (mb, lp, r, t) in enumerate(zip(mbs, old, rows, targets)):
+            wanted = {"advantages": t.advantages}
+            if t.returns is not None:
+                wanted["returns"] = t.returns
+            in_layout = targets_in_layout(mb, r, wanted)
             mb.fields["old_logprobs"] = lp
             mb.fields["advantages"] = in_layout["advantages"]
-            returns.append(in_layout["returns"].cpu())
+            if algo.kl_in_loss:
+                mb.fields["ref_logprobs"] = ref[k]
+            if t.returns is not None:
+                returns.append(in_layout["returns"].cpu())
+        tokens = sum(float(r.action_mask.sum()) for r in rows)
+        stats = {
+            "kl": sum(float(torch.where(r.mask.bool(), t.kl, 0).sum()) for r, t in zip(target_rows, targets)) / max(tokens, 1.0),
+            "response_tokens": tokens,
+            "values_mean": (
+                sum(float(torch.where(r.mask.bool(), r.values, 0).sum()) for r in target_rows) / max(tokens, 1.0)
+                if vals is not None
+                else 0.0
+            ),
+        }
         return stats, returns
 
-    def train(self, shard: int) -> dict[str, float]:
+    def train(self, shard: int, algo: Algorithm, norm_len: int) -> dict[str, float]:
+        """`ppo_epochs` passes of the clipped policy loss (+ KL in the loss, - entropy bonus).
+
+        The loss is aggregated as `algo.loss_agg` says, normalised over each optimizer step's
+        whole batch (all micro-batches, all ranks: `plan_optimizer_steps`), so the update does not
+        depend on how the batch was cut. Micro-batches are reshuffled between epochs.
+        """
         self.engine.train()
         mbs = self._micro_batches(shard)
-        plan = self._step_plan(mbs)
-        totals: dict[str, float] = {"policy_loss": 0.0, "clipfrac": 0.0, "approx_kl": 0.0}
-        for _ in range(self.spec.ppo_epochs):
-            for position, mb in enumerate(mbs):
-                logprobs = sequence_logprobs(self.engine, mb, self.spec.temperature)
-                loss, stats = policy_loss(
-                    logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mb.action_mask, self.spec.clip_eps
+        totals: dict[str, float] = {}
+        steps = 0
+        for epoch in range(algo.ppo_epochs):
+            order = list(range(len(mbs)))
+            if epoch:  # the same permutation on every rank: only the count per step must agree
+                order = torch.randperm(len(mbs), generator=torch.Generator().manual_seed(self.spec.seed * 1000 + epoch)).tolist()
+            epoch_mbs = [mbs[i] for i in order]
+            plan = plan_optimizer_steps(
+                epoch_mbs, self.spec.train_batch_size, self.world_size, lambda mb: float(loss_denominator(mb.action_mask, algo.loss_agg, norm_len))
+            )
+            steps += plan.num_steps
+            for position, mb in enumerate(epoch_mbs):
+                logprobs, entropy = sequence_logprobs_and_entropy(self.engine, mb, self.spec.temperature, entropy=algo.entropy_coef > 0)
+                mask = mb.action_mask
+                loss_mat, stats = clipped_policy_loss(
+                    logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mask, algo.clip_low, algo.clip_high, algo.loss_agg
                 )
-                tokens = int(mb.action_mask.sum())
-                totals["policy_loss"] += self._accumulate(plan, position, loss, tokens)
-                totals["clipfrac"] += float(stats["clipfrac"]) * plan.weight(position, tokens)
-                totals["approx_kl"] += float(stats["approx_kl"]) * plan.weight(position, tokens)
+                if algo.kl_in_loss:
+                    kl = kl_divergence(logprobs, mb.fields["ref_logprobs"], algo.kl_estimator, mask=mask)
+                    loss_mat = loss_mat + algo.kl_coef * kl
+                    stats["kl_loss"] = masked_mean(kl.detach(), mask)
+                if entropy is not None:
+                    loss_mat = loss_mat - algo.entropy_coef * entropy
+                    stats["entropy"] = masked_mean(entropy.detach(), mask)
+                local = float(loss_denominator(mask, algo.loss_agg, norm_len))
+                loss = aggregate_loss(loss_mat, mask, algo.loss_agg, norm_len=norm_len)
+                weight = plan.weight(position, local)
+                totals["policy_loss"] = totals.get("policy_loss", 0.0) + self._accumulate(plan, position, loss, local)
+                for key in ("clipfrac", "approx_kl", "kl_loss", "entropy"):
+                    if key in stats:
+                        totals[key] = totals.get(key, 0.0) + float(stats[key]) * weight
         self.drop_staged()
-        # Token means per optimizer step, averaged over steps and epochs.
-        return {k: v / (plan.num_steps * self.spec.ppo_epochs) for k, v in totals.items()}
+        # Per optimizer step (normalised as the loss), averaged over steps and epochs.
+        return {k: v / max(steps, 1) for k, v in totals.items()}
 
     # ---------------------------------------------------------------- weight sync
     def join_weight_group(self, address, rank: int) -> int:
@@ -329,6 +400,41 @@ class ReferenceWorker(_Worker):
     def logprobs(self, shard: int) -> list[torch.Tensor]:
         out = [sequence_logprobs(self.model, mb, self.spec.temperature).float().cpu() for mb in self._micro_batches(shard)]
         self._staged.pop(shard, None)
+        return out
+
+
+class RewardModelWorker(_Worker):
+    """A reward model rank: scores the sequences of the shards it is handed (forward only)."""
+
+    role = "reward"
+
+    def build(self) -> int:
+        self.model = load_reward_model(self.spec.model_path, self.spec.dtype, self.device).to(self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        return sum(p.numel() for p in self.model.parameters())
+
+    @torch.no_grad()
+    def score(self, shard: int) -> tuple[list[int], list[float]]:
+        """(sample indices, scores) of every sequence of the shard; the shard is then released."""
+        indices: list[int] = []
+        scores: list[float] = []
+        for mb in self._micro_batches(shard):
+            values = sequence_scores(self.model, mb).cpu().tolist()
+            for i, v in zip(mb.indices.tolist(), values):
+                if i >= 0:  # -1: the stand-in of an empty planned micro-batch
+                    indices.append(i)
+                    scores.append(v)
+        self._staged.pop(shard, None)
+        return indices, scores
+
+    @torch.no_grad()
+    def scores_of(self, sequences: list[list[int]]) -> list[float]:
+        """Scores of whole token sequences, one forward each (tests compare with a plain HF forward)."""
+        out = []
+        for seq in sequences:
+            mb = PaddedBatch.from_samples([_single(seq)], self.spec.pad_id).to(self.device)
+            out.append(float(sequence_scores(self.model, mb)[0]))
         return out
 
 

@@ -26,6 +26,19 @@ MicroBatch = PaddedBatch | PackedBatch
 
 
 @dataclass
+class GroupFilter:
+    """Dynamic sampling (DAPO): keep only informative prompt groups, draw more prompts until full.
+
+    `keep(scores [B], group_ids [B]) -> bool [B]` marks the samples to keep (whole groups);
+    `more_prompts(n)` draws n further prompts; at most `max_rounds` rollout rounds per step.
+    """
+
+    keep: Callable[[Any, Any], Any]
+    more_prompts: Callable[[int], list[Any]]
+    max_rounds: int
+
+
+@dataclass
 class RolloutRequest:
     """One step's rollout, as the driver asks for it."""
 
@@ -34,12 +47,13 @@ class RolloutRequest:
     samples_per_prompt: int
     max_tokens: int
     temperature: float
-    scorer: Scorer
+    scorer: Scorer | None  # None: no rule reward (a reward model scores the sequences later)
     num_shards: int  # data-parallel ranks of the policy
     micro_batch_size: int
     pad_id: int
     max_seq_len: int  # prompt_max_len + response_max_len
     decode: Callable[[list[list[int]]], list[str]] | None = None  # driver-side decoding (baseline only)
+    group_filter: GroupFilter | None = None  # dynamic sampling (packed transfer only)
 
     def job(self, prompt_indices: Sequence[int], scorer: Scorer | None) -> RolloutJob:
         return RolloutJob(
@@ -70,6 +84,8 @@ class Delivery:
     wire_bytes: int
     wire_tokens: int  # token positions moved (padding included)
     timings: dict[str, float] = field(default_factory=dict)
+    dropped_groups: int | None = None  # dynamic sampling: prompt groups generated and dropped
+    rounds: int = 1  # dynamic sampling: rollout rounds it took to fill the batch
 
     @property
     def real_tokens(self) -> int:
@@ -78,7 +94,9 @@ class Delivery:
 
 def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
     rows = sorted(
-        (i, s, r, w) for m in parts for i, s, r, w in zip(m.indices, m.seq_lens, m.response_lens, m.rewards)
+        (i, s, r, w, t)
+        for m in parts
+        for i, s, r, w, t in zip(m.indices, m.seq_lens, m.response_lens, m.rewards, m.truncated or [False] * len(m.indices))
     )
     return RolloutMeta(
         indices=[row[0] for row in rows],
@@ -87,6 +105,9 @@ def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
         rewards=[row[3] for row in rows],
         score_s=max((m.score_s for m in parts), default=0.0),
         generated_at=max((m.generated_at for m in parts), default=0.0),
+        reward_errors=sum(m.reward_errors for m in parts),
+        reward_timeouts=sum(m.reward_timeouts for m in parts),
+        truncated=[row[4] for row in rows],
     )
 
 

@@ -47,6 +47,7 @@ class Sample:
     engine_logprobs: list[float] | Tensor | None = None  # per response token, from vLLM
     weight_version: int = 0  # policy version the engine generated it with
     index: int = 0  # position in the rollout, so order survives sharding and streaming
+    truncated: bool = False  # generation stopped at max_tokens (not carried by the batch layouts)
     # Further per-response-token values (e.g. a full PPO experience: old/ref logprobs, values,
     # advantages, returns), one entry per response token; they become `fields[name]` of a batch.
     fields: dict[str, list[float] | Tensor] = field(default_factory=dict)

@@ -23,10 +23,13 @@ from typing import Any, Callable, Iterator, Sequence
 import ray
 import torch
 
+from rlhf_orch.reward.base import Response
+from rlhf_orch.reward.execution import ScoredBatch
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 from rlhf_orch.transfer.plan import CompletionRequest, MicroBatchWork
 
-Scorer = Callable[[Any, str], float]  # (task prompt, response text) -> reward
+# (prompts, responses) -> ScoredBatch: scores one batch where the samples are (rlhf_orch.reward.scoring).
+Scorer = Callable[[Sequence[Any], Sequence[Response]], ScoredBatch]
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Completion:
     response_ids: list[int] | torch.Tensor
     logprobs: list[float] | torch.Tensor
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # further per-token fields (benchmark)
+    truncated: bool = False  # stopped at max_tokens, not at EOS (overlong shaping reads it)
 
 
 @dataclass
@@ -50,6 +54,11 @@ class RolloutMeta:
     rewards: list[float]
     score_s: float = 0.0
     generated_at: float = 0.0  # wall clock (time.time) when the engine's last sequence finished
+    reward_errors: int = 0  # samples whose reward function raised (scored 0)
+    reward_timeouts: int = 0  # samples whose reward function ran past reward.timeout_s (scored 0)
+    truncated: list[bool] = field(default_factory=list)  # per sample: hit max_tokens
+    model_rewards: list[float] | None = None  # reward-model scores (before weighting), by index
+    rule_rewards: list[float] | None = None  # the weighted rule term, when a reward model adds to it
 
 
 @dataclass
@@ -77,7 +86,9 @@ class RolloutJob:
     scorer: Scorer | None  # None: rewards are computed elsewhere (the padded baseline's driver)
 
 
-def _meta(samples: Sequence[Sample], score_s: float = 0.0, generated_at: float = 0.0) -> RolloutMeta:
+def rollout_meta(
+    samples: Sequence[Sample], score_s: float = 0.0, generated_at: float = 0.0, scored: ScoredBatch | None = None
+) -> RolloutMeta:
     return RolloutMeta(
         indices=[s.index for s in samples],
         seq_lens=[len(s.prompt_ids) + len(s.response_ids) for s in samples],
@@ -85,7 +96,20 @@ def _meta(samples: Sequence[Sample], score_s: float = 0.0, generated_at: float =
         rewards=[float(s.reward) for s in samples],
         score_s=score_s,
         generated_at=generated_at,
+        reward_errors=scored.errors if scored else 0,
+        reward_timeouts=scored.timeouts if scored else 0,
+        truncated=[s.truncated for s in samples],
     )
+
+
+def score_samples(samples: Sequence[Sample], texts: Sequence[str], job: RolloutJob) -> ScoredBatch:
+    """Score decoded samples with the job's scorer and write each reward into its sample."""
+    prompts = [job.prompts[s.index // job.samples_per_prompt] for s in samples]
+    responses = [Response(t, len(s.response_ids), s.truncated) for s, t in zip(samples, texts)]
+    scored = job.scorer(prompts, responses)
+    for sample, score in zip(samples, scored.scores):
+        sample.reward = float(score)
+    return scored
 
 
 class RolloutProducer(abc.ABC):
@@ -100,34 +124,31 @@ class RolloutProducer(abc.ABC):
         """Response texts, special tokens skipped (what the rule reward reads)."""
 
     # ------------------------------------------------------------------ shared
-    def _samples(self, completions: Sequence[Completion], job: RolloutJob) -> tuple[list[Sample], float]:
+    def _samples(self, completions: Sequence[Completion], job: RolloutJob) -> tuple[list[Sample], float, ScoredBatch | None]:
         t = time.perf_counter()
-        rewards = [float("nan")] * len(completions)
-        if job.scorer is not None:
-            texts = self._decode([c.response_ids for c in completions])
-            rewards = [
-                float(job.scorer(job.prompts[c.index // job.samples_per_prompt], text))
-                for c, text in zip(completions, texts)
-            ]
         samples = [
             Sample(
                 prompt_ids=torch.as_tensor(c.prompt_ids, dtype=torch.long),
                 response_ids=torch.as_tensor(c.response_ids, dtype=torch.long),
-                reward=r,
+                reward=float("nan"),  # scored below, or elsewhere (the padded baseline's driver)
                 engine_logprobs=torch.as_tensor(c.logprobs, dtype=torch.float32),
                 weight_version=self.weight_version,
                 index=c.index,
                 fields=c.fields,
+                truncated=c.truncated,
             )
-            for c, r in zip(completions, rewards)
+            for c in completions
         ]
-        return samples, time.perf_counter() - t
+        scored = None
+        if job.scorer is not None:
+            scored = score_samples(samples, self._decode([c.response_ids for c in completions]), job)
+        return samples, time.perf_counter() - t, scored
 
     # ------------------------------------------------------------------ baseline: all to the caller
     def produce_samples(self, requests: Sequence[CompletionRequest], job: RolloutJob) -> tuple[list[Sample], float]:
         """Every sample, in index order, and the wall-clock time the rollout was ready here."""
         completions = [c for done in self._complete(requests, job) for c in done]
-        samples, _ = self._samples(sorted(completions, key=lambda c: c.index), job)
+        samples, _, _ = self._samples(sorted(completions, key=lambda c: c.index), job)
         return samples, time.time()
 
     # ------------------------------------------------------------------ streaming micro-batches
@@ -145,14 +166,14 @@ class RolloutProducer(abc.ABC):
             waiting[id(work)] -= 1
             if waiting[id(work)]:
                 continue
-            samples, score_s = self._samples(sorted(done.pop(id(work)), key=lambda c: c.index), job)
+            samples, score_s, scored = self._samples(sorted(done.pop(id(work)), key=lambda c: c.index), job)
             batch = batch_format(samples)
             yield MicroBatchTicket(
                 shard=work.shard,
                 slot=work.slot,
                 num_slots=work.num_slots,
                 batch=ray.put(batch),
-                meta=_meta(samples, score_s),
+                meta=rollout_meta(samples, score_s, scored=scored),
                 nbytes=batch.nbytes,
                 wire_tokens=int(batch.input_ids.numel()),
             )
@@ -160,10 +181,17 @@ class RolloutProducer(abc.ABC):
     # ------------------------------------------------------------------ hold, then cut per rank
     def produce_and_hold(self, requests: Sequence[CompletionRequest], job: RolloutJob) -> RolloutMeta:
         completions = [c for done in self._complete(requests, job) for c in done]
-        samples, score_s = self._samples(sorted(completions, key=lambda c: c.index), job)
+        samples, score_s, scored = self._samples(sorted(completions, key=lambda c: c.index), job)
         generated_at = time.time()  # rollout ready (generated and scored); packing counts as transfer
-        self._held = {s.index: s for s in samples}
-        return _meta(samples, score_s, generated_at)
+        # Added to what is held: dynamic sampling may ask for several rounds before one cut.
+        self._held = {**getattr(self, "_held", {}), **{s.index: s for s in samples}}
+        return rollout_meta(samples, score_s, generated_at, scored)
+
+    def produce_scores(self, requests: Sequence[CompletionRequest], job: RolloutJob) -> RolloutMeta:
+        """Generate and score, keep nothing: lengths and rewards only (evaluation)."""
+        completions = [c for done in self._complete(requests, job) for c in done]
+        samples, score_s, scored = self._samples(sorted(completions, key=lambda c: c.index), job)
+        return rollout_meta(samples, score_s, time.time(), scored)
 
     def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]]) -> Any:
         """One packed piece per rank (None where this engine holds nothing for it).

@@ -11,11 +11,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
+import torch
+
 from rlhf_orch.transfer.base import Delivery, MicroBatch, RolloutRequest, RolloutTransfer, Route, merge_meta
 from rlhf_orch.transfer.batch import PackedBatch, Sample
+from rlhf_orch.transfer.engine_side import RolloutMeta
 from rlhf_orch.transfer.inbox import assemble_packed
 from rlhf_orch.transfer.plan import derive_token_budget, pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
 
@@ -41,23 +45,26 @@ class PackedTransfer(RolloutTransfer):
     def deliver(self, request: RolloutRequest, route: Route) -> Delivery:
         timings: dict[str, float] = {}
         t = time.perf_counter()
-        chunks = [c for c in prompt_chunks(len(request.prompts), len(route.engines))]
-        engines = [e for e, c in zip(route.engines, chunks) if len(c)]
-        calls = [
-            engine.produce_and_hold.remote(whole_prompt_requests(chunk, request.samples_per_prompt), request.job(chunk, request.scorer))
-            for engine, chunk in zip(route.engines, chunks)
-            if len(chunk)
-        ]
-        held = route.get(calls, "generating", engine_call=True)
+        engines = list(route.engines)
+        held = self._generate(request, route, range(len(request.prompts)))
+        rounds, dropped = 1, None
+        if request.group_filter is not None:
+            held, rounds, dropped = self._fill_with_informative_groups(request, route, held)
         t = self._timed(timings, "generate", t)
         timings["reward"] = 0.0  # scored on the engines, inside generation
 
-        meta = merge_meta(held)
+        meta = merge_meta([m for parts in held for m in parts])
         timings["metadata_to_driver"] = time.time() - meta.generated_at
         t_plan = time.perf_counter()
         budget = self.budget(request.micro_batch_size, request.max_seq_len)
-        plan = plan_packed(meta.indices, meta.seq_lens, budget, request.num_shards)
-        cut = pieces_per_engine(plan, [m.indices for m in held])
+        owner = {i: e for e, parts in enumerate(held) for m in parts for i in m.indices}
+        # Each micro-batch lists its members engine after engine (ascending within an engine), the
+        # order the trainer concatenates the engines' pieces in.
+        plan = [
+            [sorted(mb, key=lambda i: (owner[i], i)) for mb in rank]
+            for rank in plan_packed(meta.indices, meta.seq_lens, budget, request.num_shards)
+        ]
+        cut = pieces_per_engine(plan, [[i for m in parts for i in m.indices] for parts in held])
         timings["plan"] = time.perf_counter() - t_plan
         pieces = []  # pieces[engine][rank]: object refs, owned here, data in the engine's store
         for engine, members in zip(engines, cut):
@@ -76,4 +83,69 @@ class PackedTransfer(RolloutTransfer):
             wire_bytes=sum(received[k] for k in first_of_shard),
             wire_tokens=sum(meta.seq_lens),
             timings=timings,
+            dropped_groups=dropped,
+            rounds=rounds,
         )
+
+    @staticmethod
+    def _generate(request: RolloutRequest, route: Route, prompts: range) -> list[list[RolloutMeta]]:
+        """Prompts `prompts` (indices into request.prompts) over the engines; per engine, its meta."""
+        chunks = prompt_chunks(len(prompts), len(route.engines))
+        calls, used = [], []
+        for e, (engine, chunk) in enumerate(zip(route.engines, chunks)):
+            if len(chunk):
+                chunk = range(prompts.start + chunk.start, prompts.start + chunk.stop)
+                calls.append(engine.produce_and_hold.remote(whole_prompt_requests(chunk, request.samples_per_prompt), request.job(chunk, request.scorer)))
+                used.append(e)
+        metas = route.get(calls, "generating", engine_call=True)
+        out: list[list[RolloutMeta]] = [[] for _ in route.engines]
+        for e, m in zip(used, metas):
+            out[e].append(m)
+        return out
+
+    def _fill_with_informative_groups(
+        self, request: RolloutRequest, route: Route, held: list[list[RolloutMeta]]
+    ) -> tuple[list[list[RolloutMeta]], int, int]:
+        """DAPO's dynamic sampling: drop groups whose samples all scored the same, generate more
+        prompts (the same number again) until `len(request.prompts)` informative groups are held or
+        `max_rounds` rounds ran; then keep exactly that many groups -- topping up with dropped
+        groups (zero advantage) if the rounds ran out -- so every step trains on the same shape.
+        Engines keep only what is planned (`cut_for_ranks` releases the rest)."""
+        f, spp = request.group_filter, request.samples_per_prompt
+        need = len(request.prompts)
+        rounds = 1
+
+        def informative() -> list[int]:
+            meta = merge_meta([m for parts in held for m in parts])
+            keep = f.keep(torch.tensor(meta.rewards), torch.tensor(meta.indices) // spp).tolist()
+            return sorted({i // spp for i, k in zip(meta.indices, keep) if k})
+
+        groups = informative()
+        while len(groups) < need and rounds < f.max_rounds:
+            start = len(request.prompts)
+            more = f.more_prompts(need)
+            request.prompts.extend(more)
+            request.prompt_ids.extend(list(p.prompt_ids) for p in more)
+            for e, parts in enumerate(self._generate(request, route, range(start, start + len(more)))):
+                held[e].extend(parts)
+            rounds += 1
+            groups = informative()
+        generated = len(request.prompts)
+        chosen = set(groups[:need])
+        if len(chosen) < need:  # rounds ran out: fill with uninformative groups (advantage 0)
+            chosen |= set(sorted(set(range(generated)) - chosen)[: need - len(chosen)])
+        kept = [[_select(m, chosen, spp) for m in parts] for parts in held]
+        return kept, rounds, generated - len(set(groups[:need]))
+
+
+def _select(meta: RolloutMeta, groups: set[int], samples_per_prompt: int) -> RolloutMeta:
+    rows = [k for k, i in enumerate(meta.indices) if i // samples_per_prompt in groups]
+    pick = lambda values: [values[k] for k in rows]  # noqa: E731
+    return dataclasses.replace(
+        meta,
+        indices=pick(meta.indices),
+        seq_lens=pick(meta.seq_lens),
+        response_lens=pick(meta.response_lens),
+        rewards=pick(meta.rewards),
+        truncated=pick(meta.truncated) if meta.truncated else [],
+    )

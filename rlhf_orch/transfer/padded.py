@@ -14,7 +14,7 @@ import ray
 
 from rlhf_orch.transfer.base import Delivery, MicroBatch, RolloutRequest, RolloutTransfer, Route, count_micro_batches
 from rlhf_orch.transfer.batch import PaddedBatch, Sample
-from rlhf_orch.transfer.engine_side import RolloutMeta
+from rlhf_orch.transfer.engine_side import rollout_meta, score_samples
 from rlhf_orch.transfer.plan import prompt_chunks, whole_prompt_requests
 
 
@@ -40,9 +40,10 @@ class PaddedTransfer(RolloutTransfer):
         generated_at = max(at for _, at in parts)  # the engines' clock: generation end, before the gather
         t = self._timed(timings, "generate", t)
 
-        texts = request.decode([s.response_ids.tolist() for s in samples])
-        for sample, text in zip(samples, texts):
-            sample.reward = float(request.scorer(request.prompts[sample.index // request.samples_per_prompt], text))
+        scored = None
+        if request.scorer is not None:
+            texts = request.decode([s.response_ids.tolist() for s in samples])
+            scored = score_samples(samples, texts, request.job(range(len(request.prompts)), request.scorer))
         t = self._timed(timings, "reward", t)
 
         shards = self.layout(samples, request.num_shards, request.micro_batch_size, request.pad_id)
@@ -52,12 +53,7 @@ class PaddedTransfer(RolloutTransfer):
         # From "generation finished" to "every trainer holds its data": the gather to the driver,
         # scoring there, padding, one put per shard, and the trainers' fetch.
         timings["transfer"] = timings["transfer_after_generate"] = time.time() - generated_at
-        meta = RolloutMeta(
-            indices=[s.index for s in samples],
-            seq_lens=[len(s.prompt_ids) + len(s.response_ids) for s in samples],
-            response_lens=[len(s.response_ids) for s in samples],
-            rewards=[s.reward for s in samples],
-        )
+        meta = rollout_meta(samples, scored=scored)
         return Delivery(
             meta=meta,
             wire_bytes=sum(mb.nbytes for shard in shards for mb in shard),

@@ -106,8 +106,9 @@ def pieces_per_engine(
 ) -> list[list[list[list[int]]]]:
     """`cut[engine][rank][micro_batch]` = the planned indices of that micro-batch that `engine` holds.
 
-    Engines hold contiguous index ranges, so a micro-batch's parts, engine after engine, are in
-    the plan's (ascending) order and the trainer assembles it by concatenation alone.
+    The trainer assembles a micro-batch by concatenating its parts engine after engine, so the plan
+    must list each micro-batch's members in that order (ascending when engines hold contiguous
+    index ranges, as one rollout round gives; `PackedTransfer` sorts by (engine, index)).
     """
     owner = {i: e for e, held in enumerate(held_by_engine) for i in held}
     cut = [[[[] for _ in rank] for rank in plan] for _ in held_by_engine]

@@ -1,0 +1,72 @@
+"""The prompt type shared by prompt sources and rewards, and the interface of every data option.
+
+`PromptSource` is what the training loop asks of any `data=...` option: `bind` a tokenizer once on the
+driver, then draw training prompts with `sample_prompts`, held-out prompts with `eval_prompts`, and
+checkpoint the position with `state_dict` / `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # what the policy is conditioned on (templated)
+    label: Any = None  # ground truth handed to the reward (str, number, dict or None)
+    source: str = "default"  # data_source; metrics are split by it
+    extra: Optional[Mapping[str, Any]] = None  # extra_info (veRL layout), handed to custom rewards
+    prompt_ids: Optional[tuple[int, ...]] = None
+
+
+class DataError(ValueError):
+    """Bad data input. The message is one line naming the config key and the fix; the app prints it
+    and exits with status 2 before Ray starts."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+class PromptSource(abc.ABC):
+    """The prompts of a run: training prompts (sampled), held-out prompts (fixed), and their state."""
+
+    prompt_max_len: int  # tokens
+    response_max_len: int  # tokens
+
+    @abc.abstractmethod
+    def bind(self, tokenizer: Any) -> None:
+        """Load, template and tokenize. Afterwards every Prompt has `prompt_ids` set (a tuple of ints).
+
+        Raises DataError on bad input.
+        """
+
+    @abc.abstractmethod
+    def sample_prompts(self, n: int) -> list[Prompt]:
+        """The next `n` training prompts (advances the sampler)."""
+
+    @abc.abstractmethod
+    def eval_prompts(self, limit: int = 0) -> list[Prompt]:
+        """Held-out prompts, deterministic: the first `limit` (0 = all); [] without a held-out set."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict:
+        """Plain JSON-able state, so a checkpoint restores the exact sampling position."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the position saved by `state_dict`."""
+
+    @property
+    @abc.abstractmethod
+    def num_train_prompts(self) -> Optional[int]:
+        """Training prompts available (None for an infinite generator)."""
+
+    def missing_labels(self) -> int:
+        """Training prompts without a label (a rule reward that needs labels refuses to start)."""
+        return 0
+
+    def describe(self) -> list[str]:
+        """Lines worth printing at the start of a run (rows read, rows filtered, ...)."""
+        return []

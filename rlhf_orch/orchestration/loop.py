@@ -1,0 +1,260 @@
+"""The training loop, readable top to bottom: rollout (generate, score, hand over) -> experience ->
+train -> sync, for every algorithm (`algo`): the loop asks it what it needs (a critic, a reference,
+dynamic sampling) and where its math runs, never which one it is.
+
+The rollout's data path is the `transfer` strategy's business (`RolloutTransfer.deliver`): with
+`micro_batched` and `packed` the engines score and hand experience to the trainers themselves and
+the driver holds only prompts, lengths and rewards; `padded` is the gather-on-the-driver baseline.
+After that, experience tensors move between actors as Ray object references.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import ray
+
+import torch
+
+from rlhf_orch.algo.estimators import Algorithm
+from rlhf_orch.orchestration.actors import RoleActors
+from rlhf_orch.reward.scoring import RewardSetup
+from rlhf_orch.sync.base import WeightSync
+from rlhf_orch.transfer.base import Delivery, GroupFilter, RolloutRequest, RolloutTransfer, Route
+
+
+class EngineDiedError(RuntimeError):
+    """A vLLM engine died mid-run."""
+
+
+class StepFailedError(RuntimeError):
+    """An actor raised while working on a step (a reward returning NaN, a bad batch, ...)."""
+
+
+@dataclass
+class LoopSettings:
+    num_steps: int
+    rollout_batch_size: int
+    samples_per_prompt: int
+    micro_batch_size: int
+    response_max_len: int
+    temperature: float
+    seed: int
+    step_timeout_s: float
+    max_seq_len: int = 0  # prompt_max_len + response_max_len (0: longest prompt + response_max_len)
+
+
+class TrainLoop:
+    def __init__(
+        self,
+        actors: RoleActors,
+        task: Any,
+        tokenizer: Any,
+        transfer: RolloutTransfer,
+        sync: WeightSync,
+        algo: Algorithm,
+        settings: LoopSettings,
+        reward: RewardSetup,
+    ):
+        self.actors = actors
+        self.reward = reward
+        self.task = task
+        self.tokenizer = tokenizer
+        self.transfer = transfer
+        self.sync = sync
+        self.algo = algo
+        self.settings = settings
+        self.version = 0
+        self.norm_len = algo.norm_len(settings.response_max_len)
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int) -> dict[str, Any]:
+        s, algo = self.settings, self.algo
+        timings: dict[str, float] = {}
+        t_step = time.perf_counter()
+
+        # 1-3. Rollout: generate, score with the rule, and stage every data-parallel shard on the
+        #      ranks that need it (how: the transfer strategy).
+        prompts = self.task.sample_prompts(s.rollout_batch_size)
+        delivery = self.transfer.deliver(self._rollout_request(prompts), self._route())
+        timings.update(delivery.timings)
+        num_shards = len(self.actors.policy)  # one experience shard per policy rank
+
+        # 3b. Reward model (reward=model): its ranks staged the same shards; only scores come back.
+        self._model_scores(delivery, num_shards, timings)
+
+        # 4. Experience. The algorithm turns the final scores into per-sample values on the driver
+        #    (outcome advantages, group-centred scores, or the scores), the ranks get only floats;
+        #    reference logprobs and critic values (object refs) feed the token targets there.
+        t = time.perf_counter()
+        meta = delivery.meta
+        values_by_index, algo_stats = self._sample_values(delivery)
+        values_ref = ray.put(values_by_index)  # one float per sample; every rank picks its own
+        ref_lp = [r.logprobs.remote(i) if r else None for i, r in enumerate(self._rank_per_shard(self.actors.reference, num_shards))]
+        values = [c.values.remote(i) if c else None for i, c in enumerate(self._rank_per_shard(self.actors.critic, num_shards))]
+        made = [
+            rank.make_experience.options(num_returns=2).remote(i, ref_lp[i], values[i], algo, values_ref)
+            for i, rank in enumerate(self.actors.policy)
+        ]
+        exp_stats = self._get([m[0] for m in made], "computing experience")
+        returns = [m[1] for m in made]
+        timings["experience"] = time.perf_counter() - t
+
+        # 5. Train the policy (and the critic, when there is one) concurrently.
+        t = time.perf_counter()
+        policy_calls = [rank.train.remote(i, algo, self.norm_len) for i, rank in enumerate(self.actors.policy)]
+        critic_calls = [
+            critic.train.remote({i: returns[i] for i in self._shards_of_critic(c, num_shards)})
+            for c, critic in enumerate(self.actors.critic)
+        ]
+        policy_stats = self._get(policy_calls, "training the policy")
+        critic_stats = self._get(critic_calls, "training the critic")
+        timings["train"] = time.perf_counter() - t
+
+        # 6. Sync: the engines get the new weights and the new version number.
+        t = time.perf_counter()
+        self.version += 1
+        report = self.sync.push(self.version)
+        self.sync.verify(self.version)
+        timings["sync"] = time.perf_counter() - t
+        timings["step"] = time.perf_counter() - t_step
+
+        metrics = self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, report, timings)
+        metrics.update(algo_stats)
+        return metrics
+
+    def _sample_values(self, delivery: Delivery) -> tuple[dict[int, float], dict[str, float]]:
+        meta = delivery.meta
+        scores = torch.tensor(meta.rewards, dtype=torch.float32)
+        group_ids = torch.tensor(meta.indices, dtype=torch.long) // self.settings.samples_per_prompt
+        lengths = torch.tensor(meta.response_lens, dtype=torch.long)
+        values, stats = self.algo.sample_values(scores, group_ids, lengths, self.settings.response_max_len)
+        return dict(zip(meta.indices, values.tolist())), stats
+
+    # ------------------------------------------------------------------ pieces
+    def _model_scores(self, delivery: Delivery, num_shards: int, timings: dict[str, float]) -> None:
+        """Score every shard on the reward-model ranks; fold the scores into the delivery's rewards
+        (without a reward model the scores the engines attached stand)."""
+        if not self.reward.has_model:
+            return
+        t = time.perf_counter()
+        parts = self._get(
+            [rm.score.remote(i) for i, rm in enumerate(self._rank_per_shard(self.actors.reward, num_shards))], "scoring with the reward model"
+        )
+        model_score = {i: v for indices, values in parts for i, v in zip(indices, values)}
+        meta = delivery.meta
+        weight = self.reward.model.weight
+        rule = [r if self.reward.rule is not None else 0.0 for r in meta.rewards]
+        meta.model_rewards = [model_score[i] for i in meta.indices]
+        meta.rule_rewards = rule if self.reward.rule is not None else None
+        meta.rewards = [r + weight * m for r, m in zip(rule, meta.model_rewards)]
+        timings["reward_model"] = time.perf_counter() - t
+
+    def _rollout_request(self, prompts: Sequence[Any]) -> RolloutRequest:
+        s = self.settings
+        tokenizer = self.tokenizer
+        prompt_ids = [list(p.prompt_ids) for p in prompts]
+        return RolloutRequest(
+            prompts=list(prompts),
+            prompt_ids=prompt_ids,
+            samples_per_prompt=s.samples_per_prompt,
+            max_tokens=s.response_max_len,
+            temperature=s.temperature,
+            scorer=self.reward.rule,
+            num_shards=len(self.actors.policy),
+            micro_batch_size=s.micro_batch_size,
+            pad_id=tokenizer.pad_token_id,
+            max_seq_len=s.max_seq_len or max(map(len, prompt_ids)) + s.response_max_len,
+            decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
+            group_filter=self._group_filter(),
+        )
+
+    def _group_filter(self) -> GroupFilter | None:
+        """DAPO's dynamic sampling: which groups to keep, and where more prompts come from."""
+        if not self.algo.uses_dynamic_sampling:
+            return None
+        return GroupFilter(keep=self.algo.keep_groups, more_prompts=self.task.sample_prompts, max_rounds=self.algo.max_gen_batches)
+
+    def _route(self) -> Route:
+        """Per shard, every actor that stages it: its policy rank, and the critic, reference and
+        reward-model ranks when the algorithm and the reward have them."""
+        n = len(self.actors.policy)
+        roles = [self.actors.critic, self.actors.reference, self.actors.reward]  # empty when not planned
+        per_role = [self._rank_per_shard(ranks, n) for ranks in roles]
+        consumers = [[rank, *(r[i] for r in per_role if r[i] is not None)] for i, rank in enumerate(self.actors.policy)]
+        return Route(engines=list(self.actors.engines), consumers=consumers, get=self._get)
+
+    @staticmethod
+    def _rank_per_shard(ranks: list[Any], num_shards: int) -> list[Any]:
+        """Per shard, the rank of a role that takes it (round-robin), or None without the role."""
+        return [ranks[shard % len(ranks)] if ranks else None for shard in range(num_shards)]
+
+    def _shards_of_critic(self, critic: int, num_shards: int) -> list[int]:
+        return [i for i in range(num_shards) if i % len(self.actors.critic) == critic]
+
+    def _get(self, refs: list[ray.ObjectRef], what: str, engine_call: bool = False) -> list[Any]:
+        try:
+            return ray.get(refs, timeout=self.settings.step_timeout_s)
+        except ray.exceptions.RayActorError as e:
+            kind = "a vLLM engine" if engine_call else "a trainer or engine process"
+            raise EngineDiedError(f"{kind} died while {what}: {e}") from e
+        except ray.exceptions.GetTimeoutError as e:
+            raise EngineDiedError(f"no answer within {self.settings.step_timeout_s:.0f}s while {what}") from e
+        except ray.exceptions.RayTaskError as e:
+            # The actor's own exception, in one line (its traceback went to the actor's log).
+            cause = e.cause if e.cause is not None else e
+            raise StepFailedError(f"{type(cause).__name__} while {what}: {cause}") from e
+
+    def _metrics(self, step, delivery: Delivery, exp_stats, policy_stats, critic_stats, report, timings) -> dict[str, Any]:
+        rewards = delivery.meta.rewards
+        response_tokens = sum(delivery.meta.response_lens)
+
+        def mean(rows: list[dict[str, float]], key: str) -> float:
+            return sum(r[key] for r in rows) / max(len(rows), 1)
+
+        metrics: dict[str, Any] = {
+            "step": step,
+            "weight_version": self.version,
+            "reward/mean": sum(rewards) / len(rewards),
+            "reward/max": max(rewards),
+            "reward/solved_frac": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "rollout/samples": len(rewards),
+            "reward/errors": delivery.meta.reward_errors,
+            "reward/timeouts": delivery.meta.reward_timeouts,
+            "loss/policy": mean(policy_stats, "policy_loss"),
+            "policy/clipfrac": mean(policy_stats, "clipfrac"),
+            "policy/approx_kl": mean(policy_stats, "approx_kl"),
+            "response/mean_len": response_tokens / len(rewards),
+            "response/max_len": max(delivery.meta.response_lens),
+            "transfer/wire_bytes": delivery.wire_bytes,
+            "transfer/padded_tokens": delivery.wire_tokens,
+            "transfer/real_tokens": delivery.real_tokens,
+            "sync/bytes_per_engine": report.bytes_per_engine,
+            "sync/gb_per_s": report.gb_per_s,
+            "perf/tokens_per_s": delivery.real_tokens / max(timings["step"], 1e-9),
+            "perf/gen_tokens_per_s": response_tokens / max(timings["generate"], 1e-9),
+        }
+        if self.algo.needs_reference:
+            metrics["kl"] = mean(exp_stats, "kl")
+        if critic_stats:
+            metrics["values/mean"] = mean(exp_stats, "values_mean")
+            metrics["loss/value"] = mean(critic_stats, "value_loss")
+            metrics["critic/vf_clipfrac"] = mean(critic_stats, "vf_clipfrac")
+        for key, name in (("kl_loss", "loss/kl"), ("entropy", "policy/entropy")):
+            if key in policy_stats[0]:
+                metrics[name] = mean(policy_stats, key)
+        if delivery.dropped_groups is not None:
+            metrics["sampling/dropped_groups"] = delivery.dropped_groups
+            metrics["sampling/rounds"] = delivery.rounds
+        if delivery.meta.model_rewards is not None:
+            metrics["reward/model"] = sum(delivery.meta.model_rewards) / len(rewards)
+        if delivery.meta.rule_rewards is not None:
+            metrics["reward/rule"] = sum(delivery.meta.rule_rewards) / len(rewards)
+        metrics.update({f"time/{k}": v for k, v in timings.items()})
+        # Shares of the step: what the transfer and sync strategies cost relative to everything else.
+        for phase in ("generate", "transfer", "experience", "train", "sync"):
+            if phase in timings:
+                metrics[f"share/{phase}"] = timings[phase] / max(timings["step"], 1e-9)
+        return metrics

@@ -1,0 +1,1 @@
+"""Reproductions of published runs: references, scaling to a CPU machine, reports (scripts/reproduce.py)."""

@@ -1,0 +1,89 @@
+"""From the `reward` config to what runs: a rule scorer for the engines and, optionally, a reward-model role.
+
+`build_reward(cfg.reward)` returns a `RewardSetup`:
+
+* `rule` -- a `RuleScoring` (picklable) that the engines call on their own samples (the padded
+  baseline calls it on the driver): the rule function, its weight, and how it runs (inline with a
+  per-sample timeout, or in a bounded pool of Ray tasks -- `rlhf_orch.reward.execution`).
+* `model` -- a `RewardModel` when the option is `reward=model`: the planner gives it ranks, it
+  scores the same experience the trainers receive, actor to actor.
+
+The final score of a sample is `rule_weight * rule + model_weight * model` (either term may be absent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from rlhf_orch.reward.base import Response, RewardFunction
+from rlhf_orch.reward.execution import ScoredBatch, score_batch
+
+
+@dataclass(frozen=True)
+class RuleScoring:
+    """What an engine runs on a finished batch: `fn` under the run's execution settings, times `weight`."""
+
+    fn: RewardFunction
+    weight: float = 1.0
+    timeout_s: float = 10.0
+    pool_size: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.fn.name
+
+    def __call__(self, prompts: Sequence[Any], responses: Sequence[Response]) -> ScoredBatch:
+        scored = score_batch(self.fn, prompts, responses, self.timeout_s, self.pool_size)
+        if self.weight != 1.0:
+            scored.scores = [self.weight * s for s in scored.scores]
+        return scored
+
+
+@dataclass(frozen=True)
+class RewardSetup:
+    rule: RuleScoring | None
+    model: Any | None  # rlhf_orch.reward.model.RewardModel
+
+    @property
+    def needs_label(self) -> bool:
+        return bool(self.rule and self.rule.fn.needs_label)
+
+    @property
+    def has_model(self) -> bool:
+        return self.model is not None
+
+    def describe(self) -> str:
+        terms = []
+        if self.rule:
+            terms.append(f"{self.rule.weight:g} x {self.rule.name}")
+        if self.model:
+            terms.append(f"{self.model.weight:g} x reward model")
+        return " + ".join(terms)
+
+
+def build_reward(node: DictConfig | dict) -> RewardSetup:
+    """Instantiate the `reward` option; the execution keys are settings of the run, not the function's."""
+    from rlhf_orch.config.schema import RewardConfig
+
+    conf = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    execution = {k: conf.pop(k) for k in RewardConfig.execution_keys if k in conf}
+    _check_execution(**execution)
+    rule_node = conf.pop("rule", None)  # only a reward model option carries a nested rule
+    target = instantiate(conf)
+    if isinstance(target, RewardFunction):
+        return RewardSetup(rule=RuleScoring(target, 1.0, **execution), model=None)
+    rule = build_reward(rule_node).rule if rule_node else None
+    if rule is not None:
+        rule = RuleScoring(rule.fn, target.rule_weight, rule.timeout_s, rule.pool_size)
+    return RewardSetup(rule=rule, model=target)
+
+
+def _check_execution(timeout_s: float = 10.0, pool_size: int = 0) -> None:
+    if not timeout_s > 0:
+        raise ValueError(f"reward.timeout_s={timeout_s}: must be > 0 (seconds one sample may take to score)")
+    if pool_size < 0:
+        raise ValueError(f"reward.pool_size={pool_size}: must be >= 0 (0 scores inline on the engines)")

@@ -1,0 +1,59 @@
+"""Learning happens: a short seeded run on the default task raises the mean reward (CPU, deterministic).
+
+One run per algorithm family -- PPO (critic, GAE) and GRPO (critic-free, group advantages) -- on
+the embedded digit task, 30 steps of the default rollout (32 prompts x 4). The bar (+0.1 mean
+reward from the first five steps to the last five) is well under what both reach (recorded runs:
+PPO 0.23 -> 0.46, GRPO 0.25 -> 0.53 over 30 steps), and well over step-to-step noise (~0.03).
+Also DAPO's dynamic sampling: every step trains on a full batch, informative groups first.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+
+from rlhf_orch.app import check
+from rlhf_orch.orchestration.session import run_training
+from tests.conftest import compose_config
+
+pytestmark = pytest.mark.integration
+
+
+def _run(overrides: list[str], run_dir: Path, callbacks=()) -> list[dict]:
+    cfg = compose_config(overrides)
+    launcher = instantiate(cfg.launcher)
+    typed, plan = check(cfg, launcher)
+    run_training(cfg, typed, plan, launcher, run_dir, callbacks=callbacks)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _first_last(rows: list[dict]) -> tuple[float, float]:
+    rewards = [r["reward/mean"] for r in rows]
+    return sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_reward_rises(tmp_path, algo):
+    roles = {}
+
+    def record_roles(step: int, loop) -> None:
+        roles.update(critic=len(loop.actors.critic), reference=len(loop.actors.reference), policy=len(loop.actors.policy))
+
+    rows = _run([f"algo={algo}", "algo.num_steps=30"], tmp_path, [record_roles])
+    first, last = _first_last(rows)
+    assert last > first + 0.1, f"{algo}: mean reward {first:.3f} -> {last:.3f}"
+    if algo == "grpo":  # critic-free: no critic process, no value metrics
+        assert roles["critic"] == 0 and "loss/value" not in rows[-1] and "loss/kl" in rows[-1]
+    else:
+        assert roles["critic"] == 1 and "loss/value" in rows[-1]
+
+
+def test_dapo_dynamic_sampling_fills_every_batch(tmp_path):
+    rows = _run(["experiment=quick", "algo=dapo", "algo.num_steps=3", "algo.samples_per_prompt=2"], tmp_path)
+    for row in rows:
+        assert row["rollout/samples"] == 8 * 2  # rollout_batch_size x samples_per_prompt, every step
+        assert row["sampling/rounds"] >= 1 and row["sampling/dropped_groups"] >= 0
+    assert "kl" not in rows[0]  # DAPO has no KL term, hence no reference model

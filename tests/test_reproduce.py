@@ -1,0 +1,114 @@
+"""Committed reproductions: every experiment composes, plans its published cluster, runs scaled, reports.
+
+`scripts/reproduce.py <name> --scale cpu` on every runnable committed experiment (2 steps, the
+systems studies skipped here and run once in their own test), plus the pure pieces: references
+that cannot be used are refused at load time, scaling keeps the shape and says what it reduced,
+verdicts follow tolerances.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_orch.reproduce.reference import ReferenceError, load_reference
+from rlhf_orch.reproduce.report import NOT_MEASURED, OUTSIDE, WITHIN, compare, measured_value
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import reproduce  # noqa: E402
+
+
+def _references() -> dict:
+    out = {}
+    for name in reproduce.experiments():
+        try:
+            out[name] = reproduce.reference_of(name)
+        except ReferenceError:
+            pass
+    return out
+
+
+REFERENCES = _references()
+RUNNABLE = sorted(n for n, r in REFERENCES.items() if r.runnable)
+
+
+def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/reproduce.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_list_shows_at_least_seven_experiments_with_their_numbers():
+    proc = _cli("--list", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(REFERENCES) >= 7
+    for name in REFERENCES:
+        assert name in proc.stdout
+
+
+def test_unknown_experiment_lists_the_known_ones():
+    proc = _cli("no_such_run", timeout=120)
+    assert proc.returncode == 2
+    assert "unknown experiment 'no_such_run'" in proc.stderr and RUNNABLE[0] in proc.stderr
+
+
+def test_matching_hardware_is_required_without_scale():
+    proc = _cli(RUNNABLE[0], timeout=300)
+    assert proc.returncode == 2
+    assert "--scale cpu" in proc.stderr
+
+
+def test_a_reference_whose_metric_no_run_logs_is_refused_naming_both():
+    block = {"title": "t", "numbers": [{"name": "acc", "value": 0.5, "unit": "fraction", "measures": "x", "metric": "val/acc"}]}
+    with pytest.raises(ReferenceError, match="experiment=demo.*acc.*'val/acc'.*no run logs"):
+        load_reference("demo", block)
+    load_reference("demo", {**block, "numbers": [{**block["numbers"][0], "metric": "eval/openai/gsm8k/mean@1"}]})
+
+
+def test_verdicts_follow_tolerance_and_direction():
+    ref = load_reference("demo", {"numbers": [
+        {"name": "a", "value": 0.5, "unit": "fraction", "measures": "x", "metric": "reward/mean", "at_step": 2, "tolerance": 0.05},
+        {"name": "b", "value": 0.4, "unit": "fraction", "measures": "x", "metric": "share/sync", "comparison": "at_least", "tolerance": 0.05},
+        {"name": "c", "value": 1.0, "unit": "s", "measures": "x", "metric": None},
+    ]})
+    rows = [{"step": 1, "reward/mean": 0.1, "share/sync": 0.3}, {"step": 2, "reward/mean": 0.53, "share/sync": 0.5},
+            {"step": 3, "reward/mean": 0.9, "share/sync": 0.45}]
+    assert measured_value(rows, "reward/mean", 2) == 0.53
+    assert measured_value(rows, "share/sync", None) == pytest.approx(0.475)  # median after the warm-up step
+    verdicts = [c.verdict for c in compare(ref, rows, comparable=True)]
+    assert verdicts == [WITHIN, WITHIN, NOT_MEASURED]
+    rows[1]["reward/mean"] = 0.6
+    assert compare(ref, rows, comparable=True)[0].verdict == OUTSIDE
+    rows[1]["share/sync"] = rows[2]["share/sync"] = 0.34  # below the bound minus its tolerance
+    assert compare(ref, rows, comparable=True)[1].verdict == OUTSIDE
+    assert all(c.verdict == NOT_MEASURED for c in compare(ref, rows, comparable=False, why_not="scaled"))
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_every_experiment_plans_its_published_cluster_and_scales_to_this_machine(name, tmp_path):
+    from rlhf_orch.reproduce.scaling import scale_to_cpu
+
+    ref = REFERENCES[name]
+    if not ref.runnable:
+        assert ref.why_not_runnable, f"{name}: a reference-only entry must say why"
+        return
+    plan = reproduce.published_plan(name)
+    assert "placement:" in plan
+    published = reproduce.compose_experiment(name)
+    scaled = scale_to_cpu(published, 2, {"train": "x.parquet", "test": "y.parquet"})
+    assert any(r.startswith("placement") for r in scaled.reductions) and any("model" in r for r in scaled.reductions)
+    reproduce.compose_experiment(name, scaled.overrides)  # the scaled config composes
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_scaled_run_writes_a_report(name, tmp_path):
+    proc = _cli(name, "--scale", "cpu", "--steps", "2", "--skip-studies", "--out", str(tmp_path), timeout=900)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    report = (tmp_path / "report.md").read_text()
+    for section in ("## Published numbers and this run", "## The plan the published cluster gets", "## Scaled to this machine",
+                    "## Exact config differences"):
+        assert section in report, section
+    assert (tmp_path / "plots" / "reward.png").exists() and (tmp_path / "plots" / "step_time.png").exists()
