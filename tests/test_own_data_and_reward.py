@@ -81,20 +81,18 @@ def test_openrlhf_jsonl_with_rule_reward_learns_padded(digit_files, tmp_path):
     rows_dir = tmp_path / "run"
     _train(
         ["data=files", f"data.train_files=[{digit_files['openrlhf']['train']}]", "data.prompt_key=input",
-         "data.label_key=label", "reward=digit_reverse", "transfer=padded", "algo.num_steps=30"],
+         "data.label_key=label", "reward=digit_reverse", "transfer=padded", "algo.num_steps=20"],
         rows_dir,
     )
     rows = _metrics(rows_dir)
-    _rises(rows, by=0.1)
+    _rises(rows, by=0.05)
     assert all(r["reward/errors"] == 0 and r["reward/timeouts"] == 0 for r in rows)
 
 
-@pytest.mark.parametrize(
-    "layout,transfer",
-    [("verl", "padded"), ("openrlhf", "packed"), ("openrlhf", "micro_batched")],
-)
+@pytest.mark.parametrize("layout,transfer", [("verl", "padded"), ("openrlhf", "packed")])
 def test_each_layout_trains_with_each_transfer(digit_files, tmp_path, layout, transfer):
-    keys = ["data.prompt_key=input", "data.label_key=label"] if layout == "openrlhf" else []
+    # OpenRLHF rows carry no data source: the run names it (data.default_source) for the metrics.
+    keys = ["data.prompt_key=input", "data.label_key=label", "data.default_source=digit_reverse"] if layout == "openrlhf" else []
     _train(
         ["experiment=quick", "data=files", f"data.train_files=[{digit_files[layout]['train']}]",
          f"data.val_files=[{digit_files[layout]['test']}]", *keys, f"transfer={transfer}",
@@ -108,40 +106,34 @@ def test_each_layout_trains_with_each_transfer(digit_files, tmp_path, layout, tr
 
 
 # ----------------------------------------------------------------------------- reward model
-def test_reward_model_role_trains_and_scores_like_hugging_face(tmp_path):
+def test_reward_model_role_with_a_rule_term_scores_like_hugging_face(tmp_path):
+    """reward=model plus a rule term: the final score is weight x model + rule_weight x rule, and the
+    reward-model actor's scores equal a plain Hugging Face forward of the same checkpoint."""
     from transformers import AutoModelForSequenceClassification
 
     seen: dict = {}
+    sequences = [[1, 30, 37, 34, 32, 29, 32, 34, 37, 2], [1, 30, 35, 36, 29, 36], [1, 30, 33, 29]]
 
     def compare_with_hf(step: int, loop) -> None:
-        if step != 1:
-            return
-        rm = loop.actors.reward[0]
-        sequences = [[1, 30, 37, 34, 32, 29, 32, 34, 37, 2], [1, 30, 35, 36, 29, 36], [1, 30, 33, 29]]
-        seen["actor"] = ray.get(rm.scores_of.remote(sequences))
-        seen["sequences"] = sequences
+        if step == 1:
+            seen["actor"] = ray.get(loop.actors.reward[0].scores_of.remote(sequences))
 
-    summary = _train(["experiment=quick", "reward=model", "eval.every_n_steps=2", "eval.num_prompts=8"], tmp_path, [compare_with_hf])
+    summary = _train(
+        ["experiment=quick", "reward=model", "+reward@reward.rule=digit_reverse", "reward.rule_weight=0.5", "reward.weight=2.0",
+         "transfer=packed", "eval.every_n_steps=2", "eval.num_prompts=8"],
+        tmp_path, [compare_with_hf],
+    )
     rows = _metrics(tmp_path)
-    assert all("reward/model" in r for r in rows)
-    assert all(r["reward/mean"] == pytest.approx(r["reward/model"]) for r in rows)  # weight 1, no rule
+    for row in rows:
+        assert row["reward/mean"] == pytest.approx(row["reward/rule"] + 2.0 * row["reward/model"], abs=1e-5)
+        assert 0.0 <= row["reward/rule"] <= 0.5
     assert summary["eval_last"]["step"] == 2
 
-    from tests.conftest import compose_config as _compose
-
-    model = instantiate(_compose().model)
+    model = instantiate(compose_config().model)
     hf = AutoModelForSequenceClassification.from_pretrained(model.reward_model_path(), dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = [float(hf(input_ids=torch.tensor([s])).logits[0, 0]) for s in seen["sequences"]]
+        expected = [float(hf(input_ids=torch.tensor([s])).logits[0, 0]) for s in sequences]
     assert seen["actor"] == pytest.approx(expected, abs=1e-4)
-
-
-def test_reward_model_with_a_rule_term(tmp_path):
-    _train(["experiment=quick", "algo.num_steps=1", "reward=model", "+reward@reward.rule=digit_reverse",
-            "reward.rule_weight=0.5", "reward.weight=2.0", "transfer=packed"], tmp_path)
-    row = _metrics(tmp_path)[0]
-    assert row["reward/mean"] == pytest.approx(row["reward/rule"] + 2.0 * row["reward/model"], abs=1e-5)
-    assert 0.0 <= row["reward/rule"] <= 0.5
 
 
 def test_dry_run_shows_the_reward_model_placed():
@@ -204,7 +196,7 @@ def test_reward_returning_nan_stops_the_run_naming_function_and_sample(tmp_path)
     assert "compute_score" in last and "sample" in last and "nan" in last.lower()
 
 
-@pytest.mark.parametrize("pool_size", [0, 2])
+@pytest.mark.parametrize("pool_size", [2])  # inline (0) is covered by tests/test_reward_execution.py
 def test_raising_and_hanging_rewards_score_zero_are_counted_and_the_step_completes(tmp_path, pool_size):
     flaky = tmp_path / "flaky_reward.py"
     flaky.write_text(

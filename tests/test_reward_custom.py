@@ -5,25 +5,13 @@ from __future__ import annotations
 import pickle
 import re
 import textwrap
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
 
 import pytest
 
 from rlhf_orch.reward.base import Response, RewardError
 from rlhf_orch.reward.custom import CustomReward, describe_exception
 
-try:
-    from rlhf_orch.data.base import Prompt
-except ImportError:  # until rlhf_orch/data/base.py exists
-
-    @dataclass(frozen=True)
-    class Prompt:  # type: ignore[no-redef]
-        text: str
-        label: Any = None
-        source: str = "default"
-        extra: Optional[Mapping[str, Any]] = None
-        prompt_ids: Optional[tuple[int, ...]] = None
+from rlhf_orch.data.base import Prompt
 
 
 PROMPTS = [

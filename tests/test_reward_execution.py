@@ -9,8 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
 
 import pytest
 
@@ -18,17 +16,7 @@ from rlhf_orch.reward.base import Response, RewardError, RewardFunction
 from rlhf_orch.reward.custom import CustomReward
 from rlhf_orch.reward.execution import ScoredBatch, score_batch
 
-try:
-    from rlhf_orch.data.base import Prompt
-except ImportError:  # until rlhf_orch/data/base.py exists
-
-    @dataclass(frozen=True)
-    class Prompt:  # type: ignore[no-redef]
-        text: str
-        label: Any = None
-        source: str = "default"
-        extra: Optional[Mapping[str, Any]] = None
-        prompt_ids: Optional[tuple[int, ...]] = None
+from rlhf_orch.data.base import Prompt
 
 
 def _batch(*texts: str):

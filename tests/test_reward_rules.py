@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pickle
 import threading
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
 
 import pytest
 
@@ -13,17 +11,7 @@ from rlhf_orch.data.digit_task import score_response
 from rlhf_orch.reward.base import Response
 from rlhf_orch.reward.rules import CountdownRule, DigitReverseRule, GSM8KRule, MathVerifyRule, evaluate_equation
 
-try:
-    from rlhf_orch.data.base import Prompt
-except ImportError:  # until rlhf_orch/data/base.py exists
-
-    @dataclass(frozen=True)
-    class Prompt:  # type: ignore[no-redef]
-        text: str
-        label: Any = None
-        source: str = "default"
-        extra: Optional[Mapping[str, Any]] = None
-        prompt_ids: Optional[tuple[int, ...]] = None
+from rlhf_orch.data.base import Prompt
 
 
 def _score(rule, label, text: str) -> float:

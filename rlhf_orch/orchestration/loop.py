@@ -89,7 +89,6 @@ class TrainLoop:
         #    (outcome advantages, group-centred scores, or the scores), the ranks get only floats;
         #    reference logprobs and critic values (object refs) feed the token targets there.
         t = time.perf_counter()
-        meta = delivery.meta
         values_by_index, algo_stats = self._sample_values(delivery)
         values_ref = ray.put(values_by_index)  # one float per sample; every rank picks its own
         ref_lp = [r.logprobs.remote(i) if r else None for i, r in enumerate(self._rank_per_shard(self.actors.reference, num_shards))]

@@ -89,6 +89,12 @@ def scale_to_cpu(cfg: DictConfig, steps: int, data_files: dict[str, str]) -> Sca
     why.append(f"algo.rollout_batch_size: {a.rollout_batch_size} -> {SCALED_PROMPTS} prompts; optimizer steps per rollout kept "
                f"({updates}: train_batch_size {a.train_batch_size} -> {train}); micro_batch_size {a.micro_batch_size} -> {micro}")
     why.append(f"algo.num_steps: {a.num_steps} -> {steps}")
+    buffer = int(a.get("overlong_buffer", 0) or 0)
+    if buffer:
+        # DAPO's overlong ramp keeps its share of the response length.
+        scaled_buffer = max(1, round(buffer * 16 / int(cfg.data.response_max_len)))
+        o.append(f"algo.overlong_buffer={scaled_buffer}")
+        why.append(f"algo.overlong_buffer: {buffer} of {cfg.data.response_max_len} tokens -> {scaled_buffer} of 16 (the same share)")
     if cfg.eval.every_n_steps or cfg.eval.before_train:
         o += ["eval.every_n_steps=1", "eval.num_prompts=8", "eval.samples_per_prompt=1", "eval.temperature=0"]
 

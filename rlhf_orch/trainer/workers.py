@@ -147,6 +147,13 @@ class _Worker(ExperienceInbox):
         self.engine.step()
         return float(loss.detach()) * weight
 
+    def _load_frozen(self, loader) -> int:
+        """A forward-only model (reference, reward model): eval mode, no gradients; returns its size."""
+        self.model = loader(self.spec.model_path, self.spec.dtype, self.device).to(self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        return sum(p.numel() for p in self.model.parameters())
+
     def _ds_engine(self, model: torch.nn.Module, lr: float):
         import deepspeed
 
@@ -391,10 +398,7 @@ class ReferenceWorker(_Worker):
     role = "reference"
 
     def build(self) -> int:
-        self.model = load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        return sum(p.numel() for p in self.model.parameters())
+        return self._load_frozen(load_policy)
 
     @torch.no_grad()
     def logprobs(self, shard: int) -> list[torch.Tensor]:
@@ -409,10 +413,7 @@ class RewardModelWorker(_Worker):
     role = "reward"
 
     def build(self) -> int:
-        self.model = load_reward_model(self.spec.model_path, self.spec.dtype, self.device).to(self.device).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        return sum(p.numel() for p in self.model.parameters())
+        return self._load_frozen(load_reward_model)
 
     @torch.no_grad()
     def score(self, shard: int) -> tuple[list[int], list[float]]:

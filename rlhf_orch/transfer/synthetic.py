@@ -17,6 +17,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from rlhf_orch.reward.base import RewardFunction
+from rlhf_orch.reward.scoring import RuleScoring
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob, RolloutProducer
 from rlhf_orch.transfer.inbox import ExperienceInbox
 from rlhf_orch.transfer.plan import CompletionRequest
@@ -82,9 +84,17 @@ class SyntheticEngine(RolloutProducer):
         return 0
 
 
-def zero_reward(prompt: object, text: str) -> float:
-    """The benchmark's scorer: rewards are not what is measured."""
-    return 0.0
+class ZeroReward(RewardFunction):
+    """The benchmark's reward: rewards are not what is measured."""
+
+    name = "zero"
+    needs_label = False
+
+    def score(self, prompt: object, response: object) -> float:
+        return 0.0
+
+
+zero_reward = RuleScoring(ZeroReward())  # the scorer engines run (inline, like a rule)
 
 
 class TrainerSink(ExperienceInbox):
