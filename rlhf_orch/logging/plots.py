@@ -33,6 +33,7 @@ def plot_run(run_dir: str | Path, name: str, out_dir: str | Path | None = None) 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = [r for r in read_metrics(run_dir) if r.get("step", 0) >= 1 and "reward/mean" in r]
     out = Path(out_dir or Path(run_dir) / "plots")
@@ -50,6 +51,7 @@ def plot_run(run_dir: str | Path, name: str, out_dir: str | Path | None = None) 
         points = [(s, v) for s, k, v in evals if k == key]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", linewidth=1.5, label=key)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("score (reward units)")
     ax.set_title(f"{name}: reward")
     ax.grid(alpha=0.3)
@@ -63,6 +65,7 @@ def plot_run(run_dir: str | Path, name: str, out_dir: str | Path | None = None) 
     layers = [[r.get(f"time/{p}", 0.0) or 0.0 for r in rows] for p in PHASES]
     ax.stackplot(steps, layers, labels=[f"time/{p}" for p in PHASES], alpha=0.85)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("seconds per step")
     ax.set_title(f"{name}: step time by phase")
     ax.grid(alpha=0.3)
