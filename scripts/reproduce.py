@@ -69,7 +69,8 @@ def list_all() -> int:
         except ReferenceError:
             continue
         numbers = ", ".join(f"{n.name}={n.value:g} {n.unit}" for n in ref.numbers) or "none published (see notes)"
-        hw = f"{ref.hardware.get('nodes', 1)}x{ref.hardware.get('gpus_per_node', '?')} {ref.hardware.get('gpu', '')}".strip()
+        gpu = str(ref.hardware.get("gpu", "")).split(" (")[0].split(";")[0]  # the model name, not the commentary
+        hw = f"{ref.hardware.get('nodes', 1)} x {ref.hardware.get('gpus_per_node', '?')} {gpu}".strip()[:28]
         rows.append((name, "yes" if ref.runnable else "reference only", hw, ref.title, numbers))
     width = max(len(r[0]) for r in rows)
     print(f"{'experiment':<{width}}  {'runnable':<14}  {'published hardware':<22}  title / published numbers")
