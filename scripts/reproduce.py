@@ -70,7 +70,8 @@ def list_all() -> int:
             continue
         numbers = ", ".join(f"{n.name}={n.value:g} {n.unit}" for n in ref.numbers) or "none published (see notes)"
         gpu = str(ref.hardware.get("gpu", "")).split(" (")[0].split(";")[0]  # the model name, not the commentary
-        hw = f"{ref.hardware.get('nodes', 1)} x {ref.hardware.get('gpus_per_node', '?')} {gpu}".strip()[:28]
+        gpu = "GPU model not stated" if gpu.startswith("not stated") else gpu
+        hw = f"{ref.hardware.get('nodes', 1)} x {ref.hardware.get('gpus_per_node', '?')} {gpu}".strip()[:30]
         rows.append((name, "yes" if ref.runnable else "reference only", hw, ref.title, numbers))
     width = max(len(r[0]) for r in rows)
     print(f"{'experiment':<{width}}  {'runnable':<14}  {'published hardware':<22}  title / published numbers")
