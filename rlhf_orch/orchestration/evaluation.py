@@ -29,7 +29,6 @@ _EVAL_SHARD_BASE = 1_000_000
 class EvalSettings:
     every_n_steps: int
     before_train: bool
-    num_prompts: int
     samples_per_prompt: int
     temperature: float
     pass_threshold: float
@@ -57,10 +56,6 @@ class Evaluator:
         self.prompts = prompts
         self.reward = reward
         self._get = get
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.prompts) and (self.settings.every_n_steps > 0 or self.settings.before_train)
 
     def should_run(self, step: int) -> bool:
         """Step 0 is "before training"; then every `every_n_steps` steps."""

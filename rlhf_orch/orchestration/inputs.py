@@ -72,9 +72,9 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
         reward.model.check(reward_model_path, tokenizer)
     notes.append(f"reward: {reward.describe()}")
 
-    num_eval = typed.eval.num_prompts
-    eval_prompts = task.eval_prompts(num_eval) if (typed.eval.every_n_steps or typed.eval.before_train) else []
-    if (typed.eval.every_n_steps or typed.eval.before_train) and not eval_prompts:
+    evaluating = bool(typed.eval.every_n_steps or typed.eval.before_train)
+    eval_prompts = task.eval_prompts(typed.eval.num_prompts) if evaluating else []
+    if evaluating and not eval_prompts:
         raise InputError(
             "eval.every_n_steps/eval.before_train are set but the data has no held-out prompts; "
             "set data.val_files=[...] or turn evaluation off (eval.every_n_steps=0 eval.before_train=false)"

@@ -57,7 +57,6 @@ def eval_settings(cfg: RootConfig) -> EvalSettings:
     return EvalSettings(
         every_n_steps=e.every_n_steps,
         before_train=e.before_train,
-        num_prompts=e.num_prompts,
         samples_per_prompt=e.samples_per_prompt,
         temperature=e.temperature,
         pass_threshold=e.pass_threshold,

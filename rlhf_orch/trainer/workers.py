@@ -182,7 +182,6 @@ class PolicyWorker(_Worker):
         model.config.use_cache = False
         self.engine = self._ds_engine(model, self.spec.lr)
         self.weights = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
-        self._targets: dict[int, list[Any]] = {}
         return sum(p.numel() for p in model.parameters())
 
     @torch.no_grad()
