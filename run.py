@@ -2,10 +2,11 @@
 
 Hydra composes conf/config.yaml with the overrides; rlhf_orch.app checks the result, plans the
 Ray topology, and trains. `--cfg job` prints the composed config; `launcher.dry_run=true` prints
-the placement plan without starting anything.
+the placement plan without starting anything. In a multirun the function returns the run's score
+(the objective a sweeper such as Optuna maximises).
 """
 
-import sys
+from typing import Optional
 
 import hydra
 from omegaconf import DictConfig
@@ -16,12 +17,13 @@ register_configs()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> Optional[float]:
     from rlhf_orch.app import main as app_main
+    from rlhf_orch.reporting.objective import job_result
 
-    code = app_main(cfg)
-    if code:
-        sys.exit(code)
+    # A single run exits with the app's code; a multirun job returns its score (None when it did not
+    # complete) and never ends the sweep on a failure (rlhf_orch/reporting/objective.py, docs/sweeps.md).
+    return job_result(lambda: app_main(cfg))
 
 
 if __name__ == "__main__":

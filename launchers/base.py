@@ -2,7 +2,8 @@
 
 A launcher only owns the Ray connection. `session()` connects (local: starts) Ray and always
 disconnects on the way out, exceptions included, so Hydra multirun jobs in one process each get a
-clean Ray. Subclasses say how to connect (`_init_kwargs`) and how many GPUs there are (`gpus_present`).
+clean Ray. Subclasses say how to connect (`_init_kwargs`, or `_connect` when `ray.init` alone is not
+enough) and how many GPUs there are (`gpus_present`).
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Optional
 
 import ray
 
+from rlhf_orch.logging.console import LibraryOutput
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
 
@@ -38,6 +41,7 @@ class RayLauncher(ABC):
         self.num_cpus = num_cpus
         self.address = address
         self.startup_timeout_s = startup_timeout_s
+        self._output = LibraryOutput(None)  # replaced by each session()
 
     @abstractmethod
     def _init_kwargs(self) -> dict[str, Any]:
@@ -47,19 +51,31 @@ class RayLauncher(ABC):
     def gpus_present(self) -> int:
         """GPUs Ray can schedule (real or logical)."""
 
+    def _connect(self) -> None:
+        """Start or join Ray; `session()` disconnects it again (also when this raises after `ray.init`)."""
+        ray.init(**self._init_kwargs(), **self._output.init_kwargs())
+
     @contextmanager
-    def session(self) -> Iterator["RayLauncher"]:
-        """Connect to Ray for the body and disconnect afterwards, whatever happens."""
+    def session(self, log_dir: Optional[Path] = None, verbose: bool = False) -> Iterator["RayLauncher"]:
+        """Connect to Ray for the body and disconnect afterwards, whatever happens.
+
+        Unless `verbose`, what Ray, vLLM and DeepSpeed print stays off the console: it goes to
+        <log_dir>/ray_workers.log (`LibraryOutput`; without a log_dir, to Ray's session logs only).
+        """
         if ray.is_initialized():
             raise RuntimeError(
                 "Ray is already initialised in this process; a launcher session must own its connection "
                 "(call ray.shutdown() first or run the body inside the existing session)"
             )
-        ray.init(**self._init_kwargs())
+        self._output = LibraryOutput(log_dir, verbose)
+        self._output.start()
         try:
+            self._connect()
+            self._output.connected()
             yield self
         finally:
             ray.shutdown()
+            self._output.finish()
 
     def placement(self, plan: PlacementPlan) -> RayPlacement:
         """Placement groups for `plan`, waited on for at most `startup_timeout_s` (use as `with`)."""

@@ -1,11 +1,24 @@
-"""Start Ray inside this process (`ray.init`) and stop it when the session ends."""
+"""Start Ray inside this process (`ray.init`) and stop it when the session ends.
+
+A local run is reachable from this machine only: Ray's node address is the loopback address, so its
+GCS, raylet, object manager, agents and every worker's gRPC server listen on 127.0.0.1, and the
+actors' gloo groups (and NCCL's bootstrap sockets) bind the loopback interface (see docs/ports.md).
+"""
 
 from __future__ import annotations
 
 import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
+import ray
+
 from launchers.base import RayLauncher
+
+#: The node address of a local run: every Ray process binds it.
+LOOPBACK = "127.0.0.1"
 
 # Ray schedules actors by logical CPUs; on a 2-core box a run has more processes than cores, so the
 # default declares at least this many (they are bookkeeping, not pinned cores).
@@ -49,7 +62,60 @@ class LocalRayLauncher(RayLauncher):
             "num_cpus": self.logical_cpus(),
             "num_gpus": self.gpus_present(),
             "include_dashboard": False,
+            "_node_ip_address": LOOPBACK,
+            # Job-wide, so every actor (and the libraries in it: DeepSpeed, vLLM) inherits it; an
+            # actor's own runtime_env env_vars are merged with these key by key.
+            "runtime_env": {"env_vars": loopback_comm_env()},
         }
+
+    def _connect(self) -> None:
+        with _loopback_node_address():
+            ray.init(**self._init_kwargs(), **self._output.init_kwargs())
+        node_ip = ray.util.get_node_ip_address()
+        if node_ip != LOOPBACK:  # session() shuts Ray down on the way out
+            raise RuntimeError(
+                f"the local Ray node came up on {node_ip}, not {LOOPBACK}: its processes would listen on "
+                "the network (this Ray version no longer honours a loopback node address; see docs/ports.md)"
+            )
+
+
+def loopback_comm_env() -> dict[str, str]:
+    """Env vars that make torch.distributed's gloo groups and NCCL's bootstrap bind the loopback
+    interface (both otherwise take the address the hostname resolves to, or the first non-loopback
+    interface). A value already set in this process's environment is left to win."""
+    iface = _loopback_interface()
+    return {key: iface for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if key not in os.environ}
+
+
+def _loopback_interface() -> str:
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addrs):
+            return name
+    return "lo"
+
+
+@contextmanager
+def _loopback_node_address() -> Iterator[None]:
+    """Let `ray.init(_node_ip_address="127.0.0.1")` keep the loopback address.
+
+    `ray.init` passes the node address through `services.resolve_ip_for_localhost`, which replaces a
+    loopback address by the machine's outward IP (`get_node_ip_address()`): the processes then
+    advertise that IP and Ray's gRPC servers listen on every interface (0.0.0.0 / ::). Only where
+    Ray's multi-node mode is off (`ray_constants.ENABLE_RAY_CLUSTER`, the env var
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER read once at import; off by default on macOS/Windows) does
+    `get_node_ip_address()` answer the loopback address. It is read at call time, so turning it
+    off around `ray.init` makes the node loopback-only; joining a cluster never goes through here.
+    """
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _cuda_device_count() -> int:

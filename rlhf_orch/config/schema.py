@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 # --------------------------------------------------------------------------- placement
@@ -443,10 +443,35 @@ class EngineConfig:
     enforce_eager: bool = True
 
 
+# --------------------------------------------------------------------------- checkpoint
+@dataclass
+class CheckpointConfig:
+    """What a run keeps so it can continue (`resume=`) and what it exports (rlhf_orch.checkpoint)."""
+
+    every_n_steps: int = 0  # 0 = no periodic checkpoints (the end of the run and signals still write one)
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted (>= 1)
+    dir: Optional[str] = None  # null = <run dir>/checkpoints; must be shared by every node of a cluster
+    on_signal: bool = True  # SIGINT/SIGTERM: finish the step, write a checkpoint, then stop
+    at_end: bool = True  # a checkpoint after the last step (so a longer num_steps can resume it)
+    export_hf: bool = False  # also export the policy in Hugging Face format at every checkpoint
+    export_final: bool = True  # export the policy in Hugging Face format at the end of the run
+
+
+# --------------------------------------------------------------------------- failures
+@dataclass
+class FaultConfig:
+    """How a run reacts to failures it can survive."""
+
+    max_engine_restarts: int = 3  # engines restarted (replaced in their bundle) per run at most; 0 = none
+    step_timeout_s: float = 600.0  # any wait on an actor within a step longer than this fails the run
+
+
 # --------------------------------------------------------------------------- logger
 @dataclass
 class LoggerConfig:
     _target_: str = MISSING
+    plot_every_n_steps: int = 0  # refresh <run dir>/plots every n steps (0 = only when the run ends)
+    verbose: bool = False  # Ray/vLLM/DeepSpeed output on the console too (otherwise only in the run dir)
 
 
 @dataclass
@@ -500,6 +525,10 @@ class RootConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    # Continue a run: a run dir, a checkpoint dir, or "auto" (the latest checkpoint of this experiment_name).
+    resume: Optional[str] = None
     seed: int = 1
     experiment_name: str = "default"
     # A published run this experiment reproduces: source, hardware, the published numbers with the
@@ -545,8 +574,24 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
+def _run_dir(resume: Optional[str], default: str) -> str:
+    """`hydra.run.dir`: a resumed run writes into its own run dir (metrics continue in place)."""
+    if not resume:
+        return default
+    from rlhf_orch.orchestration.checkpoint import run_dir_of
+
+    return run_dir_of(resume, default)
+
+
+def _hydra_subdir(resume: Optional[str], now: str) -> str:
+    """`hydra.output_subdir`: a resume keeps the original run's .hydra/ and adds its own beside it."""
+    return f".hydra/resume-{now}" if resume else ".hydra"
+
+
 def register_configs() -> None:
     """Store the root schema and every group schema in Hydra's ConfigStore (idempotent)."""
+    OmegaConf.register_new_resolver("rlhf_run_dir", _run_dir, replace=True)
+    OmegaConf.register_new_resolver("rlhf_hydra_subdir", _hydra_subdir, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="rlhf_config_schema", node=RootConfig)
     for group, schemas in _GROUP_SCHEMAS.items():

@@ -93,6 +93,10 @@ class VLLMEngine(RolloutProducer):
         if by_id:
             raise RuntimeError(f"vLLM finished without answering {len(by_id)} request(s)")
 
+    def reseed(self, seed: int) -> None:
+        """Sampling from here on draws from `seed` (every worker of a tensor-parallel engine)."""
+        self.llm.collective_rpc("rlhf_reseed", args=(seed,))
+
     def _decode(self, token_ids):
         return self.llm.get_tokenizer().batch_decode([list(map(int, t)) for t in token_ids], skip_special_tokens=True)
 

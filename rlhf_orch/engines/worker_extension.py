@@ -66,6 +66,11 @@ class WeightSyncWorkerExtension:
         self._rlhf_groups = groups
         return rank
 
+    def rlhf_reseed(self, seed: int) -> None:
+        """Seed the sampler's random stream (vLLM draws from the device's default generator when a
+        request carries no seed of its own): the driver reseeds every engine at every step."""
+        torch.manual_seed(seed)
+
     def _rlhf_group(self, name: str = DEFAULT_GROUP) -> BroadcastGroup:
         return self._rlhf_groups[name]
 

@@ -14,9 +14,16 @@ class MetricsFile:
     Flushing per line means a crash or a kill loses at most the step in progress.
     """
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, keep_through_step: int | None = None):
+        """`keep_through_step` (resume): records of later steps -- written after the checkpoint the
+        run resumes from -- are dropped first, so every step appears once, from the run that counts."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if keep_through_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines() if _step_of(line) <= keep_through_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            tmp.replace(self.path)
         self._fh = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -28,14 +35,26 @@ class MetricsFile:
         self._fh.close()
 
 
-class StepLogger:
-    """What the `logger` group builds: receives each step's metrics and the run's config."""
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:  # a line cut by a kill mid-write
+        return math.inf
 
-    def start(self, run_dir: str, config: dict[str, Any], name: str) -> None:
+
+class StepLogger:
+    """What the `logger` group builds: receives each step's metrics and the run's config.
+
+    `run_id` (when the backend has one) is kept in checkpoints; `start(resume_id=...)` continues it.
+    """
+
+    run_id: str | None = None
+
+    def start(self, run_dir: str, config: dict[str, Any], name: str, resume_id: str | None = None) -> None:
         self.run_dir = run_dir
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
-        pass
+    def close(self, exit_code: int = 0, preempted: bool = False) -> None:
+        """`exit_code` != 0: the run failed or was stopped; `preempted`: by a signal."""

@@ -1,10 +1,30 @@
-"""One line per step on the console."""
+"""The run on the console: a progress bar in a terminal, one line per step elsewhere; plots in the run
+dir; and what the libraries print (Ray, vLLM, DeepSpeed) kept in the run dir instead (`LibraryOutput`).
+
+In a terminal (stdout is a TTY) a rich progress bar shows the step, the elapsed time, an ETA and the
+latest reward, KL and step time; evaluations (and reward failures) are printed above it as they come.
+Anywhere else -- CI, Slurm logs, a pipe, pytest's capture -- every step is one plain line
+(`format_step_line`), which greps and diffs well. `verbose=True` also prints that line above the bar.
+
+Plots: <run_dir>/plots/ is (re)written from <run_dir>/metrics.jsonl every `plot_every_n_steps` steps
+(0 = never during the run) and when the run ends, whatever the outcome (see `rlhf_orch.logging.plots`).
+A failure to plot is one line on the console, never a failed run.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+import os
+import re
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from rlhf_orch.logging.base import StepLogger
 
@@ -22,6 +42,10 @@ _LINE_KEYS = (
     ("time/train", "train", "{:.1f}s"),
     ("time/sync", "sync", "{:.2f}s"),
 )
+# What the progress bar shows of the latest step.
+_BAR_KEYS = (("reward/mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"))
+# Steps whose wall time (between two logged steps) the ETA averages.
+_ETA_WINDOW = 10
 
 
 def format_step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
@@ -29,27 +53,254 @@ def format_step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
     for key, label, fmt in _LINE_KEYS:
         if key in metrics and metrics[key] is not None:
             parts.append(f"{label} {fmt.format(metrics[key])}")
+    return " | ".join(parts + _notable_parts(metrics))
+
+
+def _notable_parts(metrics: dict[str, Any]) -> list[str]:
+    """Reward failures and evaluation results (eval/<source>/mean@k, pass@k, one group per source)."""
+    parts = []
     failed = (metrics.get("reward/errors") or 0) + (metrics.get("reward/timeouts") or 0)
     if failed:
         parts.append(f"reward failures {failed}")
-    # Evaluation results (eval/<source>/mean@k, pass@k), one group per data source.
     for key in sorted(k for k in metrics if k.startswith("eval/") and "/mean@" in k):
         source, stat = key[len("eval/") :].rsplit("/", 1)
         k = stat.split("@", 1)[1]
-        passed = metrics.get(f"eval/{source}/pass@{k}")
-        parts.append(f"eval {source} mean@{k} {metrics[key]:.3f} pass@{k} {passed:.3f}")
-    return " | ".join(parts)
+        mean, passed = metrics[key], metrics.get(f"eval/{source}/pass@{k}")
+        if mean is None:
+            continue
+        parts.append(f"eval {source} mean@{k} {mean:.3f}" + (f" pass@{k} {passed:.3f}" if passed is not None else ""))
+    return parts
+
+
+def _num(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+
+
+def is_interactive(stream: Any = None) -> bool:
+    """A terminal a person watches: a TTY that can redraw a line (not TERM=dumb)."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+    return bool(tty) and os.environ.get("TERM", "") != "dumb"
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+class _EtaColumn(ProgressColumn):
+    """Counts down between steps from the estimate made at the last one (`eta_at`: when it ends)."""
+
+    def render(self, task: Task) -> Text:
+        at = task.fields.get("eta_at")
+        if task.finished:
+            return Text("done", style="green")
+        if at is None:
+            return Text("ETA -:--:--", style="cyan")
+        return Text(f"ETA {_clock(at - time.monotonic())}", style="cyan")
 
 
 class ConsoleLogger(StepLogger):
-    def __init__(self) -> None:
+    def __init__(self, plot_every_n_steps: int = 0, verbose: bool = False) -> None:
+        if plot_every_n_steps < 0:
+            raise ValueError(f"logger.plot_every_n_steps={plot_every_n_steps} must be >= 0 (0 = plots only at the end)")
+        self.plot_every_n_steps = plot_every_n_steps
+        self.verbose = verbose
         self.console = Console(highlight=False, soft_wrap=True)
         self.total_steps = 0
+        self.name = ""
+        self.interactive = False
+        self._progress: Optional[Progress] = None
+        self._task = None
+        self._stamps: deque[tuple[float, int]] = deque(maxlen=_ETA_WINDOW + 1)
+        self._closed = False
 
-    def start(self, run_dir: str, config: dict[str, Any], name: str) -> None:
-        super().start(run_dir, config, name)
+    def start(self, run_dir: str, config: dict[str, Any], name: str, resume_id: str | None = None) -> None:
+        super().start(run_dir, config, name, resume_id)
         self.total_steps = int(config.get("algo", {}).get("num_steps", 0))
-        self.console.print(f"[bold]rlhf_orch[/bold] run '{name}' -> {run_dir}")
+        self.name = name
+        self.interactive = is_interactive()
+        self.console.print(Text.assemble(("rlhf_orch", "bold"), f" run '{name}' -> {run_dir}"))
+        if self.interactive:
+            # The task (and its elapsed clock) starts now; the bar is drawn from the first step on,
+            # so start-up messages print as plain lines.
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(bar_width=28),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                _EtaColumn(),
+                TextColumn("{task.fields[latest]}", markup=False),
+                console=self.console,
+                refresh_per_second=2,
+                transient=False,
+            )
+            self._task = self._progress.add_task("training", total=self.total_steps or None, latest="", eta_at=None)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.console.print(format_step_line(step, self.total_steps, metrics))
+        if self._progress is None:
+            self.console.print(format_step_line(step, self.total_steps, metrics), markup=False)
+        else:
+            self._show(step, metrics)
+        if self.plot_every_n_steps and step > 0 and step % self.plot_every_n_steps == 0:
+            self.plot()
+
+    def _show(self, step: int, metrics: dict[str, Any]) -> None:
+        progress = self._progress
+        if not progress.live.is_started:
+            progress.start()
+        if self.verbose:
+            self.console.print(format_step_line(step, self.total_steps, metrics), markup=False)
+        else:
+            notable = _notable_parts(metrics)
+            if notable:
+                self.console.print(" | ".join([f"step {step:>4}/{self.total_steps}", *notable]), markup=False)
+        if "reward/mean" not in metrics:  # an evaluation before the first step (step 0)
+            return
+        now = time.monotonic()
+        self._stamps.append((now, step))
+        (t0, s0), (t1, s1) = self._stamps[0], self._stamps[-1]
+        per_step = (t1 - t0) / (s1 - s0) if s1 > s0 else _num(metrics.get("time/step"))
+        latest = [f"{label} {fmt.format(v)}" for key, label, fmt in _BAR_KEYS if (v := _num(metrics.get(key))) is not None]
+        if per_step:
+            latest.append(f"{per_step:.1f}s/step")
+        left = max(self.total_steps - step, 0)
+        progress.update(
+            self._task,
+            completed=step,
+            latest="  ".join(latest),
+            eta_at=now + left * per_step if per_step is not None else None,
+        )
+
+    def plot(self) -> list[Path]:
+        """(Re)write <run_dir>/plots from metrics.jsonl; a failure is one printed line, never raised."""
+        try:
+            from rlhf_orch.logging.plots import plot_run
+
+            return plot_run(self.run_dir, self.name or None)
+        except Exception as e:  # noqa: BLE001 - a plot must never fail the run
+            self.console.print(f"plots: not written ({type(e).__name__}: {e})", markup=False)
+            return []
+
+    def close(self, exit_code: int = 0, preempted: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._progress is not None and self._progress.live.is_started:
+            self._progress.stop()
+        if getattr(self, "run_dir", None) is None:  # never started
+            return
+        written = self.plot()
+        if written:
+            self.console.print(f"plots: {Path(written[0]).parent}/ ({', '.join(p.name for p in written)})", markup=False)
+
+
+# --------------------------------------------------------------------------- library output
+WORKER_LOG = "ray_workers.log"
+_RAY_MARKER = re.compile(r"^:(job_id|actor_name|task_name):")
+_WORKER_FILE = re.compile(r"^worker-[0-9a-f]+-(?P<job>[0-9a-f]+)-(?P<pid>\d+)\.(?P<stream>out|err)$")
+
+
+class LibraryOutput:
+    """What Ray, vLLM and DeepSpeed print, kept off a normal run's console (`logger.verbose=false`).
+
+    The launcher's Ray session drives it:
+
+    - `init_kwargs()`, for `ray.init`: `log_to_driver=False`, so the actors' stdout and stderr (vLLM's
+      and DeepSpeed's messages, Triton and NUMA notes, weight-loading progress bars) stay in Ray's
+      session logs (<session dir>/logs/worker-*.out|err) instead of being streamed to this console,
+      and Ray's log-dedup banner has nothing to summarise;
+    - `start()`, before `ray.init`: Ray's own driver messages below ERROR ("Started a local Ray
+      instance", the token-authentication note) go to <run_dir>/ray_workers.log, not the console;
+    - `connected()`, after `ray.init`: says once where that output is;
+    - `finish()`, after `ray.shutdown`: appends this job's worker output to <run_dir>/ray_workers.log
+      (one section per actor process) and undoes `start()`.
+
+    Errors still reach the console: Ray's ERROR messages, the raylet's notices about dead workers,
+    and the run's own one-line `error: ...` (an actor's traceback is in the run dir's error.log).
+    `verbose=True` leaves everything as Ray does it: streamed to the console.
+    """
+
+    def __init__(self, run_dir: str | Path | None, verbose: bool = False) -> None:
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.verbose = verbose
+        self.log_path = self.run_dir / WORKER_LOG if self.run_dir is not None else None
+        self._levels: list[tuple[logging.Handler, int]] = []
+        self._file: Optional[logging.Handler] = None
+        self._logs_dir: Optional[Path] = None
+        self._job_id: Optional[str] = None
+
+    def init_kwargs(self) -> dict[str, Any]:
+        return {"log_to_driver": self.verbose}
+
+    def start(self) -> None:
+        if self.verbose:
+            return
+        ray_logger = logging.getLogger("ray")
+        self._levels = [(h, h.level) for h in ray_logger.handlers]
+        for handler, level in self._levels:
+            handler.setLevel(max(level, logging.ERROR))
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = logging.FileHandler(self.log_path, encoding="utf-8")
+            # Ray's own format (ray.init sets it on every handler of the "ray" logger anyway).
+            self._file.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
+            ray_logger.addHandler(self._file)
+
+    def connected(self) -> None:
+        """Call once Ray is up: remembers this job's session logs and prints where the output goes."""
+        if self.verbose:
+            return
+        try:
+            import ray
+
+            self._logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
+            self._job_id = ray.get_runtime_context().get_job_id()
+        except Exception:  # noqa: BLE001 - only the copy at the end needs it
+            self._logs_dir = None
+        if self.log_path is not None:
+            live = f"; live: {self._logs_dir}/worker-*" if self._logs_dir else ""
+            print(f"library output (Ray, vLLM, DeepSpeed): {self.log_path}{live} (logger.verbose=true shows it here)", flush=True)
+
+    def finish(self) -> None:
+        """Call after ray.shutdown (the workers have exited and flushed their files)."""
+        if self.verbose:
+            return
+        ray_logger = logging.getLogger("ray")
+        if self._file is not None:
+            ray_logger.removeHandler(self._file)
+            self._file.close()
+            self._file = None
+        for handler, level in self._levels:
+            handler.setLevel(level)
+        self._levels = []
+        if self.log_path is not None and self._logs_dir is not None:
+            try:
+                collect_worker_logs(self._logs_dir, self.log_path, self._job_id)
+            except OSError as e:
+                print(f"library output: not copied from {self._logs_dir} ({e})", flush=True)
+
+
+def collect_worker_logs(logs_dir: Path, dest: Path, job_id: Optional[str] = None) -> int:
+    """Append the output of this job's Ray workers (logs_dir/worker-*.out|err) to `dest`: one section
+    per process and stream (by actor class, then pid), Ray's marker lines dropped, each progress-bar
+    redraw (\\r) on a line of its own. Returns the sections written (a silent worker gets none)."""
+    sections = []
+    for path in Path(logs_dir).glob("worker-*"):
+        m = _WORKER_FILE.match(path.name)
+        if not m or (job_id is not None and m["job"] != job_id):
+            continue
+        lines = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n").splitlines()
+        actor = next((line.split(":", 2)[2] for line in lines[:5] if line.startswith(":actor_name:")), "worker")
+        body = [line for line in lines if line.strip() and not _RAY_MARKER.match(line)]
+        if body:
+            sections.append((actor, int(m["pid"]), "stdout" if m["stream"] == "out" else "stderr", body))
+    if sections:
+        with open(dest, "a", encoding="utf-8") as f:
+            for actor, pid, stream, body in sorted(sections, key=lambda s: s[:3]):
+                f.write(f"==== {actor} pid={pid} ({stream}) ====\n" + "\n".join(body) + "\n")
+    return len(sections)

@@ -1,4 +1,4 @@
-"""Console line plus Weights & Biases; offline (files under the run dir) without an API key."""
+"""Console (progress bar or step lines, plots) plus Weights & Biases; offline (files under the run dir) without an API key."""
 
 from __future__ import annotations
 
@@ -9,28 +9,53 @@ from rlhf_orch.logging.console import ConsoleLogger
 
 
 class WandbLogger(ConsoleLogger):
-    def __init__(self, project: str = "rlhf_orch", mode: Optional[str] = None, entity: Optional[str] = None):
-        super().__init__()
+    def __init__(
+        self,
+        project: str = "rlhf_orch",
+        mode: Optional[str] = None,
+        entity: Optional[str] = None,
+        plot_every_n_steps: int = 0,
+        verbose: bool = False,
+    ):
+        super().__init__(plot_every_n_steps=plot_every_n_steps, verbose=verbose)
         self.project = project
         self.mode = mode
         self.entity = entity
         self.run = None
+        self._sync_dir = None
 
-    def start(self, run_dir: str, config: dict[str, Any], name: str) -> None:
-        super().start(run_dir, config, name)
+    def start(self, run_dir: str, config: dict[str, Any], name: str, resume_id: str | None = None) -> None:
+        super().start(run_dir, config, name, resume_id)
         import wandb
 
         mode = self.mode or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
         self.run = wandb.init(
-            project=self.project, entity=self.entity, name=name, dir=run_dir, mode=mode, config=config, reinit="finish_previous"
+            project=self.project,
+            entity=self.entity,
+            name=name,
+            dir=run_dir,
+            mode=mode,
+            config=config,
+            reinit="finish_previous",
+            id=resume_id,  # a resumed run continues the same W&B run
+            resume="allow" if resume_id else None,
+            # Without logger.verbose, W&B keeps to its essential lines (no run history or summary tables).
+            settings=wandb.Settings(quiet=not self.verbose),
         )
-        self.console.print(f"wandb: mode={mode}, files under {run_dir}/wandb")
+        self.run_id = self.run.id
+        self._sync_dir = getattr(self.run.settings, "sync_dir", None) if mode == "offline" else None
+        self.console.print(f"wandb: mode={mode}, run {self.run.id}{' (resumed)' if resume_id else ''}, files under {run_dir}/wandb", markup=False)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         super().log(step, metrics)
         self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0, preempted: bool = False) -> None:
+        super().close(exit_code, preempted)  # the progress bar ends and the plots are written first
         if self.run is not None:
-            self.run.finish()
+            if preempted:
+                self.run.mark_preempting()  # shown as preempted/crashed, never as finished
+            self.run.finish(exit_code=exit_code)
             self.run = None
+            if self._sync_dir:
+                self.console.print(f"wandb: offline run; upload it with: wandb sync {self._sync_dir}", markup=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -34,6 +34,23 @@ class RoleActors:
     critic: list[Any] = field(default_factory=list)
     reference: list[Any] = field(default_factory=list)
     reward: list[Any] = field(default_factory=list)  # reward model ranks (reward=model only)
+    # start_engine(e) -> a new engine e in its own bundle (the replacement of one that died).
+    start_engine: Callable[[int], Any] | None = None
+    startup_timeout_s: float = 600.0
+
+    def restart_engine(self, e: int) -> Any:
+        """Replace engine `e` (dead) by a fresh one in the same bundle; it holds the initial weights."""
+        try:
+            ray.kill(self.engines[e])
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        engine = self.start_engine(e)
+        try:
+            ray.get(engine.ping.remote(), timeout=self.startup_timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as err:
+            raise ActorStartError(f"the replacement of engine {e} did not start: {err}") from err
+        self.engines[e] = engine
+        return engine
 
     def all(self) -> list[Any]:
         return [*self.engines, *self.policy, *self.critic, *self.reference, *self.reward]
@@ -64,9 +81,13 @@ def start_role_actors(
     reward_spec: TrainerSpec | None = None,
 ) -> RoleActors:
     env = dict(_ACTOR_ENV, VLLM_CPU_KVCACHE_SPACE=str(max(1, int(round(cpu_kv_cache_gb)))))
-    actors = RoleActors()
-    for slot in plan.slots_for("engine"):
-        actors.engines.append(_remote(VLLMEngine, placement, slot, env).remote(engine_spec, slot.rank))
+    engine_slots = plan.slots_for("engine")
+
+    def start_engine(e: int) -> Any:
+        return _remote(VLLMEngine, placement, engine_slots[e], env).remote(engine_spec, engine_slots[e].rank)
+
+    actors = RoleActors(start_engine=start_engine, startup_timeout_s=timeout_s)
+    actors.engines.extend(start_engine(e) for e in range(len(engine_slots)))
     for role, cls, spec, bucket in (
         ("actor", PolicyWorker, policy_spec, actors.policy),
         ("critic", CriticWorker, critic_spec, actors.critic),

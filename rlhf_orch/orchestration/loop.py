@@ -10,6 +10,8 @@ After that, experience tensors move between actors as Ray object references.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -20,6 +22,7 @@ import torch
 
 from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.orchestration.actors import RoleActors
+from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.sync.base import WeightSync
 from rlhf_orch.transfer.base import Delivery, GroupFilter, RolloutRequest, RolloutTransfer, Route
@@ -44,6 +47,36 @@ class LoopSettings:
     seed: int
     step_timeout_s: float
     max_seq_len: int = 0  # prompt_max_len + response_max_len (0: longest prompt + response_max_len)
+    max_engine_restarts: int = 0  # engines replaced per run at most (fault.max_engine_restarts)
+    engine_tp: int = 1
+
+
+# Quantities that must stay finite; a NaN or inf in any of them stops the run (`non_finite`).
+GUARDED_METRICS = (
+    "reward/mean",
+    "advantages/abs_max",
+    "kl",
+    "values/mean",
+    "loss/policy",
+    "loss/kl",
+    "loss/value",
+    "policy/grad_norm",
+    "critic/grad_norm",
+)
+
+
+def _brief(error: BaseException) -> str:
+    """An actor error in one line: Ray's text spans many (tracebacks, colour codes, advice)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    dead = [line for line in lines if line.startswith("The actor is dead because")]
+    line = dead[0] if dead else (lines[0] if lines else type(error).__name__)
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def non_finite(metrics: dict[str, Any]) -> list[str]:
+    """The guarded metrics of a step that are NaN or infinite ("key=value")."""
+    return [f"{k}={metrics[k]}" for k in GUARDED_METRICS if k in metrics and not math.isfinite(metrics[k])]
 
 
 class TrainLoop:
@@ -68,17 +101,27 @@ class TrainLoop:
         self.settings = settings
         self.version = 0
         self.norm_len = algo.norm_len(settings.response_max_len)
+        self.engine_restarts = 0  # over the whole run (restored on resume)
+        self._step = 0
+        self._restart_s = 0.0
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, Any]:
         s, algo = self.settings, self.algo
         timings: dict[str, float] = {}
         t_step = time.perf_counter()
+        self._step, self._restart_s = step, 0.0
+        restarts_before = self.engine_restarts
+        # Every engine samples this step from a seed of (seed, step, engine): a resumed run or a
+        # replaced engine draws what an uninterrupted run would have.
+        route = self._route()
+        route.on_engines(lambda e, engine: engine.reseed.remote(engine_seed(s.seed, step, e)), range(len(route.engines)), "seeding the engines")
 
         # 1-3. Rollout: generate, score with the rule, and stage every data-parallel shard on the
         #      ranks that need it (how: the transfer strategy).
         prompts = self.task.sample_prompts(s.rollout_batch_size)
-        delivery = self.transfer.deliver(self._rollout_request(prompts), self._route())
+        delivery = self.transfer.deliver(self._rollout_request(prompts), route)
+        self._check_every_sample_once(delivery)
         timings.update(delivery.timings)
         num_shards = len(self.actors.policy)  # one experience shard per policy rank
 
@@ -122,7 +165,44 @@ class TrainLoop:
 
         metrics = self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, report, timings)
         metrics.update(algo_stats)
+        metrics["fault/engine_restarts"] = self.engine_restarts
+        if self.engine_restarts > restarts_before:
+            metrics["time/engine_restart"] = self._restart_s
         return metrics
+
+    def _check_every_sample_once(self, delivery: Delivery) -> None:
+        s = self.settings
+        indices = delivery.meta.indices
+        want = s.rollout_batch_size * s.samples_per_prompt
+        if len(indices) != want or len(set(indices)) != len(indices):
+            raise StepFailedError(
+                f"the rollout delivered {len(indices)} samples ({len(indices) - len(set(indices))} duplicated), expected {want} distinct"
+            )
+
+    def _replace_engine(self, e: int) -> Any:
+        """Engine `e` died mid-step: a new one in its bundle, the weight groups re-formed with it,
+        the current weights pushed, its sampling seeded for this step. Bounded by the budget."""
+        s = self.settings
+        if self.engine_restarts >= s.max_engine_restarts:
+            raise EngineDiedError(
+                f"vLLM engine {e} died during step {self._step} and the engine restart budget is used up "
+                f"(fault.max_engine_restarts={s.max_engine_restarts})"
+            )
+        t = time.perf_counter()
+        engine = self.actors.restart_engine(e)
+        self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)
+        self.sync.push(self.version)
+        self.sync.verify(self.version)
+        self._get([engine.reseed.remote(engine_seed(s.seed, self._step, e))], "seeding the replacement engine", engine_call=True)
+        self.engine_restarts += 1
+        took = time.perf_counter() - t
+        self._restart_s += took
+        print(
+            f"engine {e} died during step {self._step}: replaced in its bundle, weights v{self.version} pushed, "
+            f"its prompts re-issued ({took:.1f}s; restart {self.engine_restarts}/{s.max_engine_restarts})",
+            flush=True,
+        )
+        return engine
 
     def _sample_values(self, delivery: Delivery) -> tuple[dict[int, float], dict[str, float]]:
         meta = delivery.meta
@@ -183,7 +263,13 @@ class TrainLoop:
         roles = [self.actors.critic, self.actors.reference, self.actors.reward]  # empty when not planned
         per_role = [self._rank_per_shard(ranks, n) for ranks in roles]
         consumers = [[rank, *(r[i] for r in per_role if r[i] is not None)] for i, rank in enumerate(self.actors.policy)]
-        return Route(engines=list(self.actors.engines), consumers=consumers, get=self._get)
+        return Route(
+            engines=list(self.actors.engines),
+            consumers=consumers,
+            get=self._get,
+            replace_engine=self._replace_engine,
+            timeout_s=self.settings.step_timeout_s,
+        )
 
     @staticmethod
     def _rank_per_shard(ranks: list[Any], num_shards: int) -> list[Any]:
@@ -193,18 +279,18 @@ class TrainLoop:
     def _shards_of_critic(self, critic: int, num_shards: int) -> list[int]:
         return [i for i in range(num_shards) if i % len(self.actors.critic) == critic]
 
-    def _get(self, refs: list[ray.ObjectRef], what: str, engine_call: bool = False) -> list[Any]:
+    def _get(self, refs: list[ray.ObjectRef], what: str, engine_call: bool = False, timeout_s: float | None = None) -> list[Any]:
         try:
-            return ray.get(refs, timeout=self.settings.step_timeout_s)
+            return ray.get(refs, timeout=self.settings.step_timeout_s if timeout_s is None else timeout_s)
         except ray.exceptions.RayActorError as e:
             kind = "a vLLM engine" if engine_call else "a trainer or engine process"
-            raise EngineDiedError(f"{kind} died while {what}: {e}") from e
+            raise EngineDiedError(f"{kind} died while {what}: {_brief(e)}") from e
         except ray.exceptions.GetTimeoutError as e:
-            raise EngineDiedError(f"no answer within {self.settings.step_timeout_s:.0f}s while {what}") from e
+            raise EngineDiedError(f"no answer within {self.settings.step_timeout_s:g}s (fault.step_timeout_s) while {what}") from e
         except ray.exceptions.RayTaskError as e:
             # The actor's own exception, in one line (its traceback went to the actor's log).
             cause = e.cause if e.cause is not None else e
-            raise StepFailedError(f"{type(cause).__name__} while {what}: {cause}") from e
+            raise StepFailedError(f"{type(cause).__name__} while {what}: {_brief(cause)}") from e
 
     def _metrics(self, step, delivery: Delivery, exp_stats, policy_stats, critic_stats, report, timings) -> dict[str, Any]:
         rewards = delivery.meta.rewards
@@ -235,6 +321,11 @@ class TrainLoop:
             "perf/tokens_per_s": delivery.real_tokens / max(timings["step"], 1e-9),
             "perf/gen_tokens_per_s": response_tokens / max(timings["generate"], 1e-9),
         }
+        metrics["advantages/abs_max"] = float(torch.tensor([r["advantages_abs_max"] for r in exp_stats]).max())
+        if "grad_norm" in policy_stats[0]:
+            metrics["policy/grad_norm"] = float(torch.tensor([r["grad_norm"] for r in policy_stats]).max())
+        if critic_stats and "grad_norm" in critic_stats[0]:
+            metrics["critic/grad_norm"] = float(torch.tensor([r["grad_norm"] for r in critic_stats]).max())
         if self.algo.needs_reference:
             metrics["kl"] = mean(exp_stats, "kl")
         if critic_stats:

@@ -16,8 +16,18 @@ from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.logging.base import MetricsFile
 from rlhf_orch.orchestration.actors import start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
-from rlhf_orch.orchestration.inputs import RunInputs, prepare_inputs
-from rlhf_orch.orchestration.loop import LoopSettings, TrainLoop
+from rlhf_orch.orchestration.checkpoint import (
+    CheckpointStore,
+    ResumeError,
+    load_resume,
+    restore_trainers,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
+from rlhf_orch.orchestration.loop import LoopSettings, TrainLoop, non_finite
+from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.trainer.workers import TrainerSpec
 
@@ -64,6 +74,14 @@ def eval_settings(cfg: RootConfig) -> EvalSettings:
     )
 
 
+class NonFiniteError(RuntimeError):
+    """A loss, reward, advantage or gradient norm became NaN or infinite."""
+
+
+class RunFailed(RuntimeError):
+    """Training stopped on a runtime failure; the message names the cause and how to resume."""
+
+
 def run_training(
     cfg: DictConfig,
     typed: RootConfig,
@@ -72,24 +90,37 @@ def run_training(
     run_dir: Path,
     callbacks: Sequence[Callable[[int, TrainLoop], None]] = (),
 ) -> dict[str, Any]:
-    """Train; `callbacks(step, loop)` run after each finished (and logged) step.
+    """Train; `callbacks(step, loop)` run after each finished (logged, checkpointed) step.
 
-    Everything that can be checked without Ray (the model, the data, the reward) is prepared first:
-    `prepare_inputs` raises `InputError` (exit 2) before any actor starts.
+    Everything that can be checked without Ray (the model, the data, the reward, the checkpoint to
+    resume) is prepared first: `prepare_inputs` raises `InputError`, `load_resume` `ResumeError`
+    (exit 2) before any actor starts. The summary's `status` is "completed", or "interrupted"
+    (a stop signal: `signal` names it) -- the app turns that into exit 128 + signal.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
+    config_dict = OmegaConf.to_container(cfg, resolve=True)
     inputs: RunInputs = prepare_inputs(cfg, typed)
     tokenizer, task, reward = inputs.tokenizer, inputs.task, inputs.reward
+    a, ck = typed.algo, typed.checkpoint
+    store = CheckpointStore(Path(ck.dir) if ck.dir else run_dir / "checkpoints", ck.keep_last)
+    resume = None
+    if typed.resume:
+        resume = load_resume(typed.resume, run_dir.parent, ck.dir, config_dict, a.num_steps)
+        task.load_state_dict(resume.state["data"])
+        set_rng_state(resume.state["rng"])
     transfer = instantiate(cfg.transfer)
     sync = instantiate(cfg.sync)
     logger = instantiate(cfg.logger)
-    metrics_file = MetricsFile(run_dir)
-    config_dict = OmegaConf.to_container(cfg, resolve=True)
-    logger.start(str(run_dir), config_dict, typed.experiment_name)
+    history: list[dict[str, Any]] = list(resume.state["metrics"]) if resume else []
+    metrics_file = MetricsFile(run_dir, keep_through_step=resume.step if resume else None)
+    logger.start(str(run_dir), config_dict, typed.experiment_name, resume_id=resume.state.get("logger_run_id") if resume else None)
     for line in inputs.notes:
         print(line, flush=True)
+    if resume:
+        print(f"resuming from step {resume.step}: {resume.info.path}", flush=True)
+        if resume.changed:
+            print(f"resume: changed since the checkpoint (allowed): {', '.join(resume.changed)}", flush=True)
 
-    a = typed.algo
     specs = trainer_specs(typed, plan, inputs.model_path, tokenizer.pad_token_id)
     reward_spec = None
     if inputs.reward_model_path:
@@ -105,17 +136,40 @@ def run_training(
         enable_prefix_caching=typed.engine.enable_prefix_caching,
         enforce_eager=typed.engine.enforce_eager,
     )
-    rewards: list[float] = []
-    evals: list[dict[str, float]] = []
     t_start = time.perf_counter()
+    stop = StopRequest("stopping after this step" + (", with a checkpoint" if ck.on_signal else ""))
+    outcome: dict[str, Any] = {"status": "failed"}
+    last_checkpoint: list[Path] = [resume.info.path] if resume else []
     from rlhf_orch.topology.ray_placement import RayPlacement
 
     def log(step: int, metrics: dict[str, Any]) -> None:
         metrics_file.write(metrics)
         logger.log(step, metrics)
+        history.append(metrics)
+
+    def checkpoint(step: int, loop: TrainLoop, actors: Any) -> None:
+        t = time.perf_counter()
+        state = {
+            "step": step,
+            "weight_version": loop.version,
+            "engine_restarts": loop.engine_restarts,
+            "data": task.state_dict(),
+            "rng": rng_state(),
+            "metrics": history,
+            "logger_run_id": getattr(logger, "run_id", None),
+            "config": config_dict,
+        }
+        manifest = {"weight_version": loop.version, "run_dir": str(run_dir.resolve()), "experiment_name": typed.experiment_name}
+        path = save_checkpoint(store, step, actors, loop._get, state, ck.export_hf, manifest)
+        last_checkpoint[:] = [path]
+        print(f"checkpoint: step {step} -> {path} ({time.perf_counter() - t:.1f}s)", flush=True)
 
     try:
-        with launcher.session(), RayPlacement(plan, ready_timeout_s=typed.launcher.startup_timeout_s) as placement:
+        # Installed before Ray starts (a signal during start-up stops the run before its first
+        # step) and again after ray.init, which sets a SIGTERM handler of its own.
+        with stop.installed(), launcher.session(run_dir, typed.logger.verbose), stop.installed(), RayPlacement(
+            plan, ready_timeout_s=typed.launcher.startup_timeout_s
+        ) as placement:
             actors = start_role_actors(
                 plan,
                 placement,
@@ -145,46 +199,96 @@ def run_training(
                         max_seq_len=typed.data.prompt_max_len + typed.data.response_max_len,
                         temperature=a.temperature,
                         seed=typed.seed,
-                        step_timeout_s=max(typed.sync.timeout_s, 600.0),
+                        step_timeout_s=typed.fault.step_timeout_s,
+                        max_engine_restarts=typed.fault.max_engine_restarts,
+                        engine_tp=plan.engine_tp,
                     ),
                     reward,
                 )
+                first_step = 1
+                if resume:
+                    # The trainers' exact state, then the engines get those weights through the
+                    # configured sync before the first resumed step.
+                    restore_trainers(resume.info.path, actors, loop._get)
+                    loop.version = resume.state["weight_version"]
+                    loop.engine_restarts = resume.state["engine_restarts"]
+                    sync.push(loop.version)
+                    sync.verify(loop.version)
+                    first_step = resume.step + 1
                 evaluator = Evaluator(eval_settings(typed), inputs.eval_prompts, reward, loop._get)
                 startup_s = time.perf_counter() - t_start
 
                 def evaluate(step: int) -> dict[str, float]:
-                    if not evaluator.should_run(step):
-                        return {}
-                    result = evaluator.run(actors.engines, actors.reward)
-                    evals.append({"step": step, **result})
-                    return result
+                    return evaluator.run(actors.engines, actors.reward) if evaluator.should_run(step) else {}
 
-                if evaluator.should_run(0):
+                if not resume and evaluator.should_run(0):
                     log(0, {"step": 0, "weight_version": 0, **evaluate(0)})
-                for step in range(1, a.num_steps + 1):
+                for step in range(first_step, a.num_steps + 1):
+                    if stop.requested:  # arrived before this step started (during start-up or a callback)
+                        break
                     metrics = loop.step(step)
+                    bad = non_finite(metrics)
+                    if bad:  # not logged, not checkpointed: the last good checkpoint stays the latest
+                        raise NonFiniteError(f"step {step}: {', '.join(bad)}")
                     metrics.update(evaluate(step))
                     metrics["time/elapsed"] = time.perf_counter() - t_start
                     metrics["time/startup"] = startup_s
                     log(step, metrics)
-                    rewards.append(metrics["reward/mean"])
+                    periodic = ck.every_n_steps and step % ck.every_n_steps == 0
+                    if periodic or (step == a.num_steps and ck.at_end) or (stop.requested and ck.on_signal):
+                        checkpoint(step, loop, actors)
                     for callback in callbacks:
                         callback(step, loop)
+                if ck.export_final:
+                    export_dir = run_dir / "policy_hf"
+                    loop._get([rank.export_hf.remote(str(export_dir)) for rank in actors.policy], "exporting the policy")
+                    print(f"policy exported (Hugging Face format): {export_dir}", flush=True)
+                outcome = {"status": "interrupted", "signal": stop.name} if stop.requested else {"status": "completed"}
             finally:
                 actors.kill()
+    except SignalAbort as e:
+        outcome = {"status": "aborted", "signal": signal_name(e.signum)}
+        raise
+    except Exception as e:
+        outcome = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+        if isinstance(e, (InputError, ResumeError)):
+            raise
+        raise RunFailed(f"{type(e).__name__}: {e}{resume_hint(last_checkpoint)}") from e
     finally:
         metrics_file.close()
-        logger.close()
+        logger.close(exit_code=0 if outcome["status"] == "completed" else 1, preempted=outcome["status"] in ("interrupted", "aborted"))
+        summary = run_summary(run_dir, history, time.perf_counter() - t_start, outcome, last_checkpoint)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
+
+def resume_hint(last_checkpoint: list[Path]) -> str:
+    if not last_checkpoint:
+        return "; no checkpoint was written (set checkpoint.every_n_steps to keep progress)"
+    return f"; last checkpoint: {last_checkpoint[0]} (continue with: python run.py resume={last_checkpoint[0]})"
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
+
+
+def run_summary(
+    run_dir: Path, history: list[dict[str, Any]], wall_s: float, outcome: dict[str, Any], last_checkpoint: list[Path]
+) -> dict[str, Any]:
+    """summary.json: how the run ended, first/last rewards and evaluations (resumed steps included)."""
+    rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
+    evals = [{k: v for k, v in m.items() if k == "step" or k.startswith("eval/")} for m in history if any(k.startswith("eval/") for k in m)]
     k = max(1, min(5, len(rewards) // 3))
-    summary = {
+    return {
         "run_dir": str(run_dir),
-        "steps": len(rewards),
+        **outcome,
+        "steps": max((m["step"] for m in history), default=0),
         "reward_first": sum(rewards[:k]) / k if rewards else None,
         "reward_last": sum(rewards[-k:]) / k if rewards else None,
         "eval_first": evals[0] if evals else None,
         "eval_last": evals[-1] if evals else None,
-        "wall_s": time.perf_counter() - t_start,
+        "last_checkpoint": str(last_checkpoint[0]) if last_checkpoint else None,
+        "wall_s": wall_s,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary

@@ -8,10 +8,11 @@ ours is not).
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,16 +35,76 @@ class GroupAddress:
 
 
 def free_port_address(world_size: int, backend: str, timeout_s: float, name: str = DEFAULT_GROUP) -> GroupAddress:
-    """An address on this host with a port nobody is listening on (taken by the store next)."""
-    host = socket.gethostbyname(socket.gethostname()) if backend == "nccl" else _reachable_ip()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return GroupAddress(host, port, world_size, backend, timeout_s, name)
+    """This node's address (loopback in a local run) and a port free on it (the store binds it next)."""
+    host = _reachable_ip()
+    return GroupAddress(host, free_port(host), world_size, backend, timeout_s, name)
+
+
+def free_port(host: str) -> int:
+    """A port nobody listens on at `host`, a local address (probed on `host` itself, not on every interface)."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tcp_store(
+    host: str, port: int, world_size: int, is_master: bool, timeout: timedelta, wait_for_workers: bool = False
+) -> dist.TCPStore:
+    """A `TCPStore` whose server (`is_master`) listens on `host`:`port` only.
+
+    torch's store server binds every interface (`::`, dual stack) whatever `host` says; given a
+    listening socket (`master_listen_fd`) it serves on that one instead, and owns it from then on.
+    Clients simply connect to `host`:`port`.
+    """
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(socket.SOMAXCONN)
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            True,
+            timeout=timeout,
+            wait_for_workers=wait_for_workers,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor when it goes
+    return store
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to `host`: `host` itself when it is local (loopback stays
+    loopback), else the address of the interface that reaches it. Connecting a UDP socket sends nothing."""
+    with socket.socket(_family(host), socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def interface_for_address(ip: str) -> Optional[str]:
+    """The network interface holding `ip` (e.g. "lo" for 127.0.0.1), for GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME; None when no interface has it."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == ip for a in addrs):
+            return name
+    return None
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def _reachable_ip() -> str:
-    # Ray's node IP is reachable from every node of the cluster; fall back to loopback alone.
+    # Ray's node IP: reachable from every node of the cluster, 127.0.0.1 in a local run (launcher=local
+    # starts Ray on loopback); outside Ray, loopback alone.
     try:
         import ray
 
@@ -54,18 +115,25 @@ def _reachable_ip() -> str:
     return "127.0.0.1"
 
 
-def _gloo_group(store: dist.Store, rank: int, world: int, timeout: timedelta) -> dist.ProcessGroup:
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
+def _gloo_group(store: dist.Store, rank: int, world: int, timeout: timedelta, bind_ip: str) -> dist.ProcessGroup:
+    if os.environ.get("GLOO_SOCKET_IFNAME"):  # an explicit choice (launcher=local sets the loopback one)
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    # Otherwise gloo listens on whatever the hostname resolves to; bind the address the others reach us by.
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_ip)]
+    return dist.ProcessGroupGloo(store, rank, world, options)
 
 
-def _nccl_group(store: dist.Store, rank: int, world: int, timeout: timedelta) -> dist.ProcessGroup:
+def _nccl_group(store: dist.Store, rank: int, world: int, timeout: timedelta, bind_ip: str) -> dist.ProcessGroup:
     # GPU only: config validation refuses sync.backend=nccl before any actor starts without GPUs.
+    # NCCL's own bootstrap sockets follow NCCL_SOCKET_IFNAME (launcher=local sets the loopback one).
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, world, options)
 
 
-_GROUP_FACTORIES: dict[str, Callable[[dist.Store, int, int, timedelta], dist.ProcessGroup]] = {
+_GROUP_FACTORIES: dict[str, Callable[[dist.Store, int, int, timedelta, str], dist.ProcessGroup]] = {
     "gloo": _gloo_group,
     "nccl": _nccl_group,
 }
@@ -80,17 +148,11 @@ class BroadcastGroup:
                 f"sync.backend={address.backend!r} is not supported; use one of {sorted(_GROUP_FACTORIES)}"
             )
         timeout = timedelta(seconds=address.timeout_s)
-        # Rank 0 hosts the rendezvous store; members joining later is fine (wait_for_workers=False).
-        self._store = dist.TCPStore(
-            address.host,
-            address.port,
-            address.world_size,
-            is_master=(rank == 0),
-            timeout=timeout,
-            wait_for_workers=False,
-        )
+        # Rank 0 hosts the rendezvous store, on address.host only; members joining later is fine.
+        self._store = tcp_store(address.host, address.port, address.world_size, rank == 0, timeout)
         prefixed = dist.PrefixStore(address.name, self._store)
-        self.group = _GROUP_FACTORIES[address.backend](prefixed, rank, address.world_size, timeout)
+        bind_ip = local_address_towards(address.host)
+        self.group = _GROUP_FACTORIES[address.backend](prefixed, rank, address.world_size, timeout, bind_ip)
         self.rank = rank
         self.name = address.name
         self.world_size = address.world_size

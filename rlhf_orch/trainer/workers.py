@@ -8,7 +8,6 @@ experience this rank was handed, and calling those functions in order.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -61,12 +60,6 @@ class TrainerSpec:
     torch_threads: int = 1
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class _Worker(ExperienceInbox):
     """Process set-up shared by all trainer roles; receiving experience comes from `ExperienceInbox`."""
 
@@ -85,6 +78,7 @@ class _Worker(ExperienceInbox):
         # as the transfer strategy delivered them; the forward takes both).
         self._staged: dict[int, list[PaddedBatch | PackedBatch]] = {}
         self.pad_id = spec.pad_id
+        self._grad_norms: list[float] = []  # per optimizer step of the current train() call
 
     # ---------------------------------------------------------------- placement introspection
     def placement(self) -> dict[str, Any]:
@@ -96,10 +90,17 @@ class _Worker(ExperienceInbox):
     def rendezvous_address(self) -> tuple[str, int]:
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        from rlhf_orch.sync.group import free_port
+
+        host = ray.util.get_node_ip_address()  # 127.0.0.1 under launcher=local
+        return host, free_port(host)
 
     def init_distributed(self, host: str, port: int) -> None:
         import deepspeed
+        import torch.distributed as dist
+        from deepspeed.constants import default_pg_timeout
+
+        from rlhf_orch.sync.group import interface_for_address, local_address_towards, tcp_store
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         os.environ.update(
@@ -111,13 +112,15 @@ class _Worker(ExperienceInbox):
                 "LOCAL_RANK": "0",
             }
         )
-        deepspeed.init_distributed(
-            dist_backend=backend,
-            auto_mpi_discovery=False,
-            init_method=f"tcp://{host}:{port}",
-            rank=self.rank,
-            world_size=self.world_size,
-        )
+        # gloo (and NCCL's bootstrap) bind this interface: loopback locally, the cluster NIC on multi-node.
+        iface = interface_for_address(local_address_towards(host))
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if iface and not os.environ.get(key):
+                os.environ[key] = iface
+        # torch's own tcp:// store would listen on every interface; this one listens on `host` only.
+        store = tcp_store(host, port, self.world_size, self.rank == 0, default_pg_timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=default_pg_timeout)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # reuses the initialised group
 
     # ---------------------------------------------------------------- experience hand-over
     def _receive(self, mb: PaddedBatch | PackedBatch) -> PaddedBatch | PackedBatch:
@@ -145,6 +148,10 @@ class _Worker(ExperienceInbox):
         self.engine.set_gradient_accumulation_boundary(plan.is_boundary(position))
         self.engine.backward(loss * weight, scale_wrt_gas=False)
         self.engine.step()
+        if plan.is_boundary(position):
+            norm = self.engine.get_global_grad_norm()  # None when DeepSpeed did not compute one
+            if norm is not None:
+                self._grad_norms.append(float(norm))
         return float(loss.detach()) * weight
 
     def _load_frozen(self, loader) -> int:
@@ -153,6 +160,23 @@ class _Worker(ExperienceInbox):
         for p in self.model.parameters():
             p.requires_grad_(False)
         return sum(p.numel() for p in self.model.parameters())
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: str) -> None:
+        """DeepSpeed's checkpoint of this role (every rank calls: ZeRO partitions are per rank) and
+        this rank's RNG state (DeepSpeed keeps `client_state` from rank 0 only)."""
+        from rlhf_orch.orchestration.checkpoint import rng_state
+
+        self.engine.save_checkpoint(directory, tag="state", save_latest=False)
+        torch.save(rng_state(), os.path.join(directory, f"rng_rank{self.rank}.pt"))
+
+    def load_checkpoint(self, directory: str) -> None:
+        from rlhf_orch.orchestration.checkpoint import set_rng_state
+
+        path, _ = self.engine.load_checkpoint(directory, tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"no DeepSpeed checkpoint of the {self.role} in {directory}")
+        set_rng_state(torch.load(os.path.join(directory, f"rng_rank{self.rank}.pt"), weights_only=False))
 
     def _ds_engine(self, model: torch.nn.Module, lr: float):
         import deepspeed
@@ -233,7 +257,11 @@ class PolicyWorker(_Worker):
             if t.returns is not None:
                 returns.append(in_layout["returns"].cpu())
         tokens = sum(float(r.action_mask.sum()) for r in rows)
+        # The largest |advantage| (torch's max keeps a NaN, which the driver's guard then reports).
+        row_max = [t.advantages[r.mask.bool()].abs().max() for r, t in zip(target_rows, targets) if r.mask.any()]
+        adv_abs_max = float(torch.stack(row_max).max()) if row_max else 0.0
         stats = {
+            "advantages_abs_max": adv_abs_max,
             "kl": sum(float(torch.where(r.mask.bool(), t.kl, 0).sum()) for r, t in zip(target_rows, targets)) / max(tokens, 1.0),
             "response_tokens": tokens,
             "values_mean": (
@@ -252,6 +280,7 @@ class PolicyWorker(_Worker):
         depend on how the batch was cut. Micro-batches are reshuffled between epochs.
         """
         self.engine.train()
+        self._grad_norms = []
         mbs = self._micro_batches(shard)
         totals: dict[str, float] = {}
         steps = 0
@@ -286,7 +315,10 @@ class PolicyWorker(_Worker):
                         totals[key] = totals.get(key, 0.0) + float(stats[key]) * weight
         self.drop_staged()
         # Per optimizer step (normalised as the loss), averaged over steps and epochs.
-        return {k: v / max(steps, 1) for k, v in totals.items()}
+        stats = {k: v / max(steps, 1) for k, v in totals.items()}
+        if self._grad_norms:  # the largest (torch's max keeps a NaN, Python's may not)
+            stats["grad_norm"] = float(torch.tensor(self._grad_norms).max())
+        return stats
 
     # ---------------------------------------------------------------- weight sync
     def join_weight_group(self, address, rank: int) -> int:
@@ -322,6 +354,20 @@ class PolicyWorker(_Worker):
         stats = strategy.run_send(self.weights, getattr(self, "weight_group", None), engines, version, self.rank)
         stats["seconds"] = time.perf_counter() - t0
         return stats
+
+    @torch.no_grad()
+    def export_hf(self, directory: str) -> None:
+        """The policy in Hugging Face format (safetensors + config + tokenizer), loadable as is by
+        vLLM and transformers. Every rank calls (ZeRO-3 gathers are collective); rank 0 writes."""
+        names = [m.name for m in self.weights.metas()]
+        with self.weights.gathered(names) as full:
+            if self.rank == 0:
+                state = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in full.items()}
+                self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(self.spec.model_path).save_pretrained(directory)
 
     @torch.no_grad()
     def logprobs_of(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -377,6 +423,7 @@ class CriticWorker(_Worker):
             for mb, old_v, ret in zip(self._micro_batches(shard), self._old_values[shard], returns)
         ]
         plan = self._step_plan([mb for mb, _, _ in work])
+        self._grad_norms = []
         total, clip = 0.0, 0.0
         for _ in range(self.spec.ppo_epochs):
             for position, (mb, old_v, ret) in enumerate(work):
@@ -388,7 +435,10 @@ class CriticWorker(_Worker):
         self.drop_staged()
         self._old_values.clear()
         steps = plan.num_steps * self.spec.ppo_epochs
-        return {"value_loss": total / steps, "vf_clipfrac": clip / steps}
+        stats = {"value_loss": total / steps, "vf_clipfrac": clip / steps}
+        if self._grad_norms:
+            stats["grad_norm"] = float(torch.tensor(self._grad_norms).max())
+        return stats
 
 
 class ReferenceWorker(_Worker):

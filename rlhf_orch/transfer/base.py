@@ -68,12 +68,42 @@ class RolloutRequest:
 
 @dataclass
 class Route:
-    """The actors a delivery talks to, and how to wait on them."""
+    """The actors a delivery talks to, how to wait on them, and how to replace an engine that died."""
 
     engines: list[Any]
     consumers: list[list[Any]]  # per shard: every actor that must stage it (policy, critic, reference)
     get: Callable[..., list[Any]]  # get(refs, what, engine_call=False) with the loop's timeout/errors
     wait: Callable[..., Any] = ray.wait
+    # replace_engine(e) -> a new engine in engine e's bundle holding the current weights (None: a
+    # dead engine fails the step).
+    replace_engine: Callable[[int], Any] | None = None
+    timeout_s: float = 600.0
+
+    def on_engines(self, submit: Callable[[int, Any], ray.ObjectRef], engines: Sequence[int], what: str) -> dict[int, Any]:
+        """Per engine index, the result of `submit(e, engine)`.
+
+        An engine that dies is replaced and its call submitted again to the replacement: what it
+        had made died with it, what the other engines made stands, so every sample is made once.
+        """
+        pending = {submit(e, self.engines[e]): e for e in engines}
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                self.get(list(pending), what, engine_call=True, timeout_s=0.0)  # raises: no answer in time
+            ref = ready[0]
+            e = pending.pop(ref)
+            try:
+                results[e] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                if self.replace_engine is None:
+                    raise
+                self.engines[e] = self.replace_engine(e)
+                pending[submit(e, self.engines[e])] = e
+            except ray.exceptions.RayError:
+                self.get([ref], what, engine_call=True)  # the loop's one-line error for it
+        return results
 
 
 @dataclass

@@ -35,38 +35,59 @@ class MicroBatchedTransfer(RolloutTransfer):
             len(request.prompts), request.samples_per_prompt, request.num_shards, request.micro_batch_size
         )
         batch_format = padded_per_micro_batch(request.pad_id)
-        streams = []
-        for engine, share in zip(route.engines, interleave_over_engines(works, len(route.engines))):
-            if not share:
-                continue
-            needed = sorted({r.prompt_index for w in share for r in w.requests})
-            streams.append(
-                engine.produce_micro_batches.options(
-                    num_returns="streaming", _generator_backpressure_num_objects=self.max_in_flight
-                ).remote(share, request.job(needed, request.scorer), batch_format)
-            )
+        shares = {e: share for e, share in enumerate(interleave_over_engines(works, len(route.engines))) if share}
 
+        def open_stream(e: int, share):
+            needed = sorted({r.prompt_index for w in share for r in w.requests})
+            return route.engines[e].produce_micro_batches.options(
+                num_returns="streaming", _generator_backpressure_num_objects=self.max_in_flight
+            ).remote(share, request.job(needed, request.scorer), batch_format)
+
+        active = {open_stream(e, share): e for e, share in shares.items()}
+        handed: set[tuple[int, int]] = set()  # (shard, slot) of every micro-batch staged or on its way
+        died: list[int] = []  # engines that died; replaced once the other streams are drained
         in_flight: list[list[ray.ObjectRef]] = []  # stage calls per handed-out micro-batch, oldest first
-        staged_bytes: list[ray.ObjectRef] = []
         metas, wire_bytes, wire_tokens = [], 0, 0
         t_first = None
-        active = list(streams)
-        while active:
-            ready, _ = ray.wait(active, num_returns=1)
+        while active or died:
+            if not active:
+                # Replaced only now: the other engines' streams wait on this loop (back-pressure),
+                # so re-forming the weight group earlier would wait on them forever.
+                for e in died:
+                    route.engines[e] = route.replace_engine(e)
+                    rest = [w for w in shares[e] if (w.shard, w.slot) not in handed]
+                    if rest:
+                        active[open_stream(e, rest)] = e
+                died = []
+                continue
+            ready, _ = ray.wait(list(active), num_returns=1, timeout=route.timeout_s)
+            if not ready:  # a hung engine must not hang the run
+                raise TimeoutError(f"no micro-batch from the engines within {route.timeout_s:.0f}s (fault.step_timeout_s) while generating")
             for stream in ready:
+                ref = None
                 try:
                     ref = next(stream)
+                    ticket = ray.get(ref, timeout=route.timeout_s)
                 except StopIteration:
-                    active.remove(stream)
+                    del active[stream]
                     continue
-                ticket = route.get([ref], "generating", engine_call=True)[0]
+                except ray.exceptions.RayActorError:
+                    if route.replace_engine is None:
+                        raise
+                    died.append(active.pop(stream))
+                    continue
+                except ray.exceptions.RayError:
+                    if ref is None:
+                        raise
+                    route.get([ref], "generating", engine_call=True)  # the loop's one-line error
+                    raise
                 t_first = t_first or time.perf_counter()
+                handed.add((ticket.shard, ticket.slot))
                 calls = [
                     actor.stage_micro_batch.remote(ticket.shard, ticket.slot, ticket.num_slots, ticket.batch)
                     for actor in route.consumers[ticket.shard]
                 ]
                 in_flight.append(calls)
-                staged_bytes.append(calls[0])
                 metas.append(ticket.meta)
                 wire_bytes += ticket.nbytes
                 wire_tokens += ticket.wire_tokens

@@ -45,7 +45,6 @@ class PackedTransfer(RolloutTransfer):
     def deliver(self, request: RolloutRequest, route: Route) -> Delivery:
         timings: dict[str, float] = {}
         t = time.perf_counter()
-        engines = list(route.engines)
         held = self._generate(request, route, range(len(request.prompts)))
         rounds, dropped = 1, None
         if request.group_filter is not None:
@@ -67,7 +66,7 @@ class PackedTransfer(RolloutTransfer):
         cut = pieces_per_engine(plan, [[i for m in parts for i in m.indices] for parts in held])
         timings["plan"] = time.perf_counter() - t_plan
         pieces = []  # pieces[engine][rank]: object refs, owned here, data in the engine's store
-        for engine, members in zip(engines, cut):
+        for engine, members in zip(route.engines, cut):  # (a replaced engine holds its re-issued share)
             refs = engine.cut_for_ranks.options(num_returns=request.num_shards).remote(members)
             pieces.append([refs] if request.num_shards == 1 else list(refs))
         calls = self._stage_all(
@@ -90,18 +89,18 @@ class PackedTransfer(RolloutTransfer):
     @staticmethod
     def _generate(request: RolloutRequest, route: Route, prompts: range) -> list[list[RolloutMeta]]:
         """Prompts `prompts` (indices into request.prompts) over the engines; per engine, its meta."""
-        chunks = prompt_chunks(len(prompts), len(route.engines))
-        calls, used = [], []
-        for e, (engine, chunk) in enumerate(zip(route.engines, chunks)):
-            if len(chunk):
-                chunk = range(prompts.start + chunk.start, prompts.start + chunk.stop)
-                calls.append(engine.produce_and_hold.remote(whole_prompt_requests(chunk, request.samples_per_prompt), request.job(chunk, request.scorer)))
-                used.append(e)
-        metas = route.get(calls, "generating", engine_call=True)
-        out: list[list[RolloutMeta]] = [[] for _ in route.engines]
-        for e, m in zip(used, metas):
-            out[e].append(m)
-        return out
+        chunks = {
+            e: range(prompts.start + c.start, prompts.start + c.stop)
+            for e, c in enumerate(prompt_chunks(len(prompts), len(route.engines)))
+            if len(c)
+        }
+
+        def submit(e, engine):
+            chunk = chunks[e]
+            return engine.produce_and_hold.remote(whole_prompt_requests(chunk, request.samples_per_prompt), request.job(chunk, request.scorer))
+
+        metas = route.on_engines(submit, list(chunks), "generating")
+        return [[metas[e]] if e in metas else [] for e in range(len(route.engines))]
 
     def _fill_with_informative_groups(
         self, request: RolloutRequest, route: Route, held: list[list[RolloutMeta]]
@@ -126,7 +125,14 @@ class PackedTransfer(RolloutTransfer):
             more = f.more_prompts(need)
             request.prompts.extend(more)
             request.prompt_ids.extend(list(p.prompt_ids) for p in more)
+            before = list(route.engines)
             for e, parts in enumerate(self._generate(request, route, range(start, start + len(more)))):
+                if route.engines[e] is not before[e] and held[e]:
+                    # Its earlier rounds' samples died with it (re-generating them would redraw
+                    # the groups already chosen): the step fails and the run can resume.
+                    raise RuntimeError(
+                        f"vLLM engine {e} died in dynamic-sampling round {rounds + 1} holding samples of earlier rounds"
+                    )
                 held[e].extend(parts)
             rounds += 1
             groups = informative()

@@ -29,13 +29,12 @@ class PaddedTransfer(RolloutTransfer):
     def deliver(self, request: RolloutRequest, route: Route) -> Delivery:
         timings: dict[str, float] = {}
         t = time.perf_counter()
-        chunks = prompt_chunks(len(request.prompts), len(route.engines))
-        calls = [
-            engine.produce_samples.remote(whole_prompt_requests(chunk, request.samples_per_prompt), request.job(chunk, None))
-            for engine, chunk in zip(route.engines, chunks)
-            if len(chunk)
-        ]
-        parts = route.get(calls, "generating", engine_call=True)
+        chunks = {e: c for e, c in enumerate(prompt_chunks(len(request.prompts), len(route.engines))) if len(c)}
+        parts = route.on_engines(
+            lambda e, engine: engine.produce_samples.remote(whole_prompt_requests(chunks[e], request.samples_per_prompt), request.job(chunks[e], None)),
+            list(chunks),
+            "generating",
+        ).values()
         samples = sorted((s for part, _ in parts for s in part), key=lambda s: s.index)
         generated_at = max(at for _, at in parts)  # the engines' clock: generation end, before the gather
         t = self._timed(timings, "generate", t)

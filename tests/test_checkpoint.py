@@ -1,0 +1,143 @@
+"""Checkpoint bookkeeping without Ray: atomic commit, rotation, which checkpoint `resume=` takes,
+config drift, the metrics file on resume, the NaN guard, stop signals, engine seeds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_orch.logging.base import MetricsFile
+from rlhf_orch.orchestration.checkpoint import (
+    DRIVER_STATE,
+    CheckpointStore,
+    ResumeError,
+    complete_checkpoints,
+    config_drift,
+    engine_seed,
+    find_checkpoint,
+    load_resume,
+    rng_state,
+    run_dir_of,
+    set_rng_state,
+)
+from rlhf_orch.orchestration.loop import non_finite
+from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
+
+CONFIG = {"model": {"hidden_size": 128}, "algo": {"num_steps": 10, "actor_lr": 1e-4}, "logger": {"_target_": "x"}, "resume": None}
+
+
+def _commit(store: CheckpointStore, step: int, run_dir: Path, config=CONFIG) -> Path:
+    tmp = store.begin(step)
+    torch.save({"step": step, "config": config, "metrics": [], "data": {}}, tmp / DRIVER_STATE)
+    return store.commit(tmp, step, {"run_dir": str(run_dir)})
+
+
+def test_commit_is_atomic_and_rotation_keeps_the_last(tmp_path):
+    store = CheckpointStore(tmp_path / "checkpoints", keep_last=2)
+    for step in (1, 2, 3):
+        _commit(store, step, tmp_path)
+    assert [c.step for c in store.complete()] == [2, 3]
+    # A checkpoint being written when the process died: never the latest, cleaned by the next commit.
+    half = store.begin(4)
+    (half / "policy").mkdir()
+    assert store.latest().step == 3
+    assert find_checkpoint(str(tmp_path), tmp_path.parent).step == 3
+    _commit(store, 5, tmp_path)
+    assert not half.exists()
+    assert [c.step for c in store.complete()] == [3, 5]
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointStore(tmp_path, keep_last=0)
+
+
+def test_resume_finds_a_checkpoint_dir_a_run_dir_or_the_latest_of_the_experiment(tmp_path):
+    experiment = tmp_path / "outputs" / "quick"
+    old, new = experiment / "2026-01-01_00-00-00", experiment / "2026-01-02_00-00-00"
+    _commit(CheckpointStore(old / "checkpoints", 3), 7, old)
+    time.sleep(0.01)
+    ck = _commit(CheckpointStore(new / "checkpoints", 3), 2, new)
+    assert find_checkpoint(str(ck), experiment).path == ck
+    assert find_checkpoint(str(old), experiment).step == 7
+    assert find_checkpoint("auto", experiment).path == ck  # the most recently written, not the highest step
+    assert run_dir_of("auto", str(experiment / "now")) == str(new)
+    assert run_dir_of(None, "default") == "default"
+    assert run_dir_of(str(tmp_path / "missing"), "default") == "default"  # reported later, by the app
+    with pytest.raises(ResumeError, match="no such directory"):
+        find_checkpoint(str(tmp_path / "missing"), experiment)
+    with pytest.raises(ResumeError, match="no complete checkpoint"):
+        find_checkpoint("auto", tmp_path / "outputs" / "other")
+    empty = tmp_path / "killed_before_first_checkpoint"
+    empty.mkdir()
+    with pytest.raises(ResumeError, match="cannot be resumed"):
+        find_checkpoint(str(empty), experiment)
+
+
+def test_config_drift_refuses_breaking_changes_and_lists_the_rest(tmp_path):
+    changed = {**CONFIG, "model": {"hidden_size": 256}, "algo": {"num_steps": 20, "actor_lr": 2e-4}, "logger": {"_target_": "y"}}
+    breaking, other, harmless = config_drift(CONFIG, changed)
+    assert breaking == ["model.hidden_size"]
+    assert other == ["algo.actor_lr"]
+    assert harmless == ["algo.num_steps", "logger._target_"]
+    assert config_drift(CONFIG, {**CONFIG, "resume": "auto"}) == ([], [], [])
+    assert config_drift({"placement": {"actor_ranks": 1}}, {"placement": {"actor_ranks": 2}})[0] == ["placement.actor_ranks"]
+    assert config_drift({"trainer": {"zero_stage": 2}}, {"trainer": {"zero_stage": 3}})[0] == ["trainer.zero_stage"]
+
+    ck = _commit(CheckpointStore(tmp_path / "checkpoints", 2), 4, tmp_path)
+    with pytest.raises(ResumeError, match="different model.hidden_size"):
+        load_resume(str(ck), tmp_path, None, changed, num_steps=20)
+    # Resuming at (or past) the last step would silently run nothing: refused, with the fix.
+    with pytest.raises(ResumeError, match="algo.num_steps=4 leaves nothing to run"):
+        load_resume(str(ck), tmp_path, None, {**CONFIG, "algo": {"num_steps": 4, "actor_lr": 1e-4}}, num_steps=4)
+    point = load_resume(str(ck), tmp_path, None, {**CONFIG, "algo": {"num_steps": 20, "actor_lr": 1e-4}}, num_steps=20)
+    assert point.step == 4 and point.changed == ["algo.num_steps"]
+
+
+def test_metrics_file_on_resume_keeps_the_steps_up_to_the_checkpoint(tmp_path):
+    lines = [json.dumps({"step": s, "reward/mean": s / 10}) for s in range(0, 5)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "rew')  # killed mid-write
+    f = MetricsFile(tmp_path, keep_through_step=2)
+    f.write({"step": 3, "reward/mean": 0.9})
+    f.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[-1]["reward/mean"] == 0.9
+
+
+def test_rng_state_round_trip_and_engine_seeds():
+    state = rng_state()
+    a = (torch.rand(3), __import__("random").random())
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3), a[0]) and __import__("random").random() == a[1]
+    seeds = {engine_seed(1, step, e) for step in range(1, 50) for e in range(4)}
+    assert len(seeds) == 49 * 4  # distinct per (step, engine)
+    assert engine_seed(1, 3, 0) == engine_seed(1, 3, 0) != engine_seed(2, 3, 0)
+
+
+def test_non_finite_names_the_quantity():
+    assert non_finite({"reward/mean": 0.5, "loss/policy": 0.1, "time/step": float("nan")}) == []
+    bad = non_finite({"reward/mean": 0.5, "loss/policy": float("nan"), "policy/grad_norm": float("inf")})
+    assert bad == ["loss/policy=nan", "policy/grad_norm=inf"]
+
+
+def test_first_signal_asks_to_stop_second_aborts():
+    stop = StopRequest()
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.requested and stop.name == "SIGTERM"
+        with pytest.raises(SignalAbort) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        assert info.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle  # restored
+
+
+def test_complete_checkpoints_ignores_foreign_dirs(tmp_path):
+    (tmp_path / "step_00000003").mkdir()  # no manifest: not a checkpoint
+    (tmp_path / "notes").mkdir()
+    assert complete_checkpoints(tmp_path) == []
