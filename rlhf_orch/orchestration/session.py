@@ -247,7 +247,7 @@ def run_training(
             finally:
                 actors.kill()
     except SignalAbort as e:
-        outcome = {"status": "aborted", "signal": signal_name(e.signum)}
+        outcome = {"status": "aborted", "signal": e.name}
         raise
     except Exception as e:
         outcome = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
@@ -266,12 +266,6 @@ def resume_hint(last_checkpoint: list[Path]) -> str:
     if not last_checkpoint:
         return "; no checkpoint was written (set checkpoint.every_n_steps to keep progress)"
     return f"; last checkpoint: {last_checkpoint[0]} (continue with: python run.py resume={last_checkpoint[0]})"
-
-
-def signal_name(signum: int) -> str:
-    import signal
-
-    return signal.Signals(signum).name
 
 
 def run_summary(

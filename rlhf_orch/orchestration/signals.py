@@ -22,8 +22,9 @@ class SignalAbort(BaseException):
     `except Exception` on the way up swallows it."""
 
     def __init__(self, signum: int):
-        super().__init__(f"{signal.Signals(signum).name} received twice: aborted")
         self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(f"{self.name} received twice: aborted")
 
 
 class StopRequest:

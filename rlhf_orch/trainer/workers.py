@@ -154,6 +154,13 @@ class _Worker(ExperienceInbox):
                 self._grad_norms.append(float(norm))
         return float(loss.detach()) * weight
 
+    def _with_grad_norm(self, stats: dict[str, float]) -> dict[str, float]:
+        """`stats` plus the largest gradient norm of this train() call, when DeepSpeed computed one
+        (torch's max keeps a NaN, which the driver's guard then reports; Python's may not)."""
+        if self._grad_norms:
+            stats["grad_norm"] = float(torch.tensor(self._grad_norms).max())
+        return stats
+
     def _load_frozen(self, loader) -> int:
         """A forward-only model (reference, reward model): eval mode, no gradients; returns its size."""
         self.model = loader(self.spec.model_path, self.spec.dtype, self.device).to(self.device).eval()
@@ -315,10 +322,7 @@ class PolicyWorker(_Worker):
                         totals[key] = totals.get(key, 0.0) + float(stats[key]) * weight
         self.drop_staged()
         # Per optimizer step (normalised as the loss), averaged over steps and epochs.
-        stats = {k: v / max(steps, 1) for k, v in totals.items()}
-        if self._grad_norms:  # the largest (torch's max keeps a NaN, Python's may not)
-            stats["grad_norm"] = float(torch.tensor(self._grad_norms).max())
-        return stats
+        return self._with_grad_norm({k: v / max(steps, 1) for k, v in totals.items()})
 
     # ---------------------------------------------------------------- weight sync
     def join_weight_group(self, address, rank: int) -> int:
@@ -435,10 +439,7 @@ class CriticWorker(_Worker):
         self.drop_staged()
         self._old_values.clear()
         steps = plan.num_steps * self.spec.ppo_epochs
-        stats = {"value_loss": total / steps, "vf_clipfrac": clip / steps}
-        if self._grad_norms:
-            stats["grad_norm"] = float(torch.tensor(self._grad_norms).max())
-        return stats
+        return self._with_grad_norm({"value_loss": total / steps, "vf_clipfrac": clip / steps})
 
 
 class ReferenceWorker(_Worker):
