@@ -8,6 +8,12 @@ A strategy has two halves:
   and how it reaches the trainer ranks. The driver keeps only `Delivery` (lengths, rewards, sizes,
   timings); experience tensors stay in the object store between actors except in the padded
   baseline, which gathers on the driver on purpose.
+
+A strategy that can hold a finished rollout until the trainers are free (`holds_rollouts`) also
+splits `deliver` into `generate(request, route) -> HeldRollout` (the engines, or the driver, hold
+it; no trainer is touched) and `hand_over(held, route) -> Delivery`: the one-step off-policy
+pipeline generates the next rollout while the trainers train on this one. `export_held` /
+`import_held` move a held rollout into a checkpoint and back.
 """
 
 from __future__ import annotations
@@ -124,9 +130,16 @@ class Delivery:
 
 def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
     rows = sorted(
-        (i, s, r, w, t)
+        (i, s, r, w, t, v)
         for m in parts
-        for i, s, r, w, t in zip(m.indices, m.seq_lens, m.response_lens, m.rewards, m.truncated or [False] * len(m.indices))
+        for i, s, r, w, t, v in zip(
+            m.indices,
+            m.seq_lens,
+            m.response_lens,
+            m.rewards,
+            m.truncated or [False] * len(m.indices),
+            m.weight_versions or [0] * len(m.indices),
+        )
     )
     return RolloutMeta(
         indices=[row[0] for row in rows],
@@ -138,10 +151,40 @@ def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
         reward_errors=sum(m.reward_errors for m in parts),
         reward_timeouts=sum(m.reward_timeouts for m in parts),
         truncated=[row[4] for row in rows],
+        weight_versions=[row[5] for row in rows],
     )
 
 
+@dataclass
+class HeldRollout:
+    """A generated and scored rollout that no trainer holds yet (`generate` -> `hand_over`).
+
+    `meta` is by global sample index; `held` is what the strategy keeps where it keeps it (per
+    engine, the indices it holds for packed; the samples themselves for the padded baseline).
+    Everything the hand-over needs besides the route travels here, so a checkpoint can carry it.
+    """
+
+    meta: RolloutMeta
+    held: Any
+    num_shards: int
+    micro_batch_size: int
+    pad_id: int
+    max_seq_len: int
+    timings: dict[str, float] = field(default_factory=dict)
+    dropped_groups: int | None = None
+    rounds: int = 1
+    ready_at: float = field(default_factory=time.time)  # wall clock when `generate` returned
+
+    def waited(self) -> float:
+        """Seconds between `generate` returning and now (a one-step-off rollout waits for the trainers)."""
+        return max(time.time() - self.ready_at, 0.0)
+
+
 class RolloutTransfer(abc.ABC):
+    # Can a finished rollout wait for the trainers (generate/hand_over)? A streaming strategy
+    # cannot: it hands micro-batches to the trainers while generating.
+    holds_rollouts: bool = True
+
     def __init__(self, max_in_flight: int = 4, token_budget: int = 0):
         if max_in_flight < 1:
             raise ValueError(f"transfer.max_in_flight={max_in_flight} must be >= 1")
@@ -154,9 +197,25 @@ class RolloutTransfer(abc.ABC):
     ) -> list[list[MicroBatch]]:
         """Per shard, the micro-batches it trains on (every sample exactly once)."""
 
-    @abc.abstractmethod
     def deliver(self, request: RolloutRequest, route: Route) -> Delivery:
         """Generate the rollout and leave every shard staged on its consumers."""
+        return self.hand_over(self.generate(request, route), route)
+
+    def generate(self, request: RolloutRequest, route: Route) -> HeldRollout:
+        """Generate and score the rollout; hold it (on the engines or here), stage nothing."""
+        raise NotImplementedError(f"{type(self).__name__} streams into the trainers: it cannot hold a rollout")
+
+    def hand_over(self, held: HeldRollout, route: Route) -> Delivery:
+        """Stage a held rollout's shards on their consumers."""
+        raise NotImplementedError(f"{type(self).__name__} streams into the trainers: it cannot hold a rollout")
+
+    def export_held(self, held: HeldRollout, route: Route) -> HeldRollout:
+        """A copy of `held` that carries its samples (for a checkpoint); the engines keep theirs."""
+        return held
+
+    def import_held(self, held: HeldRollout, route: Route) -> HeldRollout:
+        """Put an exported rollout back where `hand_over` expects it (after a resume)."""
+        return held
 
     # ------------------------------------------------------------------ shared helper
     @staticmethod

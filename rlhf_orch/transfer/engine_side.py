@@ -57,6 +57,7 @@ class RolloutMeta:
     reward_errors: int = 0  # samples whose reward function raised (scored 0)
     reward_timeouts: int = 0  # samples whose reward function ran past reward.timeout_s (scored 0)
     truncated: list[bool] = field(default_factory=list)  # per sample: hit max_tokens
+    weight_versions: list[int] = field(default_factory=list)  # per sample: the engine weights that sampled it
     model_rewards: list[float] | None = None  # reward-model scores (before weighting), by index
     rule_rewards: list[float] | None = None  # the weighted rule term, when a reward model adds to it
 
@@ -99,6 +100,7 @@ def rollout_meta(
         reward_errors=scored.errors if scored else 0,
         reward_timeouts=scored.timeouts if scored else 0,
         truncated=[s.truncated for s in samples],
+        weight_versions=[int(s.weight_version) for s in samples],
     )
 
 
@@ -186,6 +188,14 @@ class RolloutProducer(abc.ABC):
         # Added to what is held: dynamic sampling may ask for several rounds before one cut.
         self._held = {**getattr(self, "_held", {}), **{s.index: s for s in samples}}
         return rollout_meta(samples, score_s, generated_at, scored)
+
+    def held_samples(self) -> list[Sample]:
+        """What this engine holds (a checkpoint of a rollout not handed over yet)."""
+        return [self._held[i] for i in sorted(getattr(self, "_held", {}))]
+
+    def hold_samples(self, samples: Sequence[Sample]) -> None:
+        """Hold `samples` as if this engine had generated them (a resumed checkpoint's rollout)."""
+        self._held = {s.index: s for s in samples}
 
     def produce_scores(self, requests: Sequence[CompletionRequest], job: RolloutJob) -> RolloutMeta:
         """Generate and score, keep nothing: lengths and rewards only (evaluation)."""

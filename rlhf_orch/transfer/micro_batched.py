@@ -22,6 +22,8 @@ from rlhf_orch.transfer.plan import interleave_over_engines, plan_count_micro_ba
 
 
 class MicroBatchedTransfer(RolloutTransfer):
+    holds_rollouts = False  # micro-batches go to the trainers while the engines generate
+
     def layout(self, samples: Sequence[Sample], num_shards: int, micro_batch_size: int, pad_id: int) -> list[list[MicroBatch]]:
         return [
             [PaddedBatch.from_samples(mb, pad_id) for mb in shard]

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from rlhf_orch.transfer.base import Delivery, MicroBatch, RolloutRequest, RolloutTransfer, Route, merge_meta
+from rlhf_orch.transfer.base import Delivery, HeldRollout, MicroBatch, RolloutRequest, RolloutTransfer, Route, merge_meta
 from rlhf_orch.transfer.batch import PackedBatch, Sample
 from rlhf_orch.transfer.engine_side import RolloutMeta
 from rlhf_orch.transfer.inbox import assemble_packed
@@ -42,49 +42,71 @@ class PackedTransfer(RolloutTransfer):
             shards.append(assemble_packed([piece], rank_plan, pad_id))
         return shards
 
-    def deliver(self, request: RolloutRequest, route: Route) -> Delivery:
+    def generate(self, request: RolloutRequest, route: Route) -> HeldRollout:
         timings: dict[str, float] = {}
         t = time.perf_counter()
         held = self._generate(request, route, range(len(request.prompts)))
         rounds, dropped = 1, None
         if request.group_filter is not None:
             held, rounds, dropped = self._fill_with_informative_groups(request, route, held)
-        t = self._timed(timings, "generate", t)
+        self._timed(timings, "generate", t)
         timings["reward"] = 0.0  # scored on the engines, inside generation
+        return HeldRollout(
+            meta=merge_meta([m for parts in held for m in parts]),
+            held=[[i for m in parts for i in m.indices] for parts in held],  # per engine: what it holds
+            num_shards=request.num_shards,
+            micro_batch_size=request.micro_batch_size,
+            pad_id=request.pad_id,
+            max_seq_len=request.max_seq_len,
+            timings=timings,
+            dropped_groups=dropped,
+            rounds=rounds,
+        )
 
-        meta = merge_meta([m for parts in held for m in parts])
-        timings["metadata_to_driver"] = time.time() - meta.generated_at
-        t_plan = time.perf_counter()
-        budget = self.budget(request.micro_batch_size, request.max_seq_len)
-        owner = {i: e for e, parts in enumerate(held) for m in parts for i in m.indices}
+    def hand_over(self, held: HeldRollout, route: Route) -> Delivery:
+        timings = dict(held.timings)
+        t = time.perf_counter()
+        meta = held.meta
+        waited = held.waited()  # a held rollout waits for the trainers by design: not transfer
+        timings["metadata_to_driver"] = time.time() - meta.generated_at - waited
+        budget = self.budget(held.micro_batch_size, held.max_seq_len)
+        owner = {i: e for e, indices in enumerate(held.held) for i in indices}
         # Each micro-batch lists its members engine after engine (ascending within an engine), the
         # order the trainer concatenates the engines' pieces in.
         plan = [
             [sorted(mb, key=lambda i: (owner[i], i)) for mb in rank]
-            for rank in plan_packed(meta.indices, meta.seq_lens, budget, request.num_shards)
+            for rank in plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards)
         ]
-        cut = pieces_per_engine(plan, [[i for m in parts for i in m.indices] for parts in held])
-        timings["plan"] = time.perf_counter() - t_plan
+        cut = pieces_per_engine(plan, held.held)
+        timings["plan"] = time.perf_counter() - t
         pieces = []  # pieces[engine][rank]: object refs, owned here, data in the engine's store
         for engine, members in zip(route.engines, cut):  # (a replaced engine holds its re-issued share)
-            refs = engine.cut_for_ranks.options(num_returns=request.num_shards).remote(members)
-            pieces.append([refs] if request.num_shards == 1 else list(refs))
+            refs = engine.cut_for_ranks.options(num_returns=held.num_shards).remote(members)
+            pieces.append([refs] if held.num_shards == 1 else list(refs))
         calls = self._stage_all(
             route, lambda shard, actor: actor.stage_pieces.remote(shard, plan[shard], [p[shard] for p in pieces])
         )
         received = route.get(calls, "handing experience to the trainers")
         self._timed(timings, "hand_over", t)
         # From "generation finished" on the engines (their clock) to "every trainer holds its data".
-        timings["transfer"] = timings["transfer_after_generate"] = time.time() - meta.generated_at
+        timings["transfer"] = timings["transfer_after_generate"] = time.time() - meta.generated_at - waited
         first_of_shard = [sum(len(a) for a in route.consumers[:s]) for s in range(len(route.consumers))]
         return Delivery(
             meta=meta,
             wire_bytes=sum(received[k] for k in first_of_shard),
             wire_tokens=sum(meta.seq_lens),
             timings=timings,
-            dropped_groups=dropped,
-            rounds=rounds,
+            dropped_groups=held.dropped_groups,
+            rounds=held.rounds,
         )
+
+    def export_held(self, held: HeldRollout, route: Route) -> HeldRollout:
+        samples = route.get([engine.held_samples.remote() for engine in route.engines], "reading the held rollout", engine_call=True)
+        return dataclasses.replace(held, held=samples)
+
+    def import_held(self, held: HeldRollout, route: Route) -> HeldRollout:
+        route.get([engine.hold_samples.remote(s) for engine, s in zip(route.engines, held.held)], "restoring the held rollout", engine_call=True)
+        return dataclasses.replace(held, held=[[s.index for s in samples] for samples in held.held])
 
     @staticmethod
     def _generate(request: RolloutRequest, route: Route, prompts: range) -> list[list[RolloutMeta]]:
@@ -154,4 +176,5 @@ def _select(meta: RolloutMeta, groups: set[int], samples_per_prompt: int) -> Rol
         response_lens=pick(meta.response_lens),
         rewards=pick(meta.rewards),
         truncated=pick(meta.truncated) if meta.truncated else [],
+        weight_versions=pick(meta.weight_versions) if meta.weight_versions else [],
     )

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import ray
 
-from rlhf_orch.transfer.base import Delivery, MicroBatch, RolloutRequest, RolloutTransfer, Route, count_micro_batches
+from rlhf_orch.transfer.base import Delivery, HeldRollout, MicroBatch, RolloutRequest, RolloutTransfer, Route, count_micro_batches
 from rlhf_orch.transfer.batch import PaddedBatch, Sample
 from rlhf_orch.transfer.engine_side import rollout_meta, score_samples
 from rlhf_orch.transfer.plan import prompt_chunks, whole_prompt_requests
@@ -26,7 +26,7 @@ class PaddedTransfer(RolloutTransfer):
             for shard in count_micro_batches(samples, num_shards, micro_batch_size)
         ]
 
-    def deliver(self, request: RolloutRequest, route: Route) -> Delivery:
+    def generate(self, request: RolloutRequest, route: Route) -> HeldRollout:
         timings: dict[str, float] = {}
         t = time.perf_counter()
         chunks = {e: c for e, c in enumerate(prompt_chunks(len(request.prompts), len(route.engines))) if len(c)}
@@ -43,18 +43,31 @@ class PaddedTransfer(RolloutTransfer):
         if request.scorer is not None:
             texts = request.decode([s.response_ids.tolist() for s in samples])
             scored = score_samples(samples, texts, request.job(range(len(request.prompts)), request.scorer))
-        t = self._timed(timings, "reward", t)
+        self._timed(timings, "reward", t)
+        meta = rollout_meta(samples, generated_at=generated_at, scored=scored)
+        return HeldRollout(
+            meta=meta,
+            held=samples,  # on the driver: this baseline gathers on purpose
+            num_shards=request.num_shards,
+            micro_batch_size=request.micro_batch_size,
+            pad_id=request.pad_id,
+            max_seq_len=request.max_seq_len,
+            timings=timings,
+        )
 
-        shards = self.layout(samples, request.num_shards, request.micro_batch_size, request.pad_id)
+    def hand_over(self, held: HeldRollout, route: Route) -> Delivery:
+        timings = dict(held.timings)
+        t = time.perf_counter()
+        waited = held.waited()
+        shards = self.layout(held.held, held.num_shards, held.micro_batch_size, held.pad_id)
         refs = [ray.put(shard) for shard in shards]
         route.get(self._stage_all(route, lambda shard, actor: actor.stage.remote(shard, refs[shard])), "handing experience to the trainers")
         self._timed(timings, "hand_over", t)
         # From "generation finished" to "every trainer holds its data": the gather to the driver,
         # scoring there, padding, one put per shard, and the trainers' fetch.
-        timings["transfer"] = timings["transfer_after_generate"] = time.time() - generated_at
-        meta = rollout_meta(samples, scored=scored)
+        timings["transfer"] = timings["transfer_after_generate"] = time.time() - held.meta.generated_at - waited
         return Delivery(
-            meta=meta,
+            meta=held.meta,
             wire_bytes=sum(mb.nbytes for shard in shards for mb in shard),
             wire_tokens=sum(int(mb.input_ids.numel()) for shard in shards for mb in shard),
             timings=timings,
