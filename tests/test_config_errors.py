@@ -51,6 +51,8 @@ BAD = [
     (["algo.value_clip_eps=0"], "algo.value_clip_eps=0", "> 0"),
     (["algo=dapo", "transfer=padded"], "algo.dynamic_sampling=True", "transfer=packed"),
     (["algo=dapo", "transfer=packed", "reward=model"], "algo.dynamic_sampling=True", "rule reward"),
+    (["pipeline=one_step_off", "transfer=micro_batched"], "transfer='MicroBatchedTransfer'", "use transfer=packed (or padded), or pipeline=sync"),
+    (["algo.tis_cap=0.5"], "algo.tis_cap=0.5", "null (off) or >= 1"),
     (["algo=dapo", "transfer=packed", "algo.overlong_buffer=16"], "algo.overlong_buffer=16", "data.response_max_len=16"),
     (["trainer.zero_stage=4"], "trainer.zero_stage=4", "0, 1, 2 or 3"),
     (["sync.bucket_mb=0"], "sync.bucket_mb=0", "must be > 0"),

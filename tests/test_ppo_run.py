@@ -73,12 +73,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_engine_dying_mid_rollout_is_replaced_and_a_nan_stops_the_run(tmp_path):
+def test_engine_dying_mid_overlap_is_replaced_and_a_nan_stops_the_run(tmp_path):
+    """pipeline=one_step_off: step 3's rollout is generated while the trainers train step 2; an
+    engine dies in it, is replaced once the trainers finish (with their new weights) and re-makes
+    its share; step 4's rollout overflows and the run stops before logging it."""
     kill, huge = tmp_path / "kill_an_engine", tmp_path / "huge_rewards"
     (tmp_path / "reward.py").write_text(FAULTY_REWARD.format(kill=str(kill), huge=str(huge)))
     cfg = compose_config([
-        "experiment=quick", "algo.num_steps=4", "placement.engines=2", "transfer=packed",
-        "reward=custom", f"reward.path={tmp_path / 'reward.py'}", "checkpoint.every_n_steps=1",
+        "experiment=quick", "algo.num_steps=4", "placement.engines=2", "transfer=packed", "pipeline=one_step_off",
+        "algo.tis_cap=2", "reward=custom", f"reward.path={tmp_path / 'reward.py'}", "checkpoint.every_n_steps=1",
         "checkpoint.export_final=false",
     ])
     launcher = instantiate(cfg.launcher)
@@ -88,37 +91,41 @@ def test_engine_dying_mid_rollout_is_replaced_and_a_nan_stops_the_run(tmp_path):
     exposed = []
 
     def arm(step: int, loop) -> None:
+        # Callbacks run after the step's checkpoint, which waited for the rollout generated ahead:
+        # what is armed at step k hits the rollout of step k + 2, made during step k + 1.
         if step == 1:
             # Mid-run, every process of the run (Ray's, the engines', the trainers' DeepSpeed and
             # weight-sync groups) listens on loopback only.
             exposed.extend(row for row in session_listeners() if not is_loopback(row[0]))
-            kill.write_text("")  # an engine dies while scoring step 2's rollout
+            kill.write_text("")  # an engine dies while scoring step 3's rollout
         if step == 2:
-            Path(str(huge) + ".armed").write_text("")  # step 3's rewards overflow
+            Path(str(huge) + ".armed").write_text("")  # step 4's rewards overflow
 
-    with pytest.raises(RunFailed, match=r"NonFiniteError: step 3: .*(loss/value|advantages/abs_max)=(nan|inf).*step_00000002.*resume="):
+    with pytest.raises(RunFailed, match=r"NonFiniteError: step 4: .*(loss/value|advantages/abs_max)=(nan|inf).*step_00000003.*resume="):
         run_training(cfg, typed, plan, launcher, run_dir, callbacks=[arm])
     assert not exposed, exposed
     rows = _metrics(run_dir)
-    # Step 2 lost an engine mid-rollout and still trained on every sample exactly once (the loop
-    # refuses a rollout with a sample missing or duplicated); step 3 is neither logged nor kept.
-    assert [r["step"] for r in rows] == [1, 2]
-    assert [r["fault/engine_restarts"] for r in rows] == [0, 1]
-    assert rows[1]["rollout/samples"] == 8 * 2 and rows[1]["time/engine_restart"] > 0
-    assert rows[1]["weight_version"] == 2
+    # Step 3's rollout lost an engine mid-generation and step 3 still trained on every sample
+    # exactly once (the loop refuses a rollout with a sample missing or duplicated); step 4 is
+    # neither logged nor kept.
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    assert [r["fault/engine_restarts"] for r in rows] == [0, 0, 1]
+    assert rows[2]["rollout/samples"] == 8 * 2 and rows[2]["time/engine_restart"] > 0
+    assert all(r["time/overlap"] > 0 for r in rows)  # the next rollout was generated during training
     assert Path(str(kill) + ".taken").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["last_checkpoint"].endswith("step_00000002")
-    assert [c.step for c in complete_checkpoints(run_dir / "checkpoints")] == [1, 2]
+    assert summary["status"] == "failed" and summary["last_checkpoint"].endswith("step_00000003")
+    assert [c.step for c in complete_checkpoints(run_dir / "checkpoints")] == [2, 3]  # keep_last=2
     assert not ray.is_initialized()  # Ray was shut down on the way out
 
 
 def test_engine_restart_budget_is_a_hard_limit():
     loop = TrainLoop.__new__(TrainLoop)
     loop.settings = LoopSettings(1, 1, 1, 1, 1, 1.0, 0, 1.0, max_engine_restarts=2)
-    loop.engine_restarts, loop._step = 2, 7
+    loop.restart_log, loop.closing = {3: [1.0], 5: [1.0]}, False
     with pytest.raises(EngineDiedError, match=r"engine 1 died during step 7 .*fault.max_engine_restarts=2"):
-        loop._replace_engine(1)
+        loop._replace_engine(1, step=7)
 
 
 LAYOUTS = {

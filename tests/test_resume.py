@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.utils import instantiate
 
 from rlhf_orch.app import check
@@ -123,13 +124,20 @@ def test_sigkill_then_sigterm_then_resume_gives_the_uninterrupted_run_bit_for_bi
     assert "GENERATED" in gen.stdout, gen.stderr[-3000:]
 
 
-def test_zero3_two_policy_ranks_resume_exactly(tmp_path):
-    overrides = [*RUN, "algo.num_steps=3", "trainer.zero_stage=3", "placement.actor_ranks=2", "checkpoint.export_final=false"]
+def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path):
+    """ZeRO-3 over two policy ranks, and pipeline=one_step_off: the step-1 checkpoint carries step
+    2's rollout, generated ahead with the initial weights; the resumed run trains on that very
+    rollout (redrawing it with the checkpoint's weights would change every metric)."""
+    overrides = [*RUN, "algo.num_steps=3", "trainer.zero_stage=3", "placement.actor_ranks=2", "checkpoint.export_final=false",
+                 "pipeline=one_step_off", "transfer=packed", "algo.tis_cap=2"]
     cfg = compose_config(overrides)
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     whole = tmp_path / "whole"
     run_training(cfg, typed, plan, launcher, whole)
+    assert [r["rollout/staleness_max"] for r in _metrics(whole)] == [0, 1, 1]
+    carried = torch.load(whole / "checkpoints" / "step_00000001" / "driver.pt", weights_only=False)["pending_rollout"]
+    assert carried.step == 2 and set(carried.meta.weight_versions) == {0}
 
     # The same run resumed from its step-1 checkpoint (copied, with the metrics logged up to it).
     cut = tmp_path / "cut"

@@ -80,6 +80,16 @@ class TransferConfig:
     token_budget: int = 0
 
 
+# --------------------------------------------------------------------------- pipeline
+@dataclass
+class PipelineConfig:
+    """When a step's rollout is generated relative to the weights that train on it
+    (`rlhf_orch.orchestration.pipeline`): `sync` (on-policy, one phase after the other) or
+    `one_step_off` (the next rollout is generated while the trainers train, one version behind)."""
+
+    _target_: str = MISSING
+
+
 # --------------------------------------------------------------------------- sync
 @dataclass
 class SyncConfig:
@@ -327,6 +337,10 @@ class AlgoConfig:
     kl_placement: str = "in_reward"
     kl_coef: float = 0.01
     kl_estimator: str = "k1"
+    # Truncated importance sampling: each token's policy loss is weighted by
+    # min(pi_old / pi_engine, tis_cap), pi_engine being the log-probs the engine sampled with
+    # (stale weights under pipeline=one_step_off, other kernels always). null = off.
+    tis_cap: Optional[float] = None
 
     needs_critic: ClassVar[bool] = False
     group_estimator: ClassVar[bool] = False  # advantages compare the samples of one prompt
@@ -514,6 +528,7 @@ class ClusterLauncherConfig(LauncherConfig):
 @dataclass
 class RootConfig:
     placement: PlacementConfig = MISSING
+    pipeline: PipelineConfig = MISSING
     transfer: TransferConfig = MISSING
     sync: SyncConfig = MISSING
     data: DataConfig = MISSING
@@ -544,6 +559,7 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "colocated_schema": ColocatedPlacementConfig,
         "split_schema": SplitPlacementConfig,
     },
+    "pipeline": {"pipeline_schema": PipelineConfig},
     "transfer": {"transfer_schema": TransferConfig},
     "sync": {
         "per_tensor_schema": PerTensorSyncConfig,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from hydra.utils import get_class
+
 from rlhf_orch.config.schema import (
     ClusterLauncherConfig,
     ColocatedPlacementConfig,
@@ -258,6 +260,8 @@ RANGES: tuple[Range, ...] = (
       for k in ("clip_low", "clip_high")),
     ints("algo.loss_agg_norm_len", 0, "0 = data.response_max_len"),
     reals("algo.entropy_coef", 0),
+    Range("algo.tis_cap", lambda v: v is None or (_is_real(v) and v >= 1),
+          "null (off) or >= 1, the largest importance weight a token gets (typically 2)"),
     reals("algo.kl_coef", 0),
     reals("algo.gamma", 0, 1, why="discount factor"),
     reals("algo.lam", 0, 1, why="GAE lambda"),
@@ -562,6 +566,23 @@ def _transfer(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
     return []
 
 
+def _pipeline(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    """An overlapping pipeline holds a finished rollout until the trainers are free: ask the
+    chosen pipeline and transfer classes what they need and can do."""
+    pipeline, transfer = get_class(cfg.pipeline._target_), get_class(cfg.transfer._target_)
+    if pipeline.needs_held_rollouts and not transfer.holds_rollouts:
+        return [
+            Problem(
+                "transfer",
+                cfg.transfer._target_.rsplit(".", 1)[-1],
+                "this pipeline generates the next rollout while the trainers train, so the rollout must wait on the "
+                "engines until they are free; a streaming transfer hands it to them during generation: "
+                "use transfer=packed (or padded), or pipeline=sync",
+            )
+        ]
+    return []
+
+
 def _evaluation(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     e, d = cfg.eval, cfg.data
     problems = []
@@ -860,6 +881,7 @@ CHECKS: tuple[Callable[[RootConfig, PlacementPlan, Hardware], list[Problem]], ..
     _roles,
     _model_source,
     _transfer,
+    _pipeline,
     _evaluation,
     _placement,
     _data,

@@ -57,6 +57,11 @@ class Evaluator:
         self.reward = reward
         self._get = get
 
+    @property
+    def uses_engine_buffers(self) -> bool:
+        """Scoring with a reward model holds the samples on the engines (`produce_and_hold`)."""
+        return self.reward.has_model
+
     def should_run(self, step: int) -> bool:
         """Step 0 is "before training"; then every `every_n_steps` steps."""
         if not self.prompts:

@@ -10,8 +10,10 @@ After that, experience tensors move between actors as Ray object references.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -23,9 +25,10 @@ import torch
 from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.orchestration.actors import RoleActors
 from rlhf_orch.orchestration.checkpoint import engine_seed
+from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
 from rlhf_orch.reward.scoring import RewardSetup
-from rlhf_orch.sync.base import WeightSync
-from rlhf_orch.transfer.base import Delivery, GroupFilter, RolloutRequest, RolloutTransfer, Route
+from rlhf_orch.sync.base import SyncReport, WeightSync
+from rlhf_orch.transfer.base import Delivery, GroupFilter, HeldRollout, RolloutRequest, RolloutTransfer, Route
 
 
 class EngineDiedError(RuntimeError):
@@ -90,6 +93,7 @@ class TrainLoop:
         algo: Algorithm,
         settings: LoopSettings,
         reward: RewardSetup,
+        pipeline: RolloutPipeline | None = None,
     ):
         self.actors = actors
         self.reward = reward
@@ -99,76 +103,114 @@ class TrainLoop:
         self.sync = sync
         self.algo = algo
         self.settings = settings
-        self.version = 0
+        self.pipeline = pipeline if pipeline is not None else SyncPipeline()
+        self.version = 0  # the weights the engines hold
+        self.trained = 0  # updates the trainers made (= the version of their weights)
+        self.first_step = 1  # the first step this process runs (resume: the one after the checkpoint)
+        self.last_sync: SyncReport | None = None
+        self.closing = False  # the run is ending: engines that stop are not replaced
+        # Held by the main thread while the trainers update; an engine replacement during a
+        # one-step-off generation takes it, so it pushes finished weights with the right version.
+        self._training = threading.Lock()
         self.norm_len = algo.norm_len(settings.response_max_len)
-        self.engine_restarts = 0  # over the whole run (restored on resume)
-        self._step = 0
-        self._restart_s = 0.0
+        # Per step whose rollout lost an engine, the seconds each replacement took (restored on
+        # resume). Keyed by the rollout's step: under one_step_off it is made during the step before.
+        self.restart_log: dict[int, list[float]] = {}
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, Any]:
-        s, algo = self.settings, self.algo
+        algo = self.algo
         timings: dict[str, float] = {}
         t_step = time.perf_counter()
-        self._step, self._restart_s = step, 0.0
-        restarts_before = self.engine_restarts
-        # Every engine samples this step from a seed of (seed, step, engine): a resumed run or a
-        # replaced engine draws what an uninterrupted run would have.
-        route = self._route()
-        route.on_engines(lambda e, engine: engine.reseed.remote(engine_seed(s.seed, step, e)), range(len(route.engines)), "seeding the engines")
 
         # 1-3. Rollout: generate, score with the rule, and stage every data-parallel shard on the
-        #      ranks that need it (how: the transfer strategy).
-        prompts = self.task.sample_prompts(s.rollout_batch_size)
-        delivery = self.transfer.deliver(self._rollout_request(prompts), route)
+        #      ranks that need it (how: the transfer strategy; when, relative to the weights: the
+        #      pipeline -- now, or during the previous step's training).
+        delivery = self.pipeline.rollout(self, step, timings)
         self._check_every_sample_once(delivery)
-        timings.update(delivery.timings)
+        timings.update({k: v for k, v in delivery.timings.items() if k not in timings})
         num_shards = len(self.actors.policy)  # one experience shard per policy rank
 
-        # 3b. Reward model (reward=model): its ranks staged the same shards; only scores come back.
-        self._model_scores(delivery, num_shards, timings)
+        with self._training:  # an engine replaced meanwhile waits, then takes these weights
+            t_train = time.perf_counter()
+            # 3b. Reward model (reward=model): its ranks staged the same shards; only scores come back.
+            self._model_scores(delivery, num_shards, timings)
 
-        # 4. Experience. The algorithm turns the final scores into per-sample values on the driver
-        #    (outcome advantages, group-centred scores, or the scores), the ranks get only floats;
-        #    reference logprobs and critic values (object refs) feed the token targets there.
-        t = time.perf_counter()
-        values_by_index, algo_stats = self._sample_values(delivery)
-        values_ref = ray.put(values_by_index)  # one float per sample; every rank picks its own
-        ref_lp = [r.logprobs.remote(i) if r else None for i, r in enumerate(self._rank_per_shard(self.actors.reference, num_shards))]
-        values = [c.values.remote(i) if c else None for i, c in enumerate(self._rank_per_shard(self.actors.critic, num_shards))]
-        made = [
-            rank.make_experience.options(num_returns=2).remote(i, ref_lp[i], values[i], algo, values_ref)
-            for i, rank in enumerate(self.actors.policy)
-        ]
-        exp_stats = self._get([m[0] for m in made], "computing experience")
-        returns = [m[1] for m in made]
-        timings["experience"] = time.perf_counter() - t
+            # 4. Experience. The algorithm turns the final scores into per-sample values on the
+            #    driver (outcome advantages, group-centred scores, or the scores), the ranks get
+            #    only floats; reference logprobs and critic values (object refs) feed the token
+            #    targets there.
+            t = time.perf_counter()
+            values_by_index, algo_stats = self._sample_values(delivery)
+            values_ref = ray.put(values_by_index)  # one float per sample; every rank picks its own
+            ref_lp = [r.logprobs.remote(i) if r else None for i, r in enumerate(self._rank_per_shard(self.actors.reference, num_shards))]
+            values = [c.values.remote(i) if c else None for i, c in enumerate(self._rank_per_shard(self.actors.critic, num_shards))]
+            made = [
+                rank.make_experience.options(num_returns=2).remote(i, ref_lp[i], values[i], algo, values_ref)
+                for i, rank in enumerate(self.actors.policy)
+            ]
+            exp_stats = self._get([m[0] for m in made], "computing experience")
+            returns = [m[1] for m in made]
+            timings["experience"] = time.perf_counter() - t
 
-        # 5. Train the policy (and the critic, when there is one) concurrently.
-        t = time.perf_counter()
-        policy_calls = [rank.train.remote(i, algo, self.norm_len) for i, rank in enumerate(self.actors.policy)]
-        critic_calls = [
-            critic.train.remote({i: returns[i] for i in self._shards_of_critic(c, num_shards)})
-            for c, critic in enumerate(self.actors.critic)
-        ]
-        policy_stats = self._get(policy_calls, "training the policy")
-        critic_stats = self._get(critic_calls, "training the critic")
-        timings["train"] = time.perf_counter() - t
+            # 5. Train the policy (and the critic, when there is one) concurrently.
+            t = time.perf_counter()
+            policy_calls = [rank.train.remote(i, algo, self.norm_len) for i, rank in enumerate(self.actors.policy)]
+            critic_calls = [
+                critic.train.remote({i: returns[i] for i in self._shards_of_critic(c, num_shards)})
+                for c, critic in enumerate(self.actors.critic)
+            ]
+            policy_stats = self._get(policy_calls, "training the policy")
+            critic_stats = self._get(critic_calls, "training the critic")
+            self.trained += 1
+            t_end = time.perf_counter()
+            timings["train"] = t_end - t
+        timings["overlap"] = self.pipeline.overlap_s(t_train, t_end)
 
-        # 6. Sync: the engines get the new weights and the new version number.
-        t = time.perf_counter()
-        self.version += 1
-        report = self.sync.push(self.version)
-        self.sync.verify(self.version)
-        timings["sync"] = time.perf_counter() - t
+        # 6. Sync (sync pipeline): the engines get the new weights and version now; one_step_off
+        #    moves them after the rollout in flight finishes.
+        self.pipeline.after_train(self, timings)
         timings["step"] = time.perf_counter() - t_step
 
-        metrics = self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, report, timings)
+        metrics = self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, timings)
         metrics.update(algo_stats)
-        metrics["fault/engine_restarts"] = self.engine_restarts
-        if self.engine_restarts > restarts_before:
-            metrics["time/engine_restart"] = self._restart_s
+        metrics["fault/engine_restarts"] = sum(len(v) for k, v in self.restart_log.items() if k <= step)
+        if step in self.restart_log:
+            metrics["time/engine_restart"] = sum(self.restart_log[step])
         return metrics
+
+    @property
+    def engine_restarts(self) -> int:
+        """Engines replaced so far in this run (resumed runs included)."""
+        return sum(len(v) for v in self.restart_log.values())
+
+    # ------------------------------------------------------------------ what the pipeline calls
+    def rollout_request(self, step: int) -> RolloutRequest:
+        """Step `step`'s prompts, after seeding every engine for that step: a resumed run or a
+        replaced engine draws what an uninterrupted run would have."""
+        s = self.settings
+        route = self.route(step)
+        route.on_engines(lambda e, engine: engine.reseed.remote(engine_seed(s.seed, step, e)), range(len(route.engines)), "seeding the engines")
+        return self._rollout_request(self.task.sample_prompts(s.rollout_batch_size))
+
+    def generate(self, step: int) -> HeldRollout:
+        """Step `step`'s rollout generated and scored, held where the transfer holds it."""
+        held = self.transfer.generate(self.rollout_request(step), self.route(step))
+        held.step = step
+        return held
+
+    def sync_engines(self, timings: dict[str, float]) -> None:
+        """Push the trainers' weights to every engine if the engines are behind (timed as `sync`)."""
+        if self.version == self.trained:
+            return
+        t = time.perf_counter()
+        self._push(self.trained)
+        timings["sync"] = time.perf_counter() - t
+
+    def _push(self, version: int) -> None:
+        self.last_sync = self.sync.push(version)
+        self.sync.verify(version)
+        self.version = version
 
     def _check_every_sample_once(self, delivery: Delivery) -> None:
         s = self.settings
@@ -179,26 +221,30 @@ class TrainLoop:
                 f"the rollout delivered {len(indices)} samples ({len(indices) - len(set(indices))} duplicated), expected {want} distinct"
             )
 
-    def _replace_engine(self, e: int) -> Any:
-        """Engine `e` died mid-step: a new one in its bundle, the weight groups re-formed with it,
-        the current weights pushed, its sampling seeded for this step. Bounded by the budget."""
+    def _replace_engine(self, e: int, step: int) -> Any:
+        """Engine `e` died making step `step`'s rollout: a new one in its bundle, the weight groups
+        re-formed with it, the trainers' weights pushed, its sampling seeded for that step.
+        Bounded by the budget."""
         s = self.settings
+        if self.closing:
+            raise EngineDiedError(f"vLLM engine {e} stopped while the run was ending")
         if self.engine_restarts >= s.max_engine_restarts:
             raise EngineDiedError(
-                f"vLLM engine {e} died during step {self._step} and the engine restart budget is used up "
+                f"vLLM engine {e} died during step {step} and the engine restart budget is used up "
                 f"(fault.max_engine_restarts={s.max_engine_restarts})"
             )
         t = time.perf_counter()
-        engine = self.actors.restart_engine(e)
-        self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)
-        self.sync.push(self.version)
-        self.sync.verify(self.version)
-        self._get([engine.reseed.remote(engine_seed(s.seed, self._step, e))], "seeding the replacement engine", engine_call=True)
-        self.engine_restarts += 1
+        # During a one-step-off overlap the trainers may be training: wait, so the replacement
+        # (and every other engine, the group being re-formed) gets whole, labelled weights.
+        with self._training:
+            engine = self.actors.restart_engine(e)
+            self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)
+            self._push(self.trained)
+        self._get([engine.reseed.remote(engine_seed(s.seed, step, e))], "seeding the replacement engine", engine_call=True)
         took = time.perf_counter() - t
-        self._restart_s += took
+        self.restart_log.setdefault(step, []).append(took)
         print(
-            f"engine {e} died during step {self._step}: replaced in its bundle, weights v{self.version} pushed, "
+            f"engine {e} died making step {step}'s rollout: replaced in its bundle, weights v{self.version} pushed, "
             f"its prompts re-issued ({took:.1f}s; restart {self.engine_restarts}/{s.max_engine_restarts})",
             flush=True,
         )
@@ -256,9 +302,10 @@ class TrainLoop:
             return None
         return GroupFilter(keep=self.algo.keep_groups, more_prompts=self.task.sample_prompts, max_rounds=self.algo.max_gen_batches)
 
-    def _route(self) -> Route:
+    def route(self, step: int | None = None) -> Route:
         """Per shard, every actor that stages it: its policy rank, and the critic, reference and
-        reward-model ranks when the algorithm and the reward have them."""
+        reward-model ranks when the algorithm and the reward have them. `step`: the step whose
+        rollout the engines make (a replacement engine is seeded for it)."""
         n = len(self.actors.policy)
         roles = [self.actors.critic, self.actors.reference, self.actors.reward]  # empty when not planned
         per_role = [self._rank_per_shard(ranks, n) for ranks in roles]
@@ -267,7 +314,7 @@ class TrainLoop:
             engines=list(self.actors.engines),
             consumers=consumers,
             get=self._get,
-            replace_engine=self._replace_engine,
+            replace_engine=None if step is None else functools.partial(self._replace_engine, step=step),
             timeout_s=self.settings.step_timeout_s,
         )
 
@@ -292,8 +339,9 @@ class TrainLoop:
             cause = e.cause if e.cause is not None else e
             raise StepFailedError(f"{type(cause).__name__} while {what}: {_brief(cause)}") from e
 
-    def _metrics(self, step, delivery: Delivery, exp_stats, policy_stats, critic_stats, report, timings) -> dict[str, Any]:
+    def _metrics(self, step, delivery: Delivery, exp_stats, policy_stats, critic_stats, timings) -> dict[str, Any]:
         rewards = delivery.meta.rewards
+        report = self.last_sync
         response_tokens = sum(delivery.meta.response_lens)
 
         def mean(rows: list[dict[str, float]], key: str) -> float:
@@ -316,11 +364,18 @@ class TrainLoop:
             "transfer/wire_bytes": delivery.wire_bytes,
             "transfer/padded_tokens": delivery.wire_tokens,
             "transfer/real_tokens": delivery.real_tokens,
-            "sync/bytes_per_engine": report.bytes_per_engine,
-            "sync/gb_per_s": report.gb_per_s,
             "perf/tokens_per_s": delivery.real_tokens / max(timings["step"], 1e-9),
             "perf/gen_tokens_per_s": response_tokens / max(timings["generate"], 1e-9),
         }
+        if report is not None:
+            metrics["sync/bytes_per_engine"] = report.bytes_per_engine
+            metrics["sync/gb_per_s"] = report.gb_per_s
+        # How old the rollout is: the trainers' version when training on it minus the version of
+        # the weights that drew each sample (0 on-policy; one_step_off: 1 after the first step).
+        staleness = [self.trained - 1 - v for v in delivery.meta.weight_versions]
+        if staleness:
+            metrics["rollout/staleness_max"] = max(staleness)
+            metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness)
         metrics["advantages/abs_max"] = float(torch.tensor([r["advantages_abs_max"] for r in exp_stats]).max())
         if "grad_norm" in policy_stats[0]:
             metrics["policy/grad_norm"] = float(torch.tensor([r["grad_norm"] for r in policy_stats]).max())
@@ -332,7 +387,7 @@ class TrainLoop:
             metrics["values/mean"] = mean(exp_stats, "values_mean")
             metrics["loss/value"] = mean(critic_stats, "value_loss")
             metrics["critic/vf_clipfrac"] = mean(critic_stats, "vf_clipfrac")
-        for key, name in (("kl_loss", "loss/kl"), ("entropy", "policy/entropy")):
+        for key, name in (("kl_loss", "loss/kl"), ("entropy", "policy/entropy"), ("tis_weight", "policy/tis_weight"), ("tis_capped", "policy/tis_capped_frac")):
             if key in policy_stats[0]:
                 metrics[name] = mean(policy_stats, key)
         if delivery.dropped_groups is not None:
@@ -344,7 +399,7 @@ class TrainLoop:
             metrics["reward/rule"] = sum(delivery.meta.rule_rewards) / len(rewards)
         metrics.update({f"time/{k}": v for k, v in timings.items()})
         # Shares of the step: what the transfer and sync strategies cost relative to everything else.
-        for phase in ("generate", "transfer", "experience", "train", "sync"):
+        for phase in ("generate", "transfer", "experience", "train", "sync", "rollout_wait", "overlap"):
             if phase in timings:
                 metrics[f"share/{phase}"] = timings[phase] / max(timings["step"], 1e-9)
         return metrics

@@ -110,6 +110,7 @@ def run_training(
         set_rng_state(resume.state["rng"])
     transfer = instantiate(cfg.transfer)
     sync = instantiate(cfg.sync)
+    pipeline = instantiate(cfg.pipeline)
     logger = instantiate(cfg.logger)
     history: list[dict[str, Any]] = list(resume.state["metrics"]) if resume else []
     metrics_file = MetricsFile(run_dir, keep_through_step=resume.step if resume else None)
@@ -149,10 +150,14 @@ def run_training(
 
     def checkpoint(step: int, loop: TrainLoop, actors: Any) -> None:
         t = time.perf_counter()
+        pending = loop.pipeline.pending(loop)  # a rollout generated ahead (one_step_off) is kept
         state = {
             "step": step,
             "weight_version": loop.version,
+            "trained_version": loop.trained,
+            "pending_rollout": pending,
             "engine_restarts": loop.engine_restarts,
+            "restart_log": loop.restart_log,
             "data": task.state_dict(),
             "rng": rng_state(),
             "metrics": history,
@@ -181,6 +186,7 @@ def run_training(
                 typed.engine.kv_cache_gb,
                 reward_spec,
             )
+            loop: TrainLoop | None = None
             try:
                 sync.prepare(actors.policy, actors.engines, plan.engine_tp)
                 loop = TrainLoop(
@@ -204,22 +210,34 @@ def run_training(
                         engine_tp=plan.engine_tp,
                     ),
                     reward,
+                    pipeline,
                 )
-                first_step = 1
                 if resume:
                     # The trainers' exact state, then the engines get those weights through the
-                    # configured sync before the first resumed step.
+                    # configured sync before the first resumed step; a rollout generated ahead of
+                    # the checkpoint goes back onto the engines.
                     restore_trainers(resume.info.path, actors, loop._get)
-                    loop.version = resume.state["weight_version"]
-                    loop.engine_restarts = resume.state["engine_restarts"]
-                    sync.push(loop.version)
-                    sync.verify(loop.version)
-                    first_step = resume.step + 1
+                    loop.trained = resume.state.get("trained_version", resume.state["weight_version"])
+                    loop.version = -1  # fresh engines: push whatever the checkpoint says
+                    loop.restart_log = resume.state.get("restart_log") or {0: [0.0] * resume.state["engine_restarts"]}
+                    loop.sync_engines({})
+                    loop.first_step = resume.step + 1
+                    pipeline.restore(loop, resume.state.get("pending_rollout"))
+                first_step = loop.first_step
                 evaluator = Evaluator(eval_settings(typed), inputs.eval_prompts, reward, loop._get)
                 startup_s = time.perf_counter() - t_start
 
                 def evaluate(step: int) -> dict[str, float]:
-                    return evaluator.run(actors.engines, actors.reward) if evaluator.should_run(step) else {}
+                    if not evaluator.should_run(step):
+                        return {}
+                    # The engines must be idle and hold the trainers' newest weights; a rollout
+                    # they hold for the next step is parked here while the evaluation uses them.
+                    held = pipeline.pending(loop) if evaluator.uses_engine_buffers else pipeline.settle(loop)
+                    try:
+                        return evaluator.run(actors.engines, actors.reward)
+                    finally:
+                        if evaluator.uses_engine_buffers and held is not None:
+                            pipeline.restore(loop, held)
 
                 if not resume and evaluator.should_run(0):
                     log(0, {"step": 0, "weight_version": 0, **evaluate(0)})
@@ -245,6 +263,7 @@ def run_training(
                     print(f"policy exported (Hugging Face format): {export_dir}", flush=True)
                 outcome = {"status": "interrupted", "signal": stop.name} if stop.requested else {"status": "completed"}
             finally:
+                pipeline.close(loop)
                 actors.kill()
     except SignalAbort as e:
         outcome = {"status": "aborted", "signal": e.name}

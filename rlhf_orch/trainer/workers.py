@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rlhf_orch.algo.estimators import Algorithm, TargetRows
-from rlhf_orch.algo.losses import aggregate_loss, clipped_policy_loss, kl_divergence, loss_denominator
+from rlhf_orch.algo.losses import aggregate_loss, clipped_policy_loss, kl_divergence, loss_denominator, truncated_is_weights
 from rlhf_orch.algo.ppo_math import masked_mean, value_loss
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config
 from rlhf_orch.trainer.forward import (
@@ -35,7 +35,7 @@ from rlhf_orch.trainer.token_weighting import (
     targets_in_layout,
 )
 from rlhf_orch.trainer.weight_source import ModuleWeightSource
-from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch
+from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, PackedBatch, PaddedBatch
 from rlhf_orch.transfer.inbox import ExperienceInbox
 
 
@@ -303,9 +303,16 @@ class PolicyWorker(_Worker):
             for position, mb in enumerate(epoch_mbs):
                 logprobs, entropy = sequence_logprobs_and_entropy(self.engine, mb, self.spec.temperature, entropy=algo.entropy_coef > 0)
                 mask = mb.action_mask
+                tis = None
+                if algo.tis_cap is not None:
+                    # The engine's log-probs are the behaviour policy (stale under one_step_off).
+                    tis = truncated_is_weights(mb.fields["old_logprobs"], mb.fields[ENGINE_LOGPROBS], mask, algo.tis_cap)
                 loss_mat, stats = clipped_policy_loss(
-                    logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mask, algo.clip_low, algo.clip_high, algo.loss_agg
+                    logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mask, algo.clip_low, algo.clip_high, algo.loss_agg, tis
                 )
+                if tis is not None:
+                    stats["tis_weight"] = masked_mean(tis, mask)
+                    stats["tis_capped"] = masked_mean((tis >= algo.tis_cap * (1 - 1e-6)).to(tis.dtype), mask)
                 if algo.kl_in_loss:
                     kl = kl_divergence(logprobs, mb.fields["ref_logprobs"], algo.kl_estimator, mask=mask)
                     loss_mat = loss_mat + algo.kl_coef * kl
@@ -317,7 +324,7 @@ class PolicyWorker(_Worker):
                 loss = aggregate_loss(loss_mat, mask, algo.loss_agg, norm_len=norm_len)
                 weight = plan.weight(position, local)
                 totals["policy_loss"] = totals.get("policy_loss", 0.0) + self._accumulate(plan, position, loss, local)
-                for key in ("clipfrac", "approx_kl", "kl_loss", "entropy"):
+                for key in ("clipfrac", "approx_kl", "kl_loss", "entropy", "tis_weight", "tis_capped"):
                     if key in stats:
                         totals[key] = totals.get(key, 0.0) + float(stats[key]) * weight
         self.drop_staged()

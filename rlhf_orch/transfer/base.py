@@ -173,6 +173,7 @@ class HeldRollout:
     timings: dict[str, float] = field(default_factory=dict)
     dropped_groups: int | None = None
     rounds: int = 1
+    step: int = 0  # the training step it was generated for (set by the loop)
     ready_at: float = field(default_factory=time.time)  # wall clock when `generate` returned
 
     def waited(self) -> float:
