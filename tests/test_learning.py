@@ -4,7 +4,8 @@ One run per algorithm family -- PPO (critic, GAE) and GRPO (critic-free, group a
 the embedded digit task, 30 steps of the default rollout (32 prompts x 4). The bar (+0.1 mean
 reward from the first five steps to the last five) is well under what both reach (recorded runs:
 PPO 0.23 -> 0.46, GRPO 0.25 -> 0.53 over 30 steps), and well over step-to-step noise (~0.03).
-Also DAPO's dynamic sampling: every step trains on a full batch, informative groups first.
+PPO learns as well under `pipeline=one_step_off` (one version behind, truncated IS). Also DAPO's
+dynamic sampling (under one_step_off): every step trains on a full batch, informative groups first.
 """
 
 from __future__ import annotations
@@ -35,16 +36,21 @@ def _first_last(rows: list[dict]) -> tuple[float, float]:
     return sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
 
 
-@pytest.mark.parametrize("algo", ["ppo", "grpo"])
-def test_reward_rises(tmp_path, algo):
+# pipeline=one_step_off trains on rollouts one weight version old, corrected by truncated IS.
+PIPELINES = {"sync": [], "one_step_off": ["pipeline=one_step_off", "algo.tis_cap=2"]}
+
+
+@pytest.mark.parametrize("algo,pipeline", [("ppo", "sync"), ("grpo", "sync"), ("ppo", "one_step_off")])
+def test_reward_rises(tmp_path, algo, pipeline):
     roles = {}
 
     def record_roles(step: int, loop) -> None:
         roles.update(critic=len(loop.actors.critic), reference=len(loop.actors.reference), policy=len(loop.actors.policy))
 
-    rows = _run([f"algo={algo}", "algo.num_steps=30"], tmp_path, [record_roles])
+    rows = _run([f"algo={algo}", "algo.num_steps=30", *PIPELINES[pipeline]], tmp_path, [record_roles])
     first, last = _first_last(rows)
-    assert last > first + 0.1, f"{algo}: mean reward {first:.3f} -> {last:.3f}"
+    assert last > first + 0.1, f"{algo}, pipeline={pipeline}: mean reward {first:.3f} -> {last:.3f}"
+    assert max(r["rollout/staleness_max"] for r in rows) == (1 if pipeline == "one_step_off" else 0)
     if algo == "grpo":  # critic-free: no critic process, no value metrics
         assert roles["critic"] == 0 and "loss/value" not in rows[-1] and "loss/kl" in rows[-1]
     else:
@@ -52,7 +58,8 @@ def test_reward_rises(tmp_path, algo):
 
 
 def test_dapo_dynamic_sampling_fills_every_batch(tmp_path):
-    rows = _run(["experiment=quick", "algo=dapo", "algo.num_steps=3", "algo.samples_per_prompt=2"], tmp_path)
+    # Under one_step_off: the sampling rounds of the next rollout run while the trainers train.
+    rows = _run(["experiment=quick", "algo=dapo", "algo.num_steps=3", "algo.samples_per_prompt=2", "pipeline=one_step_off"], tmp_path)
     for row in rows:
         assert row["rollout/samples"] == 8 * 2  # rollout_batch_size x samples_per_prompt, every step
         assert row["sampling/rounds"] >= 1 and row["sampling/dropped_groups"] >= 0

@@ -110,7 +110,9 @@ class FakeLoop:
         t = time.perf_counter()
         time.sleep(self.train_s)
         self.trained += 1
-        timings["overlap"] = pipeline.overlap_s(t, time.perf_counter())
+        overlap = pipeline.overlap_s(t, time.perf_counter())
+        if overlap is not None:
+            timings["overlap"] = overlap
         pipeline.after_train(self, timings)
         return {"staleness": [self.trained - 1 - v for v in delivery.meta.weight_versions], **timings}
 

@@ -41,6 +41,7 @@ _LINE_KEYS = (
     ("time/experience", "exp", "{:.1f}s"),
     ("time/train", "train", "{:.1f}s"),
     ("time/sync", "sync", "{:.2f}s"),
+    ("time/overlap", "overlap", "{:.1f}s"),  # pipeline=one_step_off: generated while training
 )
 # What the progress bar shows of the latest step.
 _BAR_KEYS = (("reward/mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"))

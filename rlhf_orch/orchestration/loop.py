@@ -165,7 +165,9 @@ class TrainLoop:
             self.trained += 1
             t_end = time.perf_counter()
             timings["train"] = t_end - t
-        timings["overlap"] = self.pipeline.overlap_s(t_train, t_end)
+        overlap = self.pipeline.overlap_s(t_train, t_end)
+        if overlap is not None:
+            timings["overlap"] = overlap
 
         # 6. Sync (sync pipeline): the engines get the new weights and version now; one_step_off
         #    moves them after the rollout in flight finishes.

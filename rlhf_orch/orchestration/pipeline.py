@@ -48,9 +48,10 @@ class RolloutPipeline:
         """The trainers finished an update: the engines take the new weights now."""
         loop.sync_engines(timings)
 
-    def overlap_s(self, train_start: float, train_end: float) -> float:
-        """Seconds the engines generated while the trainers were busy (perf_counter times)."""
-        return 0.0
+    def overlap_s(self, train_start: float, train_end: float) -> float | None:
+        """Seconds the engines generated while the trainers were busy (perf_counter times); None
+        when this pipeline never overlaps them."""
+        return None
 
     def settle(self, loop: TrainLoop) -> HeldRollout | None:
         """Wait for a rollout in flight (none here); the engines hold the newest weights after."""
