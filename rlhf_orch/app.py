@@ -1,8 +1,9 @@
 """What `python run.py` does with the composed config: check, plan, launch, train, report.
 
-Exit codes: 0 done, 2 configuration error (nothing started), 3 runtime failure (an actor died, a
-sync timed out, a NaN; the message names the last checkpoint), 130 / 143 stopped by SIGINT / SIGTERM
-(after a checkpoint). metrics.jsonl is flushed every step, so a failure loses no finished step.
+Exit codes: 0 done, 2 configuration error (nothing started), 3 runtime failure (any exception once
+the run started: an actor died, a sync timed out, a NaN; one line naming the cause and the last
+checkpoint, the traceback in <run dir>/error.log), 130 / 143 stopped by SIGINT / SIGTERM (after a
+checkpoint; a SIGINT while the inputs are prepared stops before the first step). metrics.jsonl is flushed every step, so a failure loses no finished step.
 """
 
 from __future__ import annotations
@@ -76,10 +77,53 @@ def run_dir() -> Path:
         return Path("outputs") / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
-def main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
-    """(exit code, the run's summary: what summary.json holds; None when no training ran)."""
-    launcher = instantiate(cfg.launcher)
+def _runtime_failure(out: Path, cause: BaseException, message: str, write_summary: bool = False) -> int:
+    """Exit 3: the traceback into <run dir>/error.log, one line on the console; `write_summary`:
+    summary.json too (a failure before the session could write it)."""
     try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "error.log").write_text("".join(traceback.format_exception(cause)))
+        if write_summary:
+            from rlhf_orch.orchestration.session import run_summary
+
+            outcome = {"status": "failed", "error": " ".join(message.split())}
+            (out / "summary.json").write_text(json.dumps(run_summary(out, [], 0.0, outcome, []), indent=2))
+    except OSError:
+        pass  # the one line below still says what happened
+    print(f"error: {' '.join(message.split()) or type(cause).__name__}", file=sys.stderr)  # one line
+    return EXIT_RUNTIME
+
+
+def plan_line(typed: RootConfig, plan: PlacementPlan) -> str:
+    """The resolved plan in one line: the options chosen, the processes and GPUs, the schedule."""
+    try:
+        choices = dict(HydraConfig.get().runtime.choices)
+    except ValueError:  # not under @hydra.main
+        choices = {}
+    picked = " ".join(f"{g}={choices[g]}" for g in ("algo", "placement", "pipeline", "transfer", "sync", "model", "data", "reward") if choices.get(g))
+    ranks = " ".join(f"{role}={plan.num_ranks(role)}" for role in plan.roles)
+    a = typed.algo
+    return (f"plan: {picked} | {ranks} engine_tp={plan.engine_tp} GPUs={plan.total_gpus} | "
+            f"{a.num_steps} steps x {a.rollout_batch_size} prompts x {a.samples_per_prompt} samples")
+
+
+def main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
+    """(exit code, the run's summary: what summary.json holds; None when no training ran).
+
+    Under Hydra, everything printed on the console also goes to <run dir>/run.log."""
+    try:
+        out = Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:  # not under @hydra.main (tests calling main() directly)
+        return _main(cfg)
+    from rlhf_orch.logging.runlog import RUN_LOG, tee_console
+
+    with tee_console(out / RUN_LOG):
+        return _main(cfg)
+
+
+def _main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
+    try:
+        launcher = instantiate(cfg.launcher)
         typed, plan = check(cfg, launcher)
     except (ConfigError, PlacementError, RewardError, ValueError) as e:
         # ValueError: a group option's constructor refused a value (it names the key).
@@ -92,11 +136,16 @@ def main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
         return EXIT_CONFIG, None
     except ConnectionError as e:
         # launcher=cluster asks the cluster how many GPUs it has before anything starts.
-        print(f"error: cannot reach the Ray cluster at launcher.address={launcher.address!r}: {e}", file=sys.stderr)
+        print(f"error: cannot reach the Ray cluster at launcher.address={cfg.launcher.address!r}: {e}", file=sys.stderr)
         return EXIT_CONFIG, None
 
     if typed.launcher.dry_run:
         print(plan.describe())
+        if typed.sync.needs_colocated_engines:
+            from rlhf_orch.topology.plan import describe_feeds, ipc_feeds
+
+            print()
+            print(describe_feeds(ipc_feeds(plan)))
         present = launcher.gpus_present()
         if plan.total_gpus > present:
             print(f"note: this machine offers {present} GPUs; the plan needs {plan.total_gpus:g} (dry run only)")
@@ -114,6 +163,7 @@ def main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG, None
+    print(plan_line(typed, plan), flush=True)
     try:
         summary = run_training(cfg, typed, plan, launcher, out)
     except (InputError, ResumeError) as e:  # the inputs or the checkpoint cannot be used: before Ray started
@@ -121,12 +171,16 @@ def main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
         return EXIT_CONFIG, None
     except RunFailed as e:
         # One line here; the whole traceback (the actor's included) is kept in the run dir.
-        (out / "error.log").write_text("".join(traceback.format_exception(e.__cause__ or e)))
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_RUNTIME, None
+        return _runtime_failure(out, e.__cause__ or e, str(e)), None
     except SignalAbort as e:
         print(f"error: {e}; the step in progress was abandoned (summary.json says so)", file=sys.stderr)
         return EXIT_SIGNAL_BASE + e.signum, None
+    except KeyboardInterrupt:
+        # SIGINT before the run's own handler is installed (while the inputs are prepared).
+        print("error: SIGINT received during start-up: stopped before the first step", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + signal.SIGINT, None
+    except Exception as e:  # noqa: BLE001 - any other failure of a run is a runtime failure too (exit 3)
+        return _runtime_failure(out, e, f"{type(e).__name__}: {e}", write_summary=True), None
     print(json.dumps(summary))
     if summary.get("status") == "interrupted":
         return EXIT_SIGNAL_BASE + int(signal.Signals[summary["signal"]]), summary

@@ -56,7 +56,8 @@ BAD = [
     (["algo=dapo", "transfer=packed", "algo.overlong_buffer=16"], "algo.overlong_buffer=16", "data.response_max_len=16"),
     (["trainer.zero_stage=4"], "trainer.zero_stage=4", "0, 1, 2 or 3"),
     (["sync.bucket_mb=0"], "sync.bucket_mb=0", "must be > 0"),
-    (["algo.temperature=0"], "algo.temperature=0", "must be > 0"),
+    (["algo.temperature=0"], "algo.temperature=0", "must be in (0, 2]"),
+    (["algo.temperature=2.5"], "algo.temperature=2.5", "vLLM takes at most 2"),
     (["eval.samples_per_prompt=0"], "eval.samples_per_prompt=0", "must be >= 1"),
     (["eval.samples_per_prompt=4"], "eval.samples_per_prompt=4", "set eval.temperature > 0"),
     (["eval.every_n_steps=-1"], "eval.every_n_steps=-1", "must be >= 0"),
@@ -143,3 +144,48 @@ def test_cli_cfg_job_prints_composed_config():
     proc = subprocess.run([sys.executable, "run.py", "--cfg", "job", "sync=gloo_per_tensor"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
     assert "PerTensorBroadcastSync" in proc.stdout and "placement:" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- exit codes of app.main
+def _main_with_training(monkeypatch, tmp_path, training, overrides=("experiment=quick",)):
+    """app.main on a composed config, with run_training replaced (no Ray): (exit code, stderr)."""
+    import io
+    from contextlib import redirect_stderr
+
+    from rlhf_orch import app
+    from rlhf_orch.orchestration import session
+
+    monkeypatch.setattr(session, "run_training", training)
+    monkeypatch.setattr(app, "run_dir", lambda: tmp_path / "run")
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code, _ = app.main(compose_config(list(overrides)))
+    return code, err.getvalue()
+
+
+def test_unexpected_failure_exits_3_with_one_line(monkeypatch, tmp_path):
+    # Not a RunFailed: an exception the session did not wrap (e.g. while the inputs are prepared).
+    def training(*args, **kwargs):
+        raise RuntimeError("tokenizer cache is corrupt\nsecond line of the message")
+
+    code, err = _main_with_training(monkeypatch, tmp_path, training)
+    assert code == 3
+    assert err.splitlines() == ["error: RuntimeError: tokenizer cache is corrupt second line of the message"]
+    assert "Traceback" in (tmp_path / "run" / "error.log").read_text()
+    summary = __import__("json").loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("RuntimeError: tokenizer cache")
+
+
+def test_sigint_during_start_up_exits_130(monkeypatch, tmp_path):
+    # A SIGINT before the run's own handler is installed arrives as KeyboardInterrupt.
+    def training(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    code, err = _main_with_training(monkeypatch, tmp_path, training)
+    assert code == 130
+    assert err.startswith("error: SIGINT") and len(err.splitlines()) == 1
+
+
+def test_a_launcher_refusing_its_value_exits_2(monkeypatch, tmp_path):
+    code, err = _main_with_training(monkeypatch, tmp_path, None, ("launcher.logical_gpus=-1",))
+    assert code == 2 and err.strip() == "error: launcher.logical_gpus=-1 must be >= 0"

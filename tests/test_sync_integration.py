@@ -74,7 +74,15 @@ STRATEGIES = {
     ),
     "object_store_small": (1, lambda: ObjectStoreSync(timeout_s=60, bucket_mb=0.02)),
     "object_store": (1, lambda: ObjectStoreSync(timeout_s=60, bucket_mb=256)),
+    # Each engine fed by its own policy rank (what cuda_ipc does with the plan's feeds): both ranks
+    # pack and publish, payloads are all-gathered, rank 0 hands each engine the one of its feeder.
+    "object_store_feeds": (2, lambda: _with_feeds(ObjectStoreSync(timeout_s=60, bucket_mb=0.05), {(0, 0): 0, (1, 0): 1})),
 }
+
+
+def _with_feeds(sync, feeds):
+    sync.feeds = feeds
+    return sync
 
 
 def _trainer_logprobs(policy_ranks: list) -> list[list[float]]:

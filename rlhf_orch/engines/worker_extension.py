@@ -148,6 +148,8 @@ class WeightSyncWorkerExtension:
         as soon as this call returns even if vLLM still holds views of an unfinished layer.
         """
         session = self._rlhf_session
+        if hasattr(payload, "for_worker"):  # one payload per TP worker: CUDA IPC from the rank on this GPU
+            payload = payload.for_worker(self.rank)
         pool = self._rlhf_pool(capacity, payload.device)
         buf = pool.acquire()[: bucket.nbytes]
         payload.copy_into(buf)

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from rlhf_orch.logging import runlog
 from rlhf_orch.logging.base import StepLogger
 
 # The keys worth a glance every step, in the order shown.
@@ -119,13 +120,21 @@ class ConsoleLogger(StepLogger):
         self._task = None
         self._stamps: deque[tuple[float, int]] = deque(maxlen=_ETA_WINDOW + 1)
         self._closed = False
+        # The bar is drawn on the real terminal, past run.log's tee (rlhf_orch.logging.runlog): the
+        # lines it stands for are written to run.log explicitly, prints meanwhile go above it.
+        self._direct = False
+        self._pending = ""
 
     def start(self, run_dir: str, config: dict[str, Any], name: str, resume_id: str | None = None) -> None:
         super().start(run_dir, config, name, resume_id)
         self.total_steps = int(config.get("algo", {}).get("num_steps", 0))
         self.name = name
         self.interactive = is_interactive()
+        if self.interactive and runlog.active():
+            self._direct = True
+            self.console = Console(file=runlog.terminal(), highlight=False, soft_wrap=True)
         self.console.print(Text.assemble(("rlhf_orch", "bold"), f" run '{name}' -> {run_dir}"))
+        self._log_only(f"rlhf_orch run '{name}' -> {run_dir}")
         if self.interactive:
             # The task (and its elapsed clock) starts now; the bar is drawn from the first step on,
             # so start-up messages print as plain lines.
@@ -139,8 +148,25 @@ class ConsoleLogger(StepLogger):
                 console=self.console,
                 refresh_per_second=2,
                 transient=False,
+                redirect_stdout=not self._direct,
+                redirect_stderr=not self._direct,
             )
             self._task = self._progress.add_task("training", total=self.total_steps or None, latest="", eta_at=None)
+
+    def _log_only(self, text: str) -> None:
+        if self._direct:
+            runlog.log_only(text)
+
+    def _say(self, text: str) -> None:
+        self.console.print(text, markup=False)
+        self._log_only(text)
+
+    def _above_bar(self, text: str) -> None:
+        """A print while the bar is live (run.log already has it): drawn above the bar."""
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            self.console.print(Text.from_ansi(line))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if self._progress is None:
@@ -154,9 +180,12 @@ class ConsoleLogger(StepLogger):
         progress = self._progress
         if not progress.live.is_started:
             progress.start()
+            if self._direct:
+                runlog.set_divert(self._above_bar)
         if self.verbose:
-            self.console.print(format_step_line(step, self.total_steps, metrics), markup=False)
+            self._say(format_step_line(step, self.total_steps, metrics))
         else:
+            self._log_only(format_step_line(step, self.total_steps, metrics))  # the bar shows it here
             notable = _notable_parts(metrics)
             if notable:
                 self.console.print(" | ".join([f"step {step:>4}/{self.total_steps}", *notable]), markup=False)
@@ -184,7 +213,7 @@ class ConsoleLogger(StepLogger):
 
             return plot_run(self.run_dir, self.name or None)
         except Exception as e:  # noqa: BLE001 - a plot must never fail the run
-            self.console.print(f"plots: not written ({type(e).__name__}: {e})", markup=False)
+            self._say(f"plots: not written ({type(e).__name__}: {e})")
             return []
 
     def close(self, exit_code: int = 0, preempted: bool = False) -> None:
@@ -193,11 +222,16 @@ class ConsoleLogger(StepLogger):
         self._closed = True
         if self._progress is not None and self._progress.live.is_started:
             self._progress.stop()
+        if self._direct:
+            runlog.set_divert(None)
+            if self._pending:
+                self.console.print(Text.from_ansi(self._pending))
+                self._pending = ""
         if getattr(self, "run_dir", None) is None:  # never started
             return
         written = self.plot()
         if written:
-            self.console.print(f"plots: {Path(written[0]).parent}/ ({', '.join(p.name for p in written)})", markup=False)
+            self._say(f"plots: {Path(written[0]).parent}/ ({', '.join(p.name for p in written)})")
 
 
 # --------------------------------------------------------------------------- library output

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import ray
 
+from rlhf_orch.engines.launch import engine_launch
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
@@ -69,6 +70,18 @@ def _remote(cls, placement: RayPlacement, slot, env: dict[str, str]):
     return ray.remote(cls).options(**options)
 
 
+def engine_options(
+    placement: RayPlacement, slot, spec: EngineSpec, env: dict[str, str], gpu_layout: bool
+) -> tuple[dict[str, Any], EngineSpec]:
+    """Ray options and spec of one engine: with engine_tp > 1 on GPUs the actor claims no GPU and
+    vLLM's Ray executor puts one worker on each of the slot's bundles (`rlhf_orch.engines.launch`)."""
+    launch = engine_launch(slot, gpu_layout)
+    options = placement.options_for(slot)
+    options["num_gpus"] = launch.actor_num_gpus
+    options["runtime_env"] = {"env_vars": {**env, **launch.env}}
+    return options, replace(spec, distributed_executor_backend=launch.executor)
+
+
 def start_role_actors(
     plan: PlacementPlan,
     placement: RayPlacement,
@@ -84,7 +97,9 @@ def start_role_actors(
     engine_slots = plan.slots_for("engine")
 
     def start_engine(e: int) -> Any:
-        return _remote(VLLMEngine, placement, engine_slots[e], env).remote(engine_spec, engine_slots[e].rank)
+        slot = engine_slots[e]
+        options, spec = engine_options(placement, slot, engine_spec, env, plan.total_gpus > 0)
+        return ray.remote(VLLMEngine).options(**options).remote(spec, slot.rank)
 
     actors = RoleActors(start_engine=start_engine, startup_timeout_s=timeout_s)
     actors.engines.extend(start_engine(e) for e in range(len(engine_slots)))

@@ -6,6 +6,11 @@ The rollout's data path is the `transfer` strategy's business (`RolloutTransfer.
 `micro_batched` and `packed` the engines score and hand experience to the trainers themselves and
 the driver holds only prompts, lengths and rewards; `padded` is the gather-on-the-driver baseline.
 After that, experience tensors move between actors as Ray object references.
+
+When the rollout is generated relative to the weights is the `pipeline`'s business
+(`rlhf_orch.orchestration.pipeline`): right before the hand-over with the newest weights (`sync`),
+or during the previous step's training, one version behind (`one_step_off`). The loop counts two
+versions: `trained` (updates the trainers made) and `version` (what the engines hold).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.config.schema import RootConfig
+from rlhf_orch.engines.launch import memory_utilization, sleep_level
 from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.logging.base import MetricsFile
 from rlhf_orch.orchestration.actors import start_role_actors
@@ -110,6 +111,7 @@ def run_training(
         set_rng_state(resume.state["rng"])
     transfer = instantiate(cfg.transfer)
     sync = instantiate(cfg.sync)
+    sync.use_plan(plan)  # CUDA IPC: which policy rank feeds which engine worker
     pipeline = instantiate(cfg.pipeline)
     logger = instantiate(cfg.logger)
     history: list[dict[str, Any]] = list(resume.state["metrics"]) if resume else []
@@ -133,7 +135,8 @@ def run_training(
         tensor_parallel_size=plan.engine_tp,
         seed=typed.seed,
         kv_cache_gb=typed.engine.kv_cache_gb,
-        gpu_memory_utilization=typed.engine.gpu_memory_utilization,
+        gpu_memory_utilization=memory_utilization(typed.engine.gpu_memory_utilization, plan),
+        sleep_level=sleep_level(typed.engine.sleep_level, plan),
         enable_prefix_caching=typed.engine.enable_prefix_caching,
         enforce_eager=typed.engine.enforce_eager,
     )

@@ -61,8 +61,13 @@ class WeightSync(abc.ABC):
         self._policy: list[Any] = []
         self._engines: list[Any] = []
         self._specs: list[GroupSpec] = []
+        self._engine_tp = 1
 
     # ------------------------------------------------------------------ driver side
+    def use_plan(self, plan) -> None:
+        """Told the run's `PlacementPlan` before `prepare` (CUDA IPC maps engine workers to the
+        policy rank on their GPU); strategies that do not care ignore it."""
+
     def group_specs(self, policy_ranks: int, engines: int) -> list[GroupSpec]:
         """Groups to form once; default: policy rank 0 broadcasts to every engine."""
         return [GroupSpec(DEFAULT_GROUP, 0, tuple(range(engines)))]
@@ -70,6 +75,7 @@ class WeightSync(abc.ABC):
     def prepare(self, policy_ranks: list[Any], engines: list[Any], engine_tp: int) -> None:
         """Form every group once; each sender hosts its group's rendezvous store."""
         self._policy, self._engines = list(policy_ranks), list(engines)
+        self._engine_tp = engine_tp
         specs = self._specs = self.group_specs(len(policy_ranks), len(engines))
         addresses = self._wait(
             [

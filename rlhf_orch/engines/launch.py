@@ -1,0 +1,81 @@
+"""How an engine is started in its planned bundles: pure decisions, tested without GPUs.
+
+An engine slot owns `engine_tp` bundles of one planned node (`PlacementPlan`). With one worker the
+engine actor itself claims the slot's GPU share on its bundle and vLLM runs in it (`uni`). With
+`engine_tp > 1` on GPUs the actor claims no GPU: vLLM's Ray executor starts one worker per
+tensor-parallel rank inside the actor's placement group, on the bundles named by
+`VLLM_RAY_BUNDLE_INDICES`, each claiming `VLLM_RAY_PER_WORKER_GPUS` (the slot's share) -- so
+every TP worker lands on its planned GPU. vLLM's CPU backend has no Ray executor: there TP
+workers are processes of the engine (`mp`), one core group each (`VLLM_CPU_OMP_THREADS_BIND`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rlhf_orch.topology.plan import PlacementPlan, RoleSlot
+
+#: vLLM's own default `gpu_memory_utilization`, used when an engine has its GPUs to itself.
+WHOLE_GPU_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """What the driver gives one engine actor: its own GPU claim and the environment for vLLM."""
+
+    actor_num_gpus: float
+    env: dict[str, str]
+    executor: Optional[str]  # vLLM's distributed_executor_backend (None at TP 1: vLLM's `uni`)
+
+
+def engine_launch(slot: RoleSlot, gpu_layout: bool) -> EngineLaunch:
+    tp = len(slot.bundles)
+    if tp == 1:
+        return EngineLaunch(slot.num_gpus, {}, None)
+    if not gpu_layout:
+        # vllm-cpu has no Ray executor (and would pick it inside a placement group): worker processes.
+        return EngineLaunch(0.0, {}, "mp")
+    env = {
+        "VLLM_RAY_BUNDLE_INDICES": ",".join(str(b) for b in slot.bundles),
+        "VLLM_RAY_PER_WORKER_GPUS": repr(float(slot.num_gpus)),
+    }
+    return EngineLaunch(0.0, env, "ray")
+
+
+def memory_utilization(configured: Optional[float], plan: PlacementPlan) -> float:
+    """`engine.gpu_memory_utilization`, or (null) the engine's planned share of each of its GPUs."""
+    if configured is not None:
+        return float(configured)
+    engines = plan.slots_for("engine")
+    share = engines[0].num_gpus if engines and plan.total_gpus > 0 else 1.0
+    return min(share, WHOLE_GPU_UTILIZATION)
+
+
+def sleep_level(configured: Optional[int], plan: PlacementPlan) -> int:
+    """`engine.sleep_level`, or (null) 1 where engines share GPUs with trainers, else 0."""
+    if configured is not None:
+        return int(configured)
+    return 1 if plan.layout == "colocated" and plan.total_gpus > 0 else 0
+
+
+def cpu_thread_binding(cpus: list[int], tp: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` giving each of `tp` CPU workers its own cores ("0|1", "0-3|4-7").
+
+    vllm-cpu refuses to start TP workers without it on a machine with one NUMA node.
+    """
+    cpus = sorted(cpus)
+    if len(cpus) < tp:
+        raise RuntimeError(
+            f"a tensor-parallel CPU engine needs one core per worker: engine_tp={tp} but this process may "
+            f"use {len(cpus)} core(s) ({cpus}); lower placement.engine_tp"
+        )
+    per = len(cpus) // tp
+    groups = [cpus[i * per:(i + 1) * per] for i in range(tp)]
+    return "|".join(_core_range(g) for g in groups)
+
+
+def _core_range(cores: list[int]) -> str:
+    if len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(str(c) for c in cores)

@@ -1,0 +1,267 @@
+"""The GPU path, checked without GPUs: CUDA IPC feeds, TP engines in their bundles, rendezvous
+address, engine memory, sleep/wake and the vLLM interface check.
+
+Pure planner tests (free), one Ray logical-GPU test that starts engine actors exactly as the run
+does and then creates their TP workers the way vLLM's Ray executor does (from the environment the
+engine was given), and small unit tests. The real TP=2 engine is tests/test_engine_tp.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from rlhf_orch.engines.launch import cpu_thread_binding, engine_launch, memory_utilization, sleep_level
+from rlhf_orch.sync.handover import WorkerPayloads, _engine_payload
+from rlhf_orch.topology.plan import PlacementError, describe_feeds, feed_table, ipc_feeds, plan_colocated, plan_split
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _colocated(engines: int, engine_tp: int, nodes: int, gpus_per_node: int, actor_ranks: int | None = None):
+    gpus = nodes * gpus_per_node
+    return plan_colocated(
+        actor_ranks=actor_ranks or gpus, critic_ranks=gpus, reference_ranks=gpus, engines=engines, engine_tp=engine_tp,
+        reward="function", nodes=nodes, gpus_per_node=gpus_per_node, actor_fraction=0.25, critic_fraction=0.25,
+        reference_fraction=0.15, engine_fraction=0.35,
+    )
+
+
+# ----------------------------------------------------------------------------- defect 1: CUDA IPC feeds
+@pytest.mark.parametrize("engines", [1, 2, 8])
+@pytest.mark.parametrize("engine_tp", [1, 2])
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_every_engine_worker_is_fed_by_the_policy_rank_on_its_gpu(engines, engine_tp, nodes):
+    gpus_per_node = max(2, engines * engine_tp // nodes)
+    plan = _colocated(engines, engine_tp, nodes, gpus_per_node)
+    feeds = ipc_feeds(plan)
+    assert len(feeds) == engines * engine_tp
+    actor_gpu = {s.rank: (s.node, s.bundles[0]) for s in plan.slots_for("actor")}
+    for f in feeds:
+        assert f.policy_rank is not None
+        assert actor_gpu[f.policy_rank] == (f.node, f.bundle)  # same node, same GPU
+    table = feed_table(feeds)
+    # Engine e's TP worker w sits on global GPU e*tp + w, where policy rank e*tp + w sits:
+    # rank 0 feeding everything (the defect) fails here as soon as there are two engine GPUs.
+    assert table == {(e, w): e * engine_tp + w for e in range(engines) for w in range(engine_tp)}
+
+
+def test_layout_with_an_engine_gpu_without_policy_rank_is_refused():
+    plan = _colocated(4, 1, 1, 4, actor_ranks=2)
+    feeds = ipc_feeds(plan)
+    assert [f.engine for f in feeds if f.policy_rank is None] == [2, 3]
+    with pytest.raises(PlacementError, match="engine2/tp0 on node 0 GPU 2"):
+        feed_table(feeds)
+    assert "NONE" in describe_feeds(feeds)
+
+
+def test_tp_engine_gets_one_payload_per_worker_from_its_feeders():
+    feeds = {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3}
+    by_rank = ["p0", "p1", "p2", "p3"]
+    payload = _engine_payload(by_rank, feeds, 1, 2)
+    assert isinstance(payload, WorkerPayloads)
+    assert [payload.for_worker(w) for w in (0, 1)] == ["p2", "p3"]
+    assert _engine_payload(["only"], {(0, 0): 0, (0, 1): 0}, 0, 2) == "only"  # one feeder: the same payload
+
+
+def test_dry_run_prints_which_rank_feeds_which_engine():
+    out = subprocess.run(
+        [sys.executable, "run.py", "placement=colocated", "placement.gpus_per_node=4", "launcher.logical_gpus=4",
+         "sync=cuda_ipc", "launcher.dry_run=true"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "CUDA IPC feeds" in out.stdout
+    for rank in range(4):
+        assert f"{rank}       0        0     {rank}    policy rank {rank}" in out.stdout
+
+
+# ----------------------------------------------------------------------------- defect 2: TP workers in their bundles
+def test_tp_engine_launch_names_its_bundles_and_claims_no_gpu_itself():
+    plan = _colocated(2, 2, 1, 4)
+    first, second = plan.slots_for("engine")
+    launch = engine_launch(second, gpu_layout=True)
+    assert launch.actor_num_gpus == 0 and launch.executor == "ray"
+    assert launch.env == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "0.35"}
+    assert engine_launch(plan_split(nodes=1, gpus_per_node=4, engine_tp=1, reward="function", ratio=None, actor_gpus=1,
+                                    critic_gpus=1, vllm_gpus=2, reference_fraction=0.25).slots_for("engine")[0],
+                         gpu_layout=True).actor_num_gpus == 1.0
+    assert engine_launch(first, gpu_layout=False).executor == "mp"
+
+
+@ray.remote
+class _EngineStub:
+    """Stands where VLLMEngine stands; `start_workers` does what vLLM's Ray executor does with the
+    environment the engine was started with (vllm/v1/executor/ray_executor.py: _init_workers_ray)."""
+
+    def start_workers(self) -> list[list[int]]:
+        import os
+
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = ray.util.get_current_placement_group()
+        indices = [int(i) for i in os.environ["VLLM_RAY_BUNDLE_INDICES"].split(",")]
+        per_worker = float(os.environ["VLLM_RAY_PER_WORKER_GPUS"])
+        self.workers = [
+            _Worker.options(num_cpus=0, num_gpus=per_worker, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=i, placement_group_capture_child_tasks=True)).remote()
+            for i in indices
+        ]
+        return ray.get([w.gpus.remote() for w in self.workers], timeout=60)
+
+    def gpus(self) -> list[int]:
+        return [int(g) for g in ray.get_gpu_ids()]
+
+
+@ray.remote
+class _Worker:
+    def gpus(self) -> list[int]:
+        return [int(g) for g in ray.get_gpu_ids()]
+
+
+@pytest.mark.integration
+def test_tp_workers_land_on_the_engines_planned_gpus_with_every_role_placed():
+    """Colocated, 4 logical GPUs, 2 engines x TP 2, every role started: each TP worker gets the GPU
+    its planned bundle holds (the one its policy rank has). Had the engine actor claimed its share
+    on bundle 0 as well (the defect), bundle 0 would be over-claimed and its worker never start."""
+    from rlhf_orch.engines.vllm_engine import EngineSpec
+    from rlhf_orch.orchestration.actors import engine_options
+    from rlhf_orch.topology.ray_placement import RayPlacement
+
+    plan = _colocated(2, 2, 1, 4)
+    ray.init(address="local", num_cpus=16, num_gpus=4, include_dashboard=False)
+    try:
+        with RayPlacement(plan, ready_timeout_s=60) as placement:
+            others = {
+                slot: _Worker.options(**placement.options_for(slot)).remote()
+                for slot in plan.slots if slot.role != "engine"
+            }
+            actor_gpus = {s.rank: ray.get(a.gpus.remote(), timeout=60) for s, a in others.items() if s.role == "actor"}
+            spec = EngineSpec(model_path="unused", dtype="float32", max_model_len=8, tensor_parallel_size=2)
+            for slot in plan.slots_for("engine"):
+                options, engine_spec = engine_options(placement, slot, spec, {}, gpu_layout=True)
+                assert engine_spec.distributed_executor_backend == "ray"
+                engine = _EngineStub.options(**options).remote()
+                assert ray.get(engine.gpus.remote(), timeout=60) == []  # the actor itself holds no GPU
+                worker_gpus = ray.get(engine.start_workers.remote(), timeout=90)
+                feeds = feed_table(ipc_feeds(plan))
+                for tp_rank, gpus in enumerate(worker_gpus):
+                    assert gpus == actor_gpus[feeds[(slot.rank, tp_rank)]]
+    finally:
+        ray.shutdown()
+
+
+def test_cpu_tp_workers_get_their_own_cores():
+    assert cpu_thread_binding([0, 1], 2) == "0|1"
+    assert cpu_thread_binding(list(range(8)), 2) == "0-3|4-7"
+    with pytest.raises(RuntimeError, match="one core per worker"):
+        cpu_thread_binding([0], 2)
+
+
+# ----------------------------------------------------------------------------- defect 3: rendezvous address
+def test_every_rendezvous_uses_rays_node_ip_not_the_hostname(monkeypatch):
+    import socket
+
+    from rlhf_orch.sync import group
+    from rlhf_orch.trainer.workers import PolicyWorker
+
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # the usual /etc/hosts trap
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.9.8.7")
+    monkeypatch.setattr(group, "free_port", lambda host: 4242)
+    for backend in ("nccl", "gloo"):
+        assert group.free_port_address(3, backend, 10.0).host == "10.9.8.7"
+    assert PolicyWorker.rendezvous_address(None) == ("10.9.8.7", 4242)  # the trainers' DeepSpeed world too
+
+
+# ----------------------------------------------------------------------------- memory: utilisation and sleep
+def test_engine_memory_defaults_follow_the_plan():
+    colocated = _colocated(1, 1, 1, 1)
+    split = plan_split(nodes=1, gpus_per_node=4, engine_tp=1, reward="function", ratio=None, actor_gpus=1,
+                       critic_gpus=1, vllm_gpus=2, reference_fraction=0.25)
+    assert memory_utilization(None, colocated) == 0.35 and memory_utilization(None, split) == 0.9
+    assert memory_utilization(0.2, colocated) == 0.2
+    assert sleep_level(None, colocated) == 1 and sleep_level(None, split) == 0 and sleep_level(2, split) == 2
+
+
+def test_validation_checks_memory_against_the_planned_share():
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from rlhf_orch.app import check
+    from rlhf_orch.config.schema import register_configs
+    from rlhf_orch.config.validate import ConfigError
+
+    register_configs()
+    base = ["placement=colocated", "placement.gpus_per_node=4", "launcher.dry_run=true"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        def run(extra):
+            cfg = compose(config_name="config", overrides=base + extra)
+            return check(cfg, instantiate(cfg.launcher))
+
+        run(["sync=cuda_ipc"])  # defaults: utilisation = engine_fraction, one rank per GPU
+        with pytest.raises(ConfigError, match="engine_fraction=0.35"):
+            run(["engine.gpu_memory_utilization=0.5"])  # the old default
+        with pytest.raises(ConfigError, match="no policy rank sits on engine2/tp0"):
+            run(["sync=cuda_ipc", "placement.actor_ranks=2"])
+        with pytest.raises(ConfigError, match="engine.sleep_level"):
+            compose_cpu = compose(config_name="config", overrides=["engine.sleep_level=1"])
+            check(compose_cpu, instantiate(compose_cpu.launcher))
+
+
+class _FakeLLM:
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up",))
+
+    def collective_rpc(self, name, args=()):
+        self.calls.append((name,))
+        return [0]
+
+
+def test_engine_sleeps_after_a_rollout_and_wakes_before_weights_arrive():
+    from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.spec = EngineSpec(model_path="x", dtype="float32", max_model_len=8, sleep_level=1)
+    engine.llm, engine._asleep = _FakeLLM(), False
+    engine._sleep()
+    engine._sleep()  # once asleep, not again
+    engine.begin_update(None)
+    assert engine.llm.calls == [("sleep", 1), ("wake_up",), ("rlhf_begin_update",)]
+    off = VLLMEngine.__new__(VLLMEngine)
+    off.spec, off.llm, off._asleep = EngineSpec(model_path="x", dtype="float32", max_model_len=8), _FakeLLM(), False
+    off._sleep()
+    assert off.llm.calls == []  # sleep_level 0: never
+
+
+# ----------------------------------------------------------------------------- defect 4: vLLM interfaces
+def test_vllm_interface_check_names_the_supported_range(monkeypatch):
+    import vllm
+
+    from rlhf_orch.engines.vllm_engine import SUPPORTED_VLLM, VLLMInterfaceError, check_vllm_interfaces
+
+    assert check_vllm_interfaces() == vllm.__version__  # the installed vLLM has everything
+    monkeypatch.delattr(vllm.LLM, "enqueue")
+    with pytest.raises(VLLMInterfaceError, match=rf"LLM.enqueue.*vllm{SUPPORTED_VLLM}"):
+        check_vllm_interfaces()
+
+
+def test_gpu_extra_pins_the_supported_vllm():
+    import tomllib
+
+    from rlhf_orch.engines.vllm_engine import SUPPORTED_VLLM
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    pins = {e.split(">")[0].split("=")[0].split("<")[0]: e for e in extras}
+    assert pins["vllm"] == f"vllm{SUPPORTED_VLLM}"
+    assert all("<" in pins[p] for p in ("torch", "vllm", "transformers"))  # a tested upper bound each
