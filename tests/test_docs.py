@@ -386,8 +386,7 @@ EXIT_CODE_TESTS = {
         "tests.test_config_errors::test_a_launcher_refusing_its_value_exits_2"],
     3: ["tests.test_own_data_and_reward::test_reward_returning_nan_stops_the_run_naming_function_and_sample",
         "tests.test_config_errors::test_unexpected_failure_exits_3_with_one_line"],
-    130: ["tests.test_resume::test_sigint_stops_after_the_step_with_a_checkpoint_exit_130",
-          "tests.test_config_errors::test_sigint_during_start_up_exits_130"],
+    130: ["tests.test_config_errors::test_sigint_during_start_up_exits_130"],
     143: ["tests.test_resume::test_sigkill_then_sigterm_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
 }
 
