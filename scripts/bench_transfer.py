@@ -133,13 +133,38 @@ STRATEGIES: dict[str, type[RolloutTransfer]] = {
 }
 
 
+def hand_over_profile(route: Route, sinks, timings: dict) -> dict:
+    """Packed: where the hand-over's time goes, from the engines' and trainers' own stamps.
+
+    engine_gather     slowest engine laying out its pieces from its flat buffers (one copy)
+    store_and_fetch   last gather done -> last trainer has mapped its pieces: Ray writing the
+                      pieces into the object store (one copy) and the trainers fetching them
+    trainer_assemble  slowest trainer cutting its micro-batches (views; a copy only where a
+                      micro-batch spans engines)
+    driver_and_rpc    the rest of the hand-over: metadata to the driver, planning, the calls
+    """
+    cuts = [c for c in ray.get([e.last_cut_timing.remote() for e in route.engines]) if c]
+    stages = [t for t in ray.get([s.last_stage_timing.remote() for s in sinks]) if t]
+    if not cuts or not stages:
+        return {}
+    profile = {
+        "engine_gather": max(c["gathered"] - c["start"] for c in cuts),
+        "store_and_fetch": max(t["fetched"] for t in stages) - max(c["gathered"] for c in cuts),
+        "trainer_assemble": max(t["assembled"] - t["fetched"] for t in stages),
+    }
+    profile["driver_and_rpc"] = timings["transfer"] - sum(profile.values())
+    return profile
+
+
 def measure(name: str, transfer: RolloutTransfer, request: RolloutRequest, route: Route, sinks) -> Result:
     ray.get([s.clear.remote() for s in sinks])
     gc.collect()
     with StoreMonitor() as mon:
         delivery = transfer.deliver(request, route)
+    t = dict(delivery.timings)
+    if isinstance(transfer, PackedTransfer):
+        t.update(hand_over_profile(route, sinks, t))
     ray.get([s.clear.remote() for s in sinks])
-    t = delivery.timings
     return Result(
         strategy=name,
         prompts=len(request.prompts),
@@ -235,6 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
         r = measure(name, build(name), request(args.prompts, args.samples), route, sinks)
         seed_results[name] = r
         print(r.row(), flush=True)
+        if "engine_gather" in r.breakdown:
+            parts = ("metadata_to_driver", "plan", "engine_gather", "store_and_fetch", "trainer_assemble", "driver_and_rpc")
+            print("         hand-over: " + ", ".join(f"{k} {r.breakdown[k]:.3f}" for k in parts if k in r.breakdown), flush=True)
 
     packed = seed_results.get("packed")
     memcpy_s = memcpy_limit_s(packed.wire_bytes) if packed else float("nan")

@@ -61,7 +61,15 @@ def test_each_rank_holds_exactly_the_layout(cluster, transfer):
     assert delivery.real_tokens == sum(delivery.meta.seq_lens) and delivery.wire_bytes > 0
     assert {"generate", "transfer", "transfer_after_generate"} <= delivery.timings.keys()
 
-    expected = transfer.layout(samples, SHARDS, MBS, 0)
+    if isinstance(transfer, PackedTransfer):
+        # Packed plans micro-batches within one engine's sequences where it can: the expected
+        # layout knows which engine holds what (contiguous prompt chunks, as `generate` spreads them).
+        from rlhf_orch.transfer.plan import prompt_chunks
+
+        held = [[i for p in chunk for i in range(p * SPP, (p + 1) * SPP)] for chunk in prompt_chunks(PROMPTS, ENGINES)]
+        expected = transfer.layout(samples, SHARDS, MBS, 0, held_by_engine=held)
+    else:
+        expected = transfer.layout(samples, SHARDS, MBS, 0)
     held = ray.get([s.holdings.remote() for s in sinks])
     for shard, sink_holdings in enumerate(held):
         assert sink_holdings[shard]["indices"] == [mb.indices.tolist() for mb in expected[shard]]

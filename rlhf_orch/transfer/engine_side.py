@@ -8,9 +8,12 @@ as soon as each finishes) and `_decode` (token ids -> text, for rule rewards) --
 * `produce_micro_batches` a generator: each count-based micro-batch is scored, laid out and
                           `ray.put` by the engine the moment its last sequence finishes; the caller
                           receives a small `MicroBatchTicket` (an object ref + lengths + rewards).
-* `produce_and_hold` +    generate, score, keep the samples here, return only lengths/rewards;
-  `cut_for_ranks`         then, once the caller has planned token-budget micro-batches, put one
-                          packed piece per trainer rank (one object per rank, refs returned).
+* `produce_and_hold` +    generate, packing each sequence into flat buffers here as it finishes
+  `cut_for_ranks`         (`PackedBuffer`), score, return only lengths/rewards; then, once the
+                          caller has planned token-budget micro-batches, gather one packed piece
+                          per trainer rank from the buffers (one object per rank, refs returned).
+  `held_samples` /        what is held, as `Sample`s, and back (a checkpoint of a held rollout).
+  `hold_samples`
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from rlhf_orch.reward.base import Response
 from rlhf_orch.reward.execution import ScoredBatch
-from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
+from rlhf_orch.transfer.batch import PackedBuffer, PaddedBatch, Sample
 from rlhf_orch.transfer.plan import CompletionRequest, MicroBatchWork
 
 # (prompts, responses) -> ScoredBatch: scores one batch where the samples are (rlhf_orch.reward.scoring).
@@ -106,9 +109,7 @@ def rollout_meta(
 
 def score_samples(samples: Sequence[Sample], texts: Sequence[str], job: RolloutJob) -> ScoredBatch:
     """Score decoded samples with the job's scorer and write each reward into its sample."""
-    prompts = [job.prompts[s.index // job.samples_per_prompt] for s in samples]
-    responses = [Response(t, len(s.response_ids), s.truncated) for s, t in zip(samples, texts)]
-    scored = job.scorer(prompts, responses)
+    scored = _score([s.index for s in samples], [len(s.response_ids) for s in samples], [s.truncated for s in samples], texts, job)
     for sample, score in zip(samples, scored.scores):
         sample.reward = float(score)
     return scored
@@ -181,21 +182,84 @@ class RolloutProducer(abc.ABC):
             )
 
     # ------------------------------------------------------------------ hold, then cut per rank
+    def _held_buffer(self) -> PackedBuffer:
+        # Engines mix this class in without calling an __init__ of ours: created on first use.
+        if getattr(self, "_held", None) is None:
+            self._held = PackedBuffer()
+        return self._held
+
     def produce_and_hold(self, requests: Sequence[CompletionRequest], job: RolloutJob) -> RolloutMeta:
-        completions = [c for done in self._complete(requests, job) for c in done]
-        samples, score_s, scored = self._samples(sorted(completions, key=lambda c: c.index), job)
-        generated_at = time.time()  # rollout ready (generated and scored); packing counts as transfer
-        # Added to what is held: dynamic sampling may ask for several rounds before one cut.
-        self._held = {**getattr(self, "_held", {}), **{s.index: s for s in samples}}
-        return rollout_meta(samples, score_s, generated_at, scored)
+        """Generate, packing each sequence into this engine's flat buffers as it finishes; score;
+        return only the metadata. Added to what is held: dynamic sampling may ask for several
+        rounds before one cut (an index generated again replaces the one held)."""
+        held = self._held_buffer()
+        expected = sum(r.count for r in requests)
+        # Room for the longest possible responses: pages are only mapped where sequences land.
+        held.reserve(
+            sum(r.count * len(job.prompt_ids[r.prompt_index]) for r in requests) + expected * job.max_tokens, expected
+        )
+        rows: list[int] = []
+        texts_of: list[Any] = []  # response ids, as the engine gave them (what `_decode` reads)
+        last_prompt: tuple[Any, Any] = (None, None)  # the samples of one prompt share its ids
+        for done in self._complete(requests, job):
+            for c in done:
+                if c.prompt_ids is not last_prompt[0]:
+                    last_prompt = (c.prompt_ids, torch.as_tensor(c.prompt_ids, dtype=torch.long))
+                rows.append(
+                    held.append(
+                        last_prompt[1], c.response_ids, c.logprobs, c.fields,
+                        index=c.index, weight_version=self.weight_version, truncated=c.truncated,
+                    )
+                )
+                texts_of.append(c.response_ids)
+        t = time.perf_counter()
+        info = held.scalars(rows)
+        order = sorted(range(len(rows)), key=info["index"].__getitem__)
+        rows = [rows[k] for k in order]
+        indices = [info["index"][k] for k in order]
+        seq_lens = [info["seq_len"][k] for k in order]
+        response_lens = [info["seq_len"][k] - info["prompt_len"][k] for k in order]
+        truncated = [info["truncated"][k] for k in order]
+        scored = None
+        rewards = [float("nan")] * len(rows)  # scored here, or elsewhere (the padded baseline's driver)
+        if job.scorer is not None:
+            texts = self._decode([texts_of[k] for k in order])
+            scored = _score(indices, response_lens, truncated, texts, job)
+            rewards = [float(x) for x in scored.scores]
+            held.set_scores(rows, rewards)
+        score_s = time.perf_counter() - t
+        held.reserve_cut()  # the hand-over's output buffer, mapped now rather than during it
+        generated_at = time.time()  # rollout ready (generated, packed and scored)
+        return RolloutMeta(
+            indices=indices,
+            seq_lens=seq_lens,
+            response_lens=response_lens,
+            rewards=rewards,
+            score_s=score_s,
+            generated_at=generated_at,
+            reward_errors=scored.errors if scored else 0,
+            reward_timeouts=scored.timeouts if scored else 0,
+            truncated=truncated,
+            weight_versions=[self.weight_version] * len(rows),
+        )
 
     def held_samples(self) -> list[Sample]:
-        """What this engine holds (a checkpoint of a rollout not handed over yet)."""
-        return [self._held[i] for i in sorted(getattr(self, "_held", {}))]
+        """What this engine holds, as `Sample`s in index order (a checkpoint of a rollout not
+        handed over yet)."""
+        held = self._held_buffer()
+        return held.samples(held.rows(sorted(held.row_of)))
 
     def hold_samples(self, samples: Sequence[Sample]) -> None:
         """Hold `samples` as if this engine had generated them (a resumed checkpoint's rollout)."""
-        self._held = {s.index: s for s in samples}
+        held = self._held_buffer()
+        held.clear()
+        held.reserve(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples), len(samples))
+        for s in samples:
+            held.append(
+                s.prompt_ids, s.response_ids, s.engine_logprobs, s.fields,
+                index=s.index, weight_version=s.weight_version, truncated=s.truncated, reward=float(s.reward),
+            )
+        held.reserve_cut()
 
     def produce_scores(self, requests: Sequence[CompletionRequest], job: RolloutJob) -> RolloutMeta:
         """Generate and score, keep nothing: lengths and rewards only (evaluation)."""
@@ -209,16 +273,28 @@ class RolloutProducer(abc.ABC):
         `members_per_rank[rank][micro_batch]`: the sequences this engine holds for that
         micro-batch. A piece lists them micro-batch after micro-batch, so the trainer cuts each
         micro-batch's part as a view. Called with `num_returns=len(members_per_rank)`: each piece
-        is its own object and a trainer fetches only its own. The held buffer is released.
+        is its own object and a trainer fetches only its own. Everything held is released.
         """
-        # Packed straight from the samples in the cut order: one pass over the data per piece.
-        held = self._held
-        pieces = []
-        for micro_batches in members_per_rank:
-            flat = [held[i] for mb in micro_batches for i in mb]
-            pieces.append(PackedBatch.from_samples(flat) if flat else None)
-        self._held = {}
+        # The sequences are already packed (as they finished): each piece is gathered from the
+        # flat buffers by index ranges, one copy per field and run of adjacent sequences.
+        start = time.time()
+        held = self._held_buffer()
+        pieces = held.cut([held.rows(i for mb in micro_batches for i in mb) for micro_batches in members_per_rank])
+        held.clear()
+        # Ray writes the pieces into the object store after this returns (not timed here).
+        self._last_cut = {"start": start, "gathered": time.time(), "nbytes": sum(p.nbytes for p in pieces if p is not None)}
         return pieces[0] if len(pieces) == 1 else tuple(pieces)
+
+    def last_cut_timing(self) -> dict[str, float]:
+        """Wall-clock stamps of the last `cut_for_ranks` (a profile of the hand-over)."""
+        return dict(getattr(self, "_last_cut", {}))
+
+
+def _score(
+    indices: Sequence[int], response_lens: Sequence[int], truncated: Sequence[bool], texts: Sequence[str], job: RolloutJob
+) -> ScoredBatch:
+    prompts = [job.prompts[i // job.samples_per_prompt] for i in indices]
+    return job.scorer(prompts, [Response(t, n, tr) for t, n, tr in zip(texts, response_lens, truncated)])
 
 
 def _request_of(completions: list[Completion], job: RolloutJob) -> CompletionRequest:

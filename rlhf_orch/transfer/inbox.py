@@ -8,6 +8,7 @@ and refs nested in a list are fetched here with `ray.get` -- never through the d
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import ray
@@ -40,7 +41,11 @@ def assemble_packed(pieces: Sequence[PackedBatch | None], plan: Sequence[Sequenc
     """This rank's micro-batches from the engines' pieces, following `plan` (global indices).
 
     Each piece lists its sequences micro-batch after micro-batch (`cut_for_ranks`); its part of
-    micro-batch k is a view, and micro-batch k is the concatenation of the parts (one copy).
+    micro-batch k is a view. A micro-batch that lies within one piece IS that view (no copy: the
+    planner keeps micro-batches within one engine where it can); one that spans pieces is the
+    concatenation of their parts (one copy). A view keeps its piece's buffer (the object-store
+    mapping) alive as long as it lives; each micro-batch has its own `fields` dict, so a trainer
+    may add fields to it, but never writes into its tensors.
     """
     micro_batch_of = {i: k for k, mb in enumerate(plan) for i in mb}
     parts: list[list[PackedBatch]] = [[] for _ in plan]
@@ -57,8 +62,10 @@ def assemble_packed(pieces: Sequence[PackedBatch | None], plan: Sequence[Sequenc
                 parts[k].append(part)
     out = []
     for k, mb in enumerate(plan):
-        # concat copies, so every micro-batch owns its storage (the piece can be released).
-        batch = PackedBatch.concat(parts[k]) if parts[k] else empty_micro_batch(pad_id)
+        if len(parts[k]) == 1:
+            batch = parts[k][0]  # a view of the piece
+        else:
+            batch = PackedBatch.concat(parts[k]) if parts[k] else empty_micro_batch(pad_id)
         if batch.indices.tolist() != ([-1] if not mb else list(mb)):
             raise ValueError(f"micro-batch {k}: pieces hold {batch.indices.tolist()[:8]}..., the plan {list(mb)[:8]}...")
         out.append(batch)
@@ -88,9 +95,16 @@ class ExperienceInbox:
 
     def stage_pieces(self, shard: int, plan: list[list[int]], pieces: list[ray.ObjectRef]) -> int:
         """Packed: fetch this rank's piece from every engine, cut the planned micro-batches."""
+        start = time.time()
         fetched = ray.get(list(pieces))
+        got = time.time()
         self._staged[shard] = [self._receive(mb) for mb in assemble_packed(fetched, plan, self.pad_id)]
+        self._last_stage = {"start": start, "fetched": got, "assembled": time.time()}
         return sum(p.nbytes for p in fetched if p is not None)
+
+    def last_stage_timing(self) -> dict[str, float]:
+        """Wall-clock stamps of the last `stage_pieces` (a profile of the hand-over)."""
+        return dict(getattr(self, "_last_stage", {}))
 
     def staged_count(self, shard: int) -> int:
         return sum(mb is not None for mb in self._staged.get(shard, []))

@@ -1,10 +1,13 @@
 """Padding-free, token-budget micro-batches balanced over ranks, engine to trainer without the driver.
 
-1. Engines generate and score, keep their samples, and return only indices/lengths/rewards.
+1. Engines generate and score, packing each sequence into flat per-engine buffers as it finishes
+   (`PackedBuffer`), and return only indices/lengths/rewards.
 2. The driver plans micro-batches of at most `token_budget` tokens, balanced over data-parallel
-   ranks (`plan_packed`, pure, on lengths only).
-3. Each engine puts one packed piece per rank (`cut_for_ranks`, one object per rank); each rank
-   fetches its pieces from the engines and cuts its planned micro-batches (`assemble_packed`).
+   ranks, each within one engine's sequences where that costs no extra micro-batch (`plan_packed`,
+   pure, on lengths and holders only).
+3. Each engine gathers one packed piece per rank from its buffers (`cut_for_ranks`, one object
+   per rank); each rank fetches its pieces from the engines and cuts its planned micro-batches
+   (`assemble_packed`): views of a piece, a concatenation only for a micro-batch spanning engines.
    One flat token buffer + `cu_seqlens` + per-token fields: no padding ever exists on the wire,
    and the trainers' forward consumes the packed micro-batches as they are.
 """
@@ -28,11 +31,20 @@ class PackedTransfer(RolloutTransfer):
     def budget(self, micro_batch_size: int, max_seq_len: int) -> int:
         return derive_token_budget(self.token_budget, micro_batch_size, max_seq_len)
 
-    def layout(self, samples: Sequence[Sample], num_shards: int, micro_batch_size: int, pad_id: int) -> list[list[MicroBatch]]:
+    def layout(
+        self,
+        samples: Sequence[Sample],
+        num_shards: int,
+        micro_batch_size: int,
+        pad_id: int,
+        held_by_engine: Sequence[Sequence[int]] | None = None,
+    ) -> list[list[MicroBatch]]:
+        """`held_by_engine` (per engine, the indices it holds): the micro-batches `hand_over`
+        plans for a rollout held that way; without it, as if one engine held everything."""
         ordered = sorted(samples, key=lambda s: s.index)
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in ordered]
         budget = self.budget(micro_batch_size, max(lengths))
-        plan = plan_packed([s.index for s in ordered], lengths, budget, num_shards)
+        plan = _engine_ordered(plan_packed([s.index for s in ordered], lengths, budget, num_shards, held_by_engine), held_by_engine)
         whole = PackedBatch.from_samples(ordered)
         position = {s.index: k for k, s in enumerate(ordered)}
         shards = []
@@ -70,13 +82,9 @@ class PackedTransfer(RolloutTransfer):
         waited = held.waited()  # a held rollout waits for the trainers by design: not transfer
         timings["metadata_to_driver"] = time.time() - meta.generated_at - waited
         budget = self.budget(held.micro_batch_size, held.max_seq_len)
-        owner = {i: e for e, indices in enumerate(held.held) for i in indices}
-        # Each micro-batch lists its members engine after engine (ascending within an engine), the
-        # order the trainer concatenates the engines' pieces in.
-        plan = [
-            [sorted(mb, key=lambda i: (owner[i], i)) for mb in rank]
-            for rank in plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards)
-        ]
+        # Micro-batches within one engine's sequences where that costs nothing (the trainer then
+        # uses its part of that engine's piece as it is).
+        plan = _engine_ordered(plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards, held.held), held.held)
         cut = pieces_per_engine(plan, held.held)
         timings["plan"] = time.perf_counter() - t
         pieces = []  # pieces[engine][rank]: object refs, owned here, data in the engine's store
@@ -164,6 +172,15 @@ class PackedTransfer(RolloutTransfer):
             chosen |= set(sorted(set(range(generated)) - chosen)[: need - len(chosen)])
         kept = [[_select(m, chosen, spp) for m in parts] for parts in held]
         return kept, rounds, generated - len(set(groups[:need]))
+
+
+def _engine_ordered(plan: list[list[list[int]]], held_by_engine: Sequence[Sequence[int]] | None) -> list[list[list[int]]]:
+    """Each micro-batch's members engine after engine (ascending within an engine): the order the
+    trainer concatenates the engines' pieces in, for a micro-batch that spans engines."""
+    if held_by_engine is None:
+        return plan
+    owner = {i: e for e, indices in enumerate(held_by_engine) for i in indices}
+    return [[sorted(mb, key=lambda i: (owner[i], i)) for mb in rank] for rank in plan]
 
 
 def _select(meta: RolloutMeta, groups: set[int], samples_per_prompt: int) -> RolloutMeta:

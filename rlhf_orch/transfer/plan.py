@@ -83,13 +83,20 @@ def whole_prompt_requests(prompts: range, samples_per_prompt: int) -> list[Compl
 
 
 def plan_packed(
-    indices: Sequence[int], seq_lens: Sequence[int], token_budget: int, num_ranks: int
+    indices: Sequence[int],
+    seq_lens: Sequence[int],
+    token_budget: int,
+    num_ranks: int,
+    held_by_engine: Sequence[Sequence[int]] | None = None,
 ) -> list[list[list[int]]]:
     """Token-budget micro-batches balanced over ranks, in GLOBAL sample indices.
 
     `plan[rank][micro_batch]` lists global indices (ascending); empty micro-batches are explicit
     (see `plan_token_budget_micro_batches`). Also refuses a rollout that does not divide over ranks
     -- the same rule every strategy follows, so `transfer=` never changes which configs run.
+    With `held_by_engine` (per engine, the indices it holds), micro-batches stay within one
+    engine's sequences where that costs no extra micro-batch: the trainer then uses its part of
+    that engine's piece as it is, without a copy.
     """
     if len(indices) != len(seq_lens):
         raise ValueError(f"{len(indices)} indices but {len(seq_lens)} lengths")
@@ -97,7 +104,11 @@ def plan_packed(
     order = sorted(range(len(indices)), key=lambda k: indices[k])
     ordered_idx = [indices[k] for k in order]
     ordered_len = [seq_lens[k] for k in order]
-    plan = plan_token_budget_micro_batches(ordered_len, token_budget, num_ranks)
+    groups = None
+    if held_by_engine is not None:
+        owner = {i: e for e, held in enumerate(held_by_engine) for i in held}
+        groups = [owner.get(i, -1) for i in ordered_idx]
+    plan = plan_token_budget_micro_batches(ordered_len, token_budget, num_ranks, groups)
     return [[[ordered_idx[k] for k in mb] for mb in rank] for rank in plan]
 
 
