@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from rlhf_orch.engines.launch import cpu_thread_binding, engine_launch, memory_utilization, sleep_level
+from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, cpu_thread_binding, engine_launch, memory_utilization, sleep_level
 from rlhf_orch.sync.handover import WorkerPayloads, _engine_payload
 from rlhf_orch.topology.plan import PlacementError, describe_feeds, feed_table, ipc_feeds, plan_colocated, plan_split
 
@@ -185,7 +185,7 @@ def test_engine_memory_defaults_follow_the_plan():
                        critic_gpus=1, vllm_gpus=2, reference_fraction=0.25)
     assert memory_utilization(None, colocated) == 0.35 and memory_utilization(None, split) == 0.9
     assert memory_utilization(0.2, colocated) == 0.2
-    assert sleep_level(None, colocated) == 1 and sleep_level(None, split) == 0 and sleep_level(2, split) == 2
+    assert sleep_level(None, colocated) == SLEEP_WHERE_AVAILABLE and sleep_level(None, split) == 0 and sleep_level(2, split) == 2
 
 
 def test_validation_checks_memory_against_the_planned_share():

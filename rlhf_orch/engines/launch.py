@@ -52,11 +52,17 @@ def memory_utilization(configured: Optional[float], plan: PlacementPlan) -> floa
     return min(share, WHOLE_GPU_UTILIZATION)
 
 
+# An unset engine.sleep_level on a colocated GPU layout: level 1 where vLLM's platform offers sleep
+# mode, else 0 -- decided in the engine, which knows its platform (Ray logical GPUs on CPU do not).
+SLEEP_WHERE_AVAILABLE = -1
+
+
 def sleep_level(configured: Optional[int], plan: PlacementPlan) -> int:
-    """`engine.sleep_level`, or (null) 1 where engines share GPUs with trainers, else 0."""
+    """`engine.sleep_level`, or (null) `SLEEP_WHERE_AVAILABLE` where engines share GPUs with
+    trainers, else 0."""
     if configured is not None:
         return int(configured)
-    return 1 if plan.layout == "colocated" and plan.total_gpus > 0 else 0
+    return SLEEP_WHERE_AVAILABLE if plan.layout == "colocated" and plan.total_gpus > 0 else 0
 
 
 def cpu_thread_binding(cpus: list[int], tp: int) -> str:

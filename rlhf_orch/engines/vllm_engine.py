@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 
+from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE
 from rlhf_orch.sync.buckets import Bucket, TensorMeta
 from rlhf_orch.sync.group import GroupAddress
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob, RolloutProducer
@@ -31,7 +32,7 @@ class EngineSpec:
     # vLLM's executor for tensor-parallel workers: "ray" on GPUs (workers in the engine's planned
     # bundles, see rlhf_orch.engines.launch), "mp" on CPU (worker processes); None at TP 1.
     distributed_executor_backend: str | None = None
-    sleep_level: int = 0  # vLLM sleep between a rollout and the next weight sync (0: never)
+    sleep_level: int = 0  # vLLM sleep between a rollout and the next weight sync (0: never; -1: where available)
 
 
 #: The vLLM releases this code is written and tested against (the `gpu` extra pins the same range).
@@ -89,6 +90,10 @@ class VLLMEngine(RolloutProducer):
 
         self.index = engine_index
         self.weight_version = 0
+        if spec.sleep_level == SLEEP_WHERE_AVAILABLE:
+            from vllm.platforms import current_platform
+
+            spec = replace(spec, sleep_level=1 if current_platform.is_sleep_mode_available() else 0)
         self.spec = spec
         self._asleep = False
         extra: dict[str, Any] = {}
