@@ -70,7 +70,16 @@ class LocalRayLauncher(RayLauncher):
 
     def _connect(self) -> None:
         with _loopback_node_address():
-            ray.init(**self._init_kwargs(), **self._output.init_kwargs())
+            try:
+                ray.init(**self._init_kwargs(), **self._output.init_kwargs())
+            except RuntimeError as e:
+                # Ray's GCS server did not write its port file in time (seen on a loaded 2-core
+                # box): a start-up race, not a configuration problem. Start once more.
+                if "Timed out waiting for file" not in str(e):
+                    raise
+                print(f"Ray did not start ({e}); starting it again", flush=True)
+                ray.shutdown()
+                ray.init(**self._init_kwargs(), **self._output.init_kwargs())
         node_ip = ray.util.get_node_ip_address()
         if node_ip != LOOPBACK:  # session() shuts Ray down on the way out
             raise RuntimeError(
