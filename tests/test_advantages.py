@@ -35,14 +35,6 @@ def close(actual, expected, atol=1e-6):
     torch.testing.assert_close(actual, expected.to(actual.dtype), atol=atol, rtol=0)
 
 
-def test_gae_still_importable_from_ppo_math():
-    from rlhf_orch.algo import ppo_math
-
-    assert ppo_math.gae_advantages is adv_mod.gae_advantages
-    with pytest.raises(AttributeError):
-        ppo_math.no_such_name  # noqa: B018
-
-
 # --------------------------------------------------------------------------- GRPO / Dr. GRPO
 def test_grpo_two_groups_by_hand():
     # group 0: r = [1, 0, 1, 1]  mean 0.75, r - mean = [0.25, -0.75, 0.25, 0.25]

@@ -109,6 +109,10 @@ MORE_BAD = [
     # rates and coefficients
     (["trainer.weight_decay=-0.1"], "trainer.weight_decay=-0.1"),
     (["algo.entropy_coef=-0.01"], "algo.entropy_coef=-0.01"),
+    (["algo.clip_ratio_c=1.0"], "algo.clip_ratio_c=1.0"),  # the dual-clip bound must exceed 1
+    # every group of one: every advantage 0, the run would train on nothing
+    (["algo=reinforce_pp_baseline", "algo.samples_per_prompt=1", "algo.rollout_batch_size=64"], "algo.samples_per_prompt=1"),
+    (["trainer.optimizer=lion"], "trainer.optimizer='lion'"),
     (["algo=dapo", "algo.overlong_penalty=-1"], "algo.overlong_penalty=-1"),
     (["algo=dapo", "algo.max_gen_batches=0"], "algo.max_gen_batches=0"),
     (["algo.grad_clip=-1"], "algo.grad_clip=-1"),

@@ -89,20 +89,29 @@ def test_openrlhf_jsonl_with_rule_reward_learns_padded(digit_files, tmp_path):
     assert all(r["reward/errors"] == 0 and r["reward/timeouts"] == 0 for r in rows)
 
 
-@pytest.mark.parametrize("layout,transfer", [("verl", "padded"), ("openrlhf", "packed")])
-def test_each_layout_trains_with_each_transfer(digit_files, tmp_path, layout, transfer):
-    # OpenRLHF rows carry no data source: the run names it (data.default_source) for the metrics.
-    keys = ["data.prompt_key=input", "data.label_key=label", "data.default_source=digit_reverse"] if layout == "openrlhf" else []
-    _train(
-        ["experiment=quick", "data=files", f"data.train_files=[{digit_files[layout]['train']}]",
-         f"data.val_files=[{digit_files[layout]['test']}]", *keys, f"transfer={transfer}",
-         "eval.before_train=true", "eval.num_prompts=8"],
-        tmp_path,
-    )
-    rows = _metrics(tmp_path)
-    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the evaluation before training
-    assert "eval/digit_reverse/pass@1" in rows[0]
-    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows[1:])
+def test_packed_and_padded_transfers_train_the_same_dr_grpo_step(digit_files, tmp_path):
+    """The same rollout (same seed) gives the same step-1 loss and gradient norm whether it reaches
+    the trainer packed or padded: Dr. GRPO's seq-mean-token-sum-norm aggregation over packed
+    micro-batches counts sequences, not micro-batches (the packed layout once divided by one
+    "sequence" per micro-batch). Also: veRL parquet + evaluation before training."""
+    rows = {}
+    for transfer in ("padded", "packed"):
+        run_dir = tmp_path / transfer
+        _train(
+            ["experiment=quick", "algo=dr_grpo", "data=files", f"data.train_files=[{digit_files['verl']['train']}]",
+             f"data.val_files=[{digit_files['verl']['test']}]", f"transfer={transfer}",
+             "eval.before_train=true", "eval.num_prompts=8"],
+            run_dir,
+        )
+        rows[transfer] = _metrics(run_dir)
+        assert [r["step"] for r in rows[transfer]] == [0, 1, 2]  # step 0: the evaluation before training
+        assert "eval/digit_reverse/pass@1" in rows[transfer][0]
+        assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows[transfer][1:])
+    padded, packed = rows["padded"][1], rows["packed"][1]
+    assert packed["reward/mean"] == padded["reward/mean"]  # the same rollout
+    assert packed["loss/policy"] != 0.0
+    for key in ("loss/policy", "policy/grad_norm", "policy/clipfrac", "kl"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-7), key
 
 
 # ----------------------------------------------------------------------------- reward model

@@ -1,4 +1,4 @@
-"""PPO math against hand-computed numbers (the arithmetic is written out in the comments)."""
+"""Token-level RL math against hand-computed numbers (the arithmetic is written out in the comments)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,20 @@ import math
 import pytest
 import torch
 
-from rlhf_orch.algo.ppo_math import (
-    gae_advantages,
-    kl_penalty,
-    logprobs_from_logits,
-    masked_mean,
-    masked_whiten,
-    policy_loss,
-    token_rewards,
-    value_loss,
-)
+from rlhf_orch.algo.advantages import gae_advantages
+from rlhf_orch.algo.losses import aggregate_loss, clipped_policy_loss, clipped_value_loss, kl_divergence
+from rlhf_orch.algo.ppo_math import logprobs_from_logits, masked_mean, masked_whiten, token_rewards
+
+
+def policy_loss(logp, old, adv, mask, clip_eps):
+    """PPO's symmetric clip, token mean (the shape of CleanRL's loss)."""
+    loss_mat, stats = clipped_policy_loss(logp, old, adv, mask, clip_eps, clip_eps)
+    return aggregate_loss(loss_mat, mask, "token-mean"), stats
+
+
+def value_loss(values, old, returns, mask, clip_eps):
+    loss_mat, stats = clipped_value_loss(values, old, returns, mask, clip_eps)
+    return aggregate_loss(loss_mat, mask, "token-mean"), stats
 
 
 def t(values, dtype=torch.float32):
@@ -37,16 +41,16 @@ def test_kl_k1_and_k3_by_hand():
     #                              k3: d = 0.5; e^0.5 - 0.5 - 1 = 1.648721 - 1.5 = 0.148721 (k3 >= 0)
     logp = t([[math.log(0.5), -2.0, -1.0]])
     ref = t([[math.log(0.25), -2.0, -0.5]])
-    close(kl_penalty(logp, ref, "k1"), [[0.693147, 0.0, -0.5]])
-    close(kl_penalty(logp, ref, "k3"), [[0.193147, 0.0, 0.148721]])
+    close(kl_divergence(logp, ref, "k1"), [[0.693147, 0.0, -0.5]])
+    close(kl_divergence(logp, ref, "k3"), [[0.193147, 0.0, 0.148721]])
 
 
-def test_unknown_kl_estimator_names_key_value_and_choices():
+def test_unknown_kl_estimator_names_value_and_choices():
     with pytest.raises(ValueError) as err:
-        kl_penalty(t([0.0]), t([0.0]), "k2")
+        kl_divergence(t([0.0]), t([0.0]), "k5")
     message = str(err.value)
-    assert "algo.kl_estimator" in message and "'k2'" in message
-    assert "k1" in message and "k3" in message
+    assert "'k5'" in message
+    assert "k1" in message and "low_var_kl" in message
 
 
 # --------------------------------------------------------------------------- token rewards

@@ -71,6 +71,9 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
     return proc.returncode, out
 
 
+# slow (~195 s on 2 cores): four CLI runs that must own their processes -- the uninterrupted run,
+# one SIGKILLed, one resumed and SIGTERMed, one resumed to the end -- and a vLLM load of the export.
+@pytest.mark.slow
 def test_sigkill_then_sigterm_then_resume_gives_the_uninterrupted_run_bit_for_bit(tmp_path):
     whole = tmp_path / "whole"
     rc, out = _finish(_start(whole))
@@ -132,6 +135,9 @@ def test_sigkill_then_sigterm_then_resume_gives_the_uninterrupted_run_bit_for_bi
     assert "GENERATED" in gen.stdout, gen.stderr[-3000:]
 
 
+# slow (~80 s): two runs (uninterrupted and stopped + resumed) of two ZeRO-3 ranks with one-step-off
+# overlap, each its own Ray session: resume must restore what only a fresh process can prove.
+@pytest.mark.slow
 def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path):
     """ZeRO-3 over two policy ranks, and pipeline=one_step_off: the step-1 checkpoint carries step
     2's rollout, generated ahead with the initial weights; the resumed run trains on that very

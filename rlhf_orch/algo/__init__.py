@@ -1,9 +1,11 @@
 """RLHF algorithms as pure tensor math.
 
-`ppo_math`: masked reductions, KL estimators k1/k3, token rewards, PPO's policy and value losses,
-log-probs. `advantages`: GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++(-baseline), DAPO's overlong
-penalty and dynamic-sampling filter. `losses`: loss aggregation (veRL's modes, data-parallel
-denominators), the decoupled-clip policy loss, KL estimators k1/k2/k3, entropy, TIS weights.
+One home per formula. `ppo_math`: masked reductions, token rewards, log-probs. `advantages`: GAE,
+GRPO / Dr. GRPO, RLOO, REINFORCE++(-baseline), DAPO's overlong penalty and dynamic-sampling
+filter. `losses`: loss aggregation (veRL's modes, data-parallel denominators, packed sequences),
+the policy loss (decoupled and dual clip, TIS), the value loss, KL estimators k1/k2/k3, entropy.
+`estimators`: the `algo` options built from them. `oracle`: one whole training update written
+plainly, the specification the distributed trainer is tested against.
 """
 
 from rlhf_orch.algo.advantages import (
@@ -24,37 +26,33 @@ from rlhf_orch.algo.losses import (
     aggregate_loss,
     aggregation_weights,
     clipped_policy_loss,
+    clipped_value_loss,
     entropy_from_logits,
     kl_divergence,
     loss_denominator,
     truncated_is_weights,
 )
 from rlhf_orch.algo.ppo_math import (
-    KL_ESTIMATORS,
-    kl_penalty,
     last_token_onehot,
     logprobs_from_logits,
     masked_mean,
     masked_var,
     masked_whiten,
-    policy_loss,
     token_rewards,
-    value_loss,
 )
 
 __all__ = [
     "KL_DIVERGENCE_ESTIMATORS",
-    "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "aggregate_loss",
     "aggregation_weights",
     "clipped_policy_loss",
+    "clipped_value_loss",
     "dynamic_sampling_keep",
     "entropy_from_logits",
     "gae_advantages",
     "grpo_advantages",
     "kl_divergence",
-    "kl_penalty",
     "last_token_onehot",
     "logprobs_from_logits",
     "loss_denominator",
@@ -64,12 +62,10 @@ __all__ = [
     "masked_whiten",
     "outcome_to_tokens",
     "overlong_reward_penalty",
-    "policy_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_returns",
     "rloo_advantages",
     "token_rewards",
     "truncated_is_weights",
-    "value_loss",
     "whiten_with_moments",
 ]

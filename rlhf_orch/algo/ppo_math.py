@@ -1,4 +1,9 @@
-"""Token-level PPO math for language models, in one place (after CleanRL's `ppo.py`).
+"""Token-level primitives every RL estimator and loss is written with (after CleanRL's `ppo.py`).
+
+Masked reductions, the per-token reward of a sequence score, and log-probs from logits. The
+formulas built on them have one home each: advantage estimators in `advantages`, losses, KL
+estimators and loss aggregation in `losses`; `rlhf_orch.algo.oracle` is the one-update
+specification they are checked against. This module imports neither (no circle).
 
 Conventions
 -----------
@@ -17,8 +22,6 @@ and must contribute nothing.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -65,33 +68,6 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return torch.where(keep, whitened, torch.zeros_like(whitened))
 
 
-# --------------------------------------------------------------------------- KL to the reference
-def _kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    # Unbiased, can be negative per token: log pi(a) - log pi_ref(a).
-    return logprobs - ref_logprobs
-
-
-def _kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    # Schulman's k3: r - log r - 1 with r = pi_ref/pi. Unbiased, always >= 0, lower variance.
-    log_ratio = ref_logprobs - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1.0
-
-
-KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": _kl_k1, "k3": _kl_k3}
-
-
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs (same shape as inputs)."""
-    try:
-        estimate = KL_ESTIMATORS[estimator]
-    except KeyError:
-        raise ValueError(
-            f"algo.kl_estimator={estimator!r} is not a known KL estimator; "
-            f"allowed values: {sorted(KL_ESTIMATORS)}"
-        ) from None
-    return estimate(logprobs, ref_logprobs)
-
-
 # --------------------------------------------------------------------------- rewards
 def last_token_onehot(mask: Tensor) -> Tensor:
     """Bool `[B, T]`, True at each row's last masked position; an all-zero row has none."""
@@ -112,63 +88,6 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> T
     penalty = torch.where(keep, -kl_coef * kl, torch.zeros_like(kl))
     at_last = last_token_onehot(keep)
     return penalty + at_last.to(penalty.dtype) * scores.to(penalty.dtype).unsqueeze(-1)
-
-
-# `gae_advantages` lives in `rlhf_orch.algo.advantages` with the other advantage estimators and is
-# re-exported from here (see `__getattr__` at the end of this module).
-
-
-# --------------------------------------------------------------------------- losses
-def policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_eps: float
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate, masked mean over tokens.
-
-        ratio = exp(logp - logp_old)
-        loss  = mean( max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps)) )
-
-    Stats (detached 0-dim tensors, so callers can all-reduce them without a host sync):
-    `clipfrac` -- fraction of tokens where the clipped term was chosen (gradient is zero there);
-    `approx_kl` -- k3 estimate of KL(old || new), `(ratio - 1) - log ratio`, as in CleanRL.
-    """
-    keep = mask.bool()
-    zero = torch.zeros_like(logprobs)
-    # Sanitise before exp: padding may hold -inf log-probs.
-    log_ratio = torch.where(keep, logprobs - old_logprobs, zero)
-    advantages = torch.where(keep, advantages, zero)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    loss = masked_mean(torch.maximum(unclipped, clipped), keep)
-    with torch.no_grad():
-        stats = {
-            "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), keep),
-            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, keep),
-        }
-    return loss, stats
-
-
-def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_eps: float
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped value loss: `0.5 * mean( max((V - R)^2, (V_clip - R)^2) )`, masked.
-
-    `V_clip = V_old + clip(V - V_old, -eps, eps)` keeps the critic from moving far from the values
-    the advantages were computed with. Stat `vf_clipfrac`: fraction of tokens where the clipped
-    term was the larger one (detached 0-dim tensor).
-    """
-    keep = mask.bool()
-    zero = torch.zeros_like(values)
-    values = torch.where(keep, values, zero)
-    old_values = torch.where(keep, old_values, zero)
-    returns = torch.where(keep, returns, zero)
-    values_clipped = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
-    unclipped_sq = (values - returns) ** 2
-    clipped_sq = (values_clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_sq, clipped_sq), keep)
-    with torch.no_grad():
-        stats = {"vf_clipfrac": masked_mean((clipped_sq > unclipped_sq).to(values.dtype), keep)}
-    return loss, stats
 
 
 # --------------------------------------------------------------------------- log-probs
@@ -207,13 +126,3 @@ def logprobs_from_logits(
     if not chunks:  # zero positions
         return flat_logits.new_zeros(tokens.shape, dtype=torch.float32)
     return torch.cat(chunks).reshape(tokens.shape)
-
-
-def __getattr__(name: str):
-    # `from rlhf_orch.algo.ppo_math import gae_advantages` keeps working. Resolved lazily (PEP 562)
-    # because `advantages` imports this module's primitives: an eager import here would be a cycle.
-    if name == "gae_advantages":
-        from rlhf_orch.algo.advantages import gae_advantages
-
-        return gae_advantages
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -327,6 +327,8 @@ class AlgoConfig:
     # Policy loss: PPO's clipped surrogate with a decoupled range [1 - clip_low, 1 + clip_high].
     clip_low: float = 0.2
     clip_high: float = 0.2
+    # Dual-clip PPO: a token with A < 0 loses at most -A * clip_ratio_c (> 1; veRL/OpenRLHF use 3). null = off.
+    clip_ratio_c: Optional[float] = None
     # "token-mean", "seq-mean-token-sum", "seq-mean-token-mean" or "seq-mean-token-sum-norm".
     loss_agg: str = "token-mean"
     loss_agg_norm_len: int = 0  # seq-mean-token-sum-norm's constant; 0 = data.response_max_len
@@ -358,6 +360,11 @@ class AlgoConfig:
     def needs_reference(self) -> bool:
         """A reference model is placed and run only when a KL term uses it."""
         return self.kl_in_reward or self.kl_in_loss
+
+    @property
+    def compares_group_samples(self) -> bool:
+        """Each sample is judged against the other samples of its prompt (a group of one has none)."""
+        return self.group_estimator
 
 
 @dataclass
@@ -408,6 +415,10 @@ class ReinforcePPConfig(AlgoConfig):
     gamma: float = 1.0
     group_baseline: bool = False  # reinforce_pp_baseline: subtract the prompt group's mean score first
 
+    @property
+    def compares_group_samples(self) -> bool:
+        return self.group_baseline
+
 
 @dataclass
 class DAPOConfig(GRPOConfig):
@@ -443,6 +454,7 @@ class TrainerConfig:
 
     zero_stage: int = 0
     weight_decay: float = 0.0
+    optimizer: str = "adamw"  # "adamw" (betas 0.9, 0.95) or "sgd" (plain: the update is lr x gradient)
     seed: int = 1
 
 

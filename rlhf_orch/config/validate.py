@@ -258,6 +258,8 @@ RANGES: tuple[Range, ...] = (
     reals("algo.grad_clip", 0, why="gradient-norm clipping; 0 = off"),
     *(reals(f"algo.{k}", 0, 1, lo_open=True, hi_open=True, why="typically 0.2 (DAPO: clip_high 0.28)")
       for k in ("clip_low", "clip_high")),
+    Range("algo.clip_ratio_c", lambda v: v is None or (_is_real(v) and v > 1),
+          "null (off) or > 1, the dual-clip bound on a negative advantage's loss (veRL, OpenRLHF: 3)", nullable=True),
     ints("algo.loss_agg_norm_len", 0, "0 = data.response_max_len"),
     reals("algo.entropy_coef", 0),
     Range("algo.tis_cap", lambda v: v is None or (_is_real(v) and v >= 1),
@@ -277,7 +279,8 @@ RANGES: tuple[Range, ...] = (
     reals("eval.pass_threshold", why="a sample passes when its score reaches it"),
     # ---- trainer
     choice("trainer.zero_stage", (0, 1, 2, 3), "DeepSpeed ZeRO stages are 0, 1, 2 or 3"),
-    reals("trainer.weight_decay", 0, why="AdamW weight decay, typically 0-0.1"),
+    reals("trainer.weight_decay", 0, why="weight decay, typically 0-0.1"),
+    choice("trainer.optimizer", ("adamw", "sgd"), "use 'adamw' (the default) or 'sgd' (plain, no momentum)"),
     ints("trainer.seed", 0, _SEED_WHY, hi=_SEED_MAX),
     # ---- engine
     reals("engine.kv_cache_gb", 0, lo_open=True, why="GiB of KV cache per CPU engine", when=_gpu_layout),
@@ -518,12 +521,13 @@ def _algorithm(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Probl
         )
     elif a.kl_estimator not in KL_DIVERGENCE_ESTIMATORS:
         problems.append(Problem("algo.kl_estimator", a.kl_estimator, f"use one of {', '.join(KL_DIVERGENCE_ESTIMATORS)}"))
-    if a.group_estimator and a.samples_per_prompt < 2:
+    if a.compares_group_samples and a.samples_per_prompt < 2:
         problems.append(
             Problem(
                 "algo.samples_per_prompt",
                 a.samples_per_prompt,
-                "a group estimator compares the samples of one prompt: use >= 2 (typically 4-16)",
+                "this algorithm compares the samples of one prompt (a group of one has advantage 0 and "
+                "trains on nothing): use >= 2 (typically 4-16)",
             )
         )
     if a.group_estimator and a.kl_placement == "in_reward":

@@ -33,6 +33,7 @@ from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
 from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.sync.base import SyncReport, WeightSync
+from rlhf_orch.trainer.metrics import trainer_metrics
 from rlhf_orch.transfer.base import Delivery, GroupFilter, HeldRollout, RolloutRequest, RolloutTransfer, Route
 
 
@@ -351,9 +352,6 @@ class TrainLoop:
         report = self.last_sync
         response_tokens = sum(delivery.meta.response_lens)
 
-        def mean(rows: list[dict[str, float]], key: str) -> float:
-            return sum(r[key] for r in rows) / max(len(rows), 1)
-
         metrics: dict[str, Any] = {
             "step": step,
             "weight_version": self.version,
@@ -363,9 +361,6 @@ class TrainLoop:
             "rollout/samples": len(rewards),
             "reward/errors": delivery.meta.reward_errors,
             "reward/timeouts": delivery.meta.reward_timeouts,
-            "loss/policy": mean(policy_stats, "policy_loss"),
-            "policy/clipfrac": mean(policy_stats, "clipfrac"),
-            "policy/approx_kl": mean(policy_stats, "approx_kl"),
             "response/mean_len": response_tokens / len(rewards),
             "response/max_len": max(delivery.meta.response_lens),
             "transfer/wire_bytes": delivery.wire_bytes,
@@ -383,20 +378,7 @@ class TrainLoop:
         if staleness:
             metrics["rollout/staleness_max"] = max(staleness)
             metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness)
-        metrics["advantages/abs_max"] = float(torch.tensor([r["advantages_abs_max"] for r in exp_stats]).max())
-        if "grad_norm" in policy_stats[0]:
-            metrics["policy/grad_norm"] = float(torch.tensor([r["grad_norm"] for r in policy_stats]).max())
-        if critic_stats and "grad_norm" in critic_stats[0]:
-            metrics["critic/grad_norm"] = float(torch.tensor([r["grad_norm"] for r in critic_stats]).max())
-        if self.algo.needs_reference:
-            metrics["kl"] = mean(exp_stats, "kl")
-        if critic_stats:
-            metrics["values/mean"] = mean(exp_stats, "values_mean")
-            metrics["loss/value"] = mean(critic_stats, "value_loss")
-            metrics["critic/vf_clipfrac"] = mean(critic_stats, "vf_clipfrac")
-        for key, name in (("kl_loss", "loss/kl"), ("entropy", "policy/entropy"), ("tis_weight", "policy/tis_weight"), ("tis_capped", "policy/tis_capped_frac")):
-            if key in policy_stats[0]:
-                metrics[name] = mean(policy_stats, key)
+        metrics.update(trainer_metrics(exp_stats, policy_stats, critic_stats, self.algo.needs_reference))
         if delivery.dropped_groups is not None:
             metrics["sampling/dropped_groups"] = delivery.dropped_groups
             metrics["sampling/rounds"] = delivery.rounds

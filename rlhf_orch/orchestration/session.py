@@ -53,6 +53,7 @@ def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id:
             clip_eps=getattr(a, "value_clip_eps", 0.2),  # the critic's value clip (the policy's clips are in algo)
             ppo_epochs=a.ppo_epochs,
             seed=t.seed,
+            optimizer=t.optimizer,
         )
 
     specs = {"actor": spec("actor", a.actor_lr)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import numbers
 import operator
 import re
 from typing import Any, Mapping, Optional
@@ -46,24 +47,26 @@ class DigitReverseRule(RewardFunction):
 
 
 # ----------------------------------------------------------------------------- GSM8K
-# veRL (verl/utils/reward_score/gsm8k.py): strict wants "#### <number>", flexible the last number.
+# veRL's scorer (verl/utils/reward_score/gsm8k.py, compute_score/extract_solution; checked against verl
+# 0.9.1 and volcengine/verl@b178a3cd): only the last 300 characters are searched; strict takes the
+# number after the last "#### " and drops its "," (a "$" cannot be inside the match); flexible takes the
+# last run of digits/"."/"," with an optional "-" exactly as written, skipping runs that are only ".".
 _GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 _GSM8K_FLEXIBLE = re.compile(r"(\-?[0-9\.\,]+)")
-# veRL searches only the tail: regexes on very long responses are slow and the answer comes last.
-_GSM8K_CLIP_CHARS = 300
-
-
-def _gsm8k_normalize(text: str) -> str:
-    return text.replace(",", "").replace("$", "").strip()
+_GSM8K_CLIP_CHARS = 300  # veRL: regexes on very long responses are slow and the answer comes last
+_GSM8K_NOT_AN_ANSWER = ("", ".")  # veRL's `invalid_str` for flexible extraction
 
 
 class GSM8KRule(RewardFunction):
-    """GSM8K with veRL's scorer semantics (ReFT, Luong et al. 2024): `score` for the right number,
-    `format_score` for a wrong one that was found, 0 when none was found.
+    """GSM8K exactly as veRL's `gsm8k.compute_score` scores it (ReFT, Luong et al. 2024): `score` when
+    the extracted answer equals the label, `format_score` when an answer was extracted but differs,
+    0 when none was extracted.
 
-    Both the extracted answer and the label are compared as text after removing "," and "$"
-    (veRL strips them from the extracted strict answer; doing it on both sides also accepts labels
-    written "1,000" or "$18"). Flexible extraction skips matches that are only punctuation.
+    The response alone is veRL's `solution_str` (its reward manager decodes only the response). The
+    comparison is of text, as in veRL: "18.0", "18." or (flexible) "1,000" do not equal the label "18" /
+    "1000", and the label is used as written (a label "1,000" or "$18" never equals a strict answer).
+    The one departure: a label given as a number is compared as its text (18 and 18.0 as "18"), where
+    veRL, which compares against the raw ground truth, would never match a non-string label.
     """
 
     name = "gsm8k"
@@ -77,19 +80,20 @@ class GSM8KRule(RewardFunction):
         self.correct_score = check_number("score", score)
 
     def extract(self, text: str) -> Optional[str]:
-        """The answer the response gives (normalized), or None when it gives none."""
+        """The answer text the response gives (veRL's `extract_solution`), or None when it gives none."""
         text = text[-_GSM8K_CLIP_CHARS:]
         if self.method == "strict":
             found = _GSM8K_STRICT.findall(text)
-            return _gsm8k_normalize(found[-1]) if found else None
-        for candidate in reversed(_GSM8K_FLEXIBLE.findall(text)):
-            candidate = _gsm8k_normalize(candidate)
-            if candidate not in ("", "."):
-                return candidate
-        return None
+            return found[-1].replace(",", "") if found else None
+        found = _GSM8K_FLEXIBLE.findall(text)
+        if not found:
+            return None
+        # The last match that is not just "."; when every match is ".", veRL's loop variable is left at
+        # the first match, so "." itself is the answer (a wrong one: `format_score`, not 0).
+        return next((m for m in reversed(found) if m not in _GSM8K_NOT_AN_ANSWER), found[0])
 
     def score(self, prompt: Prompt, response: Response) -> float:
-        label = _gsm8k_normalize(_label_text(prompt.label, self.name))
+        label = _label_text(prompt.label, self.name)
         answer = self.extract(response.text)
         if answer is None:
             return 0.0
@@ -157,72 +161,177 @@ class MathVerifyRule(RewardFunction):
 
 
 # ----------------------------------------------------------------------------- Countdown
-# TinyZero (verl/utils/reward_score/countdown.py): the response ends with <answer>equation</answer>.
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>")
-_EQUATION_CHARS = re.compile(r"^[\d+\-*/().\s]+$")
-_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-_UNARY_OPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+# TinyZero's scorer (Jiayi-Pan/TinyZero verl/utils/reward_score/countdown.py @4d92412e, compute_score and
+# the extract_solution / validate_equation / evaluate_equation it calls), re-implemented without `eval`.
+_ASSISTANT_MARKERS = ("Assistant:", "<|im_start|>assistant")  # tried in this order, the first occurrence
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>")  # no DOTALL: a tag never spans lines
+_EQUATION_CHARS = re.compile(r"^[\d+\-*/().\s]+$")  # TinyZero's allowed_pattern (\d, \s: any Unicode)
+_COUNTDOWN_TOLERANCE = 1e-5
+# An integer power whose result would exceed this many bits is refused (the equation scores
+# `format_score`) instead of computed: TinyZero's eval would grind through `99 ** (98 * 97 * 96)` for
+# hours. A power of 2**22 bits (~1.26 million digits) takes at most ~0.3 s on one core.
+_MAX_POWER_BITS = 1 << 22
 
 
-def countdown_answer(text: str) -> Optional[str]:
-    """The content of the last <answer>...</answer> (stripped), or None.
+def countdown_answer(solution: str) -> Optional[str]:
+    """The equation in the last <answer>...</answer> of the last line after the assistant's turn, stripped;
+    None when there is none. TinyZero's `extract_solution`, step by step:
 
-    As in TinyZero, anything before "Assistant:" / "<|im_start|>assistant" is dropped (a prompt echoed
-    in front must not provide the answer); unlike TinyZero, a response with neither marker is read
-    whole (our responses never include the prompt) and the tag may be on any line, not only the last.
+    - everything up to the first "Assistant:" is dropped, or, when the text has no "Assistant:", up to
+      the first "<|im_start|>assistant"; a text with neither has no answer (the example tag in the
+      prompt's user turn is never read);
+    - only the last line ("\\n"-separated) is searched: a response that ends with a newline, or says
+      anything on a line after its tag, has no answer;
+    - of the tags on that line, the last one counts.
     """
-    if "Assistant:" in text:
-        text = text.split("Assistant:", 1)[1]
-    elif "<|im_start|>assistant" in text:
-        text = text.split("<|im_start|>assistant", 1)[1]
-    found = _ANSWER_TAG.findall(text)
+    for marker in _ASSISTANT_MARKERS:
+        if marker in solution:
+            solution = solution.split(marker, 1)[1]
+            break
+    else:
+        return None
+    found = _ANSWER_TAG.findall(solution.split("\n")[-1])
     return found[-1].strip() if found else None
 
 
-def _eval_node(node: ast.AST) -> float:
-    if isinstance(node, ast.Expression):
-        return _eval_node(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
-        return _BINARY_OPS[type(node.op)](_eval_node(node.left), _eval_node(node.right))
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
-        return _UNARY_OPS[type(node.op)](_eval_node(node.operand))
-    raise ValueError(f"not allowed in a countdown equation: {ast.dump(node)[:60]}")
+def uses_each_number_once(equation: str, given: list[int]) -> bool:
+    """TinyZero's `validate_equation`: the digit runs of the equation, read as integers, are exactly the
+    given numbers as a multiset ("2.5" reads as 2 and 5, "02" as 2, Unicode digits as their values)."""
+    try:
+        used = sorted(int(run) for run in re.findall(r"\d+", equation))
+    except ValueError:  # a run beyond Python's int-from-text limit (4300 digits): TinyZero answers False
+        return False
+    return used == sorted(given)
 
 
-def evaluate_equation(equation: str) -> Optional[float]:
-    """The value of an arithmetic equation, or None when it is not one or cannot be evaluated.
+class _NotArithmetic(ValueError):
+    """Something eval would run but that is not arithmetic on numbers (a call, `()`, `...`)."""
 
-    Never `eval`: only digits, + - * / ( ) . and spaces pass the character check, and the parsed tree
-    may hold only numbers, + - * / and unary signs. `**` passes TinyZero's character check but is
-    refused here (not a countdown operation, and `9**9**9` would hang the scorer).
+
+class _TooLarge(ArithmeticError):
+    """An integer power above _MAX_POWER_BITS."""
+
+
+def _power(base: Any, exponent: Any) -> Any:
+    if (
+        type(base) is int
+        and type(exponent) is int
+        and abs(base) > 1
+        and exponent * (abs(base).bit_length() - 1) > _MAX_POWER_BITS
+    ):
+        raise _TooLarge(f"{base} ** {exponent}")
+    return operator.pow(base, exponent)
+
+
+# Every operator the allowed characters can spell, with Python's semantics (int stays int, / is true
+# division, // floor division, ** may give a float or a complex number).
+_BINARY_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Pow: _power,
+}
+_UNARY_OPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def _evaluate_tree(root: ast.AST) -> Any:
+    """Post-order evaluation with an explicit stack (an answer of 2,000 nested unary minus signs parses,
+    and eval computes it; a recursive walk would not)."""
+    values: list = []
+    stack: list = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            values.append(node.value)
+        elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+            if children_done:
+                right = values.pop()
+                values.append(_BINARY_OPS[type(node.op)](values.pop(), right))
+            else:
+                stack += [(node, True), (node.right, False), (node.left, False)]
+        elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
+            if children_done:
+                values.append(_UNARY_OPS[type(node.op)](values.pop()))
+            else:
+                stack += [(node, True), (node.operand, False)]
+        else:
+            raise _NotArithmetic(f"not arithmetic: {ast.dump(node)[:60]}")
+    return values[0]
+
+
+def evaluate_equation(equation: str) -> Any:
+    """The value of the equation as TinyZero's `evaluate_equation` computes it (an int, float or complex
+    number), or None where TinyZero's gives None.
+
+    TinyZero checks the characters against `^[\\d+\\-*/().\\s]+$` and then calls `eval` with no builtins;
+    here the same text is parsed by the same parser (`ast.parse`, so what is a syntax error there is one
+    here) and the tree is computed by hand, with Python's own operators. Whatever those characters can
+    spell besides numbers, + - * / // ** and signs (a call such as "(2)(3)", an empty tuple "()", "...")
+    can only end in an error or a non-number in TinyZero, so it gives None here without being run.
+    One deliberate difference: an integer power above 2**22 bits gives None instead of being computed.
     """
     if not _EQUATION_CHARS.match(equation):
         return None
     try:
-        return float(_eval_node(ast.parse(equation.strip(), mode="eval")))
-    except (ValueError, SyntaxError, ZeroDivisionError, OverflowError, RecursionError, MemoryError, TypeError):
+        # eval drops leading spaces and tabs before parsing; ast.parse would call them an indent.
+        tree = ast.parse(equation.lstrip(" \t"), mode="eval")
+        return _evaluate_tree(tree.body)
+    except (SyntaxError, ValueError, ArithmeticError, TypeError, RecursionError, MemoryError):
         return None
 
 
-def _countdown_label(label: Any) -> tuple[float, list[int]]:
+def _label_number(value: Any, what: str, *, integer: bool) -> Any:
+    if isinstance(value, str):
+        for parse in (int, float):
+            try:
+                value = parse(value)
+                break
+            except ValueError:
+                continue
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = float(value)
+        if not integer:
+            return value
+        if value.is_integer():
+            return int(value)
+    kind = "an integer" if integer else "a number"
+    raise ValueError(f"countdown label: {what} must be {kind}, got {value!r}")
+
+
+def _countdown_label(label: Any) -> tuple[Any, list[int]]:
     if isinstance(label, str):
         try:
             label = json.loads(label)
         except json.JSONDecodeError as exc:
             raise ValueError(f"countdown label is not JSON: {label[:80]!r}") from exc
-    if not isinstance(label, Mapping) or "target" not in label or "numbers" not in label:
+    key = "numbers" if isinstance(label, Mapping) and "numbers" in label else "nums"
+    if not isinstance(label, Mapping) or "target" not in label or key not in label:
         raise ValueError(f"countdown needs a label {{'target': int, 'numbers': [int, ...]}}, got {label!r}")
-    return float(label["target"]), sorted(int(n) for n in label["numbers"])
+    target = _label_number(label["target"], "target", integer=False)
+    return target, [_label_number(n, key, integer=True) for n in label[key]]
 
 
 class CountdownRule(RewardFunction):
-    """Countdown (TinyZero, Pan et al. 2025): combine `numbers`, each exactly once, with + - * / to hit
-    `target`. `score` for a correct equation, `format_score` for an answer tag holding a wrong or
-    invalid equation, 0 without an answer tag.
+    """Countdown exactly as TinyZero's `countdown.compute_score` scores it (Pan et al. 2025): combine the
+    given numbers, each exactly once, to hit the target. `score` when the answer's equation uses the
+    numbers exactly once and its value is within 1e-5 of the target; `format_score` when there is an
+    answer but it uses other numbers, cannot be evaluated, or misses; 0 when there is no answer.
 
-    The label is `{"target": int, "numbers": [int, ...]}` or that as a JSON string.
+    TinyZero's `solution_str` is the prompt and the response decoded together (its RewardManager decodes
+    the prompt's and the response's token ids as one sequence), so the text scored here is `prompt.text +
+    response.text`: the templated prompt (TinyZero's base template ends "Assistant: Let me solve this
+    step by step.\\n<think>") followed by the response. The special tokens TinyZero's decode keeps (an EOS
+    after the answer) never hold a newline or a tag, so skipping them changes nothing. As in TinyZero,
+    a prompt template without "Assistant:" or "<|im_start|>assistant" makes every response score 0.
+
+    The label is `{"target": number, "numbers": [int, ...]}` (TinyZero's ground truth; `"nums"`, the
+    Countdown-Tasks-3to4 column our data options copy into the label, is read too), or that as a JSON
+    string. Deliberate differences: equations are never `eval`-ed, and an integer power above 2**22 bits
+    scores `format_score` instead of being computed (see `evaluate_equation`).
     """
 
     name = "countdown"
@@ -232,15 +341,17 @@ class CountdownRule(RewardFunction):
         self.correct_score = check_number("score", score)
 
     def score(self, prompt: Prompt, response: Response) -> float:
-        target, numbers = _countdown_label(prompt.label)
-        equation = countdown_answer(response.text)
+        target, numbers_given = _countdown_label(prompt.label)
+        equation = countdown_answer(prompt.text + response.text)
         if equation is None:
             return 0.0
-        # Every given number exactly once (TinyZero: the integers in the text as a multiset).
-        used = re.findall(r"\d+", equation)
-        if any(len(n) > 64 for n in used) or sorted(int(n) for n in used) != numbers:
+        if not uses_each_number_once(equation, numbers_given):
             return self.format_score
         value = evaluate_equation(equation)
-        if value is None or abs(value - target) >= 1e-5:
+        if value is None:
             return self.format_score
-        return self.correct_score
+        try:
+            hit = abs(value - target) < _COUNTDOWN_TOLERANCE  # NaN (inf - inf) misses, as in TinyZero
+        except (ArithmeticError, TypeError):  # e.g. an int too large for a float target: TinyZero's except
+            hit = False
+        return self.correct_score if hit else self.format_score

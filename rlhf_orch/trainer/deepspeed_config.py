@@ -23,6 +23,9 @@ def deepspeed_config(
         "zero_optimization": {"stage": zero_stage},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # ZeRO wraps any torch optimizer; DeepSpeed asks for this flag for those it did not test
+        # (trainer.optimizer=sgd).
+        "zero_allow_untested_optimizer": True,
     }
     if dtype == "bfloat16":
         config["bf16"] = {"enabled": True}

@@ -3,10 +3,11 @@
 Count-based micro-batches give every optimizer step `train_batch / (micro x dp)` equal passes and
 DeepSpeed's own gradient-accumulation counter works. Token-budget micro-batches do not divide
 that way, so the worker drives the boundary itself (`set_gradient_accumulation_boundary`) and
-weights each micro-batch's token-mean loss by `tokens_mb / tokens_step x dp` (tokens_step summed
-over data-parallel ranks; DeepSpeed averages gradients over the dp ranks). The update is then the
-token mean over the optimizer step's sequences, whatever the micro-batch cut -- so the same
-rollout gives the same loss and update under every transfer strategy. Ranks agree on the step
+weights each micro-batch's loss, normalised by its own denominator D_mb (`algo.losses`: action
+tokens for a token mean, sequences for the seq-means), by `D_mb / D_step x dp` (D_step summed over
+data-parallel ranks; DeepSpeed averages gradients over the dp ranks). The update is then the
+aggregation over the optimizer step's sequences, whatever the micro-batch cut -- so the same
+rollout gives the same loss and update under every transfer strategy (`tests/test_oracle_matrix.py`). Ranks agree on the step
 boundaries because the planners give every rank the same number of micro-batches.
 
 Also the row view GAE needs: per-token experience of a packed micro-batch is laid out as
@@ -32,15 +33,22 @@ class OptimizerStepPlan:
     boundaries: frozenset[int]  # positions after which the optimizer steps
     # The loss's normaliser per step, summed over data-parallel ranks: action tokens for a
     # token mean, sequences (x a constant length) for the seq-mean aggregations.
-    step_tokens: tuple[float, ...]
+    step_denominators: tuple[float, ...]
+    step_tokens: tuple[float, ...]  # action tokens per step, summed over ranks (token-mean metrics)
     world_size: int
+    members: tuple[tuple[int, ...], ...] = ()  # per step, this rank's sample indices in it
 
     @property
     def num_steps(self) -> int:
-        return len(self.step_tokens)
+        return len(self.step_denominators)
 
-    def weight(self, position: int, tokens: float) -> float:
-        """Weight of a micro-batch's loss normalised by its own `tokens` (its local denominator)."""
+    def weight(self, position: int, denominator: float) -> float:
+        """Weight of a micro-batch's loss normalised by its own `denominator` (its local D): its
+        share of the step's loss, times the ranks (DeepSpeed averages gradients over them)."""
+        return denominator * self.world_size / max(self.step_denominators[self.step_of[position]], 1e-12)
+
+    def token_weight(self, position: int, tokens: float) -> float:
+        """The same for a token mean over the micro-batch (metrics: clip fraction, KL, entropy)."""
         return tokens * self.world_size / max(self.step_tokens[self.step_of[position]], 1e-12)
 
     def is_boundary(self, position: int) -> bool:
@@ -74,10 +82,13 @@ def plan_optimizer_steps(
     (global_sequences,) = all_reduce_sum([sequences], world_size)
     num_steps = max(1, min(len(mbs), int(round(global_sequences)) // max(train_batch_size, 1)))
     groups = near_equal_ranges(len(mbs), num_steps)
-    local = [sum(denominator(mbs[p]) for p in g) for g in groups]
-    step_tokens = all_reduce_sum(local, world_size)
+    local = [sum(denominator(mbs[p]) for p in g) for g in groups] + [sum(action_tokens(mbs[p]) for p in g) for g in groups]
+    summed = all_reduce_sum(local, world_size)
+    members = tuple(tuple(int(i) for p in g for i in mbs[p].indices.tolist() if i >= 0) for g in groups)
     step_of = tuple(k for k, g in enumerate(groups) for _ in g)
-    return OptimizerStepPlan(step_of, frozenset(g[-1] for g in groups), tuple(step_tokens), world_size)
+    return OptimizerStepPlan(
+        step_of, frozenset(g[-1] for g in groups), tuple(summed[:num_steps]), tuple(summed[num_steps:]), world_size, members
+    )
 
 
 # --------------------------------------------------------------------------- rows for GAE

@@ -15,8 +15,15 @@ from typing import Any
 import torch
 
 from rlhf_orch.algo.estimators import Algorithm, TargetRows
-from rlhf_orch.algo.losses import aggregate_loss, clipped_policy_loss, kl_divergence, loss_denominator, truncated_is_weights
-from rlhf_orch.algo.ppo_math import masked_mean, value_loss
+from rlhf_orch.algo.losses import (
+    aggregate_loss,
+    clipped_policy_loss,
+    clipped_value_loss,
+    kl_divergence,
+    loss_denominator,
+    truncated_is_weights,
+)
+from rlhf_orch.algo.ppo_math import masked_mean
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config
 from rlhf_orch.trainer.forward import (
     load_critic,
@@ -58,6 +65,7 @@ class TrainerSpec:
     ppo_epochs: int
     seed: int
     torch_threads: int = 1
+    optimizer: str = "adamw"  # trainer.optimizer: "adamw" or "sgd" (plain, no momentum)
 
 
 class _Worker(ExperienceInbox):
@@ -79,6 +87,8 @@ class _Worker(ExperienceInbox):
         self._staged: dict[int, list[PaddedBatch | PackedBatch]] = {}
         self.pad_id = spec.pad_id
         self._grad_norms: list[float] = []  # per optimizer step of the current train() call
+        # Per optimizer step of the last train() call: the sample indices this rank trained on in it.
+        self.last_step_members: list[tuple[int, ...]] = []
 
     # ---------------------------------------------------------------- placement introspection
     def placement(self) -> dict[str, Any]:
@@ -127,19 +137,14 @@ class _Worker(ExperienceInbox):
             raise RuntimeError(f"shard {shard}: {sum(mb is None for mb in mbs)} streamed micro-batches never arrived")
         return mbs
 
-    def _step_plan(self, mbs: list[PaddedBatch | PackedBatch]) -> OptimizerStepPlan:
-        """Optimizer steps over `mbs`, and each step's action tokens summed over data-parallel ranks."""
-        return plan_optimizer_steps(mbs, self.spec.train_batch_size, self.world_size)
+    def _accumulate(self, plan: OptimizerStepPlan, position: int, loss: torch.Tensor, weight: float) -> float:
+        """Backward of one micro-batch's loss times its `weight` (`plan.weight`: its share of the
+        step's normaliser over all ranks); the optimizer steps at the step's last micro-batch.
 
-    def _accumulate(self, plan: OptimizerStepPlan, position: int, loss: torch.Tensor, tokens: int) -> float:
-        """Backward of one micro-batch weighted by its share of the step's tokens; step at the boundary.
-
-        The micro-batch loss is a token mean; times tokens / (step tokens over all ranks) x ranks it
-        becomes this micro-batch's share of the step's token mean (DeepSpeed then averages over
-        ranks). So the update is the token mean over the optimizer step's sequences however they
-        were cut into micro-batches -- count-based or token-budget, fixed or varying counts.
+        So the update is the step's loss aggregated over all its sequences however they were cut
+        into micro-batches -- count-based or token-budget, fixed or varying counts. Returns the
+        micro-batch's weighted loss (the step's loss is their sum over positions and ranks / ranks).
         """
-        weight = plan.weight(position, tokens)
         self.engine.set_gradient_accumulation_boundary(plan.is_boundary(position))
         self.engine.backward(loss * weight, scale_wrt_gas=False)
         self.engine.step()
@@ -163,6 +168,26 @@ class _Worker(ExperienceInbox):
             p.requires_grad_(False)
         return sum(p.numel() for p in self.model.parameters())
 
+    def _respec(self, spec: TrainerSpec | None) -> None:
+        if spec is None:
+            return
+        if spec.data_parallel_size != self.world_size:
+            raise ValueError(f"a {self.role} group of {self.world_size} ranks cannot take data_parallel_size={spec.data_parallel_size}")
+        self.spec = spec
+
+    def step_members(self) -> list[tuple[int, ...]]:
+        """Per optimizer step of the last train() call (all epochs), the sample indices this rank
+        trained on in it: which sequences shared a step (the rest of the update is their math)."""
+        return list(self.last_step_members)
+
+    @torch.no_grad()
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """Every weight of the role's model, on CPU: rank 0 returns them, other ranks None (every
+        rank calls: under ZeRO-3 the gather is collective)."""
+        source = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
+        with source.gathered([m.name for m in source.metas()]) as full:
+            return {n: t.detach().to("cpu", copy=True) for n, t in full.items()} if self.rank == 0 else None
+
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str) -> None:
         """DeepSpeed's checkpoint of this role (every rank calls: ZeRO partitions are per rank) and
@@ -185,7 +210,10 @@ class _Worker(ExperienceInbox):
 
         spec = self.spec
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
+        if spec.optimizer == "sgd":  # plain SGD: an update proportional to the gradient (scale errors show)
+            optimizer = torch.optim.SGD(params, lr=lr, weight_decay=spec.weight_decay)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=spec.weight_decay, betas=(0.9, 0.95))
         config = deepspeed_config(
             zero_stage=spec.zero_stage,
             micro_batch_size=spec.micro_batch_size,
@@ -203,7 +231,9 @@ class PolicyWorker(_Worker):
 
     role = "actor"
 
-    def build(self) -> int:
+    def build(self, spec: TrainerSpec | None = None) -> int:
+        """(Re)build the DeepSpeed engine from the checkpoint; `spec` replaces this role's settings."""
+        self._respec(spec)
         model = load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device)
         model.config.use_cache = False
         self.engine = self._ds_engine(model, self.spec.lr)
@@ -262,69 +292,82 @@ class PolicyWorker(_Worker):
         # The largest |advantage| (torch's max keeps a NaN, which the driver's guard then reports).
         row_max = [t.advantages[r.mask.bool()].abs().max() for r, t in zip(target_rows, targets) if r.mask.any()]
         adv_abs_max = float(torch.stack(row_max).max()) if row_max else 0.0
+        # Sums, not means: the driver divides by the tokens of all ranks (`trainer.metrics`).
         stats = {
             "advantages_abs_max": adv_abs_max,
-            "kl": sum(float(torch.where(r.mask.bool(), t.kl, 0).sum()) for r, t in zip(target_rows, targets)) / max(tokens, 1.0),
+            "kl_sum": sum(float(torch.where(r.mask.bool(), t.kl, 0).sum()) for r, t in zip(target_rows, targets)),
             "response_tokens": tokens,
-            "values_mean": (
-                sum(float(torch.where(r.mask.bool(), r.values, 0).sum()) for r in target_rows) / max(tokens, 1.0)
-                if vals is not None
-                else 0.0
+            "values_sum": (
+                sum(float(torch.where(r.mask.bool(), r.values, 0).sum()) for r in target_rows) if vals is not None else 0.0
             ),
         }
         return stats, returns
 
     def train(self, shard: int, algo: Algorithm, norm_len: int) -> dict[str, float]:
-        """`ppo_epochs` passes of the clipped policy loss (+ KL in the loss, - entropy bonus).
+        """`ppo_epochs` passes of the policy loss (clipped surrogate + KL in the loss - entropy).
 
         The loss is aggregated as `algo.loss_agg` says, normalised over each optimizer step's
         whole batch (all micro-batches, all ranks: `plan_optimizer_steps`), so the update does not
-        depend on how the batch was cut. Micro-batches are reshuffled between epochs.
+        depend on how the batch was cut. Micro-batches are reshuffled between epochs (the same
+        permutation on every rank, a new one every step). `rlhf_orch.algo.oracle` is this update
+        written without micro-batches or ranks; `tests/test_oracle_matrix.py` holds the two equal.
         """
         self.engine.train()
         self._grad_norms = []
+        self.last_step_members = []
         mbs = self._micro_batches(shard)
         totals: dict[str, float] = {}
         steps = 0
         for epoch in range(algo.ppo_epochs):
             order = list(range(len(mbs)))
             if epoch:  # the same permutation on every rank: only the count per step must agree
-                order = torch.randperm(len(mbs), generator=torch.Generator().manual_seed(self.spec.seed * 1000 + epoch)).tolist()
+                seed = (self.spec.seed * 1_000_003 + int(self.engine.global_steps)) * 101 + epoch
+                order = torch.randperm(len(mbs), generator=torch.Generator().manual_seed(seed)).tolist()
             epoch_mbs = [mbs[i] for i in order]
             plan = plan_optimizer_steps(
-                epoch_mbs, self.spec.train_batch_size, self.world_size, lambda mb: float(loss_denominator(mb.action_mask, algo.loss_agg, norm_len))
+                epoch_mbs,
+                self.spec.train_batch_size,
+                self.world_size,
+                lambda mb: float(loss_denominator(mb.action_mask, algo.loss_agg, norm_len, mb.sequence_ids)),
             )
             steps += plan.num_steps
+            self.last_step_members += plan.members
             for position, mb in enumerate(epoch_mbs):
-                logprobs, entropy = sequence_logprobs_and_entropy(self.engine, mb, self.spec.temperature, entropy=algo.entropy_coef > 0)
-                mask = mb.action_mask
-                tis = None
-                if algo.tis_cap is not None:
-                    # The engine's log-probs are the behaviour policy (stale under one_step_off).
-                    tis = truncated_is_weights(mb.fields["old_logprobs"], mb.fields[ENGINE_LOGPROBS], mask, algo.tis_cap)
-                loss_mat, stats = clipped_policy_loss(
-                    logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mask, algo.clip_low, algo.clip_high, algo.loss_agg, tis
-                )
-                if tis is not None:
-                    stats["tis_weight"] = masked_mean(tis, mask)
-                    stats["tis_capped"] = masked_mean((tis >= algo.tis_cap * (1 - 1e-6)).to(tis.dtype), mask)
-                if algo.kl_in_loss:
-                    kl = kl_divergence(logprobs, mb.fields["ref_logprobs"], algo.kl_estimator, mask=mask)
-                    loss_mat = loss_mat + algo.kl_coef * kl
-                    stats["kl_loss"] = masked_mean(kl.detach(), mask)
-                if entropy is not None:
-                    loss_mat = loss_mat - algo.entropy_coef * entropy
-                    stats["entropy"] = masked_mean(entropy.detach(), mask)
-                local = float(loss_denominator(mask, algo.loss_agg, norm_len))
-                loss = aggregate_loss(loss_mat, mask, algo.loss_agg, norm_len=norm_len)
-                weight = plan.weight(position, local)
-                totals["policy_loss"] = totals.get("policy_loss", 0.0) + self._accumulate(plan, position, loss, local)
-                for key in ("clipfrac", "approx_kl", "kl_loss", "entropy", "tis_weight", "tis_capped"):
-                    if key in stats:
-                        totals[key] = totals.get(key, 0.0) + float(stats[key]) * weight
+                loss_mat, stats = self._policy_token_loss(mb, algo)
+                local = float(loss_denominator(mb.action_mask, algo.loss_agg, norm_len, mb.sequence_ids))
+                loss = aggregate_loss(loss_mat, mb.action_mask, algo.loss_agg, denominator=local, sequence_ids=mb.sequence_ids)
+                totals["policy_loss"] = totals.get("policy_loss", 0.0) + self._accumulate(plan, position, loss, plan.weight(position, local))
+                # Token means over the step's action tokens, whatever the loss aggregation and the cut.
+                token_weight = plan.token_weight(position, float(mb.action_mask.sum()))
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + float(value) * token_weight
         self.drop_staged()
         # Per optimizer step (normalised as the loss), averaged over steps and epochs.
         return self._with_grad_norm({k: v / max(steps, 1) for k, v in totals.items()})
+
+    def _policy_token_loss(self, mb: PaddedBatch | PackedBatch, algo: Algorithm) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The per-token policy loss of one micro-batch and its token-mean statistics."""
+        logprobs, entropy = sequence_logprobs_and_entropy(self.engine, mb, self.spec.temperature, entropy=algo.entropy_coef > 0)
+        mask = mb.action_mask
+        tis = None
+        if algo.tis_cap is not None:
+            # The engine's log-probs are the behaviour policy (stale under one_step_off).
+            tis = truncated_is_weights(mb.fields["old_logprobs"], mb.fields[ENGINE_LOGPROBS], mask, algo.tis_cap)
+        loss_mat, stats = clipped_policy_loss(
+            logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mask, algo.clip_low, algo.clip_high, algo.loss_agg, tis, algo.clip_ratio_c
+        )
+        stats = {k: stats[k] for k in ("clipfrac", "approx_kl", "clipfrac_dual") if k in stats}
+        if tis is not None:
+            stats["tis_weight"] = masked_mean(tis, mask)
+            stats["tis_capped"] = masked_mean((tis >= algo.tis_cap * (1 - 1e-6)).to(tis.dtype), mask)
+        if algo.kl_in_loss:
+            kl = kl_divergence(logprobs, mb.fields["ref_logprobs"], algo.kl_estimator, mask=mask)
+            loss_mat = loss_mat + algo.kl_coef * kl
+            stats["kl_loss"] = masked_mean(kl.detach(), mask)
+        if entropy is not None:
+            loss_mat = loss_mat - algo.entropy_coef * entropy
+            stats["entropy"] = masked_mean(entropy.detach(), mask)
+        return loss_mat, stats
 
     # ---------------------------------------------------------------- weight sync
     def join_weight_group(self, address, rank: int) -> int:
@@ -404,7 +447,8 @@ class CriticWorker(_Worker):
 
     role = "critic"
 
-    def build(self) -> int:
+    def build(self, spec: TrainerSpec | None = None) -> int:
+        self._respec(spec)
         model = load_critic(self.spec.model_path, self.spec.dtype, self.device).to(self.device)
         self.engine = self._ds_engine(model, self.spec.lr)
         self._old_values: dict[int, list[torch.Tensor]] = {}
@@ -418,6 +462,7 @@ class CriticWorker(_Worker):
         return [v.cpu() for v in vals]
 
     def train(self, returns_by_shard: dict[int, list[torch.Tensor]]) -> dict[str, float]:
+        """`ppo_epochs` passes of the clipped value loss, a token mean over each optimizer step."""
         import ray
 
         self.engine.train()
@@ -428,16 +473,19 @@ class CriticWorker(_Worker):
             for shard, returns in sorted(returns_by_shard.items())
             for mb, old_v, ret in zip(self._micro_batches(shard), self._old_values[shard], returns)
         ]
-        plan = self._step_plan([mb for mb, _, _ in work])
+        plan = plan_optimizer_steps([mb for mb, _, _ in work], self.spec.train_batch_size, self.world_size)
         self._grad_norms = []
+        self.last_step_members = list(plan.members) * self.spec.ppo_epochs
         total, clip = 0.0, 0.0
         for _ in range(self.spec.ppo_epochs):
             for position, (mb, old_v, ret) in enumerate(work):
                 values = sequence_values(self.engine, mb)
-                loss, stats = value_loss(values, old_v, ret.to(self.device), mb.action_mask, self.spec.clip_eps)
-                tokens = int(mb.action_mask.sum())
-                total += self._accumulate(plan, position, loss, tokens)
-                clip += float(stats["vf_clipfrac"]) * plan.weight(position, tokens)
+                loss_mat, stats = clipped_value_loss(values, old_v, ret.to(self.device), mb.action_mask, self.spec.clip_eps)
+                tokens = float(mb.action_mask.sum())
+                loss = aggregate_loss(loss_mat, mb.action_mask, "token-mean")
+                weight = plan.weight(position, tokens)
+                total += self._accumulate(plan, position, loss, weight)
+                clip += float(stats["vf_clipfrac"]) * weight
         self.drop_staged()
         self._old_values.clear()
         steps = plan.num_steps * self.spec.ppo_epochs

@@ -197,6 +197,12 @@ class PaddedBatch:
         return self.action_mask.sum(1)
 
     @property
+    def sequence_ids(self) -> Tensor:
+        """`[B, L-1]`, shaped like `action_mask`: each position's sequence (its row)."""
+        rows = torch.arange(self.input_ids.shape[0], device=self.input_ids.device)
+        return rows[:, None].expand(self.action_mask.shape)
+
+    @property
     def num_tokens(self) -> int:
         """Real (non-padding) tokens."""
         return int(self.attention_mask.sum())
@@ -414,6 +420,14 @@ class PackedBatch:
     # -- sizes
     def __len__(self) -> int:
         return len(self.cu_seqlens) - 1
+
+    @property
+    def sequence_ids(self) -> Tensor:
+        """`[N]`, shaped like `action_mask`: each token's sequence, 0..B-1 (from `cu_seqlens`).
+
+        What a per-sequence reduction over the flat layout needs (`rlhf_orch.algo.losses`)."""
+        lens = self.seq_lens.to(self.input_ids.device)
+        return torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens)
 
     @property
     def seq_lens(self) -> Tensor:

@@ -1,0 +1,64 @@
+"""The trainer's logged metrics of one step, from what each rank returned (pure; the loop and the
+oracle tests read the same definitions).
+
+Every policy statistic is defined per optimizer step and then averaged over the steps of the
+rollout (all `ppo_epochs`): `loss/policy` is the step's loss as back-propagated (aggregated as
+`algo.loss_agg` says, KL and entropy terms included); `policy/clipfrac`, `policy/approx_kl`,
+`loss/kl`, `policy/entropy`, `policy/tis_*` are token means over the step's action tokens
+(whatever the loss aggregation and however the step was cut). Each rank returns its share times
+the number of ranks, so the mean over ranks is the whole step's value. Gradient norms are the
+largest pre-clipping norm of any step. `kl` and `values/mean` are token means over the rollout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+POLICY_KEYS = {
+    "policy_loss": "loss/policy",
+    "clipfrac": "policy/clipfrac",
+    "approx_kl": "policy/approx_kl",
+    "clipfrac_dual": "policy/clipfrac_dual",
+    "kl_loss": "loss/kl",
+    "entropy": "policy/entropy",
+    "tis_weight": "policy/tis_weight",
+    "tis_capped": "policy/tis_capped_frac",
+}
+CRITIC_KEYS = {"value_loss": "loss/value", "vf_clipfrac": "critic/vf_clipfrac"}
+
+
+def _mean(rows: Sequence[dict[str, float]], key: str) -> float:
+    return sum(r[key] for r in rows) / max(len(rows), 1)
+
+
+def _max(rows: Sequence[dict[str, float]], key: str) -> float:
+    # max() over floats drops a NaN when it is not first; the driver's guard must see it.
+    values = [r[key] for r in rows]
+    return float("nan") if any(v != v for v in values) else max(values)
+
+
+def trainer_metrics(
+    exp_stats: Sequence[dict[str, float]],
+    policy_stats: Sequence[dict[str, float]],
+    critic_stats: Sequence[dict[str, float]],
+    uses_reference: bool,
+) -> dict[str, Any]:
+    """`exp_stats` / `policy_stats`: one dict per policy rank (`PolicyWorker.make_experience`,
+    `.train`); `critic_stats`: one per critic rank (empty without a critic)."""
+    metrics: dict[str, Any] = {}
+    for key, name in POLICY_KEYS.items():
+        if key in policy_stats[0]:
+            metrics[name] = _mean(policy_stats, key)
+    if "grad_norm" in policy_stats[0]:
+        metrics["policy/grad_norm"] = _max(policy_stats, "grad_norm")
+    metrics["advantages/abs_max"] = _max(exp_stats, "advantages_abs_max")
+    tokens = max(sum(r["response_tokens"] for r in exp_stats), 1.0)
+    if uses_reference:
+        metrics["kl"] = sum(r["kl_sum"] for r in exp_stats) / tokens
+    if critic_stats:
+        metrics["values/mean"] = sum(r["values_sum"] for r in exp_stats) / tokens
+        for key, name in CRITIC_KEYS.items():
+            metrics[name] = _mean(critic_stats, key)
+        if "grad_norm" in critic_stats[0]:
+            metrics["critic/grad_norm"] = _max(critic_stats, "grad_norm")
+    return metrics
