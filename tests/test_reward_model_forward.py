@@ -18,6 +18,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from rlhf_orch.orchestration.evaluation import eval_metrics
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.trainer.forward import load_reward_model, sequence_scores
+from rlhf_orch.models.tiny import default_warm_start_task
+from rlhf_orch.models.tiny_reward import _collate, training_pairs
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 
 SEQUENCES = [[1, 30, 37, 34, 32, 29, 32, 34, 37, 2], [1, 30, 35, 36, 29, 36], [1, 30, 33, 29], [1, 30, 31, 32, 33, 29, 33, 32, 31, 2]]
@@ -52,15 +54,18 @@ def test_tiny_reward_model_is_a_one_label_classifier_that_prefers_right_answers(
     assert info["held_out_correlation_with_rule"] > 0.3
     tok = AutoTokenizer.from_pretrained(reward_model_path)
     model = AutoModelForSequenceClassification.from_pretrained(reward_model_path, dtype=torch.float32).eval()
-
-    def score(text: str) -> float:
-        ids = tok(text).input_ids + [tok.eos_token_id]
-        with torch.no_grad():
-            return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
-
-    right = [score(f"rev {' '.join(d)} = {' '.join(reversed(d))}") for d in ("314", "9072", "55108")]
-    wrong = [score(f"rev {' '.join(d)} = 0 0 0 0 rev rev") for d in ("314", "9072", "55108")]
-    assert sum(right) / 3 > sum(wrong) / 3
+    # Held-out (prompt, response) pairs of the kinds the task produces (a seed the build never used):
+    # exact answers must score above answers the rule scores 0, on average over dozens of each.
+    # (Three hand-written probes with an out-of-distribution junk answer used to decide this; on
+    # this machine's build they ranked 0.66 vs 0.70 while the held-out means are ~0.67 vs ~0.39.)
+    sequences, targets = training_pairs(default_warm_start_task(), tok, 512, seed=99)
+    with torch.no_grad():
+        ids, mask = _collate(sequences, tok.pad_token_id)
+        scores = model(input_ids=ids, attention_mask=mask).logits[:, 0]
+    targets = torch.tensor(targets)
+    right, wrong = scores[targets == 1.0], scores[targets == 0.0]
+    assert len(right) >= 30 and len(wrong) >= 30
+    assert float(right.mean()) > float(wrong.mean()) + 0.1, (float(right.mean()), float(wrong.mean()))
 
 
 def test_eval_metrics_mean_and_pass_at_k_per_source():
