@@ -162,7 +162,7 @@ def panels_for(rows: list[dict]) -> dict[str, list[Panel]]:
     files["kl"] = [p for p in kl if has(p.lines[0].key)]
 
     loss = [
-        Panel("policy loss", "loss (per-token mean, unitless)", [Line("loss/policy", "loss/policy", "#d62728")]),
+        Panel("policy loss", "loss (as algo.loss_agg aggregates it, unitless)", [Line("loss/policy", "loss/policy", "#d62728")]),
         Panel("value loss", "loss (per-token mean, reward units²)", [Line("loss/value", "loss/value", "#ff7f0e")]),
     ]
     files["loss"] = [p for p in loss if has(p.lines[0].key)]
