@@ -3,8 +3,9 @@ distributed trainer computes.
 
 No Ray, DeepSpeed, packing, micro-batches or data-parallel ranks: one process, the policy (and
 critic) as plain `torch.nn.Module`s run on a right-padded batch, the rollout as Python lists, loops
-over sequences where a loop is the clearest way to say it (CleanRL's style; the papers' names). It shares no code with
-`advantages`, `losses` or the trainer -- only `AlgoConfig`'s field names -- so a test holding the
+over sequences where a loop is the clearest way to say it (CleanRL's style; the papers' names).
+It shares no code with `advantages`, `losses` or the trainer -- only `AlgoConfig`'s field names
+and the estimator classes' names (`ADVANTAGES`) -- so a test holding the
 trainer's result equal to this one checks the combination of strategies (transfer layout,
 micro-batch cut, ranks, epochs) against the algorithm, not the code against itself
 (`tests/test_oracle_matrix.py`).
