@@ -318,6 +318,11 @@ class PolicyWorker(_Worker):
         mbs = self._micro_batches(shard)
         totals: dict[str, float] = {}
         steps = 0
+
+        def denominator(mb: PaddedBatch | PackedBatch) -> float:
+            """The micro-batch's share of its step's loss normaliser (`algo.losses.loss_denominator`)."""
+            return float(loss_denominator(mb.action_mask, algo.loss_agg, norm_len, mb.sequence_ids))
+
         for epoch in range(algo.ppo_epochs):
             order = list(range(len(mbs)))
             if epoch:  # the same permutation on every rank: only the count per step must agree
@@ -328,13 +333,13 @@ class PolicyWorker(_Worker):
                 epoch_mbs,
                 self.spec.train_batch_size,
                 self.world_size,
-                lambda mb: float(loss_denominator(mb.action_mask, algo.loss_agg, norm_len, mb.sequence_ids)),
+                denominator,
             )
             steps += plan.num_steps
             self.last_step_members += plan.members
             for position, mb in enumerate(epoch_mbs):
                 loss_mat, stats = self._policy_token_loss(mb, algo)
-                local = float(loss_denominator(mb.action_mask, algo.loss_agg, norm_len, mb.sequence_ids))
+                local = denominator(mb)
                 loss = aggregate_loss(loss_mat, mb.action_mask, algo.loss_agg, denominator=local, sequence_ids=mb.sequence_ids)
                 totals["policy_loss"] = totals.get("policy_loss", 0.0) + self._accumulate(plan, position, loss, plan.weight(position, local))
                 # Token means over the step's action tokens, whatever the loss aggregation and the cut.
