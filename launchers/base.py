@@ -2,8 +2,11 @@
 
 A launcher only owns the Ray connection. `session()` connects (local: starts) Ray and always
 disconnects on the way out, exceptions included, so Hydra multirun jobs in one process each get a
-clean Ray. Subclasses say how to connect (`_init_kwargs`, or `_connect` when `ray.init` alone is not
-enough) and how many GPUs there are (`gpus_present`).
+clean Ray. With `reuse_session` a run instead joins the Ray session its process already has (a
+notebook, the test suite, several runs from one script: Ray starts once) and leaves it up; the run
+still removes everything it started (actors, placement groups). Subclasses say how to connect
+(`_init_kwargs`, or `_connect` when `ray.init` alone is not enough) and how many GPUs there are
+(`gpus_present`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class RayLauncher(ABC):
         num_cpus: Optional[int] = None,
         address: Optional[str] = None,
         startup_timeout_s: float = 600.0,
+        reuse_session: bool = False,
     ) -> None:
         if logical_gpus < 0:
             raise ValueError(f"launcher.logical_gpus={logical_gpus} must be >= 0")
@@ -41,6 +45,7 @@ class RayLauncher(ABC):
         self.num_cpus = num_cpus
         self.address = address
         self.startup_timeout_s = startup_timeout_s
+        self.reuse_session = reuse_session
         self._output = LibraryOutput(None)  # replaced by each session()
 
     @abstractmethod
@@ -62,20 +67,35 @@ class RayLauncher(ABC):
         Unless `verbose`, what Ray, vLLM and DeepSpeed print stays off the console: it goes to
         <log_dir>/ray_workers.log (`LibraryOutput`; without a log_dir, to Ray's session logs only).
         """
-        if ray.is_initialized():
+        joined = ray.is_initialized()
+        if joined and not self.reuse_session:
             raise RuntimeError(
                 "Ray is already initialised in this process; a launcher session must own its connection "
-                "(call ray.shutdown() first or run the body inside the existing session)"
+                "(call ray.shutdown() first, or set launcher.reuse_session=true to run inside it)"
             )
         self._output = LibraryOutput(log_dir, verbose)
         self._output.start()
         try:
-            self._connect()
+            if joined:
+                self._check_joined()
+            else:
+                self._connect()
             self._output.connected()
             yield self
         finally:
-            ray.shutdown()
+            if not self.reuse_session:
+                ray.shutdown()
             self._output.finish()
+
+    def _check_joined(self) -> None:
+        """The session this run joins must offer the GPUs this launcher was configured with."""
+        offered = int(ray.cluster_resources().get("GPU", 0))
+        if offered < self.gpus_present():
+            raise RuntimeError(
+                f"launcher.reuse_session=true joins this process's Ray session, which offers {offered} GPUs, "
+                f"fewer than the {self.gpus_present()} this run is configured for; start it with more "
+                "(ray.init(num_gpus=...)) or leave launcher.reuse_session=false"
+            )
 
     def placement(self, plan: PlacementPlan) -> RayPlacement:
         """Placement groups for `plan`, waited on for at most `startup_timeout_s` (use as `with`)."""

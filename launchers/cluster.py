@@ -34,6 +34,7 @@ class ClusterRayLauncher(RayLauncher):
         num_cpus: Optional[int] = None,
         address: Optional[str] = "auto",
         startup_timeout_s: float = 600.0,
+        reuse_session: bool = False,
     ) -> None:
         if logical_gpus:
             raise ValueError(
@@ -45,7 +46,7 @@ class ClusterRayLauncher(RayLauncher):
                 f"launcher.num_cpus={num_cpus} cannot be applied to a running cluster: "
                 "give `ray start --num-cpus=N` on each node instead, or use launcher=local"
             )
-        super().__init__(dry_run, logical_gpus, num_cpus, address or "auto", startup_timeout_s)
+        super().__init__(dry_run, logical_gpus, num_cpus, address or "auto", startup_timeout_s, reuse_session)
 
     def gpus_present(self) -> int:
         if ray.is_initialized():

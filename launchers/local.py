@@ -35,13 +35,14 @@ class LocalRayLauncher(RayLauncher):
         num_cpus: Optional[int] = None,
         address: Optional[str] = None,
         startup_timeout_s: float = 600.0,
+        reuse_session: bool = False,
     ) -> None:
         if address not in (None, "local"):
             raise ValueError(
                 f"launcher.address={address!r} joins an existing cluster, which launcher=local never does: "
                 "use launcher=cluster launcher.address=... or leave address null"
             )
-        super().__init__(dry_run, logical_gpus, num_cpus, address, startup_timeout_s)
+        super().__init__(dry_run, logical_gpus, num_cpus, address, startup_timeout_s, reuse_session)
 
     def gpus_present(self) -> int:
         cuda_gpus = _cuda_device_count()

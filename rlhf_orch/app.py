@@ -152,7 +152,7 @@ def _main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
         return 0, None
 
     # heavy imports only when training
-    from rlhf_orch.orchestration.checkpoint import ResumeError
+    from rlhf_orch.checkpoint_dirs import ResumeError
     from rlhf_orch.orchestration.inputs import InputError
     from rlhf_orch.orchestration.session import RunFailed, run_training
     from rlhf_orch.orchestration.signals import SignalAbort

@@ -250,7 +250,9 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     def build(name: str) -> RolloutTransfer:
-        return STRATEGIES[name](max_in_flight=args.max_in_flight, token_budget=args.token_budget)
+        # Each strategy takes its own knob (the others would do nothing for it).
+        knobs = {"micro_batched": {"max_in_flight": args.max_in_flight}, "packed": {"token_budget": args.token_budget}}
+        return STRATEGIES[name](**knobs.get(name, {}))
 
     print(f"seed scenario {args.prompts}x{args.samples}, max_len {max_len}, {args.engines} engines -> "
           f"{args.trainers} trainers, object store {args.object_store_gb:g} GB", flush=True)

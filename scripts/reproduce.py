@@ -248,7 +248,7 @@ def reproduce(name: str, scale: str | None, steps: int, out: Path | None, studie
     return 0 if code == 0 else EXIT_RUN_FAILED
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", nargs="?")
     parser.add_argument("--list", action="store_true", help="list the committed experiments and their published numbers")
@@ -256,7 +256,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps of a scaled run (default 4)")
     parser.add_argument("--out", type=Path, help="run dir (default outputs/reproduce/<name>/<time>)")
     parser.add_argument("--skip-studies", action="store_true", help="skip the systems studies of the two seed experiments")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.list:
         return list_all()
     if not args.experiment:

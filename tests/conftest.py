@@ -35,6 +35,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def digit_files(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """The digit task written as veRL (parquet, chat messages) and OpenRLHF (jsonl, input/label)
+    files: `digit_files[layout][split]` is a path (rlhf_orch.data.export)."""
+    from rlhf_orch.data.export import export_digit_task
+
+    return export_digit_task(tmp_path_factory.mktemp("digits"), train=512, test=32)
+
+
+@pytest.fixture(scope="session")
 def tiny_model():
     """The default `model=tiny` (built once into RLHF_ORCH_CACHE or ~/.cache/rlhf_orch)."""
     cfg = compose_config()
@@ -44,6 +53,43 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tiny_model_path(tiny_model) -> str:
     return tiny_model.path()
+
+
+# Overrides that make an in-process run join the module's Ray session (`shared_ray`) instead of
+# starting and stopping its own: Ray starts once per module, each run still removes its actors.
+SHARED_RAY = ["launcher.reuse_session=true"]
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """One local Ray session (16 logical CPUs, 8 logical GPUs, loopback only) for the in-process
+    runs of a module; they pass `SHARED_RAY`. Tests that must own their processes (signals, kills
+    of the driver, resume in a fresh process) start their own instead."""
+    import ray
+
+    from launchers.local import LocalRayLauncher
+
+    with LocalRayLauncher(logical_gpus=8, reuse_session=True).session():
+        pass  # started, and left up (reuse_session) for the module's runs
+    yield SHARED_RAY
+    ray.shutdown()
+
+
+def all_resources_free(timeout_s: float = 30.0) -> bool:
+    """Nothing a finished run started still holds resources of the shared session (actors,
+    placement groups): every CPU and GPU is free again within `timeout_s` (killing is asynchronous)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        if all(free.get(k, 0) == total.get(k, 0) for k in ("CPU", "GPU")):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,15 +8,8 @@ import random
 import pytest
 import torch
 
-from rlhf_orch.transfer.batch import (
-    ENGINE_LOGPROBS,
-    PackedBatch,
-    PaddedBatch,
-    Sample,
-    plan_token_budget_micro_batches,
-    shard_for_ranks,
-    split_by_count,
-)
+from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, PackedBatch, PaddedBatch, Sample
+from rlhf_orch.transfer.micro_batches import plan_token_budget_micro_batches, shard_for_ranks, split_by_count
 
 PAD = 0
 

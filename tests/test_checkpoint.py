@@ -9,33 +9,24 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from rlhf_orch.logging.base import MetricsFile
-from rlhf_orch.orchestration.checkpoint import (
-    DRIVER_STATE,
-    CheckpointStore,
-    ResumeError,
-    complete_checkpoints,
-    config_drift,
-    engine_seed,
-    find_checkpoint,
-    load_resume,
-    rng_state,
-    run_dir_of,
-    set_rng_state,
-)
+from rlhf_orch.checkpoint_dirs import DRIVER_STATE, CheckpointStore, ResumeError, complete_checkpoints, find_checkpoint, run_dir_of
+from rlhf_orch.orchestration.checkpoint import config_drift, engine_seed, load_driver_state, load_resume
 from rlhf_orch.orchestration.loop import non_finite
+from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
 
 CONFIG = {"model": {"hidden_size": 128}, "algo": {"num_steps": 10, "actor_lr": 1e-4}, "logger": {"_target_": "x"}, "resume": None}
 
 
-def _commit(store: CheckpointStore, step: int, run_dir: Path, config=CONFIG) -> Path:
+def _commit(store: CheckpointStore, step: int, run_dir: Path, config=CONFIG, experiment_name: str = "quick") -> Path:
     tmp = store.begin(step)
     torch.save({"step": step, "config": config, "metrics": [], "data": {}}, tmp / DRIVER_STATE)
-    return store.commit(tmp, step, {"run_dir": str(run_dir)})
+    return store.commit(tmp, step, {"run_dir": str(run_dir), "experiment_name": experiment_name})
 
 
 def test_commit_is_atomic_and_rotation_keeps_the_last(tmp_path):
@@ -71,6 +62,15 @@ def test_resume_finds_a_checkpoint_dir_a_run_dir_or_the_latest_of_the_experiment
         find_checkpoint(str(tmp_path / "missing"), experiment)
     with pytest.raises(ResumeError, match="no complete checkpoint"):
         find_checkpoint("auto", tmp_path / "outputs" / "other")
+    # A checkpoint directory shared by experiments: auto takes this experiment's newest only.
+    shared = tmp_path / "shared"
+    mine = _commit(CheckpointStore(shared, 3), 4, old, experiment_name="quick")
+    time.sleep(0.01)
+    _commit(CheckpointStore(shared / "theirs", 3), 9, tmp_path / "theirs", experiment_name="other")
+    with pytest.raises(ResumeError, match=r"no complete checkpoint of experiment_name='quick'.*\(1 of other experiments\)"):
+        find_checkpoint("auto", tmp_path / "nowhere", str(shared / "theirs"), "quick")
+    assert find_checkpoint("auto", tmp_path / "nowhere", str(shared), "quick").path == mine
+    assert find_checkpoint("auto", tmp_path / "nowhere", str(shared / "theirs"), "other").step == 9
     empty = tmp_path / "killed_before_first_checkpoint"
     empty.mkdir()
     with pytest.raises(ResumeError, match="cannot be resumed"):
@@ -108,11 +108,12 @@ def test_metrics_file_on_resume_keeps_the_steps_up_to_the_checkpoint(tmp_path):
     assert rows[-1]["reward/mean"] == 0.9
 
 
-def test_rng_state_round_trip_and_engine_seeds():
-    state = rng_state()
-    a = (torch.rand(3), __import__("random").random())
-    set_rng_state(state)
+def test_rng_state_round_trip_and_engine_seeds(tmp_path):
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    a = (torch.rand(3), __import__("random").random(), np.random.rand(2))
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))  # data only: loads without pickled code
     assert torch.equal(torch.rand(3), a[0]) and __import__("random").random() == a[1]
+    assert np.array_equal(np.random.rand(2), a[2])
     seeds = {engine_seed(1, step, e) for step in range(1, 50) for e in range(4)}
     assert len(seeds) == 49 * 4  # distinct per (step, engine)
     assert engine_seed(1, 3, 0) == engine_seed(1, 3, 0) != engine_seed(2, 3, 0)
@@ -141,3 +142,26 @@ def test_complete_checkpoints_ignores_foreign_dirs(tmp_path):
     (tmp_path / "step_00000003").mkdir()  # no manifest: not a checkpoint
     (tmp_path / "notes").mkdir()
     assert complete_checkpoints(tmp_path) == []
+
+
+class _RunsCodeOnLoad:
+    """Unpickling this calls os.system: what a hostile checkpoint would do."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_driver_state_loads_data_and_rollouts_only(tmp_path):
+    from rlhf_orch.transfer.base import HeldRollout
+    from rlhf_orch.transfer.batch import Sample
+    from rlhf_orch.transfer.engine_side import RolloutMeta
+
+    sample = Sample(torch.tensor([1, 2]), torch.tensor([3]), 1.0, torch.tensor([-0.5]), 1, 0, False, {"values": torch.tensor([0.1])})
+    held = HeldRollout(meta=RolloutMeta([0], [3], [1], [1.0]), held=[[sample]], num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8)
+    torch.save({"step": 1, "rng": rng_state(), "pending_rollout": held, "metrics": [{"kl": 0.5}]}, tmp_path / DRIVER_STATE)
+    state = load_driver_state(tmp_path / DRIVER_STATE)
+    assert state["pending_rollout"].held[0][0].fields["values"].tolist() == pytest.approx([0.1])
+
+    torch.save({"step": 1, "payload": _RunsCodeOnLoad()}, tmp_path / "hostile.pt")
+    with pytest.raises(ResumeError, match=r"holds more than data \(it would import posix.system"):
+        load_driver_state(tmp_path / "hostile.pt")

@@ -37,6 +37,8 @@ BAD = [
     (["algo.micro_batch_size=24"], "algo.micro_batch_size=24", "micro_batch_size dividing"),
     (["placement.actor_ranks=3"], "placement.actor_ranks=3", "do not split over 3 actor ranks"),
     (["placement.actor_ranks=2", "placement.critic_ranks=4"], "placement.critic_ranks=4", "divides 2"),
+    (["placement=split", "launcher.logical_gpus=8", "placement.actor_ranks=3"], "placement.actor_ranks=3", "set placement.actor_gpus"),
+    (["placement=split", "launcher.logical_gpus=8", "placement.engines=2"], "placement.engines=2", "set placement.vllm_gpus"),
     (["data.response_max_len=9000"], "data.response_max_len=9000", "exceeds model.context_len=8192"),
     (["algo.kl_estimator=k3"], "algo.kl_estimator='k3'", "algo.kl_placement=in_loss"),
     (["algo.kl_placement=in_loss", "algo.kl_estimator=k9"], "algo.kl_estimator='k9'", "k1, k2, k3, low_var_kl"),
@@ -189,3 +191,20 @@ def test_sigint_during_start_up_exits_130(monkeypatch, tmp_path):
 def test_a_launcher_refusing_its_value_exits_2(monkeypatch, tmp_path):
     code, err = _main_with_training(monkeypatch, tmp_path, None, ("launcher.logical_gpus=-1",))
     assert code == 2 and err.strip() == "error: launcher.logical_gpus=-1 must be >= 0"
+
+
+@pytest.mark.parametrize("key", ["reward.timeout_s=5", "reward.pool_size=2"])
+def test_a_reward_model_has_no_rule_execution_keys(key):
+    """They used to be accepted and ignored; an added rule has its own (reward.rule.*)."""
+    with pytest.raises(ConfigCompositionException, match=f"Could not override '{key.split('=')[0]}'"):
+        compose_config(["reward=model", key])
+
+
+def test_a_batched_custom_reward_refuses_a_pool(tmp_path):
+    batched = tmp_path / "batched_reward.py"
+    batched.write_text("def compute_score(data_sources, solution_strs, ground_truths, extra_infos=None):\n"
+                       "    return [1.0] * len(solution_strs)\n")
+    overrides = ["reward=custom", f"reward.path={batched}", "reward.batched=true"]
+    _check(overrides)
+    with pytest.raises(ConfigError, match=r"reward.pool_size=2: reward.batched=true scores the whole batch in one call"):
+        _check([*overrides, "reward.pool_size=2"])

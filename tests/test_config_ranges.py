@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 
 from rlhf_orch.app import check
 from rlhf_orch.config.schema import register_configs
-from rlhf_orch.config.validate import RANGES, ConfigError, Hardware, check_run_dir_writable, validate
+from rlhf_orch.config.ranges import RANGES
+from rlhf_orch.config.validate import ConfigError, Hardware, check_run_dir_writable, validate
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 EXPERIMENTS = sorted(p.stem for p in Path(CONF_DIR, "experiment").glob("*.yaml"))
@@ -406,9 +407,16 @@ def test_full_disk_is_refused(tmp_path, monkeypatch):
 
 
 def test_ranges_alone_need_no_plan():
-    from rlhf_orch.config.validate import validate_values
+    from rlhf_orch.config.ranges import validate_values
 
     validate_values(OmegaConf.to_object(_fast_config([])))
     with pytest.raises(ConfigError) as err:  # what the planner and reward constructors would refuse one by one
         validate_values(OmegaConf.to_object(_fast_config(["placement.engines=0", "reward.timeout_s=0", "algo.lam=2"])))
     assert [p.key for p in err.value.problems] == ["placement.engines", "reward.timeout_s", "algo.lam"]
+
+
+def test_one_seed_sets_the_data_order_the_engines_and_the_trainers():
+    typed = OmegaConf.to_object(_fast_config(["seed=7"]))
+    assert typed.seed == typed.data.seed == typed.trainer.seed == 7
+    pinned = OmegaConf.to_object(_fast_config(["seed=7", "data.seed=3"]))  # one part pinned alone
+    assert (pinned.data.seed, pinned.trainer.seed) == (3, 7)

@@ -228,20 +228,61 @@ class _FakeLLM:
         return [0]
 
 
-def test_engine_sleeps_after_a_rollout_and_wakes_before_weights_arrive():
+def _engine(sleep_level: int):
     from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.spec = EngineSpec(model_path="x", dtype="float32", max_model_len=8, sleep_level=1)
-    engine.llm, engine._asleep = _FakeLLM(), False
-    engine._sleep()
-    engine._sleep()  # once asleep, not again
+    engine.spec = EngineSpec(model_path="x", dtype="float32", max_model_len=8, sleep_level=sleep_level)
+    engine.llm, engine.index, engine._asleep, engine._weights_dropped = _FakeLLM(), 0, False, False
+    engine.llm.reset_prefix_cache = lambda: None
+    return engine
+
+
+def test_engine_sleeps_when_told_and_wakes_before_weights_arrive():
+    engine = _engine(sleep_level=1)
+    engine.sleep()
+    engine.sleep()  # once asleep, not again
     engine.begin_update(None)
     assert engine.llm.calls == [("sleep", 1), ("wake_up",), ("rlhf_begin_update",)]
-    off = VLLMEngine.__new__(VLLMEngine)
-    off.spec, off.llm, off._asleep = EngineSpec(model_path="x", dtype="float32", max_model_len=8), _FakeLLM(), False
-    off._sleep()
+    off = _engine(sleep_level=0)
+    off.sleep()
     assert off.llm.calls == []  # sleep_level 0: never
+
+
+def test_sleep_level_2_generates_only_after_a_sync_has_loaded_the_weights_again():
+    """Level 2 discards the weights: generating or scoring before a sync would use garbage."""
+    engine = _engine(sleep_level=2)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="dropped its weights .* the driver must sync before it generates"):
+        engine.prompt_logprobs([[1, 2, 3]])
+    engine.begin_update(None)
+    engine.finish_update(3)  # a whole sync: every weight loaded
+    engine._weights_present()  # no error now
+    level_one = _engine(sleep_level=1)
+    level_one.sleep()
+    level_one._weights_present()  # level 1 keeps the weights in CPU memory
+
+
+def test_idle_engines_sleep_after_the_rollout_is_handed_over_not_between_generations():
+    """The sync pipeline puts the engines to sleep once the rollout is on the trainers (dynamic
+    sampling's rounds and evaluations come before that, or after the sync); one_step_off only when
+    the rollout it generates ahead is done."""
+    from types import SimpleNamespace
+
+    from rlhf_orch.orchestration.pipeline import OneStepOffPipeline, SyncPipeline
+
+    calls = []
+    loop = SimpleNamespace(sleep_engines=lambda: calls.append("sleep"), generate=lambda step: calls.append(f"generate {step}") or step)
+    SyncPipeline().engines_idle(loop)
+    assert calls == ["sleep"]
+    calls.clear()
+    pipeline = OneStepOffPipeline()
+    pipeline.engines_idle(loop)
+    assert calls == []
+    pipeline._start(loop, 2)
+    pipeline._next.result()
+    assert calls == ["generate 2", "sleep"]
+    pipeline.close(None)
 
 
 # ----------------------------------------------------------------------------- defect 4: vLLM interfaces
@@ -265,3 +306,37 @@ def test_gpu_extra_pins_the_supported_vllm():
     pins = {e.split(">")[0].split("=")[0].split("<")[0]: e for e in extras}
     assert pins["vllm"] == f"vllm{SUPPORTED_VLLM}"
     assert all("<" in pins[p] for p in ("torch", "vllm", "transformers"))  # a tested upper bound each
+
+
+def test_kv_cache_gb_reaches_vllm_on_gpus_and_the_cpu_backend_on_cpus():
+    """engine.kv_cache_gb: vLLM's kv_cache_memory_bytes on a GPU engine (null: vLLM sizes the cache
+    from gpu_memory_utilization), VLLM_CPU_KVCACHE_SPACE on a CPU engine (null: 1 GiB)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from rlhf_orch.engines.launch import cpu_kv_cache_env, gpu_kv_cache_args
+
+    assert gpu_kv_cache_args(6.5) == {"kv_cache_memory_bytes": int(6.5 * 2**30)}
+    assert gpu_kv_cache_args(None) == {}
+    assert set(gpu_kv_cache_args(1.0)) <= set(EngineArgs.__dataclass_fields__)  # a vLLM argument, by that name
+    assert cpu_kv_cache_env(3.0) == {"VLLM_CPU_KVCACHE_SPACE": "3"} and cpu_kv_cache_env(None) == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.mark.parametrize(
+    "overrides, key, words",
+    [
+        (["placement=colocated", "launcher.logical_gpus=8", "engine.kv_cache_gb=4", "engine.gpu_memory_utilization=0.3"],
+         "engine.gpu_memory_utilization=0.3", "leave one of the two null"),
+        (["engine.gpu_memory_utilization=0.5"], "engine.gpu_memory_utilization=0.5", "leave it null with placement=cpu_local"),
+    ],
+)
+def test_kv_cache_and_memory_fraction_that_would_do_nothing_are_refused(overrides, key, words):
+    from hydra.utils import instantiate
+
+    from rlhf_orch.app import check
+    from rlhf_orch.config.validate import ConfigError
+    from tests.conftest import compose_config
+
+    cfg = compose_config(overrides)
+    with pytest.raises(ConfigError) as err:
+        check(cfg, instantiate(cfg.launcher))
+    assert key in str(err.value) and words in str(err.value)

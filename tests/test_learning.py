@@ -18,13 +18,13 @@ from hydra.utils import instantiate
 
 from rlhf_orch.app import check
 from rlhf_orch.orchestration.session import run_training
-from tests.conftest import compose_config
+from tests.conftest import SHARED_RAY, compose_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
 
 def _run(overrides: list[str], run_dir: Path, callbacks=()) -> list[dict]:
-    cfg = compose_config(overrides)
+    cfg = compose_config([*overrides, *SHARED_RAY])
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     run_training(cfg, typed, plan, launcher, run_dir, callbacks=callbacks)
@@ -40,16 +40,26 @@ def _first_last(rows: list[dict]) -> tuple[float, float]:
 PIPELINES = {"sync": [], "one_step_off": ["pipeline=one_step_off", "algo.tis_cap=2"]}
 
 
+def _openrlhf_jsonl(files: dict) -> list[str]:
+    """The digit task as OpenRLHF's jsonl (input/label keys), the rule reward, the padded transfer."""
+    return ["data=files", f"data.train_files=[{files['openrlhf']['train']}]", "data.prompt_key=input", "data.label_key=label",
+            "reward=digit_reverse", "transfer=padded"]
+
+
 @pytest.mark.parametrize("algo,pipeline", [("ppo", "sync"), ("grpo", "sync"), ("ppo", "one_step_off")])
-def test_reward_rises(tmp_path, algo, pipeline):
+def test_reward_rises(tmp_path, algo, pipeline, digit_files):
     roles = {}
 
     def record_roles(step: int, loop) -> None:
         roles.update(critic=len(loop.actors.critic), reference=len(loop.actors.reference), policy=len(loop.actors.policy))
 
-    rows = _run([f"algo={algo}", "algo.num_steps=30", *PIPELINES[pipeline]], tmp_path, [record_roles])
+    # GRPO learns from the task written as OpenRLHF's jsonl, through the padded transfer (the PPO runs:
+    # the embedded task, packed): one run shows the files' loader and the baseline transfer learn too.
+    source = _openrlhf_jsonl(digit_files) if algo == "grpo" else []
+    rows = _run([f"algo={algo}", "algo.num_steps=30", *PIPELINES[pipeline], *source], tmp_path, [record_roles])
     first, last = _first_last(rows)
     assert last > first + 0.1, f"{algo}, pipeline={pipeline}: mean reward {first:.3f} -> {last:.3f}"
+    assert all(r["reward/errors"] == 0 and r["reward/timeouts"] == 0 for r in rows)
     assert max(r["rollout/staleness_max"] for r in rows) == (1 if pipeline == "one_step_off" else 0)
     if algo == "grpo":  # critic-free: no critic process, no value metrics
         assert roles["critic"] == 0 and "loss/value" not in rows[-1] and "loss/kl" in rows[-1]
@@ -62,5 +72,7 @@ def test_dapo_dynamic_sampling_fills_every_batch(tmp_path):
     rows = _run(["experiment=quick", "algo=dapo", "algo.num_steps=3", "algo.samples_per_prompt=2", "pipeline=one_step_off"], tmp_path)
     for row in rows:
         assert row["rollout/samples"] == 8 * 2  # rollout_batch_size x samples_per_prompt, every step
-        assert row["sampling/rounds"] >= 1 and row["sampling/dropped_groups"] >= 0
+        assert row["rollout/uniform_groups"] == 0, row  # every group trained on has scores that differ
+    # Groups were dropped, and replacing them took further rounds (not a filter that kept everything).
+    assert sum(r["sampling/dropped_groups"] for r in rows) > 0 and max(r["sampling/rounds"] for r in rows) > 1, rows
     assert "kl" not in rows[0]  # DAPO has no KL term, hence no reference model

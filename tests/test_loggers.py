@@ -56,3 +56,47 @@ def test_wandb_resume_continues_the_same_run_and_a_stop_is_not_a_success(tmp_pat
     again.close()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))  # one per invocation (same second: one dir)
     assert runs and all(run_id in r.name for r in runs)
+
+
+def _offline_history_steps(run_dir) -> list[int]:
+    """Every `_step` of every history record in the run's offline W&B files (their LevelDB-log
+    format: a 7-byte header, then 32 KiB blocks of records with a 7-byte header each)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    steps = []
+    for path in sorted(run_dir.glob("wandb/offline-run-*/*.wandb")):
+        data, pos, pieces = path.read_bytes(), 7, b""
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            pieces += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # FULL or LAST: a whole record
+                record = pb.Record()
+                record.ParseFromString(pieces)
+                pieces = b""
+                if record.WhichOneof("record_type") == "history":
+                    steps += [int(i.value_json) for i in record.history.item if (i.key or "/".join(i.nested_key)) == "_step"]
+    return steps
+
+
+def test_a_resumed_wandb_run_does_not_log_again_the_steps_it_has(tmp_path, monkeypatch):
+    """The first process logged steps 1-5 and was killed; its checkpoint was of step 3. The resumed
+    process runs steps 4-7 again: W&B gets 6 and 7 only (4 and 5 it has; exact resume makes them equal)."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    first = WandbLogger(project="rlhf_orch_test")
+    first.start(str(tmp_path), {}, "unit")
+    for step in range(1, 6):
+        first.log(step, METRICS)
+    first.close(exit_code=1, preempted=True)
+    again = WandbLogger(project="rlhf_orch_test")
+    again.start(str(tmp_path), {}, "unit", resume_id=first.run_id)
+    for step in range(4, 8):
+        again.log(step, METRICS)
+    again.close()
+    assert _offline_history_steps(tmp_path) == [1, 2, 3, 4, 5, 6, 7]

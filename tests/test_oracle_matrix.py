@@ -21,6 +21,10 @@ weights by whole multiples of the update). Adam -- it divides by sqrt(v), so a w
 gradient is ~0 turns float noise into a step of up to lr (either sign): 99.9 % of the weights
 within 2e-6 + 2e-3 x the largest update, none off by more than twice the largest update. Metrics within 1e-4 relative (gradient
 norms 1e-3). Measured: SGD weights agree to ~1e-7, Adam's 99.9th percentile to ~2e-7.
+Adam's lr is 1e-4: its first steps move every weight by ~lr, and at 5e-4 four steps took the
+tiny model's approx_kl to 0.13, where ratios cross the clip boundaries and float noise changes
+which tokens clip (one case then failed on one build of the tiny model: approx_kl off by 5e-4
+relative, 0.2 % of weights off); at 1e-4 the same case agrees to 3e-7 and still clips 3 % of tokens.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ MAX_RESPONSE_LEN = 10
 # (micro_batch_size, train_batch_size, packed token budget): one optimizer step per epoch in equal
 # micro-batches; then two steps per epoch over ragged micro-batches (packed: cut by tokens).
 CUTS = {"one_step": (4, 16, 0), "two_steps": (3, 8, 24)}
-LR = {"sgd": 0.1, "adamw": 5e-4}
+LR = {"sgd": 0.1, "adamw": 1e-4}
 
 
 def _rollout() -> list[Sample]:
@@ -223,7 +227,7 @@ def _assert_weights_close(system: dict[str, torch.Tensor], oracle: torch.nn.Modu
     assert set(system) == set(expected), what
     diff = torch.cat([(system[n] - expected[n].detach()).flatten().abs() for n in sorted(system)])
     update = torch.cat([(expected[n].detach() - initial[n]).flatten().abs() for n in sorted(system)])
-    assert float(update.max()) > 1e-4, f"{what}: the update barely moved the weights"
+    assert float(update.max()) > 5e-5, f"{what}: the update barely moved the weights"  # Adam's first step: ~lr
     if optimizer == "sgd":
         tol = 2e-6 + 1e-3 * float(update.max())
         assert float(diff.max()) <= tol, f"{what}: weights differ by {float(diff.max()):.3g} (> {tol:.3g}; largest update {float(update.max()):.3g})"

@@ -18,18 +18,12 @@ import torch
 from hydra.utils import instantiate
 
 from rlhf_orch.app import check
-from rlhf_orch.data.export import export_digit_task
 from rlhf_orch.orchestration.session import run_training
-from tests.conftest import compose_config
+from tests.conftest import SHARED_RAY, compose_config
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 REWARD_FILE = str(REPO / "scripts" / "examples" / "digit_reward.py")
-
-
-@pytest.fixture(scope="module")
-def digit_files(tmp_path_factory) -> dict[str, dict[str, str]]:
-    return export_digit_task(tmp_path_factory.mktemp("digits"), train=512, test=32)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -37,7 +31,9 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _train(overrides: list[str], run_dir: Path, callbacks=()) -> dict:
-    cfg = compose_config(overrides)
+    """An in-process run inside the module's Ray session (tests calling it take `shared_ray`)."""
+    assert ray.is_initialized(), "take the shared_ray fixture"
+    cfg = compose_config([*overrides, *SHARED_RAY])
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     return run_training(cfg, typed, plan, launcher, run_dir, callbacks=callbacks)
@@ -77,45 +73,28 @@ def test_cli_verl_parquet_custom_reward_with_eval_learns_packed(digit_files, tmp
     assert "eval digit_reverse mean@1" in proc.stdout  # the console shows it
 
 
-def test_openrlhf_jsonl_with_rule_reward_learns_padded(digit_files, tmp_path):
-    rows_dir = tmp_path / "run"
+# OpenRLHF's jsonl with the rule reward, padded transfer: tests/test_learning.py's GRPO run learns from it.
+
+
+def test_verl_parquet_evaluated_before_training_trains_dr_grpo_packed(digit_files, tmp_path, shared_ray):
+    """veRL parquet (chat messages) with an evaluation before the first step, Dr. GRPO over the
+    packed transfer. (That packed and padded micro-batches give Dr. GRPO's step the same loss is the
+    oracle matrix's: tests/test_oracle_matrix.py, every algorithm x aggregation x transfer.)"""
+    run_dir = tmp_path / "run"
     _train(
-        ["data=files", f"data.train_files=[{digit_files['openrlhf']['train']}]", "data.prompt_key=input",
-         "data.label_key=label", "reward=digit_reverse", "transfer=padded", "algo.num_steps=20"],
-        rows_dir,
+        ["experiment=quick", "algo=dr_grpo", "data=files", f"data.train_files=[{digit_files['verl']['train']}]",
+         f"data.val_files=[{digit_files['verl']['test']}]", "transfer=packed", "eval.before_train=true", "eval.num_prompts=8"],
+        run_dir,
     )
-    rows = _metrics(rows_dir)
-    _rises(rows, by=0.05)
-    assert all(r["reward/errors"] == 0 and r["reward/timeouts"] == 0 for r in rows)
-
-
-def test_packed_and_padded_transfers_train_the_same_dr_grpo_step(digit_files, tmp_path):
-    """The same rollout (same seed) gives the same step-1 loss and gradient norm whether it reaches
-    the trainer packed or padded: Dr. GRPO's seq-mean-token-sum-norm aggregation over packed
-    micro-batches counts sequences, not micro-batches (the packed layout once divided by one
-    "sequence" per micro-batch). Also: veRL parquet + evaluation before training."""
-    rows = {}
-    for transfer in ("padded", "packed"):
-        run_dir = tmp_path / transfer
-        _train(
-            ["experiment=quick", "algo=dr_grpo", "data=files", f"data.train_files=[{digit_files['verl']['train']}]",
-             f"data.val_files=[{digit_files['verl']['test']}]", f"transfer={transfer}",
-             "eval.before_train=true", "eval.num_prompts=8"],
-            run_dir,
-        )
-        rows[transfer] = _metrics(run_dir)
-        assert [r["step"] for r in rows[transfer]] == [0, 1, 2]  # step 0: the evaluation before training
-        assert "eval/digit_reverse/pass@1" in rows[transfer][0]
-        assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows[transfer][1:])
-    padded, packed = rows["padded"][1], rows["packed"][1]
-    assert packed["reward/mean"] == padded["reward/mean"]  # the same rollout
-    assert packed["loss/policy"] != 0.0
-    for key in ("loss/policy", "policy/grad_norm", "policy/clipfrac", "kl"):
-        assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-7), key
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the evaluation before training
+    assert "eval/digit_reverse/pass@1" in rows[0] and "reward/mean" not in rows[0]
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows[1:])
+    assert rows[1]["loss/policy"] != 0.0
 
 
 # ----------------------------------------------------------------------------- reward model
-def test_reward_model_role_with_a_rule_term_scores_like_hugging_face(tmp_path):
+def test_reward_model_role_with_a_rule_term_scores_like_hugging_face(tmp_path, shared_ray):
     """reward=model plus a rule term: the final score is weight x model + rule_weight x rule, and the
     reward-model actor's scores equal a plain Hugging Face forward of the same checkpoint."""
     from transformers import AutoModelForSequenceClassification
@@ -145,54 +124,73 @@ def test_reward_model_role_with_a_rule_term_scores_like_hugging_face(tmp_path):
     assert seen["actor"] == pytest.approx(expected, abs=1e-4)
 
 
-def test_dry_run_shows_the_reward_model_placed():
-    proc = _cli("reward=model", "placement=split", "launcher.logical_gpus=8", "launcher.dry_run=true", timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    reward_rows = [line for line in proc.stdout.splitlines() if line.strip().startswith("reward")]
-    assert reward_rows, proc.stdout
-    plain = _cli("placement=split", "launcher.logical_gpus=8", "launcher.dry_run=true", timeout=120)
-    assert not [line for line in plain.stdout.splitlines() if line.strip().startswith("reward")]
+def test_dry_run_shows_the_reward_model_placed(capsys):
+    from rlhf_orch import app
+
+    assert app.main(compose_config(["reward=model", "placement=split", "launcher.logical_gpus=8", "launcher.dry_run=true"]))[0] == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.strip().startswith("reward")], out
+    assert app.main(compose_config(["placement=split", "launcher.logical_gpus=8", "launcher.dry_run=true"]))[0] == 0
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("reward")]
 
 
 # ----------------------------------------------------------------------------- refused before Ray
-def _refused(*args: str, words: tuple[str, ...], code: int = 2, limit_s: float = 120) -> str:
-    t0 = time.perf_counter()
-    proc = _cli(*args, "hydra.run.dir=${oc.env:TMPDIR,/tmp}/rlhf_orch_bad_${now:%H%M%S%f}", timeout=300)
-    message = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
-    assert proc.returncode == code, proc.stderr[-2000:]
-    for word in words:
-        assert word in message, message
-    assert "Started a local Ray instance" not in proc.stderr  # nothing started
-    assert time.perf_counter() - t0 < limit_s
-    return message
+@pytest.fixture
+def refused(monkeypatch, tmp_path):
+    """`refused(*overrides, words=...)`: the app refuses them with exit 2 and one line naming
+    `words`, before anything starts -- `ray.init` is made to fail here, so trying to start Ray
+    fails the test. In-process (app.main, as run.py calls it): the command line's own exit codes
+    and one-line stderr are tested in tests/test_config_errors.py."""
+    import io
+    from contextlib import redirect_stderr
+
+    from rlhf_orch import app
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for a run that had to be refused first")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.setattr(app, "run_dir", lambda: tmp_path / "refused_run")
+
+    def check(*args: str, words: tuple[str, ...], code: int = 2) -> str:
+        err = io.StringIO()
+        with redirect_stderr(err):
+            got, _ = app.main(compose_config(list(args)))
+        lines = err.getvalue().strip().splitlines()
+        assert got == code and len(lines) == 1, err.getvalue()[-2000:]
+        for word in words:
+            assert word in lines[0], lines[0]
+        return lines[0]
+
+    return check
 
 
-def test_named_dataset_offline_says_how_to_use_a_local_copy():
-    _refused("data=gsm8k", words=("data.train_files", "hf:openai/gsm8k:main@train", "local"))
+def test_named_dataset_offline_says_how_to_use_a_local_copy(refused):
+    refused("data=gsm8k", words=("data.train_files", "hf:openai/gsm8k:main@train", "local"))
 
 
-def test_missing_data_file():
-    _refused("data=files", "data.train_files=[/no/such/train.parquet]", words=("data.train_files", "no such file"))
+def test_missing_data_file(refused):
+    refused("data=files", "data.train_files=[/no/such/train.parquet]", words=("data.train_files", "no such file"))
 
 
-def test_rule_reward_without_labels(digit_files):
+def test_rule_reward_without_labels(digit_files, refused):
     # OpenRLHF rows read with the veRL default label key: no labels, and the digit rule needs them.
-    _refused("data=files", f"data.train_files=[{digit_files['openrlhf']['train']}]", "data.prompt_key=input",
-             words=("reward=digit_reverse", "label", "data.label_key"))
+    refused("data=files", f"data.train_files=[{digit_files['openrlhf']['train']}]", "data.prompt_key=input",
+            words=("reward=digit_reverse", "label", "data.label_key"))
 
 
-def test_custom_reward_file_missing_and_name_missing(tmp_path):
-    _refused("reward=custom", f"reward.path={tmp_path}/nope.py", words=("nope.py",))
-    _refused("reward=custom", f"reward.path={REWARD_FILE}", "reward.name=score_it", words=("score_it", "compute_score"))
+def test_custom_reward_file_missing_and_name_missing(tmp_path, refused):
+    refused("reward=custom", f"reward.path={tmp_path}/nope.py", words=("nope.py",))
+    refused("reward=custom", f"reward.path={REWARD_FILE}", "reward.name=score_it", words=("score_it", "compute_score"))
 
 
-def test_reward_model_path_that_is_not_a_classifier(tiny_model_path):
-    _refused("reward=model", f"reward.model_path={tiny_model_path}", words=("reward.model_path", "sequence-classification"))
+def test_reward_model_path_that_is_not_a_classifier(tiny_model_path, refused):
+    refused("reward=model", f"reward.model_path={tiny_model_path}", words=("reward.model_path", "sequence-classification"))
 
 
-def test_hf_model_not_in_the_local_cache():
-    _refused("model=hf", "model.name_or_path=nobody/no-such-model", "model.dtype=float32",
-             words=("model.name_or_path", "local Hugging Face cache"))
+def test_hf_model_not_in_the_local_cache(refused):
+    refused("model=hf", "model.name_or_path=nobody/no-such-model", "model.dtype=float32",
+            words=("model.name_or_path", "local Hugging Face cache"))
 
 
 def test_reward_returning_nan_stops_the_run_naming_function_and_sample(tmp_path):
@@ -206,7 +204,7 @@ def test_reward_returning_nan_stops_the_run_naming_function_and_sample(tmp_path)
 
 
 @pytest.mark.parametrize("pool_size", [2])  # inline (0) is covered by tests/test_reward_execution.py
-def test_raising_and_hanging_rewards_score_zero_are_counted_and_the_step_completes(tmp_path, pool_size):
+def test_raising_and_hanging_rewards_score_zero_are_counted_and_the_step_completes(tmp_path, pool_size, shared_ray):
     flaky = tmp_path / "flaky_reward.py"
     flaky.write_text(
         "import time\n"

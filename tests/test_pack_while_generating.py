@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from rlhf_orch.transfer.base import RolloutRequest
-from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, PackedBatch, PackedBuffer, Sample, plan_token_budget_micro_batches
+from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, PackedBatch, Sample
+from rlhf_orch.transfer.micro_batches import plan_token_budget_micro_batches
+from rlhf_orch.transfer.packed_buffer import PackedBuffer
 from rlhf_orch.transfer.inbox import assemble_packed
 from rlhf_orch.transfer.packed import PackedTransfer, _engine_ordered
 from rlhf_orch.transfer.plan import pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlhf_orch.trainer.forward import load_critic, load_policy, sequence_logprobs, sequence_values
-from rlhf_orch.transfer.batch import PackedBatch, Sample, plan_token_budget_micro_batches
+from rlhf_orch.transfer.batch import PackedBatch, Sample
+from rlhf_orch.transfer.micro_batches import plan_token_budget_micro_batches
 
 ATOL = 1e-4
 PAD = 0

@@ -94,6 +94,10 @@ class FakeLoop:
         held.step = step
         return held
 
+    def sleep_engines(self):
+        with self.lock:
+            self.events.append(("sleep", self.version))
+
     def sync_engines(self, timings):
         if self.version == self.trained:
             return

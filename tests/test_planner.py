@@ -398,10 +398,12 @@ def test_instantiate_composed_placement(compose_config, overrides, cls, layout, 
     assert plan.total_gpus == gpus
 
 
-def test_split_placement_derives_ranks_not_from_config(compose_config) -> None:
-    cfg = compose_config("placement=split", "placement.actor_ranks=7")
+def test_split_placement_derives_ranks_and_refuses_them_given(compose_config) -> None:
+    cfg = compose_config("placement=split")
     plan = hydra.utils.instantiate(cfg.placement).plan()
     assert plan.num_ranks("actor") == cfg.placement.actor_gpus == 4
+    with pytest.raises(Exception, match=r"derives ranks and engines from the GPU counts: drop placement.actor_ranks=7"):
+        hydra.utils.instantiate(compose_config("placement=split", "placement.actor_ranks=7").placement)
 
 
 def test_instantiated_placement_surfaces_planner_errors(compose_config) -> None:

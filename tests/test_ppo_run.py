@@ -14,10 +14,10 @@ import ray
 from omegaconf import OmegaConf
 
 from rlhf_orch.app import check
-from rlhf_orch.orchestration.checkpoint import complete_checkpoints
+from rlhf_orch.checkpoint_dirs import complete_checkpoints
 from rlhf_orch.orchestration.loop import EngineDiedError, LoopSettings, TrainLoop
 from rlhf_orch.orchestration.session import RunFailed, run_training
-from tests.conftest import compose_config
+from tests.conftest import all_resources_free, compose_config
 from tests.test_loopback import is_loopback, session_listeners
 from hydra.utils import instantiate
 
@@ -73,7 +73,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_engine_dying_mid_overlap_is_replaced_and_a_nan_stops_the_run(tmp_path):
+def test_engine_dying_mid_overlap_is_replaced_and_a_nan_stops_the_run(tmp_path, shared_ray):
     """pipeline=one_step_off: step 3's rollout is generated while the trainers train step 2; an
     engine dies in it, is replaced once the trainers finish (with their new weights) and re-makes
     its share; step 4's rollout overflows and the run stops before logging it."""
@@ -82,7 +82,7 @@ def test_engine_dying_mid_overlap_is_replaced_and_a_nan_stops_the_run(tmp_path):
     cfg = compose_config([
         "experiment=quick", "algo.num_steps=4", "placement.engines=2", "transfer=packed", "pipeline=one_step_off",
         "algo.tis_cap=2", "reward=custom", f"reward.path={tmp_path / 'reward.py'}", "checkpoint.every_n_steps=1",
-        "checkpoint.export_final=false",
+        "checkpoint.export_final=false", *shared_ray,
     ])
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
@@ -117,7 +117,7 @@ def test_engine_dying_mid_overlap_is_replaced_and_a_nan_stops_the_run(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["last_checkpoint"].endswith("step_00000003")
     assert [c.step for c in complete_checkpoints(run_dir / "checkpoints")] == [2, 3]  # keep_last=2
-    assert not ray.is_initialized()  # Ray was shut down on the way out
+    assert all_resources_free()  # the failed run removed every actor and placement group it made
 
 
 def test_engine_restart_budget_is_a_hard_limit():
@@ -140,8 +140,8 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_ppo_step_on_logical_gpu_layout_lands_where_planned(tmp_path, layout):
-    cfg = compose_config(["experiment=quick", "algo.num_steps=1", *LAYOUTS[layout]])
+def test_ppo_step_on_logical_gpu_layout_lands_where_planned(tmp_path, layout, shared_ray):
+    cfg = compose_config(["experiment=quick", "algo.num_steps=1", *LAYOUTS[layout], *shared_ray])
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     seen: dict[tuple[str, int], dict] = {}
@@ -169,3 +169,17 @@ def test_ppo_step_on_logical_gpu_layout_lands_where_planned(tmp_path, layout):
         assert seen[("reference", 0)]["gpu_ids"] == seen[("actor", 0)]["gpu_ids"]
     else:
         assert trainer_gpus == engine_gpus
+
+
+def test_a_run_joins_the_processs_ray_session_only_when_asked_and_when_it_fits(shared_ray):
+    from launchers.local import LocalRayLauncher
+
+    with pytest.raises(RuntimeError, match="already initialised in this process.*launcher.reuse_session=true"):
+        with LocalRayLauncher().session():
+            pass
+    with pytest.raises(RuntimeError, match="offers 8 GPUs, fewer than the 16 this run is configured for"):
+        with LocalRayLauncher(logical_gpus=16, reuse_session=True).session():
+            pass
+    with LocalRayLauncher(logical_gpus=4, reuse_session=True).session():
+        pass
+    assert ray.is_initialized()  # joined, and left up for the next run

@@ -18,7 +18,7 @@ import torch
 from hydra.utils import instantiate
 
 from rlhf_orch.app import check
-from rlhf_orch.orchestration.checkpoint import complete_checkpoints
+from rlhf_orch.checkpoint_dirs import complete_checkpoints
 from rlhf_orch.orchestration.session import run_training
 from tests.conftest import compose_config
 
@@ -72,9 +72,9 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
 
 
 # slow (~195 s on 2 cores): four CLI runs that must own their processes -- the uninterrupted run,
-# one SIGKILLed, one resumed and SIGTERMed, one resumed to the end -- and a vLLM load of the export.
+# one SIGKILLed, one resumed and stopped by SIGINT, one resumed to the end -- and a vLLM load of the export.
 @pytest.mark.slow
-def test_sigkill_then_sigterm_then_resume_gives_the_uninterrupted_run_bit_for_bit(tmp_path):
+def test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit(tmp_path):
     whole = tmp_path / "whole"
     rc, out = _finish(_start(whole))
     assert rc == 0, out[-3000:]
@@ -94,15 +94,15 @@ def test_sigkill_then_sigterm_then_resume_gives_the_uninterrupted_run_bit_for_bi
     _wait_for(lambda: any(c.step == 1 for c in complete_checkpoints(cut / "checkpoints")), proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    # 2. Resume without periodic checkpoints; SIGTERM (as Slurm preempts) once a step is logged:
-    #    the step in progress finishes, a checkpoint of it and summary.json are written, exit 143.
+    # 2. Resume without periodic checkpoints; SIGINT (Ctrl-C) once a step is logged: the step in
+    #    progress finishes, a checkpoint of it and summary.json are written, exit 130.
     proc = _start(cut, f"resume={cut}", "checkpoint.every_n_steps=0")
     _wait_for(lambda: _steps_logged(cut) >= 2, proc)
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGINT)
     rc, out = _finish(proc)
-    assert rc == 143, out[-3000:]
+    assert rc == 130, out[-3000:]
     summary = json.loads((cut / "summary.json").read_text())
-    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT"
     stopped_at = _metrics(cut)[-1]["step"]
     # run.log (appended by every invocation) ends with what this one's console showed: the plan,
     # every step, the ending; Ray's own output went to ray_workers.log.
@@ -111,7 +111,7 @@ def test_sigkill_then_sigterm_then_resume_gives_the_uninterrupted_run_bit_for_bi
     shown = [line for line in out.splitlines() if line.startswith("step ")]
     logged = [line for line in log.splitlines() if line.startswith("step ")]
     assert shown and logged[-len(shown):] == shown and f"step {stopped_at:>4}/5" in log
-    assert "SIGTERM received" in log and "Started a local Ray instance" not in log
+    assert "SIGINT received" in log and "Started a local Ray instance" not in log
     assert [r["step"] for r in _metrics(cut)] == list(range(1, stopped_at + 1))
     assert summary["last_checkpoint"].endswith(f"step_{stopped_at:08d}")
     # 3. Resume again (resume=<checkpoint dir> this time): runs the remaining steps, ends normally.
@@ -136,14 +136,15 @@ def test_sigkill_then_sigterm_then_resume_gives_the_uninterrupted_run_bit_for_bi
 
 
 # slow (~80 s): two runs (uninterrupted and stopped + resumed) of two ZeRO-3 ranks with one-step-off
-# overlap, each its own Ray session: resume must restore what only a fresh process can prove.
+# overlap, each with its own actors (fresh trainer and engine processes: what resume must restore
+# only a fresh process can prove), in one Ray session.
 @pytest.mark.slow
-def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path):
+def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path, shared_ray):
     """ZeRO-3 over two policy ranks, and pipeline=one_step_off: the step-1 checkpoint carries step
     2's rollout, generated ahead with the initial weights; the resumed run trains on that very
     rollout (redrawing it with the checkpoint's weights would change every metric)."""
     overrides = [*RUN, "algo.num_steps=3", "trainer.zero_stage=3", "placement.actor_ranks=2", "checkpoint.export_final=false",
-                 "pipeline=one_step_off", "transfer=packed", "algo.tis_cap=2"]
+                 "pipeline=one_step_off", "transfer=packed", "algo.tis_cap=2", *shared_ray]
     cfg = compose_config(overrides)
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
@@ -162,3 +163,24 @@ def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path):
     summary = run_training(cfg, typed, plan, launcher, cut)
     assert summary["status"] == "completed"
     assert _comparable(_metrics(cut)) == _comparable(_metrics(whole))
+
+
+def test_sigterm_during_start_up_stops_before_the_first_step_with_exit_143(tmp_path):
+    """Slurm's SIGTERM while Ray and the actors start: no step runs, nothing is exported, the
+    summary says so, exit 143. (Real signal, real start-up; ~20 s.)"""
+    run = tmp_path / "run"
+    proc = _start(run, "checkpoint.export_final=false")
+    lines: list[str] = []
+
+    def ray_is_up() -> bool:  # printed once ray.init returned, before the actors start
+        lines.append(proc.stdout.readline())
+        return "library output" in lines[-1]
+
+    _wait_for(ray_is_up, proc)
+    time.sleep(2)  # the run's own handler is back right after ray.init (which sets one); actors take longer
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, out = _finish(proc)
+    assert rc == 143, "".join(lines) + out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM" and summary["steps"] == 0
+    assert not (run / "metrics.jsonl").exists() or _steps_logged(run) == 0

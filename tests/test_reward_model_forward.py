@@ -18,7 +18,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from rlhf_orch.orchestration.evaluation import eval_metrics
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.trainer.forward import load_reward_model, sequence_scores
-from rlhf_orch.models.tiny import default_warm_start_task
+from rlhf_orch.models.warm_start_task import default_warm_start_task
 from rlhf_orch.models.tiny_reward import _collate, training_pairs
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 

@@ -138,7 +138,34 @@ def test_rollouts_report_weight_version(cluster):
     assert {s.weight_version for s in samples} == {7}
 
 
+def test_engine_logprobs_are_of_the_temperature_scaled_distribution_the_trainer_scores(cluster, tiny_model_path):
+    """Truncated IS divides the trainer's log-probs, computed on logits / temperature, by the
+    engine's: at a temperature != 1 both must be of the same (scaled) distribution."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engines, policies = cluster
+    policy = policies[(2, 1)]
+    sync = BucketedBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=1)
+    sync.prepare(policy, engines, engine_tp=1)
+    sync.push(11)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(ray.get(policy[0].full_weights.remote()), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
+    temperature = 0.6
+    job = RolloutJob(prompt_ids={0: [1, 5, 6], 1: [1, 20, 21, 4]}, prompts={0: None, 1: None}, samples_per_prompt=2,
+                     max_tokens=6, temperature=temperature, scorer=None)
+    samples, _ = ray.get(engines[0].produce_samples.remote(whole_prompt_requests(range(2), 2), job))
+    for s in samples:
+        ids = torch.cat([torch.as_tensor(s.prompt_ids), torch.as_tensor(s.response_ids)]).long()
+        with torch.no_grad():
+            logits = model(ids[None]).logits[0, len(s.prompt_ids) - 1 : -1]
+        scaled = torch.log_softmax(logits / temperature, -1).gather(-1, ids[len(s.prompt_ids):, None])[:, 0]
+        assert torch.allclose(torch.as_tensor(s.engine_logprobs, dtype=torch.float32), scaled, atol=TOLERANCE), (s.engine_logprobs, scaled)
+
+
 def test_sync_to_dead_engine_raises_not_hangs(cluster):
+    # Last in the file: it kills an engine of the module's cluster.
     engines, policies = cluster
     # Every transport (object store, two groups, one group) against the same dead engine;
     # groups are formed while it is alive, as they would be at start-up.
@@ -153,3 +180,4 @@ def test_sync_to_dead_engine_raises_not_hangs(cluster):
     for _, sync in syncs:
         with pytest.raises(WeightSyncError):
             sync.push(999)
+

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rlhf_orch.models.tiny as tiny_module
 from rlhf_orch.data.digit_task import DigitReverseTask
 from rlhf_orch.models import HFModel, TinyLlama
+from rlhf_orch.models.hub import ModelSourceError
 
 # Small warm start so the tests stay fast; the architecture is the schema default.
 TEST_KWARGS = dict(
@@ -142,3 +144,18 @@ def test_hf_model_passes_name_through() -> None:
 def test_hf_model_tokenizer_from_local_dir(built_path: str) -> None:
     model = HFModel(context_len=256, dtype="float32", name_or_path=built_path)
     assert model.tokenizer().eos_token == "<eos>"
+
+
+def test_context_len_longer_than_the_checkpoints_positions_is_refused(built_path: str) -> None:
+    HFModel(context_len=256, dtype="float32", name_or_path=built_path).check_context_len()  # its own limit: fine
+    with pytest.raises(ModelSourceError, match=r"model.context_len=512 exceeds the checkpoint's max_position_embeddings=256.*<=256"):
+        HFModel(context_len=512, dtype="float32", name_or_path=built_path).check_context_len()
+
+
+def test_run_inputs_refuse_a_context_len_the_checkpoint_cannot_hold(built_path: str) -> None:
+    from rlhf_orch.orchestration.inputs import InputError, prepare_inputs
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["model=hf", f"model.name_or_path={built_path}", "model.context_len=4096", "model.dtype=float32"])
+    with pytest.raises(InputError, match="model.context_len=4096 exceeds"):
+        prepare_inputs(cfg, OmegaConf.to_object(cfg))

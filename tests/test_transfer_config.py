@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 
 from rlhf_orch.app import check
@@ -36,6 +37,21 @@ def test_each_strategy_is_one_yaml_building_its_class(name):
     _check([f"transfer={name}"])
     transfer = instantiate(cfg.transfer)
     assert type(transfer).__module__ == f"rlhf_orch.transfer.{name}"
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["transfer=padded", "transfer.token_budget=4096"], "transfer.token_budget"),
+        (["transfer=micro_batched", "transfer.token_budget=4096"], "transfer.token_budget"),
+        (["transfer=packed", "transfer.max_in_flight=2"], "transfer.max_in_flight"),
+        (["transfer=padded", "transfer.max_in_flight=2"], "transfer.max_in_flight"),
+    ],
+)
+def test_a_knob_the_strategy_does_not_read_is_refused(overrides, key):
+    """Each strategy's schema has only the keys its class reads: Hydra refuses any other."""
+    with pytest.raises(ConfigCompositionException, match=f"Could not override '{key}'"):
+        compose_config(overrides)
 
 
 def test_long8k_packed_experiment_is_valid():

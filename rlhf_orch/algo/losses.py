@@ -44,15 +44,10 @@ import torch
 from torch import Tensor
 
 from rlhf_orch.algo.ppo_math import masked_mean
+from rlhf_orch.config.schema import KL_DIVERGENCE_ESTIMATORS, LOSS_AGGREGATIONS
 
 
 # --------------------------------------------------------------------------- loss aggregation
-LOSS_AGGREGATIONS = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
 
 
 def _check_mode(mode: str) -> None:
@@ -175,7 +170,6 @@ def aggregate_loss(
 
 
 # --------------------------------------------------------------------------- KL to the reference
-KL_DIVERGENCE_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
 
 def kl_divergence(

@@ -14,31 +14,37 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import II, MISSING, OmegaConf
 
 
 # --------------------------------------------------------------------------- placement
 @dataclass
 class PlacementConfig:
-    """Where every role runs. Counts are ranks/engines; GPU fields are per role."""
+    """Where every role runs: the fields every layout has."""
 
     _target_: str = MISSING
-    actor_ranks: int = 1  # DeepSpeed data-parallel ranks of the policy
-    critic_ranks: int = 1  # DeepSpeed data-parallel ranks of the value model
-    reference_ranks: int = 1  # forward-only copies of the initial policy
-    engines: int = 1  # vLLM engines
     engine_tp: int = 1  # tensor-parallel size of one engine (GPUs per engine)
     nodes: int = 1
     gpus_per_node: int = 0
 
 
 @dataclass
-class CpuLocalPlacementConfig(PlacementConfig):
+class RankedPlacementConfig(PlacementConfig):
+    """Layouts whose rank and engine counts are set directly (split derives them from GPU counts)."""
+
+    actor_ranks: int = 1  # DeepSpeed data-parallel ranks of the policy
+    critic_ranks: int = 1  # DeepSpeed data-parallel ranks of the value model
+    reference_ranks: int = 1  # forward-only copies of the initial policy
+    engines: int = 1  # vLLM engines
+
+
+@dataclass
+class CpuLocalPlacementConfig(RankedPlacementConfig):
     _target_: str = "rlhf_orch.topology.placement.CpuLocalPlacement"
 
 
 @dataclass
-class ColocatedPlacementConfig(PlacementConfig):
+class ColocatedPlacementConfig(RankedPlacementConfig):
     """Every role shares every GPU; each role takes a fraction of each GPU."""
 
     _target_: str = "rlhf_orch.topology.placement.ColocatedPlacement"
@@ -66,6 +72,12 @@ class SplitPlacementConfig(PlacementConfig):
     critic_gpus: int = 2
     vllm_gpus: int = 2
     reference_fraction: float = 0.25
+    # Derived from the GPU counts (a policy rank per actor GPU with a reference beside it, a critic
+    # rank per critic GPU, an engine per engine_tp vLLM GPUs); a value is refused, naming the key to set.
+    actor_ranks: Optional[int] = None
+    critic_ranks: Optional[int] = None
+    reference_ranks: Optional[int] = None
+    engines: Optional[int] = None
 
 
 # --------------------------------------------------------------------------- transfer
@@ -74,10 +86,25 @@ class TransferConfig:
     """How rollout experience moves from engines to trainer ranks."""
 
     _target_: str = MISSING
-    # Bound on micro-batches handed over but not yet consumed (streaming strategies).
-    max_in_flight: int = 4
-    # Tokens per packed micro-batch (packed strategy); 0 = derive from micro_batch_size * max_len.
+
+
+@dataclass
+class PaddedTransferConfig(TransferConfig):
+    _target_: str = "rlhf_orch.transfer.padded.PaddedTransfer"
+
+
+@dataclass
+class PackedTransferConfig(TransferConfig):
+    _target_: str = "rlhf_orch.transfer.packed.PackedTransfer"
+    # Tokens per packed micro-batch; 0 = derive from micro_batch_size * max_len.
     token_budget: int = 0
+
+
+@dataclass
+class MicroBatchedTransferConfig(TransferConfig):
+    _target_: str = "rlhf_orch.transfer.micro_batched.MicroBatchedTransfer"
+    # Bound on micro-batches handed over but not yet staged on the trainers.
+    max_in_flight: int = 4
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -161,7 +188,7 @@ class DataConfig:
     _target_: str = MISSING
     prompt_max_len: int = 32  # tokens
     response_max_len: int = 16  # tokens generated at most
-    seed: int = 1234
+    seed: int = II("seed")  # the order prompts are drawn in; the run's `seed` unless set here
 
 
 @dataclass
@@ -205,28 +232,35 @@ class FilesDataConfig(DataConfig):
 # --------------------------------------------------------------------------- reward
 @dataclass
 class RewardConfig:
-    """How responses are scored (`rlhf_orch.reward`). Rules run where the samples are (engines).
+    """How responses are scored (`rlhf_orch.reward`): a function (rule) or a reward model."""
+
+    _target_: str = MISSING
+
+    scores_after_handover: ClassVar[bool] = False
+
+
+@dataclass
+class RuleRewardConfig(RewardConfig):
+    """A scoring function, run where the samples are (engines).
 
     `timeout_s` and `pool_size` say how the rule runs (not the rule's own arguments): a sample
     taking longer than `timeout_s` scores 0 and is counted; `pool_size > 0` scores in that many
     Ray tasks instead of inline on the engine.
     """
 
-    _target_: str = MISSING
     timeout_s: float = 10.0
     pool_size: int = 0
 
     execution_keys: ClassVar[tuple[str, ...]] = ("timeout_s", "pool_size")
-    scores_after_handover: ClassVar[bool] = False
 
 
 @dataclass
-class DigitRuleConfig(RewardConfig):
+class DigitRuleConfig(RuleRewardConfig):
     _target_: str = "rlhf_orch.reward.rules.DigitReverseRule"
 
 
 @dataclass
-class GSM8KRuleConfig(RewardConfig):
+class GSM8KRuleConfig(RuleRewardConfig):
     _target_: str = "rlhf_orch.reward.rules.GSM8KRule"
     method: str = "strict"  # "strict" (#### extraction, as veRL scores) or "flexible" (last number)
     format_score: float = 0.0
@@ -234,24 +268,26 @@ class GSM8KRuleConfig(RewardConfig):
 
 
 @dataclass
-class MathVerifyRuleConfig(RewardConfig):
+class MathVerifyRuleConfig(RuleRewardConfig):
     _target_: str = "rlhf_orch.reward.rules.MathVerifyRule"
 
 
 @dataclass
-class CountdownRuleConfig(RewardConfig):
+class CountdownRuleConfig(RuleRewardConfig):
     _target_: str = "rlhf_orch.reward.rules.CountdownRule"
     format_score: float = 0.1
     score: float = 1.0
 
 
 @dataclass
-class CustomRewardConfig(RewardConfig):
+class CustomRewardConfig(RuleRewardConfig):
     """A user's function: veRL's `compute_score(data_source, solution_str, ground_truth, extra_info)`."""
 
     _target_: str = "rlhf_orch.reward.custom.CustomReward"
     path: str = MISSING
     name: str = "compute_score"
+    # One call with lists for the whole batch, inline on the engine (so reward.pool_size must be 0);
+    # reward.timeout_s x the batch's size limits that call, and a timeout or an exception scores it all 0.
     batched: bool = False
 
 
@@ -260,7 +296,9 @@ class ModelRewardConfig(RewardConfig):
     """A sequence-classification reward model in its own Ray actor(s), placed by the planner.
 
     `model_path: null` builds the tiny reward model locally (CPU tests). A rule can be added with
-    `+reward@reward.rule=<rule option>`; the score is `weight * model + rule_weight * rule`.
+    `+reward@reward.rule=<rule option>`; the score is `weight * model + rule_weight * rule`. It has
+    no timeout_s / pool_size of its own: its forward passes are waits of the step
+    (fault.step_timeout_s); an added rule has its own (`reward.rule.timeout_s`, `reward.rule.pool_size`).
     """
 
     _target_: str = "rlhf_orch.reward.model.RewardModel"
@@ -305,6 +343,10 @@ class HFModelConfig(ModelConfig):
 
 
 # --------------------------------------------------------------------------- algo
+# The values algo.loss_agg and algo.kl_estimator take (rlhf_orch.algo.losses implements each).
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_DIVERGENCE_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+
 @dataclass
 class AlgoConfig:
     """The RL algorithm: the schedule every option shares, the policy loss, the KL term.
@@ -455,7 +497,7 @@ class TrainerConfig:
     zero_stage: int = 0
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # "adamw" (betas 0.9, 0.95) or "sgd" (plain: the update is lr x gradient)
-    seed: int = 1
+    seed: int = II("seed")  # the trainers' torch/NumPy/Python RNG (dropout, init); the run's `seed` unless set here
 
 
 # --------------------------------------------------------------------------- engine
@@ -463,7 +505,10 @@ class TrainerConfig:
 class EngineConfig:
     """vLLM engine settings."""
 
-    kv_cache_gb: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+    # KV cache of one engine (per GPU of it), GiB. CPU: VLLM_CPU_KVCACHE_SPACE, whole GiB, null = 1.
+    # GPU: vLLM's kv_cache_memory_bytes, which replaces gpu_memory_utilization (leave that null);
+    # null = vLLM sizes the cache from gpu_memory_utilization.
+    kv_cache_gb: Optional[float] = None
     # Fraction of each engine GPU's memory vLLM may take; null = the engine's planned GPU share
     # (placement.engine_fraction when colocated, 0.9 on GPUs of its own). Validated against the plan.
     gpu_memory_utilization: Optional[float] = None
@@ -487,6 +532,9 @@ class CheckpointConfig:
     at_end: bool = True  # a checkpoint after the last step (so a longer num_steps can resume it)
     export_hf: bool = False  # also export the policy in Hugging Face format at every checkpoint
     export_final: bool = True  # export the policy in Hugging Face format at the end of the run
+    # Seconds writing one checkpoint (every role's DeepSpeed state) or one Hugging Face export may
+    # take: a large ZeRO-3 save can outlast fault.step_timeout_s without anything being dead.
+    timeout_s: float = 3600.0
 
 
 # --------------------------------------------------------------------------- failures
@@ -529,6 +577,10 @@ class LauncherConfig:
     num_cpus: Optional[int] = None
     address: Optional[str] = None
     startup_timeout_s: float = 600.0
+    # true: run inside the Ray session this process already has (a notebook, the test suite, runs
+    # started one after another from a script) and leave it up for the next; false: the run owns its
+    # Ray connection (local: starts Ray) and ends it. Either way the run removes its actors.
+    reuse_session: bool = False
 
 
 @dataclass
@@ -562,6 +614,8 @@ class RootConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     # Continue a run: a run dir, a checkpoint dir, or "auto" (the latest checkpoint of this experiment_name).
     resume: Optional[str] = None
+    # The one seed of a run: the engines' sampling (per step and engine), the data order (data.seed)
+    # and the trainers' RNG (trainer.seed) follow it; set those two to pin one part alone.
     seed: int = 1
     experiment_name: str = "default"
     # A published run this experiment reproduces: source, hardware, the published numbers with the
@@ -577,7 +631,7 @@ SCHEMA_GROUP = "schema"
 _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
     "placement": {"cpu_local": CpuLocalPlacementConfig, "colocated": ColocatedPlacementConfig, "split": SplitPlacementConfig},
     "pipeline": {"base": PipelineConfig},
-    "transfer": {"base": TransferConfig},
+    "transfer": {"padded": PaddedTransferConfig, "packed": PackedTransferConfig, "micro_batched": MicroBatchedTransferConfig},
     "sync": {
         "per_tensor": PerTensorSyncConfig,
         "bucketed": BucketedSyncConfig,
@@ -601,13 +655,13 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-def _run_dir(resume: Optional[str], default: str) -> str:
+def _run_dir(resume: Optional[str], experiment_name: str, default: str) -> str:
     """`hydra.run.dir`: a resumed run writes into its own run dir (metrics continue in place)."""
     if not resume:
         return default
-    from rlhf_orch.orchestration.checkpoint import run_dir_of
+    from rlhf_orch.checkpoint_dirs import run_dir_of
 
-    return run_dir_of(resume, default)
+    return run_dir_of(resume, default, experiment_name)
 
 
 def _hydra_subdir(resume: Optional[str], now: str) -> str:

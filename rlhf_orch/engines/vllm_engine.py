@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE
+from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, cpu_kv_cache_env, gpu_kv_cache_args
 from rlhf_orch.sync.buckets import Bucket, TensorMeta
 from rlhf_orch.sync.group import GroupAddress
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob, RolloutProducer
@@ -25,7 +25,7 @@ class EngineSpec:
     max_model_len: int
     tensor_parallel_size: int = 1
     seed: int = 0
-    kv_cache_gb: float = 1.0
+    kv_cache_gb: float | None = None  # engine.kv_cache_gb (rlhf_orch.engines.launch)
     gpu_memory_utilization: float = 0.5
     enable_prefix_caching: bool = True
     enforce_eager: bool = True
@@ -58,6 +58,10 @@ def check_vllm_interfaces() -> str:
         missing += [f"layerwise.{n}" for n in ("initialize_layerwise_reload", "finalize_layerwise_reload") if not hasattr(layerwise, n)]
     except ImportError:
         missing.append("vllm.model_executor.model_loader.reload.layerwise (layer-wise reload)")
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "kv_cache_memory_bytes" not in EngineArgs.__dataclass_fields__:  # engine.kv_cache_gb on GPUs
+        missing.append("EngineArgs.kv_cache_memory_bytes")
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -84,7 +88,8 @@ class VLLMEngine(RolloutProducer):
     def __init__(self, spec: EngineSpec, engine_index: int):
         # Keep the engine core in this process so Ray's placement and GPU ids apply to it.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(spec.kv_cache_gb)))))
+        for key, value in cpu_kv_cache_env(spec.kv_cache_gb).items():
+            os.environ.setdefault(key, value)
         check_vllm_interfaces()
         from vllm import LLM
 
@@ -96,11 +101,16 @@ class VLLMEngine(RolloutProducer):
             spec = replace(spec, sleep_level=1 if current_platform.is_sleep_mode_available() else 0)
         self.spec = spec
         self._asleep = False
+        self._weights_dropped = False  # slept at level 2; a finished weight update loads them again
         extra: dict[str, Any] = {}
         if spec.distributed_executor_backend:
             extra["distributed_executor_backend"] = spec.distributed_executor_backend
         if spec.sleep_level > 0:
             extra["enable_sleep_mode"] = True
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():  # the CPU backend reads VLLM_CPU_KVCACHE_SPACE (set above)
+            extra.update(gpu_kv_cache_args(spec.kv_cache_gb))
         if spec.tensor_parallel_size > 1 and spec.distributed_executor_backend == "mp":
             _bind_cpu_workers(spec.tensor_parallel_size)
         self.llm = LLM(
@@ -113,21 +123,38 @@ class VLLMEngine(RolloutProducer):
             enable_prefix_caching=spec.enable_prefix_caching,
             gpu_memory_utilization=spec.gpu_memory_utilization,
             worker_extension_cls="rlhf_orch.engines.worker_extension.WeightSyncWorkerExtension",
+            # Sampled tokens' log-probs of the distribution sampled from (after temperature), the
+            # one the trainers score (logits / temperature): truncated IS divides one by the other.
+            logprobs_mode="processed_logprobs",
             **extra,
         )
 
     # ------------------------------------------------------------------ sleep / wake (colocated GPUs)
     def _awake(self) -> None:
-        """Before any use of the GPU: wake a sleeping engine (weights back, KV cache reallocated)."""
+        """Before any use of the GPU: wake a sleeping engine (KV cache reallocated; at level 1 the
+        weights come back from CPU memory, at level 2 they are gone until a sync loads them)."""
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
 
-    def _sleep(self) -> None:
-        """After a rollout: release GPU memory for training (vLLM's levels; `spec.sleep_level`)."""
+    def _weights_present(self) -> None:
+        """Before sampling or scoring with the weights: refuse weights level 2 dropped."""
+        self._awake()
+        if self._weights_dropped:
+            raise RuntimeError(
+                f"engine {self.index} dropped its weights (engine.sleep_level=2) and no weight sync has loaded them "
+                "since: the driver must sync before it generates"
+            )
+
+    def sleep(self) -> None:
+        """The trainers train next and this engine is idle until the sync: release its GPU memory
+        (vLLM's levels; `spec.sleep_level`, 0 = never). The driver calls it, not a rollout: the
+        engine cannot know whether more generation (dynamic sampling's next round, an evaluation)
+        comes before the next sync, which level 2 needs to get its weights back."""
         if self.spec.sleep_level > 0 and not self._asleep:
             self.llm.sleep(level=self.spec.sleep_level)
             self._asleep = True
+            self._weights_dropped = self._weights_dropped or self.spec.sleep_level == 2
 
     def is_asleep(self) -> bool:
         return self._asleep
@@ -145,7 +172,7 @@ class VLLMEngine(RolloutProducer):
             for r in requests
         ]
         prompts = [TokensPrompt(prompt_token_ids=job.prompt_ids[r.prompt_index]) for r in requests]
-        self._awake()
+        self._weights_present()
         request_ids = self.llm.enqueue(prompts, params, use_tqdm=False)
         # enqueue returns vLLM's internal ids ("<external>-<8 random chars>"); outputs carry the
         # external one. Key by the external id.
@@ -167,8 +194,6 @@ class VLLMEngine(RolloutProducer):
                 yield completions
         if by_id:
             raise RuntimeError(f"vLLM finished without answering {len(by_id)} request(s)")
-        # The rollout is done; the trainers train next: give them the GPU memory until the next sync.
-        self._sleep()
 
     def reseed(self, seed: int) -> None:
         """Sampling from here on draws from `seed` (every worker of a tensor-parallel engine)."""
@@ -183,7 +208,7 @@ class VLLMEngine(RolloutProducer):
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        self._awake()
+        self._weights_present()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
         result = []
         for seq, out in zip(sequences, outs):
@@ -205,7 +230,7 @@ class VLLMEngine(RolloutProducer):
         self._awake()
         t0 = time.perf_counter()
         per_worker = self.llm.collective_rpc("rlhf_receive_buckets", args=(buckets, routes, receive_ahead, load))
-        report = self._finish_update(version, sum(w["bytes"] for w in per_worker), t0)
+        report = self._finish_update(version, sum(w["bytes"] for w in per_worker), t0, loaded=load)
         # Time this engine sat waiting for the wire (the rest of `seconds` is vLLM's load).
         report["wire_wait_s"] = max(w["wait_s"] for w in per_worker)
         return report
@@ -238,10 +263,11 @@ class VLLMEngine(RolloutProducer):
     def drop_raw_broadcast_buffer(self) -> None:
         self.llm.collective_rpc("rlhf_drop_raw_buffer")
 
-    def _finish_update(self, version: int, nbytes: int, t0: float) -> dict[str, Any]:
+    def _finish_update(self, version: int, nbytes: int, t0: float, loaded: bool = True) -> dict[str, Any]:
         # Cached prefixes were computed with the old weights: drop them, then publish the version.
         self.llm.reset_prefix_cache()
         self.weight_version = version
+        self._weights_dropped = self._weights_dropped and not loaded  # every sync sends every weight
         return {"engine": self.index, "version": version, "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
     def get_weight_version(self) -> int:

@@ -268,11 +268,13 @@ class LibraryOutput:
         self._file: Optional[logging.Handler] = None
         self._logs_dir: Optional[Path] = None
         self._job_id: Optional[str] = None
+        self._started_at = 0.0  # a session that outlives this run also holds earlier runs' workers
 
     def init_kwargs(self) -> dict[str, Any]:
         return {"log_to_driver": self.verbose}
 
     def start(self) -> None:
+        self._started_at = time.time()
         if self.verbose:
             return
         ray_logger = logging.getLogger("ray")
@@ -315,19 +317,21 @@ class LibraryOutput:
         self._levels = []
         if self.log_path is not None and self._logs_dir is not None:
             try:
-                collect_worker_logs(self._logs_dir, self.log_path, self._job_id)
+                collect_worker_logs(self._logs_dir, self.log_path, self._job_id, since=self._started_at)
             except OSError as e:
                 print(f"library output: not copied from {self._logs_dir} ({e})", flush=True)
 
 
-def collect_worker_logs(logs_dir: Path, dest: Path, job_id: Optional[str] = None) -> int:
+def collect_worker_logs(logs_dir: Path, dest: Path, job_id: Optional[str] = None, since: float = 0.0) -> int:
     """Append the output of this job's Ray workers (logs_dir/worker-*.out|err) to `dest`: one section
     per process and stream (by actor class, then pid), Ray's marker lines dropped, each progress-bar
-    redraw (\\r) on a line of its own. Returns the sections written (a silent worker gets none)."""
+    redraw (\\r) on a line of its own; `since` (a time.time()) leaves out files last written before
+    it (workers of earlier runs in a session that outlives them). Returns the sections written (a
+    silent worker gets none)."""
     sections = []
     for path in Path(logs_dir).glob("worker-*"):
         m = _WORKER_FILE.match(path.name)
-        if not m or (job_id is not None and m["job"] != job_id):
+        if not m or (job_id is not None and m["job"] != job_id) or path.stat().st_mtime < since:
             continue
         lines = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n").splitlines()
         actor = next((line.split(":", 2)[2] for line in lines[:5] if line.startswith(":actor_name:")), "worker")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any, Optional
 
 from rlhf_orch.logging.console import ConsoleLogger
@@ -23,6 +25,8 @@ class WandbLogger(ConsoleLogger):
         self.entity = entity
         self.run = None
         self._sync_dir = None
+        self._logged_file: Optional[Path] = None
+        self._logged_through = 0  # the W&B run has every step up to this one (a resumed run skips them)
 
     def start(self, run_dir: str, config: dict[str, Any], name: str, resume_id: str | None = None) -> None:
         super().start(run_dir, config, name, resume_id)
@@ -43,12 +47,20 @@ class WandbLogger(ConsoleLogger):
             settings=wandb.Settings(quiet=not self.verbose),
         )
         self.run_id = self.run.id
+        # Steps the W&B run already holds: those logged before the previous process stopped, which
+        # can be later than the checkpoint this run resumes from (offline, W&B itself cannot say).
+        self._logged_file = Path(run_dir) / "wandb" / LOGGED_STEPS_FILE
+        self._logged_through = _logged_through(self._logged_file, self.run.id) if resume_id else 0
         self._sync_dir = getattr(self.run.settings, "sync_dir", None) if mode == "offline" else None
         self.console.print(f"wandb: mode={mode}, run {self.run.id}{' (resumed)' if resume_id else ''}, files under {run_dir}/wandb", markup=False)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         super().log(step, metrics)
+        if step <= self._logged_through:  # re-run after a resume: the W&B run has this step already
+            return
         self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        self._logged_through = step
+        self._logged_file.write_text(json.dumps({"run_id": self.run.id, "step": step}))
 
     def close(self, exit_code: int = 0, preempted: bool = False) -> None:
         super().close(exit_code, preempted)  # the progress bar ends and the plots are written first
@@ -59,3 +71,15 @@ class WandbLogger(ConsoleLogger):
             self.run = None
             if self._sync_dir:
                 self.console.print(f"wandb: offline run; upload it with: wandb sync {self._sync_dir}", markup=False)
+
+
+#: In <run dir>/wandb: the W&B run id and the last step logged to it.
+LOGGED_STEPS_FILE = "rlhf_orch_logged_steps.json"
+
+
+def _logged_through(path: Path, run_id: str) -> int:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0
+    return int(record.get("step", 0)) if record.get("run_id") == run_id else 0

@@ -7,11 +7,17 @@ locally built tiny model and a Hugging Face checkpoint are interchangeable.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from rlhf_orch.models.hub import ModelSourceError
+
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# Where Hugging Face configs keep the longest sequence the positions cover (the first one present counts).
+_POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 class ModelSource(ABC):
@@ -43,6 +49,22 @@ class ModelSource(ABC):
     @abstractmethod
     def path(self) -> str:
         """A local directory or hub id that `from_pretrained` and `vllm.LLM(model=...)` accept."""
+
+    def local_dir(self) -> str:
+        """The checkpoint's directory on this machine (a hub id resolves to its cached snapshot)."""
+        return self.path()
+
+    def check_context_len(self) -> None:
+        """Refuse a `context_len` longer than the checkpoint's position limit (config.json): the
+        engines would refuse such a max_model_len and the trainers would index past the positions."""
+        config = json.loads((Path(self.local_dir()) / "config.json").read_text())
+        limits = [(key, config[key]) for key in _POSITION_LIMIT_KEYS if isinstance(config.get(key), int)]
+        if limits and self.context_len > limits[0][1]:
+            key, limit = limits[0]
+            raise ModelSourceError(
+                f"model.context_len={self.context_len} exceeds the checkpoint's {key}={limit} "
+                f"({self.model_id}): set model.context_len<={limit}"
+            )
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The checkpoint's tokenizer, loaded the way the consumers load it."""

@@ -24,6 +24,9 @@ class HFModel(ModelSource):
         # cache logic and may run on another node. `check()` proves it loads before Ray starts.
         return self.name_or_path
 
+    def local_dir(self) -> str:
+        return resolve_local_checkpoint(self.name_or_path, "model.name_or_path")
+
     def check(self) -> None:
         """Refuse (one line) a hub id that is neither a local directory nor in the local HF cache."""
         resolve_local_checkpoint(self.name_or_path, "model.name_or_path")

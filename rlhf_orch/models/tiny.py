@@ -5,28 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
-from rlhf_orch.config.schema import DigitTaskConfig
-from rlhf_orch.data.digit_task import DigitReverseTask
 from rlhf_orch.models.base import ModelSource
 from rlhf_orch.models.cache import build_once
 from rlhf_orch.models.tiny_build import TinyLlamaSpec, WarmStartRecipe, build_tiny_checkpoint
+from rlhf_orch.models.warm_start_task import default_warm_start_task
 
 # Bumped when the build procedure changes in a way the spec, recipe and task do not capture.
 BUILD_FORMAT_VERSION = 3  # 2: model vocabulary = tokenizer size; 3: chat template
-
-
-def default_warm_start_task() -> DigitReverseTask:
-    """The task the warm start trains on: the data config's defaults, whatever data option runs.
-
-    The warm start is part of "the model", so a long-context data option (filler tokens) reuses
-    the same checkpoint as the default one.
-    """
-    defaults = DigitTaskConfig()
-    kwargs = {f.name: getattr(defaults, f.name) for f in fields(DigitTaskConfig) if f.name != "_target_"}
-    return DigitReverseTask(**kwargs)
 
 
 class TinyLlama(ModelSource):

@@ -22,6 +22,7 @@ import torch
 
 from rlhf_orch.data.digit_task import DigitReverseTask, score_response
 from rlhf_orch.models.cache import build_once
+from rlhf_orch.models.warm_start_task import default_warm_start_task
 
 BUILD_FORMAT_VERSION = 1
 
@@ -123,7 +124,6 @@ def build_tiny_reward_model(out_dir: Path, policy_path: str, task: DigitReverseT
 
 def tiny_reward_model_path(policy_path: str, cache_dir: Path, recipe: RewardModelRecipe = RewardModelRecipe()) -> str:
     """The tiny reward model for the tiny policy at `policy_path`, built on first use."""
-    from rlhf_orch.models.tiny import default_warm_start_task
 
     identity = {"format": BUILD_FORMAT_VERSION, "policy": Path(policy_path).name, "recipe": asdict(recipe)}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

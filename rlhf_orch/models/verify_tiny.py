@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_orch.config.schema import TinyModelConfig
 from rlhf_orch.data.digit_task import DigitReverseTask, Prompt, reward_fn
-from rlhf_orch.models.tiny import TinyLlama, default_warm_start_task
+from rlhf_orch.models.tiny import TinyLlama
+from rlhf_orch.models.warm_start_task import default_warm_start_task
 
 
 def evaluation_prompts(task: DigitReverseTask, num_prompts: int, samples_per_prompt: int) -> list[Prompt]:

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import ray
 
-from rlhf_orch.engines.launch import engine_launch
+from rlhf_orch.engines.launch import cpu_kv_cache_env, engine_launch
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
@@ -90,10 +90,10 @@ def start_role_actors(
     critic_spec: TrainerSpec | None,
     reference_spec: TrainerSpec | None,
     timeout_s: float,
-    cpu_kv_cache_gb: float,
+    kv_cache_gb: float | None,
     reward_spec: TrainerSpec | None = None,
 ) -> RoleActors:
-    env = dict(_ACTOR_ENV, VLLM_CPU_KVCACHE_SPACE=str(max(1, int(round(cpu_kv_cache_gb)))))
+    env = {**_ACTOR_ENV, **cpu_kv_cache_env(kv_cache_gb)}
     engine_slots = plan.slots_for("engine")
 
     def start_engine(e: int) -> Any:

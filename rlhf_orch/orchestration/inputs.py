@@ -51,6 +51,7 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
     if check_model is not None:
         check_model()  # a hub id must be loadable offline before anything starts
     model_path = model.path()  # builds and caches the tiny model on first use
+    model.check_context_len()
     tokenizer = model.tokenizer()
 
     task: PromptSource = instantiate(cfg.data)

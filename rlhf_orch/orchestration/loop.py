@@ -27,6 +27,7 @@ import ray
 
 import torch
 
+from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.orchestration.actors import RoleActors
 from rlhf_orch.orchestration.checkpoint import engine_seed
@@ -45,6 +46,10 @@ class StepFailedError(RuntimeError):
     """An actor raised while working on a step (a reward returning NaN, a bad batch, ...)."""
 
 
+class ActorTimeoutError(RuntimeError):
+    """Actors did not answer within the timeout of what they were doing (the message names its key)."""
+
+
 @dataclass
 class LoopSettings:
     num_steps: int
@@ -58,6 +63,7 @@ class LoopSettings:
     max_seq_len: int = 0  # prompt_max_len + response_max_len (0: longest prompt + response_max_len)
     max_engine_restarts: int = 0  # engines replaced per run at most (fault.max_engine_restarts)
     engine_tp: int = 1
+    engines_sleep: bool = False  # engine.sleep_level > 0: idle engines release their GPU memory
 
 
 # Quantities that must stay finite; a NaN or inf in any of them stops the run (`non_finite`).
@@ -134,6 +140,7 @@ class TrainLoop:
         #      pipeline -- now, or during the previous step's training).
         delivery = self.pipeline.rollout(self, step, timings)
         self._check_every_sample_once(delivery)
+        self.pipeline.engines_idle(self)
         timings.update({k: v for k, v in delivery.timings.items() if k not in timings})
         num_shards = len(self.actors.policy)  # one experience shard per policy rank
 
@@ -206,6 +213,12 @@ class TrainLoop:
         held = self.transfer.generate(self.rollout_request(step), self.route(step))
         held.step = step
         return held
+
+    def sleep_engines(self) -> None:
+        """The engines are idle until the next sync: they release their GPU memory (at sleep level
+        2 their weights too, which the sync sends back before anything is generated)."""
+        if self.settings.engines_sleep:
+            self._get([e.sleep.remote() for e in self.actors.engines], "putting the engines to sleep", engine_call=True)
 
     def sync_engines(self, timings: dict[str, float]) -> None:
         """Push the trainers' weights to every engine if the engines are behind (timed as `sync`)."""
@@ -334,14 +347,25 @@ class TrainLoop:
     def _shards_of_critic(self, critic: int, num_shards: int) -> list[int]:
         return [i for i in range(num_shards) if i % len(self.actors.critic) == critic]
 
-    def _get(self, refs: list[ray.ObjectRef], what: str, engine_call: bool = False, timeout_s: float | None = None) -> list[Any]:
+    def _get(
+        self,
+        refs: list[ray.ObjectRef],
+        what: str,
+        engine_call: bool = False,
+        timeout: tuple[float, str] | None = None,
+        remaining_s: float | None = None,
+    ) -> list[Any]:
+        """`ray.get` within `timeout` (seconds and the config key that sets them; default
+        fault.step_timeout_s) or the `remaining_s` of it a caller has left, each failure turned
+        into one line naming what was being done."""
+        timeout_s, key = timeout or (self.settings.step_timeout_s, "fault.step_timeout_s")
         try:
-            return ray.get(refs, timeout=self.settings.step_timeout_s if timeout_s is None else timeout_s)
+            return ray.get(refs, timeout=timeout_s if remaining_s is None else remaining_s)
         except ray.exceptions.RayActorError as e:
             kind = "a vLLM engine" if engine_call else "a trainer or engine process"
             raise EngineDiedError(f"{kind} died while {what}: {_brief(e)}") from e
         except ray.exceptions.GetTimeoutError as e:
-            raise EngineDiedError(f"no answer within {self.settings.step_timeout_s:g}s (fault.step_timeout_s) while {what}") from e
+            raise ActorTimeoutError(f"no answer within {timeout_s:g}s ({key}) while {what}") from e
         except ray.exceptions.RayTaskError as e:
             # The actor's own exception, in one line (its traceback went to the actor's log).
             cause = e.cause if e.cause is not None else e
@@ -379,6 +403,12 @@ class TrainLoop:
             metrics["rollout/staleness_max"] = max(staleness)
             metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness)
         metrics.update(trainer_metrics(exp_stats, policy_stats, critic_stats, self.algo.needs_reference))
+        if self.settings.samples_per_prompt > 1:
+            # Groups whose samples all scored the same: no gradient under a group-relative
+            # advantage (DAPO's dynamic sampling drops them before training).
+            group_ids = torch.tensor(delivery.meta.indices, dtype=torch.long) // self.settings.samples_per_prompt
+            informative = dynamic_sampling_keep(torch.tensor(rewards, dtype=torch.float32), group_ids)
+            metrics["rollout/uniform_groups"] = len(set(group_ids[~informative].tolist()))
         if delivery.dropped_groups is not None:
             metrics["sampling/dropped_groups"] = delivery.dropped_groups
             metrics["sampling/rounds"] = delivery.rounds

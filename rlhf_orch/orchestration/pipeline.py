@@ -44,6 +44,10 @@ class RolloutPipeline:
         """Step `step`'s rollout, staged on the trainer ranks."""
         return loop.transfer.deliver(loop.rollout_request(step), loop.route(step))
 
+    def engines_idle(self, loop: TrainLoop) -> None:
+        """The rollout is on the trainers: the engines have nothing to do until the sync."""
+        loop.sleep_engines()
+
     def after_train(self, loop: TrainLoop, timings: dict[str, float]) -> None:
         """The trainers finished an update: the engines take the new weights now."""
         loop.sync_engines(timings)
@@ -102,6 +106,9 @@ class OneStepOffPipeline(RolloutPipeline):
             self._start(loop, step + 1)
         return delivery
 
+    def engines_idle(self, loop: TrainLoop) -> None:
+        """Not now: the engines are generating the next rollout (they sleep when it is done)."""
+
     def after_train(self, loop: TrainLoop, timings: dict[str, float]) -> None:
         """Nothing: the weights move once the rollout in flight is done (next step, or `settle`)."""
 
@@ -152,8 +159,10 @@ class OneStepOffPipeline(RolloutPipeline):
 
         def generate() -> HeldRollout:
             try:
-                return loop.generate(step)
+                held = loop.generate(step)
             finally:
                 self._gen_end = time.perf_counter()
+            loop.sleep_engines()  # idle until the next step's sync
+            return held
 
         self._next = self._pool.submit(generate)

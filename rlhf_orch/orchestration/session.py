@@ -17,18 +17,12 @@ from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.logging.base import MetricsFile
 from rlhf_orch.orchestration.actors import start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
-from rlhf_orch.orchestration.checkpoint import (
-    CheckpointStore,
-    ResumeError,
-    load_resume,
-    restore_trainers,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from rlhf_orch.checkpoint_dirs import CheckpointStore, ResumeError
+from rlhf_orch.orchestration.checkpoint import load_resume, restore_trainers, save_checkpoint
 from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
 from rlhf_orch.orchestration.loop import LoopSettings, TrainLoop, non_finite
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
+from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.trainer.workers import TrainerSpec
 
@@ -107,7 +101,7 @@ def run_training(
     store = CheckpointStore(Path(ck.dir) if ck.dir else run_dir / "checkpoints", ck.keep_last)
     resume = None
     if typed.resume:
-        resume = load_resume(typed.resume, run_dir.parent, ck.dir, config_dict, a.num_steps)
+        resume = load_resume(typed.resume, run_dir.parent, ck.dir, config_dict, a.num_steps, typed.experiment_name)
         task.load_state_dict(resume.state["data"])
         set_rng_state(resume.state["rng"])
     transfer = instantiate(cfg.transfer)
@@ -121,7 +115,8 @@ def run_training(
     for line in inputs.notes:
         print(line, flush=True)
     if resume:
-        print(f"resuming from step {resume.step}: {resume.info.path}", flush=True)
+        which = f" (resume=auto: the newest checkpoint of experiment {typed.experiment_name!r})" if typed.resume == "auto" else ""
+        print(f"resuming from step {resume.step}: {resume.info.path}{which}", flush=True)
         if resume.changed:
             print(f"resume: changed since the checkpoint (allowed): {', '.join(resume.changed)}", flush=True)
 
@@ -164,12 +159,12 @@ def run_training(
             "restart_log": loop.restart_log,
             "data": task.state_dict(),
             "rng": rng_state(),
-            "metrics": history,
+            "metrics": json.loads(json.dumps(history)),  # plain floats: driver.pt loads as data only
             "logger_run_id": getattr(logger, "run_id", None),
             "config": config_dict,
         }
         manifest = {"weight_version": loop.version, "run_dir": str(run_dir.resolve()), "experiment_name": typed.experiment_name}
-        path = save_checkpoint(store, step, actors, loop._get, state, ck.export_hf, manifest)
+        path = save_checkpoint(store, step, actors, loop._get, state, ck.export_hf, manifest, ck.timeout_s)
         last_checkpoint[:] = [path]
         print(f"checkpoint: step {step} -> {path} ({time.perf_counter() - t:.1f}s)", flush=True)
 
@@ -212,6 +207,7 @@ def run_training(
                         step_timeout_s=typed.fault.step_timeout_s,
                         max_engine_restarts=typed.fault.max_engine_restarts,
                         engine_tp=plan.engine_tp,
+                        engines_sleep=engine_spec.sleep_level != 0,
                     ),
                     reward,
                     pipeline,
@@ -220,7 +216,7 @@ def run_training(
                     # The trainers' exact state, then the engines get those weights through the
                     # configured sync before the first resumed step; a rollout generated ahead of
                     # the checkpoint goes back onto the engines.
-                    restore_trainers(resume.info.path, actors, loop._get)
+                    restore_trainers(resume.info.path, actors, loop._get, ck.timeout_s)
                     loop.trained = resume.state.get("trained_version", resume.state["weight_version"])
                     loop.version = -1  # fresh engines: push whatever the checkpoint says
                     loop.restart_log = resume.state.get("restart_log") or {0: [0.0] * resume.state["engine_restarts"]}
@@ -263,7 +259,8 @@ def run_training(
                         callback(step, loop)
                 if ck.export_final:
                     export_dir = run_dir / "policy_hf"
-                    loop._get([rank.export_hf.remote(str(export_dir)) for rank in actors.policy], "exporting the policy")
+                    loop._get([rank.export_hf.remote(str(export_dir)) for rank in actors.policy], "exporting the policy",
+                              timeout=(ck.timeout_s, "checkpoint.timeout_s"))
                     print(f"policy exported (Hugging Face format): {export_dir}", flush=True)
                 outcome = {"status": "interrupted", "signal": stop.name} if stop.requested else {"status": "completed"}
             finally:

@@ -22,38 +22,16 @@ ends the whole sweep before the jobs after it and before `on_multirun_end` (the 
 from __future__ import annotations
 
 import contextlib
-import math
-import re
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-# eval/<source>/mean@k: the mean score of k samples per held-out prompt (rlhf_orch.orchestration.evaluation).
-EVAL_MEAN = re.compile(r"^eval/(?P<source>.+)/mean@(?P<k>\d+)$")
+from rlhf_orch.reporting.scores import _finite, eval_score
 
 # What app.main's exit codes mean (rlhf_orch.app: EXIT_CONFIG, EXIT_RUNTIME, EXIT_SIGNAL_BASE).
 EXIT_MEANING = {2: "configuration error, nothing started", 3: "runtime failure"}
 SIGNAL_BASE = 128
-
-
-def _finite(v: Any) -> Optional[float]:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
-
-
-def eval_score(evaluation: Optional[Mapping[str, Any]]) -> Optional[tuple[float, str]]:
-    """(score, what it is) of one evaluation record (summary.json's `eval_last`, or a metrics row):
-    the mean of its `eval/<source>/mean@k` values; None when it has none."""
-    if not evaluation:
-        return None
-    found = {k: _finite(v) for k, v in evaluation.items() if EVAL_MEAN.match(str(k))}
-    values = {k: v for k, v in found.items() if v is not None}
-    if not values:
-        return None
-    name = next(iter(values)) if len(values) == 1 else f"mean of {len(values)} eval/<source>/mean@k"
-    return sum(values.values()) / len(values), name
 
 
 def objective(summary: Optional[Mapping[str, Any]]) -> Optional[float]:

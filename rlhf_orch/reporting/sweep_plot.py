@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from rlhf_orch.logging.plots import PHASE_COLORS, PHASES, smooth, smoothing_window
-from rlhf_orch.reporting.sweep_summary import RunRow, tally
+from rlhf_orch.reporting.run_row import RunRow, tally
 
 _DPI = 110
 _STATUS_COLOR = {"failed": "#B22222", "aborted": "#B22222", "interrupted": "#8A6D00"}

@@ -67,10 +67,10 @@ class RewardSetup:
 
 def build_reward(node: DictConfig | dict) -> RewardSetup:
     """Instantiate the `reward` option; the execution keys are settings of the run, not the function's."""
-    from rlhf_orch.config.schema import RewardConfig
+    from rlhf_orch.config.schema import RuleRewardConfig
 
     conf = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    execution = {k: conf.pop(k) for k in RewardConfig.execution_keys if k in conf}
+    execution = {k: conf.pop(k) for k in RuleRewardConfig.execution_keys if k in conf}
     _check_execution(**execution)
     rule_node = conf.pop("rule", None)  # only a reward model option carries a nested rule
     target = instantiate(conf)

@@ -18,10 +18,6 @@ from rlhf_orch.topology.plan import PlacementPlan, plan_colocated, plan_cpu_loca
 class _Placement:
     """Fields every layout accepts (`PlacementConfig`)."""
 
-    actor_ranks: int
-    critic_ranks: int
-    reference_ranks: int
-    engines: int
     engine_tp: int
     nodes: int
     gpus_per_node: int
@@ -39,14 +35,24 @@ class _Placement:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CpuLocalPlacement(_Placement):
+class _RankedPlacement(_Placement):
+    """Layouts given rank and engine counts directly (`RankedPlacementConfig`)."""
+
+    actor_ranks: int
+    critic_ranks: int
+    reference_ranks: int
+    engines: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuLocalPlacement(_RankedPlacement):
     """Every process on this machine's CPUs (no GPUs), one CPU bundle each."""
 
     planner = staticmethod(plan_cpu_local)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ColocatedPlacement(_Placement):
+class ColocatedPlacement(_RankedPlacement):
     """Every role shares every GPU, each claiming its fraction of the GPUs it sits on."""
 
     actor_fraction: float
@@ -61,9 +67,8 @@ class ColocatedPlacement(_Placement):
 class SplitPlacement(_Placement):
     """Trainer GPUs and vLLM GPUs disjoint.
 
-    The inherited `actor_ranks`, `critic_ranks`, `reference_ranks` and `engines` fields are accepted
-    but not used: in this layout they follow from the GPU counts (one rank per actor/critic GPU, one
-    reference beside each actor rank, one engine per `engine_tp` vLLM GPUs). Read them from the plan.
+    Rank and engine counts are derived, not read: one rank per actor/critic GPU, one reference
+    beside each actor rank, one engine per `engine_tp` vLLM GPUs. Read them from the plan.
     """
 
     ratio: Optional[str]
@@ -71,6 +76,16 @@ class SplitPlacement(_Placement):
     critic_gpus: int
     vllm_gpus: int
     reference_fraction: float
+    # Always None (the config check refuses a value): the counts follow from the GPUs.
+    actor_ranks: Optional[int] = None
+    critic_ranks: Optional[int] = None
+    reference_ranks: Optional[int] = None
+    engines: Optional[int] = None
 
     planner = staticmethod(plan_split)
     derived = ("actor_ranks", "critic_ranks", "reference_ranks", "engines")
+
+    def __post_init__(self) -> None:
+        given = [f"placement.{k}={getattr(self, k)}" for k in self.derived if getattr(self, k) is not None]
+        if given:
+            raise ValueError(f"placement=split derives ranks and engines from the GPU counts: drop {', '.join(given)}")

@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, near_equal_ranges
+from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch
+from rlhf_orch.transfer.micro_batches import near_equal_ranges
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from rlhf_orch.algo.losses import (
     truncated_is_weights,
 )
 from rlhf_orch.algo.ppo_math import masked_mean
+from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config
 from rlhf_orch.trainer.forward import (
     load_critic,
@@ -192,18 +193,14 @@ class _Worker(ExperienceInbox):
     def save_checkpoint(self, directory: str) -> None:
         """DeepSpeed's checkpoint of this role (every rank calls: ZeRO partitions are per rank) and
         this rank's RNG state (DeepSpeed keeps `client_state` from rank 0 only)."""
-        from rlhf_orch.orchestration.checkpoint import rng_state
-
         self.engine.save_checkpoint(directory, tag="state", save_latest=False)
         torch.save(rng_state(), os.path.join(directory, f"rng_rank{self.rank}.pt"))
 
     def load_checkpoint(self, directory: str) -> None:
-        from rlhf_orch.orchestration.checkpoint import set_rng_state
-
         path, _ = self.engine.load_checkpoint(directory, tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"no DeepSpeed checkpoint of the {self.role} in {directory}")
-        set_rng_state(torch.load(os.path.join(directory, f"rng_rank{self.rank}.pt"), weights_only=False))
+        set_rng_state(torch.load(os.path.join(directory, f"rng_rank{self.rank}.pt"), weights_only=True))
 
     def _ds_engine(self, model: torch.nn.Module, lr: float):
         import deepspeed

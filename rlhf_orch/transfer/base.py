@@ -25,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample, shard_for_ranks, split_by_count
+from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
+from rlhf_orch.transfer.micro_batches import shard_for_ranks, split_by_count
 from rlhf_orch.transfer.engine_side import RolloutJob, RolloutMeta, Scorer
 
 MicroBatch = PaddedBatch | PackedBatch
@@ -97,7 +98,7 @@ class Route:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
             if not ready:
-                self.get(list(pending), what, engine_call=True, timeout_s=0.0)  # raises: no answer in time
+                self.get(list(pending), what, engine_call=True, remaining_s=0.0)  # raises: no answer in time
             ref = ready[0]
             e = pending.pop(ref)
             try:
@@ -185,12 +186,6 @@ class RolloutTransfer(abc.ABC):
     # Can a finished rollout wait for the trainers (generate/hand_over)? A streaming strategy
     # cannot: it hands micro-batches to the trainers while generating.
     holds_rollouts: bool = True
-
-    def __init__(self, max_in_flight: int = 4, token_budget: int = 0):
-        if max_in_flight < 1:
-            raise ValueError(f"transfer.max_in_flight={max_in_flight} must be >= 1")
-        self.max_in_flight = max_in_flight
-        self.token_budget = token_budget
 
     @abc.abstractmethod
     def layout(

@@ -28,7 +28,8 @@ import torch
 
 from rlhf_orch.reward.base import Response
 from rlhf_orch.reward.execution import ScoredBatch
-from rlhf_orch.transfer.batch import PackedBuffer, PaddedBatch, Sample
+from rlhf_orch.transfer.batch import PaddedBatch, Sample
+from rlhf_orch.transfer.packed_buffer import PackedBuffer
 from rlhf_orch.transfer.plan import CompletionRequest, MicroBatchWork
 
 # (prompts, responses) -> ScoredBatch: scores one batch where the samples are (rlhf_orch.reward.scoring).

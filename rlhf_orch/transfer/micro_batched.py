@@ -24,6 +24,11 @@ from rlhf_orch.transfer.plan import interleave_over_engines, plan_count_micro_ba
 class MicroBatchedTransfer(RolloutTransfer):
     holds_rollouts = False  # micro-batches go to the trainers while the engines generate
 
+    def __init__(self, max_in_flight: int = 4):
+        if max_in_flight < 1:
+            raise ValueError(f"transfer.max_in_flight={max_in_flight} must be >= 1")
+        self.max_in_flight = max_in_flight
+
     def layout(self, samples: Sequence[Sample], num_shards: int, micro_batch_size: int, pad_id: int) -> list[list[MicroBatch]]:
         return [
             [PaddedBatch.from_samples(mb, pad_id) for mb in shard]

@@ -28,6 +28,11 @@ from rlhf_orch.transfer.plan import derive_token_budget, pieces_per_engine, plan
 
 
 class PackedTransfer(RolloutTransfer):
+    def __init__(self, token_budget: int = 0):
+        if token_budget < 0:
+            raise ValueError(f"transfer.token_budget={token_budget} must be >= 0 (0 derives it)")
+        self.token_budget = token_budget
+
     def budget(self, micro_batch_size: int, max_seq_len: int) -> int:
         return derive_token_budget(self.token_budget, micro_batch_size, max_seq_len)
 

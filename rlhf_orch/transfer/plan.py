@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from rlhf_orch.transfer.batch import near_equal_ranges, plan_token_budget_micro_batches, shard_for_ranks, split_by_count
+from rlhf_orch.transfer.micro_batches import near_equal_ranges, plan_token_budget_micro_batches, shard_for_ranks, split_by_count
 
 
 @dataclass(frozen=True)

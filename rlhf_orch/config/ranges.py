@@ -1,0 +1,316 @@
+"""The valid range of every single key: one row of `RANGES` each (key path, predicate, fix),
+evaluated over the typed config; a row whose key the chosen group option does not have is skipped.
+Needs no plan: `validate_values` lists every bad value before the planner and the group
+constructors (which stop at the first) run. Checks between keys: rlhf_orch.config.validate.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from rlhf_orch.config.problems import ConfigError, Problem
+from rlhf_orch.config.schema import (
+    ColocatedPlacementConfig,
+    CpuLocalPlacementConfig,
+    GSM8KRuleConfig,
+    RootConfig,
+    SplitPlacementConfig,
+    WandbLoggerConfig,
+)
+
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Range:
+    """One key's valid values: `ok(value)` must hold, else `Problem(key, value, fix)`."""
+
+    key: str  # dotted path in RootConfig; skipped when the chosen option has no such field
+    ok: Callable[[Any], bool]
+    fix: str
+    when: Optional[Callable[[RootConfig], bool]] = None  # the row applies only when this holds
+    nullable: bool = False  # None is a valid value (the key's "off"/"derive" setting)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _why(why: str) -> str:
+    return f" ({why})" if why else ""
+
+
+def ints(key: str, lo: int, why: str = "", hi: Optional[int] = None, **kw: Any) -> Range:
+    bound = f"must be >= {lo}" if hi is None else f"must be in [{lo}, {hi}]"
+    return Range(key, lambda v: _is_int(v) and v >= lo and (hi is None or v <= hi), bound + _why(why), **kw)
+
+
+def reals(
+    key: str,
+    lo: Optional[float] = None,
+    hi: Optional[float] = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    why: str = "",
+    **kw: Any,
+) -> Range:
+    """A finite number with optional bounds (open or closed)."""
+
+    def ok(v: Any) -> bool:
+        if not _is_real(v):
+            return False
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            return False
+        if hi is not None and (v >= hi if hi_open else v > hi):
+            return False
+        return True
+
+    if lo is not None and hi is not None:
+        bound = f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    elif lo is not None:
+        bound = f"must be {'>' if lo_open else '>='} {lo:g}"
+    elif hi is not None:
+        bound = f"must be {'<' if hi_open else '<='} {hi:g}"
+    else:
+        bound = "must be a finite number"
+    return Range(key, ok, bound + _why(why), **kw)
+
+
+def choice(key: str, options: tuple, fix: Optional[str] = None, **kw: Any) -> Range:
+    return Range(key, lambda v: v in options, fix or f"use one of {', '.join(map(repr, options))}", **kw)
+
+
+def text(key: str, why: str = "", **kw: Any) -> Range:
+    return Range(key, lambda v: isinstance(v, str) and v.strip() != "", "must be a non-empty string" + _why(why), **kw)
+
+
+def _needs_critic(c: RootConfig) -> bool:
+    return c.algo.needs_critic
+
+
+def _needs_reference(c: RootConfig) -> bool:
+    return c.algo.needs_reference
+
+
+def _ranked(c: RootConfig) -> bool:
+    """The layout reads rank and engine counts (split derives them from its GPU counts)."""
+    return not isinstance(c.placement, SplitPlacementConfig)
+
+
+def _gpu_layout(c: RootConfig) -> bool:
+    return not isinstance(c.placement, CpuLocalPlacementConfig)
+
+
+_SEED_MAX = 2**32 - 1
+_SEED_WHY = "numpy, torch and vLLM seeds"
+_RATIO = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
+
+
+def _ratio_ok(v: Any) -> bool:
+    m = _RATIO.match(str(v))
+    return bool(m) and int(m.group(1)) >= 1 and int(m.group(2)) >= 1
+
+
+def _files_ok(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(f, str) and f.strip() for f in v)
+
+
+def _columns_ok(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(c, str) and c.strip() for c in v)
+
+
+_WANDB_BAD_CHARS = "/\\#?%:"
+
+RANGES: tuple[Range, ...] = (
+    # ---- placement
+    ints("placement.actor_ranks", 1, "the policy needs at least one rank", when=_ranked),
+    ints("placement.critic_ranks", 1, "this algorithm has a critic", when=lambda c: _ranked(c) and _needs_critic(c)),
+    ints("placement.critic_ranks", 0, "unused without a critic", when=lambda c: _ranked(c) and not c.algo.needs_critic),
+    ints("placement.reference_ranks", 1, "the KL term needs a reference rank", when=lambda c: _ranked(c) and _needs_reference(c)),
+    ints("placement.reference_ranks", 0, "unused without a KL term", when=lambda c: _ranked(c) and not c.algo.needs_reference),
+    ints("placement.engines", 1, "rollouts need at least one vLLM engine", when=_ranked),
+    *(Range(f"placement.{key}", lambda v: v is None, f"placement=split derives it from the GPU counts ({how}): "
+            f"leave it null and set {gpus}", when=lambda c: not _ranked(c))
+      for key, how, gpus in (
+          ("actor_ranks", "one policy rank per actor GPU", "placement.actor_gpus"),
+          ("critic_ranks", "one critic rank per critic GPU", "placement.critic_gpus"),
+          ("reference_ranks", "one reference beside each policy rank", "placement.actor_gpus"),
+          ("engines", "one engine per placement.engine_tp vLLM GPUs", "placement.vllm_gpus"),
+      )),
+    ints("placement.engine_tp", 1, "GPUs (CPU workers) per engine"),
+    ints("placement.nodes", 1, "plan at least one node", when=_gpu_layout),
+    ints("placement.gpus_per_node", 1, "GPU layouts need GPUs; use placement=cpu_local on CPU machines", when=_gpu_layout),
+    Range("placement.nodes", lambda v: v == 1, "placement=cpu_local runs everything on this machine: set placement.nodes=1",
+          when=lambda c: isinstance(c.placement, CpuLocalPlacementConfig)),
+    Range("placement.gpus_per_node", lambda v: v == 0, "placement=cpu_local uses no GPUs: set placement.gpus_per_node=0",
+          when=lambda c: isinstance(c.placement, CpuLocalPlacementConfig)),
+    *(reals(f"placement.{k}_fraction", 0, 1, lo_open=True, why="a role's share of one GPU, e.g. 0.25",
+            when=lambda c: isinstance(c.placement, ColocatedPlacementConfig))
+      for k in ("actor", "critic", "reference", "engine")),
+    reals("placement.reference_fraction", 0, 1, lo_open=True, hi_open=True,
+          why="the reference's share of each actor GPU; the actor keeps the rest",
+          when=lambda c: isinstance(c.placement, SplitPlacementConfig)),
+    Range("placement.ratio", _ratio_ok, "write it 'trainer:vllm' with two positive integers, e.g. '3:1', or null "
+          "to give actor_gpus/critic_gpus/vllm_gpus", nullable=True),
+    ints("placement.actor_gpus", 1, "the actor needs at least one GPU"),
+    ints("placement.critic_gpus", 1, "the critic needs at least one GPU", when=_needs_critic),
+    ints("placement.critic_gpus", 0, "without a critic these GPUs join vllm_gpus", when=lambda c: not c.algo.needs_critic),
+    ints("placement.vllm_gpus", 1, "vLLM needs at least one GPU"),
+    # ---- transfer
+    ints("transfer.max_in_flight", 1, "micro-batches handed over but not yet staged; typical 2-8"),
+    # transfer.token_budget: `_transfer` (its fix names the sequence length)
+    # ---- sync (backend: `_sync_backend`, it depends on the strategy and the hardware)
+    reals("sync.timeout_s", 0, lo_open=True, why="seconds one weight sync may take"),
+    reals("checkpoint.timeout_s", 0, lo_open=True, why="seconds writing one checkpoint or export may take"),
+    reals("sync.bucket_mb", 0, lo_open=True, why="typical: 64-1024"),
+    ints("sync.senders", 1, "policy ranks that send at once"),
+    choice("sync.shard_by", ("buckets", "engines"), "use 'buckets' (each sender a share of the buckets) or 'engines'"),
+    # ---- data
+    ints("data.prompt_max_len", 1, "tokens"),
+    ints("data.response_max_len", 1, "tokens"),
+    ints("data.seed", 0, _SEED_WHY, hi=_SEED_MAX),
+    ints("data.min_digits", 1, "digits of the shortest task"),
+    ints("data.max_digits", 1, "digits of the longest task"),
+    ints("data.filler_tokens", 0, "extra context tokens in front of the task"),
+    ints("data.eval_size", 0, "held-out prompts; 0 = none"),
+    Range("data.train_files", _files_ok, "give at least one file: data.train_files=[/path/train.parquet] "
+          "(.parquet, .jsonl, .json or hf:<name>[:<config>]@<split>)"),
+    Range("data.val_files", lambda v: isinstance(v, (list, tuple)) and all(isinstance(f, str) and f.strip() for f in v),
+          "must be a list of file names (empty: no validation set)"),
+    choice("data.overlong", ("error", "filter"), "use 'error' (stop on a prompt longer than data.prompt_max_len) or "
+           "'filter' (drop it)"),
+    text("data.prompt_key", "a column name, or null with data.prompt_template", nullable=True),
+    text("data.label_key", "a column name (dots read nested fields), or null", nullable=True),
+    text("data.source_key", "the column naming each row's data source"),
+    text("data.extra_key", "the column with extra per-row information"),
+    text("data.default_source", "the source name of rows without one; it names the eval/<source>/ metrics"),
+    Range("data.label_columns", _columns_ok, "must be a non-empty list of column names, or null", nullable=True),
+    # ---- reward
+    reals("reward.timeout_s", 0, lo_open=True, why="seconds one sample may take to score"),
+    ints("reward.pool_size", 0, "0 scores inline on the engines, N in N Ray tasks"),
+    choice("reward.method", ("strict", "flexible"), "use 'strict' (the number after ####) or 'flexible' (the last number)",
+           when=lambda c: isinstance(c.reward, GSM8KRuleConfig)),
+    reals("reward.format_score"),
+    reals("reward.score"),
+    reals("reward.weight", why="multiplies the reward model's score"),
+    reals("reward.rule_weight", why="multiplies the rule's score"),
+    ints("reward.micro_batch_size", 1, "sequences per reward-model forward pass"),
+    Range("reward.name", lambda v: isinstance(v, str) and v.isidentifier(),
+          "must be the name of the function in reward.path (a Python identifier), e.g. compute_score"),
+    # ---- model
+    ints("model.context_len", 1, "max positions the engines and trainers may use"),
+    choice("model.dtype", ("float32", "bfloat16", "float16"), "use float32 (CPU), bfloat16 or float16"),
+    ints("model.hidden_size", 1),
+    ints("model.num_layers", 1),
+    ints("model.num_heads", 1),
+    ints("model.intermediate_size", 1),
+    ints("model.warmup_steps", 0, "supervised warm-start steps; 0 = none"),
+    text("model.cache_dir", "where the tiny model is built"),
+    text("model.name_or_path", "a checkpoint directory or a hub id"),
+    # ---- algo (loss_agg, kl_placement, kl_estimator, overlong_buffer: `_algorithm`)
+    *(ints(f"algo.{k}", 1) for k in ("num_steps", "rollout_batch_size", "samples_per_prompt", "train_batch_size",
+                                     "micro_batch_size", "ppo_epochs")),
+    reals("algo.actor_lr", 0, why="learning rate"),
+    reals("algo.critic_lr", 0, why="learning rate"),
+    reals("algo.temperature", 0, 2, lo_open=True, why="policy-gradient methods need sampled responses; vLLM takes at most 2"),
+    reals("algo.grad_clip", 0, why="gradient-norm clipping; 0 = off"),
+    *(reals(f"algo.{k}", 0, 1, lo_open=True, hi_open=True, why="typically 0.2 (DAPO: clip_high 0.28)")
+      for k in ("clip_low", "clip_high")),
+    Range("algo.clip_ratio_c", lambda v: v is None or (_is_real(v) and v > 1),
+          "null (off) or > 1, the dual-clip bound on a negative advantage's loss (veRL, OpenRLHF: 3)", nullable=True),
+    ints("algo.loss_agg_norm_len", 0, "0 = data.response_max_len"),
+    reals("algo.entropy_coef", 0),
+    Range("algo.tis_cap", lambda v: v is None or (_is_real(v) and v >= 1),
+          "null (off) or >= 1, the largest importance weight a token gets (typically 2)"),
+    reals("algo.kl_coef", 0),
+    reals("algo.gamma", 0, 1, why="discount factor"),
+    reals("algo.lam", 0, 1, why="GAE lambda"),
+    reals("algo.value_clip_eps", 0, lo_open=True, why="typically 0.2"),
+    reals("algo.eps", 0, lo_open=True, why="added to the group std before dividing; typically 1e-6"),
+    ints("algo.max_gen_batches", 1, "rollout rounds per step"),
+    reals("algo.overlong_penalty", 0, why="the size of DAPO's overlong penalty; a negative one would reward overlong answers"),
+    # ---- eval
+    ints("eval.every_n_steps", 0, "0 = off"),
+    ints("eval.num_prompts", 0, "0 = the whole validation set"),
+    ints("eval.samples_per_prompt", 1, "the k of mean@k and pass@k"),
+    reals("eval.temperature", 0, why="0 = greedy"),
+    reals("eval.pass_threshold", why="a sample passes when its score reaches it"),
+    # ---- trainer
+    choice("trainer.zero_stage", (0, 1, 2, 3), "DeepSpeed ZeRO stages are 0, 1, 2 or 3"),
+    reals("trainer.weight_decay", 0, why="weight decay, typically 0-0.1"),
+    choice("trainer.optimizer", ("adamw", "sgd"), "use 'adamw' (the default) or 'sgd' (plain, no momentum)"),
+    ints("trainer.seed", 0, _SEED_WHY, hi=_SEED_MAX),
+    # ---- engine
+    reals("engine.kv_cache_gb", 0, lo_open=True, why="GiB of KV cache per engine GPU; null = from gpu_memory_utilization",
+          when=_gpu_layout, nullable=True),
+    Range("engine.kv_cache_gb", lambda v: _is_real(v) and v >= 1 and float(v).is_integer(),
+          "must be a whole number of GiB >= 1 (vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE in whole GiB), "
+          "or null for 1", when=lambda c: not _gpu_layout(c), nullable=True),
+    reals("engine.gpu_memory_utilization", 0, 1, lo_open=True, why="the fraction of each GPU's memory vLLM may take",
+          nullable=True),
+    ints("engine.sleep_level", 0, "vLLM's sleep levels: 0 off, 1 weights to CPU, 2 weights dropped", hi=2, nullable=True),
+    # ---- checkpoint
+    ints("checkpoint.every_n_steps", 0, "0 = only at the end of the run and on signals"),
+    ints("checkpoint.keep_last", 1, "complete checkpoints kept"),
+    text("checkpoint.dir", "null = <run dir>/checkpoints", nullable=True),
+    # ---- fault
+    ints("fault.max_engine_restarts", 0, "0 = no engine restarts"),
+    reals("fault.step_timeout_s", 0, lo_open=True, why="seconds any wait on an actor within a step may take"),
+    # ---- logger
+    ints("logger.plot_every_n_steps", 0, "0 = plots only at the end of the run"),
+    Range("logger.project", lambda v: isinstance(v, str) and v.strip() != "" and len(v) <= 128
+          and not any(ch in v for ch in _WANDB_BAD_CHARS),
+          f"W&B project names are 1-128 characters without any of {_WANDB_BAD_CHARS}",
+          when=lambda c: isinstance(c.logger, WandbLoggerConfig)),
+    choice("logger.mode", ("online", "offline", "disabled", "shared"),
+           "use online, offline or disabled (or null: online with WANDB_API_KEY, else offline)", nullable=True,
+           when=lambda c: isinstance(c.logger, WandbLoggerConfig)),
+    text("logger.entity", "a W&B user or team, or null for the default", nullable=True,
+         when=lambda c: isinstance(c.logger, WandbLoggerConfig)),
+    # ---- launcher
+    ints("launcher.logical_gpus", 0, "0 = only real GPUs"),
+    ints("launcher.num_cpus", 1, "logical CPUs for Ray; null = the default", nullable=True),
+    reals("launcher.startup_timeout_s", 0, lo_open=True, why="seconds actors and placement groups may take to start"),
+    # ---- root
+    ints("seed", 0, _SEED_WHY, hi=_SEED_MAX),
+    Range("experiment_name", lambda v: isinstance(v, str) and v.strip() not in ("", ".", "..") and "/" not in v
+          and "\\" not in v, "must be a non-empty name without '/' (it names the run's directory under outputs/)"),
+)
+
+
+def _lookup(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part, _ABSENT)
+        if node is _ABSENT:
+            return _ABSENT
+    return node
+
+
+def validate_values(cfg: RootConfig) -> None:
+    """`RANGES` alone: needs no plan, so a caller can run it before the planner and the group
+    constructors (which stop at the first bad value) to list every bad value at once."""
+    problems = range_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+def range_problems(cfg: RootConfig) -> list[Problem]:
+    problems = []
+    for r in RANGES:
+        value = _lookup(cfg, r.key)
+        if value is _ABSENT or (value is None and r.nullable):
+            continue
+        if r.when is not None and not r.when(cfg):
+            continue
+        if not r.ok(value):
+            problems.append(Problem(r.key, value, r.fix))
+    return problems
