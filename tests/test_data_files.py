@@ -13,7 +13,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from rlhf_orch.data.base import DataError, Prompt, PromptSource
-from rlhf_orch.data.files import PromptDataset, check_files
+from rlhf_orch.data.file_sources import check_files
+from rlhf_orch.data.files import PromptDataset
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"

@@ -6,10 +6,12 @@ Data files are written here in the layouts users of veRL (parquet, chat messages
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 import time
+from contextlib import redirect_stderr
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from hydra.utils import instantiate
 
 from rlhf_orch.app import check
 from rlhf_orch.orchestration.session import run_training
-from tests.conftest import SHARED_RAY, compose_config
+from tests.conftest import SHARED_RAY, all_resources_free, compose_config
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
@@ -141,9 +143,6 @@ def refused(monkeypatch, tmp_path):
     `words`, before anything starts -- `ray.init` is made to fail here, so trying to start Ray
     fails the test. In-process (app.main, as run.py calls it): the command line's own exit codes
     and one-line stderr are tested in tests/test_config_errors.py."""
-    import io
-    from contextlib import redirect_stderr
-
     from rlhf_orch import app
 
     def no_ray(*args, **kwargs):
@@ -193,14 +192,21 @@ def test_hf_model_not_in_the_local_cache(refused):
             words=("model.name_or_path", "local Hugging Face cache"))
 
 
-def test_reward_returning_nan_stops_the_run_naming_function_and_sample(tmp_path):
+def test_reward_returning_nan_stops_the_run_naming_function_and_sample(tmp_path, shared_ray, monkeypatch):
+    """In-process (app.main, as run.py calls it, in the module's Ray session); the command line's
+    own exit 3 and one-line stderr: tests/test_config_errors.py::test_unexpected_failure_exits_3_with_one_line."""
+    from rlhf_orch import app
+
     bad = tmp_path / "nan_reward.py"
     bad.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n")
-    run_dir = tmp_path / "run"
-    proc = _cli("experiment=quick", "reward=custom", f"reward.path={bad}", f"hydra.run.dir={run_dir}")
-    assert proc.returncode == 3, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
+    monkeypatch.setattr(app, "run_dir", lambda: tmp_path / "run")
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code, _ = app.main(compose_config(["experiment=quick", "reward=custom", f"reward.path={bad}", *SHARED_RAY]))
+    assert code == 3, err.getvalue()[-2000:]
+    last = err.getvalue().strip().splitlines()[-1]
     assert "compute_score" in last and "sample" in last and "nan" in last.lower()
+    assert all_resources_free()
 
 
 @pytest.mark.parametrize("pool_size", [2])  # inline (0) is covered by tests/test_reward_execution.py
