@@ -84,10 +84,10 @@ def _runtime_failure(out: Path, cause: BaseException, message: str, write_summar
         out.mkdir(parents=True, exist_ok=True)
         (out / "error.log").write_text("".join(traceback.format_exception(cause)))
         if write_summary:
-            from rlhf_orch.orchestration.session import run_summary
+            from rlhf_orch.orchestration.run_record import run_summary
 
             outcome = {"status": "failed", "error": " ".join(message.split())}
-            (out / "summary.json").write_text(json.dumps(run_summary(out, [], 0.0, outcome, []), indent=2))
+            (out / "summary.json").write_text(json.dumps(run_summary(out, [], 0.0, outcome, None), indent=2))
     except OSError:
         pass  # the one line below still says what happened
     print(f"error: {' '.join(message.split()) or type(cause).__name__}", file=sys.stderr)  # one line

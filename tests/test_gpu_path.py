@@ -8,6 +8,7 @@ engine was given), and small unit tests. The real TP=2 engine is tests/test_engi
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -319,6 +320,19 @@ def test_kv_cache_gb_reaches_vllm_on_gpus_and_the_cpu_backend_on_cpus():
     assert gpu_kv_cache_args(None) == {}
     assert set(gpu_kv_cache_args(1.0)) <= set(EngineArgs.__dataclass_fields__)  # a vLLM argument, by that name
     assert cpu_kv_cache_env(3.0) == {"VLLM_CPU_KVCACHE_SPACE": "3"} and cpu_kv_cache_env(None) == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def test_an_eager_cpu_engine_runs_vllms_compiled_helpers_eagerly_and_its_tp_workers_too():
+    """CPU + engine.enforce_eager: no torch.compile in the engine (~5 s per engine start); the env
+    var the engine hands its TP worker processes is the one torch reads."""
+    from rlhf_orch.engines.launch import TORCH_COMPILE_OFF_ENV, skips_torch_compile
+
+    assert skips_torch_compile(is_cpu=True, enforce_eager=True)
+    assert not skips_torch_compile(is_cpu=True, enforce_eager=False)  # the user asked for compilation
+    assert not skips_torch_compile(is_cpu=False, enforce_eager=True)  # GPUs keep vLLM's compiled kernels
+    probe = "import torch._dynamo.config as c; print(c.disable)"
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **TORCH_COMPILE_OFF_ENV}, capture_output=True, text=True)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

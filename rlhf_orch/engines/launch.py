@@ -66,6 +66,17 @@ def cpu_kv_cache_env(kv_cache_gb: Optional[float]) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gb) if kv_cache_gb is not None else CPU_KV_CACHE_GB_DEFAULT)}
 
 
+def skips_torch_compile(is_cpu: bool, enforce_eager: bool) -> bool:
+    """An eager CPU engine runs vLLM's few `torch.compile`d sampler helpers eagerly too: compiling
+    them (Dynamo trace + C++ build, or a cache load) cost ~5 s per engine process start, every
+    start, for kernels that save nothing at CPU sizes. `engine.enforce_eager=false` keeps them."""
+    return is_cpu and enforce_eager
+
+
+#: Read by torch at import: the engine's own TP worker processes inherit it.
+TORCH_COMPILE_OFF_ENV = {"TORCH_COMPILE_DISABLE": "1"}
+
+
 def gpu_kv_cache_args(kv_cache_gb: Optional[float]) -> dict[str, int]:
     """`vllm.LLM` arguments for a GPU engine: a given size becomes `kv_cache_memory_bytes` (per GPU;
     vLLM then ignores gpu_memory_utilization), null leaves the sizing to gpu_memory_utilization."""

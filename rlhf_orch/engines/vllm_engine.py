@@ -9,7 +9,13 @@ from typing import Any
 
 import ray
 
-from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, cpu_kv_cache_env, gpu_kv_cache_args
+from rlhf_orch.engines.launch import (
+    SLEEP_WHERE_AVAILABLE,
+    TORCH_COMPILE_OFF_ENV,
+    cpu_kv_cache_env,
+    gpu_kv_cache_args,
+    skips_torch_compile,
+)
 from rlhf_orch.sync.buckets import Bucket, TensorMeta
 from rlhf_orch.sync.group import GroupAddress
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob, RolloutProducer
@@ -111,6 +117,11 @@ class VLLMEngine(RolloutProducer):
 
         if not current_platform.is_cpu():  # the CPU backend reads VLLM_CPU_KVCACHE_SPACE (set above)
             extra.update(gpu_kv_cache_args(spec.kv_cache_gb))
+        if skips_torch_compile(current_platform.is_cpu(), spec.enforce_eager):
+            import torch
+
+            torch._dynamo.config.disable = True  # checked at each call: this process
+            os.environ.update(TORCH_COMPILE_OFF_ENV)  # vLLM's TP worker processes (mp)
         if spec.tensor_parallel_size > 1 and spec.distributed_executor_backend == "mp":
             _bind_cpu_workers(spec.tensor_parallel_size)
         self.llm = LLM(

@@ -26,12 +26,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, Protocol
 
-from rlhf_orch.transfer.base import Delivery, HeldRollout
+from rlhf_orch.transfer.base import Delivery, HeldRollout, RolloutTransfer, Route
 
-if TYPE_CHECKING:
-    from rlhf_orch.orchestration.loop import TrainLoop
+
+class PipelineHost(Protocol):
+    """What a pipeline asks of the train loop (`rlhf_orch.orchestration.loop.TrainLoop`), which
+    owns the pipeline: the pipeline decides when, the loop knows how."""
+
+    transfer: RolloutTransfer
+    settings: Any  # LoopSettings: num_steps
+    closing: bool  # set when the run ends: a generation still running must not replace engines
+
+    def rollout_request(self, step: int) -> Any: ...
+    def route(self, step: int | None = None) -> Route: ...
+    def generate(self, step: int) -> HeldRollout: ...
+    def sync_engines(self, timings: dict[str, float]) -> None: ...
+    def sleep_engines(self) -> None: ...
 
 
 class RolloutPipeline:
@@ -40,15 +52,15 @@ class RolloutPipeline:
     # Needs a transfer that can hold a finished rollout until the trainers are free.
     needs_held_rollouts: ClassVar[bool] = False
 
-    def rollout(self, loop: TrainLoop, step: int, timings: dict[str, float]) -> Delivery:
+    def rollout(self, loop: PipelineHost, step: int, timings: dict[str, float]) -> Delivery:
         """Step `step`'s rollout, staged on the trainer ranks."""
         return loop.transfer.deliver(loop.rollout_request(step), loop.route(step))
 
-    def engines_idle(self, loop: TrainLoop) -> None:
+    def engines_idle(self, loop: PipelineHost) -> None:
         """The rollout is on the trainers: the engines have nothing to do until the sync."""
         loop.sleep_engines()
 
-    def after_train(self, loop: TrainLoop, timings: dict[str, float]) -> None:
+    def after_train(self, loop: PipelineHost, timings: dict[str, float]) -> None:
         """The trainers finished an update: the engines take the new weights now."""
         loop.sync_engines(timings)
 
@@ -57,21 +69,21 @@ class RolloutPipeline:
         when this pipeline never overlaps them."""
         return None
 
-    def settle(self, loop: TrainLoop) -> HeldRollout | None:
+    def settle(self, loop: PipelineHost) -> HeldRollout | None:
         """Wait for a rollout in flight (none here); the engines hold the newest weights after."""
         loop.sync_engines({})
         return None
 
-    def pending(self, loop: TrainLoop) -> HeldRollout | None:
+    def pending(self, loop: PipelineHost) -> HeldRollout | None:
         """The rollout generated for the next step, with its samples (for a checkpoint), or None."""
         return None
 
-    def restore(self, loop: TrainLoop, held: HeldRollout | None) -> None:
+    def restore(self, loop: PipelineHost, held: HeldRollout | None) -> None:
         """A resumed checkpoint's pending rollout: put it back where `rollout` expects it."""
         if held is not None:
             raise ValueError(f"{type(self).__name__} does not hold rollouts between steps, but the checkpoint carries one")
 
-    def close(self, loop: TrainLoop | None) -> None:
+    def close(self, loop: PipelineHost | None) -> None:
         """The run ends (normally or not): nothing more is generated."""
 
 
@@ -94,7 +106,7 @@ class OneStepOffPipeline(RolloutPipeline):
         self._gen_start: float | None = None  # perf_counter span of the last background generation
         self._gen_end: float | None = None
 
-    def rollout(self, loop: TrainLoop, step: int, timings: dict[str, float]) -> Delivery:
+    def rollout(self, loop: PipelineHost, step: int, timings: dict[str, float]) -> Delivery:
         t = time.perf_counter()
         held = self._take(loop, step)
         timings["rollout_wait"] = time.perf_counter() - t  # generation the trainers could not hide
@@ -106,10 +118,10 @@ class OneStepOffPipeline(RolloutPipeline):
             self._start(loop, step + 1)
         return delivery
 
-    def engines_idle(self, loop: TrainLoop) -> None:
+    def engines_idle(self, loop: PipelineHost) -> None:
         """Not now: the engines are generating the next rollout (they sleep when it is done)."""
 
-    def after_train(self, loop: TrainLoop, timings: dict[str, float]) -> None:
+    def after_train(self, loop: PipelineHost, timings: dict[str, float]) -> None:
         """Nothing: the weights move once the rollout in flight is done (next step, or `settle`)."""
 
     def overlap_s(self, train_start: float, train_end: float) -> float:
@@ -119,30 +131,30 @@ class OneStepOffPipeline(RolloutPipeline):
         gen_end = self._gen_end if self._gen_end is not None else time.perf_counter()  # still generating
         return max(min(gen_end, train_end) - max(self._gen_start, train_start), 0.0)
 
-    def settle(self, loop: TrainLoop) -> HeldRollout | None:
+    def settle(self, loop: PipelineHost) -> HeldRollout | None:
         if self._next is not None:
             self._held = self._next.result()
             self._next = None
         loop.sync_engines({})
         return self._held
 
-    def pending(self, loop: TrainLoop) -> HeldRollout | None:
+    def pending(self, loop: PipelineHost) -> HeldRollout | None:
         held = self.settle(loop)
         if held is None:
             return None
         return loop.transfer.export_held(held, loop.route())
 
-    def restore(self, loop: TrainLoop, held: HeldRollout | None) -> None:
+    def restore(self, loop: PipelineHost, held: HeldRollout | None) -> None:
         self._held = loop.transfer.import_held(held, loop.route()) if held is not None else None
 
-    def close(self, loop: TrainLoop | None) -> None:
+    def close(self, loop: PipelineHost | None) -> None:
         # A generation still running ends when its engines are killed; it must not replace them.
         if loop is not None:
             loop.closing = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ pieces
-    def _take(self, loop: TrainLoop, step: int) -> HeldRollout:
+    def _take(self, loop: PipelineHost, step: int) -> HeldRollout:
         if self._next is not None:
             self._held, self._next = self._next.result(), None
         held, self._held = self._held, None
@@ -152,7 +164,7 @@ class OneStepOffPipeline(RolloutPipeline):
             raise RuntimeError(f"the rollout generated ahead was for step {held.step}, not {step}")
         return held
 
-    def _start(self, loop: TrainLoop, step: int) -> None:
+    def _start(self, loop: PipelineHost, step: int) -> None:
         self._next_step = step
 
         self._gen_start, self._gen_end = time.perf_counter(), None

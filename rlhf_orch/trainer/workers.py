@@ -69,6 +69,17 @@ class TrainerSpec:
     optimizer: str = "adamw"  # trainer.optimizer: "adamw" or "sgd" (plain, no momentum)
 
 
+def skip_shm_comm_op() -> None:
+    """DeepSpeed's CPU backend JIT-compiles its shared-memory all-reduce op when its comm starts.
+    Only DeepSpeed's inference all-reduce (AutoTP) uses it, never training; compiling it cost ~60 s
+    of both cores once per virtual environment (and per path of one). DeepSpeed skips an op its
+    compatibility table marks off, and that table is one cached dict (`deepspeed.ops`)."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
 class _Worker(ExperienceInbox):
     """Process set-up shared by all trainer roles; receiving experience comes from `ExperienceInbox`."""
 
@@ -126,6 +137,8 @@ class _Worker(ExperienceInbox):
         # torch's own tcp:// store would listen on every interface; this one listens on `host` only.
         store = tcp_store(host, port, self.world_size, self.rank == 0, default_pg_timeout)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=default_pg_timeout)
+        if self.device.type == "cpu":
+            skip_shm_comm_op()
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # reuses the initialised group
 
     # ---------------------------------------------------------------- experience hand-over
