@@ -73,6 +73,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
+# slow (~45-60 s): an engine started, killed mid-overlap and started again (a second vLLM start-up),
+# then steps run until the NaN -- each part is what the test proves.
+@pytest.mark.slow
 def test_engine_dying_mid_overlap_is_replaced_and_a_nan_stops_the_run(tmp_path, shared_ray):
     """pipeline=one_step_off: step 3's rollout is generated while the trainers train step 2; an
     engine dies in it, is replaced once the trainers finish (with their new weights) and re-makes
