@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.config.schema import RootConfig
+from rlhf_orch.config.ranges import added_key_problems
 from rlhf_orch.config.validate import ConfigError, Hardware, check_run_dir_writable, range_problems, validate
 from rlhf_orch.reward.base import RewardError
 from rlhf_orch.reward.scoring import build_reward
@@ -46,7 +47,7 @@ def check(cfg: DictConfig, launcher: Any) -> tuple[RootConfig, PlacementPlan]:
     together (a constructor that refuses a value only counts when the ranges found nothing).
     """
     typed: RootConfig = OmegaConf.to_object(cfg)
-    problems = range_problems(typed)
+    problems = added_key_problems(typed) + range_problems(typed)
     try:
         reward = build_reward(cfg.reward)
         if reward.rule is not None:

@@ -65,6 +65,9 @@ BAD = [
     (["eval.every_n_steps=-1"], "eval.every_n_steps=-1", "must be >= 0"),
     (["model=qwen2_5_0_5b", "model.name_or_path=/no/such/checkpoint"], "model.name_or_path='/no/such/checkpoint'", "no such directory"),
     (["algo.ppo_epochs=0"], "algo.ppo_epochs=0", "must be >= 1"),
+    # Hydra appends `+key=value` to a structured node; nothing would read a key the option lacks.
+    (["transfer=padded", "+transfer.token_budget=4096"], "transfer.token_budget=4096", "transfer (PaddedTransfer) has no such key"),
+    (["+engine.kv_cache_space=2"], "engine.kv_cache_space=2", "(it takes: enable_prefix_caching, enforce_eager"),
 ]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -313,4 +314,24 @@ def range_problems(cfg: RootConfig) -> list[Problem]:
             continue
         if not r.ok(value):
             problems.append(Problem(r.key, value, r.fix))
+    return problems
+
+
+def added_key_problems(cfg: Any, path: str = "") -> list[Problem]:
+    """Keys added with Hydra's `+key=value` that the chosen option has no field for (Hydra appends
+    them to a structured node, and nothing would read them): `+transfer.token_budget=4096` with
+    `transfer=padded` is refused, naming the keys the option does take."""
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        return []
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    problems = []
+    for name, value in vars(cfg).items():
+        key = f"{path}{name}"
+        if name not in fields:
+            target = getattr(cfg, "_target_", None)
+            owner = f"{path.rstrip('.')} ({target.rsplit('.', 1)[-1]})" if isinstance(target, str) and path else path.rstrip(".") or "the config"
+            takes = ", ".join(sorted(f for f in fields if f != "_target_")) or "no keys"
+            problems.append(Problem(key, value, f"{owner} has no such key (it takes: {takes}); remove it"))
+        else:
+            problems.extend(added_key_problems(value, key + "."))
     return problems
