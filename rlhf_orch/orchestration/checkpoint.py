@@ -137,15 +137,24 @@ def save_checkpoint(
     tmp = store.begin(step)
     roles = {name: ranks for name, ranks in (("policy", actors.policy), ("critic", actors.critic)) if ranks}
     calls = [rank.save_checkpoint.remote(str(tmp / name)) for name, ranks in roles.items() for rank in ranks]
-    timeout = (timeout_s, "checkpoint.timeout_s")
-    get(calls, f"writing the checkpoint of step {step}", timeout=timeout)
+    get(calls, f"writing the checkpoint of step {step}", timeout=_checkpoint_timeout(timeout_s))
     if export_hf:
-        get([rank.export_hf.remote(str(tmp / "hf")) for rank in actors.policy], "exporting the policy", timeout=timeout)
+        export_policy(actors, get, tmp / "hf", timeout_s)
     torch.save(driver_state, tmp / DRIVER_STATE)
     return store.commit(tmp, step, {**manifest, "roles": sorted(roles), "hf": export_hf})
+
+
+def export_policy(actors: Any, get: Any, directory: Path, timeout_s: float) -> None:
+    """The policy in Hugging Face format (every rank takes part: ZeRO-3 gathers its shards)."""
+    get([rank.export_hf.remote(str(directory)) for rank in actors.policy], "exporting the policy", timeout=_checkpoint_timeout(timeout_s))
 
 
 def restore_trainers(path: Path, actors: Any, get: Any, timeout_s: float) -> None:
     roles = (("policy", actors.policy), ("critic", actors.critic))
     get([rank.load_checkpoint.remote(str(path / name)) for name, ranks in roles for rank in ranks], f"loading the checkpoint {path}",
-        timeout=(timeout_s, "checkpoint.timeout_s"))
+        timeout=_checkpoint_timeout(timeout_s))
+
+
+def _checkpoint_timeout(timeout_s: float) -> tuple[float, str]:
+    """A checkpoint wait's limit and the key that sets it (named if it runs out)."""
+    return timeout_s, "checkpoint.timeout_s"

@@ -16,7 +16,7 @@ from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.orchestration.actors import start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import ResumeError
-from rlhf_orch.orchestration.checkpoint import ResumePoint, load_resume, restore_trainers
+from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
 from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
 from rlhf_orch.orchestration.loop import LoopSettings, TrainLoop, non_finite
 from rlhf_orch.orchestration.run_record import RunRecord
@@ -231,8 +231,7 @@ def run_training(
                         callback(step, loop)
                 if ck.export_final:
                     export_dir = run_dir / "policy_hf"
-                    loop._get([rank.export_hf.remote(str(export_dir)) for rank in actors.policy], "exporting the policy",
-                              timeout=(ck.timeout_s, "checkpoint.timeout_s"))
+                    export_policy(actors, loop._get, export_dir, ck.timeout_s)
                     print(f"policy exported (Hugging Face format): {export_dir}", flush=True)
                 outcome = {"status": "interrupted", "signal": stop.name} if stop.requested else {"status": "completed"}
             finally:
