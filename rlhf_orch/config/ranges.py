@@ -36,11 +36,11 @@ class Range:
     nullable: bool = False  # None is a valid value (the key's "off"/"derive" setting)
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_real(v: Any) -> bool:
+def is_real(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -50,7 +50,7 @@ def _why(why: str) -> str:
 
 def ints(key: str, lo: int, why: str = "", hi: Optional[int] = None, **kw: Any) -> Range:
     bound = f"must be >= {lo}" if hi is None else f"must be in [{lo}, {hi}]"
-    return Range(key, lambda v: _is_int(v) and v >= lo and (hi is None or v <= hi), bound + _why(why), **kw)
+    return Range(key, lambda v: is_int(v) and v >= lo and (hi is None or v <= hi), bound + _why(why), **kw)
 
 
 def reals(
@@ -66,7 +66,7 @@ def reals(
     """A finite number with optional bounds (open or closed)."""
 
     def ok(v: Any) -> bool:
-        if not _is_real(v):
+        if not is_real(v):
             return False
         if lo is not None and (v <= lo if lo_open else v < lo):
             return False
@@ -225,11 +225,11 @@ RANGES: tuple[Range, ...] = (
     reals("algo.grad_clip", 0, why="gradient-norm clipping; 0 = off"),
     *(reals(f"algo.{k}", 0, 1, lo_open=True, hi_open=True, why="typically 0.2 (DAPO: clip_high 0.28)")
       for k in ("clip_low", "clip_high")),
-    Range("algo.clip_ratio_c", lambda v: v is None or (_is_real(v) and v > 1),
+    Range("algo.clip_ratio_c", lambda v: v is None or (is_real(v) and v > 1),
           "null (off) or > 1, the dual-clip bound on a negative advantage's loss (veRL, OpenRLHF: 3)", nullable=True),
     ints("algo.loss_agg_norm_len", 0, "0 = data.response_max_len"),
     reals("algo.entropy_coef", 0),
-    Range("algo.tis_cap", lambda v: v is None or (_is_real(v) and v >= 1),
+    Range("algo.tis_cap", lambda v: v is None or (is_real(v) and v >= 1),
           "null (off) or >= 1, the largest importance weight a token gets (typically 2)"),
     reals("algo.kl_coef", 0),
     reals("algo.gamma", 0, 1, why="discount factor"),
@@ -252,7 +252,7 @@ RANGES: tuple[Range, ...] = (
     # ---- engine
     reals("engine.kv_cache_gb", 0, lo_open=True, why="GiB of KV cache per engine GPU; null = from gpu_memory_utilization",
           when=_gpu_layout, nullable=True),
-    Range("engine.kv_cache_gb", lambda v: _is_real(v) and v >= 1 and float(v).is_integer(),
+    Range("engine.kv_cache_gb", lambda v: is_real(v) and v >= 1 and float(v).is_integer(),
           "must be a whole number of GiB >= 1 (vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE in whole GiB), "
           "or null for 1", when=lambda c: not _gpu_layout(c), nullable=True),
     reals("engine.gpu_memory_utilization", 0, 1, lo_open=True, why="the fraction of each GPU's memory vLLM may take",
@@ -287,7 +287,9 @@ RANGES: tuple[Range, ...] = (
 )
 
 
-def _lookup(cfg: Any, key: str) -> Any:
+def lookup(cfg: Any, key: str) -> Any:
+    """The value at a dotted key of the typed config; a sentinel no check accepts when the chosen
+    option has no such key."""
     node = cfg
     for part in key.split("."):
         node = getattr(node, part, _ABSENT)
@@ -307,7 +309,7 @@ def validate_values(cfg: RootConfig) -> None:
 def range_problems(cfg: RootConfig) -> list[Problem]:
     problems = []
     for r in RANGES:
-        value = _lookup(cfg, r.key)
+        value = lookup(cfg, r.key)
         if value is _ABSENT or (value is None and r.nullable):
             continue
         if r.when is not None and not r.when(cfg):

@@ -43,7 +43,7 @@ from rlhf_orch.config.schema import (
     TinyModelConfig,
 )
 from rlhf_orch.config.problems import ConfigError, Problem
-from rlhf_orch.config.ranges import _is_int, _is_real, _lookup, range_problems
+from rlhf_orch.config.ranges import is_int, is_real, lookup, range_problems
 from rlhf_orch.topology.plan import PlacementPlan
 
 
@@ -202,7 +202,7 @@ def _sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pr
 def _engine_memory(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     e = cfg.engine
     problems = []
-    if _is_int(e.sleep_level) and e.sleep_level > 0 and plan.total_gpus == 0:
+    if is_int(e.sleep_level) and e.sleep_level > 0 and plan.total_gpus == 0:
         problems.append(Problem("engine.sleep_level", e.sleep_level, "vLLM's sleep mode frees GPU memory and needs a GPU "
                                 "layout; use 0 (or null) with placement=cpu_local"))
     if e.gpu_memory_utilization is not None and plan.total_gpus == 0:
@@ -346,7 +346,7 @@ def _evaluation(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Prob
                         "validation set: set data.val_files=[...] or eval.every_n_steps=0 eval.before_train=false")
             )
     scores = _rule_score_range(cfg)
-    if scores is not None and _is_real(e.pass_threshold):
+    if scores is not None and is_real(e.pass_threshold):
         lo, hi = scores
         if e.pass_threshold > hi:
             problems.append(
@@ -366,7 +366,7 @@ def _rule_score_range(cfg: RootConfig) -> Optional[tuple[float, float]]:
     r = cfg.reward
     if isinstance(r, (DigitRuleConfig, MathVerifyRuleConfig)):
         return 0.0, 1.0
-    if isinstance(r, (GSM8KRuleConfig, CountdownRuleConfig)) and _is_real(r.score) and _is_real(r.format_score):
+    if isinstance(r, (GSM8KRuleConfig, CountdownRuleConfig)) and is_real(r.score) and is_real(r.format_score):
         values = (0.0, float(r.format_score), float(r.score))
         return min(values), max(values)
     return None  # a user's function or a reward model: any real number
@@ -439,14 +439,14 @@ def _placement(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Probl
             roles["reference"] = p.reference_fraction
         if isinstance(cfg.reward, ModelRewardConfig):
             roles["reward"] = p.reference_fraction  # a reward model claims the reference's share
-        if all(_is_real(v) for v in roles.values()) and sum(roles.values()) > 1 + 1e-9:
+        if all(is_real(v) for v in roles.values()) and sum(roles.values()) > 1 + 1e-9:
             keys = sorted({"reference" if r == "reward" else r for r in roles})
             problems.append(
                 Problem("+".join(f"placement.{k}_fraction" for k in keys), round(sum(roles.values()), 6),
                         f"every role ({', '.join(roles)}) shares GPU 0, so their fractions must sum to <= 1; lower them")
             )
         util = cfg.engine.gpu_memory_utilization
-        if _is_real(util) and _is_real(p.engine_fraction) and util > p.engine_fraction + 1e-9:
+        if is_real(util) and is_real(p.engine_fraction) and util > p.engine_fraction + 1e-9:
             problems.append(
                 Problem("engine.gpu_memory_utilization", util,
                         "on a colocated GPU vLLM reserves this fraction of the WHOLE GPU's memory at start, more than "
@@ -526,13 +526,13 @@ def _data(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
 def _reward(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     r = cfg.reward
     problems = []
-    if isinstance(r, (GSM8KRuleConfig, CountdownRuleConfig)) and _is_real(r.score) and _is_real(r.format_score):
+    if isinstance(r, (GSM8KRuleConfig, CountdownRuleConfig)) and is_real(r.score) and is_real(r.format_score):
         if r.score <= r.format_score:
             problems.append(
                 Problem("reward.score", r.score, f"a correct answer must score more than a wrong one "
                         f"(reward.format_score={r.format_score:g}): use e.g. reward.score=1.0")
             )
-    if isinstance(r, CustomRewardConfig) and r.batched is True and _is_int(r.pool_size) and r.pool_size > 0:
+    if isinstance(r, CustomRewardConfig) and r.batched is True and is_int(r.pool_size) and r.pool_size > 0:
         problems.append(
             Problem("reward.pool_size", r.pool_size, "reward.batched=true scores the whole batch in one call on the "
                     "engine, never in a pool: set reward.pool_size=0 (or reward.batched=false to score per sample in the pool)")
@@ -552,19 +552,19 @@ def _reward(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]
 
 def _timeouts(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     """A shorter outer timeout makes an inner one unreachable."""
-    step = _lookup(cfg, "fault.step_timeout_s")
-    if not _is_real(step) or step <= 0:
+    step = lookup(cfg, "fault.step_timeout_s")
+    if not is_real(step) or step <= 0:
         return []
     problems = []
-    if _is_real(cfg.sync.timeout_s) and cfg.sync.timeout_s > step:
+    if is_real(cfg.sync.timeout_s) and cfg.sync.timeout_s > step:
         problems.append(
             Problem("fault.step_timeout_s", step, f"a step waits on the weight sync, so sync.timeout_s="
                     f"{cfg.sync.timeout_s:g} could never fire: use fault.step_timeout_s >= {cfg.sync.timeout_s:g} "
                     "(or a lower sync.timeout_s)")
         )
     for key in ("reward.timeout_s", "reward.rule.timeout_s"):
-        limit = _lookup(cfg, key)
-        if _is_real(limit) and limit > step:
+        limit = lookup(cfg, key)
+        if is_real(limit) and limit > step:
             problems.append(
                 Problem(key, limit, f"one sample's scoring limit exceeds fault.step_timeout_s={step:g}, the limit "
                         "of the whole step: use less (typical 10)")
@@ -608,11 +608,11 @@ def _default_logical_cpus() -> Optional[int]:
 
 def _paths(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     problems = []
-    resume = _lookup(cfg, "resume")
+    resume = lookup(cfg, "resume")
     if isinstance(resume, str) and resume != "auto" and not Path(resume).expanduser().exists():
         problems.append(Problem("resume", resume, "no such run or checkpoint directory; give an existing one, "
                                 "'auto' (the latest checkpoint of this experiment_name) or null"))
-    ckpt = _lookup(cfg, "checkpoint.dir")
+    ckpt = lookup(cfg, "checkpoint.dir")
     if isinstance(ckpt, str) and ckpt.strip() and Path(ckpt).expanduser().exists() and not Path(ckpt).expanduser().is_dir():
         problems.append(Problem("checkpoint.dir", ckpt, "is a file, not a directory; give a directory shared by every "
                                 "node (or null for <run dir>/checkpoints)"))
