@@ -35,6 +35,7 @@ class RayLauncher(ABC):
         address: Optional[str] = None,
         startup_timeout_s: float = 600.0,
         reuse_session: bool = False,
+        memory_check: str = "refuse",
     ) -> None:
         if logical_gpus < 0:
             raise ValueError(f"launcher.logical_gpus={logical_gpus} must be >= 0")
@@ -46,6 +47,7 @@ class RayLauncher(ABC):
         self.address = address
         self.startup_timeout_s = startup_timeout_s
         self.reuse_session = reuse_session
+        self.memory_check = memory_check  # read by the app's memory check (rlhf_orch.memory.check)
         self._output = LibraryOutput(None)  # replaced by each session()
 
     @abstractmethod

@@ -71,6 +71,14 @@ def check(cfg: DictConfig, launcher: Any) -> tuple[RootConfig, PlacementPlan]:
     return typed, plan
 
 
+def memory_verdict(cfg: DictConfig, typed: RootConfig, plan: PlacementPlan):
+    """The run's memory plan (`rlhf_orch.memory`): a dry run of a GPU layout plans GPUs even here."""
+    from rlhf_orch.memory.check import check_memory
+
+    on_gpu = plan.total_gpus > 0 and (typed.launcher.dry_run or _cuda_available())
+    return check_memory(typed, plan, on_gpu, reward_model=plan.num_ranks("reward") > 0)
+
+
 def run_dir() -> Path:
     try:
         return Path(HydraConfig.get().runtime.output_dir)
@@ -140,6 +148,7 @@ def _main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
         print(f"error: cannot reach the Ray cluster at launcher.address={cfg.launcher.address!r}: {e}", file=sys.stderr)
         return EXIT_CONFIG, None
 
+    memory = memory_verdict(cfg, typed, plan)
     if typed.launcher.dry_run:
         print(plan.describe())
         if typed.sync.needs_colocated_engines:
@@ -150,7 +159,22 @@ def _main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
         present = launcher.gpus_present()
         if plan.total_gpus > present:
             print(f"note: this machine offers {present} GPUs; the plan needs {plan.total_gpus:g} (dry run only)")
+        print()
+        print(memory.table())
+        if not memory.fits:
+            print(memory.refusal())
+            if typed.launcher.memory_check == "refuse":
+                print("error: the memory plan does not fit (launcher.memory_check=warn runs it anyway)", file=sys.stderr)
+                return EXIT_CONFIG, None
         return 0, None
+    if not memory.fits:
+        if typed.launcher.memory_check == "refuse":
+            print(memory.table(), file=sys.stderr)
+            print(memory.refusal(), file=sys.stderr)
+            print("error: the memory plan does not fit; nothing was started (launcher.memory_check=warn runs it anyway)",
+                  file=sys.stderr)
+            return EXIT_CONFIG, None
+        print(f"warning: the memory plan does not fit (launcher.memory_check=warn): {memory.summary_line()}", file=sys.stderr)
 
     # heavy imports only when training
     from rlhf_orch.checkpoint_dirs import ResumeError
@@ -165,6 +189,7 @@ def _main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG, None
     print(plan_line(typed, plan), flush=True)
+    print(memory.summary_line(), flush=True)
     try:
         summary = run_training(cfg, typed, plan, launcher, out)
     except (InputError, ResumeError) as e:  # the inputs or the checkpoint cannot be used: before Ray started

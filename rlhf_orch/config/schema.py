@@ -54,6 +54,7 @@ class ColocatedPlacementConfig(RankedPlacementConfig):
     critic_fraction: float = 0.25
     reference_fraction: float = 0.15
     engine_fraction: float = 0.35
+    gpu_memory_gb: Optional[float] = None  # memory of one GPU, GB; null = this machine's GPU (the memory plan)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class SplitPlacementConfig(PlacementConfig):
     critic_gpus: int = 2
     vllm_gpus: int = 2
     reference_fraction: float = 0.25
+    gpu_memory_gb: Optional[float] = None  # memory of one GPU, GB; null = this machine's GPU (the memory plan)
     # Derived from the GPU counts (a policy rank per actor GPU with a reference beside it, a critic
     # rank per critic GPU, an engine per engine_tp vLLM GPUs); a value is refused, naming the key to set.
     actor_ranks: Optional[int] = None
@@ -87,6 +89,11 @@ class TransferConfig:
 
     _target_: str = MISSING
 
+    def largest_micro_batch(self, micro_batch_size: int, max_seq_len: int) -> tuple[int, bool]:
+        """(tokens of the largest micro-batch a trainer rank runs, whether it is a padded rectangle);
+        the memory plan sizes activations with it."""
+        return micro_batch_size * max_seq_len, True
+
 
 @dataclass
 class PaddedTransferConfig(TransferConfig):
@@ -98,6 +105,10 @@ class PackedTransferConfig(TransferConfig):
     _target_: str = "rlhf_orch.transfer.packed.PackedTransfer"
     # Tokens per packed micro-batch; 0 = derive from micro_batch_size * max_len.
     token_budget: int = 0
+
+    def largest_micro_batch(self, micro_batch_size: int, max_seq_len: int) -> tuple[int, bool]:
+        # A sequence longer than the budget still travels, alone in its row.
+        return max(self.token_budget or micro_batch_size * max_seq_len, max_seq_len), False
 
 
 @dataclass
@@ -495,6 +506,12 @@ class TrainerConfig:
     """DeepSpeed settings shared by actor and critic."""
 
     zero_stage: int = 0
+    # Optimizer states, fp32 master weights and gradients in host memory (DeepSpeed ZeRO-Offload):
+    # GPU memory for slower steps. GPU layouts only (on CPU they are in host memory already).
+    offload_optimizer: bool = False
+    # Recompute each layer's activations in the backward pass instead of keeping them (HF's
+    # gradient checkpointing): activation memory ~1/layers for ~30 % more trainer compute.
+    gradient_checkpointing: bool = False
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # "adamw" (betas 0.9, 0.95) or "sgd" (plain: the update is lr x gradient)
     seed: int = II("seed")  # the trainers' torch/NumPy/Python RNG (dropout, init); the run's `seed` unless set here
@@ -571,7 +588,9 @@ class WandbLoggerConfig(LoggerConfig):
 @dataclass
 class LauncherConfig:
     _target_: str = MISSING
-    dry_run: bool = False  # print the placement plan and exit without starting actors
+    dry_run: bool = False  # print the placement plan and the memory plan, and exit without starting actors
+    # A run whose memory plan does not fit: "refuse" (exit 2, before Ray starts) or "warn" (say so, run).
+    memory_check: str = "refuse"
     # Ray logical GPUs to declare when the machine has none (CPU testing of GPU layouts).
     logical_gpus: int = 0
     num_cpus: Optional[int] = None

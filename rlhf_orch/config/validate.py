@@ -572,6 +572,14 @@ def _timeouts(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
     return problems
 
 
+def _offload(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    if cfg.trainer.offload_optimizer and not hw.cuda:
+        return [Problem("trainer.offload_optimizer", True, "offloading moves optimizer states from GPU to host memory; "
+                        "without CUDA GPUs they are in host memory already: drop it (a dry run plans a GPU layout "
+                        "with it: launcher.dry_run=true)")]
+    return []
+
+
 def _launcher(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     lc = cfg.launcher
     problems = []
@@ -638,6 +646,7 @@ CHECKS: tuple[Callable[[RootConfig, PlacementPlan, Hardware], list[Problem]], ..
     _timeouts,
     _launcher,
     _paths,
+    _offload,
 )
 
 

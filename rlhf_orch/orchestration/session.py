@@ -47,6 +47,8 @@ def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id:
             ppo_epochs=a.ppo_epochs,
             seed=t.seed,
             optimizer=t.optimizer,
+            offload_optimizer=t.offload_optimizer,
+            gradient_checkpointing=t.gradient_checkpointing,
         )
 
     specs = {"actor": spec("actor", a.actor_lr)}

@@ -107,6 +107,9 @@ def scale_to_cpu(cfg: DictConfig, steps: int, data_files: dict[str, str]) -> Sca
         why.append(f"sync: {option} over {cfg.sync.backend} -> {name} ({reason}; the nearest strategy over gloo)")
     if int(cfg.trainer.zero_stage) == 3:
         why.append("trainer.zero_stage: 3 kept (gloo)")
+    if cfg.trainer.get("offload_optimizer"):
+        o.append("trainer.offload_optimizer=false")
+        why.append("trainer.offload_optimizer: true -> false (it saves GPU memory; on CPU the states are in host memory already)")
     return out
 
 

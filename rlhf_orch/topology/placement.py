@@ -59,8 +59,10 @@ class ColocatedPlacement(_RankedPlacement):
     critic_fraction: float
     reference_fraction: float
     engine_fraction: float
+    gpu_memory_gb: Optional[float] = None  # read by the memory plan (rlhf_orch.memory), not the planner
 
     planner = staticmethod(plan_colocated)
+    derived = ("gpu_memory_gb",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +78,7 @@ class SplitPlacement(_Placement):
     critic_gpus: int
     vllm_gpus: int
     reference_fraction: float
+    gpu_memory_gb: Optional[float] = None  # read by the memory plan (rlhf_orch.memory), not the planner
     # Always None (the config check refuses a value): the counts follow from the GPUs.
     actor_ranks: Optional[int] = None
     critic_ranks: Optional[int] = None
@@ -83,9 +86,9 @@ class SplitPlacement(_Placement):
     engines: Optional[int] = None
 
     planner = staticmethod(plan_split)
-    derived = ("actor_ranks", "critic_ranks", "reference_ranks", "engines")
+    derived = ("actor_ranks", "critic_ranks", "reference_ranks", "engines", "gpu_memory_gb")
 
     def __post_init__(self) -> None:
-        given = [f"placement.{k}={getattr(self, k)}" for k in self.derived if getattr(self, k) is not None]
+        given = [f"placement.{k}={getattr(self, k)}" for k in self.derived[:4] if getattr(self, k) is not None]
         if given:
             raise ValueError(f"placement=split derives ranks and engines from the GPU counts: drop {', '.join(given)}")

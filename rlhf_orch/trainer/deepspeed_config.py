@@ -13,6 +13,7 @@ def deepspeed_config(
     data_parallel_size: int,
     grad_clip: float,
     dtype: str,
+    offload_optimizer: bool = False,
 ) -> dict[str, Any]:
     grad_accum = train_batch_size // (micro_batch_size * data_parallel_size)
     config: dict[str, Any] = {
@@ -31,6 +32,10 @@ def deepspeed_config(
         config["bf16"] = {"enabled": True}
     elif dtype == "float16":
         config["fp16"] = {"enabled": True}
+    if offload_optimizer:
+        # ZeRO-Offload: optimizer states, fp32 master weights and gradients in pinned host memory,
+        # the optimizer step on the CPU (trainer.offload_optimizer; GPU layouts only).
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if zero_stage == 3:
         # Gather-on-demand is what makes ZeRO-3 useful; keep prefetch modest for small models.
         config["zero_optimization"].update({"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e4})

@@ -199,6 +199,14 @@ class CriticModel(nn.Module):
         return self.value_head(hidden).squeeze(-1).float()
 
 
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """trainer.gradient_checkpointing: every decoder layer's activations are recomputed in the
+    backward instead of kept (HF's own mechanism; non-reentrant, so packed kwargs pass through)."""
+    hf_model = model.backbone if isinstance(model, CriticModel) else model
+    hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_model.config.use_cache = False
+
+
 def load_policy(path: str, dtype: str, device: torch.device | str | None = None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 

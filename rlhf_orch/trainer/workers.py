@@ -27,6 +27,7 @@ from rlhf_orch.algo.ppo_math import masked_mean
 from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config
 from rlhf_orch.trainer.forward import (
+    enable_gradient_checkpointing,
     load_critic,
     load_policy,
     load_reward_model,
@@ -67,6 +68,8 @@ class TrainerSpec:
     seed: int
     torch_threads: int = 1
     optimizer: str = "adamw"  # trainer.optimizer: "adamw" or "sgd" (plain, no momentum)
+    offload_optimizer: bool = False  # trainer.offload_optimizer (ZeRO-Offload; GPU layouts)
+    gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
 
 
 def skip_shm_comm_op() -> None:
@@ -231,6 +234,7 @@ class _Worker(ExperienceInbox):
             data_parallel_size=spec.data_parallel_size,
             grad_clip=spec.grad_clip,
             dtype=spec.dtype,
+            offload_optimizer=spec.offload_optimizer,
         )
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         return engine
@@ -246,6 +250,8 @@ class PolicyWorker(_Worker):
         self._respec(spec)
         model = load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device)
         model.config.use_cache = False
+        if self.spec.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.engine = self._ds_engine(model, self.spec.lr)
         self.weights = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
         return sum(p.numel() for p in model.parameters())
@@ -465,6 +471,8 @@ class CriticWorker(_Worker):
     def build(self, spec: TrainerSpec | None = None) -> int:
         self._respec(spec)
         model = load_critic(self.spec.model_path, self.spec.dtype, self.device).to(self.device)
+        if self.spec.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         self.engine = self._ds_engine(model, self.spec.lr)
         self._old_values: dict[int, list[torch.Tensor]] = {}
         return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,1 @@
+"""The memory plan: what every role process needs, per device, before anything starts (docs/memory.md)."""

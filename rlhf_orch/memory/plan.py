@@ -1,0 +1,199 @@
+"""The memory plan of a run: every role process's terms (`rlhf_orch.memory.terms`), summed per device
+(each GPU on GPU layouts, the host on CPU) and set against what the device has, before Ray starts.
+
+On a GPU the peak is the larger of the two phases of a step: generating (engines awake, trainers
+holding their states) and training (activations; a sleeping colocated engine has given its weights
+and KV cache back). Processes on the CPU keep their high-water marks, so the host holds the sum of
+every process's peak at once, plus the driver and Ray's own processes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rlhf_orch.config.schema import RootConfig
+from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, memory_utilization, sleep_level
+from rlhf_orch.memory.shapes import ModelShape
+from rlhf_orch.memory.terms import (
+    ALWAYS, PHASES, GiB, ProcessMemory, Term, Workload, engine_terms, forward_only_terms, runtime_terms, trainer_terms,
+)
+from rlhf_orch.topology.plan import PlacementPlan
+
+GB = 10**9
+#: What a GPU is assumed to hold when neither placement.gpu_memory_gb nor a GPU here says.
+ASSUMED_GPU_GB = 80.0
+#: Ray kills a worker once the host's memory use passes this fraction (RAY_memory_usage_threshold).
+RAY_MEMORY_THRESHOLD = 0.95
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # "gpu n0/b3" or "host"
+    capacity: int  # bytes the processes on it may use
+    capacity_source: str  # where the capacity was read
+
+
+@dataclass
+class DeviceLoad:
+    device: Device
+    processes: list[ProcessMemory] = field(default_factory=list)
+    sums_phases: bool = True  # GPU: the worse of the two phases; host: every term at once
+
+    @property
+    def need(self) -> int:
+        if not self.sums_phases:
+            # The host: every process's anonymous memory, plus the page cache the processes share
+            # (the shared libraries, the checkpoint file) once -- the largest of each kind.
+            shared: dict[str, int] = {}
+            for p in self.processes:
+                for t in p.terms:
+                    if t.reclaimable:
+                        shared[t.name] = max(shared.get(t.name, 0), t.bytes)
+            return sum(p.total(resident=False) + p.total(on_host=True, resident=False) for p in self.processes) + sum(shared.values())
+        return max(sum(p.total((ALWAYS, phase)) for p in self.processes) for phase in PHASES)
+
+    @property
+    def headroom(self) -> int:
+        return self.device.capacity - self.need
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= 0
+
+    def largest_terms(self, n: int = 3) -> list[tuple[str, int]]:
+        terms = [(f"{p.role}{p.rank} {t.name}", t.bytes) for p in self.processes for t in p.terms if not t.on_host]
+        return sorted(terms, key=lambda item: -item[1])[:n]
+
+
+@dataclass
+class MemoryPlan:
+    model: str  # where the shape was read
+    shape: ModelShape
+    workload: Workload
+    processes: list[ProcessMemory]
+    loads: list[DeviceLoad]
+    batch: dict[str, Any]
+
+    @property
+    def fits(self) -> bool:
+        return all(load.fits for load in self.loads) and not self.engine_problems
+
+    @property
+    def engine_problems(self) -> list[str]:
+        return sorted({p.note for p in self.processes if p.role == "engine" and "refuses" in p.note})
+
+    def worst(self) -> DeviceLoad:
+        return min(self.loads, key=lambda load: load.headroom)
+
+
+# --------------------------------------------------------------------------- inputs from the config
+def gpu_memory(typed: RootConfig) -> tuple[int, str]:
+    """(bytes of one GPU, where that figure comes from)."""
+    configured = getattr(typed.placement, "gpu_memory_gb", None)
+    if configured is not None:
+        return int(configured * GB), "placement.gpu_memory_gb"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory), f"{torch.cuda.get_device_name(0)}"
+    except Exception:  # noqa: BLE001 - no usable CUDA: fall back to the assumption, said in the table
+        pass
+    return int(ASSUMED_GPU_GB * GB), f"assumed {ASSUMED_GPU_GB:g} GB (set placement.gpu_memory_gb)"
+
+
+def host_memory() -> tuple[int, str]:
+    """(bytes this host's processes may use before Ray's memory monitor kills one, where from)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    threshold = float(os.environ.get("RAY_memory_usage_threshold", RAY_MEMORY_THRESHOLD))
+    return int(total * threshold), f"{total / GiB:.1f} GiB RAM x {threshold:g} (Ray's kill threshold)"
+
+
+def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: int) -> Workload:
+    a, d, t, e = typed.algo, typed.data, typed.trainer, typed.engine
+    max_seq = d.prompt_max_len + d.response_max_len
+    tokens, padded = typed.transfer.largest_micro_batch(a.micro_batch_size, max_seq)
+    engines = max(plan.num_ranks("engine"), 1)
+    level = sleep_level(e.sleep_level, plan)
+    if level == SLEEP_WHERE_AVAILABLE:
+        level = 1 if on_gpu else 0  # vLLM's sleep mode needs CUDA (rlhf_orch.engines.vllm_engine)
+    return Workload(
+        dtype=typed.model.dtype, max_seq_len=max_seq, micro_batch_size=a.micro_batch_size,
+        tokens_per_micro_batch=tokens, padded=padded, zero_stage=t.zero_stage, optimizer=t.optimizer,
+        offload_optimizer=t.offload_optimizer, gradient_checkpointing=t.gradient_checkpointing, on_gpu=on_gpu,
+        engine_tp=plan.engine_tp, kv_cache_gb=e.kv_cache_gb,
+        gpu_memory_utilization=memory_utilization(e.gpu_memory_utilization, plan), gpu_memory_bytes=gpu_bytes,
+        sleep_level=level, enforce_eager=e.enforce_eager,
+        sequences_per_engine=-(-a.rollout_batch_size * a.samples_per_prompt // engines),
+        sync_bucket_bytes=int(getattr(typed.sync, "bucket_mb", 0) * 2**20),
+    )
+
+
+def batch_quantities(typed: RootConfig, plan: PlacementPlan, wl: Workload) -> dict[str, Any]:
+    """The derived batch sizes people confuse, for one step."""
+    a = typed.algo
+    samples = a.rollout_batch_size * a.samples_per_prompt
+    dp = max(plan.num_ranks("actor"), 1)
+    return {
+        "prompts per step": a.rollout_batch_size,
+        "samples per step": samples,
+        "sequences per optimizer step": a.train_batch_size,
+        "optimizer steps per rollout": samples // max(a.train_batch_size, 1) * a.ppo_epochs,
+        "policy ranks": dp,
+        "micro-batches per rank per optimizer step": a.train_batch_size // max(a.micro_batch_size * dp, 1),
+        "sequences per micro-batch": a.micro_batch_size,
+        "tokens per micro-batch": f"{wl.tokens_per_micro_batch} ({'padded' if wl.padded else 'packed'})",
+    }
+
+
+# --------------------------------------------------------------------------- the plan
+def plan_memory(
+    typed: RootConfig,
+    plan: PlacementPlan,
+    shape: ModelShape,
+    model_source: str,
+    on_gpu: bool,
+    gpu: Optional[tuple[int, str]] = None,
+    host: Optional[tuple[int, str]] = None,
+) -> MemoryPlan:
+    """Every role process's memory, per device against its capacity. `on_gpu`: the processes get
+    CUDA devices (False: everything lives in host memory, Ray's GPUs being logical if any)."""
+    gpu_bytes, gpu_source = gpu or gpu_memory(typed)
+    wl = workload(typed, plan, on_gpu, gpu_bytes)
+    # Each role's process: what it holds, by the kind of model it runs.
+    role_terms = {
+        "actor": lambda dp: (trainer_terms("actor", shape.policy_params, shape, wl, dp), ""),
+        "critic": lambda dp: (trainer_terms("critic", shape.critic_params, shape, wl, dp), ""),
+        "reference": lambda dp: (forward_only_terms("reference", shape.policy_params, shape, wl), ""),
+        "reward": lambda dp: (forward_only_terms("reward", shape.reward_params, shape, wl), ""),
+        "engine": lambda dp: engine_terms(shape, wl),
+    }
+    processes: dict[tuple[str, int], ProcessMemory] = {}
+    for slot in plan.slots:
+        proc = ProcessMemory(slot.role, slot.rank)
+        proc.terms, proc.note = role_terms[slot.role](max(plan.num_ranks(slot.role), 1))
+        processes[(slot.role, slot.rank)] = proc
+
+    loads: list[DeviceLoad] = []
+    if on_gpu:
+        for node_index, bundles in enumerate(plan.nodes):
+            for bundle_index, resources in enumerate(bundles):
+                if not resources.get("GPU"):
+                    continue
+                claims = plan.claims_on(node_index, bundle_index)
+                device = Device(f"gpu n{node_index}/b{bundle_index}", gpu_bytes, gpu_source)
+                loads.append(DeviceLoad(device, [processes[(c.role, c.rank)] for c in claims]))
+    else:
+        host_bytes, host_source = host or host_memory()
+        driver = ProcessMemory("driver", 0, runtime_terms("driver", on_gpu=False), "run.py, Ray's raylet/GCS/workers")
+        every = [driver, *processes.values()]
+        for proc in every:
+            if proc.role == "engine" and wl.engine_tp > 1:
+                # A CPU engine's TP workers are processes of their own, each with its shard, its own
+                # KV space (VLLM_CPU_KVCACHE_SPACE is per worker) and its runtime: tp times one GPU's terms.
+                proc.terms = [Term(t.name, t.bytes * wl.engine_tp, t.phase, t.on_host) for t in proc.terms]
+        loads.append(DeviceLoad(Device("host", host_bytes, host_source), every, sums_phases=False))
+    ordered = [processes[(s.role, s.rank)] for role in plan.roles for s in plan.slots_for(role)]
+    return MemoryPlan(model_source, shape, wl, ordered, loads, batch_quantities(typed, plan, wl))

@@ -1,0 +1,107 @@
+"""The memory plan as people read it: a table per process (each term), one line per device (need,
+capacity, headroom), the derived batch quantities, and for a plan that does not fit its largest
+terms and the fixes."""
+
+from __future__ import annotations
+
+from rlhf_orch.memory.fixes import Fix
+from rlhf_orch.memory.plan import GB, MemoryPlan
+from rlhf_orch.memory.terms import ProcessMemory
+
+# Table columns: the terms of `rlhf_orch.memory.terms` grouped the way people speak of them.
+COLUMNS: dict[str, tuple[str, ...]] = {
+    "weights": ("weights", "gathered weights"),
+    "grads": ("gradients", "fp32 gradients"),
+    "optimizer": ("master weights", "optimizer"),
+    "activations": ("activations", "logits"),
+    "kv cache": ("kv cache",),
+    "other": ("workspace", "cuda graphs", "cpu weight packing", "sync buffers", "checkpoint load", "runtime", "shared libraries"),
+}
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.2f}"
+
+
+def _row(proc: ProcessMemory, devices: str) -> list[str]:
+    cells = [proc.role, str(proc.rank), devices]
+    for names in COLUMNS.values():
+        amount = sum(t.bytes for t in proc.terms if t.name in names and not t.on_host)
+        cells.append(_gb(amount) if amount else "-")
+    cells.append(_gb(proc.total()))
+    host = proc.total(on_host=True)
+    cells.append(_gb(host) if host else "-")
+    return cells
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if i > 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def describe(plan: MemoryPlan) -> str:
+    wl = plan.workload
+    where = "GPU" if wl.on_gpu else "host (CPU)"
+    lines = [
+        f"memory plan (GB = 1e9 bytes; {where}; model shape from {plan.model}: {plan.shape.policy_params / 1e9:.2f}B "
+        f"parameters, {plan.shape.layers} layers, hidden {plan.shape.hidden}, vocab {plan.shape.vocab}; dtype {wl.dtype}, "
+        f"ZeRO-{wl.zero_stage}{', optimizer offload' if wl.offload_optimizer and wl.on_gpu else ''}"
+        f"{', gradient checkpointing' if wl.gradient_checkpointing else ''})",
+        "",
+    ]
+    placed = {id(p): [] for p in plan.processes}
+    for load in plan.loads:
+        for proc in load.processes:
+            placed.setdefault(id(proc), []).append(load.device.name)
+    rows = [["role", "rank", "device", *COLUMNS, "total", "host"]]
+    for load in plan.loads:
+        for proc in load.processes:
+            if proc.role == "driver":
+                rows.append(_row(proc, load.device.name))
+    for proc in plan.processes:
+        devices = placed.get(id(proc), [])
+        rows.append(_row(proc, devices[0] + (f" +{len(devices) - 1}" if len(devices) > 1 else "")))
+    lines += _table(rows)
+    lines.append("")
+    device_rows = [["device", "need", "capacity", "headroom", "", "capacity from"]]
+    for load in plan.loads:
+        device_rows.append([load.device.name, _gb(load.need), _gb(load.device.capacity), _gb(load.headroom),
+                            "ok" if load.fits else "DOES NOT FIT", load.device.capacity_source])
+    lines += _table(device_rows)
+    if not wl.on_gpu:
+        lines.append("total = each process's resident peak; need = the host's used memory: the shared libraries and checkpoint "
+                     "pages in each total are page cache shared between processes, counted once in need")
+    if wl.on_gpu:
+        lines.append("need = the worse of generation (engines awake) and training (activations; sleeping engines "
+                     "freed); 'host' = held in host memory (offloaded states, a sleeping engine's weights)")
+    notes = sorted({p.note for p in plan.processes if p.note and p.role == "engine"})
+    lines += [f"engine: {note}" for note in notes]
+    lines.append("")
+    lines.append("batch: " + "  ".join(f"{k}={v}" for k, v in plan.batch.items()))
+    return "\n".join(lines)
+
+
+def refusal(plan: MemoryPlan, fixes: list[Fix], chain: list[Fix] = ()) -> str:
+    """Why the plan does not fit (largest terms of the worst device) and the fixes, cheapest first."""
+    worst = plan.worst()
+    lines = []
+    if not worst.fits:
+        terms = ", ".join(f"{name} {_gb(nbytes)}" for name, nbytes in worst.largest_terms())
+        lines.append(f"memory: {worst.device.name} needs {_gb(worst.need)} GB of {_gb(worst.device.capacity)} GB "
+                     f"({worst.device.capacity_source}); largest terms (GB): {terms}")
+    lines += [f"memory: {problem}" for problem in plan.engine_problems]
+    if fixes:
+        lines.append("fixes, cheapest first (each one override to paste):")
+        lines += [f"  {fix.describe()}" for fix in fixes]
+    else:
+        lines.append("no override makes it fit: a device with more memory, or a smaller model")
+    if chain:
+        last = chain[-1].plan
+        # Later fixes of the same key (a micro-batch halved twice) replace earlier ones: Hydra takes one value per key.
+        merged = {item.split("=")[0]: item for fix in chain for item in fix.override.split()}
+        together = " ".join(merged.values())
+        verdict = "fits" if last.fits else f"still short by {-last.worst().headroom / GB:.1f} GB: a device with more memory, or a smaller model"
+        lines.append(f"no single override fits; together: {together}   # {verdict}")
+    return "\n".join(lines)

@@ -1,0 +1,238 @@
+"""What one process of one role holds in memory, term by term: pure arithmetic on the model's shape
+and the run's settings (no torch, no Ray).
+
+Each term is tagged with the phase of a step it is held in: `always` (weights, optimizer states,
+the process's runtime), `train` (activations and logits of the actor's and critic's forward/backward,
+which run at the same time), `experience` (the forward-only logits of old and reference logprobs) or
+`generate` (an engine's weights and KV cache, which a sleeping engine gives back while the trainers
+work).
+
+The formulas, per role (N = parameters, w = bytes per element of the model dtype, dp = data-parallel
+ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I intermediate, V vocab):
+  * weights        N*w, divided by dp under ZeRO-3
+  * gradients      N*w (+ N*4 fp32 accumulation when w < 4), divided by dp from ZeRO-2
+  * master weights N*4 when w < 4 (mixed precision), divided by dp from ZeRO-1
+  * optimizer      AdamW: 8*N (two fp32 moments), divided by dp from ZeRO-1; plain SGD: 0
+    (offloaded optimizer states and master weights live in host memory, not on the GPU)
+  * activations    T * per-token-per-layer * L saved for backward; with gradient checkpointing only
+    each layer's input (T*h*w*L) plus one layer's full activations; padded batches on CPU add the
+    attention scores sdpa's math kernel materialises (sequences * heads * s^2 * 4 per layer)
+  * logits         T*V*(2w + 4) in training: the logits, the fp32 chunks of the log-softmax kept for
+    backward, the logits' gradient (`ppo_math.logprobs_from_logits`); T*V*w in a forward without
+    gradients (old and reference logprobs)
+  * engine         weights N*w/tp, KV cache (engine.kv_cache_gb, or what gpu_memory_utilization
+    leaves), a forward workspace, CUDA graphs unless enforce_eager; on CPU also vLLM's re-packed
+    copy of the linear weights and the sync's two receive buffers
+  * checkpoint load (CPU) the checkpoint's memory-mapped file pages, read while loading
+  * runtime        what the process holds besides tensors (interpreter, torch, vLLM/DeepSpeed,
+    CUDA context); measured on this machine's CPU processes (scripts/bench_memory.py), stated for GPUs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rlhf_orch.memory.shapes import ModelShape
+
+GiB = 2**30
+ALWAYS, TRAIN, EXPERIENCE, GENERATE = "always", "train", "experience", "generate"
+PHASES = (TRAIN, EXPERIENCE, GENERATE)
+
+BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Resident memory of a role process before it holds any model (imports, allocator, libraries),
+# measured as the RSS high-water mark of tiny-model runs on this machine's CPU (scripts/bench_memory.py):
+# (anonymous memory, file-backed pages of the shared libraries). The driver row is run.py plus Ray's
+# raylet, GCS, dashboard and idle workers.
+CPU_RUNTIME_BYTES = {"trainer": (int(0.52e9), int(0.16e9)), "forward": (int(0.42e9), int(0.16e9)),
+                     "engine": (int(0.63e9), int(0.24e9)), "driver": (int(1.1e9), int(0.4e9))}
+# On a GPU: the CUDA context, cuBLAS/NCCL workspaces and the caching allocator's slack, per process
+# (not measured here: no GPU was lent; docs/memory.md).
+GPU_RUNTIME_BYTES = {"trainer": int(1.0 * GiB), "forward": int(1.0 * GiB), "engine": int(1.0 * GiB)}
+GPU_ENGINE_GRAPHS_BYTES = int(0.5 * GiB)  # vLLM's CUDA graphs when engine.enforce_eager=false
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: int
+    phase: str = ALWAYS
+    on_host: bool = False  # held in host memory although the process runs on a GPU (offload, sleep)
+    # File-backed pages (shared libraries, the memory-mapped checkpoint): in every process's RSS, but
+    # page cache the processes share -- the host holds them once.
+    reclaimable: bool = False
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The run's quantities that size activations and caches (derived from the config)."""
+
+    dtype: str
+    max_seq_len: int  # prompt + response tokens, the longest sequence
+    micro_batch_size: int  # sequences per forward/backward on one rank
+    tokens_per_micro_batch: int  # the largest micro-batch in tokens
+    padded: bool  # micro-batches are padded rectangles (else packed rows)
+    zero_stage: int
+    optimizer: str
+    offload_optimizer: bool
+    gradient_checkpointing: bool
+    on_gpu: bool
+    # engines
+    engine_tp: int = 1
+    kv_cache_gb: Optional[float] = None
+    gpu_memory_utilization: float = 0.9
+    gpu_memory_bytes: int = 0
+    sleep_level: int = 0
+    enforce_eager: bool = True
+    sequences_per_engine: int = 1  # sequences one engine generates per step
+    sync_bucket_bytes: int = 0  # sync.bucket_mb of the bucketed syncs; 0 = tensor by tensor
+
+    @property
+    def w(self) -> int:
+        return BYTES_PER_ELEMENT[self.dtype]
+
+
+@dataclass
+class ProcessMemory:
+    """The terms of one process of one role."""
+
+    role: str
+    rank: int
+    terms: list[Term] = field(default_factory=list)
+    note: str = ""
+
+    def total(self, phases: tuple[str, ...] = (ALWAYS, *PHASES), on_host: bool = False, resident: bool = True) -> int:
+        """Bytes of the terms in `phases`; `resident=False` leaves out reclaimable page cache."""
+        return sum(t.bytes for t in self.terms if t.phase in phases and t.on_host == on_host and (resident or not t.reclaimable))
+
+
+def runtime_terms(kind: str, on_gpu: bool) -> list[Term]:
+    if on_gpu:
+        return [Term("runtime", GPU_RUNTIME_BYTES[kind])]
+    anonymous, libraries = CPU_RUNTIME_BYTES[kind]
+    return [Term("runtime", anonymous), Term("shared libraries", libraries, reclaimable=True)]
+
+
+def activation_bytes(shape: ModelShape, wl: Workload) -> int:
+    """Saved-for-backward activations of one micro-batch through all layers."""
+    tokens, w = wl.tokens_per_micro_batch, wl.w
+    q_out, kv_out = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    # Per token and layer: the two RMSNorm inputs in fp32, their outputs, q/k/v and the rotated q/k,
+    # the attention output, the residual, and the SwiGLU MLP's gate, up, act(gate) and product.
+    per_token_layer = 2 * shape.hidden * 4 + w * (4 * shape.hidden + 3 * q_out + 3 * kv_out + 4 * shape.intermediate)
+    if wl.padded and not wl.on_gpu:
+        # sdpa with a padding mask takes the math kernel on CPU: softmax(QK^T) is kept per layer.
+        scores = wl.micro_batch_size * shape.heads * wl.max_seq_len**2 * 4
+    else:
+        scores = 0  # flash / memory-efficient kernels keep no s^2 tensor
+    one_layer = tokens * per_token_layer + scores
+    if wl.gradient_checkpointing:
+        return shape.layers * tokens * shape.hidden * w + one_layer
+    return shape.layers * one_layer
+
+
+# DeepSpeed's default reduce_bucket_size (elements): ZeRO-2/3 reduce gradients through a bucket this large.
+REDUCE_BUCKET_ELEMENTS = 500_000_000
+# DeepSpeed's default stage3_max_live_parameters: ZeRO-3 keeps up to this many gathered parameters alive.
+ZERO3_LIVE_PARAMETERS = 1_000_000_000
+
+
+def checkpoint_load_term(params: int, shape: ModelShape, wl: Workload) -> list[Term]:
+    """On the CPU the checkpoint's safetensors pages, memory-mapped and read once while loading, stay
+    in the process's resident high-water mark (on a GPU they are host memory: not planned here)."""
+    return [] if wl.on_gpu else [Term("checkpoint load", params * shape.checkpoint_bytes_per_param, reclaimable=True)]
+
+
+def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: int) -> list[Term]:
+    """Actor or critic rank under DeepSpeed ZeRO, as DeepSpeed allocates it.
+
+    From ZeRO-1 DeepSpeed keeps an fp32 partition of the weights (the optimizer's master copy) even
+    when the model is float32, and fp32 gradient partitions; ZeRO-2/3 reduce gradients through a
+    bucket of up to `REDUCE_BUCKET_ELEMENTS` elements.
+    """
+    w, z = wl.w, wl.zero_stage
+    shard = lambda nbytes, from_stage: nbytes // dp if z >= from_stage else nbytes  # noqa: E731
+    offload = wl.offload_optimizer and wl.on_gpu
+    terms = [Term("weights", shard(params * w, 3))]
+    if z == 0:
+        terms.append(Term("gradients", params * w))
+        if w < 4:  # mixed precision without ZeRO: DeepSpeed's bf16 optimizer keeps fp32 gradients and master weights
+            terms += [Term("fp32 gradients", params * 4, on_host=offload), Term("master weights", params * 4, on_host=offload)]
+    else:
+        model_grads = params * w if z == 1 else min(params, REDUCE_BUCKET_ELEMENTS) * w
+        terms += [
+            Term("gradients", model_grads),
+            Term("fp32 gradients", params * 4 // dp, on_host=offload),
+            Term("master weights", params * 4 // dp, on_host=offload),
+        ]
+    if wl.optimizer == "adamw":
+        terms.append(Term("optimizer", shard(params * 8, 1), on_host=offload))
+    if z == 3:  # parameters gathered for the forward/backward stay alive up to DeepSpeed's limit
+        terms.append(Term("gathered weights", min(params, ZERO3_LIVE_PARAMETERS) * w, TRAIN))
+    terms.append(Term("activations", activation_bytes(shape, wl), TRAIN))
+    if role == "actor":
+        terms.append(Term("logits", wl.tokens_per_micro_batch * shape.vocab * (2 * w + 4), TRAIN))
+    terms += checkpoint_load_term(params, shape, wl)
+    terms += runtime_terms("trainer", wl.on_gpu)
+    return terms
+
+
+def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload) -> list[Term]:
+    """Reference or reward model: weights, and one forward's transient tensors."""
+    terms = [Term("weights", params * wl.w), *checkpoint_load_term(params, shape, wl)]
+    if role == "reference":
+        terms.append(Term("logits", wl.tokens_per_micro_batch * shape.vocab * wl.w, EXPERIENCE))
+    terms.append(Term("activations", wl.tokens_per_micro_batch * (2 * shape.hidden + shape.intermediate) * 4, EXPERIENCE))
+    terms += runtime_terms("forward", wl.on_gpu)  # no DeepSpeed engine, no optimizer
+    return terms
+
+
+def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
+    """One engine process (one GPU of it when tensor-parallel), and a note when its KV cache is short."""
+    tp = wl.engine_tp
+    weights = shape.policy_params * wl.w // tp
+    # vLLM profiles a forward over its batched-token budget (prefill chunk): the hidden states, the
+    # MLP's intermediate and the sampler's fp32 logits over the sequences in flight.
+    batched_tokens = min(wl.sequences_per_engine * wl.max_seq_len, 8192)
+    workspace = batched_tokens * (2 * shape.hidden + shape.intermediate) * 4 // tp + min(wl.sequences_per_engine, 256) * shape.vocab * 4
+    graphs = GPU_ENGINE_GRAPHS_BYTES if wl.on_gpu and not wl.enforce_eager else 0
+    wanted_kv = wl.sequences_per_engine * wl.max_seq_len * shape.kv_bytes_per_token(wl.w) // tp
+    one_sequence_kv = wl.max_seq_len * shape.kv_bytes_per_token(wl.w) // tp
+    if wl.kv_cache_gb is not None:
+        kv = int(wl.kv_cache_gb * GiB)
+    elif wl.on_gpu:
+        # vLLM takes gpu_memory_utilization of the GPU and gives the KV cache what the rest leaves.
+        kv = int(wl.gpu_memory_utilization * wl.gpu_memory_bytes) - weights - workspace - graphs - GPU_RUNTIME_BYTES["engine"]
+    else:
+        kv = 1 * GiB  # VLLM_CPU_KVCACHE_SPACE's default here (rlhf_orch.engines.launch)
+    note = ""
+    if kv < one_sequence_kv:
+        left = "nothing" if kv <= 0 else f"{kv / GiB:.2f} GiB"
+        note = (f"its memory budget leaves {left} for the KV cache after weights and workspace, less than one "
+                f"{wl.max_seq_len}-token sequence ({one_sequence_kv / GiB:.3f} GiB): vLLM refuses to start")
+    elif kv < wanted_kv:
+        note = (f"KV cache {kv / GiB:.2f} GiB < {wanted_kv / GiB:.2f} GiB for all {wl.sequences_per_engine} sequences "
+                "at once: vLLM runs them in waves (slower, fits)")
+    # A sleeping engine (colocated GPUs) gives weights and KV cache back while the trainers train;
+    # level 1 parks the weights in host memory.
+    phase = GENERATE if wl.on_gpu and wl.sleep_level > 0 else ALWAYS
+    terms = [
+        Term("weights", weights, phase),
+        Term("kv cache", max(kv, 0), phase),
+        Term("workspace", workspace, phase),
+    ]
+    if graphs:
+        terms.append(Term("cuda graphs", graphs, phase))
+    if not wl.on_gpu:
+        # vLLM's CPU backend keeps a re-packed copy of every linear weight for its GEMM kernels, and
+        # holds the weight-sync receive buffers (two buckets in flight).
+        terms.append(Term("cpu weight packing", shape.linear_params * wl.w // tp))
+        # A bucket never exceeds the weights; tensor-by-tensor syncs receive the largest tensor (the embedding).
+        bucket = min(wl.sync_bucket_bytes or shape.vocab * shape.hidden * wl.w, shape.policy_params * wl.w)
+        terms.append(Term("sync buffers", 2 * bucket))
+        terms += checkpoint_load_term(shape.policy_params // tp, shape, wl)
+    if phase == GENERATE and wl.sleep_level == 1:
+        terms.append(Term("weights (asleep)", weights, TRAIN, on_host=True))  # host: not in GPU sums
+    terms += runtime_terms("engine", wl.on_gpu)
+    return terms, note

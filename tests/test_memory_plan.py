@@ -1,0 +1,171 @@
+"""The memory plan (rlhf_orch.memory): shapes, terms, per-device sums, refusals and their fixes."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from tests.conftest import compose_config
+from rlhf_orch.app import main
+from rlhf_orch.memory.check import check_memory
+from rlhf_orch.memory.shapes import KNOWN_CONFIGS, ModelShape
+from rlhf_orch.memory.terms import GiB, Workload, activation_bytes, trainer_terms
+
+EXPERIMENTS = sorted(p.stem for p in __import__("pathlib").Path(__file__).resolve().parents[1].joinpath("conf/experiment").glob("*.yaml"))
+LLAMA_70B = dict(model_type="llama", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+                 intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192)
+
+
+def verdict(overrides: list[str], host_gb: float = 24.0):
+    cfg = compose_config(overrides)
+    typed = OmegaConf.to_object(cfg)
+    plan = instantiate(cfg.placement).plan(reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference)
+    import rlhf_orch.memory.check as check
+
+    original = check.host_memory
+    check.host_memory = lambda: (int(host_gb * 1e9), f"{host_gb} GB (test)")
+    try:
+        return check_memory(typed, plan, on_gpu=plan.total_gpus > 0, reward_model=False)
+    finally:
+        check.host_memory = original
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-Math-7B", "meta-llama/Meta-Llama-3-8B"])
+def test_parameter_counts_match_the_models_transformers_builds(name):
+    """The plan's parameter count is the real model's (built on the meta device: no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(KNOWN_CONFIGS[name])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert ModelShape.from_config(KNOWN_CONFIGS[name]).policy_params == sum(p.numel() for p in model.parameters())
+
+
+def _workload(**kw):
+    base = dict(dtype="bfloat16", max_seq_len=2048, micro_batch_size=4, tokens_per_micro_batch=8192, padded=False, zero_stage=2,
+                optimizer="adamw", offload_optimizer=False, gradient_checkpointing=False, on_gpu=True)
+    return Workload(**{**base, **kw})
+
+
+def test_zero_stages_offload_and_checkpointing_move_the_terms_they_should():
+    shape = ModelShape.from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-Math-7B"])
+    n = shape.policy_params
+
+    def terms(**kw):
+        return {t.name: t for t in trainer_terms("actor", n, shape, _workload(**kw), dp=8)}
+
+    z2, z3 = terms(zero_stage=2), terms(zero_stage=3)
+    assert z2["weights"].bytes == 2 * n and z3["weights"].bytes == 2 * n // 8
+    assert z2["optimizer"].bytes == 8 * n // 8 and z2["master weights"].bytes == 4 * n // 8
+    assert terms(zero_stage=0)["optimizer"].bytes == 8 * n
+    offloaded = terms(offload_optimizer=True)
+    assert offloaded["optimizer"].on_host and offloaded["master weights"].on_host and not offloaded["weights"].on_host
+    assert "optimizer" not in terms(optimizer="sgd")
+    full, ckpt = activation_bytes(shape, _workload()), activation_bytes(shape, _workload(gradient_checkpointing=True))
+    assert ckpt < full / 5
+
+
+def test_every_published_experiment_plans_as_fitting_on_its_published_hardware():
+    for name in EXPERIMENTS:
+        v = verdict([f"experiment={name}", "launcher.dry_run=true"])
+        assert v.plan is not None, name
+        if v.fits:
+            continue
+        # A worst-case plan above the published GPU must say so in the experiment (memory_check=warn + why).
+        cfg = compose_config([f"experiment={name}"])
+        assert cfg.launcher.memory_check == "warn" and "memory_plan" in cfg.reference.hardware, (name, v.refusal())
+
+
+def _write_70b(tmp_path):
+    directory = tmp_path / "llama70b"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(LLAMA_70B))
+    return str(directory)
+
+
+def test_a_70b_policy_at_zero2_on_one_80gb_gpu_is_refused_and_its_first_fixes_lead_to_a_fit(tmp_path):
+    overrides = ["model=hf", f"model.name_or_path={_write_70b(tmp_path)}", "model.context_len=8192", "algo=dapo",
+                 "placement=colocated", "placement.gpus_per_node=1", "placement.gpu_memory_gb=80", "trainer.zero_stage=2",
+                 "launcher.dry_run=true"]
+    v = verdict(overrides)
+    assert not v.fits and v.fixes
+    assert "DOES NOT FIT" in v.table() and "fixes, cheapest first" in v.refusal()
+    seen = []
+    for _ in range(12):  # apply the first suggestion, re-plan, until it fits
+        first = v.fixes[0].override
+        seen.append(first)
+        overrides += shlex.split(first)
+        overrides = list({o.split("=")[0]: o for o in overrides}.values())  # a later value of a key replaces it
+        v = verdict(overrides)
+        if v.fits:
+            break
+        assert v.fixes, f"refused after {seen} with nothing left to suggest:\n{v.refusal()}"
+    assert v.fits, seen
+
+
+def test_the_default_run_fits_and_qwen_05b_ppo_on_a_24gb_host_is_refused_with_a_fix_that_fits():
+    assert verdict([]).fits
+    v = verdict(["model=qwen2_5_0_5b"], host_gb=24.0)
+    assert not v.fits
+    assert any(fix.plan.fits for fix in v.fixes), v.refusal()
+    assert verdict(["model=qwen2_5_0_5b"], host_gb=64.0).fits
+
+
+def test_dry_run_prints_the_memory_table_and_a_plan_that_does_not_fit_exits_2(tmp_path, capsys):
+    code, _ = main(compose_config(["launcher.dry_run=true"]))
+    out = capsys.readouterr().out
+    assert code == 0 and "memory plan" in out and "headroom" in out and "tokens per micro-batch=" in out
+    big = ["model=hf", f"model.name_or_path={_write_70b(tmp_path)}", "model.context_len=8192", "placement=colocated",
+           "placement.gpus_per_node=1", "placement.gpu_memory_gb=80", "launcher.dry_run=true"]
+    code, _ = main(compose_config(big))
+    captured = capsys.readouterr()
+    assert code == 2 and "DOES NOT FIT" in captured.out and "fixes, cheapest first" in captured.out
+    code, _ = main(compose_config([*big, "launcher.memory_check=warn"]))
+    assert code == 0
+
+
+def test_a_run_whose_plan_does_not_fit_is_refused_before_ray_starts(tmp_path, capsys, monkeypatch):
+    import rlhf_orch.memory.check as check
+
+    monkeypatch.setattr(check, "host_memory", lambda: (int(4 * GiB), "4 GiB (test)"))
+    code, summary = main(compose_config([f"hydra.run.dir={tmp_path}"]))
+    err = capsys.readouterr().err
+    assert code == 2 and summary is None
+    assert "nothing was started" in err and "host needs" in err
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_offload_without_cuda_is_refused_and_gradient_checkpointing_keeps_the_gradients(tiny_model_path):
+    code, _ = main(compose_config(["trainer.offload_optimizer=true"]))
+    assert code == 2
+    from rlhf_orch.trainer.forward import enable_gradient_checkpointing, load_policy
+
+    ids = torch.tensor([[1, 5, 7, 9, 11, 13]])
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = load_policy(tiny_model_path, "float32", "cpu").train()
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+            assert model.is_gradient_checkpointing
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_a_sleeping_colocated_engine_gives_its_memory_back_while_the_trainers_train():
+    """On a shared GPU the need is the worst phase: with the engine asleep, training does not add
+    the engine's weights and KV cache to the trainers' activations."""
+    base = ["experiment=verl_gsm8k_ppo_qwen05b", "launcher.dry_run=true"]
+    awake, asleep = verdict([*base, "engine.sleep_level=0"]).plan, verdict([*base, "engine.sleep_level=1"]).plan
+    engine = next(p for p in asleep.processes if p.role == "engine")
+    kv = next(t.bytes for t in engine.terms if t.name == "kv cache")
+    assert asleep.worst().need < awake.worst().need
+    assert awake.worst().need - asleep.worst().need <= kv + next(t.bytes for t in engine.terms if t.name == "weights") + 1
+    assert any(t.on_host for t in engine.terms)  # level 1 parks the weights in host memory
