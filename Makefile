@@ -7,8 +7,10 @@ setup:
 run: setup
 	.venv/bin/python run.py $(ARGS)
 
+# Two workers: one runs every end-to-end test in order (xdist_group, tests/conftest.py), the other
+# the pure tests meanwhile (docs/testing.md).
 test: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # Pure tests only (no Ray, vLLM or DeepSpeed processes), two workers (107 s -> 81 s, docs/testing.md).
 test-fast: setup

@@ -26,6 +26,12 @@ def has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Under `pytest -n 2 --dist loadgroup` (`make test`) every end-to-end test goes to one worker, in
+    # file order as without xdist: two Ray + vLLM + DeepSpeed sessions at once on two cores slow
+    # each other down more than they overlap. The other worker runs the pure tests meanwhile.
+    for item in items:
+        if "integration" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("end_to_end"))
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
