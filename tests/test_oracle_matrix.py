@@ -45,7 +45,7 @@ from rlhf_orch.algo.oracle import Optimization, Rollout, reference_update
 from rlhf_orch.trainer.forward import load_critic, load_policy
 from rlhf_orch.trainer.metrics import trainer_metrics
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, TrainerSpec
-from rlhf_orch.transfer.batch import Sample
+from rlhf_orch.transfer.batch import LOSS_MASK, Sample
 from tests.conftest import compose_config
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,10 @@ MAX_RESPONSE_LEN = 10
 # (micro_batch_size, train_batch_size, packed token budget): one optimizer step per epoch in equal
 # micro-batches; then two steps per epoch over ragged micro-batches (packed: cut by tokens).
 CUTS = {"one_step": (4, 16, 0), "two_steps": (3, 8, 24)}
-LR = {"sgd": 0.1, "adamw": 1e-4}
+LR = {"sgd": 0.05, "adamw": 1e-4}
+
+
+HOLED = (2, 5, 11, 14)  # samples whose responses hold an observation (loss mask 0 in the middle)
 
 
 def _rollout() -> list[Sample]:
@@ -80,6 +83,14 @@ def _rollout() -> list[Sample]:
         )
     for s in samples[4:8]:  # a group of equal scores: no signal
         s.reward = 0.5
+    # Multi-turn trajectories (env): tokens of a tool's or user's reply inside a response are
+    # context, not actions -- a loss mask with holes, folded into the trainer's action mask.
+    for s in samples:
+        n = len(s.response_ids)
+        mask = [1.0] * n
+        if s.index in HOLED and n >= 4:
+            mask[1 : n - 2] = [0.0] * (n - 3)
+        s.fields[LOSS_MASK] = mask
     return samples
 
 
@@ -213,6 +224,7 @@ def _oracle(model_path, algo, optimizer, policy_steps, critic_steps):
         group_ids=[s.index // SAMPLES_PER_PROMPT for s in SAMPLES],
         ref_logprobs=[list(s.fields["ref"]) for s in SAMPLES],
         engine_logprobs=[list(s.engine_logprobs) for s in SAMPLES],
+        loss_masks=[[int(m) for m in s.fields[LOSS_MASK]] for s in SAMPLES],
     )
     opt = Optimization(actor_lr=LR[optimizer], critic_lr=LR[optimizer] * 4, optimizer=optimizer, grad_clip=1.0, norm_len=MAX_RESPONSE_LEN)
     policy = copy.deepcopy(_initial_model(model_path, "policy")).train()

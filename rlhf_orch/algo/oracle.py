@@ -352,6 +352,13 @@ def reference_update(
         values = response_values(critic, rollout.prompts, rollout.responses) if critic is not None else None
     adv, returns = advantages(algo, rollout, old, values, max_response_len)
     metrics: dict[str, float] = {"advantages/abs_max": max((float(a.abs().max()) for a in adv if a.numel()), default=0.0)}
+    # The behaviour policy's log-probs against the recomputed ones (train/inference mismatch).
+    diffs = [
+        (old[i] - torch.tensor(rollout.engine_logprobs[i]))[torch.tensor(masks[i], dtype=torch.bool)].abs()
+        for i in range(n)
+        if rollout.engine_logprobs is not None and any(masks[i])
+    ]
+    metrics["rollout/logprob_diff_max"] = float(torch.cat(diffs).max()) if diffs else 0.0
     if algo.kl_placement != "off" and algo.kl_coef > 0:  # a KL term: the run has a reference
         metrics["kl"] = _token_mean([old[i] - torch.tensor(rollout.ref_logprobs[i]) for i in range(n)], masks)
 

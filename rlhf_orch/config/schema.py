@@ -322,6 +322,64 @@ class ModelRewardConfig(RewardConfig):
     scores_after_handover: ClassVar[bool] = True  # known only once its ranks hold the sequences
 
 
+# --------------------------------------------------------------------------- env
+@dataclass
+class EnvConfig:
+    """What a rollout is (`rlhf_orch.env`): one response, or a multi-turn trajectory."""
+
+    _target_: str = MISSING
+
+
+@dataclass
+class SingleTurnEnvConfig(EnvConfig):
+    _target_: str = "rlhf_orch.env.single_turn.SingleTurn"
+
+
+@dataclass
+class MultiTurnEnvConfig(EnvConfig):
+    """A trajectory: the policy writes, the environment answers, until done or a limit. The whole
+    trajectory lives within data.response_max_len tokens."""
+
+    max_turns: int = 4  # model turns per trajectory
+    max_tokens_per_turn: Optional[int] = None  # null = the whole data.response_max_len
+    max_observation_tokens: int = 256  # longer observations are cut (counted: env/observations_truncated)
+    tool_timeout_s: float = 10.0  # one env.step (a tool call) longer than this ends the trajectory, counted
+    concurrency: int = 16  # trajectories in flight per engine
+    reward: str = "last"  # "last": the last step's reward; "sum": every step's
+    reward_weight: float = 0.0  # + this x the reward group's score of the transcript (0: the environment's alone)
+    observation_format: str = "chat_template"  # or "plain" (models whose template renders no tool/user turns)
+
+
+@dataclass
+class CustomEnvConfig(MultiTurnEnvConfig):
+    """A user's class with skyrl-gym's BaseTextEnv contract: env.path=<file.py> env.name=<class>."""
+
+    _target_: str = "rlhf_orch.env.custom.CustomEnv"
+    path: str = MISSING
+    name: str = MISSING
+    env_config: dict[str, Any] = field(default_factory=dict)  # passed to the class as env_config
+
+
+@dataclass
+class SkyRLEnvConfig(MultiTurnEnvConfig):
+    """A skyrl-gym environment from the installed package: env.env_class=<registered id>."""
+
+    _target_: str = "rlhf_orch.env.skyrl.SkyRLEnv"
+    env_class: str = ""  # "" = each row's env_class column
+    env_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PythonToolEnvConfig(MultiTurnEnvConfig):
+    """The project's tool-calling environment: a sandboxed Python tool (rlhf_orch.env.python_tool)."""
+
+    _target_: str = "rlhf_orch.env.python_tool.PythonToolEnv"
+    tool_format: str = "hermes"  # "hermes": <tool_call>{json}</tool_call>; "tags": <python>code</python>
+    tool_memory_mb: int = 512
+    tool_cpu_s: int = 5
+    tool_max_output_bytes: int = 2000
+
+
 # --------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
@@ -622,6 +680,7 @@ class RootConfig:
     sync: SyncConfig = MISSING
     data: DataConfig = MISSING
     reward: RewardConfig = MISSING
+    env: EnvConfig = MISSING
     model: ModelConfig = MISSING
     algo: AlgoConfig = MISSING
     logger: LoggerConfig = MISSING
@@ -667,6 +726,7 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "custom": CustomRewardConfig,
         "model": ModelRewardConfig,
     },
+    "env": {"single_turn": SingleTurnEnvConfig, "custom": CustomEnvConfig, "skyrl": SkyRLEnvConfig, "python_tool": PythonToolEnvConfig},
     "model": {"tiny": TinyModelConfig, "hf": HFModelConfig},
     "algo": {"ppo": PPOConfig, "grpo": GRPOConfig, "rloo": RLOOConfig, "reinforce_pp": ReinforcePPConfig, "dapo": DAPOConfig},
     "logger": {"console": ConsoleLoggerConfig, "wandb": WandbLoggerConfig},

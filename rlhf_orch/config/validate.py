@@ -37,6 +37,7 @@ from rlhf_orch.config.schema import (
     LocalLauncherConfig,
     MathVerifyRuleConfig,
     ModelRewardConfig,
+    MultiTurnEnvConfig,
     PackedTransferConfig,
     RootConfig,
     SplitPlacementConfig,
@@ -320,6 +321,35 @@ def _pipeline(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
             )
         ]
     return []
+
+
+def _env(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    """Multi-turn rollouts: a turn fits the trajectory's budget, the engines score what they
+    generate (the environments live there), and the reward is one the engines can finish."""
+    env = cfg.env
+    if not isinstance(env, MultiTurnEnvConfig):
+        return []
+    problems = []
+    budget = cfg.data.response_max_len
+    if is_int(env.max_tokens_per_turn) and env.max_tokens_per_turn > budget:
+        problems.append(Problem(
+            "env.max_tokens_per_turn", env.max_tokens_per_turn,
+            f"a turn must fit the whole trajectory's budget data.response_max_len={budget}; "
+            f"set env.max_tokens_per_turn <= {budget} or raise data.response_max_len",
+        ))
+    if not getattr(get_class(cfg.transfer._target_), "scores_on_engines", True):
+        problems.append(Problem(
+            "transfer", cfg.transfer._target_.rsplit(".", 1)[-1],
+            "the padded baseline scores rollouts on the driver, and a trajectory's reward comes from its environment, "
+            "which lives on the engine that played it; use transfer=packed or transfer=micro_batched",
+        ))
+    if isinstance(cfg.reward, ModelRewardConfig):
+        problems.append(Problem(
+            "reward", "model",
+            "a reward model scores after the hand-over and would replace the environments' rewards the engines "
+            "attached; with env, score the transcript with a rule or reward=custom (env.reward_weight) instead",
+        ))
+    return problems
 
 
 def _evaluation(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
@@ -639,6 +669,7 @@ CHECKS: tuple[Callable[[RootConfig, PlacementPlan, Hardware], list[Problem]], ..
     _model_source,
     _transfer,
     _pipeline,
+    _env,
     _evaluation,
     _placement,
     _data,

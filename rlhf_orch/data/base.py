@@ -19,6 +19,11 @@ class Prompt:
     source: str = "default"  # data_source; metrics are split by it
     extra: Optional[Mapping[str, Any]] = None  # extra_info (veRL layout), handed to custom rewards
     prompt_ids: Optional[tuple[int, ...]] = None
+    # The chat messages `text` was rendered from (rows in chat layout); multi-turn environments
+    # start from them (`rlhf_orch.env`).
+    messages: Optional[tuple[Mapping[str, Any], ...]] = None
+    # The row's environment fields (SkyRL's layout: env_class, reward_spec, ...), for `env=skyrl`.
+    env_fields: Optional[Mapping[str, Any]] = None
 
 
 class DataError(ValueError):

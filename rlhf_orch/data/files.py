@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 OVERLONG_POLICIES = ("error", "filter")
 DEFAULT_LABEL_KEY = "reward_model.ground_truth"
 _TOKENIZE_CHUNK = 1024
+# Columns of SkyRL's dataset layout a multi-turn environment reads per row (`env=skyrl`).
+ENV_COLUMNS = ("env_class", "reward_spec")
 
 
 _MISSING = object()
@@ -84,12 +86,21 @@ class _Split:
         self.labels: list[Any] = []
         self.sources: list[str] = []
         self.extras: list[Optional[dict]] = []
+        # Multi-turn environments start from a row's chat messages and read its env fields
+        # (SkyRL's layout); None for rows without them.
+        self.messages: list[Optional[tuple]] = []
+        self.env_fields: list[Optional[dict]] = []
         self._ids_chunks: list[np.ndarray] = []
         self._lengths: list[int] = []
         self.ids = np.zeros(0, dtype=np.int32)
         self.offsets = np.zeros(1, dtype=np.int64)
 
-    def add(self, text: str, label: Any, source: str, extra: Optional[dict], ids: Sequence[int]) -> None:
+    def add(
+        self, text: str, label: Any, source: str, extra: Optional[dict], ids: Sequence[int],
+        messages: Optional[tuple] = None, env_fields: Optional[dict] = None,
+    ) -> None:
+        self.messages.append(messages)
+        self.env_fields.append(env_fields)
         self.texts.append(text)
         self.labels.append(label)
         self.sources.append(source)
@@ -114,6 +125,8 @@ class _Split:
             source=self.sources[i],
             extra=self.extras[i],
             prompt_ids=tuple(int(t) for t in ids),
+            messages=self.messages[i],
+            env_fields=self.env_fields[i],
         )
 
 
@@ -294,7 +307,7 @@ class PromptDataset(PromptSource):
                     f"{src.key}: {src.spec} has 0 rows; point {src.key.split('[', 1)[0]} at a file with prompts"
                 )
             built = self._build_rows(rows, src, tokenizer)
-            for row_index, (text, label, source, extra, ids) in enumerate(built):
+            for row_index, (text, label, source, extra, ids, messages, env_fields) in enumerate(built):
                 total += 1
                 if len(ids) > self.prompt_max_len:
                     if self.overlong == "error":
@@ -306,7 +319,7 @@ class PromptDataset(PromptSource):
                     self.filtered_overlong[split] += 1
                     shortest_overlong = len(ids) if shortest_overlong is None else min(shortest_overlong, len(ids))
                     continue
-                out.add(text, label, source, extra, ids)
+                out.add(text, label, source, extra, ids, messages, env_fields)
         if total and not len(out):
             which = "training" if split == "train" else "held-out"
             raise DataError(
@@ -344,10 +357,12 @@ class PromptDataset(PromptSource):
         texts: list[str] = []
         meta: list[tuple] = []
         for i, row in enumerate(rows):
-            texts.append(self._render(row, i, src, tokenizer))
-            meta.append((self._label(row, label_mode), self._source(row), self._extra(row)))
+            text, messages = self._render(row, i, src, tokenizer)
+            texts.append(text)
+            env_fields = {k: row[k] for k in ENV_COLUMNS if row.get(k) is not None} or None
+            meta.append((self._label(row, label_mode), self._source(row), self._extra(row), messages, env_fields))
         ids = self._tokenize(texts, tokenizer)
-        return [(t, m[0], m[1], m[2], x) for t, m, x in zip(texts, meta, ids)]
+        return [(t, m[0], m[1], m[2], x, m[3], m[4]) for t, m, x in zip(texts, meta, ids)]
 
     def _label_mode(self, columns: set[str], rows: list[dict], src: ResolvedFile, have: str) -> str:
         if self.label_columns is not None:
@@ -405,8 +420,9 @@ class PromptDataset(PromptSource):
             return None
         return dict(value) if isinstance(value, Mapping) else {self.extra_key: value}
 
-    def _render(self, row: Mapping[str, Any], i: int, src: ResolvedFile, tokenizer: Any) -> str:
-        """The final text the policy is conditioned on (templated)."""
+    def _render(self, row: Mapping[str, Any], i: int, src: ResolvedFile, tokenizer: Any) -> tuple[str, Optional[tuple]]:
+        """The final text the policy is conditioned on (templated), and the chat messages it was
+        rendered from (None for a plain prompt rendered without the chat template)."""
         messages: Optional[list[dict]] = None
         plain: Optional[str] = None
         if self.prompt_key is not None:
@@ -435,7 +451,8 @@ class PromptDataset(PromptSource):
             else:
                 has_system = False
                 body = plain or ""
-            return f"{self.system_prompt}\n{body}" if self.system_prompt and not has_system else body
+            text = f"{self.system_prompt}\n{body}" if self.system_prompt and not has_system else body
+            return text, (tuple(messages) if messages is not None else None)
 
         if messages is None:
             messages = [{"role": "user", "content": plain or ""}]
@@ -455,7 +472,7 @@ class PromptDataset(PromptSource):
                 f"data.chat_template: apply_chat_template(tokenize=False) returned {type(text).__name__}, not "
                 f"text; set data.chat_template=false or use a tokenizer with a text chat template"
             )
-        return text
+        return text, tuple(messages)
 
     @staticmethod
     def _last_user(messages: list[dict]) -> int:

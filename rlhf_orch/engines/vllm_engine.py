@@ -172,7 +172,14 @@ class VLLMEngine(RolloutProducer):
 
     # ------------------------------------------------------------------ generation (RolloutProducer)
     def _complete(self, requests, job: RolloutJob):
-        """Continuous batching over all `requests`; yields each request's completions as it finishes."""
+        """Continuous batching over all `requests`; yields each request's completions as it finishes
+        (multi-turn trajectories when the job has an environment: `rlhf_orch.engines.turns`)."""
+        if job.env is not None:
+            from rlhf_orch.engines.turns import complete_trajectories
+
+            self._weights_present()
+            yield from complete_trajectories(self.llm, requests, job, getattr(self, "_step_seed", self.spec.seed))
+            return
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -207,7 +214,9 @@ class VLLMEngine(RolloutProducer):
             raise RuntimeError(f"vLLM finished without answering {len(by_id)} request(s)")
 
     def reseed(self, seed: int) -> None:
-        """Sampling from here on draws from `seed` (every worker of a tensor-parallel engine)."""
+        """Sampling from here on draws from `seed` (every worker of a tensor-parallel engine);
+        multi-turn turns derive their own per-request seeds from it."""
+        self._step_seed = seed
         self.llm.collective_rpc("rlhf_reseed", args=(seed,))
 
     def _decode(self, token_ids):

@@ -51,7 +51,10 @@ def eval_metrics(prompts: Sequence[Prompt], scores: Sequence[float], k: int, pas
 
 
 class Evaluator:
-    def __init__(self, settings: EvalSettings, prompts: list[Prompt], reward: RewardSetup, get: Callable[..., list[Any]]):
+    def __init__(
+        self, settings: EvalSettings, prompts: list[Prompt], reward: RewardSetup, get: Callable[..., list[Any]], env: Any = None
+    ):
+        self.env = env  # multi-turn rollouts: held-out prompts are played as trajectories too
         self.settings = settings
         self.prompts = prompts
         self.reward = reward
@@ -86,6 +89,7 @@ class Evaluator:
                 max_tokens=s.max_tokens,
                 temperature=s.temperature,
                 scorer=self.reward.rule,
+                env=self.env,
             )
 
         requests = [whole_prompt_requests(c, s.samples_per_prompt) for _, c in used]

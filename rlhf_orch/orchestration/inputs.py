@@ -16,6 +16,8 @@ from omegaconf import DictConfig
 
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.data.base import DataError, Prompt, PromptSource
+from rlhf_orch.env.base import EnvError, EnvGroup
+from rlhf_orch.env.observations import ObservationRenderer
 from rlhf_orch.models.hub import ModelSourceError
 from rlhf_orch.reward.base import RewardError
 from rlhf_orch.reward.model import RewardModelError
@@ -36,12 +38,13 @@ class RunInputs:
     reward_model_path: str | None
     eval_prompts: list[Prompt]
     notes: list[str] = field(default_factory=list)  # lines worth printing at start (filtered rows, ...)
+    env: EnvGroup | None = None  # the `env` option (multi-turn rollouts when env.multi_turn)
 
 
 def prepare_inputs(cfg: DictConfig, typed: RootConfig) -> RunInputs:
     try:
         return _prepare(cfg, typed)
-    except (DataError, ModelSourceError, RewardModelError, RewardError) as e:
+    except (DataError, ModelSourceError, RewardModelError, RewardError, EnvError) as e:
         raise InputError(str(e)) from None
 
 
@@ -58,8 +61,15 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
     task.bind(tokenizer)
     notes = [f"data: {line}" for line in task.describe()]
 
+    env: EnvGroup = instantiate(cfg.env)
+    # With an environment the reward group counts only at env.reward_weight != 0.
+    uses_reward_group = not env.multi_turn or bool(getattr(env, "reward_weight", 0.0))
+    if env.multi_turn:
+        check_env(env, task, tokenizer)
+        notes += env.describe()
+
     reward = build_reward(cfg.reward)
-    if reward.rule is not None:
+    if reward.rule is not None and uses_reward_group:
         reward.rule.fn.check()
         missing = task.missing_labels()
         if reward.needs_label and missing:
@@ -71,7 +81,8 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
     if reward.model is not None:
         reward_model_path = reward.model.resolve(model)
         reward.model.check(reward_model_path, tokenizer)
-    notes.append(f"reward: {reward.describe()}")
+    if uses_reward_group:
+        notes.append(f"reward: {reward.describe()}")
 
     evaluating = bool(typed.eval.every_n_steps or typed.eval.before_train)
     eval_prompts = task.eval_prompts(typed.eval.num_prompts) if evaluating else []
@@ -80,4 +91,22 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
             "eval.every_n_steps/eval.before_train are set but the data has no held-out prompts; "
             "set data.val_files=[...] or turn evaluation off (eval.every_n_steps=0 eval.before_train=false)"
         )
-    return RunInputs(model, model_path, tokenizer, task, reward, reward_model_path, eval_prompts, notes)
+    return RunInputs(model, model_path, tokenizer, task, reward, reward_model_path, eval_prompts, notes, env)
+
+
+def check_env(env: EnvGroup, task: PromptSource, tokenizer: Any) -> None:
+    """Before Ray: the observation format works with this tokenizer, and the environment builds
+    and starts for the first training prompt (a user's class loads, a skyrl-gym id exists)."""
+    ObservationRenderer(tokenizer, env.observation_format)([{"role": "user", "content": "0"}])
+    probe = task.eval_prompts(1) or []
+    state = task.state_dict()
+    probe = probe or task.sample_prompts(1)
+    task.load_state_dict(state)  # the probe draws nothing a run would see
+    try:
+        instance = env.make(probe[0])
+        instance.init([dict(m) for m in (probe[0].messages or [{"role": "user", "content": probe[0].text}])])
+        getattr(instance, "close", lambda: None)()
+    except EnvError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's class or the row, in one line
+        raise EnvError(f"env: building the environment for the first prompt failed: {type(e).__name__}: {e}") from e

@@ -89,6 +89,23 @@ def _brief(error: BaseException) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
+def env_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """A multi-turn rollout's env counters as per-trajectory means and counts (`env/...`)."""
+    n = max(stats.get("trajectories", 0.0), 1.0)
+    return {
+        "env/turns_mean": stats.get("turns", 0.0) / n,
+        "env/tool_calls_mean": stats.get("tool_calls", 0.0) / n,
+        "env/tool_errors": stats.get("tool_errors", 0.0),
+        "env/tool_timeouts": stats.get("tool_timeouts", 0.0),
+        "env/step_errors": stats.get("env_errors", 0.0),
+        "env/step_timeouts": stats.get("env_timeouts", 0.0),
+        "env/truncated": stats.get("truncated", 0.0),
+        "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
+        "env/observations_truncated": stats.get("observations_truncated", 0.0),
+        "time/env": stats.get("env_seconds", 0.0),
+    }
+
+
 def non_finite(metrics: dict[str, Any]) -> list[str]:
     """The guarded metrics of a step that are NaN or infinite ("key=value")."""
     return [f"{k}={metrics[k]}" for k in GUARDED_METRICS if k in metrics and not math.isfinite(metrics[k])]
@@ -106,8 +123,12 @@ class TrainLoop:
         settings: LoopSettings,
         reward: RewardSetup,
         pipeline: RolloutPipeline | None = None,
+        env: Any = None,
     ):
         self.actors = actors
+        # Multi-turn rollouts: the `env` option the engines drive trajectories with (None or a
+        # single-turn option: one response per sample).
+        self.env = env if getattr(env, "multi_turn", False) else None
         self.reward = reward
         self.task = task
         self.tokenizer = tokenizer
@@ -315,6 +336,7 @@ class TrainLoop:
             max_seq_len=s.max_seq_len or max(map(len, prompt_ids)) + s.response_max_len,
             decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
             group_filter=self._group_filter(),
+            env=self.env,
         )
 
     def _group_filter(self) -> GroupFilter | None:
@@ -412,6 +434,8 @@ class TrainLoop:
         if delivery.dropped_groups is not None:
             metrics["sampling/dropped_groups"] = delivery.dropped_groups
             metrics["sampling/rounds"] = delivery.rounds
+        if delivery.meta.env_stats:
+            metrics.update(env_metrics(delivery.meta.env_stats))
         if delivery.meta.model_rewards is not None:
             metrics["reward/model"] = sum(delivery.meta.model_rewards) / len(rewards)
         if delivery.meta.rule_rewards is not None:

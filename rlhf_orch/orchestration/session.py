@@ -177,6 +177,7 @@ def run_training(
     inputs: RunInputs = prepare_inputs(cfg, typed)
     resume = load_resume_point(typed, run_dir, config_dict, inputs.task)
     transfer, sync, pipeline = instantiate(cfg.transfer), instantiate(cfg.sync), instantiate(cfg.pipeline)
+    env = inputs.env
     sync.use_plan(plan)  # CUDA IPC: which policy rank feeds which engine worker
     record = RunRecord(run_dir, typed, config_dict, instantiate(cfg.logger), inputs.task, resume)
     for line in inputs.notes:
@@ -207,10 +208,10 @@ def run_training(
             try:
                 sync.prepare(actors.policy, actors.engines, plan.engine_tp)
                 loop = TrainLoop(actors, inputs.task, inputs.tokenizer, transfer, sync, instantiate(cfg.algo),
-                                 loop_settings(typed, plan, engines), inputs.reward, pipeline)
+                                 loop_settings(typed, plan, engines), inputs.reward, pipeline, env)
                 if resume:
                     resume_loop(loop, resume, actors, ck.timeout_s)
-                evaluator = Evaluator(eval_settings(typed), inputs.eval_prompts, inputs.reward, loop._get)
+                evaluator = Evaluator(eval_settings(typed), inputs.eval_prompts, inputs.reward, loop._get, loop.env)
                 startup_s = time.perf_counter() - t_start
 
                 if not resume and evaluator.should_run(0):

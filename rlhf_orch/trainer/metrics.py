@@ -52,6 +52,8 @@ def trainer_metrics(
     if "grad_norm" in policy_stats[0]:
         metrics["policy/grad_norm"] = _max(policy_stats, "grad_norm")
     metrics["advantages/abs_max"] = _max(exp_stats, "advantages_abs_max")
+    if "logprob_diff_max" in exp_stats[0]:
+        metrics["rollout/logprob_diff_max"] = _max(exp_stats, "logprob_diff_max")
     tokens = max(sum(r["response_tokens"] for r in exp_stats), 1.0)
     if uses_reference:
         metrics["kl"] = sum(r["kl_sum"] for r in exp_stats) / tokens

@@ -305,6 +305,14 @@ class PolicyWorker(_Worker):
             if t.returns is not None:
                 returns.append(in_layout["returns"].cpu())
         tokens = sum(float(r.action_mask.sum()) for r in rows)
+        # How far the engine's sampling log-probs are from the trainer's recomputation of the same
+        # tokens (train/inference mismatch; token in / token out keeps it at float noise).
+        diffs = [
+            (lp - mb.fields[ENGINE_LOGPROBS].to(lp.device)).abs()[mb.action_mask.bool()]
+            for mb, lp in zip(mbs, old)
+            if ENGINE_LOGPROBS in mb.fields
+        ]
+        diffs = [d for d in diffs if d.numel()]
         # The largest |advantage| (torch's max keeps a NaN, which the driver's guard then reports).
         row_max = [t.advantages[r.mask.bool()].abs().max() for r, t in zip(target_rows, targets) if r.mask.any()]
         adv_abs_max = float(torch.stack(row_max).max()) if row_max else 0.0
@@ -313,6 +321,7 @@ class PolicyWorker(_Worker):
             "advantages_abs_max": adv_abs_max,
             "kl_sum": sum(float(torch.where(r.mask.bool(), t.kl, 0).sum()) for r, t in zip(target_rows, targets)),
             "response_tokens": tokens,
+            "logprob_diff_max": float(torch.cat(diffs).max()) if diffs else 0.0,
             "values_sum": (
                 sum(float(torch.where(r.mask.bool(), r.values, 0).sum()) for r in target_rows) if vals is not None else 0.0
             ),

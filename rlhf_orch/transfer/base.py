@@ -27,7 +27,7 @@ import ray
 
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 from rlhf_orch.transfer.micro_batches import shard_for_ranks, split_by_count
-from rlhf_orch.transfer.engine_side import RolloutJob, RolloutMeta, Scorer
+from rlhf_orch.transfer.engine_side import RolloutJob, RolloutMeta, Scorer, sum_env_stats
 
 MicroBatch = PaddedBatch | PackedBatch
 
@@ -61,6 +61,7 @@ class RolloutRequest:
     max_seq_len: int  # prompt_max_len + response_max_len
     decode: Callable[[list[list[int]]], list[str]] | None = None  # driver-side decoding (baseline only)
     group_filter: GroupFilter | None = None  # dynamic sampling (packed transfer only)
+    env: Any = None  # multi-turn rollouts: the `env` option (None: one response per sample)
 
     def job(self, prompt_indices: Sequence[int], scorer: Scorer | None) -> RolloutJob:
         return RolloutJob(
@@ -70,6 +71,7 @@ class RolloutRequest:
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             scorer=scorer,
+            env=self.env,
         )
 
 
@@ -153,6 +155,7 @@ def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
         reward_timeouts=sum(m.reward_timeouts for m in parts),
         truncated=[row[4] for row in rows],
         weight_versions=[row[5] for row in rows],
+        env_stats=sum_env_stats([m.env_stats for m in parts]),
     )
 
 
@@ -186,6 +189,9 @@ class RolloutTransfer(abc.ABC):
     # Can a finished rollout wait for the trainers (generate/hand_over)? A streaming strategy
     # cannot: it hands micro-batches to the trainers while generating.
     holds_rollouts: bool = True
+    # The engines score what they generate (multi-turn environments live there); the padded
+    # baseline scores on the driver instead.
+    scores_on_engines: bool = True
 
     @abc.abstractmethod
     def layout(

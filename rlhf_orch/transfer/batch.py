@@ -33,6 +33,20 @@ import torch
 from torch import Tensor
 
 ENGINE_LOGPROBS = "engine_logprobs"  # field name under which Sample.engine_logprobs travel
+# Multi-turn trajectories (`env`): per response token, 1 for the model's tokens and 0 for an
+# observation's. It travels as a field like any other (every transfer strategy carries fields) and
+# the trainer folds it into `action_mask` on arrival (`apply_loss_mask`): observation tokens are
+# context, never trained on, skipped by GAE and every loss aggregation like holes.
+LOSS_MASK = "loss_mask"
+
+
+def apply_loss_mask(batch: "PaddedBatch | PackedBatch") -> "PaddedBatch | PackedBatch":
+    """The batch with observation tokens taken out of `action_mask` (a new tensor: a batch may be a
+    view of an object-store buffer, never written into); batches without the field are unchanged."""
+    mask = batch.fields.pop(LOSS_MASK, None)
+    if mask is not None:
+        batch.action_mask = batch.action_mask & (mask > 0.5)
+    return batch
 BatchT = TypeVar("BatchT", "PaddedBatch", "PackedBatch")
 
 

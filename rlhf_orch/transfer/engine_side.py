@@ -46,6 +46,9 @@ class Completion:
     logprobs: list[float] | torch.Tensor
     fields: dict[str, torch.Tensor] = field(default_factory=dict)  # further per-token fields (benchmark)
     truncated: bool = False  # stopped at max_tokens, not at EOS (overlong shaping reads it)
+    # Multi-turn trajectories (`env`): the environment's reward and this trajectory's env counters.
+    env_reward: float | None = None
+    env_stats: dict[str, float] | None = None
 
 
 @dataclass
@@ -64,6 +67,7 @@ class RolloutMeta:
     weight_versions: list[int] = field(default_factory=list)  # per sample: the engine weights that sampled it
     model_rewards: list[float] | None = None  # reward-model scores (before weighting), by index
     rule_rewards: list[float] | None = None  # the weighted rule term, when a reward model adds to it
+    env_stats: dict[str, float] | None = None  # multi-turn rollouts: env counters summed over the samples
 
 
 @dataclass
@@ -89,10 +93,28 @@ class RolloutJob:
     max_tokens: int
     temperature: float
     scorer: Scorer | None  # None: rewards are computed elsewhere (the padded baseline's driver)
+    # Multi-turn rollouts: the `env` option (rlhf_orch.env.multi_turn.MultiTurnEnv); None: one response.
+    env: Any = None
+
+
+def sum_env_stats(per_sample: Sequence[dict[str, float] | None]) -> dict[str, float] | None:
+    """Env counters of several samples (or metas) added up; None when none has any."""
+    present = [s for s in per_sample if s]
+    if not present:
+        return None
+    total: dict[str, float] = {}
+    for stats in present:
+        for k, v in stats.items():
+            total[k] = total.get(k, 0.0) + float(v)
+    return total
 
 
 def rollout_meta(
-    samples: Sequence[Sample], score_s: float = 0.0, generated_at: float = 0.0, scored: ScoredBatch | None = None
+    samples: Sequence[Sample],
+    score_s: float = 0.0,
+    generated_at: float = 0.0,
+    scored: ScoredBatch | None = None,
+    env_stats: dict[str, float] | None = None,
 ) -> RolloutMeta:
     return RolloutMeta(
         indices=[s.index for s in samples],
@@ -105,6 +127,7 @@ def rollout_meta(
         reward_timeouts=scored.timeouts if scored else 0,
         truncated=[s.truncated for s in samples],
         weight_versions=[int(s.weight_version) for s in samples],
+        env_stats=env_stats,
     )
 
 
@@ -144,7 +167,14 @@ class RolloutProducer(abc.ABC):
             for c in completions
         ]
         scored = None
-        if job.scorer is not None:
+        if job.env is not None:
+            scored = _env_scores(
+                [c.index for c in completions], [len(c.response_ids) for c in completions], [c.truncated for c in completions],
+                [c.env_reward for c in completions], lambda: self._decode([c.response_ids for c in completions]), job,
+            )
+            for sample, score in zip(samples, scored.scores):
+                sample.reward = float(score)
+        elif job.scorer is not None:
             scored = score_samples(samples, self._decode([c.response_ids for c in completions]), job)
         return samples, time.perf_counter() - t, scored
 
@@ -170,14 +200,15 @@ class RolloutProducer(abc.ABC):
             waiting[id(work)] -= 1
             if waiting[id(work)]:
                 continue
-            samples, score_s, scored = self._samples(sorted(done.pop(id(work)), key=lambda c: c.index), job)
+            finished = sorted(done.pop(id(work)), key=lambda c: c.index)
+            samples, score_s, scored = self._samples(finished, job)
             batch = batch_format(samples)
             yield MicroBatchTicket(
                 shard=work.shard,
                 slot=work.slot,
                 num_slots=work.num_slots,
                 batch=ray.put(batch),
-                meta=rollout_meta(samples, score_s, scored=scored),
+                meta=rollout_meta(samples, score_s, scored=scored, env_stats=sum_env_stats([c.env_stats for c in finished])),
                 nbytes=batch.nbytes,
                 wire_tokens=int(batch.input_ids.numel()),
             )
@@ -201,6 +232,8 @@ class RolloutProducer(abc.ABC):
         )
         rows: list[int] = []
         texts_of: list[Any] = []  # response ids, as the engine gave them (what `_decode` reads)
+        env_rewards: list[float | None] = []
+        env_stats: list[dict[str, float] | None] = []
         last_prompt: tuple[Any, Any] = (None, None)  # the samples of one prompt share its ids
         for done in self._complete(requests, job):
             for c in done:
@@ -213,6 +246,8 @@ class RolloutProducer(abc.ABC):
                     )
                 )
                 texts_of.append(c.response_ids)
+                env_rewards.append(c.env_reward)
+                env_stats.append(c.env_stats)
         t = time.perf_counter()
         info = held.scalars(rows)
         order = sorted(range(len(rows)), key=info["index"].__getitem__)
@@ -223,9 +258,14 @@ class RolloutProducer(abc.ABC):
         truncated = [info["truncated"][k] for k in order]
         scored = None
         rewards = [float("nan")] * len(rows)  # scored here, or elsewhere (the padded baseline's driver)
-        if job.scorer is not None:
-            texts = self._decode([texts_of[k] for k in order])
-            scored = _score(indices, response_lens, truncated, texts, job)
+        if job.env is not None:
+            scored = _env_scores(
+                indices, response_lens, truncated, [env_rewards[k] for k in order],
+                lambda: self._decode([texts_of[k] for k in order]), job,
+            )
+        elif job.scorer is not None:
+            scored = _score(indices, response_lens, truncated, self._decode([texts_of[k] for k in order]), job)
+        if scored is not None:
             rewards = [float(x) for x in scored.scores]
             held.set_scores(rows, rewards)
         score_s = time.perf_counter() - t
@@ -242,6 +282,7 @@ class RolloutProducer(abc.ABC):
             reward_timeouts=scored.timeouts if scored else 0,
             truncated=truncated,
             weight_versions=[self.weight_version] * len(rows),
+            env_stats=sum_env_stats(env_stats),
         )
 
     def held_samples(self) -> list[Sample]:
@@ -266,7 +307,7 @@ class RolloutProducer(abc.ABC):
         """Generate and score, keep nothing: lengths and rewards only (evaluation)."""
         completions = [c for done in self._complete(requests, job) for c in done]
         samples, score_s, scored = self._samples(sorted(completions, key=lambda c: c.index), job)
-        return rollout_meta(samples, score_s, time.time(), scored)
+        return rollout_meta(samples, score_s, time.time(), scored, sum_env_stats([c.env_stats for c in completions]))
 
     def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]]) -> Any:
         """One packed piece per rank (None where this engine holds nothing for it).
@@ -296,6 +337,24 @@ def _score(
 ) -> ScoredBatch:
     prompts = [job.prompts[i // job.samples_per_prompt] for i in indices]
     return job.scorer(prompts, [Response(t, n, tr) for t, n, tr in zip(texts, response_lens, truncated)])
+
+
+def _env_scores(
+    indices: Sequence[int],
+    response_lens: Sequence[int],
+    truncated: Sequence[bool],
+    env_rewards: Sequence[float | None],
+    texts: Callable[[], Sequence[str]],
+    job: RolloutJob,
+) -> ScoredBatch:
+    """A trajectory's reward: the environment's, plus env.reward_weight x the reward group's score
+    of the decoded transcript (scored only when that weight is not 0)."""
+    scores = [float(r) if r is not None else 0.0 for r in env_rewards]
+    weight = float(getattr(job.env, "reward_weight", 0.0))
+    if not weight or job.scorer is None:
+        return ScoredBatch(scores, 0, 0, 0.0, None)
+    rule = _score(indices, response_lens, truncated, texts(), job)
+    return ScoredBatch([e + weight * float(r) for e, r in zip(scores, rule.scores)], rule.errors, rule.timeouts, rule.seconds, rule.first_error)
 
 
 def _request_of(completions: list[Completion], job: RolloutJob) -> CompletionRequest:

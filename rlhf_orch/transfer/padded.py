@@ -19,6 +19,8 @@ from rlhf_orch.transfer.plan import prompt_chunks, whole_prompt_requests
 
 
 class PaddedTransfer(RolloutTransfer):
+    scores_on_engines = False  # the driver scores the gathered samples (the baseline's point)
+
     def layout(self, samples: Sequence[Sample], num_shards: int, micro_batch_size: int, pad_id: int) -> list[list[MicroBatch]]:
         global_max = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         return [

@@ -1,0 +1,94 @@
+"""Multi-turn rollouts on a vLLM engine: the engine side of `rlhf_orch.env.runner`.
+
+`VLLMTurns` is the runner's `TurnGenerator`: each turn is one request (n=1) continuing from the
+trajectory's token ids exactly (a `TokensPrompt`: nothing is re-tokenised), stepped by the same
+continuous-batching loop as single-turn rollouts, so a trajectory waiting on its environment never
+holds the others. Each turn has its own sampling seed derived from the step's seed, the sample
+and the turn: a trajectory draws the same tokens whatever order its turns reach the engine in
+(environments finish in any order), so a resumed or replaced engine repeats an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from rlhf_orch.env.observations import ObservationRenderer
+from rlhf_orch.env.runner import MultiTurnRunner, TurnOutput
+from rlhf_orch.transfer.batch import LOSS_MASK
+from rlhf_orch.transfer.engine_side import Completion, RolloutJob
+from rlhf_orch.transfer.plan import CompletionRequest
+
+
+def turn_seed(step_seed: int, index: int, turn: int) -> int:
+    return (step_seed * 1_000_003 + index * 7_919 + turn) % (2**31 - 1)
+
+
+class VLLMTurns:
+    def __init__(self, llm: Any, temperature: float, step_seed: int):
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.temperature = temperature
+        self.step_seed = step_seed
+        self.tokenizer = llm.get_tokenizer()
+        self._key_of: dict[str, int] = {}
+
+    def submit(self, key: int, context: list[int], max_tokens: int, turn: int) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=1, max_tokens=max_tokens, temperature=self.temperature, logprobs=0, detokenize=False,
+            seed=turn_seed(self.step_seed, key, turn),
+        )
+        (request_id,) = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(context))], [params], use_tqdm=False)
+        self._key_of[str(request_id).rsplit("-", 1)[0]] = key
+
+    def busy(self) -> bool:
+        return bool(self._key_of) and self.engine.has_unfinished_requests()
+
+    def poll(self) -> list[TurnOutput]:
+        done = []
+        for out in self.engine.step():
+            key = self._key_of.pop(str(out.request_id), None) if out.finished else None
+            if key is None:
+                continue
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
+            done.append(TurnOutput(key, ids, lps, comp.finish_reason == "length"))
+        return done
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+
+def complete_trajectories(llm: Any, requests: Sequence[CompletionRequest], job: RolloutJob, step_seed: int) -> Iterator[list[Completion]]:
+    """Every requested sample as a multi-turn trajectory; yields each request's completions (all of
+    its samples) once the last of them finishes, like the single-turn `_complete`."""
+    env = job.env
+    generator = VLLMTurns(llm, job.temperature, step_seed)
+    renderer = ObservationRenderer(generator.tokenizer, env.observation_format)
+
+    runner = MultiTurnRunner(
+        env.make, generator, renderer, env.limits(job.max_tokens), env.concurrency, env.step_timeout_s(), renderer.prompt,
+    )
+    owner = {i: r for r in requests for i in r.indices(job.samples_per_prompt)}
+    waiting = {r: r.count for r in requests}
+    done: dict[CompletionRequest, list[Completion]] = {r: [] for r in requests}
+    items = [(i, job.prompts[r.prompt_index], job.prompt_ids[r.prompt_index]) for r in requests for i in r.indices(job.samples_per_prompt)]
+    for t in runner.run(items):
+        request = owner[t.index]
+        done[request].append(
+            Completion(
+                t.index, t.prompt_ids, t.response_ids, t.logprobs,
+                fields={LOSS_MASK: torch.tensor(t.loss_mask, dtype=torch.float32)},
+                truncated=t.truncated or t.last_turn_hit_length,
+                env_reward=t.reward(env.reward),
+                env_stats=t.counts.as_dict(),
+            )
+        )
+        waiting[request] -= 1
+        if not waiting[request]:
+            yield sorted(done.pop(request), key=lambda c: c.index)

@@ -1,0 +1,1 @@
+"""Environments: what a rollout is (single turn, multi-turn with tools)."""

@@ -1,0 +1,90 @@
+"""The `env` group's contract: what a rollout is.
+
+An environment follows skyrl-gym's `BaseTextEnv` contract, so skyrl-gym environments run unchanged
+and a user's class needs no import of it:
+
+    env = <class>(env_config=..., extras=...)     # one per trajectory, from the data row
+    messages, metadata = env.init(prompt_messages)
+    out = env.step(action_text)   # {"observations": [chat messages], "reward": float, "done": bool,
+                                  #  "metadata": dict}
+    env.close()
+
+`EnvGroup` is what `env=<option>` instantiates: `multi_turn` says whether rollouts are trajectories
+(the engines then drive `rlhf_orch.env.runner`), `make(prompt)` builds one trajectory's environment.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+from rlhf_orch.data.base import Prompt
+
+Message = Mapping[str, Any]  # an OpenAI-format chat message: {"role": ..., "content": ...}
+
+
+class EnvError(ValueError):
+    """A bad environment option or file; one line naming the key and the fix (exit 2 before Ray)."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+class TextEnv(Protocol):
+    """skyrl-gym's `BaseTextEnv`, as this project calls it."""
+
+    def init(self, prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
+
+    def step(self, action: str) -> Mapping[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class StepResult:
+    """One `env.step`, checked: what the runner reads of skyrl-gym's step output."""
+
+    observations: list[dict[str, Any]]
+    reward: float
+    done: bool
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def of(raw: Any) -> "StepResult":
+        if not isinstance(raw, Mapping):
+            raise TypeError(f"env.step must return a mapping (skyrl-gym's BaseTextEnvStepOutput), got {type(raw).__name__}")
+        observations = list(raw.get("observations") or [])
+        for m in observations:
+            if not isinstance(m, Mapping) or "content" not in m:
+                raise TypeError(f"env.step observations must be chat messages with 'role' and 'content', got {m!r:.80}")
+        reward = float(raw.get("reward") or 0.0)
+        return StepResult([dict(m) for m in observations], reward, bool(raw.get("done")), dict(raw.get("metadata") or {}))
+
+
+def prompt_messages(prompt: Prompt) -> list[dict[str, Any]]:
+    """The chat messages a prompt was rendered from (rows in chat layout), else one user message."""
+    if prompt.messages:
+        return [dict(m) for m in prompt.messages]
+    return [{"role": "user", "content": prompt.text}]
+
+
+def row_extras(prompt: Prompt) -> dict[str, Any]:
+    """skyrl-gym's `extras` for one row: reward_spec (ground truth = the prompt's label),
+    extra_info, and the row's env fields."""
+    env_fields = dict(prompt.env_fields or {})
+    reward_spec = env_fields.pop("reward_spec", None) or {"method": "rule", "ground_truth": prompt.label}
+    return {**env_fields, "reward_spec": reward_spec, "extra_info": dict(prompt.extra or {})}
+
+
+class EnvGroup(abc.ABC):
+    """What `env=<option>` builds (picklable: shipped to every engine with each rollout job)."""
+
+    multi_turn: bool = False
+
+    def make(self, prompt: Prompt) -> TextEnv:
+        """This trajectory's environment (multi-turn options only)."""
+        raise NotImplementedError(f"{type(self).__name__} makes no environments (single-turn rollouts)")
+
+    def describe(self) -> list[str]:
+        return []

@@ -1,0 +1,112 @@
+"""One multi-turn trajectory, token in / token out (pure: no engine, no environment calls).
+
+The engine's token ids are kept exactly as generated; observation tokens are appended as the
+observation renderer gives them (`rlhf_orch.env.observations`), never re-tokenising what came
+before. Every response token carries a loss-mask bit (1: the model's, trained on; 0: an
+observation's, context only) and the engine's log-prob (0.0 on observation tokens).
+
+The whole trajectory (every turn and observation) lives within the response budget
+(`data.response_max_len`); each turn within `env.max_tokens_per_turn`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass
+class TrajectoryLimits:
+    max_turns: int
+    max_tokens_per_turn: int
+    max_response_tokens: int  # data.response_max_len: the whole trajectory after the prompt
+    max_observation_tokens: int
+
+
+@dataclass
+class EnvCounts:
+    """Counters of one trajectory (a rollout's are their sums; the loop divides by trajectories)."""
+
+    trajectories: int = 1
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    env_errors: int = 0  # env.step raised (the trajectory ended there)
+    env_timeouts: int = 0  # env.step ran past env.tool_timeout_s (the trajectory ended there)
+    truncated: int = 0
+    observation_tokens: int = 0
+    observations_truncated: int = 0  # observations cut to env.max_observation_tokens
+    env_seconds: float = 0.0  # time inside env.init / env.step
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: float(getattr(self, name)) for name in self.__dataclass_fields__}
+
+
+@dataclass
+class Trajectory:
+    """Sample `index` of the rollout: its prompt and everything after it."""
+
+    index: int
+    prompt_ids: list[int]
+    limits: TrajectoryLimits
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    counts: EnvCounts = field(default_factory=EnvCounts)
+    truncated: bool = False  # stopped by a token budget or max_turns, not by the environment
+    done: bool = False
+    last_turn_hit_length: bool = False
+
+    def context(self) -> list[int]:
+        """What the engine continues from: the prompt and every token since."""
+        return self.prompt_ids + self.response_ids
+
+    def next_turn_budget(self) -> int:
+        """Tokens the next model turn may generate (0: no room left)."""
+        return max(0, min(self.limits.max_tokens_per_turn, self.limits.max_response_tokens - len(self.response_ids)))
+
+    def add_turn(self, token_ids: Sequence[int], logprobs: Sequence[float], hit_length: bool) -> None:
+        """The model's turn, exactly as the engine generated it."""
+        if len(token_ids) != len(logprobs):
+            raise ValueError(f"turn of sample {self.index}: {len(token_ids)} tokens but {len(logprobs)} log-probs")
+        self.response_ids.extend(int(t) for t in token_ids)
+        self.logprobs.extend(float(x) for x in logprobs)
+        self.loss_mask.extend([1] * len(token_ids))
+        self.counts.turns += 1
+        self.last_turn_hit_length = hit_length
+
+    def add_observation(self, token_ids: Sequence[int]) -> bool:
+        """Append an observation's tokens (cut to env.max_observation_tokens). False, and the
+        trajectory ends truncated, when the observation and one more model token do not fit."""
+        ids = [int(t) for t in token_ids]
+        if len(ids) > self.limits.max_observation_tokens:
+            ids = ids[: self.limits.max_observation_tokens]
+            self.counts.observations_truncated += 1
+        if len(self.response_ids) + len(ids) + 1 > self.limits.max_response_tokens:
+            self.finish(truncated=True)
+            return False
+        self.response_ids.extend(ids)
+        self.logprobs.extend([0.0] * len(ids))
+        self.loss_mask.extend([0] * len(ids))
+        self.counts.observation_tokens += len(ids)
+        return True
+
+    def finish(self, truncated: bool = False) -> None:
+        self.done = True
+        self.truncated = self.truncated or truncated
+        self.counts.truncated = int(self.truncated)
+
+    def wants_another_turn(self) -> bool:
+        """After an environment step that was not `done`: is there a turn and room left?"""
+        if self.counts.turns >= self.limits.max_turns or self.next_turn_budget() == 0:
+            self.finish(truncated=True)
+            return False
+        return True
+
+    def reward(self, how: str) -> float:
+        """env.reward: the last step's reward, or the sum over steps."""
+        if not self.turn_rewards:
+            return 0.0
+        return self.turn_rewards[-1] if how == "last" else float(sum(self.turn_rewards))

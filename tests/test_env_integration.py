@@ -1,0 +1,187 @@
+"""Multi-turn rollouts on a real vLLM engine and in whole runs (tiny model, CPU).
+
+The environment is a user's file, written here as a user writes one (`env=custom`): two tries at
+the digit task, the prompt shown again after the first answer. On a real engine: every token the
+model generated is kept as generated (the trainer's log-probs of them equal the engine's), the
+observation's tokens are masked context, and decoding then re-encoding would have changed the ids
+(so keeping them matters). In whole runs: the env metrics, evaluation, and exact resume under
+one_step_off with the held multi-turn rollout carried in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from hydra.utils import instantiate
+
+from rlhf_orch.app import check
+from rlhf_orch.data.digit_task import score_response
+from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
+from rlhf_orch.env.custom import CustomEnv
+from rlhf_orch.orchestration.session import run_training
+from rlhf_orch.transfer.batch import LOSS_MASK
+from rlhf_orch.transfer.engine_side import RolloutJob
+from rlhf_orch.transfer.plan import whole_prompt_requests
+from tests.conftest import SHARED_RAY, compose_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
+
+TOLERANCE = 1e-4  # nats, float32 on both sides (as the weight-sync tests)
+ENGINE_ENV = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
+
+DIGIT_RETRY = '''
+from rlhf_orch.data.digit_task import score_response
+
+
+class DigitRetry:
+    """Two tries at the digit task: after the first answer the prompt is shown again."""
+
+    def __init__(self, env_config=None, extras=None):
+        self.answer = extras["reward_spec"]["ground_truth"]
+        self.turns = 0
+
+    def init(self, prompt):
+        self.prompt = prompt[-1]["content"]
+        return prompt, {}
+
+    def step(self, action):
+        self.turns += 1
+        done = self.turns >= 2
+        observations = [] if done else [{"role": "user", "content": " " + self.prompt}]
+        return {"observations": observations, "reward": score_response(self.answer, action), "done": done, "metadata": {}}
+'''
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("env") / "digit_retry.py"
+    path.write_text(DIGIT_RETRY)
+    return str(path)
+
+
+def _env_overrides(env_file: str) -> list[str]:
+    return ["env=custom", f"env.path={env_file}", "env.name=DigitRetry", "env.observation_format=plain", "env.max_turns=2",
+            "env.max_tokens_per_turn=12", "data.response_max_len=40"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    spec = EngineSpec(model_path=tiny_model_path, dtype="float32", max_model_len=128)
+    actor = ray.remote(VLLMEngine).options(num_cpus=1, runtime_env=ENGINE_ENV).remote(spec, 0)
+    ray.get(actor.ping.remote())
+    yield actor
+    ray.kill(actor)
+
+
+def _digit_prompts(tokenizer, n: int):
+    task = instantiate(compose_config([]).data)
+    task.bind(tokenizer)
+    return task.sample_prompts(n)
+
+
+def test_trajectories_keep_the_engines_tokens_and_mask_observations(engine, env_file, tiny_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32).eval()
+    prompts = _digit_prompts(tokenizer, 4)
+    env = CustomEnv(path=env_file, name="DigitRetry", max_turns=2, max_tokens_per_turn=10, observation_format="plain")
+    job = RolloutJob(
+        prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)}, prompts=dict(enumerate(prompts)),
+        samples_per_prompt=2, max_tokens=32, temperature=1.0, scorer=None, env=env,
+    )
+    requests = whole_prompt_requests(range(4), 2)
+    ray.get(engine.reseed.remote(123))
+    samples, _ = ray.get(engine.produce_samples.remote(requests, job))
+    assert len(samples) == 8
+    re_encoding_changes_ids = 0
+    for s in samples:
+        prompt = prompts[s.index // 2]
+        ids = s.response_ids.tolist()
+        mask = s.fields[LOSS_MASK].tolist()
+        observation = tokenizer(" " + prompt.text, add_special_tokens=False)["input_ids"]
+        # turn 1 (model), the observation (context), turn 2 (model)
+        start = mask.index(0.0)
+        end = start + len(observation)
+        assert ids[start:end] == observation and set(mask[start:end]) == {0.0}
+        assert start >= 1 and end < len(ids) and set(mask[:start]) == set(mask[end:]) == {1.0}
+        assert s.engine_logprobs[start:end].abs().sum() == 0  # no log-prob for what the model did not write
+        # the trainer's view of the same ids: log-probs of the model's tokens equal the engine's
+        full = torch.cat([s.prompt_ids, s.response_ids]).long()
+        with torch.no_grad():
+            logits = model(full[None]).logits[0, len(s.prompt_ids) - 1 : -1]
+        trainer = torch.log_softmax(logits, -1).gather(-1, s.response_ids[:, None].long())[:, 0]
+        model_tokens = torch.tensor(mask, dtype=torch.bool)
+        assert torch.allclose(trainer[model_tokens], s.engine_logprobs[model_tokens], atol=TOLERANCE)
+        # the environment's reward: the digit score of the second try
+        assert s.reward == pytest.approx(score_response(prompt.label, tokenizer.decode(ids[end:], skip_special_tokens=True)))
+        # what re-tokenising the transcript would have trained on instead
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        re_encoding_changes_ids += tokenizer(text, add_special_tokens=False)["input_ids"] != ids
+    assert re_encoding_changes_ids >= 1
+    # Per-turn seeds: the same step seed draws the same trajectories, whatever order turns finish in.
+    ray.get(engine.reseed.remote(123))
+    again, _ = ray.get(engine.produce_samples.remote(requests, job))
+    assert [a.response_ids.tolist() for a in again] == [s.response_ids.tolist() for s in samples]
+
+
+def _run(overrides: list[str], run_dir: Path) -> list[dict]:
+    cfg = compose_config([*overrides, *SHARED_RAY])
+    launcher = instantiate(cfg.launcher)
+    typed, plan = check(cfg, launcher)
+    summary = run_training(cfg, typed, plan, launcher, run_dir)
+    assert summary["status"] == "completed"
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _skyrl_parquet(verl_parquet: str, out: Path) -> str:
+    """The digit task's veRL parquet rewritten in SkyRL's layout, as docs/environments.md shows."""
+    import pandas as pd
+
+    rows = pd.read_parquet(verl_parquet)
+    rows["env_class"] = "gsm8k_multi_turn"
+    rows["reward_spec"] = [{"method": "rule", "ground_truth": rm["ground_truth"]} for rm in rows["reward_model"]]
+    rows["extra_info"] = [{"max_turns": 2} for _ in range(len(rows))]
+    rows.drop(columns=["reward_model"]).to_parquet(out)
+    return str(out)
+
+
+def test_a_skyrl_gym_environment_trains_from_a_skyrl_parquet_and_evaluates(tmp_path, digit_files):
+    """skyrl-gym's gsm8k_multi_turn, unchanged, on rows in SkyRL's parquet layout: every trajectory
+    plays both turns (the tiny model never writes '####', so the environment asks again), the
+    observation is skyrl's own follow-up, evaluation plays held-out rows the same way."""
+    train = _skyrl_parquet(digit_files["verl"]["train"], tmp_path / "train.parquet")
+    val = _skyrl_parquet(digit_files["verl"]["test"], tmp_path / "val.parquet")
+    rows = _run(["env=skyrl", "env.observation_format=plain", "env.max_turns=2", "env.max_tokens_per_turn=12",
+                 "env.max_observation_tokens=24", "data=files", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                 "data.label_key=reward_spec.ground_truth", "data.response_max_len=48", "data.prompt_max_len=32",
+                 "experiment=quick", "algo.num_steps=2", "eval.every_n_steps=2", "eval.num_prompts=8",
+                 "checkpoint.export_final=false"], tmp_path / "run")
+    train_rows = [r for r in rows if r["step"] > 0]
+    for r in train_rows:
+        assert r["env/turns_mean"] == 2.0 and r["env/step_errors"] == 0
+        assert r["env/observation_tokens_mean"] > 0 and r["reward/mean"] == 0.0
+        assert r["rollout/logprob_diff_max"] < 1e-3  # on-policy: the trainer recomputes what the engine sampled
+    assert any(k.startswith("eval/") for k in train_rows[-1])
+
+
+def test_one_step_off_multi_turn_resume_is_exact(tmp_path, env_file):
+    """The step-1 checkpoint carries step 2's held multi-turn rollout (loss masks and env counters
+    included); the resumed run's metrics equal the uninterrupted run's."""
+    overrides = [*_env_overrides(env_file), "experiment=quick", "algo.num_steps=3", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3",
+                 "checkpoint.export_final=false", "pipeline=one_step_off", "algo.tis_cap=2"]
+    whole = tmp_path / "whole"
+    rows = _run(overrides, whole)
+    assert all(r["env/turns_mean"] == 2.0 for r in rows)
+    cut = tmp_path / "cut"
+    shutil.copytree(whole / "checkpoints" / "step_00000001", cut / "checkpoints" / "step_00000001")
+    (cut / "metrics.jsonl").write_text((whole / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    resumed = _run([*overrides, f"resume={cut}"], cut)
+    timing = ("time/", "perf/", "share/", "sync/gb_per_s", "transfer/metadata")
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(timing)} for r in rs]  # noqa: E731
+    assert strip(resumed) == strip(rows)

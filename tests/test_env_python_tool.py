@@ -1,0 +1,75 @@
+"""`env=python_tool`: tool calls parsed in both formats, run in the sandbox, answered as tool
+messages with counts; a turn without a call is the scored final answer."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from rlhf_orch.data.base import Prompt
+from rlhf_orch.env.base import EnvError
+from rlhf_orch.env.python_tool import MAX_CALLS_PER_TURN, PythonToolEnv, final_answer, parse_tool_calls
+
+
+def _call(code: str) -> str:
+    return f'<tool_call>{json.dumps({"name": "python", "arguments": {"code": code}})}</tool_call>'
+
+
+def test_hermes_calls_are_parsed_and_bad_ones_explained():
+    text = _call("print(1)") + " and " + '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"x=2\\"}"}</tool_call>'
+    assert parse_tool_calls(text, "hermes") == [("print(1)", None), ("x=2", None)]
+    assert parse_tool_calls("<tool_call>{not json}</tool_call>", "hermes")[0][1].startswith("tool call is not JSON")
+    assert "unknown tool" in parse_tool_calls('<tool_call>{"name": "bash", "arguments": {}}</tool_call>', "hermes")[0][1]
+    assert "needs arguments" in parse_tool_calls('<tool_call>{"name": "python", "arguments": {}}</tool_call>', "hermes")[0][1]
+    assert parse_tool_calls("no call here", "hermes") == []
+
+
+def test_tag_calls_and_final_answers():
+    assert parse_tool_calls("<python>\nprint(2)\n</python>", "tags") == [("print(2)", None)]
+    assert final_answer("so #### 42 ") == "42" and final_answer("<answer> 7 </answer> done") == "7" and final_answer(" 5\n") == "5"
+
+
+def _env(**kw) -> PythonToolEnv:
+    return PythonToolEnv(**{"tool_timeout_s": 2.0, **kw})
+
+
+def test_a_call_runs_in_the_sandbox_and_comes_back_as_a_tool_message():
+    env = _env().make(Prompt(text="q", label="42"))
+    out = env.step("Let me compute. " + _call("print(6 * 7)"))
+    assert out["done"] is False and out["reward"] == 0.0
+    assert out["observations"] == [{"role": "tool", "content": "42\n"}]
+    assert out["metadata"] == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0}
+    final = env.step("The answer is #### 42")
+    assert final["done"] is True and final["reward"] == 1.0
+    assert env.step("#### 41")["reward"] == 0.0
+
+
+def test_tags_format_wraps_the_output_for_models_without_a_tool_role():
+    env = _env(tool_format="tags").make(Prompt(text="q", label="1"))
+    assert env.step("<python>print('hi')</python>")["observations"] == [{"role": "tool", "content": "<output>hi\n</output>"}]
+
+
+def test_hostile_and_broken_calls_give_error_observations_and_counts():
+    env = _env(tool_timeout_s=1.0).make(Prompt(text="q", label="1"))
+    t0 = time.monotonic()
+    out = env.step(_call("while True: pass") + _call("raise ValueError('no')") + "<tool_call>{oops}</tool_call>")
+    assert time.monotonic() - t0 < 10
+    assert out["metadata"] == {"tool_calls": 3, "tool_errors": 3, "tool_timeouts": 1}
+    texts = [o["content"] for o in out["observations"]]
+    assert "timed out" in texts[0] and "ValueError: no" in texts[1] and texts[2].startswith("error: tool call is not JSON")
+
+
+def test_calls_beyond_the_per_turn_limit_are_not_run():
+    env = _env().make(Prompt(text="q", label="1"))
+    out = env.step("".join(_call(f"print({k})") for k in range(MAX_CALLS_PER_TURN + 1)))
+    assert out["metadata"]["tool_errors"] == 1
+    assert "not run" in out["observations"][-1]["content"]
+
+
+def test_bad_tool_settings_are_refused_before_ray():
+    with pytest.raises(EnvError, match="tool_format"):
+        _env(tool_format="xml")
+    with pytest.raises(EnvError, match="memory_mb"):
+        _env(tool_memory_mb=1)

@@ -1,0 +1,185 @@
+"""Multi-turn trajectories without an engine: token in / token out, loss masks, limits, counters,
+trajectories that progress independently (a scripted generator stands in for vLLM)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rlhf_orch.data.base import Prompt
+from rlhf_orch.env.runner import EnvRuntimeError, MultiTurnRunner, TurnOutput
+from rlhf_orch.env.trajectory import Trajectory, TrajectoryLimits
+
+
+class ScriptedGenerator:
+    """Turn t of trajectory k is [k, t, 7] (logprobs -0.5 each), unless `script` says otherwise;
+    finishes one queued turn per poll, in submission order."""
+
+    def __init__(self, script=None):
+        self.queue: list[tuple[int, list[int], int, int]] = []
+        self.submitted: list[tuple[int, int]] = []
+        self.contexts: dict[tuple[int, int], list[int]] = {}
+        self.script = script or {}
+
+    def submit(self, key, context, max_tokens, turn):
+        self.queue.append((key, list(context), max_tokens, turn))
+        self.submitted.append((key, turn))
+        self.contexts[(key, turn)] = list(context)
+
+    def busy(self):
+        return bool(self.queue)
+
+    def poll(self):
+        key, _, max_tokens, turn = self.queue.pop(0)
+        ids = self.script.get((key, turn), [key, turn, 7])
+        return [TurnOutput(key, ids[:max_tokens], [-0.5] * len(ids[:max_tokens]), len(ids) > max_tokens)]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+class CountdownEnv:
+    """Answers every turn with the observation [obs] for `turns` turns, reward = turn number."""
+
+    def __init__(self, turns=3, obs="x", delay=0.0, fail_at=None):
+        self.turns, self.obs, self.delay, self.fail_at = turns, obs, delay, fail_at
+        self.seen: list[str] = []
+        self.closed = False
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action):
+        self.seen.append(action)
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_at == len(self.seen):
+            raise ValueError("the model's action broke me")
+        done = len(self.seen) >= self.turns
+        obs = [] if done else [{"role": "tool", "content": self.obs}]
+        return {"observations": obs, "reward": float(len(self.seen)), "done": done, "metadata": {"tool_calls": 1}}
+
+    def close(self):
+        self.closed = True
+
+
+def render(messages):
+    return [900 + len(str(m["content"])) for m in messages]  # one token per message
+
+
+def limits(turns=4, per_turn=8, total=64, obs=16):
+    return TrajectoryLimits(turns, per_turn, total, obs)
+
+
+def run(envs, generator=None, lim=None, concurrency=8, timeout=5.0, prompts=None):
+    generator = generator or ScriptedGenerator()
+    made = iter(envs)
+    runner = MultiTurnRunner(lambda p: next(made), generator, render, lim or limits(), concurrency, timeout)
+    items = prompts or [(i, Prompt(text=f"p{i}"), [50, 51]) for i in range(len(envs))]
+    return list(runner.run(items)), generator
+
+
+def test_tokens_are_kept_as_generated_and_observations_are_masked_context():
+    env = CountdownEnv(turns=3)
+    (t,), gen = run([env])
+    # turn 0, observation, turn 1, observation, turn 2 (done: no observation after the last turn)
+    assert t.response_ids == [0, 0, 7, 901, 0, 1, 7, 901, 0, 2, 7]
+    assert t.loss_mask == [1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1]
+    assert t.logprobs == [-0.5] * 3 + [0.0] + [-0.5] * 3 + [0.0] + [-0.5] * 3
+    # each turn continues from exactly the ids so far: nothing re-tokenised
+    assert gen.contexts[(0, 1)] == [50, 51, 0, 0, 7, 901]
+    assert env.seen == ["0 0 7", "0 1 7", "0 2 7"] and env.closed
+    assert t.reward("last") == 3.0 and t.reward("sum") == 6.0
+    assert t.counts.turns == 3 and t.counts.tool_calls == 3  # summed from each step's metadata
+    assert not t.truncated
+
+
+def test_runner_sums_tool_counters_from_step_metadata():
+    (t,), _ = run([CountdownEnv(turns=2)])
+    assert t.counts.tool_calls == 2 and t.counts.observation_tokens == 1
+
+
+def test_max_turns_ends_a_trajectory_truncated_without_a_trailing_observation():
+    (t,), _ = run([CountdownEnv(turns=10)], lim=limits(turns=2))
+    assert t.counts.turns == 2 and t.truncated and t.loss_mask[-1] == 1
+
+
+def test_the_whole_trajectory_stays_within_the_response_budget():
+    (t,), gen = run([CountdownEnv(turns=10)], lim=limits(turns=10, per_turn=8, total=9))
+    assert len(t.response_ids) <= 9 and t.truncated
+    assert all(m <= 8 for _, _, m, _ in gen.queue)
+
+
+def test_long_observations_are_cut_and_counted():
+    class Long(CountdownEnv):
+        def step(self, action):
+            out = super().step(action)
+            out["observations"] = [{"role": "tool", "content": "a"}] * 5 if not out["done"] else []
+            return out
+
+    (t,), _ = run([Long(turns=2)], lim=limits(obs=3))
+    assert t.loss_mask.count(0) == 3 and t.counts.observations_truncated == 1
+
+
+def test_a_slow_environment_does_not_hold_the_other_trajectories():
+    slow, fast = CountdownEnv(turns=2, delay=0.6), CountdownEnv(turns=3)
+    done_order = []
+    generator = ScriptedGenerator()
+    made = iter([slow, fast])
+    runner = MultiTurnRunner(lambda p: next(made), generator, render, limits(), 8, 5.0)
+    t0 = time.monotonic()
+    for t in runner.run([(0, Prompt(text="a"), [1]), (1, Prompt(text="b"), [1])]):
+        done_order.append((t.index, time.monotonic() - t0))
+    # the fast trajectory played all three turns while the slow one's first step was running
+    assert done_order[0][0] == 1 and done_order[0][1] < 0.6
+    assert [i for i, _ in done_order] == [1, 0]
+
+
+def test_concurrency_bounds_trajectories_in_flight():
+    live, peak = set(), [0]
+    lock = threading.Lock()
+
+    class Tracked(CountdownEnv):
+        def init(self, prompt):
+            with lock:
+                live.add(id(self))
+                peak[0] = max(peak[0], len(live))
+            return prompt, {}
+
+        def close(self):
+            live.discard(id(self))
+
+    out, _ = run([Tracked(turns=2) for _ in range(6)], concurrency=2)
+    assert len(out) == 6 and peak[0] == 2
+
+
+def test_a_raising_step_ends_its_trajectory_and_is_counted():
+    out, _ = run([CountdownEnv(turns=3, fail_at=2), CountdownEnv(turns=2)])
+    broken = next(t for t in out if t.index == 0)
+    assert broken.counts.env_errors == 1 and broken.truncated and broken.turn_rewards == [1.0, 0.0]
+    assert next(t for t in out if t.index == 1).counts.env_errors == 0
+
+
+def test_a_hanging_step_times_out_and_the_rollout_finishes():
+    t0 = time.monotonic()
+    out, _ = run([CountdownEnv(turns=2, delay=30.0), CountdownEnv(turns=2)], timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    hung = next(t for t in out if t.index == 0)
+    assert hung.counts.env_timeouts == 1 and hung.truncated
+
+
+def test_an_environment_that_cannot_start_names_the_sample():
+    class Broken(CountdownEnv):
+        def init(self, prompt):
+            raise KeyError("reward_spec")
+
+    with pytest.raises(EnvRuntimeError, match="sample 0 could not start: KeyError"):
+        run([Broken()])
+
+
+def test_trajectory_refuses_mismatched_logprobs():
+    t = Trajectory(0, [1], limits())
+    with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
+        t.add_turn([1, 2], [0.0], False)

@@ -1,0 +1,246 @@
+"""The sandbox for model-written Python: each hostile program is stopped, with and without the audit hook.
+
+`audit_hook=False` leaves only the OS boundaries; those tests skip where the OS lacks the boundary
+(`sandbox_support()`), so that a machine without it is not harmed by a test that would then escape.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rlhf_orch.env.sandbox import SandboxLimits, ToolResult, run_python, sandbox_support
+
+REPO = Path(__file__).resolve().parents[1]
+HOOK_ON_AND_OFF = pytest.mark.parametrize("audit_hook", [True, False], ids=["audit_hook", "os_only"])
+
+
+def _needs(audit_hook: bool, boundary: str) -> None:
+    """Without the hook, skip where the OS boundary the test relies on is missing here."""
+    if not audit_hook and not getattr(sandbox_support(), boundary):
+        pytest.skip(f"{boundary} is not available on this machine")
+
+
+def _marker() -> str:
+    return f"rlhf_orch_sandbox_test_{uuid.uuid4().hex}"
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker.encode() in cmdline:
+                found.append(int(name))
+    return found
+
+
+def test_normal_code_prints_its_output():
+    result = run_python("print('hello', 6 * 7)\nimport sys; print('to stderr', file=sys.stderr)")
+    assert result.output == "hello 42\nto stderr\n"
+    assert (result.exit_code, result.error, result.timed_out, result.truncated) == (0, False, False, False)
+    assert result.observation() == "hello 42\nto stderr\n"
+
+
+def test_an_exception_gives_its_traceback_and_an_error():
+    result = run_python("print('before')\ndef f():\n    raise ValueError('bad value')\nf()\n")
+    assert result.error and result.exit_code == 1
+    assert result.output.startswith("before\nTraceback (most recent call last):\n")
+    assert 'File "main.py", line 4, in <module>' in result.output
+    assert result.output.endswith("ValueError: bad value\n")
+    assert "sandbox_child.py" not in result.output and "sandbox.py" not in result.output  # the bootstrap's frames are hidden
+    assert result.observation() == result.output + "[exit code 1]"
+
+
+def test_a_syntax_error_is_reported_like_python_does():
+    result = run_python("def (:\n")
+    assert result.error and result.exit_code == 1
+    assert 'File "main.py", line 1' in result.output and "SyntaxError" in result.output
+
+
+def test_an_infinite_loop_times_out_and_keeps_what_it_printed():
+    started = time.monotonic()
+    result = run_python("print('started')\nwhile True:\n    pass\n", SandboxLimits(timeout_s=1.0))
+    assert time.monotonic() - started < 2.0
+    assert result.timed_out and result.error and result.exit_code is None
+    assert result.observation() == "started\n[timed out after 1s]"
+
+
+def test_sleeping_past_the_timeout_is_stopped_by_the_wall_clock():
+    started = time.monotonic()
+    result = run_python("import time\ntime.sleep(100)\n", SandboxLimits(timeout_s=0.5))
+    assert result.timed_out and time.monotonic() - started < 1.5
+
+
+def test_cpu_time_is_limited():
+    result = run_python("while True:\n    pass\n", SandboxLimits(timeout_s=3.0, cpu_s=1))
+    assert not result.timed_out and result.error
+    assert result.observation() == "[killed by signal SIGXCPU: CPU time limit]"
+
+
+@pytest.mark.parametrize("code", ["x = bytearray(10**10)\n", "x = []\nwhile True:\n    x.append(bytearray(10**6))\n"],
+                         ids=["one_huge_allocation", "growing_list"])
+def test_a_memory_bomb_fails_inside_the_sandbox(code):
+    result = run_python(code, SandboxLimits(memory_mb=256, timeout_s=4.0))
+    assert result.error and not result.timed_out
+    assert "MemoryError" in result.output
+    assert run_python("print('still fine')").output == "still fine\n"  # the parent is unharmed
+
+
+@HOOK_ON_AND_OFF
+def test_a_fork_bomb_gets_at_most_max_processes(audit_hook):
+    _needs(audit_hook, "separate_uid")
+    marker = _marker()
+    # Bounded, and every child execs a sleeper carrying the marker: harmless if the sandbox failed.
+    code = textwrap.dedent(f"""
+        import os, sys
+        for _ in range(200):
+            if os.fork() == 0:
+                os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(30)", "{marker}"])
+            print("forked", flush=True)
+    """)
+    limits = SandboxLimits(max_processes=1)
+    result = run_python(code, limits, audit_hook=audit_hook)
+    assert result.error and not result.timed_out
+    assert result.output.count("forked") <= limits.max_processes
+    refusal = "PermissionError: sandbox: no other processes (os.fork)" if audit_hook else "BlockingIOError"
+    assert refusal in result.output
+    assert _processes_with(marker) == []
+
+
+@pytest.mark.parametrize("new_session", [False, True], ids=["same_group", "setsid"])
+def test_no_grandchild_survives_the_run(new_session):
+    support = sandbox_support()
+    if new_session and not support.separate_uid:
+        pytest.skip("a grandchild that leaves the process group is only found by its uid")
+    marker = _marker()
+    code = textwrap.dedent(f"""
+        import subprocess, sys
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "{marker}"],
+                         start_new_session={new_session})
+        print("spawned")
+    """)
+    started = time.monotonic()
+    result = run_python(code, SandboxLimits(timeout_s=5.0), audit_hook=False)
+    assert result.output == "spawned\n" and not result.error
+    assert time.monotonic() - started < 3.0  # done when the program is, not when the grandchild is
+    assert _processes_with(marker) == []
+
+
+def test_the_audit_hook_refuses_starting_a_process():
+    result = run_python("import subprocess\nsubprocess.run(['true'])\n")
+    assert result.error and "PermissionError: sandbox: no other processes (subprocess.Popen)" in result.output
+
+
+@HOOK_ON_AND_OFF
+@pytest.mark.parametrize("where", ["absolute", "relative", "symlink"])
+def test_writing_outside_the_working_directory_is_refused(audit_hook, where):
+    _needs(audit_hook, "private_filesystem")
+    name = f"rlhf_orch_sandbox_escape_{uuid.uuid4().hex}"
+    target = {"absolute": f"/tmp/{name}", "relative": f"../{name}", "symlink": f"link/{name}"}[where]
+    code = (f"import os\nos.symlink('/tmp', 'link')\nopen('inside.txt', 'w').write('ok')\nprint('inside ok')\n"
+            f"open({target!r}, 'w').write('escaped')\n")
+    result = run_python(code, audit_hook=audit_hook)
+    assert result.output.startswith("inside ok\n")  # the working directory itself is writable
+    assert result.error
+    refusal = "PermissionError: sandbox: writing is allowed only in the working directory" if audit_hook else "Read-only file system"
+    assert refusal in result.output
+    assert not os.path.exists(f"/tmp/{name}")
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), name))
+
+
+@HOOK_ON_AND_OFF
+def test_a_socket_cannot_reach_a_local_server(audit_hook):
+    _needs(audit_hook, "network_namespace")
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        port = server.getsockname()[1]
+        code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')\n"
+        result = run_python(code, audit_hook=audit_hook)
+        assert result.error and "connected" not in result.output
+        refusal = "PermissionError: sandbox: no network (socket." if audit_hook else "Network is unreachable"
+        assert refusal in result.output
+        server.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            server.accept()  # nothing ever connected
+
+
+def test_printing_100_mb_is_cut_and_stopped_quickly():
+    limits = SandboxLimits(max_output_bytes=10_000)
+    started = time.monotonic()
+    result = run_python("import sys\nfor _ in range(1000):\n    sys.stdout.write('x' * 100_000)\n", limits)
+    assert time.monotonic() - started < 3.0
+    assert result.truncated and result.error and not result.timed_out
+    marker_line = next(line for line in result.output.splitlines() if line.startswith("[output truncated: "))
+    assert len(result.output.encode()) <= limits.max_output_bytes + len(marker_line) + 2
+    assert result.observation().endswith("[stopped: too much output]")
+
+
+def test_cut_output_keeps_the_head_and_the_tail_on_character_boundaries():
+    code = "print('é' * 5000)\nraise SystemExit('the end')\n"
+    result = run_python(code, SandboxLimits(max_output_bytes=101))
+    assert result.truncated and "\ufffd" not in result.output
+    assert result.output.startswith("é" * 25 + "\n[output truncated: ")
+    assert result.output.endswith("the end\n")
+    assert result.observation().endswith("[exit code 1]")
+
+
+def test_the_parents_secrets_are_not_visible(monkeypatch):
+    monkeypatch.setenv("RLHF_SECRET_TOKEN", "hunter2")
+    code = f"import os\nprint(sorted(os.environ))\nprint(open('/proc/{os.getpid()}/environ', 'rb').read())\n"
+    result = run_python(code)
+    assert "RLHF_SECRET_TOKEN" not in result.output and "hunter2" not in result.output
+    support = sandbox_support()
+    if support.separate_uid or support.private_filesystem:
+        assert result.error  # not even through /proc
+
+
+def test_the_cli_prints_exactly_the_observation():
+    code = "print('from the cli')\nraise RuntimeError('and an error')\n"
+    cli = subprocess.run([sys.executable, "-m", "rlhf_orch.env.tools", "python", "--timeout-s", "4"],
+                         input=code.encode(), capture_output=True, cwd=REPO, timeout=60)
+    assert cli.returncode == 0, cli.stderr.decode()
+    assert cli.stdout.decode() == run_python(code, SandboxLimits(timeout_s=4)).observation()
+    assert cli.stdout.decode().endswith("RuntimeError: and an error\n[exit code 1]")
+
+
+@pytest.mark.parametrize("flags", [["--memory-mb", "1"], ["--timeout-s", "soon"], ["--nonsense"]])
+def test_the_cli_refuses_bad_flags_with_exit_code_2(flags):
+    cli = subprocess.run([sys.executable, "-m", "rlhf_orch.env.tools", "python", *flags],
+                         input=b"print(1)", capture_output=True, cwd=REPO, timeout=60)
+    assert cli.returncode == 2 and cli.stdout == b""
+
+
+@pytest.mark.parametrize("field, value", [
+    ("timeout_s", 0), ("timeout_s", float("inf")), ("cpu_s", 0), ("memory_mb", 8), ("max_processes", -1),
+    ("max_processes", 5000), ("max_output_bytes", 0), ("max_file_bytes", -1), ("cpu_s", 2.5), ("memory_mb", True),
+])
+def test_bad_limits_raise_a_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SandboxLimits\.{field}={value!r}: must be"):
+        SandboxLimits(**{field: value})
+
+
+def test_the_observation_ends_with_one_plain_status_line():
+    def result(**kwargs) -> ToolResult:
+        fields = dict(output="out\n", exit_code=0, timed_out=False, truncated=False, error=False, seconds=0.1, timeout_s=5.0)
+        return ToolResult(**{**fields, **kwargs})
+
+    assert result().observation() == "out\n"
+    assert result(output="out", exit_code=3, error=True).observation() == "out\n[exit code 3]"
+    assert result(exit_code=None, timed_out=True, error=True).observation() == "out\n[timed out after 5s]"
+    assert result(exit_code=-9, error=True).observation() == "out\n[killed by signal SIGKILL: memory or CPU limit]"
+    assert result(output="", exit_code=-11, error=True).observation() == "[killed by signal SIGSEGV]"
