@@ -109,7 +109,10 @@ def plan_line(typed: RootConfig, plan: PlacementPlan) -> str:
         choices = dict(HydraConfig.get().runtime.choices)
     except ValueError:  # not under @hydra.main
         choices = {}
-    picked = " ".join(f"{g}={choices[g]}" for g in ("algo", "placement", "pipeline", "transfer", "sync", "model", "data", "reward") if choices.get(g))
+    groups = ["algo", "placement", "pipeline", "transfer", "sync", "model", "data", "reward"]
+    if getattr(typed.env, "max_turns", None) is not None:  # multi-turn rollouts: say which environment
+        groups.append("env")
+    picked = " ".join(f"{g}={choices[g]}" for g in groups if choices.get(g))
     ranks = " ".join(f"{role}={plan.num_ranks(role)}" for role in plan.roles)
     a = typed.algo
     return (f"plan: {picked} | {ranks} engine_tp={plan.engine_tp} GPUs={plan.total_gpus} | "

@@ -185,3 +185,62 @@ def test_one_step_off_multi_turn_resume_is_exact(tmp_path, env_file):
     timing = ("time/", "perf/", "share/", "sync/gb_per_s", "transfer/metadata")
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(timing)} for r in rs]  # noqa: E731
     assert strip(resumed) == strip(rows)
+
+
+def test_tool_use_learns_to_call_the_lookup_tool(tmp_path):
+    """`experiment=tool_use`: the tiny tool model starts calling the lookup tool about half the
+    time and copying its answer unsurely (reward ~0.3); PPO takes it to calling it nearly always
+    and copying it (recorded: first fifth 0.31, last fifth 0.81 over the 20 steps). The bar: the
+    last fifth of the steps at least 0.3 above the first fifth, with tool calls in every step."""
+    rows = _run(["experiment=tool_use", "checkpoint.export_final=false"], tmp_path)
+    rewards = [r["reward/mean"] for r in rows]
+    fifth = max(len(rewards) // 5, 1)
+    first, last = sum(rewards[:fifth]) / fifth, sum(rewards[-fifth:]) / fifth
+    assert last >= first + 0.3, (first, last, rewards)
+    assert all(r["env/tool_calls_mean"] > 0 for r in rows)
+    assert rows[-1]["env/tool_calls_mean"] > rows[0]["env/tool_calls_mean"]
+
+
+KILLING_ENV = DIGIT_RETRY + '''
+
+import os
+
+
+class DigitRetryThatKillsItsEngine(DigitRetry):
+    """Once the test arms it, the first step to see the marker kills its engine's process."""
+
+    def step(self, action):
+        marker = {marker!r}
+        if os.path.exists(marker):
+            try:
+                os.rename(marker, marker + ".taken")  # exactly one engine dies
+            except FileNotFoundError:
+                pass
+            else:
+                os._exit(1)
+        return super().step(action)
+'''
+
+
+def test_an_engine_dying_inside_an_environment_step_is_replaced(tmp_path):
+    """An environment step takes its engine's process down mid-trajectory (a tool crashing it):
+    the engine is replaced, its trajectories are played again from the start, and the step trains
+    on every sample exactly once."""
+    marker = tmp_path / "kill"
+    path = tmp_path / "killing_env.py"
+    path.write_text(KILLING_ENV.replace("{marker!r}", repr(str(marker))))
+    cfg_overrides = [*_env_overrides(str(path)), "env.name=DigitRetryThatKillsItsEngine", "experiment=quick", "algo.num_steps=3",
+                     "placement.engines=2", "checkpoint.export_final=false"]
+    cfg = compose_config([*cfg_overrides, *SHARED_RAY])
+    launcher = instantiate(cfg.launcher)
+    typed, plan = check(cfg, launcher)
+
+    def arm(step: int, loop) -> None:
+        if step == 1:
+            marker.write_text("")  # step 2's rollout loses an engine inside an env.step
+
+    run_training(cfg, typed, plan, launcher, tmp_path / "run", callbacks=[arm])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["fault/engine_restarts"] for r in rows] == [0, 1, 1]
+    assert Path(str(marker) + ".taken").exists()
+    assert all(r["rollout/samples"] == 8 * 2 and r["env/turns_mean"] == 2.0 for r in rows)

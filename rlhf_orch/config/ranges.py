@@ -258,6 +258,8 @@ RANGES: tuple[Range, ...] = (
     reals("engine.gpu_memory_utilization", 0, 1, lo_open=True, why="the fraction of each GPU's memory vLLM may take",
           nullable=True),
     ints("engine.sleep_level", 0, "vLLM's sleep levels: 0 off, 1 weights to CPU, 2 weights dropped", hi=2, nullable=True),
+    choice("model.warm_start", ("digit_reverse", "lookup_tool"),
+           "'digit_reverse' (the digit task) or 'lookup_tool' (the tool-use task, experiment=tool_use)"),
     # ---- env (multi-turn options; single_turn has none of these keys)
     ints("env.max_turns", 1, "model turns per trajectory"),
     ints("env.max_tokens_per_turn", 1, "tokens one model turn may generate; null = data.response_max_len", nullable=True),

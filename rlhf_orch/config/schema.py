@@ -214,6 +214,19 @@ class DigitTaskConfig(DataConfig):
 
 
 @dataclass
+class LookupTaskConfig(DigitTaskConfig):
+    """The embedded tool-use task: the answer is a record's value only the lookup tool returns
+    (rlhf_orch.data.lookup_task; with env=lookup and model=tiny_tool)."""
+
+    _target_: str = "rlhf_orch.data.lookup_task.LookupTask"
+    # One length: the copy is then a fixed offset back, which a 2-layer model learns in a short
+    # warm start (with 3-4 digits it stayed at chance after 300 steps).
+    min_digits: int = 3
+    max_digits: int = 3
+    response_max_len: int = 24  # call + EOS, the tool's answer, the value + EOS
+
+
+@dataclass
 class FilesDataConfig(DataConfig):
     """Prompts from local files (.jsonl, .json, .parquet) or hub datasets (`hf:<name>[:<config>]@<split>`).
 
@@ -370,6 +383,15 @@ class SkyRLEnvConfig(MultiTurnEnvConfig):
 
 
 @dataclass
+class LookupEnvConfig(MultiTurnEnvConfig):
+    """The embedded tool-use task's lookup tool (data=lookup, model=tiny_tool)."""
+
+    _target_: str = "rlhf_orch.env.lookup.LookupEnv"
+    max_turns: int = 3
+    observation_format: str = "plain"
+
+
+@dataclass
 class PythonToolEnvConfig(MultiTurnEnvConfig):
     """The project's tool-calling environment: a sandboxed Python tool (rlhf_orch.env.python_tool)."""
 
@@ -399,6 +421,8 @@ class TinyModelConfig(ModelConfig):
     intermediate_size: int = 256
     vocab_size: int = 64
     warmup_steps: int = 150  # short supervised warm start so PPO starts from partial skill
+    # What it is warm-started on: the digit task, or the lookup tool task (model=tiny_tool).
+    warm_start: str = "digit_reverse"
     cache_dir: str = "${oc.env:RLHF_ORCH_CACHE,${oc.env:HOME}/.cache/rlhf_orch}"
 
 
@@ -717,7 +741,7 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "object_store": ObjectStoreSyncConfig,
         "cuda_ipc": CudaIpcSyncConfig,
     },
-    "data": {"digit_task": DigitTaskConfig, "files": FilesDataConfig},
+    "data": {"digit_task": DigitTaskConfig, "lookup_task": LookupTaskConfig, "files": FilesDataConfig},
     "reward": {
         "digit_rule": DigitRuleConfig,
         "gsm8k": GSM8KRuleConfig,
@@ -726,7 +750,8 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "custom": CustomRewardConfig,
         "model": ModelRewardConfig,
     },
-    "env": {"single_turn": SingleTurnEnvConfig, "custom": CustomEnvConfig, "skyrl": SkyRLEnvConfig, "python_tool": PythonToolEnvConfig},
+    "env": {"single_turn": SingleTurnEnvConfig, "custom": CustomEnvConfig, "skyrl": SkyRLEnvConfig, "python_tool": PythonToolEnvConfig,
+            "lookup": LookupEnvConfig},
     "model": {"tiny": TinyModelConfig, "hf": HFModelConfig},
     "algo": {"ppo": PPOConfig, "grpo": GRPOConfig, "rloo": RLOOConfig, "reinforce_pp": ReinforcePPConfig, "dapo": DAPOConfig},
     "logger": {"console": ConsoleLoggerConfig, "wandb": WandbLoggerConfig},

@@ -65,7 +65,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from rlhf_orch.env.sandbox_child import CODE_FILE, SETUP_FAILED, SETUP_FAILED_EXIT
+from rlhf_orch.env.sandbox_child import CODE_FILE, MASKED_DIRS, SETUP_FAILED, SETUP_FAILED_EXIT
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +226,9 @@ class SandboxSupport:
 _support_lock = threading.Lock()
 _support: SandboxSupport | None = None
 _hidden_dirs_plan: list[tuple[str, list[str]]] = []
+# Entries of the masked temp dirs the interpreter's paths go through (a virtual environment or a
+# checkout under /tmp, as a CI clone often is): shown read-only inside, like the hidden dirs' entries.
+_masked_plan: list[tuple[str, list[str]]] = []
 
 
 def sandbox_support() -> SandboxSupport:
@@ -239,11 +242,13 @@ def sandbox_support() -> SandboxSupport:
 
 
 def _probe_support() -> SandboxSupport:
-    global _hidden_dirs_plan
+    global _hidden_dirs_plan, _masked_plan
     root = os.geteuid() == 0
     if root:
         try:
-            _hidden_dirs_plan = _hidden_dirs(_child_sys_path() + [tempfile.gettempdir()])
+            paths = _child_sys_path() + [sys.executable]
+            _hidden_dirs_plan = _hidden_dirs(paths + [tempfile.gettempdir()])
+            _masked_plan = _masked_entries(paths)
         except (OSError, subprocess.SubprocessError, ValueError) as e:
             logger.warning("sandbox: could not list the interpreter's paths (%s); the uid probe will tell", e)
     # Imports after the uid changed prove the interpreter is still reachable; "ok" proves setup worked.
@@ -272,6 +277,17 @@ def _child_sys_path() -> list[str]:
         capture_output=True, text=True, timeout=60, check=True, env={"PATH": os.defpath},
     )
     return [p for p in json.loads(out.stdout) if os.path.exists(p)]
+
+
+def _masked_entries(paths: list[str]) -> list[tuple[str, list[str]]]:
+    """Per masked temp dir (MASKED_DIRS), the entries right under it that `paths` go through."""
+    entries: dict[str, set[str]] = {}
+    for path in paths:
+        for variant in {os.path.abspath(path), os.path.realpath(path)}:
+            for masked in MASKED_DIRS:
+                if variant.startswith(masked.rstrip("/") + "/"):
+                    entries.setdefault(masked, set()).add(variant[len(masked.rstrip("/")) + 1 :].split("/")[0])
+    return sorted((d, sorted(names)) for d, names in entries.items())
 
 
 def _hidden_dirs(paths: list[str]) -> list[tuple[str, list[str]]]:
@@ -343,7 +359,7 @@ def _run(code: str, limits: SandboxLimits, support: SandboxSupport, audit_hook: 
             "uid": uid,
             "network_namespace": support.network_namespace,
             "private_filesystem": support.private_filesystem,
-            "hidden_dirs": _hidden_dirs_plan if uid is not None else [],
+            "hidden_dirs": (_hidden_dirs_plan if uid is not None else []) + (_masked_plan if support.private_filesystem else []),
             "workdir_bytes": 8 * limits.max_file_bytes + len(source) + 64 * 1024,
             "limits": asdict(limits),
             "audit_hook": audit_hook,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from rlhf_orch.models.base import ModelSource
 from rlhf_orch.models.cache import build_once
-from rlhf_orch.models.tiny_build import TinyLlamaSpec, WarmStartRecipe, build_tiny_checkpoint
-from rlhf_orch.models.warm_start_task import default_warm_start_task
+from rlhf_orch.models.tiny_build import TinyLlamaSpec, build_tiny_checkpoint
+from rlhf_orch.models.warm_start_task import WARM_STARTS
 
 # Bumped when the build procedure changes in a way the spec, recipe and task do not capture.
 BUILD_FORMAT_VERSION = 3  # 2: model vocabulary = tokenizer size; 3: chat template
@@ -31,6 +31,7 @@ class TinyLlama(ModelSource):
         vocab_size: int,
         warmup_steps: int,
         cache_dir: str,
+        warm_start: str = "digit_reverse",
     ) -> None:
         super().__init__(context_len, dtype)
         self.spec = TinyLlamaSpec(
@@ -44,8 +45,10 @@ class TinyLlama(ModelSource):
             warmup_steps=warmup_steps,
         )
         self.spec.validate()  # fail at instantiate time, not inside a remote actor
-        self.recipe = WarmStartRecipe()
-        self.task = default_warm_start_task()
+        if warm_start not in WARM_STARTS:
+            raise ValueError(f"model.warm_start={warm_start!r}: one of {', '.join(WARM_STARTS)}")
+        make_task, self.recipe = WARM_STARTS[warm_start]
+        self.task = make_task()
         self.cache_dir = Path(cache_dir).expanduser()
 
     @property

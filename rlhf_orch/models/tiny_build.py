@@ -207,6 +207,20 @@ def _collate(
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def _collate_masked(sequences: list[list[int]], trained: list[list[bool]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Like `_collate`, with the trained-on tokens given per token (multi-turn demonstrations)."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    labels = torch.full((len(sequences), width), -100, dtype=torch.long)
+    for row, (seq, mask) in enumerate(zip(sequences, trained)):
+        ids = torch.tensor(seq, dtype=torch.long)
+        input_ids[row, : len(seq)] = ids
+        attention_mask[row, : len(seq)] = 1
+        labels[row, : len(seq)] = torch.where(torch.tensor(mask), ids, torch.full_like(ids, -100))
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
 def _sgd_step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> float:
     loss = model(**batch).loss
     optimizer.zero_grad(set_to_none=True)
@@ -253,12 +267,20 @@ def warm_start(
         for group in optimizer.param_groups:
             group["lr"] = lr
         phase_texts = texts[start * recipe.batch_size : (start + phase_steps) * recipe.batch_size]
-        sequences, prompt_lengths = _tokenize_supervised(
-            phase_texts, tokenizer, noise, seed=recipe.init_seed + phase
-        )
+        # A task with multi-turn demonstrations says which tokens are trained on; the digit task's
+        # are its answers (everything after the prompt).
+        examples = getattr(task, "warm_start_examples", None)
+        if examples is not None:
+            sequences, trained = examples(phase_texts, tokenizer, noise, recipe.init_seed + phase)
+        else:
+            sequences, prompt_lengths = _tokenize_supervised(phase_texts, tokenizer, noise, seed=recipe.init_seed + phase)
         for step in range(phase_steps):
             rows = slice(step * recipe.batch_size, (step + 1) * recipe.batch_size)
-            losses.append(_sgd_step(model, optimizer, _collate(sequences[rows], prompt_lengths[rows], tokenizer.pad_token_id)))
+            if examples is not None:
+                batch = _collate_masked(sequences[rows], trained[rows], tokenizer.pad_token_id)
+            else:
+                batch = _collate(sequences[rows], prompt_lengths[rows], tokenizer.pad_token_id)
+            losses.append(_sgd_step(model, optimizer, batch))
             # Long-context batches only in the clean phase: mixed into the noisy phase they also
             # blur the short-context skill PPO starts from (measured: initial reward 0.30 -> 0.19).
             if long_task and noise == 0.0 and (start + step) % recipe.long_context_every == 0:
