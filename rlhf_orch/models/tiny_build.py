@@ -195,20 +195,13 @@ def _tokenize_supervised(
 def _collate(
     sequences: list[list[int]], prompt_lengths: list[int], pad_id: int
 ) -> dict[str, torch.Tensor]:
-    width = max(len(s) for s in sequences)
-    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    labels = torch.full((len(sequences), width), -100, dtype=torch.long)
-    for row, (seq, prompt_len) in enumerate(zip(sequences, prompt_lengths)):
-        ids = torch.tensor(seq, dtype=torch.long)
-        input_ids[row, : len(seq)] = ids
-        attention_mask[row, : len(seq)] = 1
-        labels[row, prompt_len : len(seq)] = ids[prompt_len:]
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    """Trained on everything after each prompt."""
+    trained = [[t >= prompt_len for t in range(len(seq))] for seq, prompt_len in zip(sequences, prompt_lengths)]
+    return _collate_masked(sequences, trained, pad_id)
 
 
 def _collate_masked(sequences: list[list[int]], trained: list[list[bool]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Like `_collate`, with the trained-on tokens given per token (multi-turn demonstrations)."""
+    """Right-padded ids, attention mask and labels (-100 where a token is not trained on)."""
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
