@@ -26,11 +26,14 @@ def has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    # Under `pytest -n 2 --dist loadgroup` (`make test`) every end-to-end test goes to one worker, in
-    # file order as without xdist: two Ray + vLLM + DeepSpeed sessions at once on two cores slow
-    # each other down more than they overlap. The other worker runs the pure tests meanwhile.
+    # Under `pytest -n 2 --dist loadgroup` (`make test`) the in-process end-to-end tests go to one
+    # worker, in file order as without xdist (module-scoped Ray sessions and actors stay shared).
+    # The other worker runs the pure tests, then the tests that start run.py as their own processes
+    # (`own_processes`), one after another: at most two Ray sessions at once (docs/testing.md).
     for item in items:
-        if "integration" in item.keywords:
+        if "own_processes" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("own_processes"))
+        elif "integration" in item.keywords:
             item.add_marker(pytest.mark.xdist_group("end_to_end"))
     if has_cuda():
         return

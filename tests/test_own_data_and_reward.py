@@ -55,6 +55,7 @@ def _rises(rows: list[dict], by: float) -> None:
 # slow (~50-70 s): README's command as a user types it (a CLI process with its own Ray, engine and
 # trainers), 20+ steps with an evaluation every 5 -- learning needs the steps.
 @pytest.mark.slow
+@pytest.mark.own_processes
 def test_cli_verl_parquet_custom_reward_with_eval_learns_packed(digit_files, tmp_path):
     """README's veRL example: parquet with chat messages, a compute_score file, eval every 5 steps."""
     run_dir = tmp_path / "run"

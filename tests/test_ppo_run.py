@@ -28,6 +28,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.own_processes
 def test_sweep_runs_each_job_in_its_own_dir_and_summarises_every_job(tmp_path):
     sweep_dir = tmp_path / "sweep"
     # Two jobs: one trains, one is refused before Ray (NCCL on a CPU machine); the sweep goes on.

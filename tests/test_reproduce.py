@@ -120,6 +120,7 @@ END_TO_END = [n for n in ("dapo_qwen25_math_7b", "openrlhf_ppo_llama3_8b") if n 
 # slow (~45-80 s each): `scripts/reproduce.py` as a user runs it, a CLI process with its own Ray.
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.own_processes
 @pytest.mark.parametrize("name", END_TO_END)
 def test_scaled_run_writes_a_report(name, tmp_path):
     proc = _cli(name, "--scale", "cpu", "--steps", "2", "--skip-studies", "--out", str(tmp_path), timeout=900)

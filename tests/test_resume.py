@@ -74,6 +74,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
 # slow (~195 s on 2 cores): four CLI runs that must own their processes -- the uninterrupted run,
 # one SIGKILLed, one resumed and stopped by SIGINT, one resumed to the end -- and a vLLM load of the export.
 @pytest.mark.slow
+@pytest.mark.own_processes
 def test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit(tmp_path):
     whole = tmp_path / "whole"
     rc, out = _finish(_start(whole))
@@ -165,6 +166,7 @@ def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path, shared_ray
     assert _comparable(_metrics(cut)) == _comparable(_metrics(whole))
 
 
+@pytest.mark.own_processes
 def test_sigterm_during_start_up_stops_before_the_first_step_with_exit_143(tmp_path):
     """Slurm's SIGTERM while Ray and the actors start: no step runs, nothing is exported, the
     summary says so, exit 143. (Real signal, real start-up; ~20 s.)"""
