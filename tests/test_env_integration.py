@@ -187,6 +187,9 @@ def test_one_step_off_multi_turn_resume_is_exact(tmp_path, env_file):
     assert strip(resumed) == strip(rows)
 
 
+# slow (~60-100 s): the tiny tool model is built on first use (~30 s), then 20 steps of learning --
+# learning needs the steps.
+@pytest.mark.slow
 def test_tool_use_learns_to_call_the_lookup_tool(tmp_path):
     """`experiment=tool_use`: the tiny tool model starts calling the lookup tool about half the
     time and copying its answer unsurely (reward ~0.3); PPO takes it to calling it nearly always
@@ -222,6 +225,9 @@ class DigitRetryThatKillsItsEngine(DigitRetry):
 '''
 
 
+# slow (~60-100 s): two engines, one killed inside an environment step and started again (a second
+# vLLM start-up) -- the replacement is what the test proves.
+@pytest.mark.slow
 def test_an_engine_dying_inside_an_environment_step_is_replaced(tmp_path):
     """An environment step takes its engine's process down mid-trajectory (a tool crashing it):
     the engine is replaced, its trajectories are played again from the start, and the step trains

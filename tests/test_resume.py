@@ -97,10 +97,19 @@ def test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit
     proc.wait()
     # 2. Resume without periodic checkpoints; SIGINT (Ctrl-C) once a step is logged: the step in
     #    progress finishes, a checkpoint of it and summary.json are written, exit 130.
+    #    Wait for this process's own first step line: metrics.jsonl may already hold step 2 from
+    #    the killed run (it can log a step between the checkpoint and the kill).
     proc = _start(cut, f"resume={cut}", "checkpoint.every_n_steps=0")
-    _wait_for(lambda: _steps_logged(cut) >= 2, proc)
+    seen: list[str] = []
+
+    def stepped() -> bool:
+        seen.append(proc.stdout.readline())
+        return seen[-1].startswith("step ")
+
+    _wait_for(stepped, proc)
     os.kill(proc.pid, signal.SIGINT)
     rc, out = _finish(proc)
+    out = "".join(seen) + out
     assert rc == 130, out[-3000:]
     summary = json.loads((cut / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT"

@@ -9,6 +9,7 @@ One file per topic, plus `overview.png` with every panel on one page:
     step_time.png         time/step split by phase (stacked): generate, transfer, experience, train,
                           sync, reward_model and engine_restart when present, the rest as "other"
     throughput.png        perf/tokens_per_s and perf/gen_tokens_per_s
+    env.png               multi-turn runs: env/turns_mean and env/tool_calls_mean per trajectory
 
 Readable at a glance: labelled axes with units, the run's name (experiment name and run dir) in
 every title, integer step ticks, a smoothed line (rolling mean) with the raw per-step values faint
@@ -184,6 +185,12 @@ def panels_for(rows: list[dict]) -> dict[str, list[Panel]]:
         if has(key):
             tput.lines.append(Line(key, f"{key} ({label})", color, warmup=True))
     files["throughput"] = [tput] if tput.lines else []
+
+    env = Panel("multi-turn trajectories (env)", "per trajectory (mean)")
+    for key, label, color in (("env/turns_mean", "model turns", "#8c564b"), ("env/tool_calls_mean", "tool calls", "#e377c2")):
+        if has(key):
+            env.lines.append(Line(key, f"{key} ({label})", color))
+    files["env"] = [env] if env.lines else []
     return {name: panels for name, panels in files.items() if panels}
 
 
