@@ -192,15 +192,16 @@ def _tokenize_supervised(
     return sequences, prompt_lengths
 
 
-def _collate(
-    sequences: list[list[int]], prompt_lengths: list[int], pad_id: int
-) -> dict[str, torch.Tensor]:
-    """Trained on everything after each prompt."""
+def _answer_examples(
+    texts: list[str], tokenizer: PreTrainedTokenizerFast, noise: float, seed: int
+) -> tuple[list[list[int]], list[list[bool]]]:
+    """The digit task's demonstrations: token ids, trained on everything after the prompt."""
+    sequences, prompt_lengths = _tokenize_supervised(texts, tokenizer, noise, seed=seed)
     trained = [[t >= prompt_len for t in range(len(seq))] for seq, prompt_len in zip(sequences, prompt_lengths)]
-    return _collate_masked(sequences, trained, pad_id)
+    return sequences, trained
 
 
-def _collate_masked(sequences: list[list[int]], trained: list[list[bool]], pad_id: int) -> dict[str, torch.Tensor]:
+def _collate(sequences: list[list[int]], trained: list[list[bool]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded ids, attention mask and labels (-100 where a token is not trained on)."""
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -262,24 +263,17 @@ def warm_start(
         phase_texts = texts[start * recipe.batch_size : (start + phase_steps) * recipe.batch_size]
         # A task with multi-turn demonstrations says which tokens are trained on; the digit task's
         # are its answers (everything after the prompt).
-        examples = getattr(task, "warm_start_examples", None)
-        if examples is not None:
-            sequences, trained = examples(phase_texts, tokenizer, noise, recipe.init_seed + phase)
-        else:
-            sequences, prompt_lengths = _tokenize_supervised(phase_texts, tokenizer, noise, seed=recipe.init_seed + phase)
+        examples = getattr(task, "warm_start_examples", _answer_examples)
+        sequences, trained = examples(phase_texts, tokenizer, noise, recipe.init_seed + phase)
         for step in range(phase_steps):
             rows = slice(step * recipe.batch_size, (step + 1) * recipe.batch_size)
-            if examples is not None:
-                batch = _collate_masked(sequences[rows], trained[rows], tokenizer.pad_token_id)
-            else:
-                batch = _collate(sequences[rows], prompt_lengths[rows], tokenizer.pad_token_id)
-            losses.append(_sgd_step(model, optimizer, batch))
+            losses.append(_sgd_step(model, optimizer, _collate(sequences[rows], trained[rows], tokenizer.pad_token_id)))
             # Long-context batches only in the clean phase: mixed into the noisy phase they also
             # blur the short-context skill PPO starts from (measured: initial reward 0.30 -> 0.19).
             if long_task and noise == 0.0 and (start + step) % recipe.long_context_every == 0:
                 chunk = long_texts[long_done * recipe.long_context_batch : (long_done + 1) * recipe.long_context_batch]
-                long_seqs, long_prompts = _tokenize_supervised(chunk, tokenizer, noise, seed=recipe.init_seed + 100 + long_done)
-                _sgd_step(model, optimizer, _collate(long_seqs, long_prompts, tokenizer.pad_token_id))
+                long_seqs, long_trained = _answer_examples(chunk, tokenizer, noise, recipe.init_seed + 100 + long_done)
+                _sgd_step(model, optimizer, _collate(long_seqs, long_trained, tokenizer.pad_token_id))
                 long_done += 1
         start += phase_steps
     model.eval()

@@ -15,19 +15,21 @@ from rlhf_orch.models.tiny_build import WarmStartRecipe
 WARM_START_SEED = 1234
 
 
+def _task_at_defaults(config: type, task: type) -> DigitReverseTask:
+    """`task` with its data config's defaults and the warm start's seed, whatever data option runs:
+    a long-context data option (filler tokens) reuses the same checkpoint as the default one."""
+    defaults = config()
+    kwargs = {f.name: getattr(defaults, f.name) for f in fields(config) if f.name not in ("_target_", "seed")}
+    return task(**kwargs, seed=WARM_START_SEED)
+
+
 def default_warm_start_task() -> DigitReverseTask:
-    """The data config's defaults, whatever data option runs: a long-context data option (filler
-    tokens) reuses the same checkpoint as the default one."""
-    defaults = DigitTaskConfig()
-    kwargs = {f.name: getattr(defaults, f.name) for f in fields(DigitTaskConfig) if f.name not in ("_target_", "seed")}
-    return DigitReverseTask(**kwargs, seed=WARM_START_SEED)
+    return _task_at_defaults(DigitTaskConfig, DigitReverseTask)
 
 
 def lookup_warm_start_task() -> LookupTask:
-    """The tool-use task (`model=tiny_tool`): the data option's defaults, the warm start's seed."""
-    defaults = LookupTaskConfig()
-    kwargs = {f.name: getattr(defaults, f.name) for f in fields(LookupTaskConfig) if f.name not in ("_target_", "seed")}
-    return LookupTask(**kwargs, seed=WARM_START_SEED)
+    """The tool-use task (`model=tiny_tool`)."""
+    return _task_at_defaults(LookupTaskConfig, LookupTask)
 
 
 # `model.warm_start` -> (the task, the recipe). The lookup model never sees long contexts, and

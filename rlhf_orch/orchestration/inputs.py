@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.data.base import DataError, Prompt, PromptSource
-from rlhf_orch.env.base import EnvError, EnvGroup
+from rlhf_orch.env.base import EnvError, EnvGroup, prompt_messages
 from rlhf_orch.env.observations import ObservationRenderer
 from rlhf_orch.models.hub import ModelSourceError
 from rlhf_orch.reward.base import RewardError
@@ -98,13 +98,14 @@ def check_env(env: EnvGroup, task: PromptSource, tokenizer: Any) -> None:
     """Before Ray: the observation format works with this tokenizer, and the environment builds
     and starts for the first training prompt (a user's class loads, a skyrl-gym id exists)."""
     ObservationRenderer(tokenizer, env.observation_format)([{"role": "user", "content": "0"}])
-    probe = task.eval_prompts(1) or []
-    state = task.state_dict()
-    probe = probe or task.sample_prompts(1)
-    task.load_state_dict(state)  # the probe draws nothing a run would see
+    probe = task.eval_prompts(1)
+    if not probe:
+        state = task.state_dict()
+        probe = task.sample_prompts(1)
+        task.load_state_dict(state)  # the probe draws nothing a run would see
     try:
         instance = env.make(probe[0])
-        instance.init([dict(m) for m in (probe[0].messages or [{"role": "user", "content": probe[0].text}])])
+        instance.init(prompt_messages(probe[0]))
         getattr(instance, "close", lambda: None)()
     except EnvError:
         raise

@@ -166,16 +166,13 @@ class RolloutProducer(abc.ABC):
             )
             for c in completions
         ]
-        scored = None
-        if job.env is not None:
-            scored = _env_scores(
-                [c.index for c in completions], [len(c.response_ids) for c in completions], [c.truncated for c in completions],
-                [c.env_reward for c in completions], lambda: self._decode([c.response_ids for c in completions]), job,
-            )
+        scored = _final_scores(
+            [c.index for c in completions], [len(c.response_ids) for c in completions], [c.truncated for c in completions],
+            [c.env_reward for c in completions], lambda: self._decode([c.response_ids for c in completions]), job,
+        )
+        if scored is not None:
             for sample, score in zip(samples, scored.scores):
                 sample.reward = float(score)
-        elif job.scorer is not None:
-            scored = score_samples(samples, self._decode([c.response_ids for c in completions]), job)
         return samples, time.perf_counter() - t, scored
 
     # ------------------------------------------------------------------ baseline: all to the caller
@@ -256,15 +253,11 @@ class RolloutProducer(abc.ABC):
         seq_lens = [info["seq_len"][k] for k in order]
         response_lens = [info["seq_len"][k] - info["prompt_len"][k] for k in order]
         truncated = [info["truncated"][k] for k in order]
-        scored = None
         rewards = [float("nan")] * len(rows)  # scored here, or elsewhere (the padded baseline's driver)
-        if job.env is not None:
-            scored = _env_scores(
-                indices, response_lens, truncated, [env_rewards[k] for k in order],
-                lambda: self._decode([texts_of[k] for k in order]), job,
-            )
-        elif job.scorer is not None:
-            scored = _score(indices, response_lens, truncated, self._decode([texts_of[k] for k in order]), job)
+        scored = _final_scores(
+            indices, response_lens, truncated, [env_rewards[k] for k in order],
+            lambda: self._decode([texts_of[k] for k in order]), job,
+        )
         if scored is not None:
             rewards = [float(x) for x in scored.scores]
             held.set_scores(rows, rewards)
@@ -339,16 +332,19 @@ def _score(
     return job.scorer(prompts, [Response(t, n, tr) for t, n, tr in zip(texts, response_lens, truncated)])
 
 
-def _env_scores(
+def _final_scores(
     indices: Sequence[int],
     response_lens: Sequence[int],
     truncated: Sequence[bool],
     env_rewards: Sequence[float | None],
     texts: Callable[[], Sequence[str]],
     job: RolloutJob,
-) -> ScoredBatch:
-    """A trajectory's reward: the environment's, plus env.reward_weight x the reward group's score
-    of the decoded transcript (scored only when that weight is not 0)."""
+) -> ScoredBatch | None:
+    """The samples' rewards where they were generated: the rule's score of each response, or with
+    an environment the trajectory's reward plus env.reward_weight x the rule's score of the decoded
+    transcript (scored only when that weight is not 0). None: scored elsewhere (no rule, no env)."""
+    if job.env is None:
+        return None if job.scorer is None else _score(indices, response_lens, truncated, texts(), job)
     scores = [float(r) if r is not None else 0.0 for r in env_rewards]
     weight = float(getattr(job.env, "reward_weight", 0.0))
     if not weight or job.scorer is None:

@@ -80,9 +80,14 @@ class ExperienceInbox:
         """Hook: what to do with a micro-batch on arrival (trainers move it to their device)."""
         return mb
 
+    def _arrive(self, mb: MicroBatch) -> MicroBatch:
+        """Every staged micro-batch passes here: observation tokens leave the action mask
+        (multi-turn rollouts), then the rank's own `_receive`."""
+        return self._receive(apply_loss_mask(mb))
+
     def stage(self, shard: int, micro_batches: list[MicroBatch]) -> int:
         """The whole shard at once (the padded baseline; Ray resolved the ref into the list)."""
-        self._staged[shard] = [self._receive(apply_loss_mask(mb)) for mb in micro_batches]
+        self._staged[shard] = [self._arrive(mb) for mb in micro_batches]
         return sum(mb.nbytes for mb in micro_batches)
 
     def stage_micro_batch(self, shard: int, slot: int, num_slots: int, mb: MicroBatch) -> int:
@@ -90,7 +95,7 @@ class ExperienceInbox:
         slots = self._staged.setdefault(shard, [None] * num_slots)
         if len(slots) != num_slots or slots[slot] is not None:
             raise ValueError(f"shard {shard} slot {slot}/{num_slots} staged twice or with another slot count")
-        slots[slot] = self._receive(apply_loss_mask(mb))
+        slots[slot] = self._arrive(mb)
         return mb.nbytes
 
     def stage_pieces(self, shard: int, plan: list[list[int]], pieces: list[ray.ObjectRef]) -> int:
@@ -98,7 +103,7 @@ class ExperienceInbox:
         start = time.time()
         fetched = ray.get(list(pieces))
         got = time.time()
-        self._staged[shard] = [self._receive(apply_loss_mask(mb)) for mb in assemble_packed(fetched, plan, self.pad_id)]
+        self._staged[shard] = [self._arrive(mb) for mb in assemble_packed(fetched, plan, self.pad_id)]
         self._last_stage = {"start": start, "fetched": got, "assembled": time.time()}
         return sum(p.nbytes for p in fetched if p is not None)
 
