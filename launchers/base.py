@@ -7,10 +7,15 @@ notebook, the test suite, several runs from one script: Ray starts once) and lea
 still removes everything it started (actors, placement groups). Subclasses say how to connect
 (`_init_kwargs`, or `_connect` when `ray.init` alone is not enough) and how many GPUs there are
 (`gpus_present`).
+
+`connect_early()` starts the connection in a thread before the session: a local Ray takes ~4 s to
+come up, mostly waiting on its own processes, while the driver spends ~3 s importing torch and
+transformers and reading its inputs; the two overlap. `session()` then waits for that connection.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +54,7 @@ class RayLauncher(ABC):
         self.reuse_session = reuse_session
         self.memory_check = memory_check  # read by the app's memory check (rlhf_orch.memory.check)
         self._output = LibraryOutput(None)  # replaced by each session()
+        self._early: Optional[_EarlyConnection] = None  # connect_early() until session() takes it
 
     @abstractmethod
     def _init_kwargs(self) -> dict[str, Any]:
@@ -62,6 +68,28 @@ class RayLauncher(ABC):
         """Start or join Ray; `session()` disconnects it again (also when this raises after `ray.init`)."""
         ray.init(**self._init_kwargs(), **self._output.init_kwargs())
 
+    def connect_early(self, log_dir: Optional[Path] = None, verbose: bool = False) -> None:
+        """Start connecting now, in a thread; the next `session()` (same log_dir) waits for it.
+
+        Nothing happens when this process already has Ray (a session it joins). Whoever calls this
+        calls `close_early()` on every path that may not reach `session()`.
+        """
+        if self._early is not None or ray.is_initialized():
+            return
+        self._output = LibraryOutput(log_dir, verbose)
+        self._output.start()  # before ray.init: Ray's own driver messages go to the run's log
+        self._early = _EarlyConnection(self._connect)
+
+    def close_early(self) -> None:
+        """Undo a `connect_early()` that no session took (the run stopped before its session)."""
+        early, self._early = self._early, None
+        if early is None:
+            return
+        early.done.wait()  # ray.init cannot be interrupted; shut down what it started
+        ray.shutdown()
+        early.release()
+        self._output.finish()
+
     @contextmanager
     def session(self, log_dir: Optional[Path] = None, verbose: bool = False) -> Iterator["RayLauncher"]:
         """Connect to Ray for the body and disconnect afterwards, whatever happens.
@@ -69,16 +97,20 @@ class RayLauncher(ABC):
         Unless `verbose`, what Ray, vLLM and DeepSpeed print stays off the console: it goes to
         <log_dir>/ray_workers.log (`LibraryOutput`; without a log_dir, to Ray's session logs only).
         """
-        joined = ray.is_initialized()
+        early, self._early = self._early, None
+        joined = early is None and ray.is_initialized()
         if joined and not self.reuse_session:
             raise RuntimeError(
                 "Ray is already initialised in this process; a launcher session must own its connection "
                 "(call ray.shutdown() first, or set launcher.reuse_session=true to run inside it)"
             )
-        self._output = LibraryOutput(log_dir, verbose)
-        self._output.start()
+        if early is None:
+            self._output = LibraryOutput(log_dir, verbose)
+            self._output.start()
         try:
-            if joined:
+            if early is not None:
+                early.wait()
+            elif joined:
                 self._check_joined()
             else:
                 self._connect()
@@ -87,6 +119,8 @@ class RayLauncher(ABC):
         finally:
             if not self.reuse_session:
                 ray.shutdown()
+                if early is not None:
+                    early.release()
             self._output.finish()
 
     def _check_joined(self) -> None:
@@ -112,3 +146,38 @@ class RayLauncher(ABC):
                 "lower placement.nodes/gpus_per_node or the per-role GPUs, or (CPU testing) set "
                 f"launcher.logical_gpus={plan.total_gpus}"
             )
+
+
+class _EarlyConnection:
+    """`connect()` running in a daemon thread; `wait()` re-raises what it raised.
+
+    The thread lives until `release()`, after `ray.shutdown()`: Ray starts its GCS and raylet with
+    PR_SET_PDEATHSIG, which fires when the *thread* that started them exits (seen: the run's
+    actors never answered, "Failed to connect to GCS within 60 seconds"). ray.init off the main
+    thread installs no SIGTERM handler of its own (it logs that it did not): the run's handler
+    stays the one in force.
+    """
+
+    def __init__(self, connect) -> None:
+        self.done = threading.Event()
+        self._released = threading.Event()
+        self._error: Optional[BaseException] = None
+
+        def run() -> None:
+            try:
+                connect()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting session
+                self._error = e
+            finally:
+                self.done.set()
+            self._released.wait()
+
+        threading.Thread(target=run, name="ray-connect", daemon=True).start()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self._error is not None:
+            raise self._error

@@ -130,6 +130,6 @@ def _loopback_node_address() -> Iterator[None]:
 
 
 def _cuda_device_count() -> int:
-    import torch  # imported here: torch is slow to import and not needed to build the launcher
+    from rlhf_orch.cuda_probe import cuda_device_count  # torch only where the node has NVIDIA GPUs
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return cuda_device_count()

@@ -34,9 +34,9 @@ EXIT_SIGNAL_BASE = 128  # stopped by a signal: 130 SIGINT, 143 SIGTERM (after a 
 
 
 def _cuda_available() -> bool:
-    import torch
+    from rlhf_orch.cuda_probe import cuda_available
 
-    return torch.cuda.is_available()
+    return cuda_available()
 
 
 def check(cfg: DictConfig, launcher: Any) -> tuple[RootConfig, PlacementPlan]:
@@ -179,11 +179,14 @@ def _main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
             return EXIT_CONFIG, None
         print(f"warning: the memory plan does not fit (launcher.memory_check=warn): {memory.summary_line()}", file=sys.stderr)
 
-    # heavy imports only when training
-    from rlhf_orch.checkpoint_dirs import ResumeError
-    from rlhf_orch.orchestration.inputs import InputError
-    from rlhf_orch.orchestration.session import RunFailed, run_training
-    from rlhf_orch.orchestration.signals import SignalAbort
+    # A checkpoint named by a hub id must be here; asked before the heavy imports below (~4 s).
+    from rlhf_orch.models.hub import ModelSourceError, check_model_source
+
+    try:
+        check_model_source(typed.model)
+    except ModelSourceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG, None
 
     out = run_dir()
     try:
@@ -193,9 +196,29 @@ def _main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
         return EXIT_CONFIG, None
     print(plan_line(typed, plan), flush=True)
     print(memory.summary_line(), flush=True)
+    # Ray comes up (~4 s, mostly waiting on its own processes) while this process imports torch
+    # and transformers and prepares the inputs (launchers/base.py); an input error shuts it down.
+    launcher.connect_early(out, typed.logger.verbose)
+    try:
+        return _train(cfg, typed, plan, launcher, out)
+    finally:
+        launcher.close_early()
+
+
+def _train(cfg: DictConfig, typed: RootConfig, plan: PlacementPlan, launcher: Any, out: Path) -> tuple[int, dict[str, Any] | None]:
+    # heavy imports only when training
+    try:
+        from rlhf_orch.checkpoint_dirs import ResumeError
+        from rlhf_orch.orchestration.inputs import InputError
+        from rlhf_orch.orchestration.session import RunFailed, run_training
+        from rlhf_orch.orchestration.signals import SignalAbort
+    except KeyboardInterrupt:
+        print("error: SIGINT received during start-up: stopped before the first step", file=sys.stderr)
+        return EXIT_SIGNAL_BASE + signal.SIGINT, None
+
     try:
         summary = run_training(cfg, typed, plan, launcher, out)
-    except (InputError, ResumeError) as e:  # the inputs or the checkpoint cannot be used: before Ray started
+    except (InputError, ResumeError) as e:  # the inputs or the checkpoint cannot be used: before any actor started
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG, None
     except RunFailed as e:

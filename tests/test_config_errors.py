@@ -33,6 +33,8 @@ def test_default_config_is_valid():
 
 # (overrides, key named in the message, words of the fix)
 BAD = [
+    (["algo.min_response_len=17"], "algo.min_response_len=17", "set algo.min_response_len <= 16"),
+    (["env=lookup", "data=lookup", "model=tiny_tool", "algo.min_response_len=2"], "algo.min_response_len=2", "leave algo.min_response_len=0 with env"),
     (["algo.train_batch_size=48"], "algo.train_batch_size=48", "divisor of 128"),
     (["algo.micro_batch_size=24"], "algo.micro_batch_size=24", "micro_batch_size dividing"),
     (["placement.actor_ranks=3"], "placement.actor_ranks=3", "do not split over 3 actor ranks"),
@@ -131,6 +133,36 @@ def test_cli_nccl_on_cpu_exits_2_fast_with_message():
     assert time.perf_counter() - t0 < 60  # refused before Ray, vLLM or DeepSpeed start
 
 
+# A config error comes back in ~1.3 s because no check imports torch (~1.5 s), transformers (~1 s more)
+# or vLLM; a check that starts importing one of them fails here rather than only slowing every refusal.
+# (A config with pipeline=one_step_off or a multi-turn env asks the transfer class what it can do,
+# which imports torch: those errors take ~2.8 s.)
+_IMPORTS_AFTER_RUN = """
+import runpy, sys
+sys.argv = ["run.py", *sys.argv[1:]]
+try:
+    runpy.run_path("run.py", run_name="__main__")
+except SystemExit as e:
+    print("exit", e.code)
+print("heavy", sorted(m for m in ("torch", "transformers", "vllm", "deepspeed") if m in sys.modules))
+"""
+
+
+@pytest.mark.skipif(has_cuda(), reason="on a GPU machine torch is asked how many GPUs it can use")
+@pytest.mark.parametrize("overrides", [
+    ["sync=nccl_bucketed", "data=long8k"],  # a relation between keys (no GPUs here)
+    ["algo.actor_lr=-1"],  # one key's range
+    ["model=hf", "model.name_or_path=nobody/missing-model"],  # a hub id not in the local cache
+])
+def test_config_errors_import_no_torch(overrides):
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_AFTER_RUN, *overrides, "hydra.run.dir=${oc.env:TMPDIR,/tmp}/rlhf_orch_cli_${now:%H%M%S%f}"],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert "exit 2" in proc.stdout, proc.stdout + proc.stderr
+    assert "heavy []" in proc.stdout, proc.stdout
+
+
 def test_cli_unknown_key_exits_nonzero():
     proc = _run("sync.bucket_mbb=3")
     assert proc.returncode != 0
@@ -152,15 +184,19 @@ def test_cli_cfg_job_prints_composed_config():
 
 
 # ----------------------------------------------------------------------------- exit codes of app.main
-def _main_with_training(monkeypatch, tmp_path, training, overrides=("experiment=quick",)):
-    """app.main on a composed config, with run_training replaced (no Ray): (exit code, stderr)."""
+def _main_with_training(monkeypatch, tmp_path, training, overrides=("experiment=quick",), start_ray=False):
+    """app.main on a composed config, with run_training replaced: (exit code, stderr). Ray is not
+    started unless `start_ray` (the app starts it before training, overlapping its own imports)."""
     import io
     from contextlib import redirect_stderr
 
+    from launchers.base import RayLauncher
     from rlhf_orch import app
     from rlhf_orch.orchestration import session
 
     monkeypatch.setattr(session, "run_training", training)
+    if not start_ray:
+        monkeypatch.setattr(RayLauncher, "connect_early", lambda self, *args, **kwargs: None)
     monkeypatch.setattr(app, "run_dir", lambda: tmp_path / "run")
     err = io.StringIO()
     with redirect_stderr(err):
@@ -179,6 +215,27 @@ def test_unexpected_failure_exits_3_with_one_line(monkeypatch, tmp_path):
     assert "Traceback" in (tmp_path / "run" / "error.log").read_text()
     summary = __import__("json").loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].startswith("RuntimeError: tokenizer cache")
+
+
+@pytest.mark.integration
+def test_an_input_error_shuts_down_the_ray_started_early(monkeypatch, tmp_path):
+    # Ray starts while the driver imports and reads its inputs; an input error must not leave it running.
+    import ray
+
+    from rlhf_orch.orchestration.inputs import InputError
+
+    seen = {}
+
+    def training(cfg, typed, plan, launcher, out):
+        seen["starting"] = launcher._early is not None  # Ray was coming up while the inputs were read
+        raise InputError("data.path='/nowhere.jsonl' does not exist; give a JSONL or Parquet file")
+
+    assert not ray.is_initialized()
+    code, err = _main_with_training(monkeypatch, tmp_path, training, start_ray=True)
+    assert code == 2 and err.strip() == "error: data.path='/nowhere.jsonl' does not exist; give a JSONL or Parquet file"
+    assert seen["starting"]
+    assert not ray.is_initialized()
+    assert "Started a local Ray instance" in (tmp_path / "run" / "ray_workers.log").read_text()
 
 
 def test_sigint_during_start_up_exits_130(monkeypatch, tmp_path):

@@ -138,6 +138,17 @@ def test_rollouts_report_weight_version(cluster):
     assert {s.weight_version for s in samples} == {7}
 
 
+def test_min_tokens_keeps_eos_away_until_then(cluster):
+    # algo.min_response_len: the digit prompt "rev 7 6 5 9 =" is answered in ~5 tokens and EOS;
+    # with min_tokens=12 EOS cannot come before the 12th token.
+    engines, _ = cluster
+    prompt = [1, 30, 31, 38, 33, 35, 29]
+    job = RolloutJob(prompt_ids={0: prompt}, prompts={0: None}, samples_per_prompt=4, max_tokens=16, temperature=1.0,
+                     scorer=None, min_tokens=12)
+    samples, _ = ray.get(engines[0].produce_samples.remote(whole_prompt_requests(range(1), 4), job))
+    assert len(samples) == 4 and all(12 <= len(s.response_ids) <= 16 for s in samples), [len(s.response_ids) for s in samples]
+
+
 def test_engine_logprobs_are_of_the_temperature_scaled_distribution_the_trainer_scores(cluster, tiny_model_path):
     """Truncated IS divides the trainer's log-probs, computed on logits / temperature, by the
     engine's: at a temperature != 1 both must be of the same (scaled) distribution."""

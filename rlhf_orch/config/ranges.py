@@ -222,6 +222,7 @@ RANGES: tuple[Range, ...] = (
     reals("algo.actor_lr", 0, why="learning rate"),
     reals("algo.critic_lr", 0, why="learning rate"),
     reals("algo.temperature", 0, 2, lo_open=True, why="policy-gradient methods need sampled responses; vLLM takes at most 2"),
+    ints("algo.min_response_len", 0, "tokens every response has at least (EOS suppressed until then); 0 = off"),
     reals("algo.grad_clip", 0, why="gradient-norm clipping; 0 = off"),
     *(reals(f"algo.{k}", 0, 1, lo_open=True, hi_open=True, why="typically 0.2 (DAPO: clip_high 0.28)")
       for k in ("clip_low", "clip_high")),

@@ -458,6 +458,9 @@ class AlgoConfig:
     ppo_epochs: int = 1  # passes over the rollout; micro-batches reshuffled between passes
     actor_lr: float = 1e-4
     temperature: float = 1.0  # sampling temperature of the rollout (and of the trainer's logprobs)
+    # Tokens every rollout response has at least: EOS cannot end it before (vLLM's min_tokens); 0 = off.
+    # Makes every response long, e.g. for benchmarks of generation-heavy settings (scripts/bench_peers.py).
+    min_response_len: int = 0
     grad_clip: float = 1.0
     # Policy loss: PPO's clipped surrogate with a decoupled range [1 - clip_low, 1 + clip_high].
     clip_low: float = 0.2

@@ -132,17 +132,30 @@ def _gpus(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
 
 def _lengths(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     d, m = cfg.data, cfg.model
+    problems = []
     total = d.prompt_max_len + d.response_max_len
     if total > m.context_len:
-        return [
+        problems.append(
             Problem(
                 "data.response_max_len",
                 d.response_max_len,
                 f"data.prompt_max_len + data.response_max_len = {total} exceeds model.context_len={m.context_len}; "
                 f"lower data.response_max_len to {max(m.context_len - d.prompt_max_len, 0)} or pick a longer-context model",
             )
-        ]
-    return []
+        )
+    if is_int(cfg.algo.min_response_len) and cfg.algo.min_response_len > d.response_max_len:
+        problems.append(Problem(
+            "algo.min_response_len", cfg.algo.min_response_len,
+            f"a response cannot have more than data.response_max_len={d.response_max_len} tokens; "
+            f"set algo.min_response_len <= {d.response_max_len}",
+        ))
+    if is_int(cfg.algo.min_response_len) and cfg.algo.min_response_len > 0 and isinstance(cfg.env, MultiTurnEnvConfig):
+        problems.append(Problem(
+            "algo.min_response_len", cfg.algo.min_response_len,
+            "a multi-turn trajectory's turns end where the environment needs them to (a tool call, an answer); "
+            "a minimum length per response would run past them: leave algo.min_response_len=0 with env",
+        ))
+    return problems
 
 
 # Transports that need real CUDA devices, with the CPU alternative to name in the fix.
@@ -309,8 +322,8 @@ def _transfer(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
 def _pipeline(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     """An overlapping pipeline holds a finished rollout until the trainers are free: ask the
     chosen pipeline and transfer classes what they need and can do."""
-    pipeline, transfer = get_class(cfg.pipeline._target_), get_class(cfg.transfer._target_)
-    if pipeline.needs_held_rollouts and not transfer.holds_rollouts:
+    # The transfer class (it imports torch, ~1.5 s) is asked only when the pipeline needs something.
+    if get_class(cfg.pipeline._target_).needs_held_rollouts and not get_class(cfg.transfer._target_).holds_rollouts:
         return [
             Problem(
                 "transfer",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass, replace
@@ -124,6 +125,11 @@ class VLLMEngine(RolloutProducer):
             os.environ.update(TORCH_COMPILE_OFF_ENV)  # vLLM's TP worker processes (mp)
         if spec.tensor_parallel_size > 1 and spec.distributed_executor_backend == "mp":
             _bind_cpu_workers(spec.tensor_parallel_size)
+        # vLLM's start-up runs gc.collect() five times over everything imported so far (torch,
+        # transformers, vLLM): 1.3-1.4 s of the engine's start, on every run's critical path.
+        # Freezing that heap first (what vLLM itself does once it has started) leaves the
+        # collections only the objects made since: LLM(...) of the tiny model 3.4 s -> 1.7 s.
+        gc.freeze()
         self.llm = LLM(
             model=spec.model_path,
             dtype=spec.dtype,
@@ -186,7 +192,10 @@ class VLLMEngine(RolloutProducer):
         # No per-request seed: with one, vLLM draws the n samples of a prompt identically. The
         # engine's own seed (LLM(seed=...)) makes runs reproducible instead.
         params = [
-            SamplingParams(n=r.count, max_tokens=job.max_tokens, temperature=job.temperature, logprobs=0, detokenize=False)
+            SamplingParams(
+                n=r.count, max_tokens=job.max_tokens, min_tokens=job.min_tokens, temperature=job.temperature,
+                logprobs=0, detokenize=False,
+            )
             for r in requests
         ]
         prompts = [TokensPrompt(prompt_token_ids=job.prompt_ids[r.prompt_index]) for r in requests]

@@ -38,3 +38,11 @@ def resolve_local_checkpoint(name_or_path: str, key: str) -> str:
             f"({type(e).__name__}); download it where there is network (huggingface-cli download {name_or_path}) "
             f"or give the path of a local copy"
         ) from None
+
+
+def check_model_source(model_cfg: object) -> None:
+    """Refuse a model option naming a checkpoint that is not here (`name_or_path`: the `hf` option);
+    options that build their checkpoint (`tiny`) have nothing to check."""
+    name_or_path = getattr(model_cfg, "name_or_path", None)
+    if isinstance(name_or_path, str):
+        resolve_local_checkpoint(name_or_path, "model.name_or_path")

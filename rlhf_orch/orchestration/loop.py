@@ -64,6 +64,7 @@ class LoopSettings:
     max_engine_restarts: int = 0  # engines replaced per run at most (fault.max_engine_restarts)
     engine_tp: int = 1
     engines_sleep: bool = False  # engine.sleep_level > 0: idle engines release their GPU memory
+    min_response_len: int = 0  # algo.min_response_len
 
 
 # Quantities that must stay finite; a NaN or inf in any of them stops the run (`non_finite`).
@@ -328,6 +329,7 @@ class TrainLoop:
             prompt_ids=prompt_ids,
             samples_per_prompt=s.samples_per_prompt,
             max_tokens=s.response_max_len,
+            min_tokens=s.min_response_len,
             temperature=s.temperature,
             scorer=self.reward.rule,
             num_shards=len(self.actors.policy),

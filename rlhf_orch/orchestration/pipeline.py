@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from rlhf_orch.transfer.base import Delivery, HeldRollout, RolloutTransfer, Route
+if TYPE_CHECKING:  # names for annotations only: the config checks read these classes without torch
+    from rlhf_orch.transfer.base import Delivery, HeldRollout, RolloutTransfer, Route
 
 
 class PipelineHost(Protocol):

@@ -26,6 +26,7 @@ from rlhf_orch.algo.losses import (
 from rlhf_orch.algo.ppo_math import masked_mean
 from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config
+from rlhf_orch.trainer.deepspeed_startup import skip_muon_import, skip_shm_comm_op
 from rlhf_orch.trainer.forward import (
     enable_gradient_checkpointing,
     load_critic,
@@ -70,17 +71,6 @@ class TrainerSpec:
     optimizer: str = "adamw"  # trainer.optimizer: "adamw" or "sgd" (plain, no momentum)
     offload_optimizer: bool = False  # trainer.offload_optimizer (ZeRO-Offload; GPU layouts)
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
-
-
-def skip_shm_comm_op() -> None:
-    """DeepSpeed's CPU backend JIT-compiles its shared-memory all-reduce op when its comm starts.
-    Only DeepSpeed's inference all-reduce (AutoTP) uses it, never training; compiling it cost ~60 s
-    of both cores once per virtual environment (and per path of one). DeepSpeed skips an op its
-    compatibility table marks off, and that table is one cached dict (`deepspeed.ops`)."""
-    import deepspeed.ops
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 class _Worker(ExperienceInbox):
@@ -220,6 +210,8 @@ class _Worker(ExperienceInbox):
 
     def _ds_engine(self, model: torch.nn.Module, lr: float):
         import deepspeed
+
+        skip_muon_import()
 
         spec = self.spec
         params = [p for p in model.parameters() if p.requires_grad]

@@ -62,6 +62,7 @@ class RolloutRequest:
     decode: Callable[[list[list[int]]], list[str]] | None = None  # driver-side decoding (baseline only)
     group_filter: GroupFilter | None = None  # dynamic sampling (packed transfer only)
     env: Any = None  # multi-turn rollouts: the `env` option (None: one response per sample)
+    min_tokens: int = 0  # algo.min_response_len
 
     def job(self, prompt_indices: Sequence[int], scorer: Scorer | None) -> RolloutJob:
         return RolloutJob(
@@ -72,6 +73,7 @@ class RolloutRequest:
             temperature=self.temperature,
             scorer=scorer,
             env=self.env,
+            min_tokens=self.min_tokens,
         )
 
 

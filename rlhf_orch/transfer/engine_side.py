@@ -95,6 +95,7 @@ class RolloutJob:
     scorer: Scorer | None  # None: rewards are computed elsewhere (the padded baseline's driver)
     # Multi-turn rollouts: the `env` option (rlhf_orch.env.multi_turn.MultiTurnEnv); None: one response.
     env: Any = None
+    min_tokens: int = 0  # EOS cannot end a response before this many tokens (algo.min_response_len)
 
 
 def sum_env_stats(per_sample: Sequence[dict[str, float] | None]) -> dict[str, float] | None:
