@@ -7,8 +7,8 @@ setup:
 run: setup
 	.venv/bin/python run.py $(ARGS)
 
-# Two workers: one runs the in-process end-to-end tests in order (xdist_group, tests/conftest.py), the
-# other the pure tests, then the tests that start run.py as their own processes (docs/testing.md).
+# Two workers sharing the tests by load; the in-process end-to-end tests of one module stay on one
+# worker, so its Ray session and actors are built once (an xdist group per module, tests/conftest.py).
 test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup $(PYTEST_ARGS)
 

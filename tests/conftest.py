@@ -25,16 +25,16 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_itemcollected(item):
+    # Under `pytest -n 2 --dist loadgroup` (`make test`) the in-process end-to-end tests of one module
+    # stay on one worker (an xdist group per module), so its module-scoped Ray session and actors are
+    # built once; modules and every other test are spread over both workers by load (docs/testing.md).
+    # Needs pytest < 9 (pyproject.toml's test extra): under pytest 9 xdist 3.8 ignores every group.
+    if "integration" in item.keywords and "own_processes" not in item.keywords:
+        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 def pytest_collection_modifyitems(config, items):
-    # Under `pytest -n 2 --dist loadgroup` (`make test`) the in-process end-to-end tests go to one
-    # worker, in file order as without xdist (module-scoped Ray sessions and actors stay shared).
-    # The other worker runs the pure tests, then the tests that start run.py as their own processes
-    # (`own_processes`), one after another: at most two Ray sessions at once (docs/testing.md).
-    for item in items:
-        if "own_processes" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("own_processes"))
-        elif "integration" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("end_to_end"))
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
