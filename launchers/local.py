@@ -16,6 +16,7 @@ from typing import Any, Optional
 import ray
 
 from launchers.base import RayLauncher
+from rlhf_orch.cuda_probe import cuda_device_count  # torch only where the node has NVIDIA GPUs
 
 #: The node address of a local run: every Ray process binds it.
 LOOPBACK = "127.0.0.1"
@@ -46,7 +47,7 @@ class LocalRayLauncher(RayLauncher):
         super().__init__(dry_run, logical_gpus, num_cpus, address, startup_timeout_s, reuse_session, memory_check)
 
     def gpus_present(self) -> int:
-        cuda_gpus = _cuda_device_count()
+        cuda_gpus = cuda_device_count()
         if cuda_gpus == 0 and self.logical_gpus > 0:
             return self.logical_gpus
         return cuda_gpus
@@ -128,8 +129,3 @@ def _loopback_node_address() -> Iterator[None]:
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
-
-def _cuda_device_count() -> int:
-    from rlhf_orch.cuda_probe import cuda_device_count  # torch only where the node has NVIDIA GPUs
-
-    return cuda_device_count()

@@ -205,6 +205,12 @@ def _main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
         launcher.close_early()
 
 
+def _stopped_during_start_up() -> tuple[int, None]:
+    """A SIGINT before the run's own handler is installed arrives as KeyboardInterrupt: exit 130."""
+    print("error: SIGINT received during start-up: stopped before the first step", file=sys.stderr)
+    return EXIT_SIGNAL_BASE + signal.SIGINT, None
+
+
 def _train(cfg: DictConfig, typed: RootConfig, plan: PlacementPlan, launcher: Any, out: Path) -> tuple[int, dict[str, Any] | None]:
     # heavy imports only when training
     try:
@@ -213,8 +219,7 @@ def _train(cfg: DictConfig, typed: RootConfig, plan: PlacementPlan, launcher: An
         from rlhf_orch.orchestration.session import RunFailed, run_training
         from rlhf_orch.orchestration.signals import SignalAbort
     except KeyboardInterrupt:
-        print("error: SIGINT received during start-up: stopped before the first step", file=sys.stderr)
-        return EXIT_SIGNAL_BASE + signal.SIGINT, None
+        return _stopped_during_start_up()
 
     try:
         summary = run_training(cfg, typed, plan, launcher, out)
@@ -227,10 +232,8 @@ def _train(cfg: DictConfig, typed: RootConfig, plan: PlacementPlan, launcher: An
     except SignalAbort as e:
         print(f"error: {e}; the step in progress was abandoned (summary.json says so)", file=sys.stderr)
         return EXIT_SIGNAL_BASE + e.signum, None
-    except KeyboardInterrupt:
-        # SIGINT before the run's own handler is installed (while the inputs are prepared).
-        print("error: SIGINT received during start-up: stopped before the first step", file=sys.stderr)
-        return EXIT_SIGNAL_BASE + signal.SIGINT, None
+    except KeyboardInterrupt:  # before the run's own handler is installed (while the inputs are prepared)
+        return _stopped_during_start_up()
     except Exception as e:  # noqa: BLE001 - any other failure of a run is a runtime failure too (exit 3)
         return _runtime_failure(out, e, f"{type(e).__name__}: {e}", write_summary=True), None
     print(json.dumps(summary))

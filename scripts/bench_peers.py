@@ -153,7 +153,7 @@ def run_ours(setting: dict, steps: int, seed: int, out: Path, skip: int) -> dict
     wall = (steady[-1]["time/elapsed"] - rows[skip - 1]["time/elapsed"]) / len(steady) if skip else steady[-1]["time/elapsed"] / len(steady)
     tokens = [r["response/mean_len"] * r["rollout/samples"] for r in steady]
     phases = {k: statistics.median(r.get(f"time/{k}", 0.0) for r in steady)
-              for k in ("step", "generate", "hand_over", "transfer", "experience", "train", "sync")}
+              for k in ("step", "generate", "hand_over", "experience", "train", "sync")}
     return {
         "startup_s": m["startup_s"], "peak_gb": m["peak_gb"], "wall_per_step_s": wall,
         "gen_tokens_per_s": sum(tokens) / sum(r["time/generate"] for r in steady),
@@ -239,16 +239,16 @@ def main() -> None:
         setting = {**SETTINGS[name], "name": name}
         steps = args.steps or setting["steps"]
         results[name] = {"rlhf_orch": {}, "trl": {}}
+        specs = {}
         for seed in args.seeds:
-            spec = shared_inputs(setting["overrides"], max(steps, args.parts_steps), seed)
+            specs[seed] = spec = shared_inputs(setting["overrides"], max(steps, args.parts_steps), seed)
             t = time.perf_counter()
             results[name]["rlhf_orch"][seed] = run_ours(setting, steps, seed, args.out, args.skip)
             print(f"  {name:16s} rlhf_orch seed {seed}: {steps} steps in {time.perf_counter() - t:.0f}s", flush=True)
             t = time.perf_counter()
             results[name]["trl"][seed] = run_trl({**spec, "steps": steps}, setting, seed, args.out, args.skip)
             print(f"  {name:16s} trl       seed {seed}: {steps} steps in {time.perf_counter() - t:.0f}s", flush=True)
-        parts[name] = run_parts(shared_inputs(setting["overrides"], args.parts_steps, args.seeds[0]), setting, args.out,
-                                args.parts_steps, 1)
+        parts[name] = run_parts(specs[args.seeds[0]], setting, args.out, args.parts_steps, 1)
 
     print(f"\nrlhf_orch vs TRL {trl.__version__} (GRPO, tiny model, digit task; machine: {os.cpu_count()} cores, no GPU)")
     header = f"{'setting':17s}{'system':10s}{'seed':>5s}{'startup s':>10s}{'s/step':>8s}{'gen tok/s':>10s}{'train tok/s':>12s}{'peak GB':>8s}{'resp len':>9s}{'reward last':>12s}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlhf_orch.models.base import ModelSource
-from rlhf_orch.models.hub import resolve_local_checkpoint
+from rlhf_orch.models.hub import check_model_source, resolve_local_checkpoint
 
 
 class HFModel(ModelSource):
@@ -28,5 +28,6 @@ class HFModel(ModelSource):
         return resolve_local_checkpoint(self.name_or_path, "model.name_or_path")
 
     def check(self) -> None:
-        """Refuse (one line) a hub id that is neither a local directory nor in the local HF cache."""
-        resolve_local_checkpoint(self.name_or_path, "model.name_or_path")
+        """Refuse (one line) a hub id that is neither a local directory nor in the local HF cache
+        (the same check the app makes on the config before its heavy imports)."""
+        check_model_source(self)
