@@ -35,6 +35,10 @@ def test_default_config_is_valid():
 BAD = [
     (["algo.min_response_len=17"], "algo.min_response_len=17", "set algo.min_response_len <= 16"),
     (["env=lookup", "data=lookup", "model=tiny_tool", "algo.min_response_len=2"], "algo.min_response_len=2", "leave algo.min_response_len=0 with env"),
+    (["env=agent", "env.path=scripts/examples/openai_agent.py", "env.name=three_tries", "env.max_tokens_per_turn=17"],
+     "env.max_tokens_per_turn=17", "set env.max_tokens_per_turn <= 16"),
+    (["env=agent", "env.path=scripts/examples/openai_agent.py", "env.name=three_tries", "env.host=public"],
+     "env.host='public'", "'loopback' or 'node'"),
     (["algo.train_batch_size=48"], "algo.train_batch_size=48", "divisor of 128"),
     (["algo.micro_batch_size=24"], "algo.micro_batch_size=24", "micro_batch_size dividing"),
     (["placement.actor_ranks=3"], "placement.actor_ranks=3", "do not split over 3 actor ranks"),

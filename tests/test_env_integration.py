@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from rlhf_orch.app import check
 from rlhf_orch.data.digit_task import score_response
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
+from rlhf_orch.env.agent import AgentEnv
 from rlhf_orch.env.custom import CustomEnv
 from rlhf_orch.orchestration.session import run_training
 from rlhf_orch.transfer.batch import LOSS_MASK
@@ -128,6 +129,81 @@ def test_trajectories_keep_the_engines_tokens_and_mask_observations(engine, env_
     ray.get(engine.reseed.remote(123))
     again, _ = ray.get(engine.produce_samples.remote(requests, job))
     assert [a.response_ids.tolist() for a in again] == [s.response_ids.tolist() for s in samples]
+
+
+EXAMPLE_AGENT = str(Path(__file__).resolve().parents[1] / "scripts" / "examples" / "openai_agent.py")
+AGENT_LOG = '''
+import json, os, sys
+sys.path.insert(0, {examples!r})
+import openai_agent
+
+
+def three_tries_logged(row, client, base_url, **kwargs):
+    """The example agent, writing down every reply it was sent."""
+    replies = []
+    create = client.chat.completions.create
+
+    def logged(**kw):
+        reply = create(**kw)
+        replies.append(reply.choices[0].message.content)
+        return reply
+
+    client.chat.completions.create = logged
+    result = openai_agent.three_tries(row, client)
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{"url": base_url, "replies": replies, "score": result["score"]}}) + "\\n")
+    return result
+'''
+
+
+def test_an_openai_agent_s_calls_train_as_the_engine_generated_them(engine, tiny_model_path, tmp_path):
+    """The example agent (the `openai` client; three dependent calls with a tool message between
+    them) on a real engine: each trajectory is one sequence whose model tokens decode to exactly
+    the replies the agent was sent, whose tool messages are masked context, and whose log-probs,
+    recomputed by the trainer's model over the merged sequence, equal the engine's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32).eval()
+    prompts = _digit_prompts(tokenizer, 3)
+    log = tmp_path / "replies.jsonl"
+    path = tmp_path / "agent.py"
+    path.write_text(AGENT_LOG.format(examples=str(Path(EXAMPLE_AGENT).parent), log=str(log)))
+    env = AgentEnv(path=str(path), name="three_tries_logged", max_tokens_per_turn=8, prompt_max_len=32)
+    job = RolloutJob(
+        prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)}, prompts=dict(enumerate(prompts)),
+        samples_per_prompt=2, max_tokens=40, temperature=1.0, scorer=None, env=env,
+    )
+    ray.get(engine.reseed.remote(5))
+    samples, _ = ray.get(engine.produce_samples.remote(whole_prompt_requests(range(3), 2), job))
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(samples) == len(seen) == 6 and all(len(s["replies"]) == 3 for s in seen)
+    trained_replies = []
+    for s in samples:
+        ids, mask = s.response_ids.tolist(), s.fields[LOSS_MASK].tolist()
+        spans, context = [[]], []
+        for t, m in zip(ids, mask):
+            if m:
+                spans[-1].append(t)
+            else:
+                context.append(t)
+                if spans[-1]:
+                    spans.append([])
+        trained_replies.append(tuple(tokenizer.decode(span, skip_special_tokens=True) for span in spans if span))
+        tool = tokenizer(" " + prompts[s.index // 2].text, add_special_tokens=False)["input_ids"]
+        # the two tool messages as the chat template renders them (after the EOS it closes a reply
+        # cut at max_tokens with)
+        assert [t for t in context if t != tokenizer.eos_token_id] == tool + tool
+        assert s.prompt_ids.tolist() == list(prompts[s.index // 2].prompt_ids)  # the first call's prompt is the row's
+        full = torch.cat([s.prompt_ids, s.response_ids]).long()
+        with torch.no_grad():
+            logits = model(full[None]).logits[0, len(s.prompt_ids) - 1 : -1]
+        trainer = torch.log_softmax(logits, -1).gather(-1, s.response_ids[:, None].long())[:, 0]
+        keep = torch.tensor(mask, dtype=torch.bool)
+        assert torch.allclose(trainer[keep], s.engine_logprobs[keep], atol=TOLERANCE)
+        assert s.engine_logprobs[~keep].abs().sum() == 0
+    assert sorted(trained_replies) == sorted(tuple(r["replies"]) for r in seen)
+    assert sorted(s.reward for s in samples) == pytest.approx(sorted(r["score"] for r in seen))
 
 
 def _run(overrides: list[str], run_dir: Path) -> list[dict]:
@@ -250,3 +326,32 @@ def test_an_engine_dying_inside_an_environment_step_is_replaced(tmp_path):
     assert [r["fault/engine_restarts"] for r in rows] == [0, 1, 1]
     assert Path(str(marker) + ".taken").exists()
     assert all(r["rollout/samples"] == 8 * 2 and r["env/turns_mean"] == 2.0 for r in rows)
+
+
+def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
+    """`env=agent` with the example agent in a whole run: every trajectory's calls merge (none
+    unmerged, no agent errors), the policy trains on them, and once the run has ended nothing
+    listens where the engines served the agents."""
+    import socket
+
+    cfg = compose_config(["experiment=quick", "algo.num_steps=2", "checkpoint.export_final=false", "env=agent",
+                          f"env.path={EXAMPLE_AGENT}", "env.name=three_tries", "env.max_tokens_per_turn=8",
+                          "data.response_max_len=40", "placement.engines=2", *SHARED_RAY])
+    launcher = instantiate(cfg.launcher)
+    typed, plan = check(cfg, launcher)
+    endpoints = []
+
+    def where(step: int, loop) -> None:
+        endpoints.extend(e for e in ray.get([engine.chat_endpoint.remote() for engine in loop.actors.engines]) if e)
+
+    summary = run_training(cfg, typed, plan, launcher, tmp_path, callbacks=[where])
+    assert summary["status"] == "completed"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["env/calls_mean"] > 2.5 and r["env/unmerged_calls"] == 0 and r["env/agent_errors"] == 0
+        assert r["env/tries_mean"] == r["env/calls_mean"] and r["rollout/samples"] == 16
+    assert rows[-1]["loss/policy"] != 0
+    assert len({(e["host"], e["port"]) for e in endpoints}) == 2  # one server per engine, for the engine's life
+    for e in endpoints:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((e["host"], e["port"]), timeout=2)

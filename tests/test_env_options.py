@@ -158,6 +158,8 @@ def test_a_template_that_drops_tool_turns_is_refused_with_the_fix(tiny_model):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model.path())
+    # a template that renders the user's turns only (the tiny model's renders conversations)
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
     with pytest.raises(EnvError, match="env.observation_format=plain"):
         ObservationRenderer(tokenizer, "chat_template")([{"role": "tool", "content": "1 2"}])
 

@@ -402,6 +402,22 @@ class PythonToolEnvConfig(MultiTurnEnvConfig):
     tool_max_output_bytes: int = 2000
 
 
+@dataclass
+class AgentEnvConfig(EnvConfig):
+    """An agent program calling the run's OpenAI-compatible endpoint: env.path=<file.py> env.name=<function>."""
+
+    _target_: str = "rlhf_orch.env.agent.AgentEnv"
+    path: str = MISSING
+    name: str = MISSING
+    max_tokens_per_turn: Optional[int] = None  # per call; null = the whole data.response_max_len
+    max_calls: int = 16  # chat-completions calls per trajectory; later ones are refused (HTTP 400)
+    concurrency: int = 16  # agent functions running at once per engine
+    timeout_s: float = 120.0  # one agent function, calls included; past it: reward 0, counted
+    host: str = "auto"  # where the endpoint listens: auto (loopback on one node), loopback, node
+    served_model_name: str = "policy"  # the model name agents must ask for (GET /v1/models)
+    tool_parser: str = "hermes"  # "hermes": <tool_call>{json}</tool_call> -> tool_calls; "none"
+
+
 # --------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
@@ -754,7 +770,7 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "model": ModelRewardConfig,
     },
     "env": {"single_turn": SingleTurnEnvConfig, "custom": CustomEnvConfig, "skyrl": SkyRLEnvConfig, "python_tool": PythonToolEnvConfig,
-            "lookup": LookupEnvConfig},
+            "lookup": LookupEnvConfig, "agent": AgentEnvConfig},
     "model": {"tiny": TinyModelConfig, "hf": HFModelConfig},
     "algo": {"ppo": PPOConfig, "grpo": GRPOConfig, "rloo": RLOOConfig, "reinforce_pp": ReinforcePPConfig, "dapo": DAPOConfig},
     "logger": {"console": ConsoleLoggerConfig, "wandb": WandbLoggerConfig},

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from hydra.utils import get_class
 
 from rlhf_orch.config.schema import (
+    AgentEnvConfig,
     ClusterLauncherConfig,
     ColocatedPlacementConfig,
     CountdownRuleConfig,
@@ -46,6 +47,10 @@ from rlhf_orch.config.schema import (
 from rlhf_orch.config.problems import ConfigError, Problem
 from rlhf_orch.config.ranges import is_int, is_real, lookup, range_problems
 from rlhf_orch.topology.plan import PlacementPlan
+
+
+# The env options whose rollouts are trajectories the engines drive (their rewards are made there).
+TRAJECTORY_ENVS = (MultiTurnEnvConfig, AgentEnvConfig)
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ def _lengths(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem
             f"a response cannot have more than data.response_max_len={d.response_max_len} tokens; "
             f"set algo.min_response_len <= {d.response_max_len}",
         ))
-    if is_int(cfg.algo.min_response_len) and cfg.algo.min_response_len > 0 and isinstance(cfg.env, MultiTurnEnvConfig):
+    if is_int(cfg.algo.min_response_len) and cfg.algo.min_response_len > 0 and isinstance(cfg.env, TRAJECTORY_ENVS):
         problems.append(Problem(
             "algo.min_response_len", cfg.algo.min_response_len,
             "a multi-turn trajectory's turns end where the environment needs them to (a tool call, an answer); "
@@ -340,7 +345,7 @@ def _env(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     """Multi-turn rollouts: a turn fits the trajectory's budget, the engines score what they
     generate (the environments live there), and the reward is one the engines can finish."""
     env = cfg.env
-    if not isinstance(env, MultiTurnEnvConfig):
+    if not isinstance(env, TRAJECTORY_ENVS):
         return []
     problems = []
     budget = cfg.data.response_max_len

@@ -181,10 +181,9 @@ class VLLMEngine(RolloutProducer):
         """Continuous batching over all `requests`; yields each request's completions as it finishes
         (multi-turn trajectories when the job has an environment: `rlhf_orch.engines.turns`)."""
         if job.env is not None:
-            from rlhf_orch.engines.turns import complete_trajectories
-
             self._weights_present()
-            yield from complete_trajectories(self.llm, requests, job, getattr(self, "_step_seed", self.spec.seed))
+            run = {"turns": self._complete_turns, "agent": self._complete_agents}[job.env.rollout]
+            yield from run(requests, job, getattr(self, "_step_seed", self.spec.seed))
             return
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -221,6 +220,30 @@ class VLLMEngine(RolloutProducer):
                 yield completions
         if by_id:
             raise RuntimeError(f"vLLM finished without answering {len(by_id)} request(s)")
+
+    def _complete_turns(self, requests, job: RolloutJob, step_seed: int):
+        from rlhf_orch.engines.turns import complete_trajectories
+
+        return complete_trajectories(self.llm, requests, job, step_seed)
+
+    def _complete_agents(self, requests, job: RolloutJob, step_seed: int):
+        from rlhf_orch.engines.agent_rollout import complete_agent_trajectories
+
+        return complete_agent_trajectories(self.llm, self._chat_server(job.env), requests, job, step_seed)
+
+    def _chat_server(self, env: Any) -> Any:
+        """The engine's `env=agent` endpoint, started at its first agent rollout, closed with the engine."""
+        server = getattr(self, "_server", None)
+        if server is None:
+            from rlhf_orch.engines.chat_server import ChatServer
+
+            server = self._server = ChatServer(_serving_host(env.host), env.served_model_name)
+        return server
+
+    def chat_endpoint(self) -> dict[str, Any] | None:
+        """Where the agent endpoint listens (None before any agent rollout)."""
+        server = getattr(self, "_server", None)
+        return None if server is None else {"host": server.host, "port": server.port}
 
     def reseed(self, seed: int) -> None:
         """Sampling from here on draws from `seed` (every worker of a tensor-parallel engine);
@@ -309,6 +332,13 @@ class VLLMEngine(RolloutProducer):
         from rlhf_orch.topology.introspect import where_am_i
 
         return where_am_i("engine", self.index)
+
+
+def _serving_host(host: str) -> str:
+    """env.host: the loopback interface on a one-node cluster (`auto`, `loopback`), else this node's address."""
+    if host == "loopback" or (host == "auto" and (not ray.is_initialized() or len(ray.nodes()) <= 1)):
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
 
 
 def _fetched(payload: Any) -> Any:

@@ -81,6 +81,13 @@ class EnvGroup(abc.ABC):
     """What `env=<option>` builds (picklable: shipped to every engine with each rollout job)."""
 
     multi_turn: bool = False
+    rollout: str = "turns"  # what an engine runs for a multi-turn option (rlhf_orch.engines.vllm_engine)
+
+    def bind(self, task: Any) -> None:
+        """On the driver, once the data is loaded: take what the option needs of it."""
+
+    def check(self, prompt: Prompt, tokenizer: Any) -> None:
+        """Before Ray: the option works for this prompt and tokenizer (EnvError naming the fix)."""
 
     def make(self, prompt: Prompt) -> TextEnv:
         """This trajectory's environment (multi-turn options only)."""

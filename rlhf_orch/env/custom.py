@@ -22,14 +22,14 @@ _MODULES: dict[str, ModuleType] = {}
 _LOCK = threading.Lock()
 
 
-def load_env_class(path: str, name: str) -> type:
-    """The class `name` of file `path` (imported once per process); EnvError naming file and line."""
+def load_user_module(path: str, key: str) -> ModuleType:
+    """The user's file `path` (imported once per process); EnvError naming `key`, the file and line."""
     resolved = os.path.realpath(path)
     with _LOCK:
         module = _MODULES.get(resolved)
         if module is None:
             if not os.path.isfile(resolved):
-                raise EnvError(f"env.path: no such file {path}")
+                raise EnvError(f"{key}: no such file {path}")
             spec = importlib.util.spec_from_file_location(f"rlhf_orch_user_env_{abs(hash(resolved))}", resolved)
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
@@ -37,8 +37,14 @@ def load_env_class(path: str, name: str) -> type:
                 spec.loader.exec_module(module)
             except Exception as e:  # noqa: BLE001 - any error in the user's file, in one line
                 sys.modules.pop(spec.name, None)
-                raise EnvError(f"env.path: importing failed: {describe_exception(e, resolved)}") from e
+                raise EnvError(f"{key}: importing failed: {describe_exception(e, resolved)}") from e
             _MODULES[resolved] = module
+    return module
+
+
+def load_env_class(path: str, name: str) -> type:
+    """The class `name` of file `path` (imported once per process); EnvError naming file and line."""
+    module = load_user_module(path, "env.path")
     cls = getattr(module, name, None)
     if cls is None:
         raise EnvError(f"env.name={name!r}: {path} defines no {name!r}")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf_orch.env.base import EnvError, EnvGroup
-from rlhf_orch.env.observations import FORMATS
+from typing import Any
+
+from rlhf_orch.data.base import Prompt
+from rlhf_orch.env.base import EnvError, EnvGroup, prompt_messages
+from rlhf_orch.env.observations import FORMATS, ObservationRenderer
 from rlhf_orch.env.trajectory import TrajectoryLimits
 
 REWARDS = ("last", "sum")
@@ -40,6 +43,13 @@ class MultiTurnEnv(EnvGroup):
     def limits(self, response_max_len: int) -> TrajectoryLimits:
         per_turn = self.max_tokens_per_turn or response_max_len
         return TrajectoryLimits(self.max_turns, per_turn, response_max_len, self.max_observation_tokens)
+
+    def check(self, prompt: Prompt, tokenizer: Any) -> None:
+        """The observation format renders with this tokenizer; the environment starts for `prompt`."""
+        ObservationRenderer(tokenizer, self.observation_format)([{"role": "user", "content": "0"}])
+        instance = self.make(prompt)
+        instance.init(prompt_messages(prompt))
+        getattr(instance, "close", lambda: None)()
 
     def step_timeout_s(self) -> float:
         """How long one env.step may take before the trajectory ends (counted as env/step_timeouts)."""

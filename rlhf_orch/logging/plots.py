@@ -9,7 +9,7 @@ One file per topic, plus `overview.png` with every panel on one page:
     step_time.png         time/step split by phase (stacked): generate, transfer, experience, train,
                           sync, reward_model and engine_restart when present, the rest as "other"
     throughput.png        perf/tokens_per_s and perf/gen_tokens_per_s
-    env.png               multi-turn runs: env/turns_mean and env/tool_calls_mean per trajectory
+    env.png               multi-turn runs: env/turns_mean and env/tool_calls_mean per trajectory (agents: env/calls_mean)
 
 Readable at a glance: labelled axes with units, the run's name (experiment name and run dir) in
 every title, integer step ticks, a smoothed line (rolling mean) with the raw per-step values faint
@@ -187,7 +187,8 @@ def panels_for(rows: list[dict]) -> dict[str, list[Panel]]:
     files["throughput"] = [tput] if tput.lines else []
 
     env = Panel("multi-turn trajectories (env)", "per trajectory (mean)")
-    for key, label, color in (("env/turns_mean", "model turns", "#8c564b"), ("env/tool_calls_mean", "tool calls", "#e377c2")):
+    for key, label, color in (("env/turns_mean", "model turns", "#8c564b"), ("env/tool_calls_mean", "tool calls", "#e377c2"),
+                              ("env/calls_mean", "agent's model calls", "#17becf")):
         if has(key):
             env.lines.append(Line(key, f"{key} ({label})", color))
     files["env"] = [env] if env.lines else []

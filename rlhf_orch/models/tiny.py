@@ -14,7 +14,7 @@ from rlhf_orch.models.tiny_build import TinyLlamaSpec, build_tiny_checkpoint
 from rlhf_orch.models.warm_start_task import WARM_STARTS
 
 # Bumped when the build procedure changes in a way the spec, recipe and task do not capture.
-BUILD_FORMAT_VERSION = 3  # 2: model vocabulary = tokenizer size; 3: chat template
+BUILD_FORMAT_VERSION = 4  # 2: model vocabulary = tokenizer size; 3: chat template; 4: it renders conversations
 
 
 class TinyLlama(ModelSource):

@@ -26,10 +26,15 @@ MIN_HEAD_DIM = 32
 
 # The tiny model knows no roles: its chat template renders the user turns as the plain task text
 # after BOS, so chat-format rows (veRL's parquet layout) of the digit task reach the model exactly as
-# the plain prompts do (same token ids), and `data.chat_template=true` works with it.
+# the plain prompts do (same token ids), and `data.chat_template=true` works with it. A conversation
+# renders as the tool-use task writes a trajectory (`rlhf_orch.data.lookup_task`): an assistant
+# turn is its words after a space (none for an empty turn), then EOS; a tool or later user turn its
+# text as is. So a conversation an agent sends back re-renders the model's own tokens exactly
+# (`env=agent` merges its calls).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
-    "{{ message['content'] }}{% endif %}{% endfor %}"
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{% if message['content'] %}{{ ' ' + message['content'] }}{% endif %}{{ eos_token }}"
+    "{% elif message['role'] in ('user', 'tool') %}{{ message['content'] }}{% endif %}{% endfor %}"
 )
 
 

@@ -16,8 +16,7 @@ from omegaconf import DictConfig
 
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.data.base import DataError, Prompt, PromptSource
-from rlhf_orch.env.base import EnvError, EnvGroup, prompt_messages
-from rlhf_orch.env.observations import ObservationRenderer
+from rlhf_orch.env.base import EnvError, EnvGroup
 from rlhf_orch.models.hub import ModelSourceError
 from rlhf_orch.reward.base import RewardError
 from rlhf_orch.reward.model import RewardModelError
@@ -65,6 +64,7 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
     # With an environment the reward group counts only at env.reward_weight != 0.
     uses_reward_group = not env.multi_turn or bool(getattr(env, "reward_weight", 0.0))
     if env.multi_turn:
+        env.bind(task)
         check_env(env, task, tokenizer)
         notes += env.describe()
 
@@ -95,18 +95,15 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
 
 
 def check_env(env: EnvGroup, task: PromptSource, tokenizer: Any) -> None:
-    """Before Ray: the observation format works with this tokenizer, and the environment builds
-    and starts for the first training prompt (a user's class loads, a skyrl-gym id exists)."""
-    ObservationRenderer(tokenizer, env.observation_format)([{"role": "user", "content": "0"}])
+    """Before Ray: the environment builds and starts for the first training prompt (a user's
+    class or function loads, a skyrl-gym id exists, the observation format suits the tokenizer)."""
     probe = task.eval_prompts(1)
     if not probe:
         state = task.state_dict()
         probe = task.sample_prompts(1)
         task.load_state_dict(state)  # the probe draws nothing a run would see
     try:
-        instance = env.make(probe[0])
-        instance.init(prompt_messages(probe[0]))
-        getattr(instance, "close", lambda: None)()
+        env.check(probe[0], tokenizer)
     except EnvError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's class or the row, in one line

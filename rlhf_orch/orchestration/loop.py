@@ -91,8 +91,24 @@ def _brief(error: BaseException) -> str:
 
 
 def env_metrics(stats: dict[str, float]) -> dict[str, float]:
-    """A multi-turn rollout's env counters as per-trajectory means and counts (`env/...`)."""
+    """A trajectory rollout's env counters as per-trajectory means and counts (`env/...`):
+    multi-turn environments' (turns, tools) or agent programs' (calls, `env=agent`)."""
     n = max(stats.get("trajectories", 0.0), 1.0)
+    if "calls" in stats:
+        metrics = {
+            "env/calls_mean": stats["calls"] / n,
+            "env/unmerged_calls": stats.get("unmerged_calls", 0.0),
+            "env/refused_calls": stats.get("refused_calls", 0.0),
+            "env/agent_errors": stats.get("agent_errors", 0.0),
+            "env/agent_timeouts": stats.get("agent_timeouts", 0.0),
+            "env/completion_tokens_mean": stats.get("completion_tokens", 0.0) / n,
+            "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
+            "env/truncated": stats.get("truncated", 0.0),
+            "env/agent_s_mean": stats.get("agent_seconds", 0.0) / n,  # in the agent's own code
+            "env/generation_s_mean": stats.get("generation_seconds", 0.0) / n,  # its calls waiting for the engine
+        }
+        metrics.update({f"env/{k.split('/', 1)[1]}_mean": v / n for k, v in stats.items() if k.startswith("agent_metric/")})
+        return metrics
     return {
         "env/turns_mean": stats.get("turns", 0.0) / n,
         "env/tool_calls_mean": stats.get("tool_calls", 0.0) / n,

@@ -1,0 +1,275 @@
+"""An `env=agent` rollout on one engine: serve the agents' calls, drive the engine, record tokens.
+
+`AgentRolloutSession` owns one rollout: it gives every trajectory a random id (its base URL on
+the engine's `ChatServer`), starts the agent functions (`AgentRunner`), and from the actor's own
+thread feeds their calls to the engine, continuous-batched like every other rollout, until every
+function has returned. A call, on the server's thread: checked (`chat_api.parse_request`),
+rendered with the tokenizer's chat template (tools included), given its budget by the
+trajectory's record, queued, answered once the engine finished it, and recorded
+(`AgentRecord.add`). Each call samples with its own seed from (step seed, trajectory, call
+number), so a trajectory draws the same tokens whatever the other trajectories do.
+
+The engine side is a `CallGenerator` (`VLLMCalls` here; tests a scripted one), so the session
+runs without vLLM.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Protocol, Sequence
+
+from rlhf_orch.engines.turns import turn_seed
+from rlhf_orch.env.agent_record import AgentLimits, AgentRecord, CallRefused
+from rlhf_orch.env.agent_runner import AgentOutcome, AgentRunner
+from rlhf_orch.env.chat_api import ChatAPIError, completion_body, parse_request
+
+
+@dataclass
+class CallOutput:
+    key: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+
+
+class CallGenerator(Protocol):
+    def submit(self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str]) -> None: ...
+
+    def poll(self) -> list[CallOutput]:
+        """Advance generation a little; the calls that finished meanwhile."""
+
+    def busy(self) -> bool: ...
+
+    def abort(self, keys: Sequence[int]) -> None: ...
+
+
+@dataclass
+class _Pending:
+    key: int
+    index: int
+    prompt_ids: list[int]
+    max_tokens: int
+    seed: int
+    stop: list[str]
+    future: Future
+
+
+@dataclass
+class TrajectoryResult:
+    index: int
+    record: AgentRecord
+    outcome: AgentOutcome
+
+
+class AgentRolloutSession:
+    def __init__(self, server: Any, generator: CallGenerator, tokenizer: Any, runner: AgentRunner, limits: AgentLimits,
+                 temperature: float, step_seed: int, tool_parser: str, call_timeout_s: float):
+        self.server = server
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.limits = limits
+        self.temperature = temperature
+        self.step_seed = step_seed
+        self.tool_parser = tool_parser
+        self.call_timeout_s = call_timeout_s
+        self.records: dict[str, AgentRecord] = {}
+        self._calls_made: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Pending] = queue.Queue()
+        self._in_flight: dict[int, _Pending] = {}
+        self._next_key = 0
+        self._open = False
+
+    # ------------------------------------------------------------------ the actor's thread
+    def run(self, items: Sequence[tuple[int, Any]]) -> list[TrajectoryResult]:
+        """items: (trajectory index, row). Returns once every agent function has returned."""
+        ids = {index: secrets.token_hex(8) for index, _ in items}
+        self.records = {ids[index]: AgentRecord(index, self.limits) for index, _ in items}
+        self._open = True
+        self.server.serve(self.handle)
+        try:
+            self.runner.start([(index, row, self.server.base_url(ids[index])) for index, row in items])
+            while not self.runner.done():
+                self._feed()
+                if self.generator.busy():
+                    self._deliver(self.generator.poll())
+                else:
+                    self._wait_for_work()
+            self.runner.wait(0)  # re-raises a crash of the runner's own loop
+        finally:
+            self._close()
+        by_index = {r.index: r for r in self.records.values()}
+        return [TrajectoryResult(i, by_index[i], self.runner.outcomes.get(i, AgentOutcome(i, error="no outcome"))) for i, _ in items]
+
+    def _feed(self) -> None:
+        while True:
+            try:
+                call = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._in_flight[call.key] = call
+            self.generator.submit(call.key, call.prompt_ids, call.max_tokens, call.seed, call.stop)
+
+    def _wait_for_work(self) -> None:
+        try:
+            call = self._queue.get(timeout=0.02)
+        except queue.Empty:
+            return
+        self._queue.put(call)
+
+    def _deliver(self, outputs: Sequence[CallOutput]) -> None:
+        for out in outputs:
+            call = self._in_flight.pop(out.key, None)
+            if call is not None:
+                call.future.set_result(out)
+
+    def _close(self) -> None:
+        """No call is answered after this: new ones get 410, waiting ones an error."""
+        self.server.serve(None)
+        with self._lock:
+            self._open = False
+        self._feed()
+        if self._in_flight:
+            self.generator.abort(list(self._in_flight))
+        for call in self._in_flight.values():
+            call.future.set_exception(ChatAPIError(410, "the rollout ended before this call was answered", kind="gone"))
+        self._in_flight.clear()
+
+    # ------------------------------------------------------------------ the server's threads
+    def handle(self, trajectory_id: str, body: Any) -> dict[str, Any]:
+        record = self.records.get(trajectory_id)
+        if record is None or not self._open:
+            raise ChatAPIError(410, f"trajectory {trajectory_id} is not part of the running rollout (its rollout ended)", kind="gone")
+        call = parse_request(body, self.server.model_name, self.temperature)
+        try:
+            prompt_ids = self._render(call.messages, call.tools)
+        except Exception as e:  # noqa: BLE001 - the template's error, to the agent
+            raise ChatAPIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}", "messages") from e
+        t = time.perf_counter()
+        with self._lock:
+            if not self._open:
+                raise ChatAPIError(410, "the rollout ended", kind="gone")
+            try:
+                max_tokens = record.budget(prompt_ids, call.max_tokens)
+            except CallRefused as e:
+                record.counts.refused_calls += 1
+                raise ChatAPIError(400, str(e), "messages", "context_length_exceeded") from e
+            number = self._calls_made.get(record.index, 0)
+            self._calls_made[record.index] = number + 1
+            key, self._next_key = self._next_key, self._next_key + 1
+            seed = turn_seed(self.step_seed, record.index, number)
+            pending = _Pending(key, record.index, prompt_ids, max_tokens, seed, call.stop, Future())
+            self._queue.put(pending)
+        out: CallOutput = pending.future.result(timeout=self.call_timeout_s)
+        with self._lock:
+            record.counts.generation_seconds += time.perf_counter() - t
+            record.add(prompt_ids, out.token_ids, out.logprobs, out.finish_reason == "length")
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return completion_body(self.server.model_name, text, out.finish_reason, len(prompt_ids), len(out.token_ids), self.tool_parser)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        kwargs = {"tools": tools} if tools else {}
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # BatchEncoding in newer transformers
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+
+class VLLMCalls:
+    """`CallGenerator` on a `vllm.LLM`: one request per call (n=1), from the call's token ids."""
+
+    def __init__(self, llm: Any, temperature: float):
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.temperature = temperature
+        self._key_of: dict[str, int] = {}
+
+    def submit(self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str]) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=1, max_tokens=max_tokens, temperature=self.temperature, logprobs=0, seed=seed,
+            stop=stop or None, detokenize=bool(stop),  # stop strings are matched on text
+        )
+        (request_id,) = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(prompt_ids))], [params], use_tqdm=False)
+        self._key_of[str(request_id).rsplit("-", 1)[0]] = key
+
+    def busy(self) -> bool:
+        return bool(self._key_of) and self.engine.has_unfinished_requests()
+
+    def poll(self) -> list[CallOutput]:
+        done = []
+        for out in self.engine.step():
+            key = self._key_of.pop(str(out.request_id), None) if out.finished else None
+            if key is None:
+                continue
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
+            done.append(CallOutput(key, ids, lps, "length" if comp.finish_reason == "length" else "stop"))
+        return done
+
+    def abort(self, keys: Sequence[int]) -> None:
+        wanted = set(keys)
+        ids = [rid for rid, key in self._key_of.items() if key in wanted]
+        if ids:
+            self.engine.abort_request(ids)
+        for rid in ids:
+            self._key_of.pop(rid, None)
+
+
+def trajectory_completions(
+    results: Sequence[TrajectoryResult], fallback_prompt_ids: Mapping[int, Sequence[int]], eos_id: int
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Per trajectory: the fields of its `Completion` (the sequence it trains as, its reward and counters)."""
+    for r in results:
+        seq = r.record.trained_sequence(fallback_prompt_ids[r.index], eos_id)
+        counts = r.record.counts
+        counts.agent_errors = int(r.outcome.error is not None)
+        counts.agent_timeouts = int(r.outcome.timed_out)
+        counts.agent_seconds = max(0.0, r.outcome.seconds - counts.generation_seconds)
+        counts.truncated = int(seq.last_hit_length)
+        stats = counts.as_dict()
+        for k, v in r.outcome.metrics.items():
+            stats[f"agent_metric/{k}"] = v
+        yield r.index, {
+            "prompt_ids": seq.prompt_ids, "response_ids": seq.response_ids, "logprobs": seq.logprobs,
+            "loss_mask": seq.loss_mask, "truncated": seq.last_hit_length, "reward": r.outcome.reward, "stats": stats,
+        }
+
+
+def complete_agent_trajectories(llm: Any, server: Any, requests: Sequence[Any], job: Any, step_seed: int) -> Iterator[list[Any]]:
+    """Every requested sample as an agent trajectory; yields each request's completions (all of
+    its samples) in request order once every agent function has returned."""
+    import torch
+
+    from rlhf_orch.transfer.batch import LOSS_MASK
+    from rlhf_orch.transfer.engine_side import Completion
+
+    env = job.env
+    tokenizer = llm.get_tokenizer()
+    runner = AgentRunner(env.load(), env.concurrency, env.timeout_s, server.api_key)
+    session = AgentRolloutSession(
+        server, VLLMCalls(llm, job.temperature), tokenizer, runner, env.limits(job.max_tokens), job.temperature, step_seed,
+        env.tool_parser, env.timeout_s,
+    )
+    owner = {i: r for r in requests for i in r.indices(job.samples_per_prompt)}
+    items = [(i, env.row(job.prompts[owner[i].prompt_index])) for i in owner]
+    results = session.run(items)
+    fallback = {i: job.prompt_ids[r.prompt_index] for i, r in owner.items()}
+    done: dict[Any, list[Completion]] = {r: [] for r in requests}
+    for index, f in trajectory_completions(results, fallback, tokenizer.eos_token_id):
+        done[owner[index]].append(Completion(
+            index, f["prompt_ids"], f["response_ids"], f["logprobs"],
+            fields={LOSS_MASK: torch.tensor(f["loss_mask"], dtype=torch.float32)},
+            truncated=f["truncated"], env_reward=f["reward"], env_stats=f["stats"],
+        ))
+    for request in requests:
+        yield sorted(done[request], key=lambda c: c.index)

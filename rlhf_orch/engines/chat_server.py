@@ -1,0 +1,136 @@
+"""The HTTP side of the `env=agent` endpoint: one server per engine, for the engine's lifetime.
+
+Routes (every one needs `Authorization: Bearer <the run's key>`):
+
+    GET  /v1/models                                    the served model
+    GET  /trajectories/<id>/v1/models                  the same, under a trajectory's base URL
+    POST /trajectories/<id>/v1/chat/completions        a call of trajectory <id>
+
+A trajectory's base URL (`http://host:port/trajectories/<id>/v1`) is what binds its calls to it:
+the id is random per rollout, and once the rollout has ended its calls are answered 410. What a
+call does is the rollout's business (`rlhf_orch.engines.agent_rollout`): the server hands it the
+trajectory id and the JSON body and writes back what it returns. Requests are served on threads,
+so calls of many trajectories wait for the engine at once.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import secrets
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Protocol
+
+from rlhf_orch.env.chat_api import ChatAPIError, models_body
+
+_CALL = re.compile(r"^/trajectories/([A-Za-z0-9_-]+)/v1/chat/completions/?$")
+_MODELS = re.compile(r"^(/trajectories/[A-Za-z0-9_-]+)?/v1/models/?$")
+MAX_BODY_BYTES = 16 * 2**20
+
+
+class CallHandler(Protocol):
+    def __call__(self, trajectory_id: str, body: Any) -> dict[str, Any]:
+        """The completion body; raises ChatAPIError for an error answered to the agent."""
+
+
+class ChatServer:
+    def __init__(self, host: str, model_name: str):
+        self.model_name = model_name
+        self.api_key = "rlhf-" + secrets.token_urlsafe(24)
+        self._handler: CallHandler | None = None
+        self._lock = threading.Lock()
+        self._httpd = _Server((host, 0), _handler_class(self))
+        self._httpd.daemon_threads = True
+        self.host, self.port = self._httpd.server_address[:2]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="chat-server", daemon=True)
+        self._thread.start()
+
+    def base_url(self, trajectory_id: str) -> str:
+        return f"http://{self.host}:{self.port}/trajectories/{trajectory_id}/v1"
+
+    def serve(self, handler: CallHandler | None) -> None:
+        """Calls go to `handler` from now on (None: no rollout is running, every call is 410)."""
+        with self._lock:
+            self._handler = handler
+
+    def handle_call(self, trajectory_id: str, body: Any) -> dict[str, Any]:
+        with self._lock:
+            handler = self._handler
+        if handler is None:
+            raise ChatAPIError(410, f"trajectory {trajectory_id}: no rollout is running on this engine (its rollout ended)", kind="gone")
+        return handler(trajectory_id, body)
+
+    def close(self) -> None:
+        """Stop listening (the port is free when this returns)."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # every trajectory in flight may connect at once (the default backlog is 5)
+
+
+def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: an agent's client reuses its connection
+        # Headers and body go out as separate writes: with Nagle's algorithm on, the body waits for
+        # the client's delayed ACK of the headers (~40 ms per call on Linux).
+        disable_nagle_algorithm = True
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            pass  # one line per call would flood the engine's log
+
+        def _send(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _authorised(self) -> bool:
+            given = self.headers.get("Authorization", "")
+            token = given[7:] if given.startswith("Bearer ") else ""
+            if hmac.compare_digest(token.encode(), server.api_key.encode()):
+                return True
+            self._send(401, ChatAPIError(401, "missing or wrong API key: use the api_key the run passed to the agent",
+                                         kind="authentication_error").body())
+            return False
+
+        def _answer(self, route: Callable[[], dict[str, Any]]) -> None:
+            try:
+                self._send(200, route())
+            except ChatAPIError as e:
+                self._send(e.status, e.body())
+            except Exception as e:  # noqa: BLE001 - the agent gets a message; the rollout goes on
+                self._send(500, ChatAPIError(500, f"{type(e).__name__}: {e}", kind="server_error").body())
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if not self._authorised():
+                return
+            if _MODELS.match(self.path):
+                self._answer(lambda: models_body(server.model_name))
+            else:
+                self._send(404, ChatAPIError(404, f"no route GET {self.path}", kind="not_found").body())
+
+        def do_POST(self) -> None:  # noqa: N802
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if 0 < length <= MAX_BODY_BYTES else b""
+            if not self._authorised():
+                return
+            match = _CALL.match(self.path)
+            if match is None:
+                self._send(404, ChatAPIError(404, f"no route POST {self.path}; calls go to <base_url>/chat/completions",
+                                             kind="not_found").body())
+                return
+            try:
+                body = json.loads(raw or b"null")
+            except json.JSONDecodeError as e:
+                self._send(400, ChatAPIError(400, f"the body is not JSON: {e.msg}").body())
+                return
+            self._answer(lambda: server.handle_call(match.group(1), body))
+
+    return Handler

@@ -1,0 +1,102 @@
+"""`env=agent env.path=<file.py> env.name=<function>`: train any agent program that calls an
+OpenAI-compatible chat-completions API.
+
+During each rollout every engine serves `/v1/chat/completions` and `/v1/models` (the
+`rlhf_orch.engines.chat_server`) and runs the agent function once per trajectory
+(`rlhf_orch.env.agent_runner`) with a client bound to that trajectory's base URL. Every call's
+tokens and log-probs are recorded under the trajectory (`rlhf_orch.env.agent_record`) and the
+trajectory trains like any `env` trajectory; its reward is what the function returns.
+docs/environments.md ("Agent programs").
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rlhf_orch.data.base import Prompt
+from rlhf_orch.env.agent_record import AgentLimits
+from rlhf_orch.env.base import EnvError, EnvGroup, prompt_messages, row_extras
+from rlhf_orch.env.chat_api import TOOL_PARSERS
+from rlhf_orch.env.custom import load_user_module
+
+HOSTS = ("auto", "loopback", "node")
+
+
+def agent_row(prompt: Prompt) -> dict[str, Any]:
+    """The data row an agent function gets: the prompt as text and as chat messages, the ground
+    truth, and the row's extra fields (veRL's extra_info, SkyRL's env fields)."""
+    extras = row_extras(prompt)
+    return {
+        "prompt": prompt.text,
+        "messages": prompt_messages(prompt),
+        "ground_truth": extras["reward_spec"].get("ground_truth"),
+        "data_source": prompt.source,
+        **{k: v for k, v in extras.items() if k != "reward_spec"},
+        "reward_spec": extras["reward_spec"],
+    }
+
+
+@dataclass
+class AgentEnv(EnvGroup):
+    path: str = ""
+    name: str = ""
+    max_tokens_per_turn: int | None = None  # per call; None: the whole response budget
+    max_calls: int = 16
+    concurrency: int = 16
+    timeout_s: float = 120.0
+    host: str = "auto"
+    served_model_name: str = "policy"
+    tool_parser: str = "hermes"
+
+    prompt_max_len: int = 0  # data.prompt_max_len, taken in `bind` (a sequence's first prompt)
+
+    multi_turn = True  # trajectories: the engines drive them
+    rollout = "agent"  # what the engine runs for it (rlhf_orch.engines.agent_rollout)
+
+    def __post_init__(self) -> None:
+        if not self.path or not self.name:
+            raise EnvError("env=agent needs env.path=<file.py> and env.name=<function>")
+        if self.tool_parser not in TOOL_PARSERS:
+            raise EnvError(f"env.tool_parser={self.tool_parser!r}: must be one of {', '.join(TOOL_PARSERS)}")
+        if self.host not in HOSTS:
+            raise EnvError(f"env.host={self.host!r}: must be one of {', '.join(HOSTS)}")
+
+    def load(self) -> Callable[..., Any]:
+        """The agent function (its file imported once per process); EnvError naming file and line."""
+        module = load_user_module(self.path, "env.path")
+        fn = getattr(module, self.name, None)
+        if fn is None:
+            raise EnvError(f"env.name={self.name!r}: {self.path} defines no {self.name!r}")
+        if inspect.isclass(fn) or not callable(fn):
+            raise EnvError(f"env.name={self.name!r} in {self.path} is not a function: env=agent calls fn(row, client=..., ...)")
+        params = list(inspect.signature(fn).parameters.values())
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        if not positional:
+            raise EnvError(
+                f"env.name={self.name!r} in {self.path} takes no positional argument: "
+                "it is called as fn(row, client=..., base_url=..., api_key=...)"
+            )
+        return fn
+
+    def bind(self, task: Any) -> None:
+        self.prompt_max_len = int(task.prompt_max_len)
+
+    def limits(self, response_max_len: int) -> AgentLimits:
+        return AgentLimits(self.prompt_max_len, response_max_len, self.max_tokens_per_turn or response_max_len, self.max_calls)
+
+    def row(self, prompt: Prompt) -> dict[str, Any]:
+        return agent_row(prompt)
+
+    def check(self, prompt: Prompt, tokenizer: Any) -> None:
+        """Before Ray: the function loads and a row for it can be built."""
+        self.load()
+        self.row(prompt)
+
+    def describe(self) -> list[str]:
+        return [
+            f"env: agent {self.name} from {self.path}, served as model {self.served_model_name!r}, up to {self.max_calls} calls "
+            f"of {self.max_tokens_per_turn or 'the response budget of'} tokens, {self.concurrency} at once per engine, "
+            f"{self.timeout_s:g}s each"
+        ]

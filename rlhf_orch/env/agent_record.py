@@ -1,0 +1,142 @@
+"""The token record of one agent trajectory (`env=agent`): every chat-completions call it made,
+merged into token sequences with a loss mask (pure: no engine, no HTTP).
+
+A call is recorded as the engine saw it: the prompt's token ids (the chat template's rendering of
+the messages the agent sent) and the completion's token ids and log-probs, exactly as generated.
+A call whose prompt starts, token for token, with an earlier sequence of the trajectory (its
+prompt, every completion and everything between) extends that sequence: the new prompt tokens
+after it are context (loss mask 0: the tool results and messages the agent appended), the
+completion is the model's (loss mask 1). Nothing is re-tokenised: the merged sequence holds the
+engine's own ids. A call that extends no sequence starts a new one (a second conversation, or
+history the agent rewrote) and is counted as unmerged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass
+class AgentLimits:
+    max_prompt_tokens: int  # data.prompt_max_len: a sequence's first prompt
+    max_response_tokens: int  # data.response_max_len: everything after it
+    max_tokens_per_call: int  # env.max_tokens_per_turn
+    max_calls: int  # env.max_calls: per trajectory
+
+
+class CallRefused(ValueError):
+    """A call the trajectory's limits leave no room for (answered with HTTP 400)."""
+
+
+@dataclass
+class TokenSequence:
+    """One conversation of the trajectory, as the trainers see a sample."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    calls: int = 0
+    last_hit_length: bool = False
+
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def extended_by(self, prompt_ids: Sequence[int]) -> bool:
+        whole = self.tokens()
+        return len(prompt_ids) >= len(whole) and list(prompt_ids[: len(whole)]) == whole
+
+
+@dataclass
+class AgentCounts:
+    """Counters of one trajectory (a rollout's are their sums; the loop divides by trajectories)."""
+
+    trajectories: int = 1
+    calls: int = 0
+    unmerged_calls: int = 0  # calls that started a new sequence after the first
+    refused_calls: int = 0  # calls answered with an error (bad parameters, no budget left)
+    agent_errors: int = 0  # the agent function raised
+    agent_timeouts: int = 0  # the agent function ran past env.timeout_s
+    completion_tokens: int = 0
+    observation_tokens: int = 0  # context tokens between calls (tool results, messages)
+    truncated: int = 0
+    agent_seconds: float = 0.0  # wall time inside the agent function, generation excluded
+    generation_seconds: float = 0.0  # wall time its calls waited for the engine
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: float(getattr(self, name)) for name in self.__dataclass_fields__}
+
+
+class AgentRecord:
+    """Trajectory `index`: its sequences, in the order they began."""
+
+    def __init__(self, index: int, limits: AgentLimits):
+        self.index = index
+        self.limits = limits
+        self.sequences: list[TokenSequence] = []
+        self.counts = AgentCounts()
+
+    def _extended(self, prompt_ids: Sequence[int]) -> TokenSequence | None:
+        # The longest sequence the prompt extends (a later conversation may have grown from it).
+        best = None
+        for seq in self.sequences:
+            if seq.extended_by(prompt_ids) and (best is None or len(seq.tokens()) > len(best.tokens())):
+                best = seq
+        return best
+
+    def budget(self, prompt_ids: Sequence[int], requested: int | None) -> int:
+        """Tokens a call with this prompt may generate; CallRefused when none."""
+        lim = self.limits
+        if self.counts.calls >= lim.max_calls:
+            raise CallRefused(f"this trajectory made its {lim.max_calls} calls (env.max_calls)")
+        seq = self._extended(prompt_ids)
+        if seq is None:
+            if len(prompt_ids) > lim.max_prompt_tokens:
+                raise CallRefused(
+                    f"the prompt is {len(prompt_ids)} tokens and starts a new sequence; a sequence's first prompt "
+                    f"may be at most {lim.max_prompt_tokens} (data.prompt_max_len)"
+                )
+            used = 0
+        else:
+            used = len(prompt_ids) - len(seq.prompt_ids)
+        room = lim.max_response_tokens - used
+        if room <= 0:
+            raise CallRefused(
+                f"the conversation has used its {lim.max_response_tokens} response tokens (data.response_max_len); "
+                "nothing more can be generated in it"
+            )
+        cap = min(room, lim.max_tokens_per_call)
+        return cap if requested is None else max(1, min(cap, int(requested)))
+
+    def add(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], logprobs: Sequence[float], hit_length: bool) -> None:
+        """One finished call, exactly as the engine generated it."""
+        if len(completion_ids) != len(logprobs):
+            raise ValueError(f"call of trajectory {self.index}: {len(completion_ids)} tokens but {len(logprobs)} log-probs")
+        prompt_ids = [int(t) for t in prompt_ids]
+        seq = self._extended(prompt_ids)
+        if seq is None:
+            if self.sequences:
+                self.counts.unmerged_calls += 1
+            seq = TokenSequence(prompt_ids)
+            self.sequences.append(seq)
+        else:
+            context = prompt_ids[len(seq.tokens()):]
+            seq.response_ids.extend(context)
+            seq.logprobs.extend([0.0] * len(context))
+            seq.loss_mask.extend([0] * len(context))
+            self.counts.observation_tokens += len(context)
+        seq.response_ids.extend(int(t) for t in completion_ids)
+        seq.logprobs.extend(float(x) for x in logprobs)
+        seq.loss_mask.extend([1] * len(completion_ids))
+        seq.calls += 1
+        seq.last_hit_length = hit_length
+        self.counts.calls += 1
+        self.counts.completion_tokens += len(completion_ids)
+
+    def trained_sequence(self, fallback_prompt_ids: Sequence[int], eos_id: int) -> TokenSequence:
+        """The sequence the trajectory trains as: the one holding the most of the model's tokens
+        (the first on a tie). An agent that made no call trains nothing: one EOS, masked out."""
+        if not self.sequences:
+            return TokenSequence(list(fallback_prompt_ids), [int(eos_id)], [0.0], [0])
+        return max(self.sequences, key=lambda s: (sum(s.loss_mask), -self.sequences.index(s)))

@@ -1,0 +1,171 @@
+"""The OpenAI chat-completions wire format, as the `env=agent` endpoint speaks it (pure: no HTTP).
+
+`parse_request` checks a request body against what training can use and returns the call; the
+parameters that would break training are refused with an OpenAI-style error (`ChatAPIError`):
+several choices (n > 1: one trajectory is one sequence of calls), log-probs turned off (every
+token's log-prob is what the trainers correct with), another model's name, and sampling settings
+other than the run's (the trainers score the policy at `algo.temperature` with the whole
+vocabulary: a token drawn any other way would be trained on with the wrong probability).
+`max_tokens` / `max_completion_tokens` are honoured, capped by the run's limits.
+
+`parse_tool_calls` reads Hermes-style calls (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
+Qwen's and Hermes' chat templates) out of a completion into OpenAI `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+TOOL_PARSERS = ("hermes", "none")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Accepted and ignored: they change nothing the engine samples or the trainers see.
+_IGNORED = ("user", "metadata", "store", "stream_options", "parallel_tool_calls", "tool_choice", "seed", "service_tier",
+            "presence_penalty", "frequency_penalty", "top_logprobs", "response_format", "modalities", "reasoning_effort")
+
+
+class ChatAPIError(Exception):
+    """An error answered to the agent: HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class ChatCall:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
+    """The call a request body asks for, or ChatAPIError naming the parameter and why."""
+    if not isinstance(body, Mapping):
+        raise ChatAPIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model != model_name:
+        raise ChatAPIError(
+            404 if model else 400,
+            f"model {model!r} is not served here: this run trains one policy, model {model_name!r} (GET /v1/models)",
+            "model", "model_not_found" if model else "invalid_request_error",
+        )
+    if body.get("stream"):
+        raise ChatAPIError(400, "stream=true is not supported by the training endpoint; leave stream off", "stream")
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise ChatAPIError(400, f"n={n}: one call makes one completion here (a trajectory is one sequence of calls); "
+                                "make n calls, or raise algo.samples_per_prompt for more trajectories", "n")
+    if body.get("logprobs") is False:
+        raise ChatAPIError(400, "logprobs=false: the run records every token's log-prob for training; leave logprobs unset", "logprobs")
+    for key, want in (("temperature", temperature), ("top_p", 1.0)):
+        value = body.get(key)
+        if value is not None and float(value) != float(want):
+            raise ChatAPIError(
+                400, f"{key}={value}: the policy is trained on samples drawn at {key}={want} (the run's sampling, "
+                     f"algo.temperature); leave {key} unset", key,
+            )
+    for key in ("logit_bias",):
+        if body.get(key):
+            raise ChatAPIError(400, f"{key} changes what the policy samples, which training could not correct for", key)
+    unknown = sorted(k for k in body if k not in (
+        "model", "messages", "tools", "max_tokens", "max_completion_tokens", "stop", "n", "logprobs", "temperature",
+        "top_p", "stream", "logit_bias", *_IGNORED,
+    ))
+    if unknown:
+        raise ChatAPIError(400, f"unsupported parameter(s) {', '.join(unknown)}", unknown[0])
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ChatAPIError(400, "messages must be a non-empty list of chat messages", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or m.get("role") not in _ROLES:
+            raise ChatAPIError(400, f"messages[{i}] must be an object with a role among {', '.join(_ROLES)}", "messages")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ChatAPIError(400, "tools must be a list of tool definitions", "tools")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ChatAPIError(400, f"max_tokens={max_tokens!r} must be a positive integer", "max_tokens")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    return ChatCall([_plain_message(m) for m in messages], tools or None, max_tokens, stop)
+
+
+def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as chat templates read it: text content parts joined, tool-call arguments as dicts."""
+    m = dict(message)
+    content = m.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        m["content"] = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    if m.get("tool_calls"):
+        calls = []
+        for call in m["tool_calls"]:
+            call = dict(call)
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass
+            call["function"] = fn
+            calls.append(call)
+        m["tool_calls"] = calls
+    return m
+
+
+def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of a completion's text: Hermes calls taken out of the content."""
+    if parser == "none":
+        return text, []
+    calls = []
+    for body in _HERMES.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            continue  # left in the content: the agent sees what the model wrote
+        if not isinstance(call, Mapping) or not isinstance(call.get("name"), str):
+            continue
+        args = call.get("arguments", {})
+        calls.append({
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": call["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+        })
+    if not calls:
+        return text, []
+    content = _HERMES.sub("", text).strip()
+    return content or None, calls
+
+
+def completion_body(model_name: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                    tool_parser: str) -> dict[str, Any]:
+    content, tool_calls = parse_tool_calls(text, tool_parser)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+
+
+def models_body(model_name: str) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "rlhf_orch"}]}

@@ -1,0 +1,275 @@
+"""`env=agent` without an engine: the token record, the wire format, the agent runner, and a whole
+rollout session over real HTTP with the `openai` client (a scripted generator stands in for vLLM;
+tests/test_env_integration.py runs the same on a real engine and in whole runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import openai
+import pytest
+
+from rlhf_orch.engines.agent_rollout import AgentRolloutSession, CallOutput, trajectory_completions
+from rlhf_orch.engines.chat_server import ChatServer
+from rlhf_orch.env.agent import AgentEnv, agent_row
+from rlhf_orch.env.agent_record import AgentLimits, AgentRecord, CallRefused
+from rlhf_orch.env.agent_runner import AgentRunner, accepted_keywords, reward_of
+from rlhf_orch.env.base import EnvError
+from rlhf_orch.env.chat_api import ChatAPIError, parse_request, parse_tool_calls
+from rlhf_orch.data.base import Prompt
+
+LIMITS = AgentLimits(max_prompt_tokens=8, max_response_tokens=20, max_tokens_per_call=5, max_calls=4)
+
+
+# --------------------------------------------------------------------------- the record
+def test_calls_that_extend_a_conversation_merge_into_one_masked_sequence():
+    r = AgentRecord(0, LIMITS)
+    r.add([1, 2, 3], [10, 11, 2], [-0.1, -0.2, -0.3], hit_length=False)
+    # the agent appended a tool message (tokens 7 8): context, then the model's second answer
+    r.add([1, 2, 3, 10, 11, 2, 7, 8], [12, 2], [-0.4, -0.5], hit_length=False)
+    (seq,) = r.sequences
+    assert seq.prompt_ids == [1, 2, 3]
+    assert seq.response_ids == [10, 11, 2, 7, 8, 12, 2]
+    assert seq.loss_mask == [1, 1, 1, 0, 0, 1, 1]
+    assert seq.logprobs == [-0.1, -0.2, -0.3, 0.0, 0.0, -0.4, -0.5]
+    assert (r.counts.calls, r.counts.unmerged_calls, r.counts.observation_tokens, r.counts.completion_tokens) == (2, 0, 2, 5)
+
+
+def test_a_call_that_rewrites_history_starts_a_sequence_and_is_counted():
+    r = AgentRecord(0, LIMITS)
+    r.add([1, 2, 3], [10, 2], [-0.1, -0.2], hit_length=False)
+    r.add([1, 2, 3, 99, 2, 7], [12], [-0.4], hit_length=True)  # the model's answer edited: 99 for 10
+    assert len(r.sequences) == 2 and r.counts.unmerged_calls == 1
+    # the sequence with most of the model's tokens trains (the first on a tie)
+    assert r.trained_sequence([1], eos_id=2) is r.sequences[0]
+
+
+def test_the_budget_caps_max_tokens_and_refuses_what_cannot_fit():
+    r = AgentRecord(0, LIMITS)
+    assert r.budget([1, 2, 3], None) == 5  # env.max_tokens_per_turn
+    assert r.budget([1, 2, 3], 2) == 2  # what the agent asked for, when smaller
+    with pytest.raises(CallRefused, match="data.prompt_max_len"):
+        r.budget(list(range(9)), None)
+    r.add([1, 2, 3], [4] * 5, [0.0] * 5, hit_length=True)
+    context = [1, 2, 3] + [4] * 5 + [9] * 12  # 17 of 20 response tokens used
+    assert r.budget(context, None) == 3
+    with pytest.raises(CallRefused, match="data.response_max_len"):
+        r.budget(context + [9, 9, 9], None)
+    for _ in range(3):
+        r.add([5], [6], [0.0], hit_length=False)
+    with pytest.raises(CallRefused, match="env.max_calls"):
+        r.budget([1, 2, 3], None)
+
+
+def test_an_agent_that_made_no_call_trains_nothing():
+    seq = AgentRecord(0, LIMITS).trained_sequence([1, 2], eos_id=2)
+    assert seq.prompt_ids == [1, 2] and seq.response_ids == [2] and seq.loss_mask == [0]
+
+
+# --------------------------------------------------------------------------- the wire format
+def _body(**kw):
+    return {"model": "policy", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (_body(model="gpt-4o"), 404, "model"),
+    (_body(n=2), 400, "n"),
+    (_body(logprobs=False), 400, "logprobs"),
+    (_body(temperature=0.7), 400, "temperature"),
+    (_body(top_p=0.9), 400, "top_p"),
+    (_body(stream=True), 400, "stream"),
+    (_body(messages=[]), 400, "messages"),
+    (_body(max_tokens=0), 400, "max_tokens"),
+    (_body(best_of=3), 400, "best_of"),
+])
+def test_parameters_that_would_break_training_are_refused_with_a_message(body, status, param):
+    with pytest.raises(ChatAPIError) as e:
+        parse_request(body, "policy", temperature=1.0)
+    assert (e.value.status, e.value.param) == (status, param)
+    assert e.value.body()["error"]["message"]
+
+
+def test_what_training_can_use_is_accepted():
+    call = parse_request(_body(temperature=1.0, max_completion_tokens=7, stop="\n", tools=[{"type": "function"}], seed=3,
+                               messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                                         {"role": "assistant", "content": None, "tool_calls": [
+                                             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}]),
+                         "policy", temperature=1.0)
+    assert call.max_tokens == 7 and call.stop == ["\n"] and call.messages[0]["content"] == "ab"
+    assert call.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # as chat templates read it
+
+
+def test_hermes_tool_calls_become_openai_tool_calls():
+    content, calls = parse_tool_calls('Let me look. <tool_call>{"name": "lookup", "arguments": {"record": "3 1"}}</tool_call>', "hermes")
+    assert content == "Let me look."
+    assert calls[0]["function"] == {"name": "lookup", "arguments": '{"record": "3 1"}'} and calls[0]["type"] == "function"
+    assert parse_tool_calls("<tool_call>not json</tool_call>", "hermes") == ("<tool_call>not json</tool_call>", [])
+    assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>', "none")[1] == []
+
+
+# --------------------------------------------------------------------------- the runner
+def test_rewards_and_keywords():
+    assert reward_of(0.5) == (0.5, {})
+    assert reward_of({"score": 1, "calls": 3, "note": "x"}) == (1.0, {"calls": 3.0})
+    for bad in ("1", None, {"reward": 1}, float("nan"), True):
+        with pytest.raises(TypeError):
+            reward_of(bad)
+    assert accepted_keywords(lambda row, **kw: 0) == ("client", "base_url", "api_key")
+    assert accepted_keywords(lambda row, base_url, api_key=None: 0) == ("base_url", "api_key")
+
+
+def test_agent_option_refuses_what_it_cannot_call(tmp_path):
+    f = tmp_path / "agents.py"
+    f.write_text("class NotAFunction:\n    pass\n\ndef no_row(*, client):\n    return 0\n\nbroken = 1\n")
+    for name, match in (("missing", "defines no"), ("NotAFunction", "not a function"), ("no_row", "no positional")):
+        with pytest.raises(EnvError, match=match):
+            AgentEnv(path=str(f), name=name).load()
+    with pytest.raises(EnvError, match="env.path"):
+        AgentEnv(path=str(tmp_path / "nope.py"), name="x").load()
+    with pytest.raises(EnvError, match="env.tool_parser"):
+        AgentEnv(path=str(f), name="x", tool_parser="xml")
+
+
+# --------------------------------------------------------------------------- a whole session over HTTP
+class EchoTokenizer:
+    """Token ids are characters' code points (0 is EOS); the chat template writes `r:content|` per
+    message, an assistant's as `a:content<EOS>`, and `a:` as the generation prompt."""
+
+    eos_token_id = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kwargs):
+        text = "".join(f"a:{m.get('content') or ''}\x00" if m["role"] == "assistant" else f"{m['role'][0]}:{m.get('content') or ''}|"
+                       for m in messages)
+        return [ord(c) for c in text + ("a:" if add_generation_prompt else "")]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i)
+
+
+class ScriptedGenerator:
+    """Answers each call with the digits of its call number, one per token, then EOS."""
+
+    def __init__(self):
+        self.pending, self.submitted, self.aborted = [], [], []
+
+    def submit(self, key, prompt_ids, max_tokens, seed, stop):
+        self.submitted.append((key, list(prompt_ids), max_tokens, seed))
+        ids = [ord(c) for c in str(len(self.submitted))][: max_tokens - 1] + [0]
+        self.pending.append(CallOutput(key, ids, [-0.5] * len(ids), "stop"))
+
+    def busy(self):
+        return bool(self.pending)
+
+    def poll(self):
+        out, self.pending = self.pending, []
+        return out
+
+    def abort(self, keys):
+        self.aborted.extend(keys)
+
+
+def _session(fn, server, timeout_s=10.0):
+    limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
+    runner = AgentRunner(fn, concurrency=4, timeout_s=timeout_s, api_key=server.api_key)
+    gen = ScriptedGenerator()
+    return AgentRolloutSession(server, gen, EchoTokenizer(), runner, limits, 1.0, 7, "hermes", timeout_s), gen
+
+
+def three_calls_with_a_tool(row, client, **kwargs):
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(3):
+        reply = client.chat.completions.create(model="policy", messages=messages)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "tool", "content": f"tool saw {reply.choices[0].message.content}"}]
+    return {"score": float(row["ground_truth"]), "calls": 3}
+
+
+@pytest.fixture
+def server():
+    s = ChatServer("127.0.0.1", "policy")
+    yield s
+    s.close()
+
+
+def _rows(n):
+    return [(i, agent_row(Prompt(text=f"q{i}", label=str(i / 10)))) for i in range(n)]
+
+
+def test_a_session_records_every_call_of_every_trajectory_as_one_sequence(server):
+    session, gen = _session(three_calls_with_a_tool, server)
+    results = session.run(_rows(3))
+    assert len(gen.submitted) == 9
+    for r in results:
+        assert r.outcome.error is None and r.outcome.reward == pytest.approx(r.index / 10)
+        (seq,) = r.record.sequences
+        text = EchoTokenizer().decode(seq.prompt_ids + seq.response_ids)
+        assert text.startswith(f"u:q{r.index}|") and text.count("t:tool saw ") == 2
+        assert r.record.counts.calls == 3 and r.record.counts.unmerged_calls == 0
+        model_text = EchoTokenizer().decode([t for t, m in zip(seq.response_ids, seq.loss_mask) if m])
+        assert model_text.isdigit() and sum(seq.loss_mask) == r.record.counts.completion_tokens
+        # the model's tokens carry the engine's log-probs; context carries none
+        assert all((lp == -0.5) == bool(m) for lp, m in zip(seq.logprobs, seq.loss_mask))
+    # per-call seeds: from (step seed, trajectory, call number), the same whatever the order
+    seeds = {s for *_, s in gen.submitted}
+    assert len(seeds) == 9
+    fields = dict(trajectory_completions(results, {i: [1] for i in range(3)}, eos_id=0))
+    assert fields[2]["reward"] == pytest.approx(0.2) and fields[2]["stats"]["agent_metric/calls"] == 3.0
+
+
+def test_an_async_agent_and_its_failures_are_counted_and_scored_zero(server):
+    async def agent(row, client, **kwargs):
+        if row["prompt"] == "q1":
+            raise RuntimeError("the agent's bug")
+        if row["prompt"] == "q2":
+            await asyncio.sleep(30)
+        reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        return 1.0 if reply.choices[0].message.content else 0.0
+
+    session, _ = _session(agent, server, timeout_s=1.0)
+    t = time.perf_counter()
+    results = {r.index: r for r in session.run(_rows(3))}
+    assert time.perf_counter() - t < 10
+    assert results[0].outcome.reward == 1.0
+    assert results[1].outcome.error == "RuntimeError: the agent's bug" and results[1].outcome.reward == 0.0
+    assert results[2].outcome.timed_out and results[2].outcome.reward == 0.0
+
+
+def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server):
+    seen = {}
+
+    def agent(row, client, base_url, api_key, **kwargs):
+        def error(**kw):
+            try:
+                client.chat.completions.create(**{"model": "policy", "messages": [{"role": "user", "content": "x"}], **kw})
+            except openai.APIStatusError as e:
+                return e.status_code, e.message
+            return 200, ""
+
+        seen["n=2"] = error(n=2)
+        seen["model"] = error(model="another-model")
+        seen["key"] = None
+        try:
+            openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
+        except openai.AuthenticationError as e:
+            seen["key"] = (e.status_code, e.message)
+        seen["models"] = [m.id for m in client.models.list()]
+        seen["url"], seen["api_key"] = base_url, api_key
+        return 0.0
+
+    session, _ = _session(agent, server)
+    session.run(_rows(1))
+    assert seen["n=2"][0] == 400 and "n=2" in seen["n=2"][1]
+    assert seen["model"][0] == 404 and "another-model" in seen["model"][1]
+    assert seen["key"][0] == 401 and "API key" in seen["key"][1]
+    assert seen["models"] == ["policy"]
+    # after the rollout: the trajectory's URL answers 410 with a message
+    late = openai.OpenAI(base_url=seen["url"], api_key=seen["api_key"], max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        late.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 410 and "ended" in e.value.message
+    port = server.port
+    server.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
