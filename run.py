@@ -27,4 +27,8 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 
 if __name__ == "__main__":
-    main()
+    from rlhf_orch.config.hydra_errors import hydra_errors_in_one_line
+
+    # An unknown key or option, a malformed override: one line with the closest names, exit 2.
+    with hydra_errors_in_one_line():
+        main()

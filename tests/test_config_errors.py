@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -126,6 +127,34 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "run.py", *args, "hydra.run.dir=${oc.env:TMPDIR,/tmp}/rlhf_orch_cli_${now:%H%M%S%f}"],
         cwd=REPO, capture_output=True, text=True, timeout=180,
     )
+
+
+# (overrides, the one line's start, words of its suggestion)
+HYDRA_MISTAKES = [
+    (["algo.clip_ratio=0.3"], "error: algo.clip_ratio: no such key in algo (PPOConfig); did you mean algo.clip_ratio_c",
+     "`python run.py --cfg job` shows every key of algo"),
+    (["algo=grpoo"], "error: algo=grpoo: no such option in algo; did you mean algo=grpo", "options: dapo, dr_grpo, grpo, ppo"),
+    (["algoo=ppo"], "error: algoo: no such key; did you mean algo?", "--cfg job"),
+    (["experiment=tool_use", "env=agent"], "error: env.max_turns (set in experiment/tool_use): no such key in env (AgentEnvConfig)",
+     "env.max_calls?"),
+    (["data.prompt_max_len"], "error: 'data.prompt_max_len' is not an override", "write key=value"),
+    (["algo.num_steps=abc"], "error: algo.num_steps='abc': not a valid int", ""),
+]
+
+
+@pytest.mark.parametrize("overrides, line, hint", HYDRA_MISTAKES)
+def test_hydra_s_mistakes_are_one_line_with_the_closest_names_and_exit_2(overrides, line, hint):
+    proc = _run(*overrides)
+    assert proc.returncode == 2, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(line) and hint in lines[0], proc.stderr
+    assert "HYDRA_FULL_ERROR" not in proc.stderr + proc.stdout
+
+
+def test_hydra_full_error_set_by_the_user_keeps_hydra_s_report():
+    proc = subprocess.run([sys.executable, "run.py", "algo=grpoo"], cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "MissingConfigException" in proc.stderr
 
 
 @pytest.mark.skipif(has_cuda(), reason="checks the no-GPU message")

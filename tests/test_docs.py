@@ -228,8 +228,12 @@ def problem(cmd: Command) -> str | None:
     try:
         compose_and_check(cmd.args, gpu_machine=not cmd.error)  # a refusal shown is one on this machine
     except Exception as e:  # noqa: BLE001 - any refusal is the finding
+        from rlhf_orch.config.hydra_errors import one_line
+
         message = " ".join(f"{type(e).__name__}: {e}".split())
-        if cmd.error and cmd.error.removeprefix("error:").split("(")[0].strip() in message:
+        shown = " ".join(one_line(e).split())  # what run.py prints for Hydra's own errors
+        expected = cmd.error.removeprefix("error:").split("(")[0].replace("```", "").strip()
+        if cmd.error and (expected in message or expected in shown):
             return None
         return f"{cmd}\n    -> {message[:400]}"
     if cmd.error:

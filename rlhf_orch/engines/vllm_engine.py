@@ -245,6 +245,13 @@ class VLLMEngine(RolloutProducer):
         server = getattr(self, "_server", None)
         return None if server is None else {"host": server.host, "port": server.port}
 
+    def close_chat_endpoint(self) -> None:
+        """Stop serving agents (the port is free when this returns); the run is ending."""
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.close()
+            self._server = None
+
     def reseed(self, seed: int) -> None:
         """Sampling from here on draws from `seed` (every worker of a tensor-parallel engine);
         multi-turn turns derive their own per-request seeds from it."""

@@ -57,6 +57,12 @@ class RoleActors:
         return [*self.engines, *self.policy, *self.critic, *self.reference, *self.reward]
 
     def kill(self) -> None:
+        # ray.kill returns before the process is gone: close what the engines serve to agents
+        # (env=agent) first, so that nothing listens once the run has ended.
+        try:
+            ray.get([e.close_chat_endpoint.remote() for e in self.engines], timeout=10)
+        except Exception:  # noqa: BLE001 - a dead or hung engine: its process goes with ray.kill
+            pass
         for actor in self.all():
             try:
                 ray.kill(actor)
