@@ -85,6 +85,17 @@ def _digit_prompts(tokenizer, n: int):
     return task.sample_prompts(n)
 
 
+def _assert_trainer_logprobs_equal_the_engine_s(model, s) -> None:
+    """The trainer's model over the whole sequence scores the model's tokens (loss mask 1) as the
+    engine did when it sampled them."""
+    full = torch.cat([s.prompt_ids, s.response_ids]).long()
+    with torch.no_grad():
+        logits = model(full[None]).logits[0, len(s.prompt_ids) - 1 : -1]
+    trainer = torch.log_softmax(logits, -1).gather(-1, s.response_ids[:, None].long())[:, 0]
+    keep = s.fields[LOSS_MASK].bool()
+    assert torch.allclose(trainer[keep], s.engine_logprobs[keep], atol=TOLERANCE)
+
+
 def test_trajectories_keep_the_engines_tokens_and_mask_observations(engine, env_file, tiny_model_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -113,12 +124,7 @@ def test_trajectories_keep_the_engines_tokens_and_mask_observations(engine, env_
         assert start >= 1 and end < len(ids) and set(mask[:start]) == set(mask[end:]) == {1.0}
         assert s.engine_logprobs[start:end].abs().sum() == 0  # no log-prob for what the model did not write
         # the trainer's view of the same ids: log-probs of the model's tokens equal the engine's
-        full = torch.cat([s.prompt_ids, s.response_ids]).long()
-        with torch.no_grad():
-            logits = model(full[None]).logits[0, len(s.prompt_ids) - 1 : -1]
-        trainer = torch.log_softmax(logits, -1).gather(-1, s.response_ids[:, None].long())[:, 0]
-        model_tokens = torch.tensor(mask, dtype=torch.bool)
-        assert torch.allclose(trainer[model_tokens], s.engine_logprobs[model_tokens], atol=TOLERANCE)
+        _assert_trainer_logprobs_equal_the_engine_s(model, s)
         # the environment's reward: the digit score of the second try
         assert s.reward == pytest.approx(score_response(prompt.label, tokenizer.decode(ids[end:], skip_special_tokens=True)))
         # what re-tokenising the transcript would have trained on instead
@@ -195,13 +201,8 @@ def test_an_openai_agent_s_calls_train_as_the_engine_generated_them(engine, tiny
         # cut at max_tokens with)
         assert [t for t in context if t != tokenizer.eos_token_id] == tool + tool
         assert s.prompt_ids.tolist() == list(prompts[s.index // 2].prompt_ids)  # the first call's prompt is the row's
-        full = torch.cat([s.prompt_ids, s.response_ids]).long()
-        with torch.no_grad():
-            logits = model(full[None]).logits[0, len(s.prompt_ids) - 1 : -1]
-        trainer = torch.log_softmax(logits, -1).gather(-1, s.response_ids[:, None].long())[:, 0]
-        keep = torch.tensor(mask, dtype=torch.bool)
-        assert torch.allclose(trainer[keep], s.engine_logprobs[keep], atol=TOLERANCE)
-        assert s.engine_logprobs[~keep].abs().sum() == 0
+        _assert_trainer_logprobs_equal_the_engine_s(model, s)
+        assert s.engine_logprobs[~torch.tensor(mask, dtype=torch.bool)].abs().sum() == 0
     assert sorted(trained_replies) == sorted(tuple(r["replies"]) for r in seen)
     assert sorted(s.reward for s in samples) == pytest.approx(sorted(r["score"] for r in seen))
 

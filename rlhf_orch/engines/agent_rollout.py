@@ -9,8 +9,8 @@ trajectory's record, queued, answered once the engine finished it, and recorded
 (`AgentRecord.add`). Each call samples with its own seed from (step seed, trajectory, call
 number), so a trajectory draws the same tokens whatever the other trajectories do.
 
-The engine side is a `CallGenerator` (`VLLMCalls` here; tests a scripted one), so the session
-runs without vLLM.
+The engine side is a `CallGenerator` (`rlhf_orch.engines.turns.VLLMCalls`, which the multi-turn
+runner's turns use too; tests a scripted one), so the session runs without vLLM.
 """
 
 from __future__ import annotations
@@ -23,18 +23,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol, Sequence
 
-from rlhf_orch.engines.turns import turn_seed
+from rlhf_orch.engines.turns import CallOutput, VLLMCalls, turn_seed
 from rlhf_orch.env.agent_record import AgentLimits, AgentRecord, CallRefused
 from rlhf_orch.env.agent_runner import AgentOutcome, AgentRunner
 from rlhf_orch.env.chat_api import ChatAPIError, completion_body, parse_request
-
-
-@dataclass
-class CallOutput:
-    key: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" or "length"
 
 
 class CallGenerator(Protocol):
@@ -179,50 +171,6 @@ class AgentRolloutSession:
         if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # BatchEncoding in newer transformers
             out = out["input_ids"]
         return [int(t) for t in out]
-
-
-class VLLMCalls:
-    """`CallGenerator` on a `vllm.LLM`: one request per call (n=1), from the call's token ids."""
-
-    def __init__(self, llm: Any, temperature: float):
-        self.llm = llm
-        self.engine = llm.llm_engine
-        self.temperature = temperature
-        self._key_of: dict[str, int] = {}
-
-    def submit(self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str]) -> None:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(
-            n=1, max_tokens=max_tokens, temperature=self.temperature, logprobs=0, seed=seed,
-            stop=stop or None, detokenize=bool(stop),  # stop strings are matched on text
-        )
-        (request_id,) = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(prompt_ids))], [params], use_tqdm=False)
-        self._key_of[str(request_id).rsplit("-", 1)[0]] = key
-
-    def busy(self) -> bool:
-        return bool(self._key_of) and self.engine.has_unfinished_requests()
-
-    def poll(self) -> list[CallOutput]:
-        done = []
-        for out in self.engine.step():
-            key = self._key_of.pop(str(out.request_id), None) if out.finished else None
-            if key is None:
-                continue
-            comp = out.outputs[0]
-            ids = list(comp.token_ids)
-            lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
-            done.append(CallOutput(key, ids, lps, "length" if comp.finish_reason == "length" else "stop"))
-        return done
-
-    def abort(self, keys: Sequence[int]) -> None:
-        wanted = set(keys)
-        ids = [rid for rid, key in self._key_of.items() if key in wanted]
-        if ids:
-            self.engine.abort_request(ids)
-        for rid in ids:
-            self._key_of.pop(rid, None)
 
 
 def trajectory_completions(

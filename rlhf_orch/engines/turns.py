@@ -1,6 +1,7 @@
 """Multi-turn rollouts on a vLLM engine: the engine side of `rlhf_orch.env.runner`.
 
-`VLLMTurns` is the runner's `TurnGenerator`: each turn is one request (n=1) continuing from the
+`VLLMCalls` steps single requests (n=1) from exact token ids (`env=agent`'s calls use it too);
+`VLLMTurns` is the runner's `TurnGenerator` over it: each turn is one request continuing from the
 trajectory's token ids exactly (a `TokensPrompt`: nothing is re-tokenised), stepped by the same
 continuous-batching loop as single-turn rollouts, so a trajectory waiting on its environment never
 holds the others. Each turn has its own sampling seed derived from the step's seed, the sample
@@ -10,6 +11,7 @@ and the turn: a trajectory draws the same tokens whatever order its turns reach 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -25,30 +27,38 @@ def turn_seed(step_seed: int, index: int, turn: int) -> int:
     return (step_seed * 1_000_003 + index * 7_919 + turn) % (2**31 - 1)
 
 
-class VLLMTurns:
-    def __init__(self, llm: Any, temperature: float, step_seed: int):
+@dataclass
+class CallOutput:
+    key: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+
+
+class VLLMCalls:
+    """`CallGenerator` on a `vllm.LLM`: one request per call (n=1), from the call's token ids."""
+
+    def __init__(self, llm: Any, temperature: float):
         self.llm = llm
         self.engine = llm.llm_engine
         self.temperature = temperature
-        self.step_seed = step_seed
-        self.tokenizer = llm.get_tokenizer()
         self._key_of: dict[str, int] = {}
 
-    def submit(self, key: int, context: list[int], max_tokens: int, turn: int) -> None:
+    def submit(self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str]) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(
-            n=1, max_tokens=max_tokens, temperature=self.temperature, logprobs=0, detokenize=False,
-            seed=turn_seed(self.step_seed, key, turn),
+            n=1, max_tokens=max_tokens, temperature=self.temperature, logprobs=0, seed=seed,
+            stop=stop or None, detokenize=bool(stop),  # stop strings are matched on text
         )
-        (request_id,) = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(context))], [params], use_tqdm=False)
+        (request_id,) = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(prompt_ids))], [params], use_tqdm=False)
         self._key_of[str(request_id).rsplit("-", 1)[0]] = key
 
     def busy(self) -> bool:
         return bool(self._key_of) and self.engine.has_unfinished_requests()
 
-    def poll(self) -> list[TurnOutput]:
+    def poll(self) -> list[CallOutput]:
         done = []
         for out in self.engine.step():
             key = self._key_of.pop(str(out.request_id), None) if out.finished else None
@@ -57,8 +67,34 @@ class VLLMTurns:
             comp = out.outputs[0]
             ids = list(comp.token_ids)
             lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
-            done.append(TurnOutput(key, ids, lps, comp.finish_reason == "length"))
+            done.append(CallOutput(key, ids, lps, "length" if comp.finish_reason == "length" else "stop"))
         return done
+
+    def abort(self, keys: Sequence[int]) -> None:
+        wanted = set(keys)
+        ids = [rid for rid, key in self._key_of.items() if key in wanted]
+        if ids:
+            self.engine.abort_request(ids)
+        for rid in ids:
+            self._key_of.pop(rid, None)
+
+
+class VLLMTurns:
+    """The multi-turn runner's `TurnGenerator`: each turn one `VLLMCalls` request with its turn seed."""
+
+    def __init__(self, llm: Any, temperature: float, step_seed: int):
+        self.calls = VLLMCalls(llm, temperature)
+        self.step_seed = step_seed
+        self.tokenizer = llm.get_tokenizer()
+
+    def submit(self, key: int, context: list[int], max_tokens: int, turn: int) -> None:
+        self.calls.submit(key, context, max_tokens, turn_seed(self.step_seed, key, turn), [])
+
+    def busy(self) -> bool:
+        return self.calls.busy()
+
+    def poll(self) -> list[TurnOutput]:
+        return [TurnOutput(o.key, o.token_ids, o.logprobs, o.finish_reason == "length") for o in self.calls.poll()]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
