@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.config.ranges import added_key_problems
+from rlhf_orch.config.problems import Problem
 from rlhf_orch.config.validate import ConfigError, Hardware, check_run_dir_writable, range_problems, validate
 from rlhf_orch.reward.base import RewardError
 from rlhf_orch.reward.scoring import build_reward
@@ -46,6 +47,9 @@ def check(cfg: DictConfig, launcher: Any) -> tuple[RootConfig, PlacementPlan]:
     group constructors and the relations between keys follow, and all problems found are reported
     together (a constructor that refuses a value only counts when the ranges found nothing).
     """
+    missing = sorted(OmegaConf.missing_keys(cfg))  # `???` in the schema: the option needs them set
+    if missing:
+        raise ConfigError([Problem(k, "???", f"required by the option chosen: set {k}=<value>") for k in missing])
     typed: RootConfig = OmegaConf.to_object(cfg)
     problems = added_key_problems(typed) + range_problems(typed)
     try:

@@ -38,6 +38,7 @@ BAD = [
     (["env=lookup", "data=lookup", "model=tiny_tool", "algo.min_response_len=2"], "algo.min_response_len=2", "leave algo.min_response_len=0 with env"),
     (["env=agent", "env.path=scripts/examples/openai_agent.py", "env.name=three_tries", "env.max_tokens_per_turn=17"],
      "env.max_tokens_per_turn=17", "set env.max_tokens_per_turn <= 16"),
+    (["env=agent"], "env.path='???'", "required by the option chosen: set env.path=<value>"),
     (["env=agent", "env.path=scripts/examples/openai_agent.py", "env.name=three_tries", "env.host=public"],
      "env.host='public'", "'loopback' or 'node'"),
     (["algo.train_batch_size=48"], "algo.train_batch_size=48", "divisor of 128"),
