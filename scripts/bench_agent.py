@@ -26,7 +26,6 @@ exactly the same tokens).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -164,5 +163,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.set_event_loop_policy(None)
     main()

@@ -23,10 +23,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Protocol, Sequence
 
+import torch
+
 from rlhf_orch.engines.turns import CallOutput, VLLMCalls, turn_seed
-from rlhf_orch.env.agent_record import AgentLimits, AgentRecord, CallRefused
+from rlhf_orch.env.agent_record import AGENT_METRIC_PREFIX, AgentLimits, AgentRecord, CallRefused
 from rlhf_orch.env.agent_runner import AgentOutcome, AgentRunner
 from rlhf_orch.env.chat_api import ChatAPIError, completion_body, parse_request
+from rlhf_orch.transfer.batch import LOSS_MASK
+from rlhf_orch.transfer.engine_side import Completion
 
 
 class CallGenerator(Protocol):
@@ -88,32 +92,27 @@ class AgentRolloutSession:
         try:
             self.runner.start([(index, row, self.server.base_url(ids[index])) for index, row in items])
             while not self.runner.done():
-                self._feed()
                 if self.generator.busy():
+                    self._feed()
                     self._deliver(self.generator.poll())
                 else:
-                    self._wait_for_work()
+                    self._feed(wait_s=0.02)
             self.runner.wait(0)  # re-raises a crash of the runner's own loop
         finally:
             self._close()
         by_index = {r.index: r for r in self.records.values()}
         return [TrajectoryResult(i, by_index[i], self.runner.outcomes.get(i, AgentOutcome(i, error="no outcome"))) for i, _ in items]
 
-    def _feed(self) -> None:
+    def _feed(self, wait_s: float = 0.0) -> None:
+        """Submit every queued call; with `wait_s`, first wait that long for one (the engine is idle)."""
         while True:
             try:
-                call = self._queue.get_nowait()
+                call = self._queue.get(timeout=wait_s) if wait_s else self._queue.get_nowait()
             except queue.Empty:
                 return
+            wait_s = 0.0
             self._in_flight[call.key] = call
             self.generator.submit(call.key, call.prompt_ids, call.max_tokens, call.seed, call.stop)
-
-    def _wait_for_work(self) -> None:
-        try:
-            call = self._queue.get(timeout=0.02)
-        except queue.Empty:
-            return
-        self._queue.put(call)
 
     def _deliver(self, outputs: Sequence[CallOutput]) -> None:
         for out in outputs:
@@ -186,7 +185,7 @@ def trajectory_completions(
         counts.truncated = int(seq.last_hit_length)
         stats = counts.as_dict()
         for k, v in r.outcome.metrics.items():
-            stats[f"agent_metric/{k}"] = v
+            stats[f"{AGENT_METRIC_PREFIX}{k}"] = v
         yield r.index, {
             "prompt_ids": seq.prompt_ids, "response_ids": seq.response_ids, "logprobs": seq.logprobs,
             "loss_mask": seq.loss_mask, "truncated": seq.last_hit_length, "reward": r.outcome.reward, "stats": stats,
@@ -196,11 +195,6 @@ def trajectory_completions(
 def complete_agent_trajectories(llm: Any, server: Any, requests: Sequence[Any], job: Any, step_seed: int) -> Iterator[list[Any]]:
     """Every requested sample as an agent trajectory; yields each request's completions (all of
     its samples) in request order once every agent function has returned."""
-    import torch
-
-    from rlhf_orch.transfer.batch import LOSS_MASK
-    from rlhf_orch.transfer.engine_side import Completion
-
     env = job.env
     tokenizer = llm.get_tokenizer()
     runner = AgentRunner(env.load(), env.concurrency, env.timeout_s, server.api_key)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlhf_orch.data.base import Prompt
-from rlhf_orch.env.agent_record import AgentLimits
+from rlhf_orch.env.agent_record import AGENT_METRIC_PREFIX, AgentLimits
 from rlhf_orch.env.base import EnvError, EnvGroup, prompt_messages, row_extras
 from rlhf_orch.env.chat_api import TOOL_PARSERS
 from rlhf_orch.env.custom import load_user_module
@@ -94,9 +94,28 @@ class AgentEnv(EnvGroup):
         self.load()
         self.row(prompt)
 
+    def metrics(self, stats: dict[str, float]) -> dict[str, float]:
+        """Per-trajectory means and counts of the agents' counters (`AgentCounts`), and the
+        agents' own metrics as `env/<name>_mean`."""
+        n = max(stats.get("trajectories", 0.0), 1.0)
+        metrics = {
+            "env/calls_mean": stats.get("calls", 0.0) / n,
+            "env/unmerged_calls": stats.get("unmerged_calls", 0.0),
+            "env/refused_calls": stats.get("refused_calls", 0.0),
+            "env/agent_errors": stats.get("agent_errors", 0.0),
+            "env/agent_timeouts": stats.get("agent_timeouts", 0.0),
+            "env/completion_tokens_mean": stats.get("completion_tokens", 0.0) / n,
+            "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
+            "env/truncated": stats.get("truncated", 0.0),
+            "env/agent_s_mean": stats.get("agent_seconds", 0.0) / n,  # in the agent's own code
+            "env/generation_s_mean": stats.get("generation_seconds", 0.0) / n,  # its calls waiting for the engine
+        }
+        metrics.update({f"env/{k[len(AGENT_METRIC_PREFIX):]}_mean": v / n for k, v in stats.items() if k.startswith(AGENT_METRIC_PREFIX)})
+        return metrics
+
     def describe(self) -> list[str]:
         return [
             f"env: agent {self.name} from {self.path}, served as model {self.served_model_name!r}, up to {self.max_calls} calls "
-            f"of {self.max_tokens_per_turn or 'the response budget of'} tokens, {self.concurrency} at once per engine, "
+            f"of {self.max_tokens_per_turn or 'up to data.response_max_len'} tokens, {self.concurrency} at once per engine, "
             f"{self.timeout_s:g}s each"
         ]

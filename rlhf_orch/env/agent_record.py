@@ -25,6 +25,10 @@ class AgentLimits:
     max_calls: int  # env.max_calls: per trajectory
 
 
+# An agent's own numeric metrics (a dict result's entries besides `score`) among its counters.
+AGENT_METRIC_PREFIX = "agent_metric/"
+
+
 class CallRefused(ValueError):
     """A call the trajectory's limits leave no room for (answered with HTTP 400)."""
 

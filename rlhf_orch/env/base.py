@@ -89,6 +89,10 @@ class EnvGroup(abc.ABC):
     def check(self, prompt: Prompt, tokenizer: Any) -> None:
         """Before Ray: the option works for this prompt and tokenizer (EnvError naming the fix)."""
 
+    def metrics(self, stats: dict[str, float]) -> dict[str, float]:
+        """A rollout's env counters (summed over its trajectories) as the step's `env/...` metrics."""
+        return {}
+
     def make(self, prompt: Prompt) -> TextEnv:
         """This trajectory's environment (multi-turn options only)."""
         raise NotImplementedError(f"{type(self).__name__} makes no environments (single-turn rollouts)")

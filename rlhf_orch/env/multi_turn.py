@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Any
 
 from rlhf_orch.data.base import Prompt
@@ -50,6 +49,22 @@ class MultiTurnEnv(EnvGroup):
         instance = self.make(prompt)
         instance.init(prompt_messages(prompt))
         getattr(instance, "close", lambda: None)()
+
+    def metrics(self, stats: dict[str, float]) -> dict[str, float]:
+        """Per-trajectory means and counts of the runner's counters (`EnvCounts`)."""
+        n = max(stats.get("trajectories", 0.0), 1.0)
+        return {
+            "env/turns_mean": stats.get("turns", 0.0) / n,
+            "env/tool_calls_mean": stats.get("tool_calls", 0.0) / n,
+            "env/tool_errors": stats.get("tool_errors", 0.0),
+            "env/tool_timeouts": stats.get("tool_timeouts", 0.0),
+            "env/step_errors": stats.get("env_errors", 0.0),
+            "env/step_timeouts": stats.get("env_timeouts", 0.0),
+            "env/truncated": stats.get("truncated", 0.0),
+            "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
+            "env/observations_truncated": stats.get("observations_truncated", 0.0),
+            "time/env": stats.get("env_seconds", 0.0),
+        }
 
     def step_timeout_s(self) -> float:
         """How long one env.step may take before the trajectory ends (counted as env/step_timeouts)."""

@@ -90,39 +90,6 @@ def _brief(error: BaseException) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
-def env_metrics(stats: dict[str, float]) -> dict[str, float]:
-    """A trajectory rollout's env counters as per-trajectory means and counts (`env/...`):
-    multi-turn environments' (turns, tools) or agent programs' (calls, `env=agent`)."""
-    n = max(stats.get("trajectories", 0.0), 1.0)
-    if "calls" in stats:
-        metrics = {
-            "env/calls_mean": stats["calls"] / n,
-            "env/unmerged_calls": stats.get("unmerged_calls", 0.0),
-            "env/refused_calls": stats.get("refused_calls", 0.0),
-            "env/agent_errors": stats.get("agent_errors", 0.0),
-            "env/agent_timeouts": stats.get("agent_timeouts", 0.0),
-            "env/completion_tokens_mean": stats.get("completion_tokens", 0.0) / n,
-            "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
-            "env/truncated": stats.get("truncated", 0.0),
-            "env/agent_s_mean": stats.get("agent_seconds", 0.0) / n,  # in the agent's own code
-            "env/generation_s_mean": stats.get("generation_seconds", 0.0) / n,  # its calls waiting for the engine
-        }
-        metrics.update({f"env/{k.split('/', 1)[1]}_mean": v / n for k, v in stats.items() if k.startswith("agent_metric/")})
-        return metrics
-    return {
-        "env/turns_mean": stats.get("turns", 0.0) / n,
-        "env/tool_calls_mean": stats.get("tool_calls", 0.0) / n,
-        "env/tool_errors": stats.get("tool_errors", 0.0),
-        "env/tool_timeouts": stats.get("tool_timeouts", 0.0),
-        "env/step_errors": stats.get("env_errors", 0.0),
-        "env/step_timeouts": stats.get("env_timeouts", 0.0),
-        "env/truncated": stats.get("truncated", 0.0),
-        "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
-        "env/observations_truncated": stats.get("observations_truncated", 0.0),
-        "time/env": stats.get("env_seconds", 0.0),
-    }
-
-
 def non_finite(metrics: dict[str, Any]) -> list[str]:
     """The guarded metrics of a step that are NaN or infinite ("key=value")."""
     return [f"{k}={metrics[k]}" for k in GUARDED_METRICS if k in metrics and not math.isfinite(metrics[k])]
@@ -452,8 +419,8 @@ class TrainLoop:
         if delivery.dropped_groups is not None:
             metrics["sampling/dropped_groups"] = delivery.dropped_groups
             metrics["sampling/rounds"] = delivery.rounds
-        if delivery.meta.env_stats:
-            metrics.update(env_metrics(delivery.meta.env_stats))
+        if delivery.meta.env_stats and self.env is not None:
+            metrics.update(self.env.metrics(delivery.meta.env_stats))
         if delivery.meta.model_rewards is not None:
             metrics["reward/model"] = sum(delivery.meta.model_rewards) / len(rewards)
         if delivery.meta.rule_rewards is not None:
