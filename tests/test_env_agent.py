@@ -19,6 +19,7 @@ from rlhf_orch.env.agent_runner import AgentRunner, accepted_keywords, reward_of
 from rlhf_orch.env.base import EnvError
 from rlhf_orch.env.chat_api import ChatAPIError, parse_request, parse_tool_calls
 from rlhf_orch.data.base import Prompt
+from rlhf_orch.transfer.plan import extra_sequence_index
 
 LIMITS = AgentLimits(max_prompt_tokens=8, max_response_tokens=20, max_tokens_per_call=5, max_calls=4)
 
@@ -42,8 +43,10 @@ def test_a_call_that_rewrites_history_starts_a_sequence_and_is_counted():
     r.add([1, 2, 3], [10, 2], [-0.1, -0.2], hit_length=False)
     r.add([1, 2, 3, 99, 2, 7], [12], [-0.4], hit_length=True)  # the model's answer edited: 99 for 10
     assert len(r.sequences) == 2 and r.counts.unmerged_calls == 1
-    # the sequence with most of the model's tokens trains (the first on a tie)
-    assert r.trained_sequence([1], eos_id=2) is r.sequences[0]
+    # both train; the one with most of the model's tokens first (the first begun on a tie)
+    assert r.trained_sequences([1], eos_id=2) == [r.sequences[0], r.sequences[1]]
+    r.add([5, 6], [7, 8, 9], [-0.1] * 3, hit_length=False)  # a second conversation, longer
+    assert r.trained_sequences([1], eos_id=2) == [r.sequences[2], r.sequences[0], r.sequences[1]]
 
 
 def test_the_budget_caps_max_tokens_and_refuses_what_cannot_fit():
@@ -64,7 +67,7 @@ def test_the_budget_caps_max_tokens_and_refuses_what_cannot_fit():
 
 
 def test_an_agent_that_made_no_call_trains_nothing():
-    seq = AgentRecord(0, LIMITS).trained_sequence([1, 2], eos_id=2)
+    (seq,) = AgentRecord(0, LIMITS).trained_sequences([1, 2], eos_id=2)
     assert seq.prompt_ids == [1, 2] and seq.response_ids == [2] and seq.loss_mask == [0]
 
 
@@ -273,3 +276,51 @@ def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server):
     server.close()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=2)
+
+
+def answer_then_check_in_a_new_conversation(row, client, **kwargs):
+    """Two conversations: the answer, then a fresh one asking to check it (extends nothing)."""
+    first = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    answer = first.choices[0].message.content
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"check {answer}"}])
+    return float(row["ground_truth"])
+
+
+def test_every_conversation_of_a_trajectory_trains_with_its_reward(server):
+    session, _ = _session(answer_then_check_in_a_new_conversation, server)
+    results = session.run(_rows(3))
+    sequences = list(trajectory_completions(results, {i: [1] for i in range(3)}, eos_id=0))
+    assert len(sequences) == 6
+    by_index = dict(sequences)
+    for r in results:
+        assert r.record.counts.unmerged_calls == 1
+        extra = extra_sequence_index(r.index, 1)
+        first, second = by_index[r.index], by_index[extra]
+        assert first["reward"] == second["reward"] == pytest.approx(r.index / 10)
+        assert EchoTokenizer().decode(second["prompt_ids"]).startswith("u:check ")
+        assert sum(second["loss_mask"]) == len(second["response_ids"]) > 0  # the model's reply trains
+        # the trajectory's counters go with its first sequence only (the metrics divide by trajectories)
+        assert first["stats"]["trajectories"] == 1.0 and second["stats"] is None
+
+
+def test_a_trajectory_s_further_sequences_share_its_advantage_and_count_once():
+    """GRPO over 2 prompts x 2 trajectories, trajectory 1 with two further sequences: the group's
+    mean and spread are over its trajectories (not weighted by sequences), every further sequence
+    takes its trajectory's advantage, and the metrics' rewards are the trajectories'."""
+    from hydra.utils import instantiate
+
+    from rlhf_orch.orchestration.loop import sample_values_by_index
+    from rlhf_orch.transfer.engine_side import RolloutMeta
+    from tests.conftest import compose_config
+
+    extras = [extra_sequence_index(1, 1), extra_sequence_index(1, 2)]
+    meta = RolloutMeta(indices=[0, 1, 2, 3, *extras], seq_lens=[5] * 6, response_lens=[3] * 6,
+                       rewards=[0.0, 1.0, 0.5, 0.5, 0.7, 0.2], truncated=[False] * 6, weight_versions=[0] * 6)
+    meta.share_trajectory_rewards()  # a reward model scored the further sequences alone
+    assert meta.rewards == [0.0, 1.0, 0.5, 0.5, 1.0, 1.0]
+    assert meta.trajectories_only().indices == [0, 1, 2, 3]
+    algo = instantiate(compose_config(["algo=grpo", "algo.samples_per_prompt=2"]).algo)
+    values, _ = sample_values_by_index(algo, meta, samples_per_prompt=2, response_max_len=8)
+    assert values[1] > 0 > values[0] and values[1] == pytest.approx(-values[0])  # a group of two, not four
+    assert values[extras[0]] == values[extras[1]] == values[1]
+    assert values[2] == values[3] == 0.0

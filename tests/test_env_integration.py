@@ -356,3 +356,36 @@ def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
     for e in endpoints:
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((e["host"], e["port"]), timeout=2)
+
+
+TWO_CONVERSATIONS = '''
+import sys
+sys.path.insert(0, {examples!r})
+import openai_agent
+
+
+def answer_then_retry_afresh(row, client, **kwargs):
+    """Answers once; then starts a second conversation from the question alone (it extends
+    nothing) and is scored on that one."""
+    first = client.chat.completions.create(model="policy", messages=list(row["messages"]), max_tokens=8)
+    second = client.chat.completions.create(model="policy", messages=list(row["messages"]), max_tokens=6)
+    return openai_agent.digit_score(row["ground_truth"], second.choices[0].message.content)
+'''
+
+
+@pytest.mark.parametrize("transfer", ["packed", "micro_batched"])
+def test_every_conversation_of_an_agent_trains_on_every_rank_layout(tmp_path, transfer):
+    """An agent whose trajectories hold two conversations (the second extends nothing): both train,
+    with the trajectory's reward, over two policy ranks (the sequences then do not divide evenly:
+    the ranks still step together), under the default packed transfer and the streaming one; the
+    trainer's log-probs of every sequence equal the engine's."""
+    path = tmp_path / "agent.py"
+    path.write_text(TWO_CONVERSATIONS.format(examples=str(Path(EXAMPLE_AGENT).parent)))
+    rows = _run(["experiment=quick", "algo.num_steps=2", "checkpoint.export_final=false", "env=agent", f"env.path={path}",
+                 "env.name=answer_then_retry_afresh", "env.max_tokens_per_turn=8", "data.response_max_len=16",
+                 "placement.actor_ranks=2", f"transfer={transfer}"], tmp_path / "run")
+    for r in rows:
+        assert r["rollout/samples"] == 16 and r["rollout/sequences"] == 32
+        assert r["env/calls_mean"] == 2.0 and r["env/unmerged_calls"] == 16 and r["env/agent_errors"] == 0
+        assert r["rollout/logprob_diff_max"] < TOLERANCE
+    assert rows[-1]["loss/policy"] != 0

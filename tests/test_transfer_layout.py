@@ -13,11 +13,14 @@ from rlhf_orch.transfer.micro_batched import MicroBatchedTransfer
 from rlhf_orch.transfer.packed import PackedTransfer
 from rlhf_orch.transfer.padded import PaddedTransfer
 from rlhf_orch.transfer.plan import (
+    extra_sequence_index,
+    group_of,
     pieces_per_engine,
     plan_count_micro_batches,
     plan_packed,
     prompt_chunks,
     requests_for_indices,
+    trajectory_of,
 )
 
 PAD = 0
@@ -125,6 +128,42 @@ def test_token_budget_zero_derives_micro_batch_size_times_longest():
 def test_batch_that_does_not_divide_over_ranks_is_refused(name):
     with pytest.raises(ValueError, match="do not divide evenly over 3 data-parallel ranks"):
         STRATEGIES[name].layout(_samples(8), 3, 4, PAD)
+
+
+def _with_further_sequences(n: int = 24) -> list[Sample]:
+    """`n` trajectories, five of which train as more than one sequence (env=agent)."""
+    samples = _samples(n)
+    extra = [(3, 1), (3, 2), (10, 1), (17, 1), (n - 1, 1)]
+    for k, (trajectory, j) in enumerate(extra):
+        s = _samples(n + len(extra), seed=1)[n + k]
+        s.index = extra_sequence_index(trajectory, j)
+        samples.append(s)
+    return samples
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("num_shards", [1, 2, 4])
+def test_trajectories_with_further_sequences_train_every_sequence_in_lockstep(name, num_shards):
+    """A trajectory's further sequences make the count uneven over the ranks: every sequence still
+    lands exactly once, and every rank gets the same number of micro-batches (they step together)."""
+    samples = _with_further_sequences()
+    shards = STRATEGIES[name].layout(samples, num_shards, 4, PAD)
+    assert len({len(shard) for shard in shards}) == 1
+    back = [s for shard in shards for mb in shard for s in mb.to_samples() if s.index >= 0]
+    assert sorted(map(_key, back)) == sorted(map(_key, samples))
+    if name != "packed":  # count-based: at most one sequence over the micro-batch size
+        assert max(len(mb) for shard in shards for mb in shard) <= 5
+    # The divisibility rule is on trajectories, as without further sequences.
+    with pytest.raises(ValueError, match="do not divide evenly over 3 data-parallel ranks"):
+        STRATEGIES[name].layout(_with_further_sequences(8), 3, 4, PAD)
+
+
+def test_a_further_sequence_names_its_trajectory_and_group():
+    i = extra_sequence_index(13, 2)
+    assert trajectory_of(i) == 13 and group_of(i, 4) == 3 and trajectory_of(13) == 13
+    assert len({extra_sequence_index(t, k) for t in range(50) for k in range(1, 4)}) == 150
+    with pytest.raises(ValueError):
+        extra_sequence_index(13, 0)
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

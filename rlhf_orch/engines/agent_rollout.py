@@ -31,6 +31,7 @@ from rlhf_orch.env.agent_runner import AgentOutcome, AgentRunner
 from rlhf_orch.env.chat_api import ChatAPIError, completion_body, parse_request
 from rlhf_orch.transfer.batch import LOSS_MASK
 from rlhf_orch.transfer.engine_side import Completion
+from rlhf_orch.transfer.plan import extra_sequence_index, trajectory_of
 
 
 class CallGenerator(Protocol):
@@ -175,26 +176,30 @@ class AgentRolloutSession:
 def trajectory_completions(
     results: Sequence[TrajectoryResult], fallback_prompt_ids: Mapping[int, Sequence[int]], eos_id: int
 ) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Per trajectory: the fields of its `Completion` (the sequence it trains as, its reward and counters)."""
+    """Per sequence of every trajectory: its index and the fields of its `Completion`. The first
+    sequence has the trajectory's index and carries its counters; further ones (a second
+    conversation, rewritten history) get `extra_sequence_index`; all carry the trajectory's reward."""
     for r in results:
-        seq = r.record.trained_sequence(fallback_prompt_ids[r.index], eos_id)
+        sequences = r.record.trained_sequences(fallback_prompt_ids[r.index], eos_id)
         counts = r.record.counts
         counts.agent_errors = int(r.outcome.error is not None)
         counts.agent_timeouts = int(r.outcome.timed_out)
         counts.agent_seconds = max(0.0, r.outcome.seconds - counts.generation_seconds)
-        counts.truncated = int(seq.last_hit_length)
+        counts.truncated = int(sequences[0].last_hit_length)
         stats = counts.as_dict()
         for k, v in r.outcome.metrics.items():
             stats[f"{AGENT_METRIC_PREFIX}{k}"] = v
-        yield r.index, {
-            "prompt_ids": seq.prompt_ids, "response_ids": seq.response_ids, "logprobs": seq.logprobs,
-            "loss_mask": seq.loss_mask, "truncated": seq.last_hit_length, "reward": r.outcome.reward, "stats": stats,
-        }
+        for k, seq in enumerate(sequences):
+            yield r.index if k == 0 else extra_sequence_index(r.index, k), {
+                "prompt_ids": seq.prompt_ids, "response_ids": seq.response_ids, "logprobs": seq.logprobs,
+                "loss_mask": seq.loss_mask, "truncated": seq.last_hit_length, "reward": r.outcome.reward,
+                "stats": stats if k == 0 else None,
+            }
 
 
 def complete_agent_trajectories(llm: Any, server: Any, requests: Sequence[Any], job: Any, step_seed: int) -> Iterator[list[Any]]:
-    """Every requested sample as an agent trajectory; yields each request's completions (all of
-    its samples) in request order once every agent function has returned."""
+    """Every requested sample as an agent trajectory; yields each request's completions (every
+    sequence of all its samples) in request order once every agent function has returned."""
     env = job.env
     tokenizer = llm.get_tokenizer()
     runner = AgentRunner(env.load(), env.concurrency, env.timeout_s, server.api_key)
@@ -208,7 +213,7 @@ def complete_agent_trajectories(llm: Any, server: Any, requests: Sequence[Any], 
     fallback = {i: job.prompt_ids[r.prompt_index] for i, r in owner.items()}
     done: dict[Any, list[Completion]] = {r: [] for r in requests}
     for index, f in trajectory_completions(results, fallback, tokenizer.eos_token_id):
-        done[owner[index]].append(Completion(
+        done[owner[trajectory_of(index)]].append(Completion(
             index, f["prompt_ids"], f["response_ids"], f["logprobs"],
             fields={LOSS_MASK: torch.tensor(f["loss_mask"], dtype=torch.float32)},
             truncated=f["truncated"], env_reward=f["reward"], env_stats=f["stats"],

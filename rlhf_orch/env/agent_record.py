@@ -8,7 +8,8 @@ prompt, every completion and everything between) extends that sequence: the new 
 after it are context (loss mask 0: the tool results and messages the agent appended), the
 completion is the model's (loss mask 1). Nothing is re-tokenised: the merged sequence holds the
 engine's own ids. A call that extends no sequence starts a new one (a second conversation, or
-history the agent rewrote) and is counted as unmerged.
+history the agent rewrote) and is counted as unmerged; every sequence trains, with the
+trajectory's reward (`trained_sequences`).
 """
 
 from __future__ import annotations
@@ -138,9 +139,13 @@ class AgentRecord:
         self.counts.calls += 1
         self.counts.completion_tokens += len(completion_ids)
 
-    def trained_sequence(self, fallback_prompt_ids: Sequence[int], eos_id: int) -> TokenSequence:
-        """The sequence the trajectory trains as: the one holding the most of the model's tokens
-        (the first on a tie). An agent that made no call trains nothing: one EOS, masked out."""
+    def trained_sequences(self, fallback_prompt_ids: Sequence[int], eos_id: int) -> list[TokenSequence]:
+        """The sequences the trajectory trains as, each with its reward. First the one holding the
+        most of the model's tokens (the first begun on a tie): it stands for the trajectory where
+        one sequence must (its sample index, its group, its length in the metrics); then the
+        others in the order they began. An agent that made no call trains nothing: one EOS,
+        masked out."""
         if not self.sequences:
-            return TokenSequence(list(fallback_prompt_ids), [int(eos_id)], [0.0], [0])
-        return max(self.sequences, key=lambda s: (sum(s.loss_mask), -self.sequences.index(s)))
+            return [TokenSequence(list(fallback_prompt_ids), [int(eos_id)], [0.0], [0])]
+        first = max(range(len(self.sequences)), key=lambda k: (sum(self.sequences[k].loss_mask), -k))
+        return [self.sequences[first]] + [s for k, s in enumerate(self.sequences) if k != first]

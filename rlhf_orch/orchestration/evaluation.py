@@ -98,7 +98,7 @@ class Evaluator:
         else:
             parts = self._get([e.produce_scores.remote(r, job(c)) for (e, c), r in zip(used, requests)], "evaluating", engine_call=True)
             meta = merge_meta(parts)
-        metrics = eval_metrics(self.prompts, meta.rewards, s.samples_per_prompt, s.pass_threshold)
+        metrics = eval_metrics(self.prompts, meta.trajectories_only().rewards, s.samples_per_prompt, s.pass_threshold)
         metrics["eval/response_mean_len"] = sum(meta.response_lens) / max(len(meta.response_lens), 1)
         metrics["time/eval"] = time.perf_counter() - t
         return metrics
@@ -120,4 +120,5 @@ class Evaluator:
         model_score = {i: v for indices, values in scored for i, v in zip(indices, values)}
         rule = meta.rewards if self.reward.rule is not None else [0.0] * len(meta.rewards)
         meta.rewards = [r + self.reward.model.weight * model_score[i] for r, i in zip(rule, meta.indices)]
+        meta.share_trajectory_rewards()
         return meta

@@ -36,6 +36,8 @@ from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.sync.base import SyncReport, WeightSync
 from rlhf_orch.trainer.metrics import trainer_metrics
 from rlhf_orch.transfer.base import Delivery, GroupFilter, HeldRollout, RolloutRequest, RolloutTransfer, Route
+from rlhf_orch.transfer.engine_side import RolloutMeta
+from rlhf_orch.transfer.plan import group_ids, trajectory_of
 
 
 class EngineDiedError(RuntimeError):
@@ -79,6 +81,21 @@ GUARDED_METRICS = (
     "policy/grad_norm",
     "critic/grad_norm",
 )
+
+
+def sample_values_by_index(
+    algo: Algorithm, meta: RolloutMeta, samples_per_prompt: int, response_max_len: int
+) -> tuple[dict[int, float], dict[str, float]]:
+    """The algorithm's per-sample value (`sample_values`) of every sequence, by index. Computed
+    over trajectories: a trajectory's further sequences (env=agent) would otherwise weigh it
+    several times in its group's mean and spread; each takes its trajectory's value."""
+    trajectories = meta.trajectories_only()
+    scores = torch.tensor(trajectories.rewards, dtype=torch.float32)
+    groups = torch.tensor(group_ids(trajectories.indices, samples_per_prompt), dtype=torch.long)
+    lengths = torch.tensor(trajectories.response_lens, dtype=torch.long)
+    values, stats = algo.sample_values(scores, groups, lengths, response_max_len)
+    of_trajectory = dict(zip(trajectories.indices, values.tolist()))
+    return {i: of_trajectory[trajectory_of(i)] for i in meta.indices}, stats
 
 
 def _brief(error: BaseException) -> str:
@@ -240,11 +257,18 @@ class TrainLoop:
 
     def _check_every_sample_once(self, delivery: Delivery) -> None:
         s = self.settings
-        indices = delivery.meta.indices
+        indices = delivery.meta.trajectories_only().indices
         want = s.rollout_batch_size * s.samples_per_prompt
         if len(indices) != want or len(set(indices)) != len(indices):
             raise StepFailedError(
                 f"the rollout delivered {len(indices)} samples ({len(indices) - len(set(indices))} duplicated), expected {want} distinct"
+            )
+        every = delivery.meta.indices
+        strays = {trajectory_of(i) for i in every} - set(indices)
+        if len(set(every)) != len(every) or strays:
+            raise StepFailedError(
+                f"the rollout delivered {len(every) - len(set(every))} duplicated sequences and further sequences "
+                f"of {len(strays)} trajectories it did not deliver"
             )
 
     def _replace_engine(self, e: int, step: int) -> Any:
@@ -277,12 +301,8 @@ class TrainLoop:
         return engine
 
     def _sample_values(self, delivery: Delivery) -> tuple[dict[int, float], dict[str, float]]:
-        meta = delivery.meta
-        scores = torch.tensor(meta.rewards, dtype=torch.float32)
-        group_ids = torch.tensor(meta.indices, dtype=torch.long) // self.settings.samples_per_prompt
-        lengths = torch.tensor(meta.response_lens, dtype=torch.long)
-        values, stats = self.algo.sample_values(scores, group_ids, lengths, self.settings.response_max_len)
-        return dict(zip(meta.indices, values.tolist())), stats
+        s = self.settings
+        return sample_values_by_index(self.algo, delivery.meta, s.samples_per_prompt, s.response_max_len)
 
     # ------------------------------------------------------------------ pieces
     def _model_scores(self, delivery: Delivery, num_shards: int, timings: dict[str, float]) -> None:
@@ -301,6 +321,7 @@ class TrainLoop:
         meta.model_rewards = [model_score[i] for i in meta.indices]
         meta.rule_rewards = rule if self.reward.rule is not None else None
         meta.rewards = [r + weight * m for r, m in zip(rule, meta.model_rewards)]
+        meta.share_trajectory_rewards()
         timings["reward_model"] = time.perf_counter() - t
 
     def _rollout_request(self, prompts: Sequence[Any]) -> RolloutRequest:
@@ -379,9 +400,11 @@ class TrainLoop:
             raise StepFailedError(f"{type(cause).__name__} while {what}: {_brief(cause)}") from e
 
     def _metrics(self, step, delivery: Delivery, exp_stats, policy_stats, critic_stats, timings) -> dict[str, Any]:
-        rewards = delivery.meta.rewards
+        trajectories = delivery.meta.trajectories_only()
+        rewards = trajectories.rewards
         report = self.last_sync
         response_tokens = sum(delivery.meta.response_lens)
+        sequences = len(delivery.meta.indices)
 
         metrics: dict[str, Any] = {
             "step": step,
@@ -392,7 +415,8 @@ class TrainLoop:
             "rollout/samples": len(rewards),
             "reward/errors": delivery.meta.reward_errors,
             "reward/timeouts": delivery.meta.reward_timeouts,
-            "response/mean_len": response_tokens / len(rewards),
+            "rollout/sequences": sequences,
+            "response/mean_len": response_tokens / sequences,
             "response/max_len": max(delivery.meta.response_lens),
             "transfer/wire_bytes": delivery.wire_bytes,
             "transfer/padded_tokens": delivery.wire_tokens,
@@ -413,18 +437,18 @@ class TrainLoop:
         if self.settings.samples_per_prompt > 1:
             # Groups whose samples all scored the same: no gradient under a group-relative
             # advantage (DAPO's dynamic sampling drops them before training).
-            group_ids = torch.tensor(delivery.meta.indices, dtype=torch.long) // self.settings.samples_per_prompt
-            informative = dynamic_sampling_keep(torch.tensor(rewards, dtype=torch.float32), group_ids)
-            metrics["rollout/uniform_groups"] = len(set(group_ids[~informative].tolist()))
+            groups = torch.tensor(group_ids(trajectories.indices, self.settings.samples_per_prompt), dtype=torch.long)
+            informative = dynamic_sampling_keep(torch.tensor(rewards, dtype=torch.float32), groups)
+            metrics["rollout/uniform_groups"] = len(set(groups[~informative].tolist()))
         if delivery.dropped_groups is not None:
             metrics["sampling/dropped_groups"] = delivery.dropped_groups
             metrics["sampling/rounds"] = delivery.rounds
         if delivery.meta.env_stats and self.env is not None:
             metrics.update(self.env.metrics(delivery.meta.env_stats))
         if delivery.meta.model_rewards is not None:
-            metrics["reward/model"] = sum(delivery.meta.model_rewards) / len(rewards)
+            metrics["reward/model"] = sum(trajectories.model_rewards) / len(rewards)
         if delivery.meta.rule_rewards is not None:
-            metrics["reward/rule"] = sum(delivery.meta.rule_rewards) / len(rewards)
+            metrics["reward/rule"] = sum(trajectories.rule_rewards) / len(rewards)
         metrics.update({f"time/{k}": v for k, v in timings.items()})
         # Shares of the step: what the transfer and sync strategies cost relative to everything else.
         for phase in ("generate", "transfer", "experience", "train", "sync", "rollout_wait", "overlap"):

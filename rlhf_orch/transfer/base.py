@@ -26,8 +26,9 @@ from typing import Any, Callable, Sequence
 import ray
 
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
-from rlhf_orch.transfer.micro_batches import shard_for_ranks, split_by_count
+from rlhf_orch.transfer.micro_batches import near_equal_ranges, shard_for_ranks, split_by_count
 from rlhf_orch.transfer.engine_side import RolloutJob, RolloutMeta, Scorer, sum_env_stats
+from rlhf_orch.transfer.plan import is_extra_sequence
 
 MicroBatch = PaddedBatch | PackedBatch
 
@@ -234,9 +235,22 @@ class RolloutTransfer(abc.ABC):
 
 
 def count_micro_batches(samples: Sequence[Sample], num_shards: int, micro_batch_size: int) -> list[list[list[Sample]]]:
-    """Contiguous shards of equal size, each cut into micro-batches of `micro_batch_size`."""
+    """Contiguous shards of equal size, each cut into micro-batches of `micro_batch_size`.
+
+    With trajectories that train as several sequences (`plan.extra_sequence_index`) the count
+    need not divide over the shards: the shards then differ by at most one sequence, and every
+    shard is cut into the same number of micro-batches (ranks step in lockstep), each at most
+    `micro_batch_size` but one larger where a shard has a sequence more than the others."""
+    shard_for_ranks(sum(not is_extra_sequence(s.index) for s in samples), num_shards)  # the divisibility error
+    if len(samples) % num_shards == 0:
+        shards = shard_for_ranks(len(samples), num_shards)
+        cuts = [split_by_count(len(shard), micro_batch_size) for shard in shards]
+    else:
+        shards = near_equal_ranges(len(samples), num_shards)
+        count = -(-len(shards[-1]) // micro_batch_size)  # the smallest shard's micro-batches
+        cuts = [near_equal_ranges(len(shard), count) for shard in shards]
     out = []
-    for shard in shard_for_ranks(len(samples), num_shards):
+    for shard, cut in zip(shards, cuts):
         rows = [samples[i] for i in shard]
-        out.append([[rows[i] for i in r] for r in split_by_count(len(rows), micro_batch_size)])
+        out.append([[rows[i] for i in r] for r in cut])
     return out

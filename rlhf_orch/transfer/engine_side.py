@@ -19,6 +19,7 @@ as soon as each finishes) and `_decode` (token ids -> text, for rule rewards) --
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -30,7 +31,7 @@ from rlhf_orch.reward.base import Response
 from rlhf_orch.reward.execution import ScoredBatch
 from rlhf_orch.transfer.batch import PaddedBatch, Sample
 from rlhf_orch.transfer.packed_buffer import PackedBuffer
-from rlhf_orch.transfer.plan import CompletionRequest, MicroBatchWork
+from rlhf_orch.transfer.plan import CompletionRequest, MicroBatchWork, group_of, is_extra_sequence, trajectory_of
 
 # (prompts, responses) -> ScoredBatch: scores one batch where the samples are (rlhf_orch.reward.scoring).
 Scorer = Callable[[Sequence[Any], Sequence[Response]], ScoredBatch]
@@ -68,6 +69,28 @@ class RolloutMeta:
     model_rewards: list[float] | None = None  # reward-model scores (before weighting), by index
     rule_rewards: list[float] | None = None  # the weighted rule term, when a reward model adds to it
     env_stats: dict[str, float] | None = None  # multi-turn rollouts: env counters summed over the samples
+
+    def trajectory_rows(self) -> list[int]:
+        """Positions of the trajectories' first sequences (every position, unless a trajectory
+        trains as several sequences: `plan.extra_sequence_index`)."""
+        return [k for k, i in enumerate(self.indices) if not is_extra_sequence(i)]
+
+    def trajectories_only(self) -> "RolloutMeta":
+        """The first sequence of every trajectory: what rewards, groups and evaluation count."""
+        rows = self.trajectory_rows()
+        if len(rows) == len(self.indices):
+            return self
+        pick = lambda values: [values[k] for k in rows] if values else values  # noqa: E731
+        return dataclasses.replace(
+            self, indices=pick(self.indices), seq_lens=pick(self.seq_lens), response_lens=pick(self.response_lens),
+            rewards=pick(self.rewards), truncated=pick(self.truncated), weight_versions=pick(self.weight_versions),
+            model_rewards=pick(self.model_rewards), rule_rewards=pick(self.rule_rewards),
+        )
+
+    def share_trajectory_rewards(self) -> None:
+        """Every further sequence takes its trajectory's reward (a reward model scored each alone)."""
+        first = {i: r for i, r in zip(self.indices, self.rewards) if not is_extra_sequence(i)}
+        self.rewards = [first[trajectory_of(i)] for i in self.indices]
 
 
 @dataclass
@@ -329,7 +352,7 @@ class RolloutProducer(abc.ABC):
 def _score(
     indices: Sequence[int], response_lens: Sequence[int], truncated: Sequence[bool], texts: Sequence[str], job: RolloutJob
 ) -> ScoredBatch:
-    prompts = [job.prompts[i // job.samples_per_prompt] for i in indices]
+    prompts = [job.prompts[group_of(i, job.samples_per_prompt)] for i in indices]
     return job.scorer(prompts, [Response(t, n, tr) for t, n, tr in zip(texts, response_lens, truncated)])
 
 
@@ -355,9 +378,10 @@ def _final_scores(
 
 
 def _request_of(completions: list[Completion], job: RolloutJob) -> CompletionRequest:
-    first = min(c.index for c in completions)
-    prompt, sample = divmod(first, job.samples_per_prompt)
-    return CompletionRequest(prompt, sample, len(completions))
+    # A trajectory's further sequences (env=agent) come with it; the request counted trajectories.
+    trajectories = [c.index for c in completions if not is_extra_sequence(c.index)]
+    prompt, sample = divmod(min(trajectories), job.samples_per_prompt)
+    return CompletionRequest(prompt, sample, len(trajectories))
 
 
 def padded_per_micro_batch(pad_id: int) -> Callable[[list[Sample]], PaddedBatch]:

@@ -24,7 +24,7 @@ from rlhf_orch.transfer.base import Delivery, HeldRollout, MicroBatch, RolloutRe
 from rlhf_orch.transfer.batch import PackedBatch, Sample
 from rlhf_orch.transfer.engine_side import RolloutMeta
 from rlhf_orch.transfer.inbox import assemble_packed
-from rlhf_orch.transfer.plan import derive_token_budget, pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
+from rlhf_orch.transfer.plan import derive_token_budget, group_ids, group_of, pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
 
 
 class PackedTransfer(RolloutTransfer):
@@ -151,8 +151,8 @@ class PackedTransfer(RolloutTransfer):
 
         def informative() -> list[int]:
             meta = merge_meta([m for parts in held for m in parts])
-            keep = f.keep(torch.tensor(meta.rewards), torch.tensor(meta.indices) // spp).tolist()
-            return sorted({i // spp for i, k in zip(meta.indices, keep) if k})
+            keep = f.keep(torch.tensor(meta.rewards), torch.tensor(group_ids(meta.indices, spp))).tolist()
+            return sorted({group_of(i, spp) for i, k in zip(meta.indices, keep) if k})
 
         groups = informative()
         while len(groups) < need and rounds < f.max_rounds:
@@ -189,7 +189,7 @@ def _engine_ordered(plan: list[list[list[int]]], held_by_engine: Sequence[Sequen
 
 
 def _select(meta: RolloutMeta, groups: set[int], samples_per_prompt: int) -> RolloutMeta:
-    rows = [k for k, i in enumerate(meta.indices) if i // samples_per_prompt in groups]
+    rows = [k for k, i in enumerate(meta.indices) if group_of(i, samples_per_prompt) in groups]
     pick = lambda values: [values[k] for k in rows]  # noqa: E731
     return dataclasses.replace(
         meta,

@@ -3,6 +3,13 @@
 Global sample index: sample `j` of prompt `p` is `p * samples_per_prompt + j`. Every strategy
 uses it, so the same rollout lands in the same order whatever moved it, and `Sample.index` /
 `batch.indices` name each sequence on the trainer.
+
+A sample is one trajectory, and most trajectories train as one sequence. One that trains as
+several (an `env=agent` trajectory with a second conversation, or history its agent rewrote) keeps
+its own index for the first; its k-th further sequence is `index + k * EXTRA_SEQUENCE_STRIDE`
+(`extra_sequence_index`). The engine that made the trajectory numbers them without asking
+anyone, every index stays unique and deterministic (exact resume, the same order under every
+strategy), and `trajectory_of` / `group_of` give back the trajectory and its prompt group.
 """
 
 from __future__ import annotations
@@ -11,6 +18,36 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from rlhf_orch.transfer.micro_batches import near_equal_ranges, plan_token_budget_micro_batches, shard_for_ranks, split_by_count
+
+
+# Above every index a rollout's prompts can reach (dynamic sampling's rounds included), and small
+# enough that index + k x stride stays an int64 for any call budget.
+EXTRA_SEQUENCE_STRIDE = 1 << 40
+
+
+def extra_sequence_index(trajectory: int, k: int) -> int:
+    """The index of trajectory `trajectory`'s k-th further sequence (k >= 1)."""
+    if k < 1 or not 0 <= trajectory < EXTRA_SEQUENCE_STRIDE:
+        raise ValueError(f"no extra sequence {k} of trajectory {trajectory}")
+    return trajectory + k * EXTRA_SEQUENCE_STRIDE
+
+
+def trajectory_of(index: int) -> int:
+    """The trajectory (its first sequence's index) that sequence `index` belongs to."""
+    return index % EXTRA_SEQUENCE_STRIDE
+
+
+def is_extra_sequence(index: int) -> bool:
+    return index >= EXTRA_SEQUENCE_STRIDE
+
+
+def group_of(index: int, samples_per_prompt: int) -> int:
+    """The prompt whose group sequence `index` belongs to (group-relative estimators)."""
+    return trajectory_of(index) // samples_per_prompt
+
+
+def group_ids(indices: Sequence[int], samples_per_prompt: int) -> list[int]:
+    return [group_of(int(i), samples_per_prompt) for i in indices]
 
 
 @dataclass(frozen=True)
@@ -100,7 +137,8 @@ def plan_packed(
     """
     if len(indices) != len(seq_lens):
         raise ValueError(f"{len(indices)} indices but {len(seq_lens)} lengths")
-    shard_for_ranks(len(indices), num_ranks)  # raises the divisibility error
+    # Raises the divisibility error (on trajectories: their further sequences need not divide).
+    shard_for_ranks(sum(not is_extra_sequence(i) for i in indices), num_ranks)
     order = sorted(range(len(indices)), key=lambda k: indices[k])
     ordered_idx = [indices[k] for k in order]
     ordered_len = [seq_lens[k] for k in order]
