@@ -105,7 +105,7 @@ def test_engine_dying_mid_overlap_is_replaced_and_a_nan_stops_the_run(tmp_path, 
         if step == 2:
             Path(str(huge) + ".armed").write_text("")  # step 4's rewards overflow
 
-    with pytest.raises(RunFailed, match=r"NonFiniteError: step 4: .*(loss/value|advantages/abs_max)=(nan|inf).*step_00000003.*resume="):
+    with pytest.raises(RunFailed, match=r"step 4: NonFiniteError: .*(loss/value|advantages/abs_max)=(nan|inf).*step_00000003.*resume="):
         run_training(cfg, typed, plan, launcher, run_dir, callbacks=[arm])
     assert not exposed, exposed
     rows = _metrics(run_dir)

@@ -289,10 +289,12 @@ RANGES: tuple[Range, ...] = (
            "'hermes' (<tool_call>{json}</tool_call> become tool_calls, Qwen/Hermes chat models) or 'none'"),
     # ---- checkpoint
     ints("checkpoint.every_n_steps", 0, "0 = only at the end of the run and on signals"),
+    reals("checkpoint.every_n_minutes", 0, why="minutes of training between time-based checkpoints; 0 = off"),
     ints("checkpoint.keep_last", 1, "complete checkpoints kept"),
     text("checkpoint.dir", "null = <run dir>/checkpoints", nullable=True),
     # ---- fault
     ints("fault.max_engine_restarts", 0, "0 = no engine restarts"),
+    ints("fault.max_trainer_restarts", 0, "0 = a lost trainer (or engine outside generation) ends the run"),
     reals("fault.step_timeout_s", 0, lo_open=True, why="seconds any wait on an actor within a step may take"),
     # ---- logger
     ints("logger.plot_every_n_steps", 0, "0 = plots only at the end of the run"),

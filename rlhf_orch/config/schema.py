@@ -644,6 +644,9 @@ class CheckpointConfig:
     """What a run keeps so it can continue (`resume=`) and what it exports (rlhf_orch.checkpoint)."""
 
     every_n_steps: int = 0  # 0 = no periodic checkpoints (the end of the run and signals still write one)
+    # Also a checkpoint after the first step that ends this long after the last one (or the start):
+    # a crash loses at most about this much work. 0 = off.
+    every_n_minutes: float = 30.0
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted (>= 1)
     dir: Optional[str] = None  # null = <run dir>/checkpoints; must be shared by every node of a cluster
     on_signal: bool = True  # SIGINT/SIGTERM: finish the step, write a checkpoint, then stop
@@ -662,6 +665,10 @@ class FaultConfig:
 
     max_engine_restarts: int = 3  # engines restarted (replaced in their bundle) per run at most; 0 = none
     step_timeout_s: float = 600.0  # any wait on an actor within a step longer than this fails the run
+    # Whole-run restarts when a process the run cannot continue without (a trainer rank; an engine
+    # lost outside generation) died or stopped answering: every role starts again in its bundles
+    # from the last checkpoint (the initial weights without one) and the run goes on. 0 = none.
+    max_trainer_restarts: int = 2
 
 
 # --------------------------------------------------------------------------- logger

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 
 from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
+from rlhf_orch.one_line import one_line
 from rlhf_orch.orchestration.actors import RoleActors
 from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
@@ -42,6 +42,10 @@ from rlhf_orch.transfer.plan import group_ids, trajectory_of
 
 class EngineDiedError(RuntimeError):
     """A vLLM engine died mid-run."""
+
+
+class EngineRestartBudgetError(EngineDiedError):
+    """An engine died and fault.max_engine_restarts are used up: the run does not restart for it."""
 
 
 class StepFailedError(RuntimeError):
@@ -96,15 +100,6 @@ def sample_values_by_index(
     values, stats = algo.sample_values(scores, groups, lengths, response_max_len)
     of_trajectory = dict(zip(trajectories.indices, values.tolist()))
     return {i: of_trajectory[trajectory_of(i)] for i in meta.indices}, stats
-
-
-def _brief(error: BaseException) -> str:
-    """An actor error in one line: Ray's text spans many (tracebacks, colour codes, advice)."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    dead = [line for line in lines if line.startswith("The actor is dead because")]
-    line = dead[0] if dead else (lines[0] if lines else type(error).__name__)
-    return line if len(line) <= 300 else line[:297] + "..."
 
 
 def non_finite(metrics: dict[str, Any]) -> list[str]:
@@ -279,7 +274,7 @@ class TrainLoop:
         if self.closing:
             raise EngineDiedError(f"vLLM engine {e} stopped while the run was ending")
         if self.engine_restarts >= s.max_engine_restarts:
-            raise EngineDiedError(
+            raise EngineRestartBudgetError(
                 f"vLLM engine {e} died during step {step} and the engine restart budget is used up "
                 f"(fault.max_engine_restarts={s.max_engine_restarts})"
             )
@@ -391,13 +386,13 @@ class TrainLoop:
             return ray.get(refs, timeout=timeout_s if remaining_s is None else remaining_s)
         except ray.exceptions.RayActorError as e:
             kind = "a vLLM engine" if engine_call else "a trainer or engine process"
-            raise EngineDiedError(f"{kind} died while {what}: {_brief(e)}") from e
+            raise EngineDiedError(f"{kind} died while {what}: {one_line(e)}") from e
         except ray.exceptions.GetTimeoutError as e:
             raise ActorTimeoutError(f"no answer within {timeout_s:g}s ({key}) while {what}") from e
         except ray.exceptions.RayTaskError as e:
             # The actor's own exception, in one line (its traceback went to the actor's log).
             cause = e.cause if e.cause is not None else e
-            raise StepFailedError(f"{type(cause).__name__} while {what}: {_brief(cause)}") from e
+            raise StepFailedError(f"{type(cause).__name__} while {what}: {one_line(cause)}") from e
 
     def _metrics(self, step, delivery: Delivery, exp_stats, policy_stats, critic_stats, timings) -> dict[str, Any]:
         trajectories = delivery.meta.trajectories_only()

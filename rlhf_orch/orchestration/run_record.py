@@ -3,6 +3,7 @@ at the end, summary.json. The driver-side record of one run; `session.run_traini
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -11,8 +12,9 @@ from typing import Any
 from rlhf_orch.checkpoint_dirs import CheckpointStore
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.logging.base import MetricsFile
-from rlhf_orch.orchestration.checkpoint import ResumePoint, save_checkpoint
-from rlhf_orch.rng import rng_state
+from rlhf_orch.one_line import named
+from rlhf_orch.orchestration.checkpoint import ResumePoint, load_resume, save_checkpoint
+from rlhf_orch.rng import rng_state, set_rng_state
 
 
 class RunRecord:
@@ -24,6 +26,11 @@ class RunRecord:
         self.store = CheckpointStore(Path(ck.dir) if ck.dir else run_dir / "checkpoints", ck.keep_last)
         self.history: list[dict[str, Any]] = list(resume.state["metrics"]) if resume else []
         self.last_checkpoint: Path | None = resume.info.path if resume else None
+        self.last_checkpoint_step: int | None = resume.step if resume else None
+        self._last_checkpoint_at = time.monotonic()
+        self._finished: dict[str, Any] | None = None
+        self._initial: dict[str, Any] | None = None  # the driver's state before step 1 (a fresh run)
+        self.trainer_restarts = int(resume.state.get("trainer_restarts", 0)) if resume else 0
         self.metrics_file = MetricsFile(run_dir, keep_through_step=resume.step if resume else None)
         logger.start(str(run_dir), config_dict, typed.experiment_name, resume_id=resume.state.get("logger_run_id") if resume else None)
 
@@ -32,27 +39,106 @@ class RunRecord:
         self.logger.log(step, metrics)
         self.history.append(metrics)
 
-    def checkpoint(self, step: int, loop: Any, actors: Any) -> None:
-        """Every trainer's DeepSpeed state and the driver's: data position, RNG, metrics, a rollout
-        generated ahead (one_step_off), engine restarts -- what exact resume needs."""
-        t = time.perf_counter()
-        state = {
+    def step_finished(self, step: int, loop: Any) -> None:
+        """The driver's state after finished step `step` (counters, the sampler's position, RNG
+        states: small): what a final checkpoint of a failed run goes back to."""
+        self._finished = self._driver_state(step, loop)
+
+    def _driver_state(self, step: int, loop: Any) -> dict[str, Any]:
+        return {
             "step": step,
             "weight_version": loop.version,
             "trained_version": loop.trained,
-            "pending_rollout": loop.pipeline.pending(loop),
             "engine_restarts": loop.engine_restarts,
-            "restart_log": loop.restart_log,
+            "restart_log": copy.deepcopy(loop.restart_log),
             "data": self.task.state_dict(),
             "rng": rng_state(),
-            "metrics": json.loads(json.dumps(self.history)),  # plain floats: driver.pt loads as data only
+            "trainer_restarts": self.trainer_restarts,
+        }
+
+    def due(self, step: int, last_step: bool, stop_requested: bool) -> bool:
+        """A checkpoint after step `step`: every_n_steps, every_n_minutes since the last one (or
+        the start), the end of the run, a stop signal."""
+        ck = self.typed.checkpoint
+        periodic = bool(ck.every_n_steps) and step % ck.every_n_steps == 0
+        timed = bool(ck.every_n_minutes) and time.monotonic() - self._last_checkpoint_at >= 60.0 * ck.every_n_minutes
+        return periodic or timed or (last_step and ck.at_end) or (stop_requested and ck.on_signal)
+
+    def checkpoint(self, step: int, loop: Any, actors: Any) -> None:
+        """Every trainer's DeepSpeed state and the driver's: data position, RNG, metrics, a rollout
+        generated ahead (one_step_off), engine restarts -- what exact resume needs."""
+        self._write(step, loop, actors, {**self._driver_state(step, loop), "pending_rollout": loop.pipeline.pending(loop)})
+
+    def final_checkpoint(self, loop: Any, actors: Any) -> str:
+        """After a failure, while the trainers may still be alive: a checkpoint of the last
+        finished step, unless one exists or the trainers have moved past it. One line on what was
+        done (empty when there was nothing to do)."""
+        finished = self._finished
+        if finished is None or loop is None:
+            return ""
+        step = finished["step"]
+        if self.last_checkpoint_step == step:
+            return ""
+        if loop.trained != finished["trained_version"]:
+            return (f"no final checkpoint: the trainers had already updated past step {step} "
+                    "(the last checkpoint is the newest consistent state)")
+        # A rollout generated ahead (one_step_off) is gone with the failure: the resumed run makes
+        # step k+1's again, with the newer weights -- close to, not bit for bit, the uninterrupted run.
+        exact = not getattr(loop.pipeline, "needs_held_rollouts", False)
+        try:
+            self._write(step, loop, actors, {**finished, "pending_rollout": None, "final": True, "exact": exact})
+        except Exception as e:  # noqa: BLE001 - the run has failed already; say why nothing was kept
+            return f"no final checkpoint: {named(e)}"
+        return "" if exact else "final checkpoint: its resumed run re-generates the next step's rollout (not bit for bit)"
+
+    def _write(self, step: int, loop: Any, actors: Any, driver: dict[str, Any]) -> None:
+        t = time.perf_counter()
+        state = {
+            **driver,
+            # Plain floats (driver.pt loads as data only), through this step (a final checkpoint
+            # goes back to the last finished step).
+            "metrics": json.loads(json.dumps([m for m in self.history if m.get("step", 0) <= step])),
             "logger_run_id": getattr(self.logger, "run_id", None),
             "config": self.config_dict,
         }
-        manifest = {"weight_version": loop.version, "run_dir": str(self.run_dir.resolve()), "experiment_name": self.typed.experiment_name}
+        manifest = {"weight_version": driver["weight_version"], "run_dir": str(self.run_dir.resolve()),
+                    "experiment_name": self.typed.experiment_name}
         ck = self.typed.checkpoint
         self.last_checkpoint = save_checkpoint(self.store, step, actors, loop._get, state, ck.export_hf, manifest, ck.timeout_s)
+        self.last_checkpoint_step = step
+        self._last_checkpoint_at = time.monotonic()
         print(f"checkpoint: step {step} -> {self.last_checkpoint} ({time.perf_counter() - t:.1f}s)", flush=True)
+
+    def started(self, loop: Any) -> None:
+        """Training begins (again, after a restart): the time-based checkpoint interval counts from
+        here; a fresh run notes the driver's state to go back to before any checkpoint exists."""
+        self._last_checkpoint_at = time.monotonic()
+        if self._initial is None and self.last_checkpoint is None:
+            self._initial = self._driver_state(0, loop)
+
+    def restart_point(self, num_steps: int) -> ResumePoint | None:
+        """After a lost process: where the run starts again -- the last checkpoint (its driver
+        state put back), or with none the state before step 1 (None: the initial weights). The
+        metrics of later steps are dropped; the re-run steps log them again."""
+        self.trainer_restarts += 1
+        if self.last_checkpoint is None:
+            self.task.load_state_dict(self._initial["data"])
+            set_rng_state(self._initial["rng"])
+            self._rewind(0)
+            return None
+        ck = self.typed.checkpoint
+        resume = load_resume(str(self.last_checkpoint), self.run_dir.parent, ck.dir, self.config_dict, num_steps,
+                             self.typed.experiment_name)
+        self.task.load_state_dict(resume.state["data"])
+        set_rng_state(resume.state["rng"])
+        self._rewind(resume.step)
+        return resume
+
+    def _rewind(self, step: int) -> None:
+        self.history = [m for m in self.history if m.get("step", 0) <= step]
+        self.metrics_file.close()
+        self.metrics_file = MetricsFile(self.run_dir, keep_through_step=step)
+        self._finished = None
 
     def resume_hint(self) -> str:
         return resume_hint(self.last_checkpoint)
@@ -62,14 +148,19 @@ class RunRecord:
         self.metrics_file.close()
         self.logger.close(exit_code=0 if outcome["status"] == "completed" else 1, preempted=outcome["status"] in ("interrupted", "aborted"))
         summary = run_summary(self.run_dir, self.history, wall_s, outcome, self.last_checkpoint)
+        summary["trainer_restarts"] = self.trainer_restarts
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
 
+def resume_command(last_checkpoint: Path | None) -> str | None:
+    return f"python run.py resume={last_checkpoint}" if last_checkpoint else None
+
+
 def resume_hint(last_checkpoint: Path | None) -> str:
     if last_checkpoint is None:
-        return "; no checkpoint was written (set checkpoint.every_n_steps to keep progress)"
-    return f"; last checkpoint: {last_checkpoint} (continue with: python run.py resume={last_checkpoint})"
+        return "; no checkpoint was written (checkpoint.every_n_steps / checkpoint.every_n_minutes keep progress)"
+    return f"; last checkpoint: {last_checkpoint} (continue with: {resume_command(last_checkpoint)})"
 
 
 def run_summary(
@@ -88,5 +179,6 @@ def run_summary(
         "eval_first": evals[0] if evals else None,
         "eval_last": evals[-1] if evals else None,
         "last_checkpoint": str(last_checkpoint) if last_checkpoint else None,
+        "resume_command": resume_command(last_checkpoint) if outcome.get("status") != "completed" else None,
         "wall_s": wall_s,
     }

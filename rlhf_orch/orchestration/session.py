@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import ray
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.engines.launch import memory_utilization, sleep_level
 from rlhf_orch.engines.vllm_engine import EngineSpec
-from rlhf_orch.orchestration.actors import start_role_actors
+from rlhf_orch.one_line import named
+from rlhf_orch.orchestration.actors import ActorStartError, start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import ResumeError
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
 from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
-from rlhf_orch.orchestration.loop import LoopSettings, TrainLoop, non_finite
+from rlhf_orch.orchestration.loop import ActorTimeoutError, EngineRestartBudgetError, LoopSettings, TrainLoop, non_finite
 from rlhf_orch.orchestration.run_record import RunRecord
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
 from rlhf_orch.rng import set_rng_state
@@ -125,6 +127,9 @@ def load_resume_point(typed: RootConfig, run_dir: Path, config_dict: dict, task:
     set_rng_state(resume.state["rng"])
     which = f" (resume=auto: the newest checkpoint of experiment {typed.experiment_name!r})" if typed.resume == "auto" else ""
     print(f"resuming from step {resume.step}: {resume.info.path}{which}", flush=True)
+    if resume.state.get("exact") is False:
+        print(f"resume: the final checkpoint of a failed one-step-off run: step {resume.step + 1}'s rollout is generated "
+              "again with the checkpoint's weights (the uninterrupted run drew it one version earlier)", flush=True)
     if resume.changed:
         print(f"resume: changed since the checkpoint (allowed): {', '.join(resume.changed)}", flush=True)
     return resume
@@ -157,6 +162,117 @@ def evaluate(step: int, evaluator: Evaluator, loop: TrainLoop, actors: Any) -> d
             pipeline.restore(loop, held)
 
 
+def _stuck(error: BaseException | None) -> bool:
+    """A timeout anywhere in the error's chain (an actor alive but not answering)."""
+    while error is not None:
+        if isinstance(error, (TimeoutError, ActorTimeoutError, ray.exceptions.GetTimeoutError)):
+            return True
+        error = error.__cause__
+    return False
+
+
+# Failures a restart cannot help: the same inputs would fail again, or the user set the limit.
+_NOT_RESTARTED = (NonFiniteError, EngineRestartBudgetError, ActorStartError)
+
+
+def processes_lost(error: BaseException, actors: Any, timeout_s: float = 10.0) -> bool:
+    """Whether the failure lost a process of the run: an actor is dead or does not answer within
+    `timeout_s` (hung: treated as dead). A failure with every process answering (a bug, a bad
+    reward function) is no reason to restart."""
+    if isinstance(error, _NOT_RESTARTED):
+        return False
+    if _stuck(error):
+        return True
+    try:
+        ray.get([actor.ping.remote() for actor in actors.all()], timeout=timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return True
+    return False
+
+
+@dataclass
+class _Run:
+    """What every attempt of one run shares (a restart is a new attempt: new actors, same record)."""
+
+    cfg: DictConfig
+    typed: RootConfig
+    plan: PlacementPlan
+    inputs: RunInputs
+    record: RunRecord
+    specs: dict[str, TrainerSpec]
+    reward_spec: TrainerSpec | None
+    engines: EngineSpec
+    stop: StopRequest
+    callbacks: Sequence[Callable[[int, TrainLoop], None]]
+    run_dir: Path
+    t_start: float
+    in_step: int | None = None  # the step in progress (named by a failure)
+    final_note: str = ""  # what the failure did about a final checkpoint
+    lost: bool = False  # the failure lost a process (a restart can help)
+
+
+def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: bool) -> dict[str, Any]:
+    """Start every role's actors in their bundles and train to the end (or a stop signal) from
+    `resume` (None: step 1). Returns the outcome; a failure is raised with `run.lost` and
+    `run.final_note` set while the actors are still there to ask."""
+    cfg, typed, ck, record = run.cfg, run.typed, run.typed.checkpoint, run.record
+    transfer, sync, pipeline = instantiate(cfg.transfer), instantiate(cfg.sync), instantiate(cfg.pipeline)
+    sync.use_plan(run.plan)  # CUDA IPC: which policy rank feeds which engine worker
+    run.lost, run.final_note = False, ""
+    actors = start_role_actors(
+        run.plan, placement, run.engines, run.specs["actor"], run.specs.get("critic"), run.specs.get("reference"),
+        typed.launcher.startup_timeout_s, typed.engine.kv_cache_gb, run.reward_spec,
+    )
+    loop: TrainLoop | None = None
+    try:
+        sync.prepare(actors.policy, actors.engines, run.plan.engine_tp)
+        loop = TrainLoop(actors, run.inputs.task, run.inputs.tokenizer, transfer, sync, instantiate(cfg.algo),
+                         loop_settings(typed, run.plan, run.engines), run.inputs.reward, pipeline, run.inputs.env)
+        if resume:
+            resume_loop(loop, resume, actors, ck.timeout_s)
+        evaluator = Evaluator(eval_settings(typed), run.inputs.eval_prompts, run.inputs.reward, loop._get, loop.env)
+        startup_s = time.perf_counter() - run.t_start
+
+        if not resume and not restarted and evaluator.should_run(0):
+            record.log(0, {"step": 0, "weight_version": 0, **evaluate(0, evaluator, loop, actors)})
+        record.started(loop)
+        for step in range(loop.first_step, typed.algo.num_steps + 1):
+            if run.stop.requested:  # arrived before this step started (during start-up or a callback)
+                break
+            run.in_step = step
+            metrics = loop.step(step)
+            bad = non_finite(metrics)
+            if bad:  # not logged, not checkpointed: the last good checkpoint stays the latest
+                raise NonFiniteError(", ".join(bad))
+            metrics.update(evaluate(step, evaluator, loop, actors))
+            metrics["fault/trainer_restarts"] = record.trainer_restarts
+            metrics["time/elapsed"] = time.perf_counter() - run.t_start
+            metrics["time/startup"] = startup_s
+            record.log(step, metrics)
+            record.step_finished(step, loop)
+            run.in_step = None
+            if record.due(step, step == typed.algo.num_steps, run.stop.requested):
+                record.checkpoint(step, loop, actors)
+            for callback in run.callbacks:
+                callback(step, loop)
+        if ck.export_final:
+            export_dir = run.run_dir / "policy_hf"
+            export_policy(actors, loop._get, export_dir, ck.timeout_s)
+            print(f"policy exported (Hugging Face format): {export_dir}", flush=True)
+        return {"status": "interrupted", "signal": run.stop.name} if run.stop.requested else {"status": "completed"}
+    except SignalAbort:
+        raise
+    except Exception as e:
+        # Keep what the trainers still hold (the last finished step), unless an actor stopped
+        # answering: it may be a trainer, and a checkpoint would queue behind its stuck call.
+        run.lost = processes_lost(e, actors)
+        run.final_note = "no final checkpoint: an actor stopped answering" if _stuck(e) else record.final_checkpoint(loop, actors)
+        raise
+    finally:
+        pipeline.close(loop)
+        actors.kill()
+
+
 def run_training(
     cfg: DictConfig,
     typed: RootConfig,
@@ -169,17 +285,16 @@ def run_training(
 
     Everything that can be checked without Ray (the model, the data, the reward, the checkpoint to
     resume) is prepared first: `prepare_inputs` raises `InputError`, `load_resume` `ResumeError`
-    (exit 2) before any actor starts. The summary's `status` is "completed", or "interrupted"
-    (a stop signal: `signal` names it) -- the app turns that into exit 128 + signal.
+    (exit 2) before any actor starts. A failure that lost a process restarts every role from the
+    last checkpoint, up to fault.max_trainer_restarts times. The summary's `status` is
+    "completed", or "interrupted" (a stop signal: `signal` names it) -- the app turns that into
+    exit 128 + signal.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     config_dict = OmegaConf.to_container(cfg, resolve=True)
-    a, ck = typed.algo, typed.checkpoint
+    ck = typed.checkpoint
     inputs: RunInputs = prepare_inputs(cfg, typed)
     resume = load_resume_point(typed, run_dir, config_dict, inputs.task)
-    transfer, sync, pipeline = instantiate(cfg.transfer), instantiate(cfg.sync), instantiate(cfg.pipeline)
-    env = inputs.env
-    sync.use_plan(plan)  # CUDA IPC: which policy rank feeds which engine worker
     record = RunRecord(run_dir, typed, config_dict, instantiate(cfg.logger), inputs.task, resume)
     for line in inputs.notes:
         print(line, flush=True)
@@ -189,9 +304,9 @@ def run_training(
         reward_spec = replace(
             specs["actor"], lr=0.0, model_path=inputs.reward_model_path, micro_batch_size=inputs.reward.model.micro_batch_size
         )
-    engines = engine_spec(typed, plan, inputs.model_path)
-    t_start = time.perf_counter()
     stop = StopRequest("stopping after this step" + (", with a checkpoint" if ck.on_signal else ""))
+    run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engine_spec(typed, plan, inputs.model_path), stop,
+               callbacks, run_dir, time.perf_counter())
     outcome: dict[str, Any] = {"status": "failed"}
     from rlhf_orch.topology.ray_placement import RayPlacement
 
@@ -201,54 +316,45 @@ def run_training(
         with stop.installed(), launcher.session(run_dir, typed.logger.verbose), stop.installed(), RayPlacement(
             plan, ready_timeout_s=typed.launcher.startup_timeout_s
         ) as placement:
-            actors = start_role_actors(
-                plan, placement, engines, specs["actor"], specs.get("critic"), specs.get("reference"),
-                typed.launcher.startup_timeout_s, typed.engine.kv_cache_gb, reward_spec,
-            )
-            loop: TrainLoop | None = None
-            try:
-                sync.prepare(actors.policy, actors.engines, plan.engine_tp)
-                loop = TrainLoop(actors, inputs.task, inputs.tokenizer, transfer, sync, instantiate(cfg.algo),
-                                 loop_settings(typed, plan, engines), inputs.reward, pipeline, env)
-                if resume:
-                    resume_loop(loop, resume, actors, ck.timeout_s)
-                evaluator = Evaluator(eval_settings(typed), inputs.eval_prompts, inputs.reward, loop._get, loop.env)
-                startup_s = time.perf_counter() - t_start
-
-                if not resume and evaluator.should_run(0):
-                    record.log(0, {"step": 0, "weight_version": 0, **evaluate(0, evaluator, loop, actors)})
-                for step in range(loop.first_step, a.num_steps + 1):
-                    if stop.requested:  # arrived before this step started (during start-up or a callback)
-                        break
-                    metrics = loop.step(step)
-                    bad = non_finite(metrics)
-                    if bad:  # not logged, not checkpointed: the last good checkpoint stays the latest
-                        raise NonFiniteError(f"step {step}: {', '.join(bad)}")
-                    metrics.update(evaluate(step, evaluator, loop, actors))
-                    metrics["time/elapsed"] = time.perf_counter() - t_start
-                    metrics["time/startup"] = startup_s
-                    record.log(step, metrics)
-                    periodic = ck.every_n_steps and step % ck.every_n_steps == 0
-                    if periodic or (step == a.num_steps and ck.at_end) or (stop.requested and ck.on_signal):
-                        record.checkpoint(step, loop, actors)
-                    for callback in callbacks:
-                        callback(step, loop)
-                if ck.export_final:
-                    export_dir = run_dir / "policy_hf"
-                    export_policy(actors, loop._get, export_dir, ck.timeout_s)
-                    print(f"policy exported (Hugging Face format): {export_dir}", flush=True)
-                outcome = {"status": "interrupted", "signal": stop.name} if stop.requested else {"status": "completed"}
-            finally:
-                pipeline.close(loop)
-                actors.kill()
+            restarted = False
+            while True:
+                try:
+                    outcome = _attempt(run, placement, resume, restarted)
+                    break
+                except SignalAbort:
+                    raise
+                except Exception as e:
+                    if not run.lost or record.trainer_restarts >= typed.fault.max_trainer_restarts:
+                        raise
+                    failed_at = run.in_step
+                    resume, restarted = _restart_point(run, e), True
+                    print(f"{_where(failed_at)}{named(e)}: restarting every role from "
+                          f"{f'the checkpoint of step {resume.step}' if resume else 'the initial weights (no checkpoint yet)'} "
+                          f"(restart {record.trainer_restarts}/{typed.fault.max_trainer_restarts})", flush=True)
     except SignalAbort as e:
         outcome = {"status": "aborted", "signal": e.name}
         raise
     except Exception as e:
-        outcome = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
         if isinstance(e, (InputError, ResumeError)):
+            outcome = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
             raise
-        raise RunFailed(f"{type(e).__name__}: {e}{record.resume_hint()}") from e
+        note = f"; {run.final_note}" if run.final_note else ""
+        outcome = {"status": "failed", "error": f"{_where(run.in_step)}{named(e)}{note}"}
+        raise RunFailed(f"{_where(run.in_step)}{named(e)}{note}{record.resume_hint()}") from e
     finally:
-        summary = record.close(outcome, time.perf_counter() - t_start)
+        summary = record.close(outcome, time.perf_counter() - run.t_start)
     return summary
+
+
+def _where(step: int | None) -> str:
+    return f"step {step}: " if step is not None else ""
+
+
+def _restart_point(run: _Run, error: BaseException) -> ResumePoint | None:
+    """Where a restart begins (RunRecord.restart_point); a failure there is the run's failure."""
+    try:
+        resume = run.record.restart_point(run.typed.algo.num_steps)
+    except ResumeError:  # e.g. the last checkpoint is the last step: nothing left to re-run
+        raise error
+    run.in_step = None
+    return resume

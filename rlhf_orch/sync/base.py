@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from rlhf_orch.one_line import named, one_line
 from rlhf_orch.sync.group import DEFAULT_GROUP, BroadcastGroup
 
 
@@ -118,7 +119,11 @@ class WeightSync(abc.ABC):
                 f"(raise sync.timeout_s if the model is very large)"
             ) from e
         except ray.exceptions.RayActorError as e:
-            raise WeightSyncError(f"an engine or trainer process died while {what}: {e}") from e
+            raise WeightSyncError(f"an engine or trainer process died while {what}: {one_line(e)}") from e
+        except ray.exceptions.RayTaskError as e:
+            # A sender's own failure (a peer vanished mid-broadcast): its message, not Ray's
+            # traceback and colour codes.
+            raise WeightSyncError(f"{what}: {named(e)}") from e
 
     # ------------------------------------------------------------------ sender side (policy rank)
     def run_send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:

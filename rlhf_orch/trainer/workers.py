@@ -102,6 +102,10 @@ class _Worker(ExperienceInbox):
         return where_am_i(self.role, self.rank)
 
     # ---------------------------------------------------------------- distributed set-up
+    def ping(self) -> int:
+        """Answers while the process is alive and not busy (the run's check after a failure)."""
+        return self.rank
+
     def rendezvous_address(self) -> tuple[str, int]:
         from rlhf_orch.sync.group import free_port, rendezvous_ip
 
