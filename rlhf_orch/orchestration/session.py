@@ -328,7 +328,7 @@ def run_training(
                         raise
                     failed_at = run.in_step
                     resume, restarted = _restart_point(run, e), True
-                    print(f"{_where(failed_at)}{named(e)}: restarting every role from "
+                    print(f"{_where(failed_at)}{named(e)} -- restarting every role from "
                           f"{f'the checkpoint of step {resume.step}' if resume else 'the initial weights (no checkpoint yet)'} "
                           f"(restart {record.trainer_restarts}/{typed.fault.max_trainer_restarts})", flush=True)
     except SignalAbort as e:

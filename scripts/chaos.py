@@ -1,0 +1,227 @@
+"""A run under a seeded schedule of faults ends as the same run undisturbed.
+
+Two runs of the same config in one Ray session: undisturbed, then with faults injected from a
+seeded random schedule, at least one of each kind:
+
+  generation  an engine is killed while it generates (a timer fires 0-200 ms into the rollout):
+              replaced in its bundle, its prompts made again (fault.max_engine_restarts)
+  sync        an engine is killed as the trainers push the step's weights: replaced, the groups
+              formed again, the same version pushed (fault.max_engine_restarts)
+  evaluation  an engine is killed just before the step's evaluation: every role restarts from the
+              last checkpoint (fault.max_trainer_restarts)
+  trainer     a policy rank is killed between steps: every role restarts from the last checkpoint
+              (fault.max_trainer_restarts)
+
+Each fault fires once (a step re-run after a restart is not hit again). The run must finish every
+step, count what happened (`fault/engine_restarts`, `fault/trainer_restarts`), and log the
+undisturbed run's metrics for every step (wall-clock figures and the fault counters aside).
+
+    .venv/bin/python scripts/chaos.py                      # 40 steps, seed 0, 6 faults
+    .venv/bin/python scripts/chaos.py --steps 20 --faults 4 --seed 3
+
+Prints the schedule, what each fault cost, and a JSON line: `steps_completed`, `metrics_equal`
+(the verdict), `engine_restarts`, `trainer_restarts`, `steps_rerun`, `wall_s_undisturbed`,
+`wall_s_chaos`. Exit 0 only when every step completed with equal metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+KINDS = ("generation", "sync", "evaluation", "trainer")
+# Wall-clock figures differ between any two runs; the fault counters differ by design.
+UNCOMPARED = ("time/", "perf/", "share/", "sync/gb_per_s", "transfer/metadata", "fault/")
+
+
+@dataclass
+class Fault:
+    step: int  # the step it hits
+    kind: str
+    target: int  # engine or policy rank
+    delay_s: float = 0.0  # generation: into the rollout
+    fired_at: float | None = None  # wall clock (perf_counter) when it fired
+
+
+def schedule(steps: int, faults: int, seed: int, engines: int, policy_ranks: int, eval_every: int) -> list[Fault]:
+    """`faults` faults on distinct steps in 2..steps, every kind at least once (evaluation on
+    steps with an evaluation)."""
+    rng = random.Random(seed)
+    kinds = list(KINDS) + [rng.choice(KINDS) for _ in range(max(0, faults - len(KINDS)))]
+    rng.shuffle(kinds)
+    free = list(range(2, steps + 1))
+    evals = [s for s in free if s % eval_every == 0]
+    out = []
+    for kind in kinds:
+        pool = [s for s in (evals if kind == "evaluation" else free) if s in free]
+        step = rng.choice(pool)
+        free.remove(step)
+        target = rng.randrange(policy_ranks if kind == "trainer" else engines)
+        out.append(Fault(step, kind, target, delay_s=rng.uniform(0.0, 0.2) if kind == "generation" else 0.0))
+    return sorted(out, key=lambda f: f.step)
+
+
+class Injector:
+    """The run's callback: after step k-1 it arms the faults of step k on that attempt's loop."""
+
+    def __init__(self, faults: list[Fault]):
+        self.by_step = {f.step: f for f in faults}
+
+    def __call__(self, step: int, loop: Any) -> None:
+        import ray
+
+        fault = self.by_step.get(step + 1)
+        if fault is None or fault.fired_at is not None:
+            return
+
+        def fire(actor) -> None:
+            if fault.fired_at is None:
+                fault.fired_at = time.perf_counter()
+                ray.kill(actor)
+
+        if fault.kind == "trainer":
+            fire(loop.actors.policy[fault.target])
+        elif fault.kind == "generation":
+            request = loop.rollout_request
+
+            def rollout_request(s: int):
+                if s == fault.step and fault.fired_at is None:
+                    threading.Timer(fault.delay_s, fire, args=(loop.actors.engines[fault.target],)).start()
+                return request(s)
+
+            loop.rollout_request = rollout_request
+        elif fault.kind == "sync":
+            sync_engines = loop.sync_engines
+
+            def sync_with_a_lost_engine(timings):
+                if loop.trained == fault.step:
+                    fire(loop.actors.engines[fault.target])
+                    _wait_until_dead(loop.actors.engines[fault.target])
+                return sync_engines(timings)
+
+            loop.sync_engines = sync_with_a_lost_engine
+        elif fault.kind == "evaluation":
+            train_step = loop.step
+
+            def step_then_lose_an_engine(s: int):
+                metrics = train_step(s)
+                if s == fault.step:  # the evaluation runs next, on the engines
+                    fire(loop.actors.engines[fault.target])
+                    _wait_until_dead(loop.actors.engines[fault.target])
+                return metrics
+
+            loop.step = step_then_lose_an_engine
+
+
+def _wait_until_dead(actor, timeout_s: float = 30.0) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+
+
+def _train(overrides: list[str], run_dir: Path, callbacks=()) -> tuple[list[dict], dict, float]:
+    from hydra.utils import instantiate
+
+    from rlhf_orch.app import check
+    from rlhf_orch.orchestration.session import run_training
+    from tests.conftest import compose_config
+
+    cfg = compose_config([*overrides, "launcher.reuse_session=true"])
+    launcher = instantiate(cfg.launcher)
+    typed, plan = check(cfg, launcher)
+    t = time.perf_counter()
+    summary = run_training(cfg, typed, plan, launcher, run_dir, callbacks=list(callbacks))
+    wall = time.perf_counter() - t
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, summary, wall
+
+
+def _rerun(fault: Fault, every: int) -> int:
+    """Steps trained twice because of `fault`: a restart goes back to the last checkpoint (an
+    evaluation fault loses its own step too, trained before the evaluation); an engine replaced in
+    place costs no step."""
+    last_checkpoint = (fault.step - 1) // every * every
+    return {"evaluation": fault.step - last_checkpoint, "trainer": fault.step - 1 - last_checkpoint}.get(fault.kind, 0)
+
+
+def _comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(UNCOMPARED)} for r in rows]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--faults", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-every", type=int, default=5, help="checkpoint.every_n_steps (the restarts' loss bound)")
+    parser.add_argument("--eval-every", type=int, default=10)
+    args = parser.parse_args()
+
+    from launchers.local import LocalRayLauncher
+
+    engines, policy_ranks = 2, 2
+    faults = schedule(args.steps, args.faults, args.seed, engines, policy_ranks, args.eval_every)
+    # Budgets for every fault either way: an engine killed "while generating" may die only after
+    # its rollout was delivered (while handing it over), which restarts every role instead.
+    engine_faults = restart_faults = len(faults)
+    overrides = [
+        "experiment=quick", f"algo.num_steps={args.steps}", f"placement.engines={engines}",
+        f"placement.actor_ranks={policy_ranks}", f"checkpoint.every_n_steps={args.checkpoint_every}",
+        f"eval.every_n_steps={args.eval_every}", "eval.num_prompts=16", "checkpoint.export_final=false",
+        f"fault.max_engine_restarts={engine_faults}", f"fault.max_trainer_restarts={restart_faults}",
+    ]
+    print("schedule (seed %d):" % args.seed)
+    for f in faults:
+        extra = f" {f.delay_s * 1000:.0f} ms into the rollout" if f.kind == "generation" else ""
+        who = f"policy rank {f.target}" if f.kind == "trainer" else f"engine {f.target}"
+        print(f"  step {f.step:>3}  {f.kind:<11} {who}{extra}")
+    with tempfile.TemporaryDirectory() as work, LocalRayLauncher(logical_gpus=8, reuse_session=True).session():
+        clean, _, clean_wall = _train(overrides, Path(work) / "undisturbed")
+        chaos, summary, chaos_wall = _train(overrides, Path(work) / "chaos", callbacks=[Injector(faults)])
+    completed = [r["step"] for r in chaos] == list(range(1, args.steps + 1))
+    equal = completed and _comparable(chaos) == _comparable(clean)
+    unequal = [a["step"] for a, b in zip(_comparable(chaos), _comparable(clean)) if a != b]
+    result = {
+        "steps": args.steps,
+        "faults": {k: sum(f.kind == k for f in faults) for k in KINDS},
+        "faults_fired": sum(f.fired_at is not None for f in faults),
+        "steps_completed": len(chaos),
+        "metrics_equal": equal,
+        "steps_unequal": unequal,
+        "engine_restarts": chaos[-1]["fault/engine_restarts"],
+        "trainer_restarts": summary["trainer_restarts"],
+        "steps_rerun": sum(_rerun(f, args.checkpoint_every) for f in faults),
+        "wall_s_undisturbed": round(clean_wall, 1),
+        "wall_s_chaos": round(chaos_wall, 1),
+        "chaos_vs_undisturbed": round(chaos_wall / clean_wall, 2),
+    }
+    print()
+    print(f"{'':<28}{'undisturbed':>12}{'chaos':>10}")
+    print(f"{'steps completed':<28}{len(clean):>12}{len(chaos):>10}")
+    print(f"{'wall (s)':<28}{clean_wall:>12.1f}{chaos_wall:>10.1f}")
+    print(f"{'engine restarts':<28}{0:>12}{result['engine_restarts']:>10}")
+    print(f"{'trainer restarts':<28}{0:>12}{result['trainer_restarts']:>10}")
+    print(f"{'metrics equal, every step':<28}{'':>12}{str(equal):>10}")
+    print(json.dumps(result))
+    return 0 if equal and result["faults_fired"] == len(faults) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
