@@ -18,6 +18,7 @@ undisturbed run's metrics for every step (wall-clock figures and the fault count
 
     .venv/bin/python scripts/chaos.py                      # 40 steps, seed 0, 6 faults
     .venv/bin/python scripts/chaos.py --steps 20 --faults 4 --seed 3
+    .venv/bin/python scripts/chaos.py pipeline=one_step_off   # any overrides, for both runs
 
 Prints the schedule, what each fault cost, and a JSON line: `steps_completed`, `metrics_equal`
 (the verdict), `engine_restarts`, `trainer_restarts`, `steps_rerun`, `wall_s_undisturbed`,
@@ -81,7 +82,10 @@ class Injector:
     def __call__(self, step: int, loop: Any) -> None:
         import ray
 
-        fault = self.by_step.get(step + 1)
+        # Generation faults are armed a step earlier too: under pipeline=one_step_off step k's
+        # rollout is requested while step k-1 trains.
+        ahead = self.by_step.get(step + 2)
+        fault = self.by_step.get(step + 1) or (ahead if ahead is not None and ahead.kind == "generation" else None)
         if fault is None or fault.fired_at is not None:
             return
 
@@ -172,6 +176,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=5, help="checkpoint.every_n_steps (the restarts' loss bound)")
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("overrides", nargs="*", help="more config overrides for both runs, e.g. pipeline=one_step_off")
     args = parser.parse_args()
 
     from launchers.local import LocalRayLauncher
@@ -185,7 +190,7 @@ def main() -> int:
         "experiment=quick", f"algo.num_steps={args.steps}", f"placement.engines={engines}",
         f"placement.actor_ranks={policy_ranks}", f"checkpoint.every_n_steps={args.checkpoint_every}",
         f"eval.every_n_steps={args.eval_every}", "eval.num_prompts=16", "checkpoint.export_final=false",
-        f"fault.max_engine_restarts={engine_faults}", f"fault.max_trainer_restarts={restart_faults}",
+        f"fault.max_engine_restarts={engine_faults}", f"fault.max_trainer_restarts={restart_faults}", *args.overrides,
     ]
     print("schedule (seed %d):" % args.seed)
     for f in faults:

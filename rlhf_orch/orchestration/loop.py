@@ -278,6 +278,13 @@ class TrainLoop:
         re-formed, the same version pushed again (bounded by the engine restart budget). The next
         rollout seeds every engine for its step, so it draws what it would have."""
         s = self.settings
+        if self.pipeline.holds_rollout():
+            # Its share of the rollout generated ahead went with it: the run restarts from its
+            # last checkpoint instead (ActorDiedError is a lost process).
+            raise EngineDiedError(
+                f"vLLM engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost receiving weight version "
+                f"{version} while the rollout generated ahead for the next step was held"
+            )
         t = time.perf_counter()
         for e in lost:
             if self.engine_restarts + 1 > s.max_engine_restarts:

@@ -79,6 +79,10 @@ class RolloutPipeline:
         """The rollout generated for the next step, with its samples (for a checkpoint), or None."""
         return None
 
+    def holds_rollout(self) -> bool:
+        """A rollout generated ahead is held (on the engines, with packed transfer) or in flight."""
+        return False
+
     def restore(self, loop: PipelineHost, held: HeldRollout | None) -> None:
         """A resumed checkpoint's pending rollout: put it back where `rollout` expects it."""
         if held is not None:
@@ -144,6 +148,9 @@ class OneStepOffPipeline(RolloutPipeline):
         if held is None:
             return None
         return loop.transfer.export_held(held, loop.route())
+
+    def holds_rollout(self) -> bool:
+        return self._held is not None or self._next is not None
 
     def restore(self, loop: PipelineHost, held: HeldRollout | None) -> None:
         self._held = loop.transfer.import_held(held, loop.route()) if held is not None else None

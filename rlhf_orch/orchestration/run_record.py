@@ -69,10 +69,11 @@ class RunRecord:
         generated ahead (one_step_off), engine restarts -- what exact resume needs."""
         self._write(step, loop, actors, {**self._driver_state(step, loop), "pending_rollout": loop.pipeline.pending(loop)})
 
-    def final_checkpoint(self, loop: Any, actors: Any) -> str:
+    def final_checkpoint(self, loop: Any, actors: Any, exact_only: bool = False) -> str:
         """After a failure, while the trainers may still be alive: a checkpoint of the last
-        finished step, unless one exists or the trainers have moved past it. One line on what was
-        done (empty when there was nothing to do)."""
+        finished step, unless one exists or the trainers have moved past it (or, `exact_only`: a
+        restart follows, which must repeat the uninterrupted run, and this one would not resume
+        bit for bit). One line on what was done (empty when there was nothing to do)."""
         finished = self._finished
         if finished is None or loop is None:
             return ""
@@ -85,6 +86,8 @@ class RunRecord:
         # A rollout generated ahead (one_step_off) is gone with the failure: the resumed run makes
         # step k+1's again, with the newer weights -- close to, not bit for bit, the uninterrupted run.
         exact = not getattr(loop.pipeline, "needs_held_rollouts", False)
+        if exact_only and not exact:
+            return ""
         try:
             self._write(step, loop, actors, {**finished, "pending_rollout": None, "final": True, "exact": exact})
         except Exception as e:  # noqa: BLE001 - the run has failed already; say why nothing was kept

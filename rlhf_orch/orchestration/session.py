@@ -20,7 +20,7 @@ from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import ResumeError
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
 from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
-from rlhf_orch.orchestration.loop import ActorTimeoutError, EngineRestartBudgetError, LoopSettings, TrainLoop, non_finite
+from rlhf_orch.orchestration.loop import ActorDiedError, ActorTimeoutError, EngineRestartBudgetError, LoopSettings, TrainLoop, non_finite
 from rlhf_orch.orchestration.run_record import RunRecord
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
 from rlhf_orch.rng import set_rng_state
@@ -181,7 +181,7 @@ def processes_lost(error: BaseException, actors: Any, timeout_s: float = 10.0) -
     reward function) is no reason to restart."""
     if isinstance(error, _NOT_RESTARTED):
         return False
-    if _stuck(error):
+    if _stuck(error) or isinstance(error, ActorDiedError):  # (its replacement may answer by now)
         return True
     try:
         ray.get([actor.ping.remote() for actor in actors.all()], timeout=timeout_s)
@@ -266,7 +266,9 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
         # Keep what the trainers still hold (the last finished step), unless an actor stopped
         # answering: it may be a trainer, and a checkpoint would queue behind its stuck call.
         run.lost = processes_lost(e, actors)
-        run.final_note = "no final checkpoint: an actor stopped answering" if _stuck(e) else record.final_checkpoint(loop, actors)
+        restart = run.lost and record.trainer_restarts < typed.fault.max_trainer_restarts
+        run.final_note = ("no final checkpoint: an actor stopped answering" if _stuck(e)
+                          else record.final_checkpoint(loop, actors, exact_only=restart))
         raise
     finally:
         pipeline.close(loop)
