@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import ray
 
@@ -68,6 +68,20 @@ class RoleActors:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001 - already gone is fine when tearing down
                 pass
+
+
+def not_answering(actors: Sequence[Any], timeout_s: float) -> list[int]:
+    """Positions of the actors that are dead or do not answer `ping` within `timeout_s` (alive
+    but stuck -- say, waiting in a broadcast that will never finish -- is as lost as dead)."""
+    refs = [actor.ping.remote() for actor in actors]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    lost = []
+    for k, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=0)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            lost.append(k)
+    return lost
 
 
 def _remote(cls, placement: RayPlacement, slot, env: dict[str, str]):

@@ -29,7 +29,7 @@ import torch
 from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.one_line import ROLES, dead_actor, one_line
-from rlhf_orch.orchestration.actors import RoleActors
+from rlhf_orch.orchestration.actors import RoleActors, not_answering
 from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
 from rlhf_orch.reward.scoring import RewardSetup
@@ -254,24 +254,11 @@ class TrainLoop:
             self.last_sync = self.sync.push(version)
             self.sync.verify(version)
         except WeightSyncError:
-            lost = self._lost_engines()
+            lost = not_answering(self.actors.engines, timeout_s=10.0)
             if not lost:
                 raise  # every engine answers: not a lost process (a bug, a timeout elsewhere)
             self._replace_after_sync(lost, version)
         self.version = version
-
-    def _lost_engines(self, timeout_s: float = 10.0) -> list[int]:
-        """Engines that are dead, or that do not answer within `timeout_s` (one left waiting in a
-        broadcast that will never finish is as lost as a dead one)."""
-        refs = [engine.ping.remote() for engine in self.actors.engines]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        lost = []
-        for e, ref in enumerate(refs):
-            try:
-                ray.get(ref, timeout=0)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                lost.append(e)
-        return lost
 
     def _replace_after_sync(self, lost: list[int], version: int) -> None:
         """Engines lost while receiving weights: new ones in their bundles, every weight group
@@ -285,20 +272,20 @@ class TrainLoop:
                 f"vLLM engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost receiving weight version "
                 f"{version} while the rollout generated ahead for the next step was held"
             )
+        allowed = s.max_engine_restarts - self.engine_restarts
+        if len(lost) > allowed:
+            raise EngineRestartBudgetError(
+                f"vLLM engine {lost[max(allowed, 0)]} was lost receiving weight version {version} and the engine restart "
+                f"budget is used up (fault.max_engine_restarts={s.max_engine_restarts})"
+            )
         t = time.perf_counter()
         for e in lost:
-            if self.engine_restarts + 1 > s.max_engine_restarts:
-                raise EngineRestartBudgetError(
-                    f"vLLM engine {e} was lost receiving weight version {version} and the engine restart budget is "
-                    f"used up (fault.max_engine_restarts={s.max_engine_restarts})"
-                )
             self.actors.restart_engine(e)
-            self.restart_log.setdefault(self.trained, []).append(0.0)
         self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)
         self.last_sync = self.sync.push(version)
         self.sync.verify(version)
         took = time.perf_counter() - t
-        self.restart_log[self.trained][-len(lost):] = [took / len(lost)] * len(lost)
+        self.restart_log.setdefault(self.trained, []).extend([took / len(lost)] * len(lost))
         print(
             f"engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost receiving weight version {version}: "
             f"replaced in {'their bundles' if len(lost) > 1 else 'its bundle'}, the version pushed again "

@@ -85,7 +85,7 @@ class RunRecord:
                     "(the last checkpoint is the newest consistent state)")
         # A rollout generated ahead (one_step_off) is gone with the failure: the resumed run makes
         # step k+1's again, with the newer weights -- close to, not bit for bit, the uninterrupted run.
-        exact = not getattr(loop.pipeline, "needs_held_rollouts", False)
+        exact = not loop.pipeline.needs_held_rollouts
         if exact_only and not exact:
             return ""
         try:

@@ -15,7 +15,7 @@ from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.engines.launch import memory_utilization, sleep_level
 from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.one_line import named
-from rlhf_orch.orchestration.actors import ActorStartError, start_role_actors
+from rlhf_orch.orchestration.actors import ActorStartError, not_answering, start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import ResumeError
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
@@ -183,11 +183,7 @@ def processes_lost(error: BaseException, actors: Any, timeout_s: float = 10.0) -
         return False
     if _stuck(error) or isinstance(error, ActorDiedError):  # (its replacement may answer by now)
         return True
-    try:
-        ray.get([actor.ping.remote() for actor in actors.all()], timeout=timeout_s)
-    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        return True
-    return False
+    return bool(not_answering(actors.all(), timeout_s))
 
 
 @dataclass

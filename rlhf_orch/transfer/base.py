@@ -28,7 +28,7 @@ import ray
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 from rlhf_orch.transfer.micro_batches import near_equal_ranges, shard_for_ranks, split_by_count
 from rlhf_orch.transfer.engine_side import RolloutJob, RolloutMeta, Scorer, sum_env_stats
-from rlhf_orch.transfer.plan import is_extra_sequence
+from rlhf_orch.transfer.plan import check_trajectories_divide
 
 MicroBatch = PaddedBatch | PackedBatch
 
@@ -241,7 +241,7 @@ def count_micro_batches(samples: Sequence[Sample], num_shards: int, micro_batch_
     need not divide over the shards: the shards then differ by at most one sequence, and every
     shard is cut into the same number of micro-batches (ranks step in lockstep), each at most
     `micro_batch_size` but one larger where a shard has a sequence more than the others."""
-    shard_for_ranks(sum(not is_extra_sequence(s.index) for s in samples), num_shards)  # the divisibility error
+    check_trajectories_divide([s.index for s in samples], num_shards)
     if len(samples) % num_shards == 0:
         shards = shard_for_ranks(len(samples), num_shards)
         cuts = [split_by_count(len(shard), micro_batch_size) for shard in shards]

@@ -70,14 +70,10 @@ class RolloutMeta:
     rule_rewards: list[float] | None = None  # the weighted rule term, when a reward model adds to it
     env_stats: dict[str, float] | None = None  # multi-turn rollouts: env counters summed over the samples
 
-    def trajectory_rows(self) -> list[int]:
-        """Positions of the trajectories' first sequences (every position, unless a trajectory
-        trains as several sequences: `plan.extra_sequence_index`)."""
-        return [k for k, i in enumerate(self.indices) if not is_extra_sequence(i)]
-
     def trajectories_only(self) -> "RolloutMeta":
-        """The first sequence of every trajectory: what rewards, groups and evaluation count."""
-        rows = self.trajectory_rows()
+        """The first sequence of every trajectory (a trajectory may train as several:
+        `plan.extra_sequence_index`): what rewards, groups and evaluation count."""
+        rows = [k for k, i in enumerate(self.indices) if not is_extra_sequence(i)]
         if len(rows) == len(self.indices):
             return self
         pick = lambda values: [values[k] for k in rows] if values else values  # noqa: E731

@@ -46,6 +46,12 @@ def group_of(index: int, samples_per_prompt: int) -> int:
     return trajectory_of(index) // samples_per_prompt
 
 
+def check_trajectories_divide(indices: Sequence[int], num_ranks: int) -> None:
+    """The rule every strategy follows: the trajectories (not their further sequences) divide
+    evenly over the data-parallel ranks (`shard_for_ranks` raises the error naming the keys)."""
+    shard_for_ranks(sum(not is_extra_sequence(i) for i in indices), num_ranks)
+
+
 def group_ids(indices: Sequence[int], samples_per_prompt: int) -> list[int]:
     return [group_of(int(i), samples_per_prompt) for i in indices]
 
@@ -137,8 +143,7 @@ def plan_packed(
     """
     if len(indices) != len(seq_lens):
         raise ValueError(f"{len(indices)} indices but {len(seq_lens)} lengths")
-    # Raises the divisibility error (on trajectories: their further sequences need not divide).
-    shard_for_ranks(sum(not is_extra_sequence(i) for i in indices), num_ranks)
+    check_trajectories_divide(indices, num_ranks)
     order = sorted(range(len(indices)), key=lambda k: indices[k])
     ordered_idx = [indices[k] for k in order]
     ordered_len = [seq_lens[k] for k in order]
