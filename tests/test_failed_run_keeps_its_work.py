@@ -137,3 +137,33 @@ def test_an_engine_lost_while_receiving_weights_is_replaced_and_the_run_goes_on(
     assert [r["weight_version"] for r in rows] == [1, 2, 3, 4]
     assert rows[3]["rollout/logprob_diff_max"] < 1e-4
     assert "engine 1 lost receiving weight version 3: replaced in its bundle, the version pushed again" in capsys.readouterr().out
+
+
+def _hang(worker) -> None:
+    time.sleep(3600)  # alive, answering nothing: the run's next call queues behind this one
+
+
+# slow (~35 s): the run, the 8 s step timeout it waits out, and the restart of every role.
+@pytest.mark.slow
+def test_a_hung_trainer_rank_is_found_by_the_step_timeout_and_restarted_like_a_dead_one(tmp_path, whole, capsys):
+    """After step 2 the policy rank stays alive but stops answering (busy forever): step 3 waits
+    fault.step_timeout_s, the rank counts as lost, every role restarts from step 2's checkpoint
+    (the hung process is killed with the others) and the run ends as the uninterrupted one."""
+    hung = []
+
+    def hang_the_policy(step: int, loop) -> None:
+        if step == 2 and not hung:
+            hung.append(loop.actors.policy[0])
+            loop.actors.policy[0].__ray_call__.remote(_hang)
+
+    run_dir = tmp_path / "run"
+    summary = _train(run_dir, "checkpoint.every_n_steps=2", "fault.step_timeout_s=8", "sync.timeout_s=8", "reward.timeout_s=4", callbacks=[hang_the_policy])
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 1 and len(hung) == 1
+    rows = _metrics(run_dir)
+    assert [r["fault/trainer_restarts"] for r in rows] == [0, 0, 1, 1]
+    assert _without_fault_counters(_comparable(rows)) == _without_fault_counters(whole)
+    out = capsys.readouterr().out
+    assert "no answer within 8s (fault.step_timeout_s)" in out and "restarting every role from the checkpoint of step 2" in out
+    with pytest.raises(ray.exceptions.RayActorError):  # the hung process did not outlive the restart
+        ray.get(hung[0].ping.remote(), timeout=30)
+    assert all_resources_free()

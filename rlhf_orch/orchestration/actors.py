@@ -48,8 +48,13 @@ class RoleActors:
         engine = self.start_engine(e)
         try:
             ray.get(engine.ping.remote(), timeout=self.startup_timeout_s)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as err:
-            raise ActorStartError(f"the replacement of engine {e} did not start: {err}") from err
+        except ray.exceptions.GetTimeoutError as err:
+            raise ActorStartError(
+                f"the replacement of engine {e} did not start within {self.startup_timeout_s:g}s (launcher.startup_timeout_s): "
+                "no node has room for its bundle (a node lost?) or it ran out of memory"
+            ) from err
+        except ray.exceptions.RayActorError as err:
+            raise ActorStartError(f"the replacement of engine {e} died while starting: {err}") from err
         self.engines[e] = engine
         return engine
 
@@ -146,7 +151,7 @@ def start_role_actors(
         actors.kill()
         raise ActorStartError(
             f"actors did not start within {timeout_s:.0f}s (launcher.startup_timeout_s); "
-            "check memory and the model path"
+            "check that the cluster still has the planned resources (a node lost?), memory and the model path"
         ) from e
     except ray.exceptions.RayActorError as e:
         actors.kill()

@@ -263,7 +263,8 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
         # answering: it may be a trainer, and a checkpoint would queue behind its stuck call.
         run.lost = processes_lost(e, actors)
         restart = run.lost and record.trainer_restarts < typed.fault.max_trainer_restarts
-        run.final_note = ("no final checkpoint: an actor stopped answering" if _stuck(e)
+        # (A replacement that did not start is no stuck actor: the trainers may still answer.)
+        run.final_note = ("no final checkpoint: an actor stopped answering" if _stuck(e) and not isinstance(e, ActorStartError)
                           else record.final_checkpoint(loop, actors, exact_only=restart))
         raise
     finally:
