@@ -111,6 +111,7 @@ MORE_BAD = [
     (["trainer.weight_decay=-0.1"], "trainer.weight_decay=-0.1"),
     (["algo.entropy_coef=-0.01"], "algo.entropy_coef=-0.01"),
     (["algo.clip_ratio_c=1.0"], "algo.clip_ratio_c=1.0"),  # the dual-clip bound must exceed 1
+    (["algo.decoupled_is_cap=1.0"], "algo.decoupled_is_cap=1.0"),  # AReaL's drop threshold must exceed 1
     # every group of one: every advantage 0, the run would train on nothing
     (["algo=reinforce_pp_baseline", "algo.samples_per_prompt=1", "algo.rollout_batch_size=64"], "algo.samples_per_prompt=1"),
     (["trainer.optimizer=lion"], "trainer.optimizer='lion'"),
@@ -151,6 +152,7 @@ MORE_BAD = [
     (["eval.temperature=-1"], "eval.temperature=-1"),
     (["eval.before_train=true", "data.eval_size=0"], "data.eval_size=0"),
     # relations between keys
+    (["algo.tis_cap=2", "algo.decoupled_is_cap=5"], "algo.decoupled_is_cap=5.0"),  # two importance weights
     (["data=files", "data.train_files=[x.parquet]", "data.prompt_key=null"], "data.prompt_template=None"),
     (["data=files", "data.train_files=[x.parquet]", "data.label_regex='(unclosed'"], "data.label_regex='(unclosed'"),
     (["data=files", "data.train_files=[]"], "data.train_files=[]"),
@@ -287,6 +289,17 @@ def test_every_range_row_names_a_schema_key():
 def test_default_config_passes():
     typed, plan = _check([])
     assert plan.layout == "cpu_local" and typed.algo.num_steps >= 1
+
+
+ONE_CAP = [["algo.tis_cap=2"], ["algo.decoupled_is_cap=5"], ["algo=grpo", "algo.decoupled_is_cap=1.5"]]
+
+
+@pytest.mark.parametrize("overrides", ONE_CAP, ids=[" ".join(o) for o in ONE_CAP])
+def test_either_importance_weight_cap_alone_passes(overrides):
+    # Only the pair is refused (tests above); each correction alone is a valid run.
+    cfg = _fast_config(overrides)
+    typed, _ = check(cfg, instantiate(cfg.launcher))
+    assert (typed.algo.tis_cap is None) != (typed.algo.decoupled_is_cap is None)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -13,6 +13,7 @@ from rlhf_orch.algo.losses import (
     aggregation_weights,
     clipped_policy_loss,
     clipped_value_loss,
+    decoupled_is_weights,
     entropy_from_logits,
     kl_divergence,
     loss_denominator,
@@ -203,7 +204,7 @@ def test_tis_weights_scale_the_token_loss():
     logp = t([[0.0, 0.0, 0.0]])
     adv = t([[2.0, -1.0, 0.0]])
     mask = t([[1, 1, 0]])
-    loss_mat, _ = clipped_policy_loss(logp, logp, adv, mask, tis_weights=t([[0.5, 2.0, NAN]]))
+    loss_mat, _ = clipped_policy_loss(logp, logp, adv, mask, is_weights=t([[0.5, 2.0, NAN]]))
     close(loss_mat, [[-1.0, 2.0, 0.0]])
 
 
@@ -216,6 +217,41 @@ def test_truncated_is_weights_cap():
     close(truncated_is_weights(old, behaviour, mask, cap=2.0), [[2.0, 0.5, 2.0, 1.5, 0.0]])
     with pytest.raises(ValueError, match="cap"):
         truncated_is_weights(old, behaviour, mask, cap=0.0)
+
+
+def test_decoupled_is_weights_drop_tokens_above_the_cap():
+    # pi_prox / pi_behaviour: 0.5/0.25 = 2 (kept), 0.2/0.4 = 0.5 (kept), 0.9/0.1 = 9 > cap 5 ->
+    # dropped (0, where TIS would give 5), 1/0.2 = 5 = cap (kept: only above the cap drops; the
+    # log-ratio is exactly ln 5 in float32); pad (behaviour -inf, old NaN) -> 0; a hole in the
+    # mask -> 0 though its weight is 1.5.
+    old = torch.log(t([[0.5, 0.2, 0.9, 1.0, NAN, 0.6]]))
+    behaviour = torch.log(t([[0.25, 0.4, 0.1, 0.2, 0.0, 0.4]]))
+    mask = t([[1, 1, 1, 1, 0, 0]])
+    close(decoupled_is_weights(old, behaviour, mask, cap=5.0), [[2.0, 0.5, 0.0, 5.0, 0.0, 0.0]], atol=1e-5)
+
+
+def test_decoupled_is_weights_do_not_overflow():
+    # Log-ratios of +-200 (exp(200) is inf in float32, and inf * 0 would be NaN in the loss): the
+    # huge weight is dropped, the tiny one is a finite 0-ish weight, nothing is inf or NaN.
+    old = t([[0.0, -200.0, -1.0]])
+    behaviour = t([[-200.0, 0.0, -1.0]])
+    weights = decoupled_is_weights(old, behaviour, t([[1, 1, 1]]), cap=5.0)
+    assert torch.isfinite(weights).all()
+    close(weights, [[0.0, 0.0, 1.0]])
+    # Through the policy loss: the dropped token contributes neither loss nor gradient.
+    logp = old.clone().requires_grad_(True)
+    loss_mat, _ = clipped_policy_loss(logp, old, t([[1.0, 1.0, 1.0]]), t([[1, 1, 1]]), is_weights=weights)
+    loss_mat.sum().backward()
+    assert torch.isfinite(loss_mat).all() and torch.isfinite(logp.grad).all()
+    close(loss_mat, [[0.0, 0.0, -1.0]])
+    close(logp.grad, [[0.0, 0.0, -1.0]])
+
+
+@pytest.mark.parametrize("cap", [1.0, 0.5, 0.0, NAN])
+def test_decoupled_is_weights_cap_must_exceed_one(cap):
+    # AReaL's bound: at a cap of 1 or below, an on-policy token (weight 1 up to float noise) could be dropped.
+    with pytest.raises(ValueError, match="cap must be > 1"):
+        decoupled_is_weights(t([[0.0]]), t([[0.0]]), t([[1]]), cap=cap)
 
 
 # --------------------------------------------------------------------------- KL estimators

@@ -11,7 +11,11 @@ checkpoint for each case (~20 ms).
 
 The rollout has an empty response, a group of equal scores and lengths from 1 to 9; every case
 runs with an entropy bonus, truncated IS against engine log-probs, and the dual clip, so every
-term of the loss is live. Which sequences share an optimizer step is the trainer's sampling
+term of the loss is live. AReaL's decoupled PPO weights (`algo.decoupled_is_cap`, which replaces
+truncated IS: the two are refused together) get one loss aggregation per algo, rotated, with every
+transfer x ranks x cut x epochs as above; its cap 5 (AReaL's) drops some of the rollout's action
+tokens and keeps most (on the tiny model built here: 9 of 64, the nearest weights 4.7 and 5.4, far
+from float noise). Which sequences share an optimizer step is the trainer's sampling
 decision, read back from the ranks and given to the oracle; the test checks it is a partition of
 the rollout per epoch.
 
@@ -97,13 +101,18 @@ def _rollout() -> list[Sample]:
 SAMPLES = _rollout()
 
 
+# The correction for the engine's sampling each case runs with: truncated IS, or AReaL's decoupled
+# PPO weights (tokens above the cap dropped).
+IS_CORRECTIONS = {"tis": ["algo.tis_cap=1.5"], "decoupled": ["algo.decoupled_is_cap=5"]}
+
+
 @functools.lru_cache(maxsize=None)
-def _composed_algo(name: str):
+def _composed_algo(name: str, correction: str):
     overrides = [
         f"algo={name}",
         f"algo.samples_per_prompt={SAMPLES_PER_PROMPT}",
         "algo.entropy_coef=0.01",
-        "algo.tis_cap=1.5",
+        *IS_CORRECTIONS[correction],
         "algo.clip_ratio_c=1.05",
         "algo.kl_coef=0.05",
         f"algo.loss_agg_norm_len={MAX_RESPONSE_LEN}",
@@ -113,8 +122,8 @@ def _composed_algo(name: str):
     return instantiate(compose_config(overrides).algo)
 
 
-def _algo(name: str, agg: str, epochs: int):
-    return dataclasses.replace(_composed_algo(name), loss_agg=agg, ppo_epochs=epochs)
+def _algo(name: str, agg: str, epochs: int, correction: str):
+    return dataclasses.replace(_composed_algo(name, correction), loss_agg=agg, ppo_epochs=epochs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,9 +260,15 @@ def _assert_weights_close(system: dict[str, torch.Tensor], oracle: torch.nn.Modu
         )
 
 
-def _assert_metrics_close(system: dict[str, float], oracle: dict[str, float], what: str):
+# The metrics of the correction for the engine's sampling, which both sides must log.
+CORRECTION_METRICS = {"tis": {"policy/tis_weight", "policy/tis_capped_frac"},
+                      "decoupled": {"policy/decoupled_weight", "policy/decoupled_dropped_frac"}}
+
+
+def _assert_metrics_close(system: dict[str, float], oracle: dict[str, float], what: str, correction: str):
     assert set(system) == set(oracle), f"{what}: logged only by one side: {sorted(set(oracle) ^ set(system))}"
-    assert {"loss/policy", "policy/clipfrac", "policy/approx_kl", "policy/grad_norm", "policy/entropy", "policy/tis_weight"} <= set(system)
+    assert {"loss/policy", "policy/clipfrac", "policy/approx_kl", "policy/grad_norm", "policy/entropy"} <= set(system)
+    assert CORRECTION_METRICS[correction] <= set(system), what
     for key in sorted(system):
         rel = 1e-3 if key.endswith("grad_norm") else 1e-4
         assert system[key] == pytest.approx(oracle[key], rel=rel, abs=1e-6), f"{what}: {key} = {system[key]!r}, the oracle says {oracle[key]!r}"
@@ -284,17 +299,40 @@ def _settings(case: int) -> list[tuple]:
 @pytest.mark.parametrize("name,agg", CASES, ids=[f"{a}-{g}" for a, g in CASES])
 def test_trainer_matches_the_oracle(actors, initial_weights, tiny_model_path, name, agg):
     """All transfers x ranks x cuts x epochs x optimizers for one algo and one loss aggregation."""
+    _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, agg, CASES.index((name, agg)), "tis")
+
+
+# Decoupled PPO: every loss aggregation once, each with another algo (the weights enter every
+# algo's loss in the same place -- the per-token weight TIS uses -- so one algo per aggregation
+# covers where they could go wrong; the suite's time is the budget: docs/testing.md).
+DECOUPLED_CASES = [(name, LOSS_AGGREGATIONS[i]) for i, name in enumerate(ALGORITHMS[: len(LOSS_AGGREGATIONS)])]
+
+
+@pytest.mark.parametrize("name,agg", DECOUPLED_CASES, ids=[f"{a}-{g}" for a, g in DECOUPLED_CASES])
+def test_trainer_matches_the_oracle_with_decoupled_ppo(actors, initial_weights, tiny_model_path, name, agg):
+    """AReaL's decoupled PPO weights (tokens above the cap dropped) instead of truncated IS: all
+    transfers x ranks x cuts x epochs x optimizers for one algo and one loss aggregation."""
+    metrics = _check_against_the_oracle(
+        actors, initial_weights, tiny_model_path, name, agg, DECOUPLED_CASES.index((name, agg)), "decoupled"
+    )
+    # The cap is live: some tokens are dropped, most are kept.
+    assert all(0.0 < m["policy/decoupled_dropped_frac"] < 0.5 for m in metrics)
+
+
+def _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, agg, case, correction) -> list[dict]:
+    """Every setting of `_settings(case)` through the system, each held to the oracle; returns the
+    system's metrics of each setting."""
     # The critic's update does not depend on the policy's loss aggregation: it is checked with
     # token-mean; the other aggregations' cases use its values for GAE and leave it untrained.
     train_critic = agg == "token-mean"
     pending = [
-        (settings, _submit_update(actors, tiny_model_path, _algo(name, agg, settings[0]), *settings[2:], settings[1], train_critic))
-        for settings in _settings(CASES.index((name, agg)))
+        (settings, _submit_update(actors, tiny_model_path, _algo(name, agg, settings[0], correction), *settings[2:], settings[1], train_critic))
+        for settings in _settings(case)
     ]
-    oracles = {}
+    oracles, checked = {}, []
     for (epochs, optimizer, transfer_name, ranks, cut), refs in pending:
-        what = f"algo={name} loss_agg={agg} ppo_epochs={epochs} {optimizer} transfer={transfer_name} ranks={ranks} cut={cut}"
-        algo = _algo(name, agg, epochs)
+        what = f"algo={name} loss_agg={agg} {correction} ppo_epochs={epochs} {optimizer} transfer={transfer_name} ranks={ranks} cut={cut}"
+        algo = _algo(name, agg, epochs, correction)
         system = _collect(refs, algo)
         steps = system["policy_steps"]
         per_epoch = len(steps) // epochs
@@ -305,7 +343,9 @@ def test_trainer_matches_the_oracle(actors, initial_weights, tiny_model_path, na
         if key not in oracles:
             oracles[key] = _oracle(tiny_model_path, algo, optimizer, system["policy_steps"], system["critic_steps"])
         oracle = oracles[key]
-        _assert_metrics_close(system["metrics"], oracle.metrics, what)
+        _assert_metrics_close(system["metrics"], oracle.metrics, what, correction)
+        checked.append(system["metrics"])
         _assert_weights_close(system["policy"], oracle.policy, initial_weights["policy"], optimizer, what + " (policy)")
         if algo.needs_critic and train_critic:
             _assert_weights_close(system["critic"], oracle.critic, initial_weights["critic"], optimizer, what + " (critic)")
+    return checked

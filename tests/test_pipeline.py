@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from rlhf_orch.orchestration.pipeline import OneStepOffPipeline, SyncPipeline
+from rlhf_orch.orchestration.pipeline import AsyncPipeline, OneStepOffPipeline, SyncPipeline
 from rlhf_orch.transfer.base import Delivery, HeldRollout
 from rlhf_orch.transfer.engine_side import RolloutMeta
 
@@ -63,7 +63,7 @@ class FakeTransfer:
 
     def import_held(self, held, route) -> HeldRollout:
         step, versions = held.held
-        self.engine_store = {step: versions}
+        self.engine_store = {**self.engine_store, step: versions}
         return HeldRollout(**{**held.__dict__, "held": step})
 
 
@@ -181,3 +181,98 @@ def test_one_step_off_refuses_a_rollout_for_another_step():
 def test_sync_pipeline_refuses_a_checkpoint_that_carries_a_rollout():
     with pytest.raises(ValueError, match="does not hold rollouts"):
         SyncPipeline().restore(FakeLoop(num_steps=1), HeldRollout(RolloutMeta([], [], [], []), None, 1, 1, 0, 1))
+
+
+# --------------------------------------------------------------------------- pipeline=async
+class AsyncFakeTransfer(FakeTransfer):
+    """Holds any number of rollouts, each in its own slot, like packed does under pipeline=async;
+    a rollout's samples carry the version the engines held when it started."""
+
+    def __init__(self, loop: "AsyncFakeLoop"):
+        super().__init__(loop)
+        self.in_flight_max = 0
+
+    def generate(self, request, route) -> HeldRollout:
+        loop, step = self.loop, request.step
+        with loop.lock:
+            version = loop.version
+            loop.events.append(("generate_start", step, version))
+            loop.generating += 1
+            self.in_flight_max = max(self.in_flight_max, loop.generating)
+        time.sleep(loop.generate_s)
+        with loop.lock:
+            loop.generating -= 1
+            self.engine_store[step] = [version] * SAMPLES
+        meta = RolloutMeta(indices=list(range(SAMPLES)), seq_lens=[3] * SAMPLES, response_lens=[1] * SAMPLES, rewards=[0.0] * SAMPLES,
+                           weight_versions=[version] * SAMPLES)
+        return HeldRollout(meta=meta, held=step, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=3, slot=request.slot)
+
+
+class AsyncFakeLoop(FakeLoop):
+    def __post_init__(self):
+        super().__post_init__()
+        self.transfer = AsyncFakeTransfer(self)
+
+    def rollout_request(self, step):
+        from types import SimpleNamespace
+
+        with self.lock:
+            self.events.append(("request", step))
+        return SimpleNamespace(step=step, slot=0)
+
+    def sync_engines(self, timings):
+        """Weights move into generations in flight (that is the point of pipeline=async)."""
+        if self.version != self.trained:
+            with self.lock:
+                self.events.append(("sync", self.trained))
+                self.version = self.trained
+
+
+def test_async_with_staleness_0_is_the_sync_pipeline_step_for_step():
+    loop, pipeline = AsyncFakeLoop(num_steps=4, generate_s=0.01), AsyncPipeline(max_staleness=0)
+    try:
+        rows = [loop.step(pipeline, k) for k in range(1, 5)]
+    finally:
+        pipeline.close(loop)
+    assert all(r["staleness"] == [0] * SAMPLES for r in rows)
+    assert _handed_over(loop) == [(1, 0), (2, 1), (3, 2), (4, 3)]  # as test_sync_pipeline_is_on_policy
+    assert loop.transfer.in_flight_max == 1
+
+
+@pytest.mark.parametrize("eta", [1, 2, 3])
+def test_async_keeps_every_rollout_within_max_staleness_and_runs_rollouts_at_once(eta):
+    """The engines run eta + 1 rollouts ahead at most, several at once; none trains on weights more
+    than eta versions newer than those it started with, and the bound is reached (the trainers
+    are fast, the engines slow); every step's rollout is drawn once, in order, nothing beyond the end."""
+    loop, pipeline = AsyncFakeLoop(num_steps=8, generate_s=0.05, train_s=0.0), AsyncPipeline(max_staleness=eta)
+    try:
+        rows = [loop.step(pipeline, k) for k in range(1, 9)]
+    finally:
+        pipeline.close(loop)
+    staleness = [max(r["staleness"]) for r in rows]
+    assert max(staleness) == eta and min(staleness) == 0
+    assert [e[1] for e in loop.events if e[0] == "request"] == list(range(1, 9))
+    assert [s for s, _ in _handed_over(loop)] == list(range(1, 9))
+    # Step j starts once the engines hold version j - 1 - eta.
+    assert all(v >= j - 1 - eta for (_, j, v) in (e for e in loop.events if e[0] == "generate_start"))
+    assert loop.transfer.in_flight_max == eta + 1
+    assert all(r["rollout_wait"] >= 0 for r in rows)
+
+
+def test_async_checkpoint_drains_and_carries_every_rollout_generated_ahead():
+    loop, pipeline = AsyncFakeLoop(num_steps=6, generate_s=0.03), AsyncPipeline(max_staleness=2)
+    for k in (1, 2):
+        loop.step(pipeline, k)
+    pending = pipeline.pending(loop)  # waits for the rollouts in flight, reads them off the engines
+    assert [h.step for h in pending] == [3, 4, 5] and all(h.held[0] == h.step for h in pending)
+    assert loop.version == loop.trained == 2
+    pipeline.close(loop)
+
+    resumed = AsyncFakeLoop(num_steps=6, version=2, trained=2)
+    again = AsyncPipeline(max_staleness=2)
+    again.restore(resumed, pending)
+    for k in (3, 4, 5, 6):
+        resumed.step(again, k)
+    again.close(resumed)
+    assert [e[1] for e in resumed.events if e[0] == "generate_start"] == [6]  # 3-5 were not drawn again
+    assert [s for s, _ in _handed_over(resumed)] == [3, 4, 5, 6]

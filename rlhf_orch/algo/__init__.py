@@ -3,9 +3,9 @@
 One home per formula. `ppo_math`: masked reductions, token rewards, log-probs. `advantages`: GAE,
 GRPO / Dr. GRPO, RLOO, REINFORCE++(-baseline), DAPO's overlong penalty and dynamic-sampling
 filter. `losses`: loss aggregation (veRL's modes, data-parallel denominators, packed sequences),
-the policy loss (decoupled and dual clip, TIS), the value loss, KL estimators k1/k2/k3, entropy.
-`estimators`: the `algo` options built from them. `oracle`: one whole training update written
-plainly, the specification the distributed trainer is tested against.
+the policy loss (decoupled and dual clip, TIS, AReaL's decoupled PPO weights), the value loss, KL
+estimators k1/k2/k3, entropy. `estimators`: the `algo` options built from them. `oracle`: one
+whole training update written plainly, the specification the distributed trainer is tested against.
 """
 
 from rlhf_orch.algo.advantages import (
@@ -27,6 +27,7 @@ from rlhf_orch.algo.losses import (
     aggregation_weights,
     clipped_policy_loss,
     clipped_value_loss,
+    decoupled_is_weights,
     entropy_from_logits,
     kl_divergence,
     loss_denominator,
@@ -48,6 +49,7 @@ __all__ = [
     "aggregation_weights",
     "clipped_policy_loss",
     "clipped_value_loss",
+    "decoupled_is_weights",
     "dynamic_sampling_keep",
     "entropy_from_logits",
     "gae_advantages",

@@ -1,5 +1,5 @@
-"""The losses of every algorithm -- policy (PPO clip, clip-higher, dual clip, TIS), value, KL,
-entropy -- and how a per-token loss becomes the scalar that is back-propagated.
+"""The losses of every algorithm -- policy (PPO clip, clip-higher, dual clip, TIS, AReaL's
+decoupled PPO weights), value, KL, entropy -- and how a per-token loss becomes the scalar that is back-propagated.
 
 Each loss returns a per-token loss matrix shaped like its mask (`[B, T]` rows, or a packed `[N]`
 with the batch's `sequence_ids`; 0 at masked positions); turning it into the
@@ -222,7 +222,7 @@ def clipped_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     agg: str = "token-mean",
-    tis_weights: Tensor | None = None,
+    is_weights: Tensor | None = None,
     clip_ratio_c: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate per token, with DAPO's decoupled clip range ("clip-higher") and
@@ -233,8 +233,10 @@ def clipped_policy_loss(
         l_t     = min(l_t, -A_t * clip_ratio_c)          where A_t < 0 (dual clip, when set)
         loss_t  = l_t * w_t
 
-    with w = `tis_weights` (truncated importance-sampling weights for the rollout engine's
-    sampling mismatch, already capped, see `truncated_is_weights`) or 1. A raised `clip_high`
+    with w = `is_weights`, the per-token importance weights that correct for the rollout engine
+    sampling with another policy than pi_old (fixed, computed by the caller: truncated IS,
+    `truncated_is_weights`, or AReaL's decoupled PPO, `decoupled_is_weights`, 0 for a dropped
+    token) or 1. A raised `clip_high`
     lets low-probability tokens with A > 0 grow further (DAPO: 0.28 with clip_low 0.2). The dual
     clip (`clip_ratio_c` > 1, veRL's and OpenRLHF's default 3) bounds the loss of a token with
     A < 0 whose ratio exploded, which the plain max leaves unbounded.
@@ -267,8 +269,8 @@ def clipped_policy_loss(
         bound = -advantages * clip_ratio_c
         dual = (advantages < 0) & (loss_mat > bound)
         loss_mat = torch.where(advantages < 0, torch.minimum(loss_mat, bound), loss_mat)
-    if tis_weights is not None:
-        loss_mat = loss_mat * torch.where(keep, tis_weights, zero)
+    if is_weights is not None:
+        loss_mat = loss_mat * torch.where(keep, is_weights, zero)
     loss_mat = torch.where(keep, loss_mat, zero)
     with torch.no_grad():
         stats = {
@@ -333,6 +335,37 @@ def truncated_is_weights(
     return torch.where(keep, weights, zero)
 
 
+@torch.no_grad()
+def decoupled_is_weights(
+    old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float
+) -> Tensor:
+    """Behaviour importance weights `[B, T]` of AReaL's decoupled PPO objective (Fu et al. 2025):
+    pi_prox / pi_behaviour where it is <= cap, 0 where it exceeds the cap and at masked positions.
+
+    Rollouts sampled with stale weights (pipeline=one_step_off, async) come from a behaviour policy
+    pi_behaviour (the engine's log-probs) other than the proximal policy pi_prox that the PPO clip
+    is against (`old_logprobs`, the trainer's recomputation before this update). The decoupled
+    objective keeps the clip against pi_prox and weights each token's loss by pi_prox /
+    pi_behaviour, which turns the expectation over the engine's samples into one over pi_prox's.
+    A token whose weight exceeds `cap` (AReaL's `behav_imp_weight_cap`, > 1; 5 in AReaL's
+    examples) is dropped from the loss (weight 0), not truncated to the cap as by
+    `truncated_is_weights`: a weight that large marks a sample too far off the proximal policy to
+    correct with bounded variance, and a truncated one would still train on it. The cap is tested
+    on the log-ratio and exp only sees values <= log(cap), so nothing overflows. No gradient
+    (fixed weights).
+    """
+    if not cap > 1:
+        raise ValueError(f"decoupled PPO's behaviour importance weight cap must be > 1, got {cap}")
+    keep = mask.bool()
+    zero = torch.zeros_like(old_logprobs)
+    log_ratio = torch.where(keep, old_logprobs - behaviour_logprobs, zero)
+    log_cap = math.log(cap)
+    # A NaN log-ratio fails the comparison too, so it is dropped rather than leaked into the loss.
+    kept = keep & (log_ratio <= log_cap)
+    weights = torch.exp(torch.clamp(log_ratio, max=log_cap))
+    return torch.where(kept, weights, zero)
+
+
 # --------------------------------------------------------------------------- entropy
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) over the last dimension, `[..., V]` -> `[...]` (>= float32).
@@ -362,6 +395,7 @@ __all__ = [
     "aggregation_weights",
     "clipped_policy_loss",
     "clipped_value_loss",
+    "decoupled_is_weights",
     "entropy_from_logits",
     "kl_divergence",
     "loss_denominator",

@@ -27,10 +27,13 @@ What one update is, for a rollout of N sequences (prompt x_i, response y_i, scor
    trainer's sampling decision, `policy_steps`), the loss over the step's sequences S
        l_it = max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high))   ratio = pi / pi_old
        l_it = min(l_it, -A clip_ratio_c)            where A < 0 (dual clip, when set)
-       l_it = l_it * min(pi_old / pi_engine, tis_cap)          (TIS, when set)
+       l_it = l_it * w_it                                      (an importance weight, below)
             + kl_coef * KL(pi, pi_ref)_t                       (kl_placement=in_loss)
             - entropy_coef * H_t
-   aggregated as `loss_agg` (n_i: action tokens of i; |S|: sequences with n_i > 0):
+   with w_it = min(pi_old / pi_engine, tis_cap) (TIS, when set); or pi_old / pi_engine where that
+   is <= decoupled_is_cap and 0 where it is above, the token dropped (AReaL's decoupled PPO, when
+   set: pi_old is the proximal policy the clip is against); else 1. Aggregated as `loss_agg`
+   (n_i: action tokens of i; |S|: sequences with n_i > 0):
        token-mean               sum_i sum_t l_it / sum_i n_i
        seq-mean-token-sum       sum_i sum_t l_it / |S|
        seq-mean-token-mean      sum_i (sum_t l_it / n_i) / |S|
@@ -62,7 +65,7 @@ class Rollout:
     scores: list[float]
     group_ids: list[int]
     ref_logprobs: list[list[float]] | None = None  # the reference policy's (KL terms)
-    engine_logprobs: list[list[float]] | None = None  # the behaviour policy's (TIS)
+    engine_logprobs: list[list[float]] | None = None  # the behaviour policy's (TIS, decoupled PPO)
     loss_masks: list[list[int]] | None = None  # 1 = trained on; 0 = a hole (e.g. a tool's output)
 
     def mask(self, i: int) -> list[bool]:
@@ -368,7 +371,7 @@ def reference_update(
     per_step: dict[str, list[float]] = {}
     norms = []
     for members in policy_steps:
-        token_losses, stats = [], {k: [] for k in ("clipfrac", "approx_kl", "clipfrac_dual", "tis_weight", "tis_capped", "kl_loss", "entropy")}
+        token_losses, stats = [], {k: [] for k in ("clipfrac", "approx_kl", "clipfrac_dual", "tis_weight", "tis_capped", "decoupled_weight", "decoupled_dropped", "kl_loss", "entropy")}
         logps, entropies = response_logprobs(policy, [rollout.prompts[i] for i in members], [rollout.responses[i] for i in members], temperature)
         for i, logp, entropy in zip(members, logps, entropies):
             a = adv[i]
@@ -387,6 +390,16 @@ def reference_update(
                 weight = torch.exp(torch.clamp(old[i] - torch.tensor(rollout.engine_logprobs[i]), max=math.log(algo.tis_cap)))
                 stats["tis_weight"].append(weight)
                 stats["tis_capped"].append((weight >= algo.tis_cap * (1 - 1e-6)).float())
+                loss = loss * weight
+            if algo.decoupled_is_cap is not None:
+                # The engine sampled from a stale policy; the weight moves the expectation to pi_old's
+                # samples, and a token that pi_old finds more than decoupled_is_cap times likelier is
+                # left out of the loss altogether (float64: exp of any realistic log-ratio is finite).
+                weight = torch.exp(old[i].double() - torch.tensor(rollout.engine_logprobs[i], dtype=torch.float64))
+                dropped = weight > algo.decoupled_is_cap
+                weight = torch.where(dropped, 0.0, weight).float()
+                stats["decoupled_weight"].append(weight)
+                stats["decoupled_dropped"].append(dropped.float())
                 loss = loss * weight
             if kl_in_loss:
                 kl = kl_estimate(logp, torch.tensor(rollout.ref_logprobs[i]), algo.kl_estimator)
@@ -436,6 +449,8 @@ _POLICY_METRICS = {
     "clipfrac_dual": "policy/clipfrac_dual",
     "tis_weight": "policy/tis_weight",
     "tis_capped": "policy/tis_capped_frac",
+    "decoupled_weight": "policy/decoupled_weight",
+    "decoupled_dropped": "policy/decoupled_dropped_frac",
     "kl_loss": "loss/kl",
     "entropy": "policy/entropy",
 }

@@ -167,6 +167,7 @@ RANGES: tuple[Range, ...] = (
     ints("placement.vllm_gpus", 1, "vLLM needs at least one GPU"),
     # ---- transfer
     ints("transfer.max_in_flight", 1, "micro-batches handed over but not yet staged; typical 2-8"),
+    ints("pipeline.max_staleness", 0, hi=64, why="weight versions a sequence may lag behind the trainers; typical 1-4 (0 = sync)"),
     # transfer.token_budget: `_transfer` (its fix names the sequence length)
     # ---- sync (backend: `_sync_backend`, it depends on the strategy and the hardware)
     reals("sync.timeout_s", 0, lo_open=True, why="seconds one weight sync may take"),
@@ -179,6 +180,8 @@ RANGES: tuple[Range, ...] = (
     ints("data.response_max_len", 1, "tokens"),
     ints("data.seed", 0, _SEED_WHY, hi=_SEED_MAX),
     ints("data.min_digits", 1, "digits of the shortest task"),
+    reals("data.long_tail_frac", 0, 1, why="fraction of prompts answered at length; typical 0.05"),
+    ints("data.long_tail_len", 0, "tokens a long-tail response runs at least (<= data.response_max_len)"),
     ints("data.max_digits", 1, "digits of the longest task"),
     ints("data.filler_tokens", 0, "extra context tokens in front of the task"),
     ints("data.eval_size", 0, "held-out prompts; 0 = none"),
@@ -232,6 +235,8 @@ RANGES: tuple[Range, ...] = (
     reals("algo.entropy_coef", 0),
     Range("algo.tis_cap", lambda v: v is None or (is_real(v) and v >= 1),
           "null (off) or >= 1, the largest importance weight a token gets (typically 2)"),
+    Range("algo.decoupled_is_cap", lambda v: v is None or (is_real(v) and v > 1),
+          "null (off) or > 1, the importance weight above which a token is dropped from the loss (AReaL: 5)"),
     reals("algo.kl_coef", 0),
     reals("algo.gamma", 0, 1, why="discount factor"),
     reals("algo.lam", 0, 1, why="GAE lambda"),

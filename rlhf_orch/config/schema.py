@@ -123,9 +123,23 @@ class MicroBatchedTransferConfig(TransferConfig):
 class PipelineConfig:
     """When a step's rollout is generated relative to the weights that train on it
     (`rlhf_orch.orchestration.pipeline`): `sync` (on-policy, one phase after the other) or
-    `one_step_off` (the next rollout is generated while the trainers train, one version behind)."""
+    `one_step_off` (the next rollout is generated while the trainers train, one version behind)
+    or `async` (`AsyncPipelineConfig`)."""
 
     _target_: str = MISSING
+
+
+@dataclass
+class AsyncPipelineConfig(PipelineConfig):
+    """`pipeline=async`: rollouts generate ahead of the trainers, several at once, and take new
+    weights mid-generation."""
+
+    # eta: no sequence trains on weights more than this many versions newer than those that drew
+    # its first token (AReaL's bound); the engines run up to eta + 1 rollouts ahead. 0 = sync.
+    max_staleness: int = 1
+    # A weight update reaches the sequences in flight (true: they go on with the new weights from
+    # where they are, no token drawn again) or waits until they finish (false).
+    partial_rollout: bool = True
 
 
 # --------------------------------------------------------------------------- sync
@@ -210,6 +224,10 @@ class DigitTaskConfig(DataConfig):
     min_digits: int = 3
     max_digits: int = 5
     filler_tokens: int = 0  # extra context tokens in front of the task (for long-context runs)
+    # A long tail of response lengths (pipeline benchmarks): this fraction of training prompts must
+    # be answered with at least long_tail_len tokens (EOS suppressed until then). 0 = off.
+    long_tail_frac: float = 0.0
+    long_tail_len: int = 0
     eval_size: int = 64  # held-out prompts (their own random stream) for evaluation
 
 
@@ -497,6 +515,11 @@ class AlgoConfig:
     # min(pi_old / pi_engine, tis_cap), pi_engine being the log-probs the engine sampled with
     # (stale weights under pipeline=one_step_off, other kernels always). null = off.
     tis_cap: Optional[float] = None
+    # AReaL's decoupled PPO (Fu et al. 2025): the clip stays against pi_old (the proximal policy)
+    # and each token's loss is weighted by pi_old / pi_engine; a token whose weight exceeds
+    # decoupled_is_cap is dropped from the loss (weight 0), where tis_cap would truncate it.
+    # > 1 (AReaL's behav_imp_weight_cap, 5 in its examples); not with tis_cap. null = off.
+    decoupled_is_cap: Optional[float] = None
 
     needs_critic: ClassVar[bool] = False
     group_estimator: ClassVar[bool] = False  # advantages compare the samples of one prompt
@@ -758,7 +781,7 @@ class RootConfig:
 SCHEMA_GROUP = "schema"
 _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
     "placement": {"cpu_local": CpuLocalPlacementConfig, "colocated": ColocatedPlacementConfig, "split": SplitPlacementConfig},
-    "pipeline": {"base": PipelineConfig},
+    "pipeline": {"base": PipelineConfig, "async": AsyncPipelineConfig},
     "transfer": {"padded": PaddedTransferConfig, "packed": PackedTransferConfig, "micro_batched": MicroBatchedTransferConfig},
     "sync": {
         "per_tensor": PerTensorSyncConfig,

@@ -288,6 +288,16 @@ def _algorithm(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Probl
                     "use a rule reward, or algo.dynamic_sampling=false",
                 )
             )
+    if a.tis_cap is not None and a.decoupled_is_cap is not None:
+        # Both weight each token's loss by pi_old / pi_engine: together a token would be weighted twice.
+        problems.append(
+            Problem(
+                "algo.decoupled_is_cap",
+                a.decoupled_is_cap,
+                f"correct for the engine's sampling with one of the two: set algo.tis_cap=null (it is {a.tis_cap:g}) "
+                "for AReaL's decoupled PPO, or algo.decoupled_is_cap=null for truncated IS",
+            )
+        )
     if getattr(a, "overlong_buffer", 0) < 0 or getattr(a, "overlong_buffer", 0) >= cfg.data.response_max_len > 0:
         problems.append(
             Problem("algo.overlong_buffer", a.overlong_buffer, f"must be in [0, data.response_max_len={cfg.data.response_max_len})")
@@ -336,6 +346,17 @@ def _pipeline(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
                 "this pipeline generates the next rollout while the trainers train, so the rollout must wait on the "
                 "engines until they are free; a streaming transfer hands it to them during generation: "
                 "use transfer=packed (or padded), or pipeline=sync",
+            )
+        ]
+    staleness = getattr(cfg.pipeline, "max_staleness", 0)
+    if staleness > 0 and getattr(cfg.algo, "dynamic_sampling", False):
+        return [
+            Problem(
+                "pipeline.max_staleness",
+                staleness,
+                "dynamic sampling draws its further prompts while the next rollouts generate at once, so which prompts "
+                "a step trains on would depend on timing (no exact resume): use pipeline=one_step_off, or "
+                "pipeline.max_staleness=0, or algo.dynamic_sampling=false",
             )
         ]
     return []
@@ -536,6 +557,11 @@ def _data(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     if isinstance(d, DigitTaskConfig) and sizes_ok:  # (bad sizes themselves: `_ranges`)
         if d.min_digits > d.max_digits:
             problems.append(Problem("data.min_digits", d.min_digits, f"must be <= data.max_digits={d.max_digits}"))
+        if d.long_tail_len > d.response_max_len:
+            problems.append(Problem("data.long_tail_len", d.long_tail_len, f"must be <= data.response_max_len={d.response_max_len}"))
+        if bool(d.long_tail_frac) != bool(d.long_tail_len):
+            key, value = ("data.long_tail_len", d.long_tail_len) if d.long_tail_len else ("data.long_tail_frac", d.long_tail_frac)
+            problems.append(Problem(key, value, "does nothing alone: set both data.long_tail_frac (> 0) and data.long_tail_len (> 0), or neither"))
         prompt_tokens = 1 + d.filler_tokens + 1 + d.max_digits + 1  # BOS, filler, "rev", digits, "="
         if prompt_tokens > d.prompt_max_len:
             problems.append(

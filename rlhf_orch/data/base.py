@@ -24,6 +24,9 @@ class Prompt:
     messages: Optional[tuple[Mapping[str, Any], ...]] = None
     # The row's environment fields (SkyRL's layout: env_class, reward_spec, ...), for `env=skyrl`.
     env_fields: Optional[Mapping[str, Any]] = None
+    # Tokens its response runs at least (EOS suppressed until then): the digit task's long-tail
+    # length profile (data.long_tail_frac), a pipeline benchmark's shape of reasoning rollouts.
+    min_response_len: int = 0
 
 
 class DataError(ValueError):

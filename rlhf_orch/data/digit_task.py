@@ -12,6 +12,8 @@ source name ``digit_reverse``, and the reward is the rule `rlhf_orch.reward.rule
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from typing import Any, Sequence
 
@@ -68,6 +70,7 @@ class DigitReverseTask(PromptSource):
     _PROMPT_STREAM = 1
     _CORPUS_STREAM = 2
     _EVAL_STREAM = 3
+    _TAIL_STREAM = 4  # which prompts must be answered at length (its own stream: the prompts stay the same)
 
     def __init__(
         self,
@@ -78,6 +81,8 @@ class DigitReverseTask(PromptSource):
         max_digits: int,
         filler_tokens: int,
         eval_size: int = 64,
+        long_tail_frac: float = 0.0,
+        long_tail_len: int = 0,
     ) -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
@@ -92,6 +97,12 @@ class DigitReverseTask(PromptSource):
         if eval_size < 0:
             raise ValueError(f"eval_size must be >= 0, got {eval_size}")
         self.eval_size = eval_size
+        # The long tail of reasoning rollouts: this fraction of training prompts must be answered
+        # with at least long_tail_len tokens (the rest end where the model puts EOS).
+        if not 0.0 <= long_tail_frac <= 1.0 or long_tail_len < 0 or long_tail_len > response_max_len:
+            raise ValueError(f"need 0 <= long_tail_frac <= 1 and 0 <= long_tail_len <= response_max_len, got {long_tail_frac}, {long_tail_len}")
+        self.long_tail_frac = long_tail_frac
+        self.long_tail_len = long_tail_len
         self._batches_drawn = 0  # the sampler's whole state: batch k is a pure function of (seed, k)
         self._tokenizer: Any = None
         if self.max_prompt_tokens > prompt_max_len:
@@ -145,7 +156,7 @@ class DigitReverseTask(PromptSource):
         if self._tokenizer is None:
             return prompts
         tok = self._tokenizer
-        return [Prompt(p.text, p.label, p.source, p.extra, tuple(tok(p.text).input_ids)) for p in prompts]
+        return [dataclasses.replace(p, prompt_ids=tuple(tok(p.text).input_ids)) for p in prompts]
 
     # ----------------------------------------------------------------- sampling (pure)
     def batch(self, n: int, index: int) -> list[Prompt]:
@@ -153,7 +164,11 @@ class DigitReverseTask(PromptSource):
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
         rng = np.random.default_rng([self.seed, self._PROMPT_STREAM, index])
-        return [self._draw(rng) for _ in range(n)]
+        prompts = [self._draw(rng) for _ in range(n)]
+        if self.long_tail_frac and self.long_tail_len:
+            tail = np.random.default_rng([self.seed, self._TAIL_STREAM, index]).random(n) < self.long_tail_frac
+            prompts = [dataclasses.replace(p, min_response_len=self.long_tail_len) if t else p for p, t in zip(prompts, tail)]
+        return prompts
 
     def corpus(self, n: int) -> list[str]:
         """`n` solved examples (prompt + " " + answer), for tokenizer training and the warm start."""

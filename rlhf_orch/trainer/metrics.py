@@ -4,10 +4,10 @@ oracle tests read the same definitions).
 Every policy statistic is defined per optimizer step and then averaged over the steps of the
 rollout (all `ppo_epochs`): `loss/policy` is the step's loss as back-propagated (aggregated as
 `algo.loss_agg` says, KL and entropy terms included); `policy/clipfrac`, `policy/approx_kl`,
-`loss/kl`, `policy/entropy`, `policy/tis_*` are token means over the step's action tokens
-(whatever the loss aggregation and however the step was cut). Each rank returns its share times
-the number of ranks, so the mean over ranks is the whole step's value. Gradient norms are the
-largest pre-clipping norm of any step. `kl` and `values/mean` are token means over the rollout.
+`loss/kl`, `policy/entropy`, `policy/tis_*`, `policy/decoupled_*` are token means over the step's
+action tokens (whatever the loss aggregation and however the step was cut). Each rank returns its
+share times the number of ranks, so the mean over ranks is the whole step's value. Gradient norms
+are the largest pre-clipping norm of any step. `kl` and `values/mean` are token means over the rollout.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ POLICY_KEYS = {
     "entropy": "policy/entropy",
     "tis_weight": "policy/tis_weight",
     "tis_capped": "policy/tis_capped_frac",
+    "decoupled_weight": "policy/decoupled_weight",
+    "decoupled_dropped": "policy/decoupled_dropped_frac",
 }
 CRITIC_KEYS = {"value_loss": "loss/value", "vf_clipfrac": "critic/vf_clipfrac"}
 

@@ -7,6 +7,7 @@ experience this rank was handed, and calling those functions in order.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from rlhf_orch.algo.losses import (
     aggregate_loss,
     clipped_policy_loss,
     clipped_value_loss,
+    decoupled_is_weights,
     kl_divergence,
     loss_denominator,
     truncated_is_weights,
@@ -375,17 +377,26 @@ class PolicyWorker(_Worker):
         """The per-token policy loss of one micro-batch and its token-mean statistics."""
         logprobs, entropy = sequence_logprobs_and_entropy(self.engine, mb, self.spec.temperature, entropy=algo.entropy_coef > 0)
         mask = mb.action_mask
-        tis = None
+        old_logprobs = mb.fields["old_logprobs"]
+        # The engine's log-probs are the behaviour policy (stale under one_step_off); old_logprobs
+        # the proximal one the clip is against. At most one correction is set (validate refuses both).
+        is_weights = None
         if algo.tis_cap is not None:
-            # The engine's log-probs are the behaviour policy (stale under one_step_off).
-            tis = truncated_is_weights(mb.fields["old_logprobs"], mb.fields[ENGINE_LOGPROBS], mask, algo.tis_cap)
+            is_weights = truncated_is_weights(old_logprobs, mb.fields[ENGINE_LOGPROBS], mask, algo.tis_cap)
+        elif algo.decoupled_is_cap is not None:
+            is_weights = decoupled_is_weights(old_logprobs, mb.fields[ENGINE_LOGPROBS], mask, algo.decoupled_is_cap)
         loss_mat, stats = clipped_policy_loss(
-            logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mask, algo.clip_low, algo.clip_high, algo.loss_agg, tis, algo.clip_ratio_c
+            logprobs, old_logprobs, mb.fields["advantages"], mask, algo.clip_low, algo.clip_high, algo.loss_agg, is_weights, algo.clip_ratio_c
         )
         stats = {k: stats[k] for k in ("clipfrac", "approx_kl", "clipfrac_dual") if k in stats}
-        if tis is not None:
-            stats["tis_weight"] = masked_mean(tis, mask)
-            stats["tis_capped"] = masked_mean((tis >= algo.tis_cap * (1 - 1e-6)).to(tis.dtype), mask)
+        if algo.tis_cap is not None:
+            stats["tis_weight"] = masked_mean(is_weights, mask)
+            stats["tis_capped"] = masked_mean((is_weights >= algo.tis_cap * (1 - 1e-6)).to(is_weights.dtype), mask)
+        elif algo.decoupled_is_cap is not None:
+            stats["decoupled_weight"] = masked_mean(is_weights, mask)  # dropped tokens count as 0
+            # Dropped: the weight exceeds the cap (tested as decoupled_is_weights does, on the log-ratio).
+            above_cap = (old_logprobs - mb.fields[ENGINE_LOGPROBS]) > math.log(algo.decoupled_is_cap)
+            stats["decoupled_dropped"] = masked_mean(above_cap.to(is_weights.dtype), mask)
         if algo.kl_in_loss:
             kl = kl_divergence(logprobs, mb.fields["ref_logprobs"], algo.kl_estimator, mask=mask)
             loss_mat = loss_mat + algo.kl_coef * kl

@@ -64,6 +64,9 @@ class RolloutRequest:
     group_filter: GroupFilter | None = None  # dynamic sampling (packed transfer only)
     env: Any = None  # multi-turn rollouts: the `env` option (None: one response per sample)
     min_tokens: int = 0  # algo.min_response_len
+    # Where the engines hold this rollout until its hand-over: several may be held at once
+    # (pipeline=async); 0 when one at most is.
+    slot: int = 0
 
     def job(self, prompt_indices: Sequence[int], scorer: Scorer | None) -> RolloutJob:
         return RolloutJob(
@@ -86,9 +89,10 @@ class Route:
     consumers: list[list[Any]]  # per shard: every actor that must stage it (policy, critic, reference)
     get: Callable[..., list[Any]]  # get(refs, what, engine_call=False) with the loop's timeout/errors
     wait: Callable[..., Any] = ray.wait
-    # replace_engine(e) -> a new engine in engine e's bundle holding the current weights (None: a
+    # replace_engine(e, dead) -> a new engine in engine e's bundle holding the current weights, or
+    # the one that already replaced `dead` (the handle that failed) (None: a
     # dead engine fails the step).
-    replace_engine: Callable[[int], Any] | None = None
+    replace_engine: Callable[..., Any] | None = None
     timeout_s: float = 600.0
 
     def on_engines(self, submit: Callable[[int, Any], ray.ObjectRef], engines: Sequence[int], what: str) -> dict[int, Any]:
@@ -111,7 +115,7 @@ class Route:
             except ray.exceptions.RayActorError:
                 if self.replace_engine is None:
                     raise
-                self.engines[e] = self.replace_engine(e)
+                self.engines[e] = self.replace_engine(e, dead=self.engines[e])
                 pending[submit(e, self.engines[e])] = e
             except ray.exceptions.RayError:
                 self.get([ref], what, engine_call=True)  # the loop's one-line error for it
@@ -136,15 +140,16 @@ class Delivery:
 
 def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
     rows = sorted(
-        (i, s, r, w, t, v)
+        (i, s, r, w, t, v, tv)
         for m in parts
-        for i, s, r, w, t, v in zip(
+        for i, s, r, w, t, v, tv in zip(
             m.indices,
             m.seq_lens,
             m.response_lens,
             m.rewards,
             m.truncated or [False] * len(m.indices),
             m.weight_versions or [0] * len(m.indices),
+            m.token_version_means or [float(v) for v in (m.weight_versions or [0] * len(m.indices))],
         )
     )
     return RolloutMeta(
@@ -159,6 +164,8 @@ def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
         truncated=[row[4] for row in rows],
         weight_versions=[row[5] for row in rows],
         env_stats=sum_env_stats([m.env_stats for m in parts]),
+        interrupted=sum(m.interrupted for m in parts),
+        token_version_means=[row[6] for row in rows],
     )
 
 
@@ -181,6 +188,7 @@ class HeldRollout:
     dropped_groups: int | None = None
     rounds: int = 1
     step: int = 0  # the training step it was generated for (set by the loop)
+    slot: int = 0  # where the engines hold it (RolloutRequest.slot)
     ready_at: float = field(default_factory=time.time)  # wall clock when `generate` returned
 
     def waited(self) -> float:

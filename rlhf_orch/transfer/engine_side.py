@@ -50,6 +50,12 @@ class Completion:
     # Multi-turn trajectories (`env`): the environment's reward and this trajectory's env counters.
     env_reward: float | None = None
     env_stats: dict[str, float] | None = None
+    # The engine's weight version when the sequence started (None: the engine's version now). A
+    # weight update while it was generating (pipeline=async) made its later tokens with newer
+    # weights: `interrupted`, and its staleness counts from this, its oldest token.
+    weight_version: int | None = None
+    interrupted: bool = False
+    token_version_mean: float | None = None  # the weight version averaged over its tokens (None: weight_version)
 
 
 @dataclass
@@ -69,6 +75,8 @@ class RolloutMeta:
     model_rewards: list[float] | None = None  # reward-model scores (before weighting), by index
     rule_rewards: list[float] | None = None  # the weighted rule term, when a reward model adds to it
     env_stats: dict[str, float] | None = None  # multi-turn rollouts: env counters summed over the samples
+    interrupted: int = 0  # sequences a weight update reached while they were generating (pipeline=async)
+    token_version_means: list[float] = field(default_factory=list)  # per sample: its tokens' mean weight version
 
     def trajectories_only(self) -> "RolloutMeta":
         """The first sequence of every trajectory (a trajectory may train as several:
@@ -80,6 +88,7 @@ class RolloutMeta:
         return dataclasses.replace(
             self, indices=pick(self.indices), seq_lens=pick(self.seq_lens), response_lens=pick(self.response_lens),
             rewards=pick(self.rewards), truncated=pick(self.truncated), weight_versions=pick(self.weight_versions),
+            token_version_means=pick(self.token_version_means),
             model_rewards=pick(self.model_rewards), rule_rewards=pick(self.rule_rewards),
         )
 
@@ -231,17 +240,21 @@ class RolloutProducer(abc.ABC):
             )
 
     # ------------------------------------------------------------------ hold, then cut per rank
-    def _held_buffer(self) -> PackedBuffer:
+    def _held_buffer(self, slot: int = 0) -> PackedBuffer:
+        """The buffers of one held rollout. Several rollouts may be held at once (pipeline=async
+        generates the next steps' while one is handed over): each in its own slot (its step)."""
         # Engines mix this class in without calling an __init__ of ours: created on first use.
         if getattr(self, "_held", None) is None:
-            self._held = PackedBuffer()
-        return self._held
+            self._held = {}
+        if slot not in self._held:
+            self._held[slot] = PackedBuffer()
+        return self._held[slot]
 
-    def produce_and_hold(self, requests: Sequence[CompletionRequest], job: RolloutJob) -> RolloutMeta:
-        """Generate, packing each sequence into this engine's flat buffers as it finishes; score;
-        return only the metadata. Added to what is held: dynamic sampling may ask for several
-        rounds before one cut (an index generated again replaces the one held)."""
-        held = self._held_buffer()
+    def produce_and_hold(self, requests: Sequence[CompletionRequest], job: RolloutJob, slot: int = 0) -> RolloutMeta:
+        """Generate, packing each sequence into this engine's flat buffers (of `slot`) as it
+        finishes; score; return only the metadata. Added to what is held: dynamic sampling may ask
+        for several rounds before one cut (an index generated again replaces the one held)."""
+        held = self._held_buffer(slot)
         expected = sum(r.count for r in requests)
         # Room for the longest possible responses: pages are only mapped where sequences land.
         held.reserve(
@@ -251,17 +264,24 @@ class RolloutProducer(abc.ABC):
         texts_of: list[Any] = []  # response ids, as the engine gave them (what `_decode` reads)
         env_rewards: list[float | None] = []
         env_stats: list[dict[str, float] | None] = []
+        versions: list[int] = []
+        token_versions: list[float] = []
+        interrupted = 0
         last_prompt: tuple[Any, Any] = (None, None)  # the samples of one prompt share its ids
         for done in self._complete(requests, job):
             for c in done:
                 if c.prompt_ids is not last_prompt[0]:
                     last_prompt = (c.prompt_ids, torch.as_tensor(c.prompt_ids, dtype=torch.long))
+                version = self.weight_version if c.weight_version is None else c.weight_version
                 rows.append(
                     held.append(
                         last_prompt[1], c.response_ids, c.logprobs, c.fields,
-                        index=c.index, weight_version=self.weight_version, truncated=c.truncated,
+                        index=c.index, weight_version=version, truncated=c.truncated,
                     )
                 )
+                versions.append(version)
+                token_versions.append(float(version) if c.token_version_mean is None else c.token_version_mean)
+                interrupted += c.interrupted
                 texts_of.append(c.response_ids)
                 env_rewards.append(c.env_reward)
                 env_stats.append(c.env_stats)
@@ -269,6 +289,8 @@ class RolloutProducer(abc.ABC):
         info = held.scalars(rows)
         order = sorted(range(len(rows)), key=info["index"].__getitem__)
         rows = [rows[k] for k in order]
+        versions = [versions[k] for k in order]
+        token_versions = [token_versions[k] for k in order]
         indices = [info["index"][k] for k in order]
         seq_lens = [info["seq_len"][k] for k in order]
         response_lens = [info["seq_len"][k] - info["prompt_len"][k] for k in order]
@@ -294,19 +316,21 @@ class RolloutProducer(abc.ABC):
             reward_errors=scored.errors if scored else 0,
             reward_timeouts=scored.timeouts if scored else 0,
             truncated=truncated,
-            weight_versions=[self.weight_version] * len(rows),
+            weight_versions=versions,
             env_stats=sum_env_stats(env_stats),
+            interrupted=interrupted,
+            token_version_means=token_versions,
         )
 
-    def held_samples(self) -> list[Sample]:
-        """What this engine holds, as `Sample`s in index order (a checkpoint of a rollout not
-        handed over yet)."""
-        held = self._held_buffer()
+    def held_samples(self, slot: int = 0) -> list[Sample]:
+        """What this engine holds in `slot`, as `Sample`s in index order (a checkpoint of a
+        rollout not handed over yet)."""
+        held = self._held_buffer(slot)
         return held.samples(held.rows(sorted(held.row_of)))
 
-    def hold_samples(self, samples: Sequence[Sample]) -> None:
-        """Hold `samples` as if this engine had generated them (a resumed checkpoint's rollout)."""
-        held = self._held_buffer()
+    def hold_samples(self, samples: Sequence[Sample], slot: int = 0) -> None:
+        """Hold `samples` in `slot` as if this engine had generated them (a resumed checkpoint's rollout)."""
+        held = self._held_buffer(slot)
         held.clear()
         held.reserve(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples), len(samples))
         for s in samples:
@@ -322,20 +346,22 @@ class RolloutProducer(abc.ABC):
         samples, score_s, scored = self._samples(sorted(completions, key=lambda c: c.index), job)
         return rollout_meta(samples, score_s, time.time(), scored, sum_env_stats([c.env_stats for c in completions]))
 
-    def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]]) -> Any:
+    def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]], slot: int = 0) -> Any:
         """One packed piece per rank (None where this engine holds nothing for it).
 
         `members_per_rank[rank][micro_batch]`: the sequences this engine holds for that
         micro-batch. A piece lists them micro-batch after micro-batch, so the trainer cuts each
         micro-batch's part as a view. Called with `num_returns=len(members_per_rank)`: each piece
-        is its own object and a trainer fetches only its own. Everything held is released.
+        is its own object and a trainer fetches only its own. Everything `slot` held is released.
         """
         # The sequences are already packed (as they finished): each piece is gathered from the
         # flat buffers by index ranges, one copy per field and run of adjacent sequences.
         start = time.time()
-        held = self._held_buffer()
+        held = self._held_buffer(slot)
         pieces = held.cut([held.rows(i for mb in micro_batches for i in mb) for micro_batches in members_per_rank])
         held.clear()
+        if slot:  # a step's slot is not used again (slot 0 keeps its pages for the next rollout)
+            del self._held[slot]
         # Ray writes the pieces into the object store after this returns (not timed here).
         self._last_cut = {"start": start, "gathered": time.time(), "nbytes": sum(p.nbytes for p in pieces if p is not None)}
         return pieces[0] if len(pieces) == 1 else tuple(pieces)

@@ -78,6 +78,7 @@ class PackedTransfer(RolloutTransfer):
             timings=timings,
             dropped_groups=dropped,
             rounds=rounds,
+            slot=request.slot,
         )
 
     def hand_over(self, held: HeldRollout, route: Route) -> Delivery:
@@ -94,7 +95,7 @@ class PackedTransfer(RolloutTransfer):
         timings["plan"] = time.perf_counter() - t
         pieces = []  # pieces[engine][rank]: object refs, owned here, data in the engine's store
         for engine, members in zip(route.engines, cut):  # (a replaced engine holds its re-issued share)
-            refs = engine.cut_for_ranks.options(num_returns=held.num_shards).remote(members)
+            refs = engine.cut_for_ranks.options(num_returns=held.num_shards).remote(members, held.slot)
             pieces.append([refs] if held.num_shards == 1 else list(refs))
         calls = self._stage_all(
             route, lambda shard, actor: actor.stage_pieces.remote(shard, plan[shard], [p[shard] for p in pieces])
@@ -114,11 +115,11 @@ class PackedTransfer(RolloutTransfer):
         )
 
     def export_held(self, held: HeldRollout, route: Route) -> HeldRollout:
-        samples = route.get([engine.held_samples.remote() for engine in route.engines], "reading the held rollout", engine_call=True)
+        samples = route.get([engine.held_samples.remote(held.slot) for engine in route.engines], "reading the held rollout", engine_call=True)
         return dataclasses.replace(held, held=samples)
 
     def import_held(self, held: HeldRollout, route: Route) -> HeldRollout:
-        route.get([engine.hold_samples.remote(s) for engine, s in zip(route.engines, held.held)], "restoring the held rollout", engine_call=True)
+        route.get([engine.hold_samples.remote(s, held.slot) for engine, s in zip(route.engines, held.held)], "restoring the held rollout", engine_call=True)
         return dataclasses.replace(held, held=[[s.index for s in samples] for samples in held.held])
 
     @staticmethod
@@ -132,7 +133,7 @@ class PackedTransfer(RolloutTransfer):
 
         def submit(e, engine):
             chunk = chunks[e]
-            return engine.produce_and_hold.remote(whole_prompt_requests(chunk, request.samples_per_prompt), request.job(chunk, request.scorer))
+            return engine.produce_and_hold.remote(whole_prompt_requests(chunk, request.samples_per_prompt), request.job(chunk, request.scorer), request.slot)
 
         metas = route.on_engines(submit, list(chunks), "generating")
         return [[metas[e]] if e in metas else [] for e in range(len(route.engines))]
@@ -199,4 +200,5 @@ def _select(meta: RolloutMeta, groups: set[int], samples_per_prompt: int) -> Rol
         rewards=pick(meta.rewards),
         truncated=pick(meta.truncated) if meta.truncated else [],
         weight_versions=pick(meta.weight_versions) if meta.weight_versions else [],
+        token_version_means=pick(meta.token_version_means) if meta.token_version_means else [],
     )
