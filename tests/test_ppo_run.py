@@ -7,6 +7,7 @@ import csv
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from omegaconf import OmegaConf
 from rlhf_orch.app import check
 from rlhf_orch.checkpoint_dirs import complete_checkpoints
 from rlhf_orch.orchestration.loop import EngineDiedError, LoopSettings, TrainLoop
+from rlhf_orch.orchestration.pipeline import SyncPipeline
 from rlhf_orch.orchestration.session import RunFailed, run_training
 from tests.conftest import all_resources_free, compose_config
 from tests.test_loopback import is_loopback, session_listeners
@@ -128,6 +130,7 @@ def test_engine_restart_budget_is_a_hard_limit():
     loop = TrainLoop.__new__(TrainLoop)
     loop.settings = LoopSettings(1, 1, 1, 1, 1, 1.0, 0, 1.0, max_engine_restarts=2)
     loop.restart_log, loop.closing = {3: [1.0], 5: [1.0]}, False
+    loop._replacing, loop.pipeline = threading.Lock(), SyncPipeline()
     with pytest.raises(EngineDiedError, match=r"engine 1 died during step 7 .*fault.max_engine_restarts=2"):
         loop._replace_engine(1, step=7)
 

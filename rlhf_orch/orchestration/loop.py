@@ -490,7 +490,7 @@ class TrainLoop:
         if staleness:
             metrics["rollout/staleness_max"] = max(staleness)
             metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness)
-        if delivery.meta.token_version_means and getattr(self.pipeline, "partial_rollout", False):
+        if delivery.meta.token_version_means and getattr(self.pipeline, "partial_rollout", False) and self.pipeline.max_staleness:
             # Per token (a sequence a weight update reached mid-way is partly newer): its tokens'
             # staleness averaged over every response token of the step (the max is the oldest
             # token's, rollout/staleness_max).
