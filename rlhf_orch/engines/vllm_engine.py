@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import gc
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,6 +17,7 @@ from rlhf_orch.engines.launch import (
     gpu_kv_cache_args,
     skips_torch_compile,
 )
+from rlhf_orch.engines.shared_steps import SharedEngineSteps, mean_version
 from rlhf_orch.sync.buckets import Bucket, TensorMeta
 from rlhf_orch.sync.group import GroupAddress
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob, RolloutProducer
@@ -92,21 +90,14 @@ def check_vllm_interfaces() -> str:
     return version
 
 
-class VLLMEngine(RolloutProducer):
+class VLLMEngine(RolloutProducer, SharedEngineSteps):
     """Wraps `vllm.LLM` in the actor's own process (no extra engine-core process).
 
     As a `RolloutProducer` it also builds, scores and hands over experience itself (see
     `rlhf_orch.transfer.engine_side`): it supplies `_complete` and `_decode` below.
 
     Started with `spec.max_concurrency` > 1 (pipeline=async, a threaded Ray actor), several
-    rollouts generate at once: each call enqueues its requests, and every engine step advances all
-    of them (continuous batching across rollouts); each finished request goes to the call that
-    made it. Everything that touches vLLM then runs on one thread of its own (`_EngineThread`):
-    vLLM is not thread-safe, and on CPU each calling thread would bring its own OpenMP pool, all
-    spinning on the same cores (seen: a rollout 100x slower). A weight update lands between two
-    engine steps -- the requests in flight go on with the new weights and are marked
-    `interrupted` -- and one made of several calls (`begin_update` ... `finish_update`) pauses
-    generation until it is whole, so no token is drawn from half-loaded weights.
+    rollouts generate at once, sharing every engine step (`SharedEngineSteps`).
     """
 
     def __init__(self, spec: EngineSpec, engine_index: int):
@@ -166,24 +157,6 @@ class VLLMEngine(RolloutProducer):
         # vLLM labels every output token with the weight version that sampled it (spans per
         # completion): the per-token staleness of a sequence a weight update reached mid-way.
         self.llm.llm_engine.set_weight_version("0")
-
-    def _start_generation_state(self, spec: EngineSpec) -> None:
-        """The state the rollouts on this engine share (several at once under pipeline=async)."""
-        self._engine_thread = _EngineThread() if spec.max_concurrency > 1 else None
-        self._cond = threading.Condition()  # guards the fields below; signals the end of an update
-        self._updating = False  # between begin_update and finish_update: no engine step
-        self._closed = False  # an update waits for the requests in flight: no new request starts
-        self._outboxes: dict[str, list[Any]] = {}  # request id -> finished outputs of the call that made it
-        self._started_at: dict[str, int] = {}  # request id -> weight version when it was enqueued
-        self._interrupted: set[str] = set()  # requests a weight update reached while in flight
-        self._env_rollout = threading.Lock()  # one agent rollout at a time (see _complete_env)
-
-    def _run(self, fn, *args):
-        """`fn(*args)` on the thread that owns vLLM (a threaded actor), or right here. Never
-        called holding `_cond` (fn may take it)."""
-        if self._engine_thread is None:
-            return fn(*args)
-        return self._engine_thread.call(fn, *args)
 
     # ------------------------------------------------------------------ sleep / wake (colocated GPUs)
     def _awake(self) -> None:
@@ -263,102 +236,13 @@ class VLLMEngine(RolloutProducer):
                         completions.append(Completion(
                             first + j, prompt_ids, ids, lps, truncated=comp.finish_reason == "length",
                             weight_version=versions[key], interrupted=key in interrupted,
-                            token_version_mean=_mean_version(comp.weight_versions, versions[key]),
+                            token_version_mean=mean_version(comp.weight_versions, versions[key]),
                         ))
                     yield completions
         finally:
             self._forget(list(by_id))  # a call that failed or was abandoned leaves nothing behind
         if by_id:
             raise RuntimeError(f"vLLM finished without answering {len(by_id)} request(s)")
-
-    def _enqueue(self, prompts, params, outbox: list[Any]) -> list[str]:
-        """(vLLM's thread.) Add the requests; their finished outputs will go to `outbox`."""
-        self._weights_present()
-        keys = [str(rid).rsplit("-", 1)[0] for rid in self.llm.enqueue(prompts, params, use_tqdm=False)]
-        with self._cond:
-            for key in keys:
-                self._outboxes[key] = outbox
-                self._started_at[key] = self.weight_version
-        return keys
-
-    def _step(self) -> bool:
-        """(vLLM's thread.) One engine step for every request in flight, each finished one handed
-        to its call's outbox; False when vLLM has nothing left. No step while an update is open."""
-        if self._updating:
-            return True  # (an update opened after the caller looked: it asks again once it is whole)
-        engine = self.llm.llm_engine
-        if not engine.has_unfinished_requests():
-            return False
-        for out in engine.step():
-            if out.finished:
-                with self._cond:
-                    box = self._outboxes.pop(str(out.request_id), None)
-                    if box is not None:
-                        box.append(out)
-        return True
-
-    def _take_versioned(self, outbox: list[Any]) -> tuple[list[Any], dict[str, int], set[str]]:
-        """Empty `outbox`: its finished outputs, the version each started with, and those a weight
-        update reached in flight."""
-        with self._cond:
-            ready = list(outbox)
-            outbox.clear()
-            versions = {str(o.request_id): self._started_at.pop(str(o.request_id)) for o in ready}
-            interrupted = {k for k in versions if k in self._interrupted}
-            self._interrupted -= interrupted
-            if ready and not self._started_at:
-                self._cond.notify_all()  # an update waiting for the requests in flight may go
-        return ready, versions, interrupted
-
-    def _forget(self, keys) -> None:
-        with self._cond:
-            for key in keys:
-                self._outboxes.pop(key, None)
-                self._started_at.pop(key, None)
-                self._interrupted.discard(key)
-            if not self._started_at:
-                self._cond.notify_all()
-
-    def _stepping(self) -> Any:
-        """This engine's steps, shared by every rollout it generates (multi-turn drivers too), for
-        a driver running on the caller's thread: vLLM's calls go to vLLM's thread."""
-        from rlhf_orch.engines.turns import SharedStepping
-
-        def step() -> bool:
-            self._wait_for_update()
-            return self._run(self._step)
-
-        def abort(keys: list[str]) -> None:
-            self._run(self.llm.llm_engine.abort_request, keys)
-            self._forget(keys)
-
-        def enqueue(prompts, params, outbox) -> list[str]:
-            self._wait_for_update(new_requests=True)  # (a turn is a new request: after an update waiting for the others)
-            return self._run(self._enqueue, prompts, params, outbox)
-
-        return SharedStepping(
-            enqueue=enqueue,
-            step=step, take=lambda outbox: self._take_versioned(outbox)[0], abort=abort,
-        )
-
-    def _wait_for_update(self, new_requests: bool = False) -> None:
-        """Wait until no weight update is open -- or, before `new_requests`, waiting for the
-        requests in flight to finish (not on vLLM's thread: the update needs it)."""
-        if self._engine_thread is not None and self._engine_thread.is_current():
-            return  # the caller loops; the update's calls run on this thread between its steps
-        with self._cond:
-            while self._updating or (new_requests and self._closed):
-                self._cond.wait()
-
-    def _finish_in_flight(self) -> None:
-        """Before a weight update (spec.finish_before_update): no new request starts, and the
-        requests in flight finish with the weights they started with."""
-        if not self.spec.finish_before_update or self._engine_thread is None:
-            return
-        with self._cond:
-            self._closed = True
-            while self._started_at:
-                self._cond.wait()
 
     def _complete_env(self, requests, job: RolloutJob):
         """Multi-turn trajectories. `turns`: the driver runs on this (the caller's) thread and
@@ -547,44 +431,9 @@ class VLLMEngine(RolloutProducer):
         return where_am_i("engine", self.index)
 
 
-def _mean_version(spans: Any, started: int) -> float:
-    """The mean weight version over a completion's tokens, from vLLM's spans (`started` without)."""
-    if not spans:
-        return float(started)
-    tokens = sum(s.end - s.start for s in spans)
-    return sum(int(s.version) * (s.end - s.start) for s in spans) / tokens if tokens else float(started)
-
-
 def _min_response_len(prompt: Any) -> int:
     """The tokens this prompt's response runs at least (a task's long-tail profile; 0: none)."""
     return int(getattr(prompt, "min_response_len", 0) or 0)
-
-
-class _EngineThread:
-    """One thread that runs every call into vLLM of a threaded engine actor, in submission order."""
-
-    def __init__(self) -> None:
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
-        self._thread.start()
-
-    def call(self, fn, *args):
-        if self.is_current():
-            return fn(*args)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((fn, args, done))
-        return done.result()
-
-    def is_current(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def _serve(self) -> None:
-        while True:
-            fn, args, done = self._calls.get()
-            try:
-                done.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                done.set_exception(e)
 
 
 def _serving_host(host: str) -> str:
