@@ -51,6 +51,8 @@ class SharedEngineSteps:
     def _enqueue(self, prompts, params, outbox: list[Any]) -> list[str]:
         """(vLLM's thread.) Add the requests; their finished outputs will go to `outbox`."""
         self._weights_present()
+        # enqueue returns vLLM's internal ids ("<external>-<8 random chars>"); outputs carry the
+        # external one. Key by the external id.
         keys = [str(rid).rsplit("-", 1)[0] for rid in self.llm.enqueue(prompts, params, use_tqdm=False)]
         with self._cond:
             for key in keys:
@@ -96,26 +98,27 @@ class SharedEngineSteps:
             if not self._started_at:
                 self._cond.notify_all()
 
+    def _submit(self, prompts, params, outbox: list[Any]) -> list[str]:
+        """(A rollout's thread.) New requests, once no update holds them back; their ids."""
+        self._wait_for_update(new_requests=True)
+        return self._run(self._enqueue, prompts, params, outbox)
+
+    def _advance(self) -> bool:
+        """(A rollout's thread.) One engine step, once no update is open (`_step`)."""
+        self._wait_for_update()
+        return self._run(self._step)
+
+    def _abort(self, keys: list[str]) -> None:
+        self._run(self.llm.llm_engine.abort_request, keys)
+        self._forget(keys)
+
     def _stepping(self) -> Any:
-        """This engine's steps, shared by every rollout it generates (multi-turn drivers too), for
-        a driver running on the caller's thread: vLLM's calls go to vLLM's thread."""
+        """This engine's steps, shared by every rollout it generates, for a multi-turn driver
+        running on the caller's thread (a turn is a new request, like a rollout's)."""
         from rlhf_orch.engines.turns import SharedStepping
 
-        def step() -> bool:
-            self._wait_for_update()
-            return self._run(self._step)
-
-        def abort(keys: list[str]) -> None:
-            self._run(self.llm.llm_engine.abort_request, keys)
-            self._forget(keys)
-
-        def enqueue(prompts, params, outbox) -> list[str]:
-            self._wait_for_update(new_requests=True)  # (a turn is a new request: after an update waiting for the others)
-            return self._run(self._enqueue, prompts, params, outbox)
-
         return SharedStepping(
-            enqueue=enqueue,
-            step=step, take=lambda outbox: self._take_versioned(outbox)[0], abort=abort,
+            enqueue=self._submit, step=self._advance, take=lambda outbox: self._take_versioned(outbox)[0], abort=self._abort,
         )
 
     def _wait_for_update(self, new_requests: bool = False) -> None:

@@ -212,17 +212,11 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         ]
         prompts = [TokensPrompt(prompt_token_ids=job.prompt_ids[r.prompt_index]) for r in requests]
         outbox: list[Any] = []  # this call's finished outputs, filled by whichever call steps vLLM
-        self._wait_for_update(new_requests=True)
-        # enqueue returns vLLM's internal ids ("<external>-<8 random chars>"); outputs carry the
-        # external one. Key by the external id.
-        keys = self._run(self._enqueue, prompts, params, outbox)
-        by_id: dict[str, CompletionRequest] = dict(zip(keys, requests))
+        by_id: dict[str, CompletionRequest] = dict(zip(self._submit(prompts, params, outbox), requests))
         try:
             while by_id:
-                if not outbox:
-                    self._wait_for_update()
-                    if not self._run(self._step) and not outbox:
-                        break  # vLLM has nothing left, and none of ours came back
+                if not outbox and not self._advance() and not outbox:
+                    break  # vLLM has nothing left, and none of ours came back
                 ready, versions, interrupted = self._take_versioned(outbox)
                 for out in ready:
                     key = str(out.request_id)

@@ -104,7 +104,7 @@ def engine_options(
     options = placement.options_for(slot)
     options["num_gpus"] = launch.actor_num_gpus
     options["runtime_env"] = {"env_vars": {**env, **launch.env}}
-    if spec.max_concurrency > 1:  # a threaded actor: several rollouts' calls at once (VLLMEngine's lock)
+    if spec.max_concurrency > 1:  # a threaded actor: several rollouts' calls at once (engines/shared_steps.py)
         options["max_concurrency"] = spec.max_concurrency + 2  # + a weight update and a hand-over
     return options, replace(spec, distributed_executor_backend=launch.executor)
 

@@ -209,12 +209,12 @@ class TrainLoop:
         self.pipeline.after_train(self, timings)
         t_done = time.perf_counter()
         timings["step"] = t_done - t_step
-        idle = getattr(self.pipeline, "engine_idle_s", None)
+        idle = self.pipeline.engine_idle_s(t_step, t_done)
         if idle is not None:  # engines that generate across steps: the part of this step they had nothing to do
-            timings["engine_idle"] = idle(t_step, t_done)
+            timings["engine_idle"] = idle
 
         metrics = self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, timings)
-        metrics.update(self.pipeline.metrics(delivery))
+        metrics.update(self.pipeline.metrics(delivery, self.trained))
         metrics.update(algo_stats)
         metrics["fault/engine_restarts"] = sum(len(v) for k, v in self.restart_log.items() if k <= step)
         if step in self.restart_log:
@@ -490,13 +490,6 @@ class TrainLoop:
         if staleness:
             metrics["rollout/staleness_max"] = max(staleness)
             metrics["rollout/staleness_mean"] = sum(staleness) / len(staleness)
-        if delivery.meta.token_version_means and getattr(self.pipeline, "partial_rollout", False) and self.pipeline.max_staleness:
-            # Per token (a sequence a weight update reached mid-way is partly newer): its tokens'
-            # staleness averaged over every response token of the step (the max is the oldest
-            # token's, rollout/staleness_max).
-            lens = delivery.meta.response_lens
-            behind = sum((self.trained - 1 - v) * n for v, n in zip(delivery.meta.token_version_means, lens))
-            metrics["rollout/token_staleness_mean"] = behind / max(sum(lens), 1)
         metrics.update(trainer_metrics(exp_stats, policy_stats, critic_stats, self.algo.needs_reference))
         if self.settings.samples_per_prompt > 1:
             # Groups whose samples all scored the same: no gradient under a group-relative

@@ -111,8 +111,14 @@ class RolloutPipeline:
         takes its share with it: the run restarts from its checkpoint instead)."""
         return False
 
-    def metrics(self, delivery: Delivery) -> dict[str, float]:
-        """This pipeline's own metrics of the step whose rollout `delivery` is."""
+    def engine_idle_s(self, start: float, end: float) -> float | None:
+        """Seconds between `start` and `end` (perf_counter) with no generation in flight; None
+        when the engines generate only inside a step (the step minus `generate`)."""
+        return None
+
+    def metrics(self, delivery: Delivery, trained: int) -> dict[str, float]:
+        """This pipeline's own metrics of the step whose rollout `delivery` is, trained on by the
+        trainers' version `trained` - 1."""
         return {}
 
 
@@ -257,7 +263,6 @@ class AsyncPipeline(RolloutPipeline):
         return sum(max(min(b, train_end) - max(a, train_start), 0.0) for a, b in spans)
 
     def engine_idle_s(self, start: float, end: float) -> float:
-        """Seconds between `start` and `end` with no generation in flight."""
         return max(end - start - self.overlap_s(start, end), 0.0)
 
     def settle(self, loop: PipelineHost) -> list[HeldRollout] | None:
@@ -292,11 +297,19 @@ class AsyncPipeline(RolloutPipeline):
             loop.closing = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def metrics(self, delivery: Delivery) -> dict[str, float]:
-        return {
+    def metrics(self, delivery: Delivery, trained: int) -> dict[str, float]:
+        meta = delivery.meta
+        metrics = {
             "async/buffer_ready": self._buffer_ready,  # rollouts finished ahead when this one was taken
-            "rollout/interrupted": delivery.meta.interrupted,
+            "rollout/interrupted": meta.interrupted,
         }
+        if self.partial_rollout and self.max_staleness and meta.token_version_means:
+            # Per token (a sequence a weight update reached mid-way is partly newer): the tokens'
+            # staleness averaged over every response token of the step (the max is the oldest
+            # token's, rollout/staleness_max).
+            behind = sum((trained - 1 - v) * n for v, n in zip(meta.token_version_means, meta.response_lens))
+            metrics["rollout/token_staleness_mean"] = behind / max(sum(meta.response_lens), 1)
+        return metrics
 
     # ------------------------------------------------------------------ pieces
     def _start_allowed(self, loop: PipelineHost, step: int | None) -> None:
