@@ -1,5 +1,5 @@
 # README's two commands: `make run` (set up, then train the default experiment) and `make test`.
-.PHONY: setup run test test-fast
+.PHONY: setup run test test-fast test-real
 
 setup:
 	bash scripts/setup.sh
@@ -15,3 +15,7 @@ test: setup
 # Pure tests only (no Ray, vLLM or DeepSpeed processes), two workers (107 s -> 81 s, docs/testing.md).
 test-fast: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider -m "not integration" -n 2 $(PYTEST_ARGS)
+
+# The real chat model's tier alone (SmolLM2-135M-Instruct end to end, docs/real_model.md): ~2 min.
+test-real: setup
+	.venv/bin/python -m pytest -q -p no:cacheprovider -m real_model $(PYTEST_ARGS)

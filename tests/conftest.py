@@ -64,6 +64,23 @@ def tiny_model_path(tiny_model) -> str:
     return tiny_model.path()
 
 
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """The real chat model (`model=smollm2_135m`), built once into the model cache (~30 s the first
+    time on a machine, then loaded from there)."""
+    cfg = compose_config(["model=smollm2_135m"])
+    model = instantiate(cfg.model)
+    model.check()
+    return model.path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
 # Overrides that make an in-process run join the module's Ray session (`shared_ray`) instead of
 # starting and stopping its own: Ray starts once per module, each run still removes its actors.
 SHARED_RAY = ["launcher.reuse_session=true"]

@@ -146,6 +146,12 @@ MORE_BAD = [
     (["model.dtype=float8"], "model.dtype='float8'"),
     # seeds
     (["trainer.seed=-1"], "trainer.seed=-1"),
+    (["trainer.torch_threads=0"], "trainer.torch_threads=0"),
+    (["logger.rollouts_per_step=0"], "logger.rollouts_per_step=0"),
+    (["data=reasoning_gym", "data.size=0"], "data.size=0"),
+    (["data=reasoning_gym", "data.few_shot=-1"], "data.few_shot=-1"),
+    (["data=reasoning_gym", "data.task="], "data.task=''"),
+    (["reward=reasoning_gym"], "reward='reasoning_gym'"),  # its labels come only from data=reasoning_gym
     (["data.seed=-1"], "data.seed=-1"),
     # evaluation
     (["eval.pass_threshold=0"], "eval.pass_threshold=0"),  # the digit rule scores >= 0: every sample would pass

@@ -200,13 +200,44 @@ def test_cut_output_keeps_the_head_and_the_tail_on_character_boundaries():
 
 
 def test_the_parents_secrets_are_not_visible(monkeypatch):
-    monkeypatch.setenv("RLHF_SECRET_TOKEN", "hunter2")
-    code = f"import os\nprint(sorted(os.environ))\nprint(open('/proc/{os.getpid()}/environ', 'rb').read())\n"
-    result = run_python(code)
-    assert "RLHF_SECRET_TOKEN" not in result.output and "hunter2" not in result.output
-    support = sandbox_support()
-    if support.separate_uid or support.private_filesystem:
-        assert result.error  # not even through /proc
+    """Neither the environment nor /proc/<pid>/environ shows the caller's secrets. That file holds a
+    process's environment as it was at exec, so a variable set later (monkeypatch.setenv) is never in
+    it: a helper started with the secret in its environment stands for a caller started with one, and
+    the code must not read that file of the caller (this test) nor of the helper (both run as our uid)."""
+    secret = f"hunter2_{uuid.uuid4().hex}"
+    monkeypatch.setenv("RLHF_SECRET_TOKEN", secret)
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=dict(os.environ))
+    try:
+        # There to be stolen. Popen returns once exec has begun, maybe before the new environment is set.
+        deadline = time.monotonic() + 10.0
+        while secret.encode() not in Path(f"/proc/{helper.pid}/environ").read_bytes():
+            assert time.monotonic() < deadline, "the helper's environment never showed the secret"
+            time.sleep(0.01)
+        targets = (os.getpid(), helper.pid)
+        code = textwrap.dedent(f"""
+            import os
+            print(sorted(os.environ))
+            for pid in {targets!r}:
+                try:
+                    data = open(f"/proc/{{pid}}/environ", "rb").read()
+                except OSError as e:
+                    print("refused", pid, type(e).__name__)
+                else:
+                    print("read", pid, len(data), data)
+        """)
+        result = run_python(code)
+    finally:
+        helper.kill()
+        helper.wait()
+    assert "RLHF_SECRET_TOKEN" not in result.output and secret not in result.output
+    if os.geteuid() != 0:
+        pytest.skip("not root: the code runs as our uid, which may read our /proc/<pid>/environ (sandbox.py)")
+    # As root the sandbox runs the code as its own uid, or not at all: the code ran to its end and
+    # every read was refused by the OS (hidepid, or the ptrace check on environ).
+    assert result.exit_code == 0, result.output
+    for pid in targets:
+        assert f"refused {pid} " in result.output, result.output
+    assert "read " not in result.output
 
 
 def test_the_cli_prints_exactly_the_observation():
@@ -244,3 +275,37 @@ def test_the_observation_ends_with_one_plain_status_line():
     assert result(exit_code=None, timed_out=True, error=True).observation() == "out\n[timed out after 5s]"
     assert result(exit_code=-9, error=True).observation() == "out\n[killed by signal SIGKILL: memory or CPU limit]"
     assert result(output="", exit_code=-11, error=True).observation() == "[killed by signal SIGSEGV]"
+
+
+def test_as_root_without_a_separate_uid_the_code_is_refused_not_run_as_root(monkeypatch):
+    """Fail closed: where the probe could not give the code a uid of its own, root's code would read
+    every process's environment; run_python refuses it without starting anything."""
+    from rlhf_orch.env import sandbox
+    from rlhf_orch.env.sandbox import SANDBOX_UNAVAILABLE, SandboxSupport
+    from rlhf_orch.env.sandbox_child import SETUP_FAILED_EXIT
+
+    started = []
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sandbox, "sandbox_support", lambda: SandboxSupport(network_namespace=True, private_filesystem=False, separate_uid=False))
+    monkeypatch.setattr(sandbox, "_run", lambda *a, **k: started.append(a))
+    result = run_python("print('as root')")
+    assert result.error and result.exit_code == SETUP_FAILED_EXIT and result.output.startswith(SANDBOX_UNAVAILABLE)
+    assert not started
+
+
+def test_a_probe_run_that_times_out_is_retried_and_its_result_probed_again_later(monkeypatch):
+    from rlhf_orch.env import sandbox
+
+    full = sandbox._full_support()
+    calls = []
+
+    def flaky(code, limits, candidate, audit_hook):  # the first run of each probe times out under load
+        calls.append(candidate)
+        timed_out = len(calls) == 1
+        return ToolResult(output="" if timed_out else "ok\n", exit_code=None if timed_out else 0, timed_out=timed_out,
+                          truncated=False, error=timed_out, seconds=0.0, timeout_s=20.0)
+
+    monkeypatch.setattr(sandbox, "_run", flaky)
+    monkeypatch.setattr(sandbox, "_support", None)
+    assert sandbox.sandbox_support() == full and calls == [full, full]  # retried: the uid was not given up
+    assert sandbox._probe_timed_out  # so a weaker result would be probed again after _REPROBE_S

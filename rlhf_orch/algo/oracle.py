@@ -55,6 +55,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from rlhf_orch.algo.ppo_math import LOGPROB_DIFF_THRESHOLD
+
 
 @dataclass
 class Rollout:
@@ -361,7 +363,10 @@ def reference_update(
         for i in range(n)
         if rollout.engine_logprobs is not None and any(masks[i])
     ]
-    metrics["rollout/logprob_diff_max"] = float(torch.cat(diffs).max()) if diffs else 0.0
+    every = torch.cat(diffs) if diffs else torch.zeros(0)
+    metrics["rollout/logprob_diff_max"] = float(every.max()) if diffs else 0.0
+    metrics["rollout/logprob_diff_mean"] = float(every.mean()) if every.numel() else 0.0
+    metrics["rollout/logprob_diff_over_frac"] = float((every > LOGPROB_DIFF_THRESHOLD).float().mean()) if every.numel() else 0.0
     if algo.kl_placement != "off" and algo.kl_coef > 0:  # a KL term: the run has a reference
         metrics["kl"] = _token_mean([old[i] - torch.tensor(rollout.ref_logprobs[i]) for i in range(n)], masks)
 

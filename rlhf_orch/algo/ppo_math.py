@@ -26,6 +26,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# |engine log-prob - trainer log-prob| above which a token counts in rollout/logprob_diff_over_frac:
+# a 10 % disagreement on the token's probability (float32 kernels stay far below it; bfloat16's
+# rounding crosses it on some tokens of a 30-layer model).
+LOGPROB_DIFF_THRESHOLD = 0.1
+
 
 # --------------------------------------------------------------------------- masked reductions
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

@@ -185,6 +185,10 @@ RANGES: tuple[Range, ...] = (
     ints("data.max_digits", 1, "digits of the longest task"),
     ints("data.filler_tokens", 0, "extra context tokens in front of the task"),
     ints("data.eval_size", 0, "held-out prompts; 0 = none"),
+    text("data.task", "a reasoning-gym dataset name, e.g. basic_arithmetic"),
+    ints("data.size", 1, "training entries of the reasoning-gym dataset"),
+    ints("data.few_shot", 0, "solved examples before each question; 0 = none", hi=16),
+    text("data.system_prompt", "a reasoning-gym system prompt name (default, direct, ...), your text, or null", nullable=True),
     Range("data.train_files", _files_ok, "give at least one file: data.train_files=[/path/train.parquet] "
           "(.parquet, .jsonl, .json or hf:<name>[:<config>]@<split>)"),
     Range("data.val_files", lambda v: isinstance(v, (list, tuple)) and all(isinstance(f, str) and f.strip() for f in v),
@@ -217,7 +221,10 @@ RANGES: tuple[Range, ...] = (
     ints("model.num_heads", 1),
     ints("model.intermediate_size", 1),
     ints("model.warmup_steps", 0, "supervised warm-start steps; 0 = none"),
-    text("model.cache_dir", "where the tiny model is built"),
+    text("model.cache_dir", "where a locally built model (tiny, packaged) is cached"),
+    text("model.distribution", "the package that ships the model file (pip name)"),
+    text("model.version", "the package's pinned version"),
+    text("model.gguf_file", "the GGUF file's path inside the package"),
     text("model.name_or_path", "a checkpoint directory or a hub id"),
     # ---- algo (loss_agg, kl_placement, kl_estimator, overlong_buffer: `_algorithm`)
     *(ints(f"algo.{k}", 1) for k in ("num_steps", "rollout_batch_size", "samples_per_prompt", "train_batch_size",
@@ -255,6 +262,7 @@ RANGES: tuple[Range, ...] = (
     reals("trainer.weight_decay", 0, why="weight decay, typically 0-0.1"),
     choice("trainer.optimizer", ("adamw", "sgd"), "use 'adamw' (the default) or 'sgd' (plain, no momentum)"),
     ints("trainer.seed", 0, _SEED_WHY, hi=_SEED_MAX),
+    ints("trainer.torch_threads", 1, "torch threads per trainer process; at most the cores a trainer may use", hi=256),
     # ---- engine
     reals("engine.kv_cache_gb", 0, lo_open=True, why="GiB of KV cache per engine GPU; null = from gpu_memory_utilization",
           when=_gpu_layout, nullable=True),
@@ -303,6 +311,7 @@ RANGES: tuple[Range, ...] = (
     reals("fault.step_timeout_s", 0, lo_open=True, why="seconds any wait on an actor within a step may take"),
     # ---- logger
     ints("logger.plot_every_n_steps", 0, "0 = plots only at the end of the run"),
+    ints("logger.rollouts_per_step", 1, "sequences of each step written to <run dir>/rollouts/ (logger.rollouts=false: none)"),
     Range("logger.project", lambda v: isinstance(v, str) and v.strip() != "" and len(v) <= 128
           and not any(ch in v for ch in _WANDB_BAD_CHARS),
           f"W&B project names are 1-128 characters without any of {_WANDB_BAD_CHARS}",

@@ -271,6 +271,25 @@ class FilesDataConfig(DataConfig):
     response_max_len: int = 512
 
 
+@dataclass
+class ReasoningGymDataConfig(DataConfig):
+    """Procedural reasoning tasks from reasoning-gym, scored by the dataset's own verifier
+    (rlhf_orch.data.reasoning_gym_task; reward=reasoning_gym)."""
+
+    _target_: str = "rlhf_orch.data.reasoning_gym_task.ReasoningGymTask"
+    task: str = MISSING  # a reasoning-gym dataset name: basic_arithmetic, chain_sum, countdown, ...
+    task_config: dict[str, Any] = field(default_factory=dict)  # the dataset's own options
+    size: int = 100_000  # training entries (generated on demand; the epoch length)
+    eval_size: int = 64  # held-out entries (their own seed; never trained on)
+    # A name of reasoning-gym's SYSTEM_PROMPTS (default, direct, simple, DeepSeekZero, chain_of_draft),
+    # any other text as is, or null for none.
+    system_prompt: Optional[str] = "default"
+    chat_template: bool = True
+    few_shot: int = 0  # solved examples (earlier user/assistant turns) before each question
+    prompt_max_len: int = 256
+    response_max_len: int = 256
+
+
 # --------------------------------------------------------------------------- reward
 @dataclass
 class RewardConfig:
@@ -319,6 +338,11 @@ class CountdownRuleConfig(RuleRewardConfig):
     _target_: str = "rlhf_orch.reward.rules.CountdownRule"
     format_score: float = 0.1
     score: float = 1.0
+
+
+@dataclass
+class ReasoningGymRuleConfig(RuleRewardConfig):
+    _target_: str = "rlhf_orch.reward.reasoning_gym_rule.ReasoningGymRule"
 
 
 @dataclass
@@ -467,6 +491,18 @@ class HFModelConfig(ModelConfig):
     _target_: str = "rlhf_orch.models.hf.HFModel"
     name_or_path: str = MISSING
     dtype: str = "bfloat16"
+
+
+@dataclass
+class PackagedGGUFModelConfig(ModelConfig):
+    """A real model shipped as a GGUF file inside a Python package (installed with --no-deps, never
+    imported), dequantized once into a float32 Hugging Face checkpoint in the model cache."""
+
+    _target_: str = "rlhf_orch.models.gguf.PackagedGGUFModel"
+    distribution: str = MISSING  # the package (pip name) that ships the file
+    version: str = MISSING  # its pinned version (part of the cache key)
+    gguf_file: str = MISSING  # the file's path inside the installed package
+    cache_dir: str = "${oc.env:RLHF_ORCH_CACHE,${oc.env:HOME}/.cache/rlhf_orch}"
 
 
 # --------------------------------------------------------------------------- algo
@@ -638,6 +674,10 @@ class TrainerConfig:
     gradient_checkpointing: bool = False
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # "adamw" (betas 0.9, 0.95) or "sgd" (plain: the update is lr x gradient)
+    # Torch threads of each trainer process (actor, critic, reference, reward model). On CPU, Ray gives
+    # an actor one core; under pipeline=sync the engine waits while the trainers train, so a
+    # trainer may use that core too (2 on a 2-core machine: SmolLM2's training phase 1.8x faster).
+    torch_threads: int = 1
     seed: int = II("seed")  # the trainers' torch/NumPy/Python RNG (dropout, init); the run's `seed` unless set here
 
 
@@ -700,6 +740,10 @@ class LoggerConfig:
     _target_: str = MISSING
     plot_every_n_steps: int = 0  # refresh <run dir>/plots every n steps (0 = only when the run ends)
     verbose: bool = False  # Ray/vLLM/DeepSpeed output on the console too (otherwise only in the run dir)
+    # What the model wrote: <run dir>/rollouts/step_<N>.jsonl, the whole sequence decoded (special
+    # tokens kept), prompt, response, reward, advantage, turns, data source (rlhf_orch.logging.rollout_dump).
+    rollouts: bool = True
+    rollouts_per_step: int = 16  # sequences written per step (the lowest indices: whole prompt groups)
 
 
 @dataclass
@@ -790,18 +834,20 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "object_store": ObjectStoreSyncConfig,
         "cuda_ipc": CudaIpcSyncConfig,
     },
-    "data": {"digit_task": DigitTaskConfig, "lookup_task": LookupTaskConfig, "files": FilesDataConfig},
+    "data": {"digit_task": DigitTaskConfig, "lookup_task": LookupTaskConfig, "files": FilesDataConfig,
+             "reasoning_gym": ReasoningGymDataConfig},
     "reward": {
         "digit_rule": DigitRuleConfig,
         "gsm8k": GSM8KRuleConfig,
         "math_verify": MathVerifyRuleConfig,
         "countdown": CountdownRuleConfig,
+        "reasoning_gym": ReasoningGymRuleConfig,
         "custom": CustomRewardConfig,
         "model": ModelRewardConfig,
     },
     "env": {"single_turn": SingleTurnEnvConfig, "custom": CustomEnvConfig, "skyrl": SkyRLEnvConfig, "python_tool": PythonToolEnvConfig,
             "lookup": LookupEnvConfig, "agent": AgentEnvConfig},
-    "model": {"tiny": TinyModelConfig, "hf": HFModelConfig},
+    "model": {"tiny": TinyModelConfig, "hf": HFModelConfig, "packaged_gguf": PackagedGGUFModelConfig},
     "algo": {"ppo": PPOConfig, "grpo": GRPOConfig, "rloo": RLOOConfig, "reinforce_pp": ReinforcePPConfig, "dapo": DAPOConfig},
     "logger": {"console": ConsoleLoggerConfig, "wandb": WandbLoggerConfig},
     "launcher": {"local": LocalLauncherConfig, "cluster": ClusterLauncherConfig},

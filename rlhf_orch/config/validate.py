@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional
 from hydra.utils import get_class
 
 from rlhf_orch.config.schema import (
+    ReasoningGymDataConfig,
+    ReasoningGymRuleConfig,
     AgentEnvConfig,
     ClusterLauncherConfig,
     ColocatedPlacementConfig,
@@ -610,6 +612,14 @@ def _reward(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]
         problems.append(
             Problem("reward.pool_size", r.pool_size, "reward.batched=true scores the whole batch in one call on the "
                     "engine, never in a pool: set reward.pool_size=0 (or reward.batched=false to score per sample in the pool)")
+        )
+    rules = {"reward": r, "reward.rule": getattr(r, "rule", None)}
+    for key in [k for k, x in rules.items() if isinstance(x, ReasoningGymRuleConfig)]:
+        if isinstance(cfg.data, ReasoningGymDataConfig):
+            continue
+        problems.append(
+            Problem(key, "reasoning_gym", "scores reasoning-gym entries, which only data=reasoning_gym gives as labels: "
+                    "use data=reasoning_gym data.task=<dataset>, or a reward for your data")
         )
     if isinstance(r, ModelRewardConfig):
         rule_weight = r.rule_weight if r.rule is not None else 0

@@ -43,6 +43,12 @@ namespace, inside which RLIMIT_NPROC counts only that namespace's processes (max
 fork, then EAGAIN); without one it counts all the caller's processes (no fork at all). There is
 then no private filesystem and no uid to sweep: the code can write where the caller can, and a
 grandchild that calls `setsid` outlives the group kill; only the audit hook stands in the way.
+As root, though, the code never runs as root (which no hidepid, read-only mount or rlimit stops: it
+reads /proc/<any pid>/environ, the caller's secrets included): where no separate uid works, as root,
+`run_python` refuses to run it. A probe run that fails is retried (_PROBE_ATTEMPTS) before a boundary
+is given up: on a loaded machine one run can time out, and that must not cost the uid. A result a
+timed-out run weakened is probed again after _REPROBE_S, so one bad moment does not weaken a process
+for good.
 
 `-I` makes the child ignore PYTHON* variables: -B does what PYTHONDONTWRITEBYTECODE asks, but
 PYTHONHASHSEED=0 reaches only what the code would start (str hashing in the code is randomised).
@@ -74,6 +80,9 @@ _BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_c
 _SANDBOX_UID_BASE = 2_000_000_000
 _SANDBOX_UID_SPAN = 2**24
 _MIN_OUTPUT_CAP = 64 * 1024  # read at least this much before stopping a chatty program
+_PROBE_ATTEMPTS = 3  # runs of one probe before its boundary is given up
+_REPROBE_S = 60.0  # a degraded result is probed again after this long
+SANDBOX_UNAVAILABLE = "sandbox unavailable: "
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +234,8 @@ class SandboxSupport:
 
 _support_lock = threading.Lock()
 _support: SandboxSupport | None = None
+_support_checked = 0.0  # time.monotonic() of the probe that gave _support
+_probe_timed_out = False  # a run of that probe timed out: the result may be load, not the host
 _hidden_dirs_plan: list[tuple[str, list[str]]] = []
 # Entries of the masked temp dirs the interpreter's paths go through (a virtual environment or a
 # checkout under /tmp, as a CI clone often is): shown read-only inside, like the hidden dirs' entries.
@@ -232,13 +243,33 @@ _masked_plan: list[tuple[str, list[str]]] = []
 
 
 def sandbox_support() -> SandboxSupport:
-    """Probe (once per process, a few child runs) which OS boundaries work on this machine."""
-    global _support
+    """Probe (once per process, a few child runs) which OS boundaries work on this machine.
+
+    A result that a timed-out probe run weakened is probed again after _REPROBE_S (a moment of load)."""
+    global _support, _support_checked, _probe_timed_out
     with _support_lock:
-        if _support is None:
+        # Only a result that a timed-out probe run weakened is probed again (load passes; a host
+        # without namespaces stays one, and probing it again would cost every call a lock wait).
+        stale = _support is not None and _probe_timed_out and time.monotonic() - _support_checked > _REPROBE_S
+        if _support is None or stale:
+            _probe_timed_out = False
             _support = _probe_support()
-            logger.info(_support.describe())
+            _support_checked = time.monotonic()
+            if _support == _full_support():
+                logger.info(_support.describe())
+            else:
+                logger.warning("%s (not every boundary works here)", _support.describe())
         return _support
+
+
+def _note_timeout(timed_out: bool) -> None:
+    global _probe_timed_out
+    _probe_timed_out = _probe_timed_out or timed_out
+
+
+def _full_support() -> SandboxSupport:
+    root = os.geteuid() == 0
+    return SandboxSupport(network_namespace=True, private_filesystem=root, separate_uid=root)
 
 
 def _probe_support() -> SandboxSupport:
@@ -255,13 +286,17 @@ def _probe_support() -> SandboxSupport:
     probe_code = "import decimal, fractions, json\nprint('ok')\n"
 
     def works(candidate: SandboxSupport) -> bool:
-        result = _run(probe_code, SandboxLimits(timeout_s=20.0), candidate, audit_hook=True)
-        if result.output != "ok\n" or result.exit_code != 0:
-            logger.debug("sandbox probe %s: %r", candidate, result.output[-500:])
-            return False
-        return True
+        # Retried: a run that times out on a loaded machine says nothing about the boundary.
+        for attempt in range(1, _PROBE_ATTEMPTS + 1):
+            result = _run(probe_code, SandboxLimits(timeout_s=20.0), candidate, audit_hook=True)
+            if result.output == "ok\n" and result.exit_code == 0:
+                return True
+            _note_timeout(result.timed_out)
+            logger.warning("sandbox probe %s failed (attempt %d of %d, exit %s, timed out %s): %r", candidate,
+                           attempt, _PROBE_ATTEMPTS, result.exit_code, result.timed_out, result.output[-500:])
+        return False
 
-    full = SandboxSupport(network_namespace=True, private_filesystem=root, separate_uid=root)
+    full = _full_support()
     if works(full):
         return full
     network = works(SandboxSupport(True, False, False))
@@ -323,7 +358,15 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, audit_hook
     """
     if not isinstance(limits, SandboxLimits):
         raise TypeError(f"limits must be a SandboxLimits, not {type(limits).__name__}")
-    return _run(code, limits, sandbox_support(), audit_hook)
+    support = sandbox_support()
+    if os.geteuid() == 0 and not support.separate_uid:
+        # Fail closed: as root the code would read every process's /proc/<pid>/environ (hidepid does not
+        # hide processes from root), write where the mounts allow, and undo the mounts themselves.
+        message = f"{SANDBOX_UNAVAILABLE}the code would run as root ({support.describe()})"
+        logger.error("%s", message)
+        return ToolResult(output=message + "\n", exit_code=SETUP_FAILED_EXIT, timed_out=False, truncated=False,
+                          error=True, seconds=0.0, timeout_s=limits.timeout_s)
+    return _run(code, limits, support, audit_hook)
 
 
 def _child_env(workdir: str) -> dict[str, str]:

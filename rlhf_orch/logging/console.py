@@ -107,11 +107,14 @@ class _EtaColumn(ProgressColumn):
 
 
 class ConsoleLogger(StepLogger):
-    def __init__(self, plot_every_n_steps: int = 0, verbose: bool = False) -> None:
+    def __init__(self, plot_every_n_steps: int = 0, verbose: bool = False, rollouts: bool = True, rollouts_per_step: int = 16) -> None:
         if plot_every_n_steps < 0:
             raise ValueError(f"logger.plot_every_n_steps={plot_every_n_steps} must be >= 0 (0 = plots only at the end)")
         self.plot_every_n_steps = plot_every_n_steps
         self.verbose = verbose
+        # The rollout dump's settings (the loop writes it: rlhf_orch.logging.rollout_dump).
+        self.rollouts = rollouts
+        self.rollouts_per_step = rollouts_per_step
         self.console = Console(highlight=False, soft_wrap=True)
         self.total_steps = 0
         self.name = ""

@@ -18,8 +18,10 @@ class WandbLogger(ConsoleLogger):
         entity: Optional[str] = None,
         plot_every_n_steps: int = 0,
         verbose: bool = False,
+        rollouts: bool = True,
+        rollouts_per_step: int = 16,
     ):
-        super().__init__(plot_every_n_steps=plot_every_n_steps, verbose=verbose)
+        super().__init__(plot_every_n_steps=plot_every_n_steps, verbose=verbose, rollouts=rollouts, rollouts_per_step=rollouts_per_step)
         self.project = project
         self.mode = mode
         self.entity = entity

@@ -32,6 +32,12 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
                                        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
 }
 # Fine-tunes keep their base model's shape.
+# Packaged GGUF models (model=smollm2_135m), keyed by the file's name: the checkpoint built from it
+# (rlhf_orch.models.gguf) is float32, with the release's config.json fields.
+KNOWN_CONFIGS["SmolLM2-135M-Instruct.Q4_1.gguf"] = dict(
+    model_type="llama", num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, torch_dtype="float32",
+)
 KNOWN_CONFIGS["meta-llama/Meta-Llama-3-8B-Instruct"] = KNOWN_CONFIGS["meta-llama/Meta-Llama-3-8B"]
 KNOWN_CONFIGS["OpenRLHF/Llama-3-8b-sft-mixture"] = KNOWN_CONFIGS["meta-llama/Meta-Llama-3-8B"]
 KNOWN_CONFIGS["OpenRLHF/Llama-3-8b-rm-mixture"] = KNOWN_CONFIGS["meta-llama/Meta-Llama-3-8B"]
@@ -121,6 +127,15 @@ def shape_of(model_cfg: Any) -> tuple[Optional[ModelShape], str]:
             intermediate=model_cfg.intermediate_size, vocab=model_cfg.vocab_size, tied_embeddings=True,
             checkpoint_bytes_per_param=4,  # saved in float32 (rlhf_orch.models.tiny_build)
         ), "model config"
+    gguf_file = getattr(model_cfg, "gguf_file", None)
+    if isinstance(gguf_file, str):  # a packaged model: its built checkpoint, else its known config
+        from rlhf_orch.models.packaged import gguf_model_id
+
+        built = Path(model_cfg.cache_dir).expanduser() / gguf_model_id(model_cfg.distribution, model_cfg.version, gguf_file)
+        if (built / "config.json").is_file():
+            return ModelShape.from_config(_text_config(json.loads((built / "config.json").read_text()))), str(built / "config.json")
+        known = KNOWN_CONFIGS.get(Path(gguf_file).name)
+        return (ModelShape.from_config(known), f"published config of {Path(gguf_file).name}") if known else (None, f"{gguf_file} is not built yet")
     name = getattr(model_cfg, "name_or_path", None)
     if not isinstance(name, str):
         return None, "the model option names no checkpoint"

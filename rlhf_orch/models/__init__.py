@@ -6,7 +6,12 @@ refuse a hub id missing from the local cache, must not pull in transformers and 
 
 from importlib import import_module
 
-_CLASSES = {"HFModel": "rlhf_orch.models.hf", "ModelSource": "rlhf_orch.models.base", "TinyLlama": "rlhf_orch.models.tiny"}
+_CLASSES = {
+    "HFModel": "rlhf_orch.models.hf",
+    "ModelSource": "rlhf_orch.models.base",
+    "PackagedGGUFModel": "rlhf_orch.models.gguf",
+    "TinyLlama": "rlhf_orch.models.tiny",
+}
 
 __all__ = sorted(_CLASSES)
 

@@ -41,8 +41,13 @@ def resolve_local_checkpoint(name_or_path: str, key: str) -> str:
 
 
 def check_model_source(model_cfg: object) -> None:
-    """Refuse a model option naming a checkpoint that is not here (`name_or_path`: the `hf` option);
-    options that build their checkpoint (`tiny`) have nothing to check."""
+    """Refuse a model option naming a checkpoint that is not here (`name_or_path`: the `hf` option)
+    or a packaged model whose package is missing and not built yet (`gguf_file`: `smollm2_135m`);
+    options that build their checkpoint from nothing (`tiny`) have nothing to check."""
     name_or_path = getattr(model_cfg, "name_or_path", None)
     if isinstance(name_or_path, str):
         resolve_local_checkpoint(name_or_path, "model.name_or_path")
+    if isinstance(getattr(model_cfg, "gguf_file", None), str):
+        from rlhf_orch.models.packaged import check_packaged_gguf_option
+
+        check_packaged_gguf_option(model_cfg)

@@ -28,6 +28,7 @@ import torch
 
 from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
+from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import ROLES, dead_actor, one_line
 from rlhf_orch.orchestration.actors import RoleActors, not_answering
 from rlhf_orch.orchestration.checkpoint import engine_seed
@@ -124,6 +125,7 @@ class TrainLoop:
         reward: RewardSetup,
         pipeline: RolloutPipeline | None = None,
         env: Any = None,
+        rollout_dump: RolloutDump | None = None,
     ):
         self.actors = actors
         # Multi-turn rollouts: the `env` option the engines drive trajectories with (None or a
@@ -150,6 +152,10 @@ class TrainLoop:
         # Per step whose rollout lost an engine, the seconds each replacement took (restored on
         # resume). Keyed by the rollout's step: under one_step_off it is made during the step before.
         self.restart_log: dict[int, list[float]] = {}
+        self.rollout_dump = rollout_dump  # logger.rollouts: what the model wrote, for people
+        # Each step's prompt objects by prompt index (the rollout dump's data sources); a list the
+        # dynamic sampling extends in place. Kept for the steps in flight only.
+        self._prompts_of_step: dict[int, list[Any]] = {}
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, Any]:
@@ -188,6 +194,10 @@ class TrainLoop:
             returns = [m[1] for m in made]
             timings["experience"] = time.perf_counter() - t
 
+            # The rollout dump reads the sequences before training releases them (a rank holds
+            # them until its update; the advantages were just set).
+            dumped = self._dump_calls(delivery)
+
             # 5. Train the policy (and the critic, when there is one) concurrently.
             t = time.perf_counter()
             policy_calls = [rank.train.remote(i, algo, self.norm_len) for i, rank in enumerate(self.actors.policy)]
@@ -213,6 +223,15 @@ class TrainLoop:
         if idle is not None:  # engines that generate across steps: the part of this step they had nothing to do
             timings["engine_idle"] = idle
 
+        if dumped is not None:
+            t = time.perf_counter()
+            sequences = [seq for part in self._get(dumped, "reading the rollout dump") for seq in part]
+            rewards = dict(zip(delivery.meta.indices, delivery.meta.rewards))
+            self.rollout_dump.write(step, sequences, rewards, self._prompts_of_step.get(step), self.settings.samples_per_prompt)
+            timings["rollout_dump"] = time.perf_counter() - t
+        # pop, not a sweep: under one_step_off the rollout thread adds the next step's entry meanwhile.
+        self._prompts_of_step.pop(step, None)
+
         metrics = self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, timings)
         metrics.update(self.pipeline.metrics(delivery, self.trained))
         metrics.update(algo_stats)
@@ -233,7 +252,16 @@ class TrainLoop:
         s = self.settings
         route = self.route(step)
         route.on_engines(lambda e, engine: engine.reseed.remote(engine_seed(s.seed, step, e)), range(len(route.engines)), "seeding the engines")
-        return self._rollout_request(self.task.sample_prompts(s.rollout_batch_size))
+        request = self._rollout_request(self.task.sample_prompts(s.rollout_batch_size))
+        self._prompts_of_step[step] = request.prompts
+        return request
+
+    def _dump_calls(self, delivery: Delivery) -> list[ray.ObjectRef] | None:
+        """Ask every policy rank for the sequences the rollout dump shows (None: no dump)."""
+        if self.rollout_dump is None:
+            return None
+        wanted = self.rollout_dump.pick(delivery.meta.indices)
+        return [rank.sequences.remote(i, wanted) for i, rank in enumerate(self.actors.policy)]
 
     def generate(self, step: int) -> HeldRollout:
         """Step `step`'s rollout generated and scored, held where the transfer holds it."""

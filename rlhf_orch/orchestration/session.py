@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.engines.launch import memory_utilization, sleep_level
 from rlhf_orch.engines.vllm_engine import EngineSpec
+from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import named
 from rlhf_orch.orchestration.actors import ActorStartError, not_answering, start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
@@ -51,6 +52,7 @@ def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id:
             optimizer=t.optimizer,
             offload_optimizer=t.offload_optimizer,
             gradient_checkpointing=t.gradient_checkpointing,
+            torch_threads=t.torch_threads,
         )
 
     specs = {"actor": spec("actor", a.actor_lr)}
@@ -228,8 +230,9 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
     loop: TrainLoop | None = None
     try:
         sync.prepare(actors.policy, actors.engines, run.plan.engine_tp)
+        dump = RolloutDump(run.run_dir, run.inputs.tokenizer, typed.logger.rollouts_per_step) if typed.logger.rollouts else None
         loop = TrainLoop(actors, run.inputs.task, run.inputs.tokenizer, transfer, sync, instantiate(cfg.algo),
-                         loop_settings(typed, run.plan, run.engines), run.inputs.reward, pipeline, run.inputs.env)
+                         loop_settings(typed, run.plan, run.engines), run.inputs.reward, pipeline, run.inputs.env, dump)
         if resume:
             resume_loop(loop, resume, actors, ck.timeout_s)
         evaluator = Evaluator(eval_settings(typed), run.inputs.eval_prompts, run.inputs.reward, loop._get, loop.env)

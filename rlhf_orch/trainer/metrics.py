@@ -56,6 +56,12 @@ def trainer_metrics(
     metrics["advantages/abs_max"] = _max(exp_stats, "advantages_abs_max")
     if "logprob_diff_max" in exp_stats[0]:
         metrics["rollout/logprob_diff_max"] = _max(exp_stats, "logprob_diff_max")
+    if "logprob_diff_tokens" in exp_stats[0]:
+        # The typical token beside the worst one: a mean at float noise with a large max is a
+        # rare numerically fragile token; a large mean is a systematic mismatch (docs/real_model.md).
+        compared = max(sum(r["logprob_diff_tokens"] for r in exp_stats), 1.0)
+        metrics["rollout/logprob_diff_mean"] = sum(r["logprob_diff_sum"] for r in exp_stats) / compared
+        metrics["rollout/logprob_diff_over_frac"] = sum(r["logprob_diff_over"] for r in exp_stats) / compared
     tokens = max(sum(r["response_tokens"] for r in exp_stats), 1.0)
     if uses_reference:
         metrics["kl"] = sum(r["kl_sum"] for r in exp_stats) / tokens

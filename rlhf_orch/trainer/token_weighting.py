@@ -108,6 +108,11 @@ def _(mb: PackedBatch, fields: dict[str, Tensor], pad_id: int) -> PaddedBatch:
     return dataclasses.replace(mb.to("cpu"), fields={k: v.cpu() for k, v in fields.items()}).to_padded(pad_id)
 
 
+def padded_rows(mb: Any, fields: dict[str, Tensor], pad_id: int) -> PaddedBatch:
+    """A micro-batch of either layout as right-padded rows on the CPU, with `fields` ([.., L-1] in its layout)."""
+    return _as_rows(mb, fields, pad_id)
+
+
 def rows_for_targets(
     mbs: Sequence[Any], old: Sequence[Tensor], ref: Sequence[Tensor], values: Sequence[Tensor], pad_id: int
 ) -> list[PaddedBatch]:

