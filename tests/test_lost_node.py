@@ -54,7 +54,7 @@ def test_a_lost_node_moves_the_run_to_the_node_left_then_the_run_stops_with_its_
 
     cfg = compose_config([
         "experiment=quick", "algo.num_steps=5", "checkpoint.every_n_steps=1", "checkpoint.export_final=false",
-        "launcher=cluster", f"launcher.address={cluster.address}", "launcher.startup_timeout_s=20",
+        "launcher=cluster", f"launcher.address={cluster.address}", "launcher.startup_timeout_s=45",
     ])
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
@@ -62,8 +62,8 @@ def test_a_lost_node_moves_the_run_to_the_node_left_then_the_run_stops_with_its_
     t = time.monotonic()
     with pytest.raises(RunFailed) as failed:
         run_training(cfg, typed, plan, launcher, run_dir, callbacks=[remove_the_node_of_the_policy])
-    assert time.monotonic() - t < 180  # no hang: start-up waits 20 s at most
-    assert len(set(removed)) == 2  # the restart ran on the node left
+    assert time.monotonic() - t < 300  # no hang: start-up waits 45 s at most
+    assert len(set(removed)) == 2, str(failed.value)  # the restart ran on the node left
 
     message = str(failed.value)
     checkpoint = run_dir / "checkpoints" / "step_00000003"
