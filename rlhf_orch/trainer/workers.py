@@ -312,6 +312,7 @@ class PolicyWorker(_Worker):
             if ENGINE_LOGPROBS in mb.fields
         ]
         diffs = [d for d in diffs if d.numel()]
+        every_diff = torch.cat(diffs) if diffs else torch.zeros(0)  # concatenated once for the four statistics
         # The largest |advantage| (torch's max keeps a NaN, which the driver's guard then reports).
         row_max = [t.advantages[r.mask.bool()].abs().max() for r, t in zip(target_rows, targets) if r.mask.any()]
         adv_abs_max = float(torch.stack(row_max).max()) if row_max else 0.0
@@ -320,10 +321,10 @@ class PolicyWorker(_Worker):
             "advantages_abs_max": adv_abs_max,
             "kl_sum": sum(float(torch.where(r.mask.bool(), t.kl, 0).sum()) for r, t in zip(target_rows, targets)),
             "response_tokens": tokens,
-            "logprob_diff_max": float(torch.cat(diffs).max()) if diffs else 0.0,
-            "logprob_diff_sum": float(torch.cat(diffs).sum()) if diffs else 0.0,
-            "logprob_diff_tokens": float(sum(d.numel() for d in diffs)),
-            "logprob_diff_over": float(sum(int((d > LOGPROB_DIFF_THRESHOLD).sum()) for d in diffs)),
+            "logprob_diff_max": float(every_diff.max()) if diffs else 0.0,
+            "logprob_diff_sum": float(every_diff.sum()),
+            "logprob_diff_tokens": float(every_diff.numel()),
+            "logprob_diff_over": float((every_diff > LOGPROB_DIFF_THRESHOLD).sum()),
             "values_sum": (
                 sum(float(torch.where(r.mask.bool(), r.values, 0).sum()) for r in target_rows) if vals is not None else 0.0
             ),
