@@ -4,6 +4,8 @@ on rows in SkyRL's layout, the observation renderer, and the trainer-side loss m
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -19,7 +21,7 @@ from rlhf_orch.env.single_turn import SingleTurn
 from rlhf_orch.env.trajectory import TrajectoryLimits
 from rlhf_orch.transfer.batch import LOSS_MASK, PackedBatch, PaddedBatch, Sample, apply_loss_mask
 from tests.conftest import compose_config
-from tests.test_env_runner import ScriptedGenerator
+from tests.test_env_runner import OneTokenPerMessage, ScriptedGenerator
 
 
 def _typed(overrides):
@@ -106,11 +108,12 @@ def test_skyrl_gym_multi_turn_environment_runs_unchanged():
     generator.decode = lambda ids: {(5, 5): "I think 40", (6, 6): "#### 42"}[tuple(ids)]
     rendered = []
 
-    def render(messages):
-        rendered.append(messages)
-        return [900] * 3
+    class Render(OneTokenPerMessage):
+        def observation(self, messages, turn_closed, max_tokens):
+            rendered.append(messages)
+            return SimpleNamespace(ids=[900] * 3, truncated=False, messages=list(messages))
 
-    runner = MultiTurnRunner(env.make, generator, render, TrajectoryLimits(4, 8, 64, 16), 2, 5.0)
+    runner = MultiTurnRunner(env.make, generator, Render(), TrajectoryLimits(4, 8, 64, 16), 2, 5.0)
     (t,) = list(runner.run([(0, prompt, [1, 2])]))
     assert t.counts.turns == 2 and t.done and not t.truncated
     assert rendered[0][0]["role"] == "user" and "####" in rendered[0][0]["content"]  # skyrl's own follow-up

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -65,8 +66,23 @@ class CountdownEnv:
         self.closed = True
 
 
-def render(messages):
-    return [900 + len(str(m["content"])) for m in messages]  # one token per message
+class OneTokenPerMessage:
+    """A stand-in `Rendering` without a template: each message one token (900 + its length)."""
+
+    format = "plain"
+
+    def observation(self, messages, turn_closed, max_tokens):
+        ids = [900 + len(str(m["content"])) for m in messages]
+        return SimpleNamespace(ids=ids[:max_tokens], truncated=len(ids) > max_tokens, messages=list(messages)[:max_tokens])
+
+    def closes_turn(self, ids):
+        return bool(ids) and ids[-1] == 7
+
+    def prompt(self, messages):
+        return [60 + len(messages)]
+
+
+render = OneTokenPerMessage()
 
 
 def limits(turns=4, per_turn=8, total=64, obs=16):
@@ -183,3 +199,32 @@ def test_trajectory_refuses_mismatched_logprobs():
     t = Trajectory(0, [1], limits())
     with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
         t.add_turn([1, 2], [0.0], False)
+
+
+def test_async_def_init_and_step_are_awaited():
+    """An environment written with `async def init` / `async def step` (an HTTP tool client, say)."""
+    import asyncio
+
+    class AsyncCountdown(CountdownEnv):
+        async def init(self, prompt):
+            await asyncio.sleep(0)
+            return prompt, {}
+
+        async def step(self, action):
+            await asyncio.sleep(0.01)
+            return CountdownEnv.step(self, action)
+
+    (t,), _ = run([AsyncCountdown(turns=2)])
+    assert t.counts.turns == 2 and t.counts.env_errors == 0 and t.turn_rewards == [1.0, 2.0] and not t.truncated
+
+
+@pytest.mark.parametrize("mask_failed, mask_truncated, expected", [(False, False, [1, 1, 1]), (True, False, [0, 0, 0]), (False, True, [0, 0, 0])])
+def test_failed_or_truncated_trajectories_can_train_nothing(mask_failed, mask_truncated, expected):
+    from rlhf_orch.env.lookup import LookupEnv
+
+    env = LookupEnv(mask_failed=mask_failed, mask_truncated=mask_truncated)
+    (broken, fine), _ = run([CountdownEnv(turns=3, fail_at=1), CountdownEnv(turns=1)])
+    broken, fine = sorted((broken, fine), key=lambda t: t.index)
+    assert broken.counts.env_errors == 1 and broken.truncated  # a failing step ends the trajectory cut
+    assert env.loss_mask(broken) == expected and broken.counts.masked == int(expected == [0, 0, 0])
+    assert env.loss_mask(fine) == [1, 1, 1] and fine.counts.masked == 0

@@ -285,6 +285,14 @@ RANGES: tuple[Range, ...] = (
     choice("env.observation_format", ("chat_template", "plain"),
            "'chat_template' (the tokenizer renders the new messages) or 'plain' (their text, for models whose "
            "template renders no tool or user turns, like the tiny model)"),
+    choice("env.observation_truncate_side", ("tail", "head", "middle"),
+           "which part of a too-long observation's content is cut: 'tail' (its end), 'head' (its start) or "
+           "'middle' (both ends kept, a marker between)"),
+    choice("env.tokenization_sanity_check_mode", ("strict", "warn", "off"),
+           "'strict' (a context that differs from the chat template's rendering ends the run), 'warn' "
+           "(logged once, counted in env/tokenization_mismatches) or 'off'"),
+    Range("env.stop", lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v),
+          "must be a list of non-empty strings that end a model turn, e.g. ['</sql>', '</answer>']"),
     choice("env.tool_format", ("hermes", "tags"),
            "'hermes' (<tool_call>{json}</tool_call>, Qwen/Hermes chat models) or 'tags' (<python>code</python>)"),
     ints("env.tool_memory_mb", 16, "address space of one tool process, MB"),

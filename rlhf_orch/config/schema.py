@@ -10,6 +10,9 @@ Derived quantities (divisibility, GPU counts, lengths) are checked in `rlhf_orch
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -403,6 +406,16 @@ class MultiTurnEnvConfig(EnvConfig):
     reward: str = "last"  # "last": the last step's reward; "sum": every step's
     reward_weight: float = 0.0  # + this x the reward group's score of the transcript (0: the environment's alone)
     observation_format: str = "chat_template"  # or "plain" (models whose template renders no tool/user turns)
+    # Which part of a too-long observation's content is cut (tail / head / middle); the template's
+    # own tokens around it are never cut.
+    observation_truncate_side: str = "tail"
+    # The context of every trajectory against the chat template's rendering of its conversation
+    # (veRL's tokenization sanity check): strict (a mismatch ends the run), warn, off.
+    tokenization_sanity_check_mode: str = "strict"
+    stop: list[str] = field(default_factory=list)  # strings that end a turn (kept); the end-of-turn token follows
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
+    mask_failed: bool = False  # train nothing of a trajectory whose env.step raised or timed out (else: its reward)
+    mask_truncated: bool = False  # train nothing of a trajectory cut by a limit (turns, tokens)
 
 
 @dataclass
@@ -880,4 +893,15 @@ def register_configs() -> None:
     cs.store(group=SCHEMA_GROUP, name="root", node=RootConfig)
     for group, schemas in _GROUP_SCHEMAS.items():
         for name, node in schemas.items():
-            cs.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=node)
+            cs.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=_with_open_dicts(node))
+
+
+def _with_open_dicts(schema: type) -> Any:
+    """The schema as a config node whose free-form mappings (`env.env_config`, `data.task_config`,
+    `env.chat_template_kwargs`: options passed through to another library) take new keys on the
+    command line without Hydra's `+` (`env.env_config.db_path=...`); every other key stays closed."""
+    node = OmegaConf.structured(schema)
+    for f in dataclasses.fields(schema):
+        if typing.get_origin(f.type) is dict or f.type is dict or str(f.type).startswith("dict["):
+            OmegaConf.set_struct(node[f.name], False)
+    return node

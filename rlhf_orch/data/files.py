@@ -46,7 +46,6 @@ OVERLONG_POLICIES = ("error", "filter")
 DEFAULT_LABEL_KEY = "reward_model.ground_truth"
 _TOKENIZE_CHUNK = 1024
 # Columns of SkyRL's dataset layout a multi-turn environment reads per row (`env=skyrl`).
-ENV_COLUMNS = ("env_class", "reward_spec")
 
 
 _MISSING = object()
@@ -359,7 +358,7 @@ class PromptDataset(PromptSource):
         for i, row in enumerate(rows):
             text, messages = self._render(row, i, src, tokenizer)
             texts.append(text)
-            env_fields = {k: row[k] for k in ENV_COLUMNS if row.get(k) is not None} or None
+            env_fields = self._env_fields(row)
             meta.append((self._label(row, label_mode), self._source(row), self._extra(row), messages, env_fields))
         ids = self._tokenize(texts, tokenizer)
         return [(t, m[0], m[1], m[2], x, m[3], m[4]) for t, m, x in zip(texts, meta, ids)]
@@ -411,6 +410,12 @@ class PromptDataset(PromptSource):
         value = _lookup(row, self.source_key)
         # Interned: a handful of distinct sources repeated over every row.
         return self.default_source if value is _MISSING or value is None else sys.intern(str(value))
+
+    def _env_fields(self, row: Mapping[str, Any]) -> Optional[dict]:
+        """What a row gives its environment (skyrl-gym's `extras`): every column but the prompt, as
+        SkyRL's PromptDataset passes them (text2sql reads `db_id` and `data`, lcb its tests)."""
+        prompt_column = self.prompt_key.split(".")[0] if self.prompt_key else None
+        return {k: v for k, v in row.items() if k != prompt_column and v is not None} or None
 
     def _extra(self, row: Mapping[str, Any]) -> Optional[dict]:
         if self.extra_key is None:

@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from rlhf_orch.env.observations import ObservationRenderer
 from rlhf_orch.env.runner import MultiTurnRunner, TurnOutput
 from rlhf_orch.transfer.batch import LOSS_MASK
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob
@@ -59,13 +58,15 @@ class VLLMCalls:
         self._outbox: list[Any] = []
         self._key_of: dict[str, int] = {}
 
-    def submit(self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str]) -> None:
+    def submit(self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str],
+               include_stop: bool = False) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(
             n=1, max_tokens=max_tokens, temperature=self.temperature, logprobs=0, seed=seed,
             stop=stop or None, detokenize=bool(stop),  # stop strings are matched on text
+            include_stop_str_in_output=include_stop,
         )
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         if self.stepping is not None:
@@ -110,15 +111,19 @@ class VLLMCalls:
 
 
 class VLLMTurns:
-    """The multi-turn runner's `TurnGenerator`: each turn one `VLLMCalls` request with its turn seed."""
+    """The multi-turn runner's `TurnGenerator`: each turn one `VLLMCalls` request with its turn seed.
+    A turn ended by one of `stop` (env.stop) keeps the stop string; the runner then closes the turn
+    with the template's end-of-turn token as context (SkyRL appends EOS after a stop string)."""
 
-    def __init__(self, llm: Any, temperature: float, step_seed: int, stepping: SharedStepping | None = None):
+    def __init__(self, llm: Any, temperature: float, step_seed: int, stepping: SharedStepping | None = None,
+                 stop: Sequence[str] = ()):
         self.calls = VLLMCalls(llm, temperature, stepping)
         self.step_seed = step_seed
+        self.stop = list(stop)
         self.tokenizer = llm.get_tokenizer()
 
     def submit(self, key: int, context: list[int], max_tokens: int, turn: int) -> None:
-        self.calls.submit(key, context, max_tokens, turn_seed(self.step_seed, key, turn), [])
+        self.calls.submit(key, context, max_tokens, turn_seed(self.step_seed, key, turn), self.stop, include_stop=True)
 
     def busy(self) -> bool:
         return self.calls.busy()
@@ -136,11 +141,11 @@ def complete_trajectories(
     """Every requested sample as a multi-turn trajectory; yields each request's completions (all of
     its samples) once the last of them finishes, like the single-turn `_complete`."""
     env = job.env
-    generator = VLLMTurns(llm, job.temperature, step_seed, stepping)
-    renderer = ObservationRenderer(generator.tokenizer, env.observation_format)
-
+    generator = VLLMTurns(llm, job.temperature, step_seed, stepping, env.stop)
+    renderer = env.renderer(generator.tokenizer)
     runner = MultiTurnRunner(
-        env.make, generator, renderer, env.limits(job.max_tokens), env.concurrency, env.step_timeout_s(), renderer.prompt,
+        env.make, generator, renderer, env.limits(job.max_tokens), env.concurrency, env.step_timeout_s(),
+        env.tokenization_sanity_check_mode,
     )
     owner = {i: r for r in requests for i in r.indices(job.samples_per_prompt)}
     waiting = {r: r.count for r in requests}
@@ -148,13 +153,15 @@ def complete_trajectories(
     items = [(i, job.prompts[r.prompt_index], job.prompt_ids[r.prompt_index]) for r in requests for i in r.indices(job.samples_per_prompt)]
     for t in runner.run(items):
         request = owner[t.index]
+        mask = torch.tensor(env.loss_mask(t), dtype=torch.float32)
         done[request].append(
             Completion(
                 t.index, t.prompt_ids, t.response_ids, t.logprobs,
-                fields={LOSS_MASK: torch.tensor(t.loss_mask, dtype=torch.float32)},
+                fields={LOSS_MASK: mask},
                 truncated=t.truncated or t.last_turn_hit_length,
                 env_reward=t.reward(env.reward),
                 env_stats=t.counts.as_dict(),
+                env_metrics=t.env_metrics,
             )
         )
         waiting[request] -= 1

@@ -49,6 +49,7 @@ class StepResult:
     reward: float
     done: bool
     metadata: dict[str, Any] = field(default_factory=dict)
+    postprocessed_action: str | None = None  # the action as the environment used it (skyrl-gym)
 
     @staticmethod
     def of(raw: Any) -> "StepResult":
@@ -59,7 +60,11 @@ class StepResult:
             if not isinstance(m, Mapping) or "content" not in m:
                 raise TypeError(f"env.step observations must be chat messages with 'role' and 'content', got {m!r:.80}")
         reward = float(raw.get("reward") or 0.0)
-        return StepResult([dict(m) for m in observations], reward, bool(raw.get("done")), dict(raw.get("metadata") or {}))
+        action = raw.get("postprocessed_action")
+        return StepResult(
+            [dict(m) for m in observations], reward, bool(raw.get("done")), dict(raw.get("metadata") or {}),
+            None if action is None else str(action),
+        )
 
 
 def prompt_messages(prompt: Prompt) -> list[dict[str, Any]]:

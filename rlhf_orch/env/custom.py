@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, TextEnv, row_extras
 from rlhf_orch.env.multi_turn import MultiTurnEnv
@@ -71,9 +73,14 @@ class CustomEnv(MultiTurnEnv):
     def make(self, prompt: Prompt) -> TextEnv:
         cls = self.load()
         try:
-            return cls(env_config=dict(self.env_config), extras=row_extras(prompt))
+            # a DictConfig, as SkyRL passes it: keys read as attributes or items
+            return cls(env_config=OmegaConf.create(dict(self.env_config)), extras=row_extras(prompt))
         except Exception as e:  # noqa: BLE001
             raise EnvError(f"env=custom: {self.name}(env_config=..., extras=...) failed: {describe_exception(e, os.path.realpath(self.path))}") from e
+
+    def episode_class(self, key: str) -> Any:
+        """The user's class (its module is loaded from env.path, not importable by name)."""
+        return self.load() if key.rpartition(":")[2] == self.name else super().episode_class(key)
 
     def option_name(self) -> str:
         return "custom"

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, EnvGroup, prompt_messages
-from rlhf_orch.env.observations import FORMATS, ObservationRenderer
-from rlhf_orch.env.trajectory import TrajectoryLimits
+from rlhf_orch.env.observations import FORMATS, TRUNCATE_SIDES, ObservationRenderer
+from rlhf_orch.env.runner import CHECK_MODES, call_env
+from rlhf_orch.env.trajectory import Trajectory, TrajectoryLimits
 
 REWARDS = ("last", "sum")
+
+
+def average_metrics(metrics: Sequence[dict]) -> dict[str, float]:
+    """skyrl-gym's default aggregation: the mean of each numeric key over the episodes."""
+    values: dict[str, list[float]] = {}
+    for m in metrics:
+        for k, v in m.items():
+            if isinstance(v, (bool, int, float)):
+                values.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in values.items()}
 
 
 @dataclass
@@ -30,14 +42,34 @@ class MultiTurnEnv(EnvGroup):
     reward: str = "last"
     reward_weight: float = 0.0
     observation_format: str = "chat_template"
+    observation_truncate_side: str = "tail"
+    tokenization_sanity_check_mode: str = "strict"
+    stop: list[str] = field(default_factory=list)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    mask_failed: bool = False
+    mask_truncated: bool = False
 
     multi_turn = True
 
     def __post_init__(self) -> None:
-        if self.reward not in REWARDS:
-            raise EnvError(f"env.reward={self.reward!r}: must be one of {', '.join(REWARDS)}")
-        if self.observation_format not in FORMATS:
-            raise EnvError(f"env.observation_format={self.observation_format!r}: must be one of {', '.join(FORMATS)}")
+        self.stop = [str(s) for s in self.stop or []]
+        self.chat_template_kwargs = dict(self.chat_template_kwargs or {})
+        for key, value, allowed in (
+            ("reward", self.reward, REWARDS),
+            ("observation_format", self.observation_format, FORMATS),
+            ("observation_truncate_side", self.observation_truncate_side, TRUNCATE_SIDES),
+            ("tokenization_sanity_check_mode", self.tokenization_sanity_check_mode, CHECK_MODES),
+        ):
+            if value not in allowed:
+                raise EnvError(f"env.{key}={value!r}: must be one of {', '.join(allowed)}")
+        if any(not s for s in self.stop):
+            raise EnvError("env.stop: an empty stop string would end every turn at once; remove it")
+
+    def renderer(self, tokenizer: Any, stop_ids: Any = ()) -> ObservationRenderer:
+        """How this option's observations become tokens for `tokenizer`."""
+        return ObservationRenderer(
+            tokenizer, self.observation_format, self.observation_truncate_side, stop_ids, self.chat_template_kwargs
+        )
 
     def limits(self, response_max_len: int) -> TrajectoryLimits:
         per_turn = self.max_tokens_per_turn or response_max_len
@@ -45,9 +77,9 @@ class MultiTurnEnv(EnvGroup):
 
     def check(self, prompt: Prompt, tokenizer: Any) -> None:
         """The observation format renders with this tokenizer; the environment starts for `prompt`."""
-        ObservationRenderer(tokenizer, self.observation_format)([{"role": "user", "content": "0"}])
+        self.renderer(tokenizer).observation([{"role": "user", "content": "0"}], True, self.max_observation_tokens)
         instance = self.make(prompt)
-        instance.init(prompt_messages(prompt))
+        call_env(instance.init, prompt_messages(prompt))
         getattr(instance, "close", lambda: None)()
 
     def metrics(self, stats: dict[str, float]) -> dict[str, float]:
@@ -63,8 +95,52 @@ class MultiTurnEnv(EnvGroup):
             "env/truncated": stats.get("truncated", 0.0),
             "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
             "env/observations_truncated": stats.get("observations_truncated", 0.0),
+            "env/closing_tokens_added": stats.get("closing_tokens_added", 0.0),
+            "env/tokenization_mismatches": stats.get("tokenization_mismatches", 0.0),
+            "env/postprocessed_actions": stats.get("postprocessed_actions", 0.0),
+            "env/masked": stats.get("masked", 0.0),
             "time/env": stats.get("env_seconds", 0.0),
         }
+
+    def loss_mask(self, t: Trajectory) -> list[int]:
+        """What of the trajectory trains: the model's tokens, or nothing where its environment failed
+        (an error or a timeout in env.step: `env.mask_failed`) or a limit cut it (`env.mask_truncated`)
+        -- instead of training it with the reward it ended with (rLLM; SkyRL's overlong filtering).
+        Counted in env/masked."""
+        failed = t.counts.env_errors + t.counts.env_timeouts > 0
+        if (self.mask_failed and failed) or (self.mask_truncated and (t.truncated or t.last_turn_hit_length)):
+            t.counts.masked = 1
+            return [0] * len(t.loss_mask)
+        return list(t.loss_mask)
+
+    def aggregate(self, episodes: list[tuple[str, dict]]) -> dict[str, float]:
+        """The environments' own episode metrics (skyrl-gym's `get_metrics`), aggregated by each
+        environment class's `aggregate_metrics` (else averaged), as `env/<name>/<key>`."""
+        by_class: dict[str, list[dict]] = {}
+        for key, metrics in episodes:
+            by_class.setdefault(key, []).append(metrics)
+        out: dict[str, float] = {}
+        for key, metrics in by_class.items():
+            cls = self.episode_class(key)
+            aggregate = getattr(cls, "aggregate_metrics", None) or average_metrics
+            for name, value in (aggregate(metrics) or {}).items():
+                if isinstance(value, (int, float)):
+                    out[f"env/{self.episode_name(key)}/{name}"] = float(value)
+        return out
+
+    def episode_class(self, key: str) -> Any:
+        """The class an `env_class_key` names (None where it cannot be imported here)."""
+        module, _, qualname = key.partition(":")
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            return obj
+        except (ImportError, AttributeError):
+            return None
+
+    def episode_name(self, key: str) -> str:
+        return key.rpartition(":")[2].rpartition(".")[2]
 
     def step_timeout_s(self) -> float:
         """How long one env.step may take before the trajectory ends (counted as env/step_timeouts)."""
@@ -74,7 +150,8 @@ class MultiTurnEnv(EnvGroup):
         return type(self).__name__
 
     def describe(self) -> list[str]:
+        per_turn = f"{self.max_tokens_per_turn} tokens" if self.max_tokens_per_turn else "the response budget"
         return [
-            f"env: {self.option_name()}, up to {self.max_turns} turns of {self.max_tokens_per_turn} tokens, "
+            f"env: {self.option_name()}, up to {self.max_turns} turns of {per_turn}, "
             f"reward={self.reward}" + (f" + {self.reward_weight:g} x reward group" if self.reward_weight else "")
         ]

@@ -4,21 +4,31 @@ Trajectories progress independently: while one waits for its environment (a tool
 step pool), the engine keeps generating the others' turns; a batch ends when every trajectory is
 done or hit a limit. At most `concurrency` trajectories are in flight; the rest wait to start.
 
-The engine side is a `TurnGenerator` (the vLLM engine supplies one; tests a scripted one), so this
-module is pure: no vLLM, no Ray.
+The engine side is a `TurnGenerator` (the vLLM engine supplies one; tests a scripted one) and the
+chat template an `ObservationRenderer`, so this module is pure: no vLLM, no Ray.
+
+Every finished trajectory can be checked against the chat template (`check`: strict / warn / off,
+veRL's tokenization sanity check): the context it was generated from must equal the template's
+rendering of its conversation with the model's tokens kept as generated.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
+import inspect
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import StepResult, TextEnv, prompt_messages
 from rlhf_orch.env.trajectory import Trajectory, TrajectoryLimits
+
+logger = logging.getLogger(__name__)
+CHECK_MODES = ("strict", "warn", "off")
 
 # Numeric step-metadata keys an environment may report (the python tool does); summed per rollout.
 TOOL_COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts")
@@ -46,8 +56,40 @@ class TurnGenerator(Protocol):
         """A turn's text, as the environment reads it (special tokens skipped)."""
 
 
+def call_env(method: Callable[..., Any], *args: Any) -> Any:
+    """An environment's `init` / `step`, plain or `async def` (run to completion in this thread: the
+    runner calls steps on its pool's threads, so one environment's await never holds the others)."""
+    result = method(*args)
+    return asyncio.run(result) if inspect.isawaitable(result) else result
+
+
+def env_class_key(cls: type) -> str:
+    """How an environment's class travels to the driver (which aggregates its metrics)."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+class Rendering(Protocol):
+    """How observations become tokens (`rlhf_orch.env.observations.ObservationRenderer`)."""
+
+    format: str
+
+    def observation(self, messages: Sequence[Mapping[str, Any]], turn_closed: bool, max_tokens: int | None) -> Any:
+        """.ids (the tokens after the turn), .truncated, .messages (as rendered, contents cut)."""
+
+    def closes_turn(self, token_ids: Sequence[int]) -> bool: ...
+
+    def prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
+
+    def matches_template(self, messages: Sequence[Mapping[str, Any]], turns: Sequence[Sequence[int]],
+                         context: Sequence[int]) -> tuple[bool, list[int]]: ...
+
+
 class EnvRuntimeError(RuntimeError):
     """An environment could not be built or initialised for a row (a bug in it or in the data)."""
+
+
+class TokenizationMismatch(RuntimeError):
+    """env.tokenization_sanity_check_mode=strict: a context differed from the chat template's."""
 
 
 @dataclass
@@ -64,19 +106,23 @@ class MultiTurnRunner:
         self,
         make_env: Callable[[Prompt], TextEnv],
         generator: TurnGenerator,
-        render: Callable[[Sequence[dict]], list[int]],
+        renderer: Rendering,
         limits: TrajectoryLimits,
         concurrency: int,
         step_timeout_s: float,
-        render_prompt: Callable[[list[dict]], list[int]] | None = None,
+        check: str = "strict",
     ):
+        if check not in CHECK_MODES:
+            raise ValueError(f"env.tokenization_sanity_check_mode={check!r}: must be one of {', '.join(CHECK_MODES)}")
         self.make_env = make_env
         self.generator = generator
-        self.render = render
-        self.render_prompt = render_prompt
+        self.renderer = renderer
         self.limits = limits
         self.concurrency = concurrency
         self.step_timeout_s = step_timeout_s
+        # Only a chat-template rendering has a template to check against.
+        self.check = check if renderer.format == "chat_template" else "off"
+        self._warned = False
 
     def run(self, items: Sequence[tuple[int, Prompt, Sequence[int]]]) -> Iterator[Trajectory]:
         """Every (sample index, prompt, prompt ids) as a trajectory; yields each as it finishes."""
@@ -94,14 +140,17 @@ class MultiTurnRunner:
                     entry = live[out.key]
                     entry.trajectory.add_turn(out.token_ids, out.logprobs, out.hit_length)
                     action = self.generator.decode(out.token_ids)
+                    entry.trajectory.messages.append({"role": "assistant", "content": action})
                     entry.started = time.perf_counter()
                     entry.deadline = time.monotonic() + self.step_timeout_s
-                    entry.future = pool.submit(entry.env.step, action)
+                    entry.future = pool.submit(call_env, entry.env.step, action)
                 for entry in self._stepped(live, block=not self.generator.busy()):
                     self._after_step(entry)
                 finished = [i for i, e in live.items() if e.trajectory.done]
                 for index in finished:
-                    yield self._close(live.pop(index))
+                    t = self._close(live.pop(index))
+                    self._check(t)
+                    yield t
                 if live and not finished and not self.generator.busy() and all(e.future is None for e in live.values()):
                     raise RuntimeError(f"multi-turn rollout stalled: {len(live)} trajectories neither generating nor stepping")
         finally:
@@ -115,13 +164,14 @@ class MultiTurnRunner:
         try:
             env = self.make_env(prompt)
             messages = prompt_messages(prompt)
-            first, _ = env.init(messages)
+            first, _ = call_env(env.init, messages)
         except Exception as e:  # noqa: BLE001 - named in one line for the driver
             raise EnvRuntimeError(f"the environment for sample {index} could not start: {type(e).__name__}: {e}") from e
         prompt_ids = list(ids)
-        if first is not None and list(first) != messages and self.render_prompt is not None:
-            prompt_ids = self.render_prompt(list(first))  # the environment rewrote the prompt
-        trajectory = Trajectory(index, prompt_ids, self.limits)
+        if first is not None and list(first) != messages:
+            messages = [dict(m) for m in first]
+            prompt_ids = self.renderer.prompt(messages)  # the environment rewrote the prompt
+        trajectory = Trajectory(index, prompt_ids, self.limits, messages=[dict(m) for m in messages])
         trajectory.counts.env_seconds += time.perf_counter() - t
         return _Live(trajectory, env)
 
@@ -159,6 +209,8 @@ class MultiTurnRunner:
             t.finish(truncated=True)
             return
         t.turn_rewards.append(result.reward)
+        if result.postprocessed_action is not None:
+            self._shorten(t, result.postprocessed_action)
         for key in TOOL_COUNTERS:
             value = result.metadata.get(key)
             if isinstance(value, (int, float)):
@@ -168,11 +220,59 @@ class MultiTurnRunner:
             return
         if not t.wants_another_turn():
             return
-        if t.add_observation(self.render(result.observations)) and t.wants_another_turn():
+        closed = self.renderer.closes_turn(t.turns[-1])
+        obs = self.renderer.observation(result.observations, closed, self.limits.max_observation_tokens)
+        if not t.add_observation(obs.ids, obs.truncated):
+            return
+        t.counts.closing_tokens_added += int(not closed and self.renderer.format == "chat_template")
+        t.messages.extend(obs.messages)
+        if t.wants_another_turn():
             self._next_turn(entry)
+
+    def _shorten(self, t: Trajectory, action: str) -> None:
+        """skyrl-gym's postprocessed_action: the environment used only this much of the turn (e.g.
+        up to its closing tag). The turn's tokens are cut to the shortest prefix that decodes to it;
+        an action that is no prefix of the turn leaves the tokens as generated (the context must
+        hold what the engine generated)."""
+        turn = t.turns[-1]
+        if self.generator.decode(turn) == action:
+            return
+        for keep in range(1, len(turn) + 1):
+            if self.generator.decode(turn[:keep]).startswith(action):
+                t.shorten_last_turn(keep)
+                t.messages[-1] = {"role": "assistant", "content": self.generator.decode(turn[:keep])}
+                return
+
+    def _check(self, t: Trajectory) -> None:
+        if self.check == "off":
+            return
+        actual = t.context()
+        ok, expected = self.renderer.matches_template(t.messages, t.turns, actual)
+        if ok:
+            return
+        t.counts.tokenization_mismatches += 1
+        at = next((i for i, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
+        message = (
+            f"sample {t.index}: the context differs from the chat template's rendering of its conversation at "
+            f"token {at} of {len(actual)} (template: {expected[at:at + 8]}, context: {actual[at:at + 8]})"
+        )
+        if self.check == "strict":
+            raise TokenizationMismatch(
+                message + "; a template that rewrites earlier turns (e.g. drops reasoning) cannot be "
+                "prefix-exact: set env.tokenization_sanity_check_mode=warn to train anyway"
+            )
+        if not self._warned:
+            self._warned = True
+            logger.warning("%s (counted in env/tokenization_mismatches; reported once)", message)
 
     def _close(self, entry: _Live) -> Trajectory:
         t = entry.trajectory
+        get_metrics = getattr(entry.env, "get_metrics", None)  # skyrl-gym's episode metrics, optional
+        if callable(get_metrics):
+            try:
+                t.env_metrics = (env_class_key(type(entry.env)), dict(get_metrics() or {}))
+            except Exception as e:  # noqa: BLE001 - metrics never cost a trajectory
+                logger.warning("sample %d: %s.get_metrics() raised %s: %s", t.index, type(entry.env).__name__, type(e).__name__, e)
         try:
             getattr(entry.env, "close", lambda: None)()  # optional for a user's class
         except Exception:  # noqa: BLE001 - a failing close loses nothing of the trajectory

@@ -1,24 +1,69 @@
 """`env=skyrl env.env_class=<registered id>`: a skyrl-gym environment from the installed package,
-unchanged (`skyrl_gym.make(id, env_config=..., extras=...)`). Rows in SkyRL's parquet layout
-(`prompt` messages, `env_class`, `reward_spec`, `extra_info`) give each trajectory its extras; a
-row's own `env_class` wins over `env.env_class`.
+unchanged (`skyrl_gym.make(id, env_config=..., extras=...)`). Rows in SkyRL's parquet layout give
+each trajectory its extras: every column but the prompt (`env_class`, `reward_spec`, `extra_info`
+and the environment's own: text2sql's `db_id` and `data`, `max_turns`, ...); a row's own
+`env_class` wins over `env.env_class`.
+
+`env_config` reaches the environment as SkyRL passes it: a DictConfig (skyrl-gym's environments
+read its keys as attributes) holding the environment's own defaults (the `...EnvConfig` dataclass
+its module defines: text2sql's `db_path`, search's `search_url`, `topk`, `timeout`) under
+`env.env_config.<key>=...` from the command line (no `+` needed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import socket
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
+
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.data.base import Prompt
-from rlhf_orch.env.base import EnvError, TextEnv, row_extras
+from rlhf_orch.env.base import EnvError, TextEnv, prompt_messages, row_extras
 from rlhf_orch.env.multi_turn import MultiTurnEnv
+from rlhf_orch.env.runner import call_env
+
+
+# skyrl-gym environments that execute the model's code themselves, in the engine's process, outside
+# this project's sandbox (rlhf_orch.env.sandbox): said at start-up.
+RUNS_MODEL_CODE = {"lcb": "runs the model's code to test it", "searchcode": "runs the model's Python"}
 
 
 def registered_env_ids() -> list[str]:
     from skyrl_gym.envs.registration import registry
 
     return sorted(registry)
+
+
+def _entry_point(env_id: str) -> str:
+    from skyrl_gym.envs.registration import registry
+
+    return str(getattr(registry[env_id], "entry_point", ""))
+
+
+def default_env_config(env_id: str) -> dict[str, Any]:
+    """The defaults of the `...EnvConfig` dataclass the environment's module defines (none: {})."""
+    module_name = _entry_point(env_id).partition(":")[0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return {}
+    for name, obj in vars(module).items():
+        if name.endswith("EnvConfig") and dataclasses.is_dataclass(obj) and isinstance(obj, type):
+            return dataclasses.asdict(obj())
+    return {}
+
+
+def _answers(url: str, timeout_s: float = 3.0) -> bool:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 80), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 @dataclass
@@ -35,6 +80,10 @@ class SkyRLEnv(MultiTurnEnv):
         if self.env_class and self.env_class not in registered_env_ids():
             raise EnvError(f"env.env_class={self.env_class!r}: skyrl-gym registers {', '.join(registered_env_ids())}")
 
+    def config_for(self, env_class: str) -> DictConfig:
+        """env.env_config over the environment's own defaults, as a DictConfig."""
+        return OmegaConf.merge(OmegaConf.create(default_env_config(env_class)), OmegaConf.create(dict(self.env_config)))
+
     def make(self, prompt: Prompt) -> TextEnv:
         import skyrl_gym
 
@@ -42,7 +91,47 @@ class SkyRLEnv(MultiTurnEnv):
         env_class = extras.pop("env_class", None) or self.env_class
         if not env_class:
             raise EnvError("env=skyrl: the row has no env_class column and env.env_class is not set")
-        return skyrl_gym.make(env_class, env_config=dict(self.env_config), extras=extras)
+        return skyrl_gym.make(env_class, env_config=self.config_for(env_class), extras=extras)
+
+    def check(self, prompt: Prompt, tokenizer: Any) -> None:
+        """As every multi-turn option, and the services the environment calls answer: search and
+        searchcode query a retrieval server (SkyRL's retriever) that this project does not start."""
+        self.renderer(tokenizer).observation([{"role": "user", "content": "0"}], True, self.max_observation_tokens)
+        try:
+            instance = self.make(prompt)
+            call_env(instance.init, prompt_messages(prompt))
+        except EnvError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one line naming what the environment wanted
+            raise EnvError(f"env=skyrl: {self._class_of(prompt)} could not start on the first row: {type(e).__name__}: {e}") from e
+        urls = [getattr(g, "search_url", None) for g in getattr(instance, "tool_groups", [])]
+        for url in filter(None, urls):
+            if not _answers(url):
+                key = "env.env_config.search_url" if "search_url" in self.config_for(self._class_of(prompt)) else "its search_url"
+                raise EnvError(
+                    f"env=skyrl: {self._class_of(prompt)} queries a retrieval server at {url} ({key}), which does not "
+                    "answer; start one (SkyRL's retriever: skyrl-gym's search examples) and set env.env_config.search_url"
+                )
+        getattr(instance, "close", lambda: None)()
+
+    def _class_of(self, prompt: Prompt) -> str:
+        return str((prompt.env_fields or {}).get("env_class") or self.env_class)
+
+    def episode_name(self, key: str) -> str:
+        """The registered id of the class (`env/text2sql/...`), else its class name."""
+        for env_id in registered_env_ids():
+            if _entry_point(env_id) == key:
+                return env_id
+        return super().episode_name(key)
+
+    def describe(self) -> list[str]:
+        lines = super().describe()
+        if self.env_class in RUNS_MODEL_CODE:
+            lines.append(
+                f"env: skyrl-gym's {self.env_class} {RUNS_MODEL_CODE[self.env_class]} in the engine's process, "
+                "outside rlhf_orch's sandbox (env=python_tool sandboxes model code)"
+            )
+        return lines
 
     def option_name(self) -> str:
         return "skyrl"

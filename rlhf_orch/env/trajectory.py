@@ -36,7 +36,11 @@ class EnvCounts:
     env_timeouts: int = 0  # env.step ran past env.tool_timeout_s (the trajectory ended there)
     truncated: int = 0
     observation_tokens: int = 0
-    observations_truncated: int = 0  # observations cut to env.max_observation_tokens
+    observations_truncated: int = 0  # observations whose content was cut to env.max_observation_tokens
+    closing_tokens_added: int = 0  # turns that did not end with the end-of-turn token: it was added as context
+    tokenization_mismatches: int = 0  # the context differed from the chat template's rendering (the check)
+    postprocessed_actions: int = 0  # turns the environment shortened (skyrl-gym's postprocessed_action)
+    masked: int = 0  # trained on nothing (env.mask_failed / env.mask_truncated)
     env_seconds: float = 0.0  # time inside env.init / env.step
 
     def as_dict(self) -> dict[str, float]:
@@ -58,6 +62,11 @@ class Trajectory:
     truncated: bool = False  # stopped by a token budget or max_turns, not by the environment
     done: bool = False
     last_turn_hit_length: bool = False
+    # The conversation so far as chat messages (the prompt, each turn as decoded, each observation as
+    # rendered) and each model turn's token ids: what the tokenization check renders.
+    messages: list[dict] = field(default_factory=list)
+    turns: list[list[int]] = field(default_factory=list)
+    env_metrics: tuple[str, dict] | None = None  # (the environment's class, its get_metrics()) once closed
 
     def context(self) -> list[int]:
         """What the engine continues from: the prompt and every token since."""
@@ -74,16 +83,28 @@ class Trajectory:
         self.response_ids.extend(int(t) for t in token_ids)
         self.logprobs.extend(float(x) for x in logprobs)
         self.loss_mask.extend([1] * len(token_ids))
+        self.turns.append([int(t) for t in token_ids])
         self.counts.turns += 1
         self.last_turn_hit_length = hit_length
 
-    def add_observation(self, token_ids: Sequence[int]) -> bool:
-        """Append an observation's tokens (cut to env.max_observation_tokens). False, and the
-        trajectory ends truncated, when the observation and one more model token do not fit."""
+    def shorten_last_turn(self, keep: int) -> None:
+        """Keep the first `keep` tokens of the last turn (the environment used only those)."""
+        drop = len(self.turns[-1]) - keep
+        if drop <= 0:
+            return
+        self.turns[-1] = self.turns[-1][:keep]
+        del self.response_ids[-drop:], self.logprobs[-drop:], self.loss_mask[-drop:]
+        self.counts.postprocessed_actions += 1
+        self.last_turn_hit_length = False
+
+    def add_observation(self, token_ids: Sequence[int], truncated: bool = False) -> bool:
+        """Append an observation's tokens (rendered within env.max_observation_tokens; `truncated`: its
+        content was cut). False, and the trajectory ends truncated, when the observation and one more
+        model token do not fit the response budget."""
         ids = [int(t) for t in token_ids]
         if len(ids) > self.limits.max_observation_tokens:
-            ids = ids[: self.limits.max_observation_tokens]
-            self.counts.observations_truncated += 1
+            raise ValueError(f"sample {self.index}: an observation of {len(ids)} tokens is over env.max_observation_tokens")
+        self.counts.observations_truncated += int(truncated)
         if len(self.response_ids) + len(ids) + 1 > self.limits.max_response_tokens:
             self.finish(truncated=True)
             return False

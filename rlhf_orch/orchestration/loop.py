@@ -530,6 +530,8 @@ class TrainLoop:
             metrics["sampling/rounds"] = delivery.rounds
         if delivery.meta.env_stats and self.env is not None:
             metrics.update(self.env.metrics(delivery.meta.env_stats))
+        if delivery.meta.env_metrics and self.env is not None:
+            metrics.update(self.env.aggregate(delivery.meta.env_metrics))
         if delivery.meta.model_rewards is not None:
             metrics["reward/model"] = sum(trajectories.model_rewards) / len(rewards)
         if delivery.meta.rule_rewards is not None:

@@ -164,6 +164,7 @@ def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
         truncated=[row[4] for row in rows],
         weight_versions=[row[5] for row in rows],
         env_stats=sum_env_stats([m.env_stats for m in parts]),
+        env_metrics=[e for m in parts for e in m.env_metrics],
         interrupted=sum(m.interrupted for m in parts),
         token_version_means=[row[6] for row in rows],
     )

@@ -50,6 +50,8 @@ class Completion:
     # Multi-turn trajectories (`env`): the environment's reward and this trajectory's env counters.
     env_reward: float | None = None
     env_stats: dict[str, float] | None = None
+    # The environment's own episode metrics (skyrl-gym's get_metrics), keyed by its class: (class, dict).
+    env_metrics: tuple[str, dict] | None = None
     # The engine's weight version when the sequence started (None: the engine's version now). A
     # weight update while it was generating (pipeline=async) made its later tokens with newer
     # weights: `interrupted`, and its staleness counts from this, its oldest token.
@@ -75,6 +77,7 @@ class RolloutMeta:
     model_rewards: list[float] | None = None  # reward-model scores (before weighting), by index
     rule_rewards: list[float] | None = None  # the weighted rule term, when a reward model adds to it
     env_stats: dict[str, float] | None = None  # multi-turn rollouts: env counters summed over the samples
+    env_metrics: list[tuple[str, dict]] = field(default_factory=list)  # each trajectory's get_metrics()
     interrupted: int = 0  # sequences a weight update reached while they were generating (pipeline=async)
     token_version_means: list[float] = field(default_factory=list)  # per sample: its tokens' mean weight version
 
@@ -144,6 +147,7 @@ def rollout_meta(
     generated_at: float = 0.0,
     scored: ScoredBatch | None = None,
     env_stats: dict[str, float] | None = None,
+    env_metrics: Sequence[tuple[str, dict] | None] = (),
 ) -> RolloutMeta:
     return RolloutMeta(
         indices=[s.index for s in samples],
@@ -157,6 +161,7 @@ def rollout_meta(
         truncated=[s.truncated for s in samples],
         weight_versions=[int(s.weight_version) for s in samples],
         env_stats=env_stats,
+        env_metrics=[m for m in env_metrics if m],
     )
 
 
@@ -234,7 +239,10 @@ class RolloutProducer(abc.ABC):
                 slot=work.slot,
                 num_slots=work.num_slots,
                 batch=ray.put(batch),
-                meta=rollout_meta(samples, score_s, scored=scored, env_stats=sum_env_stats([c.env_stats for c in finished])),
+                meta=rollout_meta(
+                    samples, score_s, scored=scored, env_stats=sum_env_stats([c.env_stats for c in finished]),
+                    env_metrics=[c.env_metrics for c in finished],
+                ),
                 nbytes=batch.nbytes,
                 wire_tokens=int(batch.input_ids.numel()),
             )
@@ -264,6 +272,7 @@ class RolloutProducer(abc.ABC):
         texts_of: list[Any] = []  # response ids, as the engine gave them (what `_decode` reads)
         env_rewards: list[float | None] = []
         env_stats: list[dict[str, float] | None] = []
+        env_metrics: list[tuple[str, dict]] = []
         versions: list[int] = []
         token_versions: list[float] = []
         interrupted = 0
@@ -285,6 +294,8 @@ class RolloutProducer(abc.ABC):
                 texts_of.append(c.response_ids)
                 env_rewards.append(c.env_reward)
                 env_stats.append(c.env_stats)
+                if c.env_metrics:
+                    env_metrics.append(c.env_metrics)
         t = time.perf_counter()
         info = held.scalars(rows)
         order = sorted(range(len(rows)), key=info["index"].__getitem__)
@@ -318,6 +329,7 @@ class RolloutProducer(abc.ABC):
             truncated=truncated,
             weight_versions=versions,
             env_stats=sum_env_stats(env_stats),
+            env_metrics=env_metrics,
             interrupted=interrupted,
             token_version_means=token_versions,
         )
@@ -344,7 +356,10 @@ class RolloutProducer(abc.ABC):
         """Generate and score, keep nothing: lengths and rewards only (evaluation)."""
         completions = [c for done in self._complete(requests, job) for c in done]
         samples, score_s, scored = self._samples(sorted(completions, key=lambda c: c.index), job)
-        return rollout_meta(samples, score_s, time.time(), scored, sum_env_stats([c.env_stats for c in completions]))
+        return rollout_meta(
+            samples, score_s, time.time(), scored, sum_env_stats([c.env_stats for c in completions]),
+            [c.env_metrics for c in completions],
+        )
 
     def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]], slot: int = 0) -> Any:
         """One packed piece per rank (None where this engine holds nothing for it).

@@ -1,0 +1,255 @@
+"""Multi-turn contexts on real chat templates, without an engine: the tokens each turn is generated
+from equal what the tokenizer's chat template renders for the conversation so far (the model's
+tokens kept as generated) -- on SmolLM2-135M-Instruct's ChatML, a Qwen2.5-style template with tool
+messages, a Llama-3-style template and the tiny model's; long observations cut on their content;
+turns cut at their token limit or by a stop string; the tokenization check's three modes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from rlhf_orch.data.base import Prompt
+from rlhf_orch.env.observations import ObservationRenderer
+from rlhf_orch.env.runner import MultiTurnRunner, TokenizationMismatch
+from rlhf_orch.env.trajectory import TrajectoryLimits
+from tests.test_env_runner import ScriptedGenerator
+
+pytestmark = pytest.mark.real_model
+
+QWEN25_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
+    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\\n<tools>\" }}{%- for tool in tools %}{{- \"\\n\" }}"
+    "{{- tool | tojson }}{%- endfor %}{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function "
+    "name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}{%- else %}{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are "
+    "Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}{%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+    "(message.role == \"assistant\" and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\\n' + "
+    "message.content + '<|im_end|>' + '\\n' }}{%- elif message.role == \"tool\" %}{%- if (loop.index0 == 0) or "
+    "(messages[loop.index0 - 1].role != \"tool\") %}{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' }}"
+    "{{- message.content }}{{- '\\n</tool_response>' }}{%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LLAMA3_TEMPLATE = (
+    "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "python", "description": "run code",
+                                           "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+
+
+@pytest.fixture(params=["smollm2", "qwen25_tools", "llama3"])
+def template(request, smollm2_tokenizer):
+    """(tokenizer, chat template kwargs, observation role) for each real template family."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    if request.param == "smollm2":
+        return tok, {}, "user"
+    if request.param == "qwen25_tools":
+        tok.chat_template = QWEN25_TEMPLATE
+        return tok, {"tools": TOOLS}, "tool"
+    tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.bos_token, tok.eos_token = "<|begin_of_text|>", "<|eot_id|>"
+    tok.chat_template = LLAMA3_TEMPLATE
+    return tok, {}, "user"
+
+
+class Answering:
+    """Answers each turn with `reply` (or `replies[i]`) for `turns` turns; the last step is done."""
+
+    def __init__(self, role, reply="result: 42", turns=2, replies=None, postprocess=None):
+        self.role, self.reply, self.turns, self.replies, self.postprocess = role, reply, turns, replies, postprocess
+        self.seen = []
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action):
+        self.seen.append(action)
+        done = len(self.seen) >= self.turns
+        content = self.replies[len(self.seen) - 1] if self.replies else self.reply
+        out = {"observations": [] if done else [{"role": self.role, "content": content}], "reward": 1.0, "done": done}
+        if self.postprocess:
+            out["postprocessed_action"] = self.postprocess(action)
+        return out
+
+
+def _run(tok, kwargs, env, turns, *, obs_tokens=256, per_turn=64, side="tail", check="strict", prompt_ids=None):
+    """One trajectory; turn k generates `turns[k]` (token ids, cut to the turn's budget)."""
+    messages = [{"role": "user", "content": "What is 6 times 7? Use the tool."}]
+    ids = prompt_ids or tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    generator = ScriptedGenerator({(0, k): t for k, t in enumerate(turns)})
+    generator.decode = lambda t: tok.decode(t, skip_special_tokens=True)
+    renderer = ObservationRenderer(tok, "chat_template", side, (), kwargs)
+    runner = MultiTurnRunner(lambda p: env, generator, renderer, TrajectoryLimits(len(turns), per_turn, 2048, obs_tokens), 1, 5.0, check)
+    (t,) = list(runner.run([(0, Prompt(text="q", messages=tuple(messages)), ids)]))
+    return t, generator, messages
+
+
+def _chat(tok, messages, kwargs, generation_prompt=True):
+    out = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True, **kwargs)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _turn(tok, text, close=True):
+    return tok(text, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if close else [])
+
+
+def _same(tok, context, conversation, kwargs):
+    """The context is the template's rendering: as text always; as token ids where the template puts
+    a special token on both sides of a turn (ChatML): elsewhere (Llama-3's `\n\n` before the content)
+    re-tokenising the whole text merges across the boundary the model generated from."""
+    text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)
+    assert tok.decode(context) == text
+    if "<|im_start|>" in text:
+        assert context == _chat(tok, conversation, kwargs)
+    return True
+
+
+def test_each_turn_is_generated_from_what_the_template_renders(template):
+    tok, kwargs, role = template
+    env = Answering(role, turns=3)
+    t, gen, messages = _run(tok, kwargs, env, [_turn(tok, "Let me check."), _turn(tok, "Again."), _turn(tok, "It is 42.")])
+    conversation = [*messages, {"role": "assistant", "content": "Let me check."}, {"role": role, "content": "result: 42"}]
+    assert _same(tok, gen.contexts[(0, 1)], conversation, kwargs)
+    conversation += [{"role": "assistant", "content": "Again."}, {"role": role, "content": "result: 42"}]
+    assert _same(tok, gen.contexts[(0, 2)], conversation, kwargs)
+    assert t.counts.tokenization_mismatches == 0 and t.counts.closing_tokens_added == 0
+    # the template's newline after the end-of-turn token is context, never trained
+    mask = dict(zip(range(len(t.prompt_ids), len(t.context())), t.loss_mask))
+    eos_at = [i for i, x in enumerate(t.context()) if x == tok.eos_token_id and i >= len(t.prompt_ids)]
+    assert all(mask[i] == 1 for i in eos_at[:1])
+
+
+def test_a_turn_cut_at_its_token_limit_gets_the_end_of_turn_token_as_context(template):
+    tok, kwargs, role = template
+    long_turn = _turn(tok, "Let me think about this for a long while before I answer", close=False)
+    t, gen, messages = _run(tok, kwargs, Answering(role), [long_turn, _turn(tok, "42")], per_turn=6)
+    cut = long_turn[:6]
+    conversation = [*messages, {"role": "assistant", "content": tok.decode(cut)}, {"role": role, "content": "result: 42"}]
+    context = gen.contexts[(0, 1)]
+    assert context[: len(t.prompt_ids) + 6] == t.prompt_ids + cut
+    assert context[len(t.prompt_ids) + 6] == tok.eos_token_id  # the turn is closed before the observation
+    assert t.loss_mask[6] == 0 and t.counts.closing_tokens_added == 1
+    assert t.counts.tokenization_mismatches == 0
+    # what follows the model's tokens is what the template renders after a turn
+    rendered = _chat(tok, conversation, kwargs)
+    assert context[len(t.prompt_ids) + 6:] == rendered[len(rendered) - (len(context) - len(t.prompt_ids) - 6):]
+
+
+@pytest.mark.parametrize("side", ["tail", "head", "middle"])
+def test_a_long_observation_is_cut_on_its_content_and_the_template_still_closes_it(template, side):
+    tok, kwargs, role = template
+    output = "".join(f"line {i}: value {i * i}\n" for i in range(300))  # ~2.5k tokens of tool output
+    t, gen, messages = _run(tok, kwargs, Answering(role, reply=output), [_turn(tok, "Run it."), _turn(tok, "Done.")],
+                            obs_tokens=64, side=side)
+    context = gen.contexts[(0, 1)]
+    observation = context[len(t.prompt_ids) + len(t.turns[0]):]
+    assert len(observation) <= 64 and t.counts.observations_truncated == 1
+    # the next turn starts after the template's generation prompt, not inside the tool message
+    header = _chat(tok, [{"role": "user", "content": "x"}], kwargs)
+    header_tail = header[len(_chat(tok, [{"role": "user", "content": "x"}], kwargs, generation_prompt=False)):]
+    assert context[-len(header_tail):] == header_tail
+    text = tok.decode(observation)
+    kept = {"tail": "line 0:" in text and "line 299" not in text, "head": "line 299" in text and "line 0:" not in text,
+            "middle": "line 0:" in text and "line 299" in text and "\n...\n" in text}
+    assert kept[side], text
+    assert t.counts.tokenization_mismatches == 0
+
+
+def test_a_stop_string_turn_and_a_postprocessed_action_end_properly(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    # the environment used the turn up to its closing tag only (skyrl-gym's postprocessed_action)
+    turn = _turn(tok, "<sql>SELECT 1</sql> and some trailing words", close=False)
+    env = Answering("user", postprocess=lambda a: a[: a.index("</sql>") + len("</sql>")] if "</sql>" in a else a)
+    t, gen, messages = _run(tok, {}, env, [turn, _turn(tok, "<solution>1</solution>")])
+    assert tok.decode(t.turns[0]).startswith("<sql>SELECT 1</sql>") and len(t.turns[0]) < len(turn)
+    assert "trailing" not in tok.decode(gen.contexts[(0, 1)])
+    assert t.counts.postprocessed_actions == 1 and t.counts.closing_tokens_added == 1
+    assert t.counts.tokenization_mismatches == 0
+
+
+def test_the_check_refuses_a_prompt_that_is_not_the_template_s(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    plain = tok("What is 6 times 7? Use the tool.", add_special_tokens=False)["input_ids"]  # data.chat_template=false
+    turns = [_turn(tok, "Let me check."), _turn(tok, "42")]
+    with pytest.raises(TokenizationMismatch, match="env.tokenization_sanity_check_mode=warn"):
+        _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="strict")
+    t, _, _ = _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="warn")
+    assert t.counts.tokenization_mismatches == 1
+    t, _, _ = _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="off")
+    assert t.counts.tokenization_mismatches == 0
+
+
+def test_the_tiny_template_is_exact_too(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model.path())
+    env = Answering("user", reply="4 2")
+    t, gen, messages = _run(tok, {}, env, [_turn(tok, "1 2"), _turn(tok, "3")])
+    conversation = [*messages, {"role": "assistant", "content": "1 2"}, {"role": "user", "content": "4 2"}]
+    assert gen.contexts[(0, 1)] == _chat(tok, conversation, {})  # a word-level tokenizer: ids compare
+    assert t.counts.tokenization_mismatches == 0
+
+
+# ----------------------------------------------------------------------------- skyrl-gym unchanged
+def _text2sql_prompts(tmp_path, tok):
+    from hydra.utils import instantiate
+
+    from tests.conftest import compose_config
+    from tests.text2sql_rows import make_text2sql
+
+    parquet, db_path = make_text2sql(tmp_path)
+    cfg = compose_config(["data=files", f"data.train_files=[{parquet}]", f"data.val_files=[{parquet}]", "data.prompt_max_len=512",
+                          "data.label_key=reward_spec.ground_truth", "env=skyrl", f"env.env_config.db_path={db_path}"])
+    data = instantiate(cfg.data)
+    data.bind(tok)
+    return data.sample_prompts(8), instantiate(cfg.env)
+
+
+def test_text2sql_runs_unchanged_on_rows_in_skyrl_sql_s_layout(tmp_path, smollm2_tokenizer):
+    """skyrl-gym's text2sql on SkyRL-SQL rows read by data=files: every column but the prompt reaches
+    the environment (`db_id`, `data`, `max_turns`), env.env_config (set without Hydra's `+`) arrives as
+    a DictConfig, the SQL result comes back as ChatML context and the gold query scores 1."""
+    tok = smollm2_tokenizer
+    prompts, env = _text2sql_prompts(tmp_path, tok)
+    prompt = next(p for p in prompts if "How many singers" in p.messages[-1]["content"])
+    made = env.make(prompt)
+    assert type(made).__name__ == "SQLEnv" and made.db_id == "concert_singer" and made.max_turns == 3
+    turns = [_turn(tok, "<think>Look at the table.</think><sql>SELECT name, age FROM singer</sql>"),
+             _turn(tok, "<think>Six rows.</think><solution>SELECT count(*) FROM singer</solution>")]
+    generator = ScriptedGenerator({(0, k): t for k, t in enumerate(turns)})
+    generator.decode = lambda t: tok.decode(t, skip_special_tokens=True)
+    runner = MultiTurnRunner(env.make, generator, env.renderer(tok), env.limits(512), 1, 10.0, "strict")
+    (t,) = list(runner.run([(0, prompt, list(prompt.prompt_ids))]))
+    assert t.counts.turns == 2 and t.counts.env_errors == 0 and t.done and not t.truncated
+    assert t.reward("last") == 1.0 and t.counts.tokenization_mismatches == 0
+    context = tok.decode(generator.contexts[(0, 1)])
+    assert "Joe Sharp" in context and "Tribal King" in context  # the database answered
+    assert context.endswith("</sql><|im_end|>\n<|im_start|>user\n" + t.messages[3]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_environment_metrics_are_aggregated_by_the_environment_s_class(smollm2_tokenizer):
+    """skyrl-gym's get_metrics per episode, aggregate_metrics per class (gsm8k_multi_turn averages its
+    steps as `avg_steps`), logged as env/<registered id>/<key>."""
+    from rlhf_orch.env.skyrl import SkyRLEnv
+
+    tok = smollm2_tokenizer
+    env = SkyRLEnv(env_class="gsm8k_multi_turn")
+    prompt = Prompt(text="q", label="42", messages=({"role": "user", "content": "What is 6 times 7?"},),
+                    env_fields={"reward_spec": {"method": "rule", "ground_truth": "42"}, "extra_info": {"max_turns": 3}})
+    ids = _chat(tok, list(prompt.messages), {})
+    scripts = {(0, 0): _turn(tok, "#### 42"), (1, 0): _turn(tok, "I think 40"), (1, 1): _turn(tok, "#### 42")}
+    generator = ScriptedGenerator(scripts)
+    generator.decode = lambda t: tok.decode(t, skip_special_tokens=True)
+    runner = MultiTurnRunner(env.make, generator, env.renderer(tok), env.limits(256), 2, 10.0, "strict")
+    out = sorted(runner.run([(0, prompt, ids), (1, prompt, ids)]), key=lambda t: t.index)
+    assert [t.counts.turns for t in out] == [1, 2]
+    assert env.aggregate([t.env_metrics for t in out]) == {"env/gsm8k_multi_turn/avg_steps": 1.5}
