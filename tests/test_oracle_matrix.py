@@ -46,10 +46,12 @@ from hydra.utils import instantiate
 
 from rlhf_orch.algo.losses import LOSS_AGGREGATIONS
 from rlhf_orch.algo.oracle import Optimization, Rollout, reference_update
+from rlhf_orch.orchestration.loop import sample_values_by_index
 from rlhf_orch.trainer.forward import load_critic, load_policy
 from rlhf_orch.trainer.metrics import trainer_metrics
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, TrainerSpec
 from rlhf_orch.transfer.batch import LOSS_MASK, Sample
+from rlhf_orch.transfer.engine_side import rollout_meta
 from tests.conftest import compose_config
 
 pytestmark = pytest.mark.integration
@@ -168,11 +170,9 @@ def _submit_update(actors, model_path, algo, transfer_name, ranks, cut, optimize
         w.build.remote(_spec(model_path, ranks, cut, optimizer, algo.ppo_epochs, False))
     for w in critic:
         w.build.remote(_spec(model_path, ranks, cut, optimizer, algo.ppo_epochs, True))
-    scores = torch.tensor([s.reward for s in SAMPLES])
-    group_ids = torch.tensor([s.index for s in SAMPLES]) // SAMPLES_PER_PROMPT
-    lengths = torch.tensor([len(s.response_ids) for s in SAMPLES])
-    values, _ = algo.sample_values(scores, group_ids, lengths, MAX_RESPONSE_LEN)
-    by_index = dict(zip([s.index for s in SAMPLES], values.tolist()))
+    # the driver's own path: the rollout's metadata as an engine reports it (DAPO's overlong
+    # penalty counts the policy's tokens: the holes of a multi-turn response do not count)
+    by_index, _ = sample_values_by_index(algo, rollout_meta(SAMPLES), SAMPLES_PER_PROMPT, MAX_RESPONSE_LEN)
     made = []
     for rank, shard in enumerate(shards):
         policy[rank].stage.remote(rank, shard)

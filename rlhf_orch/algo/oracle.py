@@ -258,7 +258,8 @@ def _rloo(x: _Inputs) -> tuple[list[Tensor], None]:
 
 def _dapo(x: _Inputs) -> tuple[list[Tensor], None]:
     a, r = x.algo, x.rollout
-    scores = [s + _overlong_penalty(len(r.responses[i]), x.max_response_len, a.overlong_buffer, a.overlong_penalty) for i, s in enumerate(r.scores)]
+    # the policy's own tokens: a multi-turn response's observations (holes) do not count
+    scores = [s + _overlong_penalty(sum(r.mask(i)), x.max_response_len, a.overlong_buffer, a.overlong_penalty) for i, s in enumerate(r.scores)]
     return x.per_token(_group_centred(scores, r.group_ids, a.norm_by_std, a.eps)), None
 
 

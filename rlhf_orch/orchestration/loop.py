@@ -101,7 +101,8 @@ def sample_values_by_index(
     trajectories = meta.trajectories_only()
     scores = torch.tensor(trajectories.rewards, dtype=torch.float32)
     groups = torch.tensor(group_ids(trajectories.indices, samples_per_prompt), dtype=torch.long)
-    lengths = torch.tensor(trajectories.response_lens, dtype=torch.long)
+    # the policy's own tokens (a multi-turn response's observations do not count towards overlong)
+    lengths = torch.tensor(trajectories.model_token_lens or trajectories.response_lens, dtype=torch.long)
     values, stats = algo.sample_values(scores, groups, lengths, response_max_len)
     of_trajectory = dict(zip(trajectories.indices, values.tolist()))
     return {i: of_trajectory[trajectory_of(i)] for i in meta.indices}, stats

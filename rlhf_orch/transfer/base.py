@@ -140,9 +140,9 @@ class Delivery:
 
 def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
     rows = sorted(
-        (i, s, r, w, t, v, tv)
+        (i, s, r, w, t, v, tv, g)
         for m in parts
-        for i, s, r, w, t, v, tv in zip(
+        for i, s, r, w, t, v, tv, g in zip(
             m.indices,
             m.seq_lens,
             m.response_lens,
@@ -150,6 +150,7 @@ def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
             m.truncated or [False] * len(m.indices),
             m.weight_versions or [0] * len(m.indices),
             m.token_version_means or [float(v) for v in (m.weight_versions or [0] * len(m.indices))],
+            m.model_token_lens or m.response_lens,
         )
     )
     return RolloutMeta(
@@ -167,6 +168,7 @@ def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
         env_metrics=[e for m in parts for e in m.env_metrics],
         interrupted=sum(m.interrupted for m in parts),
         token_version_means=[row[6] for row in rows],
+        model_token_lens=[row[7] for row in rows],
     )
 
 

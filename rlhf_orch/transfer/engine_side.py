@@ -29,7 +29,7 @@ import torch
 
 from rlhf_orch.reward.base import Response
 from rlhf_orch.reward.execution import ScoredBatch
-from rlhf_orch.transfer.batch import PaddedBatch, Sample
+from rlhf_orch.transfer.batch import LOSS_MASK, PaddedBatch, Sample
 from rlhf_orch.transfer.packed_buffer import PackedBuffer
 from rlhf_orch.transfer.plan import CompletionRequest, MicroBatchWork, group_of, is_extra_sequence, trajectory_of
 
@@ -80,6 +80,9 @@ class RolloutMeta:
     env_metrics: list[tuple[str, dict]] = field(default_factory=list)  # each trajectory's get_metrics()
     interrupted: int = 0  # sequences a weight update reached while they were generating (pipeline=async)
     token_version_means: list[float] = field(default_factory=list)  # per sample: its tokens' mean weight version
+    # Per sample: the tokens the policy generated (a multi-turn response without its observations:
+    # what DAPO's overlong penalty counts); empty = response_lens.
+    model_token_lens: list[int] = field(default_factory=list)
 
     def trajectories_only(self) -> "RolloutMeta":
         """The first sequence of every trajectory (a trajectory may train as several:
@@ -91,7 +94,7 @@ class RolloutMeta:
         return dataclasses.replace(
             self, indices=pick(self.indices), seq_lens=pick(self.seq_lens), response_lens=pick(self.response_lens),
             rewards=pick(self.rewards), truncated=pick(self.truncated), weight_versions=pick(self.weight_versions),
-            token_version_means=pick(self.token_version_means),
+            token_version_means=pick(self.token_version_means), model_token_lens=pick(self.model_token_lens),
             model_rewards=pick(self.model_rewards), rule_rewards=pick(self.rule_rewards),
         )
 
@@ -129,6 +132,12 @@ class RolloutJob:
     min_tokens: int = 0  # EOS cannot end a response before this many tokens (algo.min_response_len)
 
 
+def model_tokens(response_ids: Any, fields: dict[str, Any]) -> int:
+    """Tokens of a response the policy generated: its loss mask's ones (observations are holes)."""
+    mask = fields.get(LOSS_MASK)
+    return int(torch.as_tensor(mask).sum()) if mask is not None else len(response_ids)
+
+
 def sum_env_stats(per_sample: Sequence[dict[str, float] | None]) -> dict[str, float] | None:
     """Env counters of several samples (or metas) added up; None when none has any."""
     present = [s for s in per_sample if s]
@@ -162,6 +171,7 @@ def rollout_meta(
         weight_versions=[int(s.weight_version) for s in samples],
         env_stats=env_stats,
         env_metrics=[m for m in env_metrics if m],
+        model_token_lens=[model_tokens(s.response_ids, s.fields) for s in samples],
     )
 
 
@@ -273,6 +283,7 @@ class RolloutProducer(abc.ABC):
         env_rewards: list[float | None] = []
         env_stats: list[dict[str, float] | None] = []
         env_metrics: list[tuple[str, dict]] = []
+        generated: list[int] = []  # model tokens per completion
         versions: list[int] = []
         token_versions: list[float] = []
         interrupted = 0
@@ -294,6 +305,7 @@ class RolloutProducer(abc.ABC):
                 texts_of.append(c.response_ids)
                 env_rewards.append(c.env_reward)
                 env_stats.append(c.env_stats)
+                generated.append(model_tokens(c.response_ids, c.fields))
                 if c.env_metrics:
                     env_metrics.append(c.env_metrics)
         t = time.perf_counter()
@@ -332,6 +344,7 @@ class RolloutProducer(abc.ABC):
             env_metrics=env_metrics,
             interrupted=interrupted,
             token_version_means=token_versions,
+            model_token_lens=[generated[k] for k in order],
         )
 
     def held_samples(self, slot: int = 0) -> list[Sample]:
