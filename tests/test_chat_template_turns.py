@@ -74,20 +74,22 @@ class Answering:
         self.seen.append(action)
         done = len(self.seen) >= self.turns
         content = self.replies[len(self.seen) - 1] if self.replies else self.reply
-        out = {"observations": [] if done else [{"role": self.role, "content": content}], "reward": 1.0, "done": done}
+        observations = [] if done or content is None else [{"role": self.role, "content": content}]
+        out = {"observations": observations, "reward": 1.0, "done": done}
         if self.postprocess:
             out["postprocessed_action"] = self.postprocess(action)
         return out
 
 
-def _run(tok, kwargs, env, turns, *, obs_tokens=256, per_turn=64, side="tail", check="strict", prompt_ids=None):
-    """One trajectory; turn k generates `turns[k]` (token ids, cut to the turn's budget)."""
-    messages = [{"role": "user", "content": "What is 6 times 7? Use the tool."}]
-    ids = prompt_ids or tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+def _run(tok, kwargs, env, turns, *, obs_tokens=256, per_turn=64, side="tail", check="strict", prompt_ids=None, messages=None):
+    """One trajectory; turn k generates `turns[k]` (token ids, cut to the turn's budget). The prompt's
+    ids are what data=files renders for the row: the template without env.chat_template_kwargs."""
+    messages = messages or [{"role": "user", "content": "What is 6 times 7? Use the tool."}]
+    ids = prompt_ids or tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     generator = ScriptedGenerator({(0, k): t for k, t in enumerate(turns)})
     generator.decode = lambda t: tok.decode(t, skip_special_tokens=True)
-    renderer = ObservationRenderer(tok, "chat_template", side, (), kwargs)
+    renderer = ObservationRenderer(tok, "chat_template", side, (), kwargs)  # re-renders the prompt with kwargs
     runner = MultiTurnRunner(lambda p: env, generator, renderer, TrajectoryLimits(len(turns), per_turn, 2048, obs_tokens), 1, 5.0, check)
     (t,) = list(runner.run([(0, Prompt(text="q", messages=tuple(messages)), ids)]))
     return t, generator, messages
@@ -122,10 +124,10 @@ def test_each_turn_is_generated_from_what_the_template_renders(template):
     conversation += [{"role": "assistant", "content": "Again."}, {"role": role, "content": "result: 42"}]
     assert _same(tok, gen.contexts[(0, 2)], conversation, kwargs)
     assert t.counts.tokenization_mismatches == 0 and t.counts.closing_tokens_added == 0
-    # the template's newline after the end-of-turn token is context, never trained
+    # the model's end-of-turn token is trained; what the template puts after it is context
     mask = dict(zip(range(len(t.prompt_ids), len(t.context())), t.loss_mask))
     eos_at = [i for i, x in enumerate(t.context()) if x == tok.eos_token_id and i >= len(t.prompt_ids)]
-    assert all(mask[i] == 1 for i in eos_at[:1])
+    assert mask[eos_at[0]] == 1 and mask[eos_at[0] + 1] == 0
 
 
 def test_a_turn_cut_at_its_token_limit_gets_the_end_of_turn_token_as_context(template):
@@ -164,7 +166,7 @@ def test_a_long_observation_is_cut_on_its_content_and_the_template_still_closes_
     assert t.counts.tokenization_mismatches == 0
 
 
-def test_a_stop_string_turn_and_a_postprocessed_action_end_properly(smollm2_tokenizer):
+def test_a_turn_the_environment_shortened_ends_properly(smollm2_tokenizer):
     tok = smollm2_tokenizer
     # the environment used the turn up to its closing tag only (skyrl-gym's postprocessed_action)
     turn = _turn(tok, "<sql>SELECT 1</sql> and some trailing words", close=False)
@@ -173,6 +175,24 @@ def test_a_stop_string_turn_and_a_postprocessed_action_end_properly(smollm2_toke
     assert tok.decode(t.turns[0]).startswith("<sql>SELECT 1</sql>") and len(t.turns[0]) < len(turn)
     assert "trailing" not in tok.decode(gen.contexts[(0, 1)])
     assert t.counts.postprocessed_actions == 1 and t.counts.closing_tokens_added == 1
+    assert t.counts.tokenization_mismatches == 0
+
+
+def test_a_prompt_with_assistant_messages_of_its_own_is_checked_around_them(smollm2_tokenizer):
+    """Few-shot examples (or a conversation's history) in the prompt are not the model's turns."""
+    tok = smollm2_tokenizer
+    few_shot = [{"role": "user", "content": "What is 2 times 3?"}, {"role": "assistant", "content": "6"},
+                {"role": "user", "content": "What is 6 times 7?"}]
+    t, gen, _ = _run(tok, {}, Answering("user"), [_turn(tok, "Let me check."), _turn(tok, "42")], messages=few_shot)
+    assert t.counts.tokenization_mismatches == 0 and t.turn_messages == [3, 5]
+    assert _same(tok, gen.contexts[(0, 1)], [*few_shot, {"role": "assistant", "content": "Let me check."},
+                                              {"role": "user", "content": "result: 42"}], {})
+
+
+def test_a_step_without_observations_still_closes_the_turn_and_opens_the_next(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    t, gen, messages = _run(tok, {}, Answering("user", replies=[None, None]), [_turn(tok, "Hmm."), _turn(tok, "42")])
+    assert tok.decode(gen.contexts[(0, 1)]).endswith("Hmm.<|im_end|>\n<|im_start|>assistant\n")
     assert t.counts.tokenization_mismatches == 0
 
 
@@ -253,3 +273,15 @@ def test_environment_metrics_are_aggregated_by_the_environment_s_class(smollm2_t
     out = sorted(runner.run([(0, prompt, ids), (1, prompt, ids)]), key=lambda t: t.index)
     assert [t.counts.turns for t in out] == [1, 2]
     assert env.aggregate([t.env_metrics for t in out]) == {"env/gsm8k_multi_turn/avg_steps": 1.5}
+
+
+def test_a_template_closing_turns_with_another_token_than_the_tokenizer_s_eos(smollm2_tokenizer):
+    """Phi-3 / Gemma style: the tokenizer's EOS is <|endoftext|>, the template closes turns with
+    <|im_end|> -- an engine stop id from the generation config. Given it, the newline is kept."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.eos_token = "<|endoftext|>"
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    renderer = ObservationRenderer(tok, "chat_template", "tail", [im_end])
+    obs = renderer.observation([{"role": "user", "content": "result"}], True, None)
+    assert tok.decode(obs.ids) == "\n<|im_start|>user\nresult<|im_end|>\n<|im_start|>assistant\n"
+    assert renderer.closes_turn(tok("ok", add_special_tokens=False)["input_ids"] + [im_end])

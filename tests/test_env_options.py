@@ -111,7 +111,7 @@ def test_skyrl_gym_multi_turn_environment_runs_unchanged():
     class Render(OneTokenPerMessage):
         def observation(self, messages, turn_closed, max_tokens):
             rendered.append(messages)
-            return SimpleNamespace(ids=[900] * 3, truncated=False, messages=list(messages))
+            return SimpleNamespace(ids=[900] * 3, truncated=False, messages=list(messages), closing_added=False)
 
     runner = MultiTurnRunner(env.make, generator, Render(), TrajectoryLimits(4, 8, 64, 16), 2, 5.0)
     (t,) = list(runner.run([(0, prompt, [1, 2])]))

@@ -73,13 +73,17 @@ class OneTokenPerMessage:
 
     def observation(self, messages, turn_closed, max_tokens):
         ids = [900 + len(str(m["content"])) for m in messages]
-        return SimpleNamespace(ids=ids[:max_tokens], truncated=len(ids) > max_tokens, messages=list(messages)[:max_tokens])
+        return SimpleNamespace(ids=ids[:max_tokens], truncated=len(ids) > max_tokens, messages=list(messages)[:max_tokens],
+                               closing_added=False)
 
     def closes_turn(self, ids):
         return bool(ids) and ids[-1] == 7
 
     def prompt(self, messages):
         return [60 + len(messages)]
+
+    def renders_prompts(self):
+        return False
 
 
 render = OneTokenPerMessage()
@@ -218,13 +222,39 @@ def test_async_def_init_and_step_are_awaited():
     assert t.counts.turns == 2 and t.counts.env_errors == 0 and t.turn_rewards == [1.0, 2.0] and not t.truncated
 
 
-@pytest.mark.parametrize("mask_failed, mask_truncated, expected", [(False, False, [1, 1, 1]), (True, False, [0, 0, 0]), (False, True, [0, 0, 0])])
-def test_failed_or_truncated_trajectories_can_train_nothing(mask_failed, mask_truncated, expected):
+@pytest.mark.parametrize("mask_failed, mask_truncated", [(False, False), (True, False), (False, True), (True, True)])
+def test_failed_or_truncated_trajectories_can_train_nothing(mask_failed, mask_truncated):
+    """env.mask_failed masks a trajectory whose step raised; env.mask_truncated one that a limit cut
+    (here env.max_turns) -- each only its own kind."""
     from rlhf_orch.env.lookup import LookupEnv
 
     env = LookupEnv(mask_failed=mask_failed, mask_truncated=mask_truncated)
-    (broken, fine), _ = run([CountdownEnv(turns=3, fail_at=1), CountdownEnv(turns=1)])
-    broken, fine = sorted((broken, fine), key=lambda t: t.index)
-    assert broken.counts.env_errors == 1 and broken.truncated  # a failing step ends the trajectory cut
-    assert env.loss_mask(broken) == expected and broken.counts.masked == int(expected == [0, 0, 0])
-    assert env.loss_mask(fine) == [1, 1, 1] and fine.counts.masked == 0
+    out, _ = run([CountdownEnv(turns=3, fail_at=1), CountdownEnv(turns=9), CountdownEnv(turns=1)], lim=limits(turns=2))
+    broken, cut, fine = sorted(out, key=lambda t: t.index)
+    assert broken.counts.env_errors == 1 and cut.counts.env_errors == 0 and cut.truncated and not fine.truncated
+    assert env.masks_out(broken) == mask_failed
+    assert env.masks_out(cut) == mask_truncated
+    assert not env.masks_out(fine)
+
+
+def test_vllm_turns_keep_the_stop_string_in_the_turn():
+    """env.stop reaches vLLM with include_stop_str_in_output: the turn holds `</sql>` (SkyRL keeps it)."""
+    from rlhf_orch.engines.turns import VLLMTurns
+
+    class FakeLLM:
+        llm_engine = SimpleNamespace(has_unfinished_requests=lambda: True)
+
+        def __init__(self):
+            self.params = []
+
+        def get_tokenizer(self):
+            return None
+
+        def enqueue(self, prompts, params, use_tqdm=False):
+            self.params += params
+            return ["0-0"]
+
+    llm = FakeLLM()
+    VLLMTurns(llm, 0.7, step_seed=1, stop=["</sql>"]).submit(0, [1, 2], 8, 0)
+    (params,) = llm.params
+    assert params.stop == ["</sql>"] and params.include_stop_str_in_output and params.temperature == 0.7

@@ -71,7 +71,7 @@ def test_oracle_advantages_equal_the_estimators_on_masks_with_holes(name):
     mask = _rows(rollout.loss_masks, MAX_LEN).bool()
     scores = torch.tensor(rollout.scores)
     group_ids = torch.tensor(rollout.group_ids)
-    lengths = torch.tensor([len(r) for r in rollout.responses])
+    lengths = torch.tensor([sum(m) for m in rollout.loss_masks])  # the policy's tokens, as the driver counts them
     sample_values, _ = algo.sample_values(scores, group_ids, lengths, MAX_LEN)
     rows = TargetRows(
         mask=mask,

@@ -290,7 +290,8 @@ RANGES: tuple[Range, ...] = (
            "'middle' (both ends kept, a marker between)"),
     choice("env.tokenization_sanity_check_mode", ("strict", "warn", "off"),
            "'strict' (a context that differs from the chat template's rendering ends the run), 'warn' "
-           "(logged once, counted in env/tokenization_mismatches) or 'off'"),
+           "(logged once, counted in env/tokenization_mismatches), 'off', or null (strict with a chat "
+           "template, off with observation_format=plain)", nullable=True),
     Range("env.stop", lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v),
           "must be a list of non-empty strings that end a model turn, e.g. ['</sql>', '</answer>']"),
     choice("env.tool_format", ("hermes", "tags"),

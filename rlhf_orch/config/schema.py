@@ -410,8 +410,9 @@ class MultiTurnEnvConfig(EnvConfig):
     # own tokens around it are never cut.
     observation_truncate_side: str = "tail"
     # The context of every trajectory against the chat template's rendering of its conversation
-    # (veRL's tokenization sanity check): strict (a mismatch ends the run), warn, off.
-    tokenization_sanity_check_mode: str = "strict"
+    # (veRL's tokenization sanity check): strict (a mismatch ends the run), warn, off; null: strict
+    # with observation_format=chat_template, off with plain (no template to check against).
+    tokenization_sanity_check_mode: Optional[str] = None
     stop: list[str] = field(default_factory=list)  # strings that end a turn (kept); the end-of-turn token follows
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. {enable_thinking: false}
     mask_failed: bool = False  # train nothing of a trajectory whose env.step raised or timed out (else: its reward)
@@ -444,6 +445,7 @@ class LookupEnvConfig(MultiTurnEnvConfig):
     _target_: str = "rlhf_orch.env.lookup.LookupEnv"
     max_turns: int = 3
     observation_format: str = "plain"
+
 
 
 @dataclass

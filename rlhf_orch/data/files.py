@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 OVERLONG_POLICIES = ("error", "filter")
 DEFAULT_LABEL_KEY = "reward_model.ground_truth"
 _TOKENIZE_CHUNK = 1024
-# Columns of SkyRL's dataset layout a multi-turn environment reads per row (`env=skyrl`).
 
 
 _MISSING = object()

@@ -22,6 +22,18 @@ from rlhf_orch.transfer.engine_side import Completion, RolloutJob
 from rlhf_orch.transfer.plan import CompletionRequest
 
 
+def generation_eos_ids(tokenizer: Any) -> list[int]:
+    """The model's generation config's EOS ids (vLLM stops on them too): some templates close a turn
+    with one of these rather than the tokenizer's EOS (Phi-3's <|end|>, Gemma's <end_of_turn>)."""
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
+    except (OSError, ValueError):
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+
+
 def turn_seed(step_seed: int, index: int, turn: int) -> int:
     return (step_seed * 1_000_003 + index * 7_919 + turn) % (2**31 - 1)
 
@@ -142,7 +154,7 @@ def complete_trajectories(
     its samples) once the last of them finishes, like the single-turn `_complete`."""
     env = job.env
     generator = VLLMTurns(llm, job.temperature, step_seed, stepping, env.stop)
-    renderer = env.renderer(generator.tokenizer)
+    renderer = env.renderer(generator.tokenizer, generation_eos_ids(generator.tokenizer))
     runner = MultiTurnRunner(
         env.make, generator, renderer, env.limits(job.max_tokens), env.concurrency, env.step_timeout_s(),
         env.tokenization_sanity_check_mode,
@@ -153,7 +165,10 @@ def complete_trajectories(
     items = [(i, job.prompts[r.prompt_index], job.prompt_ids[r.prompt_index]) for r in requests for i in r.indices(job.samples_per_prompt)]
     for t in runner.run(items):
         request = owner[t.index]
-        mask = torch.tensor(env.loss_mask(t), dtype=torch.float32)
+        mask = torch.tensor(t.loss_mask, dtype=torch.float32)
+        if env.masks_out(t):
+            mask.zero_()
+            t.counts.masked = 1
         done[request].append(
             Completion(
                 t.index, t.prompt_ids, t.response_ids, t.logprobs,

@@ -16,8 +16,10 @@ and a user's class needs no import of it:
 from __future__ import annotations
 
 import abc
+import asyncio
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from rlhf_orch.data.base import Prompt
 
@@ -79,7 +81,28 @@ def row_extras(prompt: Prompt) -> dict[str, Any]:
     extra_info, and the row's env fields."""
     env_fields = dict(prompt.env_fields or {})
     reward_spec = env_fields.pop("reward_spec", None) or {"method": "rule", "ground_truth": prompt.label}
-    return {**env_fields, "reward_spec": reward_spec, "extra_info": dict(prompt.extra or {})}
+    extra_info = env_fields.pop("extra_info", None) or prompt.extra or {}  # the row's own column first
+    return {**env_fields, "reward_spec": reward_spec, "extra_info": dict(extra_info)}
+
+
+def call_env(method: Callable[..., Any], *args: Any, loop: asyncio.AbstractEventLoop | None = None) -> Any:
+    """An environment's `init` / `step`, plain or `async def`: a coroutine runs to completion on
+    `loop` (the trajectory's own, so a client made in `init` still works in `step`) in the calling
+    thread -- the runner calls steps on its pool's threads, so one environment's await never holds
+    the others."""
+    result = method(*args)
+    if not inspect.isawaitable(result):
+        return result
+    return loop.run_until_complete(result) if loop is not None else asyncio.run(result)
+
+
+def is_async(env: Any) -> bool:
+    return inspect.iscoroutinefunction(getattr(env, "init", None)) or inspect.iscoroutinefunction(getattr(env, "step", None))
+
+
+def env_class_key(cls: type) -> str:
+    """How an environment's class travels to the driver, which aggregates its episode metrics."""
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 class EnvGroup(abc.ABC):

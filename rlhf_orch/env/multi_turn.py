@@ -7,9 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from rlhf_orch.data.base import Prompt
-from rlhf_orch.env.base import EnvError, EnvGroup, prompt_messages
-from rlhf_orch.env.observations import FORMATS, TRUNCATE_SIDES, ObservationRenderer
-from rlhf_orch.env.runner import CHECK_MODES, call_env
+from rlhf_orch.env.base import EnvError, EnvGroup, call_env, prompt_messages
+from rlhf_orch.env.observations import CHECK_MODES, FORMATS, TRUNCATE_SIDES, ObservationRenderer
 from rlhf_orch.env.trajectory import Trajectory, TrajectoryLimits
 
 REWARDS = ("last", "sum")
@@ -43,7 +42,7 @@ class MultiTurnEnv(EnvGroup):
     reward_weight: float = 0.0
     observation_format: str = "chat_template"
     observation_truncate_side: str = "tail"
-    tokenization_sanity_check_mode: str = "strict"
+    tokenization_sanity_check_mode: str | None = None  # None: strict with a chat template, off with plain
     stop: list[str] = field(default_factory=list)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     mask_failed: bool = False
@@ -53,6 +52,14 @@ class MultiTurnEnv(EnvGroup):
 
     def __post_init__(self) -> None:
         self.stop = [str(s) for s in self.stop or []]
+        if self.observation_format == "plain" and self.tokenization_sanity_check_mode not in (None, "off"):
+            # nothing to check against: refused rather than silently ignored
+            raise EnvError(
+                f"env.tokenization_sanity_check_mode={self.tokenization_sanity_check_mode}: checks contexts against "
+                "the chat template, which env.observation_format=plain does not use; leave it unset"
+            )
+        if self.tokenization_sanity_check_mode is None:
+            self.tokenization_sanity_check_mode = "strict" if self.observation_format == "chat_template" else "off"
         self.chat_template_kwargs = dict(self.chat_template_kwargs or {})
         for key, value, allowed in (
             ("reward", self.reward, REWARDS),
@@ -64,9 +71,12 @@ class MultiTurnEnv(EnvGroup):
                 raise EnvError(f"env.{key}={value!r}: must be one of {', '.join(allowed)}")
         if any(not s for s in self.stop):
             raise EnvError("env.stop: an empty stop string would end every turn at once; remove it")
+        if self.observation_format == "plain" and self.chat_template_kwargs:
+            raise EnvError("env.chat_template_kwargs: env.observation_format=plain renders no chat template; remove them")
 
     def renderer(self, tokenizer: Any, stop_ids: Any = ()) -> ObservationRenderer:
-        """How this option's observations become tokens for `tokenizer`."""
+        """How this option's observations become tokens for `tokenizer` (`stop_ids`: the engine's
+        end-of-turn ids beyond the tokenizer's EOS, from the model's generation config)."""
         return ObservationRenderer(
             tokenizer, self.observation_format, self.observation_truncate_side, stop_ids, self.chat_template_kwargs
         )
@@ -102,16 +112,14 @@ class MultiTurnEnv(EnvGroup):
             "time/env": stats.get("env_seconds", 0.0),
         }
 
-    def loss_mask(self, t: Trajectory) -> list[int]:
-        """What of the trajectory trains: the model's tokens, or nothing where its environment failed
-        (an error or a timeout in env.step: `env.mask_failed`) or a limit cut it (`env.mask_truncated`)
-        -- instead of training it with the reward it ended with (rLLM; SkyRL's overlong filtering).
-        Counted in env/masked."""
+    def masks_out(self, t: Trajectory) -> bool:
+        """Train nothing of this trajectory: its environment failed (an error or a timeout in
+        env.step: `env.mask_failed`), or a limit cut it (`env.max_turns`, a token budget:
+        `env.mask_truncated`) -- instead of training it with the reward it ended with (rLLM;
+        SkyRL's overlong filtering)."""
         failed = t.counts.env_errors + t.counts.env_timeouts > 0
-        if (self.mask_failed and failed) or (self.mask_truncated and (t.truncated or t.last_turn_hit_length)):
-            t.counts.masked = 1
-            return [0] * len(t.loss_mask)
-        return list(t.loss_mask)
+        cut = (t.truncated and not failed) or t.last_turn_hit_length
+        return (self.mask_failed and failed) or (self.mask_truncated and cut)
 
     def aggregate(self, episodes: list[tuple[str, dict]]) -> dict[str, float]:
         """The environments' own episode metrics (skyrl-gym's `get_metrics`), aggregated by each
@@ -122,8 +130,11 @@ class MultiTurnEnv(EnvGroup):
         out: dict[str, float] = {}
         for key, metrics in by_class.items():
             cls = self.episode_class(key)
-            aggregate = getattr(cls, "aggregate_metrics", None) or average_metrics
-            for name, value in (aggregate(metrics) or {}).items():
+            try:
+                aggregated = (getattr(cls, "aggregate_metrics", None) or average_metrics)(metrics) or {}
+            except Exception:  # noqa: BLE001 - e.g. an instance method: the mean, as skyrl-gym's default
+                aggregated = average_metrics(metrics)
+            for name, value in aggregated.items():
                 if isinstance(value, (int, float)):
                     out[f"env/{self.episode_name(key)}/{name}"] = float(value)
         return out

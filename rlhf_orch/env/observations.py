@@ -30,6 +30,8 @@ from rlhf_orch.env.base import EnvError
 # The fixed conversation the new messages are rendered after (its own tokens are dropped).
 _BASE = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
 FORMATS = ("chat_template", "plain")
+# env.tokenization_sanity_check_mode: a mismatch ends the run, is logged once and counted, or nothing.
+CHECK_MODES = ("strict", "warn", "off")
 # Which side of a too-long observation's content is cut: the end, the start, or the middle.
 TRUNCATE_SIDES = ("tail", "head", "middle")
 _MIDDLE_MARK = "\n...\n"
@@ -42,6 +44,7 @@ class RenderedObservation:
     ids: list[int]
     truncated: bool  # some message's content was cut to fit env.max_observation_tokens
     messages: list[dict]  # the messages as rendered (contents cut where truncated)
+    closing_added: bool = False  # the template's end-of-turn token was put first (the turn had none)
 
 
 def _ids(out: Any) -> list[int]:
@@ -51,7 +54,8 @@ def _ids(out: Any) -> list[int]:
 
 
 def stop_token_ids(tokenizer: Any, extra: Iterable[int] = ()) -> set[int]:
-    """The token ids an engine ends a turn on: the tokenizer's EOS and the generation config's."""
+    """The token ids an engine ends a turn on: the tokenizer's EOS and `extra` (the generation
+    config's EOS ids: models whose template closes turns with a token other than the tokenizer's EOS)."""
     ids = {int(t) for t in extra}
     eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(eos, int):
@@ -100,6 +104,11 @@ class ObservationRenderer:
         close = self.frame()[1]
         return bool(token_ids) and close is not None and int(token_ids[-1]) == close
 
+    def renders_prompts(self) -> bool:
+        """Prompts must be rendered here: the template takes options (env.chat_template_kwargs) the
+        data's rendering of the rows did not have."""
+        return self.format == "chat_template" and bool(self.template_kwargs)
+
     def prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """A whole prompt an environment rewrote in `init`: the chat template with the generation
         prompt (as `data.chat_template=true` renders rows)."""
@@ -124,21 +133,23 @@ class ObservationRenderer:
 
     def observation(self, messages: Sequence[Mapping[str, Any]], turn_closed: bool, max_tokens: int | None) -> RenderedObservation:
         """The tokens after a model turn: the messages rendered, their contents cut so that the whole
-        fits `max_tokens` (the template's own tokens are never cut)."""
-        if not messages:
+        fits `max_tokens` (the template's own tokens are never cut). No messages under a chat template
+        still close the turn and open the next one (what the template renders for two turns in a row)."""
+        if not messages and self.format == "plain":
             return RenderedObservation([], False, [])
+        closing = self.format == "chat_template" and not turn_closed and self.frame()[1] is not None
         ids = self._delta(messages, turn_closed)
         empty = [{**m, "content": ""} for m in messages]
         roles = tuple(sorted({str(m.get("role")) for m in messages}))
-        if self.format == "chat_template" and roles not in self._rendered_roles:
-            if any(str(m.get("content", "")) for m in messages) and ids == self._delta(empty, turn_closed):
+        if self.format == "chat_template" and roles not in self._rendered_roles and any(str(m.get("content", "")) for m in messages):
+            if ids == self._delta(empty, turn_closed):
                 raise EnvError(
                     "env.observation_format=chat_template: this tokenizer's chat template renders none of the "
                     f"roles {list(roles)}; use env.observation_format=plain"
                 )
-            self._rendered_roles.add(roles)
+            self._rendered_roles.add(roles)  # (only once seen rendering content)
         if max_tokens is None or len(ids) <= max_tokens:
-            return RenderedObservation(ids, False, [dict(m) for m in messages])
+            return RenderedObservation(ids, False, [dict(m) for m in messages], closing)
         frame = len(self._delta(empty, turn_closed))
         if frame > max_tokens:
             raise EnvError(
@@ -151,9 +162,9 @@ class ObservationRenderer:
             cut = [{**m, "content": self._cut(c, share)} for m, c, share in zip(messages, contents, _shares(contents, budget))]
             ids = self._delta(cut, turn_closed)
             if len(ids) <= max_tokens:
-                return RenderedObservation(ids, True, cut)
+                return RenderedObservation(ids, True, cut, closing)
             budget -= len(ids) - max_tokens
-        return RenderedObservation(self._delta(empty, turn_closed), True, empty)
+        return RenderedObservation(self._delta(empty, turn_closed), True, empty, closing)
 
     def _cut(self, content: list[int], keep: int) -> str:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
@@ -166,31 +177,31 @@ class ObservationRenderer:
         if self.truncate_side == "head":
             return decode(content[len(content) - keep:])
         mark = len(self._tokens(_MIDDLE_MARK))
-        room = max(0, keep - mark)
+        if keep <= mark + 1:  # no room for both ends and the marker: keep the start
+            return decode(content[:keep])
+        room = keep - mark
         head = (room + 1) // 2
         tail = room - head
         return decode(content[:head]) + _MIDDLE_MARK + (decode(content[len(content) - tail:]) if tail else "")
 
     # ------------------------------------------------------------------ the tokenization check
-    def matches_template(self, messages: Sequence[Mapping[str, Any]], turns: Sequence[Sequence[int]], context: Sequence[int]) -> tuple[bool, list[int]]:
+    def matches_template(self, messages: Sequence[Mapping[str, Any]], turns: Sequence[Sequence[int]], context: Sequence[int],
+                         turn_at: Sequence[int]) -> tuple[bool, list[int]]:
         """Is `context` the chat template's rendering of `messages` (assistant messages in order =
         the model's `turns`, kept as generated)? Two readings count: the template's text around each
         turn tokenised piece by piece, the turn's own tokens between (exact where a special token
         bounds every turn: ChatML, Llama-3); or the whole text, turns decoded, tokenised at once (word
         tokenizers that fold the space before a turn into its first token, like the tiny model's).
-        Returns (match, the piecewise reading)."""
+        `turn_at[k]` is where turn k is in `messages` (the prompt may hold assistant messages of its
+        own: few-shot examples, a conversation's history). Returns (match, the piecewise reading)."""
         if self.format != "chat_template":
             raise ValueError("the tokenization check needs env.observation_format=chat_template")
-        marked, k = [], 0
-        for m in messages:
-            if m.get("role") == "assistant":
-                marked.append({**m, "content": _TURN_MARK.format(k)})
-                k += 1
-            else:
-                marked.append(dict(m))
-        if k != len(turns):
-            raise ValueError(f"{k} assistant messages but {len(turns)} model turns")
-        ends_with_turn = bool(messages) and messages[-1].get("role") == "assistant"
+        if len(turn_at) != len(turns):
+            raise ValueError(f"{len(turn_at)} turn positions but {len(turns)} model turns")
+        marked = [dict(m) for m in messages]
+        for k, at in enumerate(turn_at):
+            marked[at] = {**messages[at], "content": _TURN_MARK.format(k)}
+        ends_with_turn = bool(turn_at) and turn_at[-1] == len(messages) - 1
         text = self._render(marked, generation_prompt=not ends_with_turn, tokenize=False)
         pieces, rest = [], text
         for i in range(len(turns)):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import inspect
 import logging
 import time
 from collections import deque
@@ -24,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from rlhf_orch.data.base import Prompt
-from rlhf_orch.env.base import StepResult, TextEnv, prompt_messages
+from rlhf_orch.env.base import StepResult, TextEnv, call_env, env_class_key, is_async, prompt_messages
+from rlhf_orch.env.observations import CHECK_MODES
 from rlhf_orch.env.trajectory import Trajectory, TrajectoryLimits
 
 logger = logging.getLogger(__name__)
-CHECK_MODES = ("strict", "warn", "off")
 
 # Numeric step-metadata keys an environment may report (the python tool does); summed per rollout.
 TOOL_COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts")
@@ -56,16 +55,18 @@ class TurnGenerator(Protocol):
         """A turn's text, as the environment reads it (special tokens skipped)."""
 
 
-def call_env(method: Callable[..., Any], *args: Any) -> Any:
-    """An environment's `init` / `step`, plain or `async def` (run to completion in this thread: the
-    runner calls steps on its pool's threads, so one environment's await never holds the others)."""
-    result = method(*args)
-    return asyncio.run(result) if inspect.isawaitable(result) else result
-
-
-def env_class_key(cls: type) -> str:
-    """How an environment's class travels to the driver (which aggregates its metrics)."""
-    return f"{cls.__module__}:{cls.__qualname__}"
+def _plain(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Episode metrics as plain numbers and strings: they travel in checkpoints, which load only those."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, (bool, str)):
+            out[str(k)] = v
+        elif isinstance(v, (int, float)) or hasattr(v, "__float__"):
+            try:
+                out[str(k)] = float(v)
+            except (TypeError, ValueError):
+                pass
+    return out
 
 
 class Rendering(Protocol):
@@ -81,7 +82,9 @@ class Rendering(Protocol):
     def prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
 
     def matches_template(self, messages: Sequence[Mapping[str, Any]], turns: Sequence[Sequence[int]],
-                         context: Sequence[int]) -> tuple[bool, list[int]]: ...
+                         context: Sequence[int], turn_at: Sequence[int]) -> tuple[bool, list[int]]: ...
+
+    def renders_prompts(self) -> bool: ...
 
 
 class EnvRuntimeError(RuntimeError):
@@ -99,6 +102,7 @@ class _Live:
     future: cf.Future | None = None
     deadline: float = 0.0
     started: float = 0.0
+    loop: asyncio.AbstractEventLoop | None = None  # an `async def` environment's own event loop
 
 
 class MultiTurnRunner:
@@ -140,10 +144,11 @@ class MultiTurnRunner:
                     entry = live[out.key]
                     entry.trajectory.add_turn(out.token_ids, out.logprobs, out.hit_length)
                     action = self.generator.decode(out.token_ids)
+                    entry.trajectory.turn_messages.append(len(entry.trajectory.messages))
                     entry.trajectory.messages.append({"role": "assistant", "content": action})
                     entry.started = time.perf_counter()
                     entry.deadline = time.monotonic() + self.step_timeout_s
-                    entry.future = pool.submit(call_env, entry.env.step, action)
+                    entry.future = pool.submit(call_env, entry.env.step, action, loop=entry.loop)
                 for entry in self._stepped(live, block=not self.generator.busy()):
                     self._after_step(entry)
                 finished = [i for i, e in live.items() if e.trajectory.done]
@@ -161,19 +166,27 @@ class MultiTurnRunner:
     # ------------------------------------------------------------------ pieces
     def _start(self, index: int, prompt: Prompt, ids: Sequence[int]) -> _Live:
         t = time.perf_counter()
+        loop = None
         try:
             env = self.make_env(prompt)
+            loop = asyncio.new_event_loop() if is_async(env) else None
             messages = prompt_messages(prompt)
-            first, _ = call_env(env.init, messages)
+            first, _ = call_env(env.init, messages, loop=loop)
         except Exception as e:  # noqa: BLE001 - named in one line for the driver
+            if loop is not None:
+                loop.close()
             raise EnvRuntimeError(f"the environment for sample {index} could not start: {type(e).__name__}: {e}") from e
         prompt_ids = list(ids)
-        if first is not None and list(first) != messages:
+        rewritten = first is not None and list(first) != messages
+        if rewritten:
             messages = [dict(m) for m in first]
-            prompt_ids = self.renderer.prompt(messages)  # the environment rewrote the prompt
+        if rewritten or self.renderer.renders_prompts():
+            # the environment rewrote the prompt, or the template takes options the data's rendering
+            # did not have (env.chat_template_kwargs: tools, enable_thinking)
+            prompt_ids = self.renderer.prompt(messages)
         trajectory = Trajectory(index, prompt_ids, self.limits, messages=[dict(m) for m in messages])
         trajectory.counts.env_seconds += time.perf_counter() - t
-        return _Live(trajectory, env)
+        return _Live(trajectory, env, loop=loop)
 
     def _next_turn(self, entry: _Live) -> None:
         t = entry.trajectory
@@ -224,37 +237,48 @@ class MultiTurnRunner:
         obs = self.renderer.observation(result.observations, closed, self.limits.max_observation_tokens)
         if not t.add_observation(obs.ids, obs.truncated):
             return
-        t.counts.closing_tokens_added += int(not closed and self.renderer.format == "chat_template")
+        t.counts.closing_tokens_added += int(obs.closing_added)
         t.messages.extend(obs.messages)
         if t.wants_another_turn():
             self._next_turn(entry)
 
     def _shorten(self, t: Trajectory, action: str) -> None:
         """skyrl-gym's postprocessed_action: the environment used only this much of the turn (e.g.
-        up to its closing tag). The turn's tokens are cut to the shortest prefix that decodes to it;
-        an action that is no prefix of the turn leaves the tokens as generated (the context must
-        hold what the engine generated)."""
+        up to its closing tag). The turn's tokens are cut to the shortest prefix that decodes to it
+        (found by bisection: a longer prefix of a prefix-matching one matches too) -- unless what
+        would go is only whitespace or special tokens (the end-of-turn token stays the model's). An
+        action that is no prefix of the turn leaves the tokens as generated: the context must hold
+        what the engine generated."""
         turn = t.turns[-1]
-        if self.generator.decode(turn) == action:
+        decode = self.generator.decode
+        if not decode(turn).startswith(action) or not decode(turn)[len(action):].strip():
             return
-        for keep in range(1, len(turn) + 1):
-            if self.generator.decode(turn[:keep]).startswith(action):
-                t.shorten_last_turn(keep)
-                t.messages[-1] = {"role": "assistant", "content": self.generator.decode(turn[:keep])}
-                return
+        lo, hi = 0, len(turn)  # decode(turn[:hi]) starts with the action
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if decode(turn[:mid]).startswith(action):
+                hi = mid
+            else:
+                lo = mid + 1
+        t.shorten_last_turn(hi)
+        t.messages[-1] = {"role": "assistant", "content": decode(turn[:hi])}
 
     def _check(self, t: Trajectory) -> None:
         if self.check == "off":
             return
         actual = t.context()
-        ok, expected = self.renderer.matches_template(t.messages, t.turns, actual)
+        try:
+            ok, expected = self.renderer.matches_template(t.messages, t.turns, actual, t.turn_messages)
+            why = ""
+        except Exception as e:  # noqa: BLE001 - a template that cannot render the conversation back
+            ok, expected, why = False, [], f" ({type(e).__name__}: {e})"
         if ok:
             return
         t.counts.tokenization_mismatches += 1
         at = next((i for i, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
         message = (
             f"sample {t.index}: the context differs from the chat template's rendering of its conversation at "
-            f"token {at} of {len(actual)} (template: {expected[at:at + 8]}, context: {actual[at:at + 8]})"
+            f"token {at} of {len(actual)} (template: {expected[at:at + 8]}, context: {actual[at:at + 8]}){why}"
         )
         if self.check == "strict":
             raise TokenizationMismatch(
@@ -270,9 +294,11 @@ class MultiTurnRunner:
         get_metrics = getattr(entry.env, "get_metrics", None)  # skyrl-gym's episode metrics, optional
         if callable(get_metrics):
             try:
-                t.env_metrics = (env_class_key(type(entry.env)), dict(get_metrics() or {}))
+                t.env_metrics = (env_class_key(type(entry.env)), _plain(get_metrics() or {}))
             except Exception as e:  # noqa: BLE001 - metrics never cost a trajectory
                 logger.warning("sample %d: %s.get_metrics() raised %s: %s", t.index, type(entry.env).__name__, type(e).__name__, e)
+        if entry.loop is not None and entry.future is None:  # (a timed-out step still runs on it)
+            entry.loop.close()
         try:
             getattr(entry.env, "close", lambda: None)()  # optional for a user's class
         except Exception:  # noqa: BLE001 - a failing close loses nothing of the trajectory

@@ -22,9 +22,8 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.data.base import Prompt
-from rlhf_orch.env.base import EnvError, TextEnv, prompt_messages, row_extras
+from rlhf_orch.env.base import EnvError, TextEnv, call_env, prompt_messages, row_extras
 from rlhf_orch.env.multi_turn import MultiTurnEnv
-from rlhf_orch.env.runner import call_env
 
 
 # skyrl-gym environments that execute the model's code themselves, in the engine's process, outside
@@ -60,7 +59,8 @@ def default_env_config(env_id: str) -> dict[str, Any]:
 def _answers(url: str, timeout_s: float = 3.0) -> bool:
     parsed = urlparse(url)
     try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 80), timeout=timeout_s):
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        with socket.create_connection((parsed.hostname or "127.0.0.1", port), timeout=timeout_s):
             return True
     except OSError:
         return False
@@ -105,6 +105,7 @@ class SkyRLEnv(MultiTurnEnv):
         except Exception as e:  # noqa: BLE001 - one line naming what the environment wanted
             raise EnvError(f"env=skyrl: {self._class_of(prompt)} could not start on the first row: {type(e).__name__}: {e}") from e
         urls = [getattr(g, "search_url", None) for g in getattr(instance, "tool_groups", [])]
+        getattr(instance, "close", lambda: None)()
         for url in filter(None, urls):
             if not _answers(url):
                 key = "env.env_config.search_url" if "search_url" in self.config_for(self._class_of(prompt)) else "its search_url"
@@ -112,7 +113,6 @@ class SkyRLEnv(MultiTurnEnv):
                     f"env=skyrl: {self._class_of(prompt)} queries a retrieval server at {url} ({key}), which does not "
                     "answer; start one (SkyRL's retriever: skyrl-gym's search examples) and set env.env_config.search_url"
                 )
-        getattr(instance, "close", lambda: None)()
 
     def _class_of(self, prompt: Prompt) -> str:
         return str((prompt.env_fields or {}).get("env_class") or self.env_class)

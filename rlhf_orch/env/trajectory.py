@@ -66,6 +66,7 @@ class Trajectory:
     # rendered) and each model turn's token ids: what the tokenization check renders.
     messages: list[dict] = field(default_factory=list)
     turns: list[list[int]] = field(default_factory=list)
+    turn_messages: list[int] = field(default_factory=list)  # where each model turn is in `messages`
     env_metrics: tuple[str, dict] | None = None  # (the environment's class, its get_metrics()) once closed
 
     def context(self) -> list[int]:

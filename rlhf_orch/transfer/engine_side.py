@@ -84,6 +84,11 @@ class RolloutMeta:
     # what DAPO's overlong penalty counts); empty = response_lens.
     model_token_lens: list[int] = field(default_factory=list)
 
+    def __setstate__(self, state: dict) -> None:
+        # a rollout held in a checkpoint written before a field existed gets the field's default
+        defaults = {f.name: f.default_factory() for f in dataclasses.fields(self) if f.default_factory is not dataclasses.MISSING}
+        self.__dict__.update({**defaults, **state})
+
     def trajectories_only(self) -> "RolloutMeta":
         """The first sequence of every trajectory (a trajectory may train as several:
         `plan.extra_sequence_index`): what rewards, groups and evaluation count."""
