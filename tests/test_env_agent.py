@@ -5,6 +5,7 @@ tests/test_env_integration.py runs the same on a real engine and in whole runs).
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
@@ -324,3 +325,21 @@ def test_a_trajectory_s_further_sequences_share_its_advantage_and_count_once():
     assert values[1] > 0 > values[0] and values[1] == pytest.approx(-values[0])  # a group of two, not four
     assert values[extras[0]] == values[extras[1]] == values[1]
     assert values[2] == values[3] == 0.0
+
+
+def test_the_endpoint_reads_tool_calls_with_vllm_s_parsers(smollm2_tokenizer):
+    """env.tool_parser=llama3_json (any vLLM tool parser): the completion's tool_calls as vLLM's own
+    OpenAI server would return them; an unknown name is refused before Ray."""
+    import copy
+
+    from rlhf_orch.env.base import EnvError
+    from rlhf_orch.env.tool_parsers import check_tool_parser
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"record": {"type": "string"}}}}}]
+    content, calls = parse_tool_calls('{"name": "lookup", "parameters": {"record": "3 1"}}', "llama3_json", tok, tools)
+    assert [c["function"]["name"] for c in calls] == ["lookup"] and json.loads(calls[0]["function"]["arguments"]) == {"record": "3 1"}
+    assert parse_tool_calls("just words", "llama3_json", tok, tools) == ("just words", [])
+    with pytest.raises(EnvError, match="env.tool_parser='hermes2'"):
+        check_tool_parser("env.tool_parser", "hermes2", ("hermes", "none"))

@@ -38,7 +38,7 @@ def test_the_default_is_single_turn():
 
 @pytest.mark.parametrize("key,value", [("max_turns", 0), ("max_tokens_per_turn", 0), ("max_observation_tokens", 0),
                                        ("tool_timeout_s", 0), ("concurrency", 0), ("reward", "mean"),
-                                       ("observation_format", "xml"), ("tool_format", "json"), ("tool_memory_mb", 1)])
+                                       ("observation_format", "xml"), ("tool_format", ""), ("tool_memory_mb", 1)])
 def test_env_keys_out_of_range_are_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"env.{key}="):
         validate_values(_typed(["env=python_tool", f"env.{key}={value}"]))

@@ -74,3 +74,31 @@ def test_bad_tool_settings_are_refused_before_ray():
         _env(tool_format="xml")
     with pytest.raises(EnvError, match="memory_mb"):
         _env(tool_memory_mb=1)
+
+
+def test_tool_formats_beyond_hermes_are_vllm_s_parsers(smollm2_tokenizer):
+    """env.tool_format=<a vLLM tool parser> reads the calls the way vLLM's OpenAI server does, with
+    the engine's tokenizer (here SmolLM2's, given the format's marker tokens); an unknown name is
+    refused before Ray naming them."""
+    import copy
+
+    from rlhf_orch.env.base import EnvError
+
+    with pytest.raises(EnvError, match=r"env.tool_format='json': must be one of hermes, tags or a vLLM tool parser \(.*llama3_json"):
+        _env(tool_format="json")
+    cases = {
+        "llama3_json": ('{"name": "python", "parameters": {"code": "print(6*7)"}}', ["<|python_tag|>"]),
+        "qwen3_coder": ("<tool_call>\n<function=python>\n<parameter=code>\nprint(6*7)\n</parameter>\n</function>\n</tool_call>",
+                        ["<tool_call>", "</tool_call>"]),
+        "mistral": ('[TOOL_CALLS][{"name": "python", "arguments": {"code": "print(6*7)"}}]', ["[TOOL_CALLS]"]),
+    }
+    for fmt, (turn, markers) in cases.items():
+        tok = copy.deepcopy(smollm2_tokenizer)
+        tok.add_special_tokens({"additional_special_tokens": markers})
+        env = _env(tool_format=fmt)
+        env.attach(tok)
+        out = env.make(Prompt(text="q", label="42")).step(turn)
+        assert out["metadata"] == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0}, (fmt, out)
+        assert out["observations"][0]["content"].strip() == "42"
+    # the schema reaches the model through the chat template's `tools`
+    assert _env().chat_template_kwargs["tools"][0]["function"]["name"] == "python"

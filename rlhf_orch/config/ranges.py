@@ -294,8 +294,9 @@ RANGES: tuple[Range, ...] = (
            "template, off with observation_format=plain)", nullable=True),
     Range("env.stop", lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v),
           "must be a list of non-empty strings that end a model turn, e.g. ['</sql>', '</answer>']"),
-    choice("env.tool_format", ("hermes", "tags"),
-           "'hermes' (<tool_call>{json}</tool_call>, Qwen/Hermes chat models) or 'tags' (<python>code</python>)"),
+    Range("env.tool_format", lambda v: isinstance(v, str) and bool(v.strip()),
+          "must be 'hermes' (<tool_call>{json}</tool_call>, Qwen/Hermes chat models), 'tags' (<python>code</python>), "
+          "or a vLLM tool parser's name (llama3_json, mistral, qwen3_coder, ...)"),
     ints("env.tool_memory_mb", 16, "address space of one tool process, MB"),
     ints("env.tool_cpu_s", 1, "CPU seconds of one tool process"),
     ints("env.tool_max_output_bytes", 1, "bytes of tool output the model sees; the rest is cut, with a marker"),
@@ -307,8 +308,9 @@ RANGES: tuple[Range, ...] = (
     choice("env.host", ("auto", "loopback", "node"),
            "'auto' (loopback on a one-node cluster, else the node's address), 'loopback' or 'node'"),
     Range("env.served_model_name", lambda v: isinstance(v, str) and bool(v.strip()), "must be a non-empty model name"),
-    choice("env.tool_parser", ("hermes", "none"),
-           "'hermes' (<tool_call>{json}</tool_call> become tool_calls, Qwen/Hermes chat models) or 'none'"),
+    Range("env.tool_parser", lambda v: isinstance(v, str) and bool(v.strip()),
+          "must be 'hermes' (<tool_call>{json}</tool_call> become tool_calls, Qwen/Hermes chat models), 'none', "
+          "or a vLLM tool parser's name (llama3_json, mistral, qwen3_coder, ...)"),
     # ---- checkpoint
     ints("checkpoint.every_n_steps", 0, "0 = only at the end of the run and on signals"),
     reals("checkpoint.every_n_minutes", 0, why="minutes of training between time-based checkpoints; 0 = off"),

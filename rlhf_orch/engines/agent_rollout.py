@@ -28,7 +28,7 @@ import torch
 from rlhf_orch.engines.turns import CallOutput, VLLMCalls, turn_seed
 from rlhf_orch.env.agent_record import AGENT_METRIC_PREFIX, AgentLimits, AgentRecord, CallRefused
 from rlhf_orch.env.agent_runner import AgentOutcome, AgentRunner
-from rlhf_orch.env.chat_api import ChatAPIError, completion_body, parse_request
+from rlhf_orch.env.chat_api import TOOL_PARSERS, ChatAPIError, completion_body, parse_request
 from rlhf_orch.transfer.batch import LOSS_MASK
 from rlhf_orch.transfer.engine_side import Completion
 from rlhf_orch.transfer.plan import extra_sequence_index, trajectory_of
@@ -162,8 +162,13 @@ class AgentRolloutSession:
         with self._lock:
             record.counts.generation_seconds += time.perf_counter() - t
             record.add(prompt_ids, out.token_ids, out.logprobs, out.finish_reason == "length")
-        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        return completion_body(self.server.model_name, text, out.finish_reason, len(prompt_ids), len(out.token_ids), self.tool_parser)
+        if self.tool_parser in TOOL_PARSERS:
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        else:  # vLLM's tool parsers read their markers, which may be special tokens (mistral's [TOOL_CALLS])
+            ids = out.token_ids[:-1] if out.token_ids and out.token_ids[-1] == self.tokenizer.eos_token_id else out.token_ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return completion_body(self.server.model_name, text, out.finish_reason, len(prompt_ids), len(out.token_ids),
+                               self.tool_parser, self.tokenizer, call.tools)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         kwargs = {"tools": tools} if tools else {}

@@ -154,6 +154,7 @@ def complete_trajectories(
     its samples) once the last of them finishes, like the single-turn `_complete`."""
     env = job.env
     generator = VLLMTurns(llm, job.temperature, step_seed, stepping, env.stop)
+    env.attach(generator.tokenizer)
     renderer = env.renderer(generator.tokenizer, generation_eos_ids(generator.tokenizer))
     runner = MultiTurnRunner(
         env.make, generator, renderer, env.limits(job.max_tokens), env.concurrency, env.step_timeout_s(),

@@ -19,6 +19,7 @@ from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.agent_record import AGENT_METRIC_PREFIX, AgentLimits
 from rlhf_orch.env.base import EnvError, EnvGroup, prompt_messages, row_extras
 from rlhf_orch.env.chat_api import TOOL_PARSERS
+from rlhf_orch.env.tool_parsers import check_tool_parser
 from rlhf_orch.env.custom import load_user_module
 
 HOSTS = ("auto", "loopback", "node")
@@ -58,8 +59,7 @@ class AgentEnv(EnvGroup):
     def __post_init__(self) -> None:
         if not self.path or not self.name:
             raise EnvError("env=agent needs env.path=<file.py> and env.name=<function>")
-        if self.tool_parser not in TOOL_PARSERS:
-            raise EnvError(f"env.tool_parser={self.tool_parser!r}: must be one of {', '.join(TOOL_PARSERS)}")
+        check_tool_parser("env.tool_parser", self.tool_parser, TOOL_PARSERS)
         if self.host not in HOSTS:
             raise EnvError(f"env.host={self.host!r}: must be one of {', '.join(HOSTS)}")
 

@@ -8,21 +8,22 @@ other than the run's (the trainers score the policy at `algo.temperature` with t
 vocabulary: a token drawn any other way would be trained on with the wrong probability).
 `max_tokens` / `max_completion_tokens` are honoured, capped by the run's limits.
 
-`parse_tool_calls` reads Hermes-style calls (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`,
-Qwen's and Hermes' chat templates) out of a completion into OpenAI `tool_calls`.
+`parse_tool_calls` reads the model's tool calls out of a completion into OpenAI `tool_calls`: Hermes
+style (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, Qwen's and Hermes' chat templates)
+or any format vLLM has a tool parser for (`env.tool_parser=llama3_json`, `mistral`, `qwen3_coder`...).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-TOOL_PARSERS = ("hermes", "none")
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+from rlhf_orch.env.tool_parsers import extract_tool_calls
+
+TOOL_PARSERS = ("hermes", "none")  # built in; any of vLLM's tool parsers besides (rlhf_orch.env.tool_parsers)
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted and ignored: they change nothing the engine samples or the trainers see.
 _IGNORED = ("user", "metadata", "store", "stream_options", "parallel_tool_calls", "tool_choice", "seed", "service_tier",
@@ -125,33 +126,28 @@ def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return m
 
 
-def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of a completion's text: Hermes calls taken out of the content."""
-    if parser == "none":
+def parse_tool_calls(text: str, parser: str, tokenizer: Any = None,
+                     tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of a completion's text in OpenAI's layout (`rlhf_orch.env.tool_parsers`:
+    Hermes here, other formats by vLLM's parsers). Calls that do not parse stay in the content: the
+    agent sees what the model wrote."""
+    content, calls = extract_tool_calls(text, parser, tokenizer, tools)
+    valid = [c for c in calls if c.error is None]
+    if not valid:
         return text, []
-    calls = []
-    for body in _HERMES.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
-            continue  # left in the content: the agent sees what the model wrote
-        if not isinstance(call, Mapping) or not isinstance(call.get("name"), str):
-            continue
-        args = call.get("arguments", {})
-        calls.append({
+    return content, [
+        {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
-            "function": {"name": call["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
-        })
-    if not calls:
-        return text, []
-    content = _HERMES.sub("", text).strip()
-    return content or None, calls
+            "function": {"name": c.name, "arguments": c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments)},
+        }
+        for c in valid
+    ]
 
 
 def completion_body(model_name: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                    tool_parser: str) -> dict[str, Any]:
-    content, tool_calls = parse_tool_calls(text, tool_parser)
+                    tool_parser: str, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    content, tool_calls = parse_tool_calls(text, tool_parser, tokenizer, tools)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls

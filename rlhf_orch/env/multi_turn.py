@@ -49,6 +49,12 @@ class MultiTurnEnv(EnvGroup):
     mask_truncated: bool = False
 
     multi_turn = True
+    # The engine's tokenizer, set where trajectories run (`attach`): what environments that read
+    # special tokens (vLLM's tool parsers) need. None on the driver.
+    engine_tokenizer = None  # (a class attribute, not a config field)
+
+    def attach(self, tokenizer: Any) -> None:
+        self.engine_tokenizer = tokenizer
 
     def __post_init__(self) -> None:
         self.stop = [str(s) for s in self.stop or []]

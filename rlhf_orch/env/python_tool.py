@@ -17,7 +17,6 @@ run reports (`env/tool_calls_mean`, `env/tool_errors`, `env/tool_timeouts`).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -26,37 +25,39 @@ from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, row_extras
 from rlhf_orch.env.multi_turn import MultiTurnEnv
 from rlhf_orch.env.sandbox import SandboxLimits, run_python
+from rlhf_orch.env.tool_parsers import check_tool_parser, extract_tool_calls
 
-TOOL_FORMATS = ("hermes", "tags")
-_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+TOOL_FORMATS = ("hermes", "tags")  # built in; any of vLLM's tool parsers besides (rlhf_orch.env.tool_parsers)
+# The tool as chat templates show it to the model (`tools`): what Qwen / Llama / Mistral templates render.
+PYTHON_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run Python code in a sandbox and return what it prints (stdout, then stderr).",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
+                       "required": ["code"]},
+    },
+}
 _TAGS = re.compile(r"<python>(.*?)</python>", re.DOTALL)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 MAX_CALLS_PER_TURN = 4  # further calls in one turn are answered with an error, not run
 
 
-def parse_tool_calls(text: str, fmt: str) -> list[tuple[str | None, str | None]]:
+def parse_tool_calls(text: str, fmt: str, tokenizer: Any = None) -> list[tuple[str | None, str | None]]:
     """Per call in `text`: (code, None), or (None, what is wrong with the call)."""
     if fmt == "tags":
         return [(code.strip("\n"), None) for code in _TAGS.findall(text)]
-    calls: list[tuple[str | None, str | None]] = []
-    for body in _HERMES.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append((None, f"tool call is not JSON: {e.msg} at column {e.colno}"))
-            continue
-        if not isinstance(call, dict) or call.get("name") != "python":
-            calls.append((None, "unknown tool: the only tool is 'python' with arguments {\"code\": ...}"))
-            continue
-        args = call.get("arguments")
-        if isinstance(args, str):  # some models send the arguments JSON-encoded once more
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                args = None
-        code = args.get("code") if isinstance(args, dict) else None
-        calls.append((code, None) if isinstance(code, str) else (None, "python tool call needs arguments {\"code\": \"...\"}"))
-    return calls
+    _, calls = extract_tool_calls(text, fmt, tokenizer, [PYTHON_TOOL])
+    out: list[tuple[str | None, str | None]] = []
+    for call in calls:
+        if call.error is not None:
+            out.append((None, call.error))
+        elif call.name != "python":
+            out.append((None, "unknown tool: the only tool is 'python' with arguments {\"code\": ...}"))
+        else:
+            code = call.arguments.get("code") if isinstance(call.arguments, dict) else None
+            out.append((code, None) if isinstance(code, str) else (None, "python tool call needs arguments {\"code\": \"...\"}"))
+    return out
 
 
 def final_answer(text: str) -> str:
@@ -71,21 +72,22 @@ def final_answer(text: str) -> str:
 class PythonToolTrajectory:
     """One trajectory's environment (skyrl-gym's BaseTextEnv contract)."""
 
-    def __init__(self, ground_truth: Any, tool_format: str, limits: SandboxLimits):
+    def __init__(self, ground_truth: Any, tool_format: str, limits: SandboxLimits, tokenizer: Any = None):
         self.ground_truth = None if ground_truth is None else str(ground_truth).strip()
         self.tool_format = tool_format
         self.limits = limits
+        self.tokenizer = tokenizer  # the engine's: vLLM's tool parsers read its special tokens
 
     def init(self, prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return prompt, {}
 
     def _message(self, text: str) -> dict[str, Any]:
         # The plain-text format shows the model where the tool's answer starts and ends.
-        content = text if self.tool_format == "hermes" else f"<output>{text}</output>"
+        content = text if self.tool_format != "tags" else f"<output>{text}</output>"
         return {"role": "tool", "content": content}
 
     def step(self, action: str) -> dict[str, Any]:
-        calls = parse_tool_calls(action, self.tool_format)
+        calls = parse_tool_calls(action, self.tool_format, self.tokenizer)
         if not calls:
             correct = self.ground_truth is not None and final_answer(action) == self.ground_truth
             return {"observations": [], "reward": 1.0 if correct else 0.0, "done": True, "metadata": {"tool_calls": 0}}
@@ -117,9 +119,11 @@ class PythonToolEnv(MultiTurnEnv):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.tool_format not in TOOL_FORMATS:
-            raise EnvError(f"env.tool_format={self.tool_format!r}: must be one of {', '.join(TOOL_FORMATS)}")
+        check_tool_parser("env.tool_format", self.tool_format, TOOL_FORMATS)
         self.sandbox_limits()  # bad limits refused here, before Ray
+        if self.tool_format != "tags" and self.observation_format == "chat_template":
+            # the tool's schema reaches the model the way chat templates show tools (their `tools`)
+            self.chat_template_kwargs = {"tools": [PYTHON_TOOL], **self.chat_template_kwargs}
 
     def sandbox_limits(self) -> SandboxLimits:
         try:
@@ -136,7 +140,7 @@ class PythonToolEnv(MultiTurnEnv):
 
     def make(self, prompt: Prompt) -> PythonToolTrajectory:
         ground_truth = row_extras(prompt)["reward_spec"].get("ground_truth")
-        return PythonToolTrajectory(ground_truth, self.tool_format, self.sandbox_limits())
+        return PythonToolTrajectory(ground_truth, self.tool_format, self.sandbox_limits(), self.engine_tokenizer)
 
     def option_name(self) -> str:
         return "python_tool"
