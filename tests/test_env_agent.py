@@ -343,3 +343,19 @@ def test_the_endpoint_reads_tool_calls_with_vllm_s_parsers(smollm2_tokenizer):
     assert parse_tool_calls("just words", "llama3_json", tok, tools) == ("just words", [])
     with pytest.raises(EnvError, match="env.tool_parser='hermes2'"):
         check_tool_parser("env.tool_parser", "hermes2", ("hermes", "none"))
+
+
+def test_the_endpoint_separates_reasoning_with_vllm_s_parsers(smollm2_tokenizer):
+    """env.reasoning_parser=qwen3: <think>...</think> becomes the message's reasoning_content and the
+    tool calls are read from the rest."""
+    import copy
+
+    from rlhf_orch.env.chat_api import completion_body
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    text = '<think>The record is 3 1.</think>Looking it up. <tool_call>{"name": "lookup", "arguments": {"record": "3 1"}}</tool_call>'
+    message = completion_body("policy", text, "stop", 5, 9, "hermes", tok, None, "qwen3")["choices"][0]["message"]
+    assert message["reasoning_content"] == "The record is 3 1." and message["content"] == "Looking it up."
+    assert message["tool_calls"][0]["function"]["name"] == "lookup"
+    assert "reasoning_content" not in completion_body("policy", text, "stop", 5, 9, "hermes", tok)["choices"][0]["message"]

@@ -308,6 +308,8 @@ RANGES: tuple[Range, ...] = (
     choice("env.host", ("auto", "loopback", "node"),
            "'auto' (loopback on a one-node cluster, else the node's address), 'loopback' or 'node'"),
     Range("env.served_model_name", lambda v: isinstance(v, str) and bool(v.strip()), "must be a non-empty model name"),
+    Range("env.reasoning_parser", lambda v: isinstance(v, str) and bool(v.strip()),
+          "must be 'none' or a vLLM reasoning parser's name (qwen3, deepseek_r1, ...)"),
     Range("env.tool_parser", lambda v: isinstance(v, str) and bool(v.strip()),
           "must be 'hermes' (<tool_call>{json}</tool_call> become tool_calls, Qwen/Hermes chat models), 'none', "
           "or a vLLM tool parser's name (llama3_json, mistral, qwen3_coder, ...)"),

@@ -65,7 +65,7 @@ class TrajectoryResult:
 
 class AgentRolloutSession:
     def __init__(self, server: Any, generator: CallGenerator, tokenizer: Any, runner: AgentRunner, limits: AgentLimits,
-                 temperature: float, step_seed: int, tool_parser: str, call_timeout_s: float):
+                 temperature: float, step_seed: int, tool_parser: str, call_timeout_s: float, reasoning_parser: str = "none"):
         self.server = server
         self.generator = generator
         self.tokenizer = tokenizer
@@ -74,6 +74,7 @@ class AgentRolloutSession:
         self.temperature = temperature
         self.step_seed = step_seed
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self.call_timeout_s = call_timeout_s
         self.records: dict[str, AgentRecord] = {}
         self._calls_made: dict[int, int] = {}
@@ -162,13 +163,13 @@ class AgentRolloutSession:
         with self._lock:
             record.counts.generation_seconds += time.perf_counter() - t
             record.add(prompt_ids, out.token_ids, out.logprobs, out.finish_reason == "length")
-        if self.tool_parser in TOOL_PARSERS:
+        if self.tool_parser in TOOL_PARSERS and self.reasoning_parser == "none":
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        else:  # vLLM's tool parsers read their markers, which may be special tokens (mistral's [TOOL_CALLS])
+        else:  # vLLM's parsers read their markers, which may be special tokens (mistral's [TOOL_CALLS], <think>)
             ids = out.token_ids[:-1] if out.token_ids and out.token_ids[-1] == self.tokenizer.eos_token_id else out.token_ids
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return completion_body(self.server.model_name, text, out.finish_reason, len(prompt_ids), len(out.token_ids),
-                               self.tool_parser, self.tokenizer, call.tools)
+                               self.tool_parser, self.tokenizer, call.tools, self.reasoning_parser)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         kwargs = {"tools": tools} if tools else {}
@@ -210,7 +211,7 @@ def complete_agent_trajectories(llm: Any, server: Any, requests: Sequence[Any], 
     runner = AgentRunner(env.load(), env.concurrency, env.timeout_s, server.api_key)
     session = AgentRolloutSession(
         server, VLLMCalls(llm, job.temperature), tokenizer, runner, env.limits(job.max_tokens), job.temperature, step_seed,
-        env.tool_parser, env.timeout_s,
+        env.tool_parser, env.timeout_s, env.reasoning_parser,
     )
     owner = {i: r for r in requests for i in r.indices(job.samples_per_prompt)}
     items = [(i, env.row(job.prompts[owner[i].prompt_index])) for i in owner]

@@ -19,6 +19,7 @@ from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.agent_record import AGENT_METRIC_PREFIX, AgentLimits
 from rlhf_orch.env.base import EnvError, EnvGroup, prompt_messages, row_extras
 from rlhf_orch.env.chat_api import TOOL_PARSERS
+from rlhf_orch.env.reasoning_parsers import check_reasoning_parser
 from rlhf_orch.env.tool_parsers import check_tool_parser
 from rlhf_orch.env.custom import load_user_module
 
@@ -50,6 +51,7 @@ class AgentEnv(EnvGroup):
     host: str = "auto"
     served_model_name: str = "policy"
     tool_parser: str = "hermes"
+    reasoning_parser: str = "none"
 
     prompt_max_len: int = 0  # data.prompt_max_len, taken in `bind` (a sequence's first prompt)
 
@@ -60,6 +62,7 @@ class AgentEnv(EnvGroup):
         if not self.path or not self.name:
             raise EnvError("env=agent needs env.path=<file.py> and env.name=<function>")
         check_tool_parser("env.tool_parser", self.tool_parser, TOOL_PARSERS)
+        check_reasoning_parser("env.reasoning_parser", self.reasoning_parser)
         if self.host not in HOSTS:
             raise EnvError(f"env.host={self.host!r}: must be one of {', '.join(HOSTS)}")
 

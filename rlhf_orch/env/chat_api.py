@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from rlhf_orch.env.reasoning_parsers import split_reasoning
 from rlhf_orch.env.tool_parsers import extract_tool_calls
 
 TOOL_PARSERS = ("hermes", "none")  # built in; any of vLLM's tool parsers besides (rlhf_orch.env.tool_parsers)
@@ -146,9 +147,13 @@ def parse_tool_calls(text: str, parser: str, tokenizer: Any = None,
 
 
 def completion_body(model_name: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                    tool_parser: str, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    content, tool_calls = parse_tool_calls(text, tool_parser, tokenizer, tools)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+                    tool_parser: str, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None,
+                    reasoning_parser: str = "none") -> dict[str, Any]:
+    reasoning, text = split_reasoning(text, reasoning_parser, tokenizer)
+    content, tool_calls = parse_tool_calls(text or "", tool_parser, tokenizer, tools)
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
         finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason

@@ -1,0 +1,38 @@
+"""A turn's reasoning apart from its answer (`env.reasoning_parser`, the agent endpoint): vLLM's own
+reasoning parsers (`vllm.reasoning`: `qwen3`, `deepseek_r1`, ...) split `<think>...</think>` into
+the message's `reasoning_content`, as vLLM's OpenAI server does; `none` leaves the text whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf_orch.env.base import EnvError
+
+NONE = "none"
+_PARSERS: dict[tuple[str, int], Any] = {}
+
+
+def check_reasoning_parser(key: str, name: str) -> None:
+    if name == NONE:
+        return
+    try:
+        from vllm.reasoning import ReasoningParserManager
+    except ImportError:  # no vLLM on this host: the engines check it where they run
+        return
+    known = sorted(ReasoningParserManager.list_registered())
+    if name not in known:
+        raise EnvError(f"{key}={name!r}: must be none or a vLLM reasoning parser ({', '.join(known)})")
+
+
+def split_reasoning(text: str, parser: str, tokenizer: Any) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a completion's text."""
+    if parser == NONE:
+        return None, text
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.reasoning import ReasoningParserManager
+
+    key = (parser, id(tokenizer))
+    if key not in _PARSERS:  # one per parser and tokenizer (they look up their tokens' ids)
+        _PARSERS[key] = ReasoningParserManager.get_reasoning_parser(parser)(tokenizer)
+    request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}])
+    return _PARSERS[key].extract_reasoning(text, request)
