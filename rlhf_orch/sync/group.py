@@ -40,11 +40,22 @@ def free_port_address(world_size: int, backend: str, timeout_s: float, name: str
     return GroupAddress(host, free_port(host), world_size, backend, timeout_s, name)
 
 
+# Ports handed out by `free_port`, held bound and listening by this process until its store server
+# takes them (`tcp_store`): a port probed free and closed again can be taken by any other process
+# before the store binds it (seen in the suite: "OSError: [Errno 98] Address already in use" at start-up).
+_RESERVED: dict[tuple[str, int], socket.socket] = {}
+
+
 def free_port(host: str) -> int:
-    """A port nobody listens on at `host`, a local address (probed on `host` itself, not on every interface)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port at `host`, a local address (bound on `host` itself, not on every interface), held by
+    this process for the store server it will serve (`tcp_store(..., is_master=True)` here)."""
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(socket.SOMAXCONN)  # clients that connect early wait in the backlog for the store
+    port = sock.getsockname()[1]
+    _RESERVED[(host, port)] = sock
+    return port
 
 
 def tcp_store(
@@ -58,11 +69,13 @@ def tcp_store(
     """
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, timeout=timeout)
-    sock = socket.socket(_family(host), socket.SOCK_STREAM)
+    sock = _RESERVED.pop((host, port), None)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(socket.SOMAXCONN)
+        if sock is None:  # a port this process did not hand out: bind it now
+            sock = socket.socket(_family(host), socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(socket.SOMAXCONN)
         store = dist.TCPStore(
             host,
             port,
@@ -73,7 +86,8 @@ def tcp_store(
             master_listen_fd=sock.fileno(),
         )
     except BaseException:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise
     sock.detach()  # the store closes the descriptor when it goes
     return store
