@@ -86,19 +86,24 @@ def test_tool_formats_beyond_hermes_are_vllm_s_parsers(smollm2_tokenizer):
 
     with pytest.raises(EnvError, match=r"env.tool_format='json': must be one of hermes, tags or a vLLM tool parser \(.*llama3_json"):
         _env(tool_format="json")
+    # the turn as the environment gets it: decoded without special tokens (skyrl-gym's contract)
     cases = {
-        "llama3_json": ('{"name": "python", "parameters": {"code": "print(6*7)"}}', ["<|python_tag|>"]),
+        "llama3_json": ('<|python_tag|>{"name": "python", "parameters": {"code": "print(6*7)"}}', ["<|python_tag|>"], True),
         "qwen3_coder": ("<tool_call>\n<function=python>\n<parameter=code>\nprint(6*7)\n</parameter>\n</function>\n</tool_call>",
-                        ["<tool_call>", "</tool_call>"]),
-        "mistral": ('[TOOL_CALLS][{"name": "python", "arguments": {"code": "print(6*7)"}}]', ["[TOOL_CALLS]"]),
+                        ["<tool_call>", "</tool_call>"], False),  # added, not special, as in Qwen's tokenizers
     }
-    for fmt, (turn, markers) in cases.items():
+    for fmt, (turn, markers, special) in cases.items():
         tok = copy.deepcopy(smollm2_tokenizer)
-        tok.add_special_tokens({"additional_special_tokens": markers})
+        tok.add_special_tokens({"additional_special_tokens": markers}) if special else tok.add_tokens(markers)
         env = _env(tool_format=fmt)
         env.attach(tok)
-        out = env.make(Prompt(text="q", label="42")).step(turn)
+        action = tok.decode(tok(turn, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+        out = env.make(Prompt(text="q", label="42")).step(action)
         assert out["metadata"] == {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0}, (fmt, out)
         assert out["observations"][0]["content"].strip() == "42"
+    # a parser that cannot read this tokenizer's turns is refused where the turns run, in one line
+    env = _env(tool_format="mistral")
+    with pytest.raises(EnvError, match="tool parser 'mistral' cannot parse this model's turns"):
+        env.attach(smollm2_tokenizer)
     # the schema reaches the model through the chat template's `tools`
     assert _env().chat_template_kwargs["tools"][0]["function"]["name"] == "python"

@@ -80,9 +80,10 @@ def test_cuda_ipc_handover_between_two_processes_on_one_gpu():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one GPU")
 def test_nccl_broadcast_of_packed_buckets_two_gpus():
-    from rlhf_orch.sync.group import free_port_address
+    from rlhf_orch.sync.group import free_port_address, release_port
 
     address = free_port_address(2, "nccl", 60.0)
+    release_port(address.host, address.port)  # rank 0's store server runs in a spawned process
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_nccl_rank, args=(address, r, results)) for r in range(2)]

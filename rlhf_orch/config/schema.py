@@ -453,7 +453,8 @@ class PythonToolEnvConfig(MultiTurnEnvConfig):
     """The project's tool-calling environment: a sandboxed Python tool (rlhf_orch.env.python_tool)."""
 
     _target_: str = "rlhf_orch.env.python_tool.PythonToolEnv"
-    tool_format: str = "hermes"  # "hermes": <tool_call>{json}</tool_call>; "tags": <python>code</python>
+    # "hermes": <tool_call>{json}</tool_call>; "tags": <python>code</python>; or a vLLM tool parser's name
+    tool_format: str = "hermes"
     tool_memory_mb: int = 512
     tool_cpu_s: int = 5
     tool_max_output_bytes: int = 2000

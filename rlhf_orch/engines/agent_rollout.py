@@ -28,7 +28,10 @@ import torch
 from rlhf_orch.engines.turns import CallOutput, VLLMCalls, turn_seed
 from rlhf_orch.env.agent_record import AGENT_METRIC_PREFIX, AgentLimits, AgentRecord, CallRefused
 from rlhf_orch.env.agent_runner import AgentOutcome, AgentRunner
+from rlhf_orch.engines.turns import generation_eos_ids
 from rlhf_orch.env.chat_api import TOOL_PARSERS, ChatAPIError, completion_body, parse_request
+from rlhf_orch.env.reasoning_parsers import reasoning_parser as reasoning_parser_of
+from rlhf_orch.env.tool_parsers import ensure_tool_parser
 from rlhf_orch.transfer.batch import LOSS_MASK
 from rlhf_orch.transfer.engine_side import Completion
 from rlhf_orch.transfer.plan import extra_sequence_index, trajectory_of
@@ -75,6 +78,12 @@ class AgentRolloutSession:
         self.step_seed = step_seed
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        # built before the first call: a parser that cannot read this model's turns fails the rollout
+        # here, in one line, not every agent call with an HTTP 500
+        ensure_tool_parser(tool_parser, tokenizer)
+        if reasoning_parser != "none":
+            reasoning_parser_of(reasoning_parser, tokenizer)
+        self._stop_ids = {tokenizer.eos_token_id, *generation_eos_ids(tokenizer)}
         self.call_timeout_s = call_timeout_s
         self.records: dict[str, AgentRecord] = {}
         self._calls_made: dict[int, int] = {}
@@ -166,7 +175,7 @@ class AgentRolloutSession:
         if self.tool_parser in TOOL_PARSERS and self.reasoning_parser == "none":
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         else:  # vLLM's parsers read their markers, which may be special tokens (mistral's [TOOL_CALLS], <think>)
-            ids = out.token_ids[:-1] if out.token_ids and out.token_ids[-1] == self.tokenizer.eos_token_id else out.token_ids
+            ids = out.token_ids[:-1] if out.token_ids and out.token_ids[-1] in self._stop_ids else out.token_ids
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
         return completion_body(self.server.model_name, text, out.finish_reason, len(prompt_ids), len(out.token_ids),
                                self.tool_parser, self.tokenizer, call.tools, self.reasoning_parser)

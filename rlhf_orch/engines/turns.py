@@ -27,8 +27,11 @@ def generation_eos_ids(tokenizer: Any) -> list[int]:
     with one of these rather than the tokenizer's EOS (Phi-3's <|end|>, Gemma's <end_of_turn>)."""
     from transformers import GenerationConfig
 
+    path = getattr(tokenizer, "name_or_path", None)
+    if not path:
+        return []
     try:
-        eos = GenerationConfig.from_pretrained(tokenizer.name_or_path).eos_token_id
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
     except (OSError, ValueError):
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]

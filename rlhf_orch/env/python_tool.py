@@ -25,7 +25,7 @@ from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, row_extras
 from rlhf_orch.env.multi_turn import MultiTurnEnv
 from rlhf_orch.env.sandbox import SandboxLimits, run_python
-from rlhf_orch.env.tool_parsers import check_tool_parser, extract_tool_calls
+from rlhf_orch.env.tool_parsers import check_tool_parser, ensure_tool_parser, extract_tool_calls
 
 TOOL_FORMATS = ("hermes", "tags")  # built in; any of vLLM's tool parsers besides (rlhf_orch.env.tool_parsers)
 # The tool as chat templates show it to the model (`tools`): what Qwen / Llama / Mistral templates render.
@@ -137,6 +137,10 @@ class PythonToolEnv(MultiTurnEnv):
     def step_timeout_s(self) -> float:
         # A turn runs up to MAX_CALLS_PER_TURN calls, each within tool_timeout_s (the sandbox kills it).
         return self.tool_timeout_s * MAX_CALLS_PER_TURN + 5.0
+
+    def attach(self, tokenizer: Any) -> None:
+        super().attach(tokenizer)
+        ensure_tool_parser(self.tool_format, tokenizer, [PYTHON_TOOL])  # before the first turn, in one line
 
     def make(self, prompt: Prompt) -> PythonToolTrajectory:
         ground_truth = row_extras(prompt)["reward_spec"].get("ground_truth")

@@ -4,12 +4,14 @@ the message's `reasoning_content`, as vLLM's OpenAI server does; `none` leaves t
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from rlhf_orch.env.base import EnvError
 
 NONE = "none"
 _PARSERS: dict[tuple[str, int], Any] = {}
+_LOCK = threading.Lock()  # parsers are shared by the endpoint's threads; calls are serialised
 
 
 def check_reasoning_parser(key: str, name: str) -> None:
@@ -17,11 +19,25 @@ def check_reasoning_parser(key: str, name: str) -> None:
         return
     try:
         from vllm.reasoning import ReasoningParserManager
-    except ImportError:  # no vLLM on this host: the engines check it where they run
+    except ImportError:  # no vLLM on this host: the engines build it before their first call
         return
     known = sorted(ReasoningParserManager.list_registered())
     if name not in known:
         raise EnvError(f"{key}={name!r}: must be none or a vLLM reasoning parser ({', '.join(known)})")
+
+
+def reasoning_parser(parser: str, tokenizer: Any) -> Any:
+    """The (cached) vLLM reasoning parser; EnvError when it cannot work with this tokenizer."""
+    from vllm.reasoning import ReasoningParserManager
+
+    with _LOCK:
+        key = (parser, id(tokenizer))
+        if key not in _PARSERS:
+            try:
+                _PARSERS[key] = ReasoningParserManager.get_reasoning_parser(parser)(tokenizer)
+            except (RuntimeError, KeyError, ValueError) as e:
+                raise EnvError(f"env.reasoning_parser={parser!r} cannot parse this model's turns: {type(e).__name__}: {e}") from e
+        return _PARSERS[key]
 
 
 def split_reasoning(text: str, parser: str, tokenizer: Any) -> tuple[str | None, str | None]:
@@ -29,10 +45,8 @@ def split_reasoning(text: str, parser: str, tokenizer: Any) -> tuple[str | None,
     if parser == NONE:
         return None, text
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.reasoning import ReasoningParserManager
 
-    key = (parser, id(tokenizer))
-    if key not in _PARSERS:  # one per parser and tokenizer (they look up their tokens' ids)
-        _PARSERS[key] = ReasoningParserManager.get_reasoning_parser(parser)(tokenizer)
+    shared = reasoning_parser(parser, tokenizer)
     request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}])
-    return _PARSERS[key].extract_reasoning(text, request)
+    with _LOCK:
+        return shared.extract_reasoning(text, request)

@@ -3,13 +3,15 @@
 `hermes` (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`: Qwen2.5, Hermes) is read here;
 every other format is read by vLLM's own tool parsers (`vllm.tool_parsers`, the ones vLLM's OpenAI
 server uses: `llama3_json`, `mistral`, `qwen3_coder`, `qwen3_xml`, `pythonic`, ...), given the
-engine's tokenizer and the tools offered. `none` reads no calls.
+engine's tokenizer and the tools offered; one parser per tokenizer and tools list, used under a lock
+(vLLM's server builds one per request). `none` reads no calls.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -38,7 +40,7 @@ def check_tool_parser(key: str, name: str, built_in: Sequence[str]) -> None:
         return
     try:
         known = vllm_tool_parsers()
-    except ImportError:  # no vLLM on this host: the engines check it where they run
+    except ImportError:  # no vLLM on this host: the engines check it before their first turn (ensure_tool_parser)
         return
     if name not in known:
         raise EnvError(f"{key}={name!r}: must be one of {', '.join(built_in)} or a vLLM tool parser ({', '.join(known)})")
@@ -69,21 +71,57 @@ def _hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     return content or None, calls
 
 
-_PARSERS: dict[tuple[str, int], Any] = {}
+class _Shared:
+    """One vLLM parser for a (parser, tokenizer, tools) triple, used under a lock: newer parsers keep
+    state between calls (qwen3_coder keeps the last request's tools), and turns are parsed from many
+    threads at once (the endpoint's, the environment step pool's). Building one per call costs
+    30-225 ms."""
+
+    def __init__(self, parser: Any):
+        self.parser = parser
+        self.lock = threading.Lock()
+
+
+_PARSERS: dict[tuple[str, int, str], _Shared] = {}
+_PARSERS_LOCK = threading.Lock()
+
+
+def _request(tools: Sequence[Mapping[str, Any]] | None) -> Any:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}], tools=list(tools) if tools else None)
+
+
+def vllm_parser(parser: str, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None) -> _Shared:
+    """The (cached) vLLM tool parser for this tokenizer and these tools; EnvError naming the key's
+    value when it cannot work with the tokenizer (its marker tokens missing, no complete-text parsing)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    key = (parser, id(tokenizer), json.dumps(tools, sort_keys=True, default=str))
+    with _PARSERS_LOCK:
+        if key not in _PARSERS:
+            try:
+                shared = _Shared(ToolParserManager.get_tool_parser(parser)(tokenizer))
+                shared.parser.extract_tool_calls("", _request(tools))
+            except (RuntimeError, NotImplementedError, KeyError, ValueError) as e:
+                raise EnvError(f"tool parser {parser!r} cannot parse this model's turns: {type(e).__name__}: {e}") from e
+            _PARSERS[key] = shared
+        return _PARSERS[key]
 
 
 def _vllm(text: str, parser: str, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None) -> tuple[str | None, list[ToolCall]]:
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.tool_parsers import ToolParserManager
-
-    key = (parser, id(tokenizer))
-    if key not in _PARSERS:  # one per parser and tokenizer (they precompute token ids)
-        _PARSERS[key] = ToolParserManager.get_tool_parser(parser)(tokenizer)
-    request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}], tools=list(tools) if tools else None)
-    info = _PARSERS[key].extract_tool_calls(text, request)
+    shared = vllm_parser(parser, tokenizer, tools)
+    with shared.lock:
+        info = shared.parser.extract_tool_calls(text, _request(tools))
     if not info.tools_called:
         return text, []
     return info.content, [ToolCall(c.function.name, _arguments(c.function.arguments)) for c in info.tool_calls]
+
+
+def ensure_tool_parser(parser: str, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None) -> None:
+    """Where the turns are parsed (an engine), before the first one: the parser works with this tokenizer."""
+    if parser not in (HERMES, NONE, "tags"):
+        vllm_parser(parser, tokenizer, tools)
 
 
 def extract_tool_calls(text: str, parser: str, tokenizer: Any = None,

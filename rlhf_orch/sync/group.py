@@ -58,6 +58,13 @@ def free_port(host: str) -> int:
     return port
 
 
+def release_port(host: str, port: int) -> None:
+    """Give back a port `free_port` holds (its store server will run in another process)."""
+    sock = _RESERVED.pop((host, port), None)
+    if sock is not None:
+        sock.close()
+
+
 def tcp_store(
     host: str, port: int, world_size: int, is_master: bool, timeout: timedelta, wait_for_workers: bool = False
 ) -> dist.TCPStore:
