@@ -25,11 +25,11 @@ from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
-from rlhf_orch.engines.turns import CallOutput, VLLMCalls, turn_seed
+from rlhf_orch.engines.turns import CallOutput, VLLMCalls, generation_eos_ids, turn_seed
 from rlhf_orch.env.agent_record import AGENT_METRIC_PREFIX, AgentLimits, AgentRecord, CallRefused
 from rlhf_orch.env.agent_runner import AgentOutcome, AgentRunner
-from rlhf_orch.engines.turns import generation_eos_ids
 from rlhf_orch.env.chat_api import TOOL_PARSERS, ChatAPIError, completion_body, parse_request
+from rlhf_orch.env.observations import token_ids
 from rlhf_orch.env.reasoning_parsers import reasoning_parser as reasoning_parser_of
 from rlhf_orch.env.tool_parsers import ensure_tool_parser
 from rlhf_orch.transfer.batch import LOSS_MASK
@@ -182,10 +182,7 @@ class AgentRolloutSession:
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         kwargs = {"tools": tools} if tools else {}
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
-        if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # BatchEncoding in newer transformers
-            out = out["input_ids"]
-        return [int(t) for t in out]
+        return token_ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs))
 
 
 def trajectory_completions(

@@ -47,7 +47,8 @@ class RenderedObservation:
     closing_added: bool = False  # the template's end-of-turn token was put first (the turn had none)
 
 
-def _ids(out: Any) -> list[int]:
+def token_ids(out: Any) -> list[int]:
+    """Token ids out of apply_chat_template / a tokenizer call (a list, or a BatchEncoding)."""
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # BatchEncoding in newer transformers
         out = out["input_ids"]
     return [int(t) for t in out]
@@ -83,10 +84,10 @@ class ObservationRenderer:
         out = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=generation_prompt, tokenize=tokenize, **self.template_kwargs
         )
-        return _ids(out) if tokenize else out
+        return token_ids(out) if tokenize else out
 
     def _tokens(self, text: str) -> list[int]:
-        return _ids(self.tokenizer(text, add_special_tokens=False))
+        return token_ids(self.tokenizer(text, add_special_tokens=False))
 
     def frame(self) -> tuple[list[int], int | None]:
         """(the base conversation's ids up to and with its last end-of-turn token, that token); the

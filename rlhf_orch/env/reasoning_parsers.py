@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from rlhf_orch.env.base import EnvError
+from rlhf_orch.env.tool_parsers import chat_request
 
 NONE = "none"
 _PARSERS: dict[tuple[str, int], Any] = {}
@@ -44,9 +45,7 @@ def split_reasoning(text: str, parser: str, tokenizer: Any) -> tuple[str | None,
     """(reasoning, content) of a completion's text."""
     if parser == NONE:
         return None, text
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
     shared = reasoning_parser(parser, tokenizer)
-    request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}])
+    request = chat_request()
     with _LOCK:
         return shared.extract_reasoning(text, request)

@@ -86,7 +86,8 @@ _PARSERS: dict[tuple[str, int, str], _Shared] = {}
 _PARSERS_LOCK = threading.Lock()
 
 
-def _request(tools: Sequence[Mapping[str, Any]] | None) -> Any:
+def chat_request(tools: Sequence[Mapping[str, Any]] | None = None) -> Any:
+    """The request object vLLM's output parsers read (the tools offered; nothing else matters to them)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     return ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}], tools=list(tools) if tools else None)
@@ -102,7 +103,7 @@ def vllm_parser(parser: str, tokenizer: Any, tools: Sequence[Mapping[str, Any]] 
         if key not in _PARSERS:
             try:
                 shared = _Shared(ToolParserManager.get_tool_parser(parser)(tokenizer))
-                shared.parser.extract_tool_calls("", _request(tools))
+                shared.parser.extract_tool_calls("", chat_request(tools))
             except (RuntimeError, NotImplementedError, KeyError, ValueError) as e:
                 raise EnvError(f"tool parser {parser!r} cannot parse this model's turns: {type(e).__name__}: {e}") from e
             _PARSERS[key] = shared
@@ -112,7 +113,7 @@ def vllm_parser(parser: str, tokenizer: Any, tools: Sequence[Mapping[str, Any]] 
 def _vllm(text: str, parser: str, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None) -> tuple[str | None, list[ToolCall]]:
     shared = vllm_parser(parser, tokenizer, tools)
     with shared.lock:
-        info = shared.parser.extract_tool_calls(text, _request(tools))
+        info = shared.parser.extract_tool_calls(text, chat_request(tools))
     if not info.tools_called:
         return text, []
     return info.content, [ToolCall(c.function.name, _arguments(c.function.arguments)) for c in info.tool_calls]
