@@ -11,6 +11,7 @@ and the turn: a trajectory draws the same tokens whatever order its turns reach 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -25,16 +26,20 @@ from rlhf_orch.transfer.plan import CompletionRequest
 def generation_eos_ids(tokenizer: Any) -> list[int]:
     """The model's generation config's EOS ids (vLLM stops on them too): some templates close a turn
     with one of these rather than the tokenizer's EOS (Phi-3's <|end|>, Gemma's <end_of_turn>)."""
+    path = getattr(tokenizer, "name_or_path", None)
+    return list(_generation_eos_ids(path)) if path else []
+
+
+@functools.lru_cache(maxsize=8)
+def _generation_eos_ids(path: str) -> tuple[int, ...]:
+    # read once per process: every rollout asks (complete_trajectories, each agent session)
     from transformers import GenerationConfig
 
-    path = getattr(tokenizer, "name_or_path", None)
-    if not path:
-        return []
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except (OSError, ValueError):
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None]
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
 
 
 def turn_seed(step_seed: int, index: int, turn: int) -> int:
