@@ -41,11 +41,17 @@ class RayLauncher(ABC):
         startup_timeout_s: float = 600.0,
         reuse_session: bool = False,
         memory_check: str = "refuse",
+        keep_actors: bool = False,
     ) -> None:
         if logical_gpus < 0:
             raise ValueError(f"launcher.logical_gpus={logical_gpus} must be >= 0")
         if num_cpus is not None and num_cpus < 1:
             raise ValueError(f"launcher.num_cpus={num_cpus} must be >= 1 (or null for the default)")
+        if keep_actors and not reuse_session:
+            raise ValueError(
+                "launcher.keep_actors=true keeps a run's actors for the next run in the same Ray session, "
+                "which needs launcher.reuse_session=true (without it every run ends its Ray session)"
+            )
         self.dry_run = dry_run
         self.logical_gpus = logical_gpus
         self.num_cpus = num_cpus

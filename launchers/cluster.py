@@ -36,6 +36,7 @@ class ClusterRayLauncher(RayLauncher):
         startup_timeout_s: float = 600.0,
         reuse_session: bool = False,
         memory_check: str = "refuse",
+        keep_actors: bool = False,
     ) -> None:
         if logical_gpus:
             raise ValueError(
@@ -47,7 +48,7 @@ class ClusterRayLauncher(RayLauncher):
                 f"launcher.num_cpus={num_cpus} cannot be applied to a running cluster: "
                 "give `ray start --num-cpus=N` on each node instead, or use launcher=local"
             )
-        super().__init__(dry_run, logical_gpus, num_cpus, address or "auto", startup_timeout_s, reuse_session, memory_check)
+        super().__init__(dry_run, logical_gpus, num_cpus, address or "auto", startup_timeout_s, reuse_session, memory_check, keep_actors)
 
     def gpus_present(self) -> int:
         if ray.is_initialized():

@@ -38,13 +38,14 @@ class LocalRayLauncher(RayLauncher):
         startup_timeout_s: float = 600.0,
         reuse_session: bool = False,
         memory_check: str = "refuse",
+        keep_actors: bool = False,
     ) -> None:
         if address not in (None, "local"):
             raise ValueError(
                 f"launcher.address={address!r} joins an existing cluster, which launcher=local never does: "
                 "use launcher=cluster launcher.address=... or leave address null"
             )
-        super().__init__(dry_run, logical_gpus, num_cpus, address, startup_timeout_s, reuse_session, memory_check)
+        super().__init__(dry_run, logical_gpus, num_cpus, address, startup_timeout_s, reuse_session, memory_check, keep_actors)
 
     def gpus_present(self) -> int:
         cuda_gpus = cuda_device_count()

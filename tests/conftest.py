@@ -82,8 +82,9 @@ def smollm2_tokenizer(smollm2_path):
 
 
 # Overrides that make an in-process run join the module's Ray session (`shared_ray`) instead of
-# starting and stopping its own: Ray starts once per module, each run still removes its actors.
-SHARED_RAY = ["launcher.reuse_session=true"]
+# starting and stopping its own: Ray starts once per module, and a run on the plan of the run
+# before it takes that run's actors, reset, instead of starting new processes (keep_actors).
+SHARED_RAY = ["launcher.reuse_session=true", "launcher.keep_actors=true"]
 
 
 @pytest.fixture(scope="module")
@@ -94,19 +95,26 @@ def shared_ray():
     import ray
 
     from launchers.local import LocalRayLauncher
+    from rlhf_orch.orchestration import warm_actors
 
     with LocalRayLauncher(logical_gpus=8, reuse_session=True).session():
         pass  # started, and left up (reuse_session) for the module's runs
     yield SHARED_RAY
+    warm_actors.release()
     ray.shutdown()
 
 
 def all_resources_free(timeout_s: float = 30.0) -> bool:
     """Nothing a finished run started still holds resources of the shared session (actors,
-    placement groups): every CPU and GPU is free again within `timeout_s` (killing is asynchronous)."""
+    placement groups) but what it parked for the next run (`launcher.keep_actors`), which is
+    released first: every CPU and GPU is free again within `timeout_s` (killing is asynchronous)."""
     import time
 
     import ray
+
+    from rlhf_orch.orchestration import warm_actors
+
+    warm_actors.release()
 
     deadline = time.monotonic() + timeout_s
     while True:

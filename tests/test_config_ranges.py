@@ -255,6 +255,7 @@ DIRECT = [
     (["launcher.num_cpus=0"], "launcher.num_cpus=0"),
     (["launcher=cluster", "launcher.num_cpus=4"], "launcher.num_cpus=4"),
     (["launcher.address=10.0.0.1:6379"], "launcher.address='10.0.0.1:6379'"),  # launcher=local never joins
+    (["launcher.keep_actors=true"], "launcher.keep_actors=True"),  # needs reuse_session=true
 ]
 
 

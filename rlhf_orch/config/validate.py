@@ -667,6 +667,9 @@ def _offload(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem
 def _launcher(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     lc = cfg.launcher
     problems = []
+    if lc.keep_actors and not lc.reuse_session:
+        problems.append(Problem("launcher.keep_actors", lc.keep_actors, "keeps a run's actors for the next run in "
+                                "the same Ray session: set launcher.reuse_session=true too, or leave keep_actors false"))
     if isinstance(lc, ClusterLauncherConfig):
         if lc.logical_gpus:
             problems.append(Problem("launcher.logical_gpus", lc.logical_gpus, "cannot be applied to a running cluster: "

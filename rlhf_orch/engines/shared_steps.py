@@ -30,9 +30,14 @@ class SharedEngineSteps:
 
     def _weights_present(self) -> None: ...  # the engine's: refuse weights a sleep dropped
 
-    def _start_generation_state(self, spec: Any) -> None:
-        """The state the rollouts on this engine share (several at once under pipeline=async)."""
-        self._engine_thread = EngineThread() if spec.max_concurrency > 1 else None
+    def _start_generation_state(self, spec: Any, engine_thread: Any = None) -> None:
+        """The state the rollouts on this engine share (several at once under pipeline=async);
+        `engine_thread`: the thread that already runs this actor's vLLM calls (a rebuilt engine)."""
+        self._engine_thread = (engine_thread or EngineThread()) if spec.max_concurrency > 1 else None
+        self._reset_generation_state()
+
+    def _reset_generation_state(self) -> None:
+        """No rollout, update or request of earlier calls (the engine thread stays)."""
         self._cond = threading.Condition()  # guards the fields below; signals the end of an update
         self._updating = False  # between begin_update and finish_update: no engine step
         self._closed = False  # an update waits for the requests in flight: no new request starts

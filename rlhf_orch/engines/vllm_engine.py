@@ -101,6 +101,11 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
     """
 
     def __init__(self, spec: EngineSpec, engine_index: int):
+        self._build(spec, engine_index)
+
+    def _build(self, spec: EngineSpec, engine_index: int, engine_thread: Any = None) -> None:
+        """A `vllm.LLM` for `spec` in this process (`engine_thread`: the one a threaded actor keeps)."""
+        self._given_spec = spec
         # Keep the engine core in this process so Ray's placement and GPU ids apply to it.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         for key, value in cpu_kv_cache_env(spec.kv_cache_gb).items():
@@ -110,7 +115,7 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
 
         self.index = engine_index
         self.weight_version = 0
-        self._start_generation_state(spec)
+        self._start_generation_state(spec, engine_thread)
         if spec.sleep_level == SLEEP_WHERE_AVAILABLE:
             from vllm.platforms import current_platform
 
@@ -157,6 +162,8 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         # vLLM labels every output token with the weight version that sampled it (spans per
         # completion): the per-token staleness of a sequence a weight update reached mid-way.
         self.llm.llm_engine.set_weight_version("0")
+        # What a run adds later (held rollouts, the step's seed, the chat server) is dropped by `reset`.
+        self._attrs_at_start = frozenset(self.__dict__) | {"_attrs_at_start"}
 
     # ------------------------------------------------------------------ sleep / wake (colocated GPUs)
     def _awake(self) -> None:
@@ -303,6 +310,54 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         if server is not None:
             server.close()
             self._server = None
+
+    def reset(self, spec: EngineSpec) -> None:
+        """What a new engine of `spec` starts as, for the next run of this process
+        (`rlhf_orch.orchestration.warm_actors`). The same spec as before: the model's weights
+        reloaded from disk, version 0, no cached prefix, no weight-sync group, no rollout state,
+        awake, the sampler seeded as at start. Another spec (model, lengths, seed, caching): a new
+        `vllm.LLM` in this process (vLLM's import, most of an engine's start-up, is not paid
+        again). Refused while requests are in flight (the kept actors are then not used)."""
+        from rlhf_orch.env.custom import forget_user_modules as forget_envs
+        from rlhf_orch.reward.custom import forget_user_modules as forget_rewards
+
+        self.close_chat_endpoint()
+        forget_envs()  # the users' environment and reward files are imported afresh, as in a new process
+        forget_rewards()
+        if spec != self._given_spec:
+            thread = self._engine_thread
+            self._run(self._drop_llm)
+            index = self.index
+            self.__dict__.clear()
+            gc.collect()  # the last engine's objects, before _build freezes the heap
+            self._build(spec, index, thread)
+            return
+
+        def reset():
+            if self.llm.llm_engine.has_unfinished_requests() or self._started_at or self._env_rollout.locked():
+                raise RuntimeError(f"engine {self.index} still has requests in flight")
+            self._awake()
+            self.llm.collective_rpc("rlhf_reset")
+            self.llm.reset_prefix_cache()
+            self.llm.llm_engine.set_weight_version("0")
+
+        self._run(reset)
+        for name in set(self.__dict__) - self._attrs_at_start:  # held rollouts, the step's seed, ...
+            del self.__dict__[name]
+        self.weight_version = 0
+        self._weights_dropped = False
+        self._reset_generation_state()
+
+    def _drop_llm(self) -> None:
+        """(vLLM's thread.) End this process's `vllm.LLM` and vLLM's process-wide state, so that
+        another can start here (what vLLM's own tests do between engines in one process)."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        if self.llm.llm_engine.has_unfinished_requests():
+            raise RuntimeError(f"engine {self.index} still has requests in flight")
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        cleanup_dist_env_and_memory()
 
     def reseed(self, seed: int) -> None:
         """Sampling from here on draws from `seed` (every worker of a tensor-parallel engine);

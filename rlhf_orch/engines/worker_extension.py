@@ -66,6 +66,20 @@ class WeightSyncWorkerExtension:
         self._rlhf_groups = groups
         return rank
 
+    def rlhf_reset(self) -> None:
+        """A new run on this worker (`VLLMEngine.reset`): the model's own weights from disk, no
+        weight-sync group or receive buffer of the last run, the random streams seeded as vLLM
+        seeds them when a worker starts."""
+        from vllm.utils.torch_utils import set_random_seed
+
+        self._rlhf_groups = {}  # (dropped: the groups' sockets and stores close as they are collected)
+        self._rlhf_buffer_pool = None
+        self._rlhf_session = None  # a layer-wise reload an update left open
+        self._rlhf_raw_buffer = None
+        self.model_runner.reload_weights(is_checkpoint_format=True)
+        refresh_tied_layers(self.model_runner.get_model())  # as after every update: the head tied to the embedding
+        set_random_seed(self.model_config.seed)
+
     def rlhf_reseed(self, seed: int) -> None:
         """Seed the sampler's random stream (vLLM draws from the device's default generator when a
         request carries no seed of its own): the driver reseeds every engine at every step."""

@@ -24,6 +24,12 @@ _MODULES: dict[str, ModuleType] = {}
 _LOCK = threading.Lock()
 
 
+def forget_user_modules() -> None:
+    """Import the users' environment files afresh next time (a process kept for another run)."""
+    with _LOCK:
+        _MODULES.clear()
+
+
 def load_user_module(path: str, key: str) -> ModuleType:
     """The user's file `path` (imported once per process); EnvError naming `key`, the file and line."""
     resolved = os.path.realpath(path)

@@ -61,13 +61,15 @@ class RoleActors:
     def all(self) -> list[Any]:
         return [*self.engines, *self.policy, *self.critic, *self.reference, *self.reward]
 
-    def kill(self) -> None:
-        # ray.kill returns before the process is gone: close what the engines serve to agents
-        # (env=agent) first, so that nothing listens once the run has ended.
+    def close_endpoints(self) -> None:
+        """Stop what the engines serve to agents (env=agent): nothing listens once the run has ended."""
         try:
             ray.get([e.close_chat_endpoint.remote() for e in self.engines], timeout=10)
         except Exception:  # noqa: BLE001 - a dead or hung engine: its process goes with ray.kill
             pass
+
+    def kill(self) -> None:
+        self.close_endpoints()  # first: ray.kill returns before the process is gone
         for actor in self.all():
             try:
                 ray.kill(actor)
@@ -119,7 +121,11 @@ def start_role_actors(
     timeout_s: float,
     kv_cache_gb: float | None,
     reward_spec: TrainerSpec | None = None,
+    warm: RoleActors | None = None,
 ) -> RoleActors:
+    """Every role's actors in their bundles, built and answering. `warm`: the actors of an earlier
+    run on the same plan (`rlhf_orch.orchestration.warm_actors`), reset to what new ones start as
+    and then built the same way; their torch.distributed groups, which the plan fixes, are kept."""
     env = {**_ACTOR_ENV, **cpu_kv_cache_env(kv_cache_gb)}
     engine_slots = plan.slots_for("engine")
 
@@ -128,25 +134,43 @@ def start_role_actors(
         options, spec = engine_options(placement, slot, engine_spec, env, plan.total_gpus > 0)
         return ray.remote(VLLMEngine).options(**options).remote(spec, slot.rank)
 
+    roles = (  # (plan role, class, spec, RoleActors field)
+        ("actor", PolicyWorker, policy_spec, "policy"),
+        ("critic", CriticWorker, critic_spec, "critic"),
+        ("reference", ReferenceWorker, reference_spec, "reference"),
+        ("reward", RewardModelWorker, reward_spec, "reward"),
+    )
     actors = RoleActors(start_engine=start_engine, startup_timeout_s=timeout_s)
-    actors.engines.extend(start_engine(e) for e in range(len(engine_slots)))
-    for role, cls, spec, bucket in (
-        ("actor", PolicyWorker, policy_spec, actors.policy),
-        ("critic", CriticWorker, critic_spec, actors.critic),
-        ("reference", ReferenceWorker, reference_spec, actors.reference),
-        ("reward", RewardModelWorker, reward_spec, actors.reward),
-    ):
-        slots = plan.slots_for(role)
-        for slot in slots:
-            bucket.append(_remote(cls, placement, slot, env).remote(spec, slot.rank, len(slots)))
+    if warm is not None:
+        try:
+            gpu_layout = plan.total_gpus > 0
+            resets = [e.reset.remote(engine_options(placement, slot, engine_spec, env, gpu_layout)[1])
+                      for e, slot in zip(warm.engines, engine_slots)]
+            resets += [a.reset.remote(spec) for _, _, spec, name in roles for a in getattr(warm, name)]
+            ray.get(resets, timeout=timeout_s)
+            actors.engines.extend(warm.engines)
+            for _, _, _, name in roles:
+                getattr(actors, name).extend(getattr(warm, name))
+        except Exception as e:  # noqa: BLE001 - e.g. an engine with requests left in flight: start new ones
+            print(f"actors: the kept actors could not be reset ({type(e).__name__}): starting new ones", flush=True)
+            warm.kill()
+            warm = None
+    if warm is None:
+        actors.engines.extend(start_engine(e) for e in range(len(engine_slots)))
+        for role, cls, spec, name in roles:
+            slots = plan.slots_for(role)
+            for slot in slots:
+                getattr(actors, name).append(_remote(cls, placement, slot, env).remote(spec, slot.rank, len(slots)))
 
     try:
-        # DeepSpeed needs each role's ranks in one torch.distributed world (rank 0 hosts it).
-        inits = []
-        for group in (g for g in (actors.policy, actors.critic) if g):
-            host, port = ray.get(group[0].rendezvous_address.remote(), timeout=timeout_s)
-            inits += [a.init_distributed.remote(host, port) for a in group]
-        ray.get(inits, timeout=timeout_s)
+        if warm is None:
+            # DeepSpeed needs each role's ranks in one torch.distributed world (rank 0 hosts it);
+            # warm ranks already form theirs.
+            inits = []
+            for group in (g for g in (actors.policy, actors.critic) if g):
+                host, port = ray.get(group[0].rendezvous_address.remote(), timeout=timeout_s)
+                inits += [a.init_distributed.remote(host, port) for a in group]
+            ray.get(inits, timeout=timeout_s)
         ray.get([a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference, *actors.reward)], timeout=timeout_s)
         ray.get([e.ping.remote() for e in actors.engines], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:

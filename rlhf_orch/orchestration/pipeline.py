@@ -103,8 +103,9 @@ class RolloutPipeline:
         if held is not None:
             raise ValueError(f"{type(self).__name__} does not hold rollouts between steps, but the checkpoint carries one")
 
-    def close(self, loop: PipelineHost | None) -> None:
-        """The run ends (normally or not): nothing more is generated."""
+    def close(self, loop: PipelineHost | None, wait: bool = False) -> None:
+        """The run ends (normally or not): nothing more is generated. `wait`: return only once no
+        generation of this run is running (its engines are kept for another run)."""
 
     def holds_finished_rollouts(self) -> bool:
         """A rollout for a later step is finished and held on the engines (an engine lost now
@@ -185,11 +186,12 @@ class OneStepOffPipeline(RolloutPipeline):
     def restore(self, loop: PipelineHost, held: HeldRollout | None) -> None:
         self._held = loop.transfer.import_held(held, loop.route()) if held is not None else None
 
-    def close(self, loop: PipelineHost | None) -> None:
-        # A generation still running ends when its engines are killed; it must not replace them.
+    def close(self, loop: PipelineHost | None, wait: bool = False) -> None:
+        # A generation still running ends when its engines are killed; it must not replace them
+        # (`wait`: the engines stay for another run, so the generation ends first).
         if loop is not None:
             loop.closing = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
     # ------------------------------------------------------------------ pieces
     def _take(self, loop: PipelineHost, step: int) -> HeldRollout:
@@ -291,11 +293,12 @@ class AsyncPipeline(RolloutPipeline):
             self._ready[h.step] = loop.transfer.import_held(h, loop.route())
         self._next = max(self._ready) + 1
 
-    def close(self, loop: PipelineHost | None) -> None:
-        # Generations still running end when their engines are killed; they must not replace them.
+    def close(self, loop: PipelineHost | None, wait: bool = False) -> None:
+        # Generations still running end when their engines are killed; they must not replace them
+        # (`wait`: the engines stay for another run, so the generations end first).
         if loop is not None:
             loop.closing = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
     def metrics(self, delivery: Delivery, trained: int) -> dict[str, float]:
         meta = delivery.meta

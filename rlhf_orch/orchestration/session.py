@@ -16,7 +16,8 @@ from rlhf_orch.engines.launch import memory_utilization, sleep_level
 from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import named
-from rlhf_orch.orchestration.actors import ActorStartError, not_answering, start_role_actors
+from rlhf_orch.orchestration import warm_actors
+from rlhf_orch.orchestration.actors import ActorStartError, RoleActors, not_answering, start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import ResumeError
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
@@ -213,21 +214,23 @@ class _Run:
     in_step: int | None = None  # the step in progress (named by a failure)
     final_note: str = ""  # what the failure did about a final checkpoint
     lost: bool = False  # the failure lost a process (a restart can help)
+    warm_key: str = ""  # what kept actors must match to serve this run (launcher.keep_actors)
 
 
-def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: bool) -> dict[str, Any]:
-    """Start every role's actors in their bundles and train to the end (or a stop signal) from
-    `resume` (None: step 1). Returns the outcome; a failure is raised with `run.lost` and
-    `run.final_note` set while the actors are still there to ask."""
+def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: bool, warm: RoleActors | None = None) -> dict[str, Any]:
+    """Start every role's actors in their bundles (or reset `warm`, an earlier run's) and train to
+    the end (or a stop signal) from `resume` (None: step 1). Returns the outcome; a failure is
+    raised with `run.lost` and `run.final_note` set while the actors are still there to ask."""
     cfg, typed, ck, record = run.cfg, run.typed, run.typed.checkpoint, run.record
     transfer, sync, pipeline = instantiate(cfg.transfer), instantiate(cfg.sync), instantiate(cfg.pipeline)
     sync.use_plan(run.plan)  # CUDA IPC: which policy rank feeds which engine worker
     run.lost, run.final_note = False, ""
     actors = start_role_actors(
         run.plan, placement, run.engines, run.specs["actor"], run.specs.get("critic"), run.specs.get("reference"),
-        typed.launcher.startup_timeout_s, typed.engine.kv_cache_gb, run.reward_spec,
+        typed.launcher.startup_timeout_s, typed.engine.kv_cache_gb, run.reward_spec, warm=warm,
     )
     loop: TrainLoop | None = None
+    completed = False  # only a completed run's actors are kept (nothing of it is left running)
     try:
         sync.prepare(actors.policy, actors.engines, run.plan.engine_tp)
         dump = RolloutDump(run.run_dir, run.inputs.tokenizer, typed.logger.rollouts_per_step) if typed.logger.rollouts else None
@@ -264,6 +267,7 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
             export_dir = run.run_dir / "policy_hf"
             export_policy(actors, loop._get, export_dir, ck.timeout_s)
             print(f"policy exported (Hugging Face format): {export_dir}", flush=True)
+        completed = not run.stop.requested
         return {"status": "interrupted", "signal": run.stop.name} if run.stop.requested else {"status": "completed"}
     except SignalAbort:
         raise
@@ -277,8 +281,10 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
                           else record.final_checkpoint(loop, actors, exact_only=restart))
         raise
     finally:
-        pipeline.close(loop)
-        actors.kill()
+        keep = typed.launcher.keep_actors and completed
+        pipeline.close(loop, wait=keep)  # kept engines must not go on generating for this run
+        if not (keep and warm_actors.park(run.warm_key, placement, actors)):
+            actors.kill()
 
 
 def run_training(
@@ -315,19 +321,18 @@ def run_training(
     stop = StopRequest("stopping after this step" + (", with a checkpoint" if ck.on_signal else ""))
     run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline)), stop,
                callbacks, run_dir, time.perf_counter())
+    run.warm_key = warm_actors.warm_key(plan, run.engines, typed.engine.kv_cache_gb, [*specs, *(["reward"] if reward_spec else [])])
     outcome: dict[str, Any] = {"status": "failed"}
-    from rlhf_orch.topology.ray_placement import RayPlacement
-
     try:
         # Installed before Ray starts (a signal during start-up stops the run before its first
         # step) and again after ray.init, which sets a SIGTERM handler of its own.
-        with stop.installed(), launcher.session(run_dir, typed.logger.verbose), stop.installed(), RayPlacement(
-            plan, ready_timeout_s=typed.launcher.startup_timeout_s
-        ) as placement:
+        with stop.installed(), launcher.session(run_dir, typed.logger.verbose), stop.installed(), warm_actors.placement_for(
+            run.warm_key, plan, typed.launcher.startup_timeout_s, typed.launcher.keep_actors
+        ) as (placement, warm):
             restarted = False
             while True:
                 try:
-                    outcome = _attempt(run, placement, resume, restarted)
+                    outcome = _attempt(run, placement, resume, restarted, warm)
                     break
                 except SignalAbort:
                     raise
@@ -335,7 +340,7 @@ def run_training(
                     if not run.lost or record.trainer_restarts >= typed.fault.max_trainer_restarts:
                         raise
                     failed_at = run.in_step
-                    resume, restarted = _restart_point(run, e), True
+                    resume, restarted, warm = _restart_point(run, e), True, None
                     print(f"{_where(failed_at)}{named(e)} -- restarting every role from "
                           f"{f'the checkpoint of step {resume.step}' if resume else 'the initial weights (no checkpoint yet)'} "
                           f"(restart {record.trainer_restarts}/{typed.fault.max_trainer_restarts})", flush=True)

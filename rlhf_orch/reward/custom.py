@@ -43,6 +43,14 @@ _FUNCTIONS: dict[tuple[str, str, bool], tuple[Callable[..., Any], tuple[str, ...
 _LOCK = threading.RLock()
 
 
+def forget_user_modules() -> None:
+    """Import the users' reward files afresh next time (a process kept for another run:
+    `VLLMEngine.reset`), as a new process would: a file edited since, or state at module level."""
+    with _LOCK:
+        _MODULES.clear()
+        _FUNCTIONS.clear()
+
+
 def _one_line(text: str, limit: int = 300) -> str:
     text = " | ".join(part.strip() for part in str(text).strip().splitlines() if part.strip())
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -7,6 +7,7 @@ experience this rank was handed, and calling those functions in order.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -97,6 +98,20 @@ class _Worker(ExperienceInbox):
         self._grad_norms: list[float] = []  # per optimizer step of the current train() call
         # Per optimizer step of the last train() call: the sample indices this rank trained on in it.
         self.last_step_members: list[tuple[int, ...]] = []
+
+    def reset(self, spec: TrainerSpec) -> None:
+        """What a new actor of this role and rank starts as, for the next run of this process
+        (`rlhf_orch.orchestration.warm_actors`; `build` follows as for a new one): every attribute
+        of the last run dropped (model, DeepSpeed engine, staged experience, weight-sync group) and
+        set up again, the RNG seeded again. The torch.distributed group of the role's ranks stays:
+        the same plan gives the same ranks."""
+        self._respec(spec)  # refuses another data-parallel size
+        rank, world_size = self.rank, self.world_size
+        self.__dict__.clear()
+        gc.collect()  # the last run's model, optimizer state and weight-sync group before the next is built
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what a colocated engine sees free is what a new process would leave
+        _Worker.__init__(self, spec, rank, world_size)
 
     # ---------------------------------------------------------------- placement introspection
     def placement(self) -> dict[str, Any]:
