@@ -1,7 +1,7 @@
 """Every combination of strategies computes the algorithm it names: the trainer against the oracle.
 
 For each `algo` option x each `algo.loss_agg` x each `transfer` option x 1 and 2 policy ranks x two
-micro-batch / `train_batch_size` cuts x `ppo_epochs` 1 and 2 with plain SGD (and with Adam on a
+micro-batch / `train_batch_size` cuts, `ppo_epochs` 2 with plain SGD (and 1 and 2 with Adam on a
 rotation of transfer x ranks, `_settings`), one update through the real system -- the transfer strategy's own layout, real `PolicyWorker` / `CriticWorker` Ray actors
 running DeepSpeed ZeRO-2 over gloo -- on a fixed rollout must give the weights and the logged
 metrics of `rlhf_orch.algo.oracle.reference_update`, which is the same update written plainly
@@ -288,10 +288,12 @@ LAYOUTS = list(itertools.product(TRANSFERS, (1, 2)))  # transfer x policy ranks
 
 def _settings(case: int) -> list[tuple]:
     """(ppo_epochs, optimizer, transfer, ranks, cut) of one algo x loss_agg case: with SGD every
-    transfer x ranks x cut x epochs; with Adam every cut x epochs on one transfer x ranks, rotated
-    over the cases so that every algo and every loss_agg meets each transfer and rank count under
-    Adam too (SGD catches scale errors; Adam's own check is its path, moments and bias correction)."""
-    sgd = [(e, "sgd", t, r, c) for e, (t, r), c in itertools.product((1, 2), LAYOUTS, CUTS)]
+    transfer x ranks x cut at two epochs; with Adam every cut x epochs 1 and 2 on one transfer x
+    ranks, rotated over the cases so that every algo and every loss_agg meets each transfer and rank
+    count under Adam too (SGD catches scale errors; Adam's own check is its path, moments and bias
+    correction). SGD runs two epochs only: one epoch's update is the first half of two epochs' (the
+    weights and metrics of the second depend on it), and one epoch alone is checked under Adam."""
+    sgd = [(2, "sgd", t, r, c) for (t, r), c in itertools.product(LAYOUTS, CUTS)]
     transfer, ranks = LAYOUTS[case % len(LAYOUTS)]
     return sgd + [(e, "adamw", transfer, ranks, c) for e, c in itertools.product((1, 2), CUTS)]
 
