@@ -104,6 +104,17 @@ def shared_ray():
     ray.shutdown()
 
 
+def train_in_process(overrides: list[str], run_dir: Path, callbacks=()) -> dict:
+    """One run in this process, as run.py would start it (composed, checked, trained); its summary."""
+    from rlhf_orch.app import check
+    from rlhf_orch.orchestration.session import run_training
+
+    cfg = compose_config(overrides)
+    launcher = instantiate(cfg.launcher)
+    typed, plan = check(cfg, launcher)
+    return run_training(cfg, typed, plan, launcher, run_dir, callbacks=list(callbacks))
+
+
 def all_resources_free(timeout_s: float = 30.0) -> bool:
     """Nothing a finished run started still holds resources of the shared session (actors,
     placement groups) but what it parked for the next run (`launcher.keep_actors`), which is

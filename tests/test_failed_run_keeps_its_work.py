@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 import ray
-from hydra.utils import instantiate
 
-from rlhf_orch.app import check
-from rlhf_orch.orchestration.session import RunFailed, run_training
-from tests.conftest import SHARED_RAY, all_resources_free, compose_config
+from rlhf_orch.orchestration.session import RunFailed
+from tests.conftest import SHARED_RAY, all_resources_free, train_in_process
 from tests.test_resume import _comparable
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
@@ -31,10 +29,7 @@ ASYNC_ONLY = ("rollout/interrupted", "async/", "time/engine_idle")  # the async 
 
 
 def _train(run_dir: Path, *extra: str, callbacks=()) -> dict:
-    cfg = compose_config([*RUN, *extra])
-    launcher = instantiate(cfg.launcher)
-    typed, plan = check(cfg, launcher)
-    return run_training(cfg, typed, plan, launcher, run_dir, callbacks=list(callbacks))
+    return train_in_process([*RUN, *extra], run_dir, callbacks)
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -10,18 +10,15 @@ run that lost a process parks nothing.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import ray
-from hydra.utils import instantiate
 
-from rlhf_orch.app import check
 from rlhf_orch.orchestration import warm_actors
-from rlhf_orch.orchestration.session import RunFailed, run_training
-from tests.conftest import SHARED_RAY, all_resources_free, compose_config
-from tests.test_resume import _comparable
+from rlhf_orch.orchestration.session import RunFailed
+from tests.conftest import SHARED_RAY, all_resources_free, train_in_process
+from tests.test_resume import _comparable, _metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
@@ -29,14 +26,7 @@ RUN = ["experiment=quick", "algo.num_steps=3", "checkpoint.export_final=false", 
 
 
 def _train(run_dir: Path, *extra: str, callbacks=()) -> dict:
-    cfg = compose_config([*RUN, *extra])
-    launcher = instantiate(cfg.launcher)
-    typed, plan = check(cfg, launcher)
-    return run_training(cfg, typed, plan, launcher, run_dir, callbacks=list(callbacks))
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train_in_process([*RUN, *extra], run_dir, callbacks)
 
 
 def _pids(actors) -> list[int]:
