@@ -12,6 +12,7 @@ multi-sender strategy), keyed by group name.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections import deque
@@ -76,6 +77,9 @@ class WeightSyncWorkerExtension:
         self._rlhf_buffer_pool = None
         self._rlhf_session = None  # a layer-wise reload an update left open
         self._rlhf_raw_buffer = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the dropped receive buffers, as a new engine would not hold them
         self.model_runner.reload_weights(is_checkpoint_format=True)
         refresh_tied_layers(self.model_runner.get_model())  # as after every update: the head tied to the embedding
         set_random_seed(self.model_config.seed)

@@ -146,7 +146,9 @@ def start_role_actors(
             gpu_layout = plan.total_gpus > 0
             resets = [e.reset.remote(engine_options(placement, slot, engine_spec, env, gpu_layout)[1])
                       for e, slot in zip(warm.engines, engine_slots)]
-            resets += [a.reset.remote(spec) for _, _, spec, name in roles for a in getattr(warm, name)]
+            # (the reward model's spec is the policy's: its ranks' count is its own)
+            resets += [a.reset.remote(replace(spec, data_parallel_size=len(plan.slots_for(role))))
+                       for role, _, spec, name in roles for a in getattr(warm, name)]
             ray.get(resets, timeout=timeout_s)
             actors.engines.extend(warm.engines)
             for _, _, _, name in roles:

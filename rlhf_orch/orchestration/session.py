@@ -283,8 +283,18 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
     finally:
         keep = typed.launcher.keep_actors and completed
         pipeline.close(loop, wait=keep)  # kept engines must not go on generating for this run
-        if not (keep and warm_actors.park(run.warm_key, placement, actors)):
+        if not (keep and _parked(run, placement, actors)):
             actors.kill()
+
+
+def _parked(run: _Run, placement: Any, actors: RoleActors) -> bool:
+    """Whether the completed run's actors were kept for the next run (a failure to keep them
+    leaves them to be killed; it does not fail the run)."""
+    try:
+        return warm_actors.park(run.warm_key, placement, actors)
+    except Exception as e:  # noqa: BLE001
+        print(f"actors: not kept for the next run ({named(e)})", flush=True)
+        return False
 
 
 def run_training(

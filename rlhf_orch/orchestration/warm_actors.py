@@ -78,9 +78,11 @@ def take(key: str) -> tuple[RayPlacement, RoleActors] | None:
     """The placement and actors parked under `key`, all answering, or None (nothing is parked after)."""
     global _parked
     parked, _parked = _parked, None
-    if parked is None or parked.session != _session_id():
-        return None  # nothing, or Ray was restarted: those actors and groups went with it
+    if parked is None:
+        return None
     try:
+        if parked.session != _session_id():
+            return None  # Ray was restarted: those actors and groups went with it
         if parked.key != key:
             print("actors: the previous run's kept actors do not fit this run (another placement plan, roles or "
                   "engine process settings): starting new ones", flush=True)
