@@ -334,8 +334,7 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
             return
 
         def reset():
-            if self.llm.llm_engine.has_unfinished_requests() or self._started_at or self._env_rollout.locked():
-                raise RuntimeError(f"engine {self.index} still has requests in flight")
+            self._refuse_in_flight()
             self._awake()
             self.llm.collective_rpc("rlhf_reset")
             self.llm.reset_prefix_cache()
@@ -348,13 +347,17 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         self._weights_dropped = False
         self._reset_generation_state()
 
+    def _refuse_in_flight(self) -> None:
+        """(vLLM's thread.) A reset must not cut a request or an agent rollout of the last run short."""
+        if self.llm.llm_engine.has_unfinished_requests() or self._started_at or self._env_rollout.locked():
+            raise RuntimeError(f"engine {self.index} still has requests in flight")
+
     def _drop_llm(self) -> None:
         """(vLLM's thread.) End this process's `vllm.LLM` and vLLM's process-wide state, so that
         another can start here (what vLLM's own tests do between engines in one process)."""
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        if self.llm.llm_engine.has_unfinished_requests():
-            raise RuntimeError(f"engine {self.index} still has requests in flight")
+        self._refuse_in_flight()
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         cleanup_dist_env_and_memory()
