@@ -10,6 +10,10 @@ A checkpoint is a directory `<checkpoint.dir>/step_00000012/`:
                       each rank's RNG state beside it
     hf/               (checkpoint.export_hf) the policy in Hugging Face format
 
+Under a `checkpoint.dir` shared by runs (a cluster's shared file system) each run has its own
+directory, `<checkpoint.dir>/<run namespace>/step_.../` (`run_checkpoint_root`): saving and rotating
+touch that run's checkpoints only, and a restart loads its own.
+
 It is written into `.tmp-step_00000012/` and renamed when complete, so a crash mid-write leaves a
 `.tmp-` directory that is never taken as the latest (and is removed by the next commit). Plain
 functions on paths and JSON: the config's run-dir resolver uses them before anything else exists;
@@ -18,8 +22,10 @@ what a checkpoint holds and how a run saves and restores it is rlhf_orch.orchest
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -45,6 +51,18 @@ class CheckpointInfo:
 
 def step_dir_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
+
+
+def run_checkpoint_root(run_dir: Path, checkpoint_dir: Optional[str] = None) -> Path:
+    """Where the run writing into `run_dir` keeps its checkpoints: `<run_dir>/checkpoints`, or its
+    own directory under a shared `checkpoint.dir`, named after the run dir (readable) and a hash of
+    its absolute path (two runs whose dirs share a name still get two directories)."""
+    run_dir = Path(run_dir)
+    if not checkpoint_dir:
+        return run_dir / "checkpoints"
+    absolute = str(run_dir.expanduser().resolve())
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{run_dir.resolve().parent.name}-{run_dir.name}").strip("_.") or "run"
+    return Path(checkpoint_dir) / f"{readable}-{hashlib.sha1(absolute.encode()).hexdigest()[:10]}"
 
 
 class CheckpointStore:
@@ -115,7 +133,9 @@ def find_checkpoint(
     under `experiments_root` (outputs/<experiment_name>) or `checkpoint_dir` -- never one another
     experiment wrote into a shared directory."""
     if resume == "auto":
-        roots = [Path(checkpoint_dir)] if checkpoint_dir else []
+        # A shared checkpoint.dir: every run's own directory in it (and checkpoints written
+        # straight into it by earlier versions).
+        roots = [Path(checkpoint_dir), *sorted(p for p in Path(checkpoint_dir).glob("*") if p.is_dir())] if checkpoint_dir else []
         roots += [p / "checkpoints" for p in Path(experiments_root).glob("*") if p.is_dir()]
         found = [c for r in roots for c in complete_checkpoints(r)]
         mine = [c for c in found if experiment_name is None or c.manifest.get("experiment_name") == experiment_name]
@@ -133,7 +153,8 @@ def find_checkpoint(
     manifest = _read_manifest(path)
     if manifest is not None:
         return CheckpointInfo(path, int(manifest["step"]), manifest)
-    for root in (path / "checkpoints", path):
+    # A run dir: its checkpoints, in it or in its own directory under a shared checkpoint.dir.
+    for root in (path / "checkpoints", *([run_checkpoint_root(path, checkpoint_dir)] if checkpoint_dir else []), path):
         done = complete_checkpoints(root)
         if done:
             return done[-1]
@@ -143,7 +164,7 @@ def find_checkpoint(
     )
 
 
-def run_dir_of(resume: Optional[str], default: str, experiment_name: Optional[str] = None) -> str:
+def run_dir_of(resume: Optional[str], default: str, experiment_name: Optional[str] = None, checkpoint_dir: Optional[str] = None) -> str:
     """Where a run writes: the resumed run's own dir (metrics continue in place), else `default`.
 
     Registered as the `rlhf_run_dir` resolver of `hydra.run.dir`; anything unresolvable falls back to
@@ -153,7 +174,7 @@ def run_dir_of(resume: Optional[str], default: str, experiment_name: Optional[st
         return default
     try:
         root = Path(default).parent if resume == "auto" else Path(resume)
-        info = find_checkpoint(resume, root, experiment_name=experiment_name)
+        info = find_checkpoint(resume, root, checkpoint_dir, experiment_name)
         return info.manifest.get("run_dir") or default
     except (ResumeError, OSError, KeyError, ValueError):
         return default

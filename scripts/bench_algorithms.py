@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from rlhf_orch.logging.base import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo"]
@@ -33,7 +34,7 @@ def run(algo: str, steps: int, out: Path, extra: list[str]) -> dict:
     )
     if proc.returncode != 0:
         return {"algo": algo, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     rewards = [r["reward/mean"] for r in rows]
     k = min(5, len(rewards))
     steady = rows[1:] or rows  # step 1 includes the engines' warm-up

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_orch.orchestration.checkpoint import dir_size_bytes  # noqa: E402
 from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec  # noqa: E402
+from rlhf_orch.logging.base import read_metrics
 
 
 def _qwen05b_shaped(root: Path) -> str:
@@ -127,7 +128,7 @@ def engine_restart() -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         run_training(cfg, typed, plan, launcher, Path(d), callbacks=[kill])
-        rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(Path(d))
     ordinary, restarted = rows[1], rows[2]
     return {
         "engine_restart_s": restarted["time/engine_restart"],

@@ -43,6 +43,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from rlhf_orch.logging.base import read_metrics  # noqa: E402
+
 SETTINGS: dict[str, dict[str, Any]] = {
     "default": {"overrides": ["algo=grpo"], "steps": 30},
     "generation_heavy": {"overrides": ["algo=grpo", "algo.min_response_len=256", "data.response_max_len=256"], "steps": 8},
@@ -148,7 +150,7 @@ def run_ours(setting: dict, steps: int, seed: int, out: Path, skip: int) -> dict
            "checkpoint.at_end=false", "checkpoint.export_final=false", "logger.plot_every_n_steps=0",
            f"hydra.run.dir={run_dir}"]
     m = measure(cmd, lambda line: line.startswith("step "), out / f"ours_{setting['name']}_seed{seed}.log")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir)
     steady = rows[skip:]
     wall = (steady[-1]["time/elapsed"] - rows[skip - 1]["time/elapsed"]) / len(steady) if skip else steady[-1]["time/elapsed"] / len(steady)
     tokens = [r["response/mean_len"] * r["rollout/samples"] for r in steady]

@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from rlhf_orch.logging.base import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {
@@ -86,7 +87,7 @@ def run(setting: str, pipeline: str, steps: int, seed: int, out: Path) -> list[d
     if done.returncode != 0:
         raise SystemExit(f"{setting}/{pipeline} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     print(f"  {setting:16s} {pipeline:14s} seed {seed}: {steps} steps in {time.perf_counter() - t:.0f}s", flush=True)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def summarise(rows: list[dict], skip: int) -> dict:

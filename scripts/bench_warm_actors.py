@@ -31,6 +31,7 @@ from rlhf_orch.orchestration import warm_actors  # noqa: E402
 from rlhf_orch.orchestration.session import run_training  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
 from tests.test_resume import _comparable  # noqa: E402
+from rlhf_orch.logging.base import read_metrics
 
 
 def busy_cpu_seconds() -> float:
@@ -49,7 +50,7 @@ def one_run(overrides: list[str], keep: bool, work: Path) -> dict:
     summary = run_training(cfg, typed, plan, launcher, run_dir)
     wall, cpu = time.perf_counter() - t0, busy_cpu_seconds() - cpu0
     assert summary["status"] == "completed", summary
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(run_dir)
     return {"wall_s": wall, "cpu_s": cpu, "metrics": _comparable(metrics)}
 
 

@@ -41,6 +41,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from rlhf_orch.logging.base import read_metrics  # noqa: E402
+
 KINDS = ("generation", "sync", "evaluation", "trainer")
 # Wall-clock figures differ between any two runs; the fault counters differ by design.
 UNCOMPARED = ("time/", "perf/", "share/", "sync/gb_per_s", "transfer/metadata", "fault/")
@@ -153,7 +155,7 @@ def _train(overrides: list[str], run_dir: Path, callbacks=()) -> tuple[list[dict
     t = time.perf_counter()
     summary = run_training(cfg, typed, plan, launcher, run_dir, callbacks=list(callbacks))
     wall = time.perf_counter() - t
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     return rows, summary, wall
 
 

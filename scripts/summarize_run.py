@@ -11,12 +11,13 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from rlhf_orch.logging.base import read_metrics
 
 PHASES = ("generate", "reward", "transfer", "experience", "train", "sync")
 
 
 def summarize(run_dir: Path, window: int = 5) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir)
     if not rows:
         raise SystemExit(f"{run_dir}/metrics.jsonl has no steps")
     steady = rows[1:] or rows  # step 1 includes engine warm-up (first generate compiles/allocates)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_orch.algo import advantages as adv_mod
 from rlhf_orch.algo.advantages import (
     dynamic_sampling_keep,
     grpo_advantages,

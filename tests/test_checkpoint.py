@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_orch.logging.base import MetricsFile
-from rlhf_orch.checkpoint_dirs import DRIVER_STATE, CheckpointStore, ResumeError, complete_checkpoints, find_checkpoint, run_dir_of
+from rlhf_orch.logging.base import MetricsFile, read_metrics
+from rlhf_orch.checkpoint_dirs import (
+    DRIVER_STATE, CheckpointStore, ResumeError, complete_checkpoints, find_checkpoint, run_checkpoint_root, run_dir_of,
+)
 from rlhf_orch.orchestration.checkpoint import config_drift, engine_seed, load_driver_state, load_resume
 from rlhf_orch.orchestration.loop import non_finite
 from rlhf_orch.rng import rng_state, set_rng_state
@@ -77,6 +79,30 @@ def test_resume_finds_a_checkpoint_dir_a_run_dir_or_the_latest_of_the_experiment
         find_checkpoint(str(empty), experiment)
 
 
+def test_runs_sharing_a_checkpoint_dir_keep_and_resume_their_own_checkpoints(tmp_path):
+    """Two runs of one experiment write into one checkpoint.dir with keep_last=1, interleaved:
+    neither rotation deletes the other's checkpoint, and each run dir resumes its own."""
+    shared = str(tmp_path / "shared")
+    outputs = tmp_path / "outputs" / "quick"
+    a, b = outputs / "2026-01-01_00-00-00", outputs / "2026-01-01_00-00-01"
+    a.mkdir(parents=True), b.mkdir()  # the run dirs (metrics, logs); their checkpoints are in `shared`
+    store_a = CheckpointStore(run_checkpoint_root(a, shared), keep_last=1)
+    store_b = CheckpointStore(run_checkpoint_root(b, shared), keep_last=1)
+    assert store_a.root != store_b.root and store_a.root.parent == store_b.root.parent == Path(shared)
+    for step in (1, 2, 3):
+        _commit(store_a, step, a)
+        time.sleep(0.01)
+        _commit(store_b, step, b)  # the same step names: each in its own directory
+    assert [c.step for c in store_a.complete()] == [3] and [c.step for c in store_b.complete()] == [3]
+    assert find_checkpoint(str(a), outputs, shared).manifest["run_dir"] == str(a)
+    assert find_checkpoint(str(b), outputs, shared).manifest["run_dir"] == str(b)
+    assert run_dir_of(str(a), "default", "quick", shared) == str(a)
+    assert find_checkpoint("auto", outputs, shared, "quick").manifest["run_dir"] == str(b)  # the newest
+    # Two run dirs with one name (two experiments' roots): still two directories.
+    assert run_checkpoint_root(tmp_path / "x" / "run", shared) != run_checkpoint_root(tmp_path / "y" / "run", shared)
+    assert run_checkpoint_root(a) == a / "checkpoints"
+
+
 def test_config_drift_refuses_breaking_changes_and_lists_the_rest(tmp_path):
     changed = {**CONFIG, "model": {"hidden_size": 256}, "algo": {"num_steps": 20, "actor_lr": 2e-4}, "logger": {"_target_": "y"}}
     breaking, other, harmless = config_drift(CONFIG, changed)
@@ -97,15 +123,23 @@ def test_config_drift_refuses_breaking_changes_and_lists_the_rest(tmp_path):
     assert point.step == 4 and point.changed == ["algo.num_steps"]
 
 
-def test_metrics_file_on_resume_keeps_the_steps_up_to_the_checkpoint(tmp_path):
+def test_metrics_file_on_resume_marks_the_steps_after_the_checkpoint_superseded(tmp_path):
+    """Steps 3 and 4 ran after the checkpoint of step 2 and are run again: their records stay (what
+    happened), marked superseded; `read_metrics` gives every step once, from the run that counts."""
     lines = [json.dumps({"step": s, "reward/mean": s / 10}) for s in range(0, 5)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "rew')  # killed mid-write
     f = MetricsFile(tmp_path, keep_through_step=2)
     f.write({"step": 3, "reward/mean": 0.9})
     f.close()
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[-1]["reward/mean"] == 0.9
+    every = read_metrics(tmp_path, superseded=True)
+    assert [(r["step"], r.get("superseded", False)) for r in every] == [(0, False), (1, False), (2, False), (3, True), (4, True), (3, False)]
+    # A second restart from the same checkpoint marks the re-run's records too, once.
+    MetricsFile(tmp_path, keep_through_step=2).close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    assert len(read_metrics(tmp_path, superseded=True)) == 6
 
 
 def test_rng_state_round_trip_and_engine_seeds(tmp_path):

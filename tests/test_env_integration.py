@@ -24,6 +24,7 @@ from rlhf_orch.data.digit_task import score_response
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
 from rlhf_orch.env.agent import AgentEnv
 from rlhf_orch.env.custom import CustomEnv
+from rlhf_orch.logging.base import read_metrics
 from rlhf_orch.orchestration.session import run_training
 from rlhf_orch.transfer.batch import LOSS_MASK
 from rlhf_orch.transfer.engine_side import RolloutJob
@@ -213,7 +214,7 @@ def _run(overrides: list[str], run_dir: Path) -> list[dict]:
     typed, plan = check(cfg, launcher)
     summary = run_training(cfg, typed, plan, launcher, run_dir)
     assert summary["status"] == "completed"
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def _skyrl_parquet(verl_parquet: str, out: Path) -> str:
@@ -328,7 +329,7 @@ def test_an_engine_dying_inside_an_environment_step_is_replaced(tmp_path):
             marker.write_text("")  # step 2's rollout loses an engine inside an env.step
 
     run_training(cfg, typed, plan, launcher, tmp_path / "run", callbacks=[arm])
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "run")
     assert [r["fault/engine_restarts"] for r in rows] == [0, 1, 1]
     assert Path(str(marker) + ".taken").exists()
     assert all(r["rollout/samples"] == 8 * 2 and r["env/turns_mean"] == 2.0 for r in rows)
@@ -352,7 +353,7 @@ def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
 
     summary = run_training(cfg, typed, plan, launcher, tmp_path, callbacks=[where])
     assert summary["status"] == "completed"
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     for r in rows:
         assert r["env/calls_mean"] > 2.5 and r["env/unmerged_calls"] == 0 and r["env/agent_errors"] == 0
         assert r["env/tries_mean"] == r["env/calls_mean"] and r["rollout/samples"] == 16

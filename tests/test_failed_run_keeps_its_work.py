@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import ray
 
+from rlhf_orch.checkpoint_dirs import complete_checkpoints, run_checkpoint_root
+from rlhf_orch.logging.base import read_metrics
 from rlhf_orch.orchestration.session import RunFailed
 from tests.conftest import SHARED_RAY, all_resources_free, train_in_process
 from tests.test_resume import _comparable
@@ -33,7 +35,7 @@ def _train(run_dir: Path, *extra: str, callbacks=()) -> dict:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -48,25 +50,78 @@ def _without_fault_counters(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(FAULT_COUNTERS)} for r in rows]
 
 
-# slow (~60 s): three starts of every role (the run, and two restarts) -- restarting is the point.
+# slow (~70 s): three starts of every role (the run, and two restarts) -- restarting is the point.
 @pytest.mark.slow
 def test_a_lost_trainer_rank_restarts_every_role_from_the_last_checkpoint_and_the_run_ends_the_same(tmp_path, whole):
     """The policy rank is killed after step 1 (no checkpoint yet: the run starts again from the
-    initial weights) and again after step 3 (the checkpoint of step 2 is the restart point)."""
-    killed = []
+    initial weights), the engine after step 2 (replaced in place as step 3 seeds it) and the policy
+    again after step 3 (the checkpoint of step 2 is the restart point, which knows nothing of the
+    engine replacement). Counters and budgets are run-wide, and what the lost attempts logged stays
+    in metrics.jsonl, marked superseded."""
+    faults = []
+
+    def kill(step: int, loop) -> None:
+        victim = {(1, 0): loop.actors.policy[0], (2, 1): loop.actors.engines[0], (3, 2): loop.actors.policy[0]}.get((step, len(faults)))
+        if victim is not None:
+            faults.append(step)
+            ray.kill(victim)
+
+    run_dir = tmp_path / "run"
+    summary = _train(run_dir, "checkpoint.every_n_steps=2", "fault.max_engine_restarts=1", callbacks=[kill])
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 2 and faults == [1, 2, 3]
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # re-run steps stand for what the lost attempts logged
+    assert [r["fault/trainer_restarts"] for r in rows] == [1, 1, 2, 2]
+    # The replacement during step 3 of the lost attempt counts in the re-run steps 3 and 4 (the
+    # budget of one replacement is spent: another engine loss would end the run).
+    assert [r["fault/engine_restarts"] for r in rows] == [0, 0, 1, 1]
+    every = read_metrics(run_dir, superseded=True)
+    assert [(r["step"], r.get("superseded", False)) for r in every] == [
+        (1, True), (1, False), (2, False), (3, True), (3, False), (4, False)]
+    assert _without_fault_counters(_comparable(rows)) == _without_fault_counters(whole)
+    assert all_resources_free()
+
+
+# slow (~30 s): the run and one restart.
+@pytest.mark.slow
+def test_the_same_failure_at_the_same_step_twice_stops_instead_of_spending_the_restart_budget(tmp_path):
+    """The policy rank dies after step 1 in every attempt (a deterministic failure): step 2 fails
+    the same way twice, so the run stops after one restart with one line that says so, though the
+    budget allows three."""
 
     def kill_the_policy(step: int, loop) -> None:
-        if (step, len(killed)) in ((1, 0), (3, 1)):
-            killed.append(step)
+        if step == 1:
             ray.kill(loop.actors.policy[0])
 
     run_dir = tmp_path / "run"
-    summary = _train(run_dir, "checkpoint.every_n_steps=2", callbacks=[kill_the_policy])
-    assert summary["status"] == "completed" and summary["trainer_restarts"] == 2 and killed == [1, 3]
-    rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # re-run steps replace what the lost attempt logged
-    assert [r["fault/trainer_restarts"] for r in rows] == [1, 1, 2, 2]
-    assert _without_fault_counters(_comparable(rows)) == _without_fault_counters(whole)
+    with pytest.raises(RunFailed) as failed:
+        _train(run_dir, "algo.num_steps=2", "fault.max_trainer_restarts=3", callbacks=[kill_the_policy])
+    message = str(failed.value)
+    assert message.startswith("step 2: CrashLoopError: the same failure twice at step 2, so a restart would repeat it: ")
+    assert "not restarting (1/3 restarts used)" in message and "\n" not in message
+    assert json.loads((run_dir / "summary.json").read_text())["trainer_restarts"] == 1
+    assert all_resources_free()
+
+
+# slow (~25 s): four short runs on kept actors.
+@pytest.mark.slow
+def test_two_runs_sharing_a_checkpoint_dir_each_resume_their_own(tmp_path, capsys):
+    """checkpoint.dir shared by two runs of one experiment with keep_last=1: both complete (neither
+    rotation deletes the other's checkpoint), and each run dir resumes its own checkpoint."""
+    shared = tmp_path / "shared"
+    runs = {name: tmp_path / name for name in ("a", "b")}
+    common = ["algo.num_steps=2", "checkpoint.every_n_steps=1", "checkpoint.keep_last=1", f"checkpoint.dir={shared}"]
+    assert _train(runs["a"], *common, "algo.actor_lr=1e-4")["status"] == "completed"
+    assert _train(runs["b"], *common, "algo.actor_lr=2e-4")["status"] == "completed"
+    own = {name: complete_checkpoints(run_checkpoint_root(d, str(shared))) for name, d in runs.items()}
+    assert {name: [c.step for c in cks] for name, cks in own.items()} == {"a": [2], "b": [2]}
+    assert all(c.manifest["run_dir"] == str(runs[name].resolve()) for name, cks in own.items() for c in cks)
+    capsys.readouterr()
+    for name, lr in (("a", "1e-4"), ("b", "2e-4")):
+        resumed = _train(runs[name], *common, f"algo.actor_lr={lr}", "algo.num_steps=3", f"resume={runs[name]}")
+        assert resumed["status"] == "completed" and resumed["steps"] == 3
+        assert f"resuming from step 2: {own[name][0].path}" in capsys.readouterr().out
+    assert [c.step for d in runs.values() for c in complete_checkpoints(run_checkpoint_root(d, str(shared)))] == [3, 3]
     assert all_resources_free()
 
 

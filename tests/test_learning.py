@@ -10,13 +10,13 @@ dynamic sampling (under one_step_off): every step trains on a full batch, inform
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
 
 from rlhf_orch.app import check
+from rlhf_orch.logging.base import read_metrics
 from rlhf_orch.orchestration.session import run_training
 from tests.conftest import SHARED_RAY, compose_config
 
@@ -28,7 +28,7 @@ def _run(overrides: list[str], run_dir: Path, callbacks=()) -> list[dict]:
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     run_training(cfg, typed, plan, launcher, run_dir, callbacks=callbacks)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def _first_last(rows: list[dict]) -> tuple[float, float]:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
-from rlhf_orch.logging.base import MetricsFile
+from rlhf_orch.logging.base import MetricsFile, read_metrics
 from rlhf_orch.logging.console import format_step_line
 from rlhf_orch.logging.wandb_logger import WandbLogger
 
@@ -24,7 +23,7 @@ def test_metrics_file_appends_one_json_object_per_step(tmp_path):
     f.write({"step": 1, **METRICS})
     f.write({"step": 2, "reward/mean": math.nan})  # non-finite values become null, not invalid JSON
     f.close()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[1]["reward/mean"] is None
 

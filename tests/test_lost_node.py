@@ -18,6 +18,7 @@ from ray.cluster_utils import Cluster
 from rlhf_orch.app import check
 from rlhf_orch.orchestration.session import RunFailed, run_training
 from tests.conftest import compose_config
+from rlhf_orch.logging.base import read_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -72,7 +73,7 @@ def test_a_lost_node_moves_the_run_to_the_node_left_then_the_run_stops_with_its_
     assert "\n" not in message and "Traceback" not in message
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["trainer_restarts"] == 1
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["fault/trainer_restarts"] for r in rows] == [0, 0, 1]
     assert Path(summary["last_checkpoint"]) == checkpoint
 

@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from rlhf_orch.app import check
 from rlhf_orch.orchestration.session import run_training
 from tests.conftest import SHARED_RAY, all_resources_free, compose_config
+from rlhf_orch.logging.base import read_metrics
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +30,7 @@ REWARD_FILE = str(REPO / "scripts" / "examples" / "digit_reward.py")
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def _train(overrides: list[str], run_dir: Path, callbacks=()) -> dict:

@@ -21,13 +21,14 @@ from rlhf_orch.orchestration.pipeline import SyncPipeline
 from rlhf_orch.orchestration.session import RunFailed, run_training
 from tests.conftest import all_resources_free, compose_config
 from tests.test_loopback import is_loopback, session_listeners
+from rlhf_orch.logging.base import read_metrics
 from hydra.utils import instantiate
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 @pytest.mark.own_processes

@@ -28,6 +28,7 @@ from tests.text2sql_rows import make_text2sql
 from rlhf_orch.app import check
 from rlhf_orch.orchestration.session import run_training
 from tests.conftest import SHARED_RAY, compose_config
+from rlhf_orch.logging.base import read_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model, pytest.mark.usefixtures("shared_ray")]
 
@@ -40,7 +41,7 @@ def _run(overrides: list[str], run_dir: Path) -> list[dict]:
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     run_training(cfg, typed, plan, launcher, run_dir)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from rlhf_orch.app import check
 from rlhf_orch.checkpoint_dirs import complete_checkpoints
 from rlhf_orch.orchestration.session import run_training
 from tests.conftest import compose_config
+from rlhf_orch.logging.base import read_metrics
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ TIMING_PREFIXES = ("time/", "perf/", "share/", "sync/gb_per_s", "transfer/metada
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def _steps_logged(run_dir: Path) -> int:

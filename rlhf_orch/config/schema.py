@@ -876,13 +876,13 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-def _run_dir(resume: Optional[str], experiment_name: str, default: str) -> str:
+def _run_dir(resume: Optional[str], experiment_name: str, checkpoint_dir: Optional[str], default: str) -> str:
     """`hydra.run.dir`: a resumed run writes into its own run dir (metrics continue in place)."""
     if not resume:
         return default
     from rlhf_orch.checkpoint_dirs import run_dir_of
 
-    return run_dir_of(resume, default, experiment_name)
+    return run_dir_of(resume, default, experiment_name, checkpoint_dir)
 
 
 def _hydra_subdir(resume: Optional[str], now: str) -> str:

@@ -15,12 +15,21 @@ class MetricsFile:
     """
 
     def __init__(self, run_dir: str | Path, keep_through_step: int | None = None):
-        """`keep_through_step` (resume): records of later steps -- written after the checkpoint the
-        run resumes from -- are dropped first, so every step appears once, from the run that counts."""
+        """`keep_through_step` (resume, a restart): records of later steps -- written after the
+        checkpoint the run goes back to, and about to be run again -- stay, marked
+        `"superseded": true` (what happened is never erased); `read_metrics` leaves them out, so
+        every step counts once, from the run that counts. A line cut by a kill mid-write is dropped."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if keep_through_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines() if _step_of(line) <= keep_through_step]
+            kept = []
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                record = _record(line)
+                if record is None:
+                    continue
+                if record.get("step", 0) > keep_through_step and not record.get(SUPERSEDED):
+                    line = json.dumps({**record, SUPERSEDED: True}, sort_keys=True)
+                kept.append(line)
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
             tmp.replace(self.path)
@@ -35,11 +44,27 @@ class MetricsFile:
         self._fh.close()
 
 
-def _step_of(line: str) -> float:
+# The key marking a record of a step that was run again after it (a restart or a resume went back
+# to an earlier checkpoint): kept as a record of what happened, not part of the run's curve.
+SUPERSEDED = "superseded"
+
+
+def read_metrics(run_dir: str | Path, superseded: bool = False) -> list[dict[str, Any]]:
+    """The records of <run_dir>/metrics.jsonl, in order (none when it is missing); a line cut by a
+    kill is skipped; records of steps run again later only with `superseded=True`."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [_record(line) for line in path.read_text(encoding="utf-8", errors="replace").splitlines()]
+    return [r for r in rows if r is not None and (superseded or not r.get(SUPERSEDED))]
+
+
+def _record(line: str) -> dict[str, Any] | None:
     try:
-        return json.loads(line).get("step", 0)
-    except ValueError:  # a line cut by a kill mid-write
-        return math.inf
+        record = json.loads(line)
+    except ValueError:  # a line cut by a kill mid-write (or an empty one)
+        return None
+    return record if isinstance(record, dict) else None
 
 
 class StepLogger:

@@ -20,13 +20,14 @@ file. Used by the loggers (at the end of a run, every `logger.plot_every_n_steps
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from rlhf_orch.logging.base import read_metrics
 
 # The phases of time/step, stacked in this order (each phase is one part of the step, one after the other).
 PHASES = ("generate", "transfer", "experience", "train", "sync", "reward_model", "engine_restart")
@@ -46,21 +47,6 @@ _MAX_BARS = 40  # the step-time breakdown of runs this short is one stacked bar 
 
 
 # --------------------------------------------------------------------------- reading
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The records of <run_dir>/metrics.jsonl (none if it is missing); a line cut by a kill is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
-    return rows
-
-
 def _number(v: Any) -> Optional[float]:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None

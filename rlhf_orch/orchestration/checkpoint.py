@@ -42,6 +42,12 @@ def config_drift(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[s
     return breaking, other, harmless
 
 
+def _at(config: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
 def _under(key: str, prefixes: Iterable[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
@@ -114,6 +120,17 @@ def load_resume(
             f"resume={resume}: the checkpoint {info.path} was written with a different {', '.join(breaking)}; "
             "resume with the same values (or start a new run)"
         )
+    if state.get("pending_rollout") is not None:
+        # The rollout generated ahead is in the format of the pipeline that holds it and the
+        # transfer that exported it: another one could not put it back.
+        moved = [k for k in ("pipeline._target_", "transfer._target_") if _at(state["config"], k) != _at(config, k)]
+        if moved:
+            held_by = ", ".join(f"{k}={_at(state['config'], k)}" for k in moved)
+            raise ResumeError(
+                f"resume={resume}: the checkpoint {info.path} carries the rollout generated ahead for step {info.step + 1}, "
+                f"held by {held_by}; resume with the same "
+                f"{' and '.join(k.split('.')[0] for k in moved)} (change it at a checkpoint of a run that holds no rollout)"
+            )
     if info.step >= num_steps:
         raise ResumeError(
             f"resume={resume}: the checkpoint is at step {info.step} and algo.num_steps={num_steps} leaves nothing to run; "

@@ -157,6 +157,11 @@ class TrainLoop:
         # Each step's prompt objects by prompt index (the rollout dump's data sources); a list the
         # dynamic sampling extends in place. Kept for the steps in flight only.
         self._prompts_of_step: dict[int, list[Any]] = {}
+        self._data_before: dict[int, dict[str, Any]] = {}  # per step drawn, the sampler's position before (data_state_before)
+        self.updating = False  # an update of the trainers is in progress (or failed half-way): see _update
+        # Held by whoever pushes weights or re-forms the weight groups: the main thread's push after
+        # training and a rollout thread replacing a dead engine (async, one_step_off) never overlap.
+        self._pushing = threading.RLock()
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, Any]:
@@ -201,14 +206,13 @@ class TrainLoop:
 
             # 5. Train the policy (and the critic, when there is one) concurrently.
             t = time.perf_counter()
+            self.updating = True  # from here until both return, a role may have applied the update and another not
             policy_calls = [rank.train.remote(i, algo, self.norm_len) for i, rank in enumerate(self.actors.policy)]
             critic_calls = [
                 critic.train.remote({i: returns[i] for i in self._shards_of_critic(c, num_shards)})
                 for c, critic in enumerate(self.actors.critic)
             ]
-            policy_stats = self._get(policy_calls, "training the policy")
-            critic_stats = self._get(critic_calls, "training the critic")
-            self.trained += 1
+            policy_stats, critic_stats = self._update(policy_calls, critic_calls)
             t_end = time.perf_counter()
             timings["train"] = t_end - t
         overlap = self.pipeline.overlap_s(t_train, t_end)
@@ -232,6 +236,7 @@ class TrainLoop:
             timings["rollout_dump"] = time.perf_counter() - t
         # pop, not a sweep: under one_step_off the rollout thread adds the next step's entry meanwhile.
         self._prompts_of_step.pop(step, None)
+        self._data_before.pop(step, None)
 
         metrics = self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, timings)
         metrics.update(self.pipeline.metrics(delivery, self.trained))
@@ -240,6 +245,23 @@ class TrainLoop:
         if step in self.restart_log:
             metrics["time/engine_restart"] = sum(self.restart_log[step])
         return metrics
+
+    def _update(self, policy_calls: list[ray.ObjectRef], critic_calls: list[ray.ObjectRef]) -> tuple[list[Any], list[Any]]:
+        """Wait for the policy's and the critic's update of this step. Only once both returned do
+        the trainers hold the next version (`trained`); a failure in between leaves `updating`
+        set: the policy may have stepped its optimizer while the critic did not (or the other way),
+        a state no checkpoint may be written from."""
+        policy_stats = self._get(policy_calls, "training the policy")
+        critic_stats = self._get(critic_calls, "training the critic")
+        self.trained += 1
+        self.updating = False
+        return policy_stats, critic_stats
+
+    def data_state_before(self, step: int) -> dict[str, Any]:
+        """The data sampler's position before step `step`'s prompts were drawn (now, if they were
+        not): what a checkpoint of step `step - 1` that does not carry the rollouts drawn ahead
+        (one_step_off, async) records, so a resumed run draws them again instead of skipping them."""
+        return self._data_before.get(step) or self.task.state_dict()
 
     @property
     def engine_restarts(self) -> int:
@@ -253,6 +275,7 @@ class TrainLoop:
         s = self.settings
         route = self.route(step)
         route.on_engines(lambda e, engine: engine.reseed.remote(engine_seed(s.seed, step, e)), range(len(route.engines)), "seeding the engines")
+        self._data_before[step] = self.task.state_dict()
         request = self._rollout_request(self.task.sample_prompts(s.rollout_batch_size))
         self._prompts_of_step[step] = request.prompts
         return request
@@ -278,13 +301,18 @@ class TrainLoop:
 
     def sync_engines(self, timings: dict[str, float]) -> None:
         """Push the trainers' weights to every engine if the engines are behind (timed as `sync`)."""
-        if self.version == self.trained:
-            return
-        t = time.perf_counter()
-        self._push(self.trained)
-        timings["sync"] = time.perf_counter() - t
+        with self._pushing:
+            if self.version == self.trained:
+                return
+            t = time.perf_counter()
+            self._push(self.trained)
+            timings["sync"] = time.perf_counter() - t
 
     def _push(self, version: int) -> None:
+        with self._pushing:
+            self._push_locked(version)
+
+    def _push_locked(self, version: int) -> None:
         try:
             self.last_sync = self.sync.push(version)
             self.sync.verify(version)
@@ -370,7 +398,7 @@ class TrainLoop:
         t = time.perf_counter()
         # During a one-step-off overlap the trainers may be training: wait, so the replacement
         # (and every other engine, the group being re-formed) gets whole, labelled weights.
-        with self._training:
+        with self._training, self._pushing:
             engine = self.actors.restart_engine(e)
             self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)
             self._push(self.trained)

@@ -9,12 +9,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_orch.checkpoint_dirs import CheckpointStore
+from rlhf_orch.checkpoint_dirs import CheckpointStore, run_checkpoint_root
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.logging.base import MetricsFile
 from rlhf_orch.one_line import named
 from rlhf_orch.orchestration.checkpoint import ResumePoint, load_resume, save_checkpoint
 from rlhf_orch.rng import rng_state, set_rng_state
+
+
+class ForeignCheckpointError(RuntimeError):
+    """The checkpoint a restart would load was written by another run (a shared checkpoint.dir)."""
 
 
 class RunRecord:
@@ -23,7 +27,8 @@ class RunRecord:
     def __init__(self, run_dir: Path, typed: RootConfig, config_dict: dict, logger: Any, task: Any, resume: ResumePoint | None):
         ck = typed.checkpoint
         self.run_dir, self.typed, self.config_dict, self.logger, self.task = run_dir, typed, config_dict, logger, task
-        self.store = CheckpointStore(Path(ck.dir) if ck.dir else run_dir / "checkpoints", ck.keep_last)
+        # Under a shared checkpoint.dir, this run's own directory: other runs' saves and rotations never touch it.
+        self.store = CheckpointStore(run_checkpoint_root(run_dir, ck.dir), ck.keep_last)
         self.history: list[dict[str, Any]] = list(resume.state["metrics"]) if resume else []
         self.last_checkpoint: Path | None = resume.info.path if resume else None
         self.last_checkpoint_step: int | None = resume.step if resume else None
@@ -31,6 +36,10 @@ class RunRecord:
         self._finished: dict[str, Any] | None = None
         self._initial: dict[str, Any] | None = None  # the driver's state before step 1 (a fresh run)
         self.trainer_restarts = int(resume.state.get("trainer_restarts", 0)) if resume else 0
+        # Every engine replacement of the run, by the step whose rollout lost it (None: none yet in
+        # this process): a whole-run restart carries it into the new attempt, so the counters and
+        # fault.max_engine_restarts stay run-wide (the checkpoint's log knows only the steps before it).
+        self.engine_restart_log: dict[int, list[float]] | None = None
         self.metrics_file = MetricsFile(run_dir, keep_through_step=resume.step if resume else None)
         logger.start(str(run_dir), config_dict, typed.experiment_name, resume_id=resume.state.get("logger_run_id") if resume else None)
 
@@ -41,17 +50,19 @@ class RunRecord:
 
     def step_finished(self, step: int, loop: Any) -> None:
         """The driver's state after finished step `step` (counters, the sampler's position, RNG
-        states: small): what a final checkpoint of a failed run goes back to."""
-        self._finished = self._driver_state(step, loop)
+        states: small): what a final checkpoint of a failed run goes back to. It carries no
+        rollout generated ahead, so the sampler goes back to before their prompts were drawn: a
+        resumed run draws them again (none is skipped)."""
+        self._finished = self._driver_state(step, loop, data=loop.data_state_before(step + 1))
 
-    def _driver_state(self, step: int, loop: Any) -> dict[str, Any]:
+    def _driver_state(self, step: int, loop: Any, data: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
             "step": step,
             "weight_version": loop.version,
             "trained_version": loop.trained,
             "engine_restarts": loop.engine_restarts,
             "restart_log": copy.deepcopy(loop.restart_log),
-            "data": self.task.state_dict(),
+            "data": data if data is not None else self.task.state_dict(),
             "rng": rng_state(),
             "trainer_restarts": self.trainer_restarts,
         }
@@ -67,7 +78,10 @@ class RunRecord:
     def checkpoint(self, step: int, loop: Any, actors: Any) -> None:
         """Every trainer's DeepSpeed state and the driver's: data position, RNG, metrics, a rollout
         generated ahead (one_step_off), engine restarts -- what exact resume needs."""
-        self._write(step, loop, actors, {**self._driver_state(step, loop), "pending_rollout": loop.pipeline.pending(loop)})
+        # The rollouts in flight first: settling them may draw more prompts (dynamic sampling's
+        # extra rounds), and the sampler's position saved must be the one after every draw they made.
+        pending = loop.pipeline.pending(loop)
+        self._write(step, loop, actors, {**self._driver_state(step, loop), "pending_rollout": pending})
 
     def final_checkpoint(self, loop: Any, actors: Any, exact_only: bool = False) -> str:
         """After a failure, while the trainers may still be alive: a checkpoint of the last
@@ -80,6 +94,9 @@ class RunRecord:
         step = finished["step"]
         if self.last_checkpoint_step == step:
             return ""
+        if loop.updating:
+            return (f"no final checkpoint: the failure came while the trainers were updating after step {step} (one role "
+                    "may have applied the update, another not; the last checkpoint is the newest consistent state)")
         if loop.trained != finished["trained_version"]:
             return (f"no final checkpoint: the trainers had already updated past step {step} "
                     "(the last checkpoint is the newest consistent state)")
@@ -119,6 +136,11 @@ class RunRecord:
         if self._initial is None and self.last_checkpoint is None:
             self._initial = self._driver_state(0, loop)
 
+    def attempt_failed(self, loop: Any) -> None:
+        """An attempt ended in a failure: keep its engine replacements for the next attempt."""
+        if loop is not None:
+            self.engine_restart_log = copy.deepcopy(loop.restart_log)
+
     def restart_point(self, num_steps: int) -> ResumePoint | None:
         """After a lost process: where the run starts again -- the last checkpoint (its driver
         state put back), or with none the state before step 1 (None: the initial weights). The
@@ -132,6 +154,10 @@ class RunRecord:
         ck = self.typed.checkpoint
         resume = load_resume(str(self.last_checkpoint), self.run_dir.parent, ck.dir, self.config_dict, num_steps,
                              self.typed.experiment_name)
+        written_by = resume.info.manifest.get("run_dir")
+        if written_by != str(self.run_dir.resolve()):  # never train on another run's weights
+            raise ForeignCheckpointError(f"the checkpoint {resume.info.path} to restart from was written by {written_by}, not by this run "
+                              f"({self.run_dir.resolve()})")
         self.task.load_state_dict(resume.state["data"])
         set_rng_state(resume.state["rng"])
         self._rewind(resume.step)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -238,6 +240,8 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
                          loop_settings(typed, run.plan, run.engines), run.inputs.reward, pipeline, run.inputs.env, dump)
         if resume:
             resume_loop(loop, resume, actors, ck.timeout_s)
+        if record.engine_restart_log is not None:  # a restart: the engine replacements of every attempt count
+            loop.restart_log = copy.deepcopy(record.engine_restart_log)
         evaluator = Evaluator(eval_settings(typed), run.inputs.eval_prompts, run.inputs.reward, loop._get, loop.env)
         startup_s = time.perf_counter() - run.t_start
 
@@ -275,6 +279,7 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
         # Keep what the trainers still hold (the last finished step), unless an actor stopped
         # answering: it may be a trainer, and a checkpoint would queue behind its stuck call.
         run.lost = processes_lost(e, actors)
+        record.attempt_failed(loop)
         restart = run.lost and record.trainer_restarts < typed.fault.max_trainer_restarts
         # (A replacement that did not start is no stuck actor: the trainers may still answer.)
         run.final_note = ("no final checkpoint: an actor stopped answering" if _stuck(e) and not isinstance(e, ActorStartError)
@@ -340,6 +345,7 @@ def run_training(
             run.warm_key, plan, typed.launcher.startup_timeout_s, typed.launcher.keep_actors
         ) as (placement, warm):
             restarted = False
+            failures: list[tuple[int | None, str]] = []  # (step, failure) of every failed attempt
             while True:
                 try:
                     outcome = _attempt(run, placement, resume, restarted, warm)
@@ -350,6 +356,13 @@ def run_training(
                     if not run.lost or record.trainer_restarts >= typed.fault.max_trainer_restarts:
                         raise
                     failed_at = run.in_step
+                    failures.append((failed_at, failure_signature(e)))
+                    if failures[-1] in failures[:-1]:
+                        raise CrashLoopError(
+                            f"the same failure twice{f' at step {failed_at}' if failed_at is not None else ''}, "
+                            f"so a restart would repeat it: {named(e)} -- not restarting "
+                            f"({record.trainer_restarts}/{typed.fault.max_trainer_restarts} restarts used)"
+                        ) from e
                     resume, restarted, warm = _restart_point(run, e), True, None
                     print(f"{_where(failed_at)}{named(e)} -- restarting every role from "
                           f"{f'the checkpoint of step {resume.step}' if resume else 'the initial weights (no checkpoint yet)'} "
@@ -367,6 +380,17 @@ def run_training(
     finally:
         summary = record.close(outcome, time.perf_counter() - run.t_start)
     return summary
+
+
+class CrashLoopError(RuntimeError):
+    """A lost process again at the same step with the same error: restarting would repeat it."""
+
+
+def failure_signature(error: BaseException) -> str:
+    """What makes two failures the same (a crash loop): the error's type and message with its
+    numbers taken out (process ids, ports, addresses and timings differ between attempts; the
+    role, the phase and the cause do not)."""
+    return f"{type(error).__name__}: {re.sub(r'[0-9a-f]{8,}|[0-9]+(?:[.][0-9]+)?', '#', str(error))}"
 
 
 def _where(step: int | None) -> str:

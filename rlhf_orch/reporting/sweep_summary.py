@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+from rlhf_orch.logging.base import read_metrics
 from rlhf_orch.reporting.run_row import PHASES, STATUSES, RunRow, tally
 from rlhf_orch.reporting.scores import eval_score
 
@@ -68,23 +69,6 @@ def _number(v: Any) -> Optional[float]:
 
 
 # --------------------------------------------------------------------------- reading one run
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's records (none when missing); a line cut by a kill is skipped."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                rows.append(record)
-    return rows
-
-
 def _read_json(path: Path) -> tuple[Optional[dict[str, Any]], str]:
     """(the object, "") or (None, why not)."""
     if not path.is_file():

@@ -1,0 +1,210 @@
+"""What the train loop and the run record guarantee when overlap and faults meet, without Ray: a
+weight push and an engine replacement never overlap; no checkpoint is written from a half-applied
+update; a checkpoint's sampler position is the one after every draw of the rollouts it carries, and
+a final checkpoint (which carries none) goes back to before the prompts drawn ahead; a restart
+counts every engine replacement of the run; the same failure twice is a crash loop; a checkpoint
+holding a rollout is not resumed under another pipeline or transfer."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from rlhf_orch.app import check
+from rlhf_orch.checkpoint_dirs import DRIVER_STATE, ResumeError
+from rlhf_orch.orchestration.checkpoint import load_driver_state, load_resume
+from rlhf_orch.orchestration.loop import LoopSettings, StepFailedError, TrainLoop
+from rlhf_orch.orchestration.pipeline import OneStepOffPipeline, SyncPipeline
+from rlhf_orch.orchestration.run_record import RunRecord
+from rlhf_orch.orchestration.session import failure_signature
+from tests.conftest import compose_config
+
+
+class _Task:
+    """A sampler: `consumed` prompts drawn so far."""
+
+    def __init__(self) -> None:
+        self.consumed = 0
+
+    def sample_prompts(self, n: int) -> list[int]:
+        self.consumed += n
+        return list(range(self.consumed - n, self.consumed))
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = state["consumed"]
+
+
+class _Logger:
+    run_id = None
+
+    def start(self, *args, **kwargs) -> None: ...
+    def log(self, *args) -> None: ...
+    def close(self, **kwargs) -> None: ...
+
+
+def _get(refs, what, **kwargs):  # no Ray: the fake actors' calls return their results directly
+    return list(refs)
+
+
+def _loop(task: _Task, actors=None, sync=None, pipeline=None) -> TrainLoop:
+    cfg = compose_config(["experiment=quick"])
+    settings = LoopSettings(num_steps=4, rollout_batch_size=2, samples_per_prompt=2, micro_batch_size=2, response_max_len=8,
+                            temperature=1.0, seed=0, step_timeout_s=10.0, max_engine_restarts=3)
+    actors = actors or SimpleNamespace(engines=[], policy=[], critic=[], reference=[], reward=[])
+    loop = TrainLoop(actors, task, None, None, sync, instantiate(cfg.algo), settings, None, pipeline or SyncPipeline())
+    loop._get = _get
+    loop._rollout_request = lambda prompts: SimpleNamespace(prompts=prompts)  # the prompts are all these tests look at
+    return loop
+
+
+def _record(run_dir: Path, task: _Task, *overrides: str) -> RunRecord:
+    cfg = compose_config(["experiment=quick", *overrides])
+    typed, _ = check(cfg, instantiate(cfg.launcher))
+    return RunRecord(run_dir, typed, OmegaConf.to_container(cfg, resolve=True), _Logger(), task, None)
+
+
+NO_ACTORS = SimpleNamespace(policy=[], critic=[])  # a checkpoint of no trainer ranks: the driver's state only
+
+
+def test_a_weight_push_and_an_engine_replacement_never_overlap():
+    """The main thread pushes the trainers' new weights while a rollout thread (async) replaces a
+    dead engine, which re-forms the weight groups: the re-forming waits for the push."""
+    events: list[str] = []
+
+    class Sync:
+        pushing = False
+
+        def push(self, version):
+            self.pushing = True
+            events.append(f"push v{version} start")
+            time.sleep(0.3)
+            events.append(f"push v{version} end")
+            self.pushing = False
+
+        def verify(self, version): ...
+
+        def prepare(self, policy, engines, tp):
+            events.append("prepare" + (" DURING A PUSH" if self.pushing else ""))
+
+    engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
+    actors = SimpleNamespace(engines=[engine], policy=[], critic=[], reference=[], reward=[], restart_engine=lambda e: engine)
+    loop = _loop(_Task(), actors, Sync())
+    loop.trained = 1
+    main = threading.Thread(target=loop.sync_engines, args=({},))
+    main.start()
+    time.sleep(0.1)  # the push is under way
+    loop._replace_dead_engine(0, step=2)
+    main.join()
+    assert "prepare DURING A PUSH" not in events
+    assert events == ["push v1 start", "push v1 end", "prepare", "push v1 start", "push v1 end"]
+    assert loop.engine_restarts == 1
+
+
+def test_no_final_checkpoint_from_an_update_that_one_role_applied_and_another_did_not(tmp_path):
+    """The policy's update returned, the critic's failed: the trainers hold no consistent state of
+    any step, so the failure writes no final checkpoint (the last checkpoint stands)."""
+    task = _Task()
+    loop = _loop(task)
+    record = _record(tmp_path, task)
+    record.step_finished(1, loop)
+
+    def get(refs, what, **kwargs):
+        if what == "training the critic":
+            raise StepFailedError("RuntimeError while training the critic: CUDA out of memory")
+        return list(refs)
+
+    loop._get = get
+    loop.updating = True  # as step() sets it before the trainers' calls
+    with pytest.raises(StepFailedError):
+        loop._update(["policy stats"], ["critic stats"])
+    assert loop.trained == 0 and loop.updating
+    note = record.final_checkpoint(loop, NO_ACTORS)
+    assert note.startswith("no final checkpoint: the failure came while the trainers were updating after step 1")
+    assert record.store.latest() is None
+    # The same failure before the update began: the trainers still hold step 1, which is kept.
+    loop.updating = False
+    assert record.final_checkpoint(loop, NO_ACTORS) == ""
+    assert record.store.latest().step == 1
+
+
+def test_a_checkpoint_records_the_sampler_after_every_draw_of_the_rollouts_it_carries(tmp_path):
+    """one_step_off + dynamic sampling: the rollout in flight draws more prompts while the
+    checkpoint settles it; the checkpoint carries that rollout, so its sampler position must
+    include those draws (else a resumed run trains on them twice)."""
+    task = _Task()
+    extra_round = SimpleNamespace(pending=lambda loop: task.sample_prompts(2) and None)  # settling draws 2 more
+    loop = _loop(task, pipeline=extra_round)
+    task.sample_prompts(4)
+    record = _record(tmp_path, task)
+    record.checkpoint(1, loop, NO_ACTORS)
+    assert load_driver_state(record.store.latest().path / DRIVER_STATE)["data"] == {"consumed": 6}
+
+
+def test_a_final_checkpoint_of_an_overlapping_run_goes_back_to_before_the_prompts_drawn_ahead(tmp_path):
+    """Under one_step_off step 2's prompts are drawn (its rollout started) before step 1 is
+    finished; a final checkpoint of step 1 does not carry that rollout, so it records the sampler
+    before step 2's draw: the resumed run draws step 2's prompts again, none is skipped."""
+    task = _Task()
+    loop = _loop(task, pipeline=OneStepOffPipeline())
+    record = _record(tmp_path, task)
+    assert loop.rollout_request(1).prompts == [0, 1]
+    assert loop.rollout_request(2).prompts == [2, 3]  # drawn ahead, while step 1 trains
+    loop.trained = 1
+    record.step_finished(1, loop)
+    record.final_checkpoint(loop, NO_ACTORS)
+    state = load_driver_state(record.store.latest().path / DRIVER_STATE)
+    assert state["data"] == {"consumed": 2} and state["exact"] is False
+    task.load_state_dict(state["data"])
+    assert loop.rollout_request(2).prompts == [2, 3]  # the resumed run's step 2: the same prompts
+
+
+def test_a_restart_counts_the_engine_replacements_of_every_attempt(tmp_path):
+    """An attempt replaced an engine at step 3 and then lost a trainer; the next attempt (from the
+    initial weights) starts with that replacement counted: fault/engine_restarts and
+    fault.max_engine_restarts are run-wide."""
+    task = _Task()
+    record = _record(tmp_path, task)
+    failed = _loop(task)
+    failed.restart_log = {3: [7.5]}
+    record.attempt_failed(failed)
+    assert record.engine_restart_log == {3: [7.5]}
+    failed.restart_log[3].append(1.0)  # (a copy is kept, not the failed loop's own log)
+    assert record.engine_restart_log == {3: [7.5]}
+
+
+def test_the_same_failure_twice_is_one_signature_whatever_its_numbers():
+    a = RuntimeError("the policy trainer rank 0 died while training the policy (pid 4242, exit code 9, after 12.5s)")
+    b = RuntimeError("the policy trainer rank 1 died while training the policy (pid 977, exit code 9, after 3.25s)")
+    c = RuntimeError("the critic trainer rank 0 died while training the critic (pid 4242, exit code 9, after 12.5s)")
+    assert failure_signature(a) == failure_signature(b)
+    assert failure_signature(a) != failure_signature(c)
+    assert failure_signature(a) != failure_signature(TimeoutError(str(a)))
+
+
+def test_a_checkpoint_holding_a_rollout_is_not_resumed_under_another_pipeline_or_transfer(tmp_path):
+    from rlhf_orch.checkpoint_dirs import CheckpointStore
+
+    config = {"pipeline": {"_target_": "OneStepOffPipeline"}, "transfer": {"_target_": "PackedTransfer"}, "resume": None}
+    store = CheckpointStore(tmp_path / "checkpoints", 2)
+    for step, pending in ((2, "a rollout"), (4, None)):
+        tmp = store.begin(step)
+        torch.save({"step": step, "config": config, "metrics": [], "data": {}, "pending_rollout": pending}, tmp / DRIVER_STATE)
+        store.commit(tmp, step, {"run_dir": str(tmp_path), "experiment_name": "quick"})
+    with_rollout, without = (str(c.path) for c in store.complete())
+    sync = {**config, "pipeline": {"_target_": "SyncPipeline"}}
+    padded = {**config, "transfer": {"_target_": "PaddedTransfer"}}
+    with pytest.raises(ResumeError, match=r"carries the rollout generated ahead.*pipeline._target_.*OneStepOffPipeline"):
+        load_resume(with_rollout, tmp_path, None, sync, num_steps=10)
+    with pytest.raises(ResumeError, match=r"transfer._target_"):
+        load_resume(with_rollout, tmp_path, None, padded, num_steps=10)
+    assert load_resume(without, tmp_path, None, sync, num_steps=10).changed == ["pipeline._target_"]
