@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine  # noqa: E402
+from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor  # noqa: E402
 from rlhf_orch.sync.base import WeightSyncError  # noqa: E402
 from rlhf_orch.sync.cost_model import LINKS_GBPS, LLAMA3_8B, CostModel  # noqa: E402
 from rlhf_orch.sync.bucketed import BucketedBroadcastSync  # noqa: E402
@@ -323,7 +323,7 @@ def main() -> None:
         engines: list = []
         for count in engine_counts:
             try:
-                new = [ray.remote(VLLMEngine).options(num_cpus=1).remote(spec, i) for i in range(len(engines), count)]
+                new = [VLLMEngineActor.options(num_cpus=1).remote(spec, i) for i in range(len(engines), count)]
                 engines += new  # listed before they are up, so they are killed below whatever happens
                 ray.get([e.ping.remote() for e in new])
                 memory[f"{shape}_{count}_engines_available_gb"] = round(mem_available_gb(), 2)

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from rlhf_orch.engines.launch import engine_launch
-from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
+from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
 from rlhf_orch.sync.bucketed import BucketedBroadcastSync
 from rlhf_orch.sync.object_store import ObjectStoreSync
 from rlhf_orch.topology.plan import plan_cpu_local
@@ -44,7 +44,7 @@ def test_tp2_engine_generates_and_matches_trainer_after_sync(tiny_model_path):
     try:
         spec = EngineSpec(model_path=tiny_model_path, dtype="float32", max_model_len=256, tensor_parallel_size=2)
         spec = replace(spec, distributed_executor_backend=launch.executor)
-        engine = ray.remote(VLLMEngine).options(num_cpus=1, runtime_env=ENV).remote(spec, 0)
+        engine = VLLMEngineActor.options(num_cpus=1, runtime_env=ENV).remote(spec, 0)
         tspec = TrainerSpec(
             model_path=tiny_model_path, dtype="float32", zero_stage=2, micro_batch_size=2, train_batch_size=2,
             data_parallel_size=1, pad_id=0, temperature=1.0, lr=1e-4, weight_decay=0.0, grad_clip=1.0,

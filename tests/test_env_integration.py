@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 
 from rlhf_orch.app import check
 from rlhf_orch.data.digit_task import score_response
-from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
+from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
 from rlhf_orch.env.agent import AgentEnv
 from rlhf_orch.env.custom import CustomEnv
 from rlhf_orch.logging.base import read_metrics
@@ -74,7 +74,7 @@ def _env_overrides(env_file: str) -> list[str]:
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
     spec = EngineSpec(model_path=tiny_model_path, dtype="float32", max_model_len=128)
-    actor = ray.remote(VLLMEngine).options(num_cpus=1, runtime_env=ENGINE_ENV).remote(spec, 0)
+    actor = VLLMEngineActor.options(num_cpus=1, runtime_env=ENGINE_ENV).remote(spec, 0)
     ray.get(actor.ping.remote())
     yield actor
     ray.kill(actor)

@@ -18,6 +18,7 @@ import ray
 
 from rlhf_orch.checkpoint_dirs import complete_checkpoints, run_checkpoint_root
 from rlhf_orch.logging.base import read_metrics
+from rlhf_orch.orchestration import warm_actors
 from rlhf_orch.orchestration.session import RunFailed
 from tests.conftest import SHARED_RAY, all_resources_free, train_in_process
 from tests.test_resume import _comparable
@@ -219,6 +220,57 @@ def test_a_hung_trainer_rank_is_found_by_the_step_timeout_and_restarted_like_a_d
     assert "no answer within 8s (fault.step_timeout_s)" in out and "restarting every role from the checkpoint of step 2" in out
     with pytest.raises(ray.exceptions.RayActorError):  # the hung process did not outlive the restart
         ray.get(hung[0].ping.remote(), timeout=30)
+    assert all_resources_free()
+
+
+def _slow_engine_steps(engine, seconds: float) -> None:
+    """(Inside an engine actor.) Every vLLM engine step takes `seconds` longer: a long generation."""
+    step = engine.llm.llm_engine.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    engine.llm.llm_engine.step = slow
+
+
+def _stuck_engine_steps(engine) -> None:
+    """(Inside an engine actor.) vLLM's next engine step never returns; the actor stays alive."""
+    engine.llm.llm_engine.step = lambda: time.sleep(3600)
+
+
+# slow (~60 s): a generation three step timeouts long, a stuck engine found, a restart.
+@pytest.mark.slow
+def test_a_generation_making_tokens_is_never_timed_out_and_a_stuck_engine_is_found_by_its_progress(tmp_path, capsys):
+    """fault.step_timeout_s=6. After step 1 every engine step takes 1 s longer: step 2's generation
+    (16 tokens per response: ~17 s, about three timeouts) makes engine steps, so it is waited for
+    -- no restart. After step 2 the engine's next vLLM step never returns (the actor alive, its
+    `progress` answering, no step made): step 3's generation is found stuck within two timeouts and
+    every role restarts from step 2's checkpoint; the run completes."""
+    stuck = []
+
+    def slow_then_stuck(step: int, loop) -> None:
+        engine = loop.actors.engines[0]
+        if step == 1:
+            ray.get(engine.__ray_call__.remote(_slow_engine_steps, 1.0))
+        elif step == 2 and not stuck:
+            stuck.append(time.monotonic())
+            ray.get(engine.__ray_call__.remote(_stuck_engine_steps))
+
+    run_dir = tmp_path / "run"
+    try:
+        summary = _train(run_dir, "fault.step_timeout_s=6", "sync.timeout_s=6", "reward.timeout_s=4", "checkpoint.every_n_steps=2",
+                         "algo.min_response_len=16",
+                         callbacks=[slow_then_stuck])
+    finally:
+        warm_actors.release()  # the patched engine is never kept for another test's run
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 1
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["fault/trainer_restarts"] for r in rows] == [0, 0, 1, 1]
+    assert rows[1]["time/generate"] > 12  # two timeouts: waited for, since the engine made steps
+    out = capsys.readouterr().out
+    assert "step 3: ActorTimeoutError: no answer within 6s (fault.step_timeout_s) while generating" in out
+    assert "restarting every role from the checkpoint of step 2" in out
     assert all_resources_free()
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
+from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
 from rlhf_orch.transfer.engine_side import RolloutJob
 from rlhf_orch.transfer.plan import whole_prompt_requests
 from rlhf_orch.sync.base import WeightSyncError
@@ -48,7 +48,7 @@ def _policy_ranks(model_path: str, zero_stage: int, ranks: int) -> list:
 def cluster(tiny_model_path):
     ray.init(address="local", num_cpus=16, num_gpus=0, include_dashboard=False, runtime_env=ENV)
     spec = EngineSpec(model_path=tiny_model_path, dtype="float32", max_model_len=256)
-    engines = [ray.remote(VLLMEngine).options(num_cpus=1, runtime_env=ENV).remote(spec, i) for i in range(2)]
+    engines = [VLLMEngineActor.options(num_cpus=1, runtime_env=ENV).remote(spec, i) for i in range(2)]
     # Policies by (ZeRO stage, data-parallel ranks): multi-sender strategies need two ranks.
     policies = {(stage, ranks): _policy_ranks(tiny_model_path, stage, ranks) for stage in (2, 3) for ranks in (1, 2)}
     ray.get([e.ping.remote() for e in engines])

@@ -744,7 +744,10 @@ class FaultConfig:
     """How a run reacts to failures it can survive."""
 
     max_engine_restarts: int = 3  # engines restarted (replaced in their bundle) per run at most; 0 = none
-    step_timeout_s: float = 600.0  # any wait on an actor within a step longer than this fails the run
+    # Any wait on an actor within a step longer than this fails the run -- except a generation,
+    # which is waited for as long as its engines make engine steps (checked every step_timeout_s:
+    # a stuck engine is found within two of them, however long the responses).
+    step_timeout_s: float = 600.0
     # Whole-run restarts when a process the run cannot continue without (a trainer rank; an engine
     # lost outside generation) died or stopped answering: every role starts again in its bundles
     # from the last checkpoint (the initial weights without one) and the run goes on. 0 = none.

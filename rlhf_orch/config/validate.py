@@ -650,8 +650,8 @@ def _timeouts(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
         limit = lookup(cfg, key)
         if is_real(limit) and limit > step:
             problems.append(
-                Problem(key, limit, f"one sample's scoring limit exceeds fault.step_timeout_s={step:g}, the limit "
-                        "of the whole step: use less (typical 10)")
+                Problem(key, limit, f"one sample's scoring limit exceeds fault.step_timeout_s={step:g}, the longest "
+                        "wait without progress (scoring makes no engine step): use less (typical 10)")
             )
     return problems
 

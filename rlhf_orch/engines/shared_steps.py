@@ -45,6 +45,7 @@ class SharedEngineSteps:
         self._started_at: dict[str, int] = {}  # request id -> weight version when it was enqueued
         self._interrupted: set[str] = set()  # requests a weight update reached while in flight
         self._env_rollout = threading.Lock()  # one agent rollout at a time (see _complete_env)
+        self.steps_made = 0  # engine steps made (a plain int: read by the monitor thread, never locked)
 
     def _run(self, fn, *args):
         """`fn(*args)` on the thread that owns vLLM (a threaded actor), or right here. Never
@@ -73,7 +74,9 @@ class SharedEngineSteps:
         engine = self.llm.llm_engine
         if not engine.has_unfinished_requests():
             return False
-        for out in engine.step():
+        outputs = engine.step()
+        self.steps_made += 1  # liveness: what `progress` reports to the driver
+        for out in outputs:
             if out.finished:
                 with self._cond:
                     box = self._outboxes.pop(str(out.request_id), None)

@@ -90,6 +90,9 @@ def check_vllm_interfaces() -> str:
     return version
 
 
+MONITOR = "monitor"  # the concurrency group of the liveness check (`progress`)
+
+
 class VLLMEngine(RolloutProducer, SharedEngineSteps):
     """Wraps `vllm.LLM` in the actor's own process (no extra engine-core process).
 
@@ -474,6 +477,13 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
     def get_weight_version(self) -> int:
         return self.weight_version
 
+    @ray.method(concurrency_group=MONITOR)
+    def progress(self) -> int:
+        """Engine steps made so far. Answered on a thread of its own while a generation runs (the
+        driver's liveness check, `Route.wait_any`): a count that moves means tokens are being made;
+        one that stands, or no answer (a vLLM call holding the interpreter), means a stuck engine."""
+        return self.steps_made
+
     def ping(self) -> int:
         return self.index
 
@@ -510,4 +520,7 @@ def _bind_cpu_workers(tp: int) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), tp)
 
 
-VLLMEngineActor = ray.remote(VLLMEngine)
+# The engine as a Ray actor: its calls run in the default group (one at a time, or
+# spec.max_concurrency with pipeline=async); `progress` has a thread of its own so it answers while
+# a generation runs.
+VLLMEngineActor = ray.remote(concurrency_groups={MONITOR: 1})(VLLMEngine)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import ray
 
 from rlhf_orch.engines.launch import cpu_kv_cache_env, engine_launch
-from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
+from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, TrainerSpec
@@ -132,7 +132,7 @@ def start_role_actors(
     def start_engine(e: int) -> Any:
         slot = engine_slots[e]
         options, spec = engine_options(placement, slot, engine_spec, env, plan.total_gpus > 0)
-        return ray.remote(VLLMEngine).options(**options).remote(spec, slot.rank)
+        return VLLMEngineActor.options(**options).remote(spec, slot.rank)
 
     roles = (  # (plan role, class, spec, RoleActors field)
         ("actor", PolicyWorker, policy_spec, "policy"),

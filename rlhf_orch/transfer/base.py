@@ -94,6 +94,38 @@ class Route:
     # dead engine fails the step).
     replace_engine: Callable[..., Any] | None = None
     timeout_s: float = 600.0
+    _steps_seen: dict[int, int] = field(default_factory=dict)  # engine -> its engine steps at the last look (wait_any)
+
+    def wait_any(self, waiting: dict[Any, int]) -> list[Any]:
+        """The first of `waiting` (Ray refs or streaming generators, each -> the engine making it)
+        that is ready, or [] for a stuck engine. Liveness by progress, not by wall time: after each
+        `timeout_s` (fault.step_timeout_s) with none ready, every engine still at work is asked for
+        its engine steps so far (`VLLMEngine.progress`, answered beside a running generation); if
+        each made steps since the last look, the wait goes on -- a generation producing tokens is
+        never cut, however long -- else [] (the caller reports no answer in time). A stuck engine
+        (its vLLM thread included) is found within two windows, whatever the response length."""
+        while True:
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=self.timeout_s)
+            if ready:
+                return ready
+            if self._stalled(sorted(set(waiting.values()))):
+                return []
+
+    def _stalled(self, engines: list[int]) -> list[int]:
+        """Of `engines`, those with no engine step since the last look (or not answering within
+        10 s, or without a step counter); an engine's first look counts as progress."""
+        asks = {e: self.engines[e].progress.remote() for e in engines if _has_method(self.engines[e], "progress")}
+        counts: dict[int, int | None] = dict.fromkeys(engines)
+        if asks:
+            done, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=min(10.0, self.timeout_s))
+            for e, ref in asks.items():
+                if ref in done:
+                    try:
+                        counts[e] = ray.get(ref)
+                    except ray.exceptions.RayError:
+                        pass
+        seen, self._steps_seen = self._steps_seen, {**self._steps_seen, **{e: c for e, c in counts.items() if c is not None}}
+        return [e for e, c in counts.items() if c is None or seen.get(e) == c]
 
     def on_engines(self, submit: Callable[[int, Any], ray.ObjectRef], engines: Sequence[int], what: str) -> dict[int, Any]:
         """Per engine index, the result of `submit(e, engine)`.
@@ -103,9 +135,8 @@ class Route:
         """
         pending = {submit(e, self.engines[e]): e for e in engines}
         results: dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout_s
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            ready = self.wait_any(pending)
             if not ready:
                 self.get(list(pending), what, engine_call=True, remaining_s=0.0)  # raises: no answer in time
             ref = ready[0]
@@ -116,10 +147,20 @@ class Route:
                 if self.replace_engine is None:
                     raise
                 self.engines[e] = self.replace_engine(e, dead=self.engines[e])
+                self._steps_seen.pop(e, None)  # a new engine counts from 0
                 pending[submit(e, self.engines[e])] = e
             except ray.exceptions.RayError:
                 self.get([ref], what, engine_call=True)  # the loop's one-line error for it
         return results
+
+
+def _has_method(actor: Any, name: str) -> bool:
+    """Whether a Ray actor handle (or a plain object in tests) offers `name`."""
+    try:
+        getattr(actor, name)
+    except AttributeError:
+        return False
+    return True
 
 
 @dataclass

@@ -62,14 +62,16 @@ class MicroBatchedTransfer(RolloutTransfer):
                 # so re-forming the weight group earlier would wait on them forever.
                 for e in died:
                     route.engines[e] = route.replace_engine(e)
+                    route._steps_seen.pop(e, None)  # a new engine counts from 0
                     rest = [w for w in shares[e] if (w.shard, w.slot) not in handed]
                     if rest:
                         active[open_stream(e, rest)] = e
                 died = []
                 continue
-            ready, _ = ray.wait(list(active), num_returns=1, timeout=route.timeout_s)
-            if not ready:  # a hung engine must not hang the run
-                raise TimeoutError(f"no micro-batch from the engines within {route.timeout_s:.0f}s (fault.step_timeout_s) while generating")
+            ready = route.wait_any(active)
+            if not ready:  # a stuck engine must not hang the run (one that makes engine steps is waited for)
+                raise TimeoutError(f"no micro-batch from the engines and no engine step within {route.timeout_s:.0f}s "
+                                   "(fault.step_timeout_s) while generating")
             for stream in ready:
                 ref = None
                 try:
