@@ -94,6 +94,12 @@ class FakeLoop:
         held.step = step
         return held
 
+    def note_producers(self, step, route):
+        pass
+
+    def check_producers(self, step, forget=True):
+        pass
+
     def sleep_engines(self):
         with self.lock:
             self.events.append(("sleep", self.version))

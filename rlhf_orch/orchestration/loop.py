@@ -157,6 +157,7 @@ class TrainLoop:
         # Each step's prompt objects by prompt index (the rollout dump's data sources); a list the
         # dynamic sampling extends in place. Kept for the steps in flight only.
         self._prompts_of_step: dict[int, list[Any]] = {}
+        self._made_by: dict[int, list[Any]] = {}  # per rollout made and not handed over, the engines holding it
         self._data_before: dict[int, dict[str, Any]] = {}  # per step drawn, the sampler's position before (data_state_before)
         self.updating = False  # an update of the trainers is in progress (or failed half-way): see _update
         # Held by whoever pushes weights or re-forms the weight groups: the main thread's push after
@@ -289,9 +290,29 @@ class TrainLoop:
 
     def generate(self, step: int) -> HeldRollout:
         """Step `step`'s rollout generated and scored, held where the transfer holds it."""
-        held = self.transfer.generate(self.rollout_request(step), self.route(step))
+        route = self.route(step)
+        held = self.transfer.generate(self.rollout_request(step), route)
         held.step = step
+        self.note_producers(step, route)
         return held
+
+    def note_producers(self, step: int, route: Route) -> None:
+        """Step `step`'s rollout is made: the engines that made it hold their shares until the
+        hand-over (`check_producers`)."""
+        self._made_by[step] = list(route.engines)
+
+    def check_producers(self, step: int, forget: bool = True) -> None:
+        """Before step `step`'s rollout is handed over (or read into a checkpoint): every engine
+        that made a share of it still holds it. One lost after making its share and replaced for
+        another rollout in flight (pipeline=async: several rollouts on every engine) took the
+        share with it -- a lost process (EngineDiedError): the run restarts from its checkpoint."""
+        made_by = self._made_by.pop(step, None) if forget else self._made_by.get(step)
+        lost = [e for e, engine in enumerate(made_by or []) if engine is not self.actors.engines[e]]
+        if lost:
+            raise EngineDiedError(
+                f"vLLM engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost after making {'their shares' if len(lost) > 1 else 'its share'} "
+                f"of step {step}'s rollout (replaced for another rollout in flight): the share went with it"
+            )
 
     def sleep_engines(self) -> None:
         """The engines are idle until the next sync: they release their GPU memory (at sleep level

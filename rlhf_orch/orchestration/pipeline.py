@@ -56,6 +56,8 @@ class PipelineHost(Protocol):
     def rollout_request(self, step: int) -> Any: ...
     def route(self, step: int | None = None) -> Route: ...
     def generate(self, step: int) -> HeldRollout: ...
+    def note_producers(self, step: int, route: Route) -> None: ...
+    def check_producers(self, step: int, forget: bool = True) -> None: ...
     def sync_engines(self, timings: dict[str, float]) -> None: ...
     def sleep_engines(self) -> None: ...
 
@@ -146,6 +148,7 @@ class OneStepOffPipeline(RolloutPipeline):
         t = time.perf_counter()
         held = self._take(loop, step)
         timings["rollout_wait"] = time.perf_counter() - t  # generation the trainers could not hide
+        loop.check_producers(step)
         delivery = loop.transfer.hand_over(held, loop.route())
         # The engines are idle now: give them the trainers' newest weights, then start the next
         # rollout, which runs while the trainers train on this one.
@@ -178,6 +181,7 @@ class OneStepOffPipeline(RolloutPipeline):
         held = self.settle(loop)
         if held is None:
             return None
+        loop.check_producers(held.step, forget=False)
         return loop.transfer.export_held(held, loop.route())
 
     def holds_rollout(self) -> bool:
@@ -248,6 +252,7 @@ class AsyncPipeline(RolloutPipeline):
         held = self._take(step)
         timings["rollout_wait"] = time.perf_counter() - t  # the trainers idle, waiting for this rollout
         self._buffer_ready = sum(f.done() for f in self._in_flight.values()) + len(self._ready)
+        loop.check_producers(step)
         return loop.transfer.hand_over(held, loop.route())
 
     def engines_idle(self, loop: PipelineHost) -> None:
@@ -277,6 +282,8 @@ class AsyncPipeline(RolloutPipeline):
         held = self.settle(loop)
         if not held:
             return None
+        for h in held:
+            loop.check_producers(h.step, forget=False)
         return [loop.transfer.export_held(h, loop.route()) for h in held]
 
     def holds_rollout(self) -> bool:
@@ -345,6 +352,7 @@ class AsyncPipeline(RolloutPipeline):
                     self._busy[-1][1] = time.perf_counter()
                     self._busy = self._busy[-64:]  # the spans a step can still ask about
         held.step = step
+        loop.note_producers(step, route)
         return held
 
     def _take(self, step: int) -> HeldRollout:
