@@ -256,6 +256,30 @@ def test_ray_driver_messages_go_to_the_run_dir_and_errors_to_the_console(tmp_pat
         ray_logger.removeHandler(handler)
 
 
+def test_the_raylet_s_notices_about_dead_workers_go_to_the_run_dir_not_the_console(tmp_path, capsys):
+    """Ray's driver prints what the raylet publishes (a worker died or was killed) straight to
+    stdout, coloured and several lines long per fault; the run says it in one line of its own."""
+    from ray._private import worker as ray_worker
+
+    from rlhf_orch.logging.console import LibraryOutput
+
+    notice = {"lines": ["\x1b[33mA worker died or was killed while executing a task by an unexpected system error.\x1b[0m"],
+              "pid": "raylet", "is_err": False}
+    output = LibraryOutput(tmp_path)
+    output.start()
+    try:
+        ray_worker.print_to_stdstream(notice, ignore_prefix=False)
+        ray_worker.print_to_stdstream({"lines": ["an actor's own line"], "pid": 1234, "is_err": False}, ignore_prefix=True)
+    finally:
+        output.finish()
+    out = capsys.readouterr().out
+    assert "A worker died" not in out and "an actor's own line" in out  # (log_to_driver=false never sends those)
+    log = (tmp_path / "ray_workers.log").read_text()
+    assert "(raylet) A worker died or was killed while executing a task by an unexpected system error." in log and "\x1b" not in log
+    ray_worker.print_to_stdstream(notice, ignore_prefix=False)  # Ray's own printer is back
+    assert "A worker died" in capsys.readouterr().out
+
+
 def test_verbose_leaves_ray_output_on_the_console(tmp_path):
     from rlhf_orch.logging.console import LibraryOutput
 

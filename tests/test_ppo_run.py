@@ -80,7 +80,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 # slow (~45-60 s): an engine started, killed mid-overlap and started again (a second vLLM start-up),
 # then steps run until the NaN -- each part is what the test proves.
 @pytest.mark.slow
-def test_engine_dying_mid_overlap_is_replaced_and_a_nan_stops_the_run(tmp_path, shared_ray):
+def test_engine_dying_mid_overlap_is_replaced_and_a_nan_stops_the_run(tmp_path, shared_ray, capsys):
     """pipeline=one_step_off: step 3's rollout is generated while the trainers train step 2; an
     engine dies in it, is replaced once the trainers finish (with their new weights) and re-makes
     its share; step 4's rollout overflows and the run stops before logging it."""
@@ -121,6 +121,9 @@ def test_engine_dying_mid_overlap_is_replaced_and_a_nan_stops_the_run(tmp_path, 
     assert rows[2]["rollout/samples"] == 8 * 2 and rows[2]["time/engine_restart"] > 0
     assert all(r["time/overlap"] > 0 for r in rows)  # the next rollout was generated during training
     assert Path(str(kill) + ".taken").exists()
+    out = capsys.readouterr().out  # the run's own line for the lost engine, not the raylet's notice
+    assert "engine 0 died making step 3's rollout" in out or "engine 1 died making step 3's rollout" in out
+    assert "A worker died" not in out and "(raylet)" not in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["last_checkpoint"].endswith("step_00000003")
     assert [c.step for c in complete_checkpoints(run_dir / "checkpoints")] == [2, 3]  # keep_last=2

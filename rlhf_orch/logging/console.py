@@ -239,6 +239,7 @@ class ConsoleLogger(StepLogger):
 
 # --------------------------------------------------------------------------- library output
 WORKER_LOG = "ray_workers.log"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes
 _RAY_MARKER = re.compile(r"^:(job_id|actor_name|task_name):")
 _WORKER_FILE = re.compile(r"^worker-[0-9a-f]+-(?P<job>[0-9a-f]+)-(?P<pid>\d+)\.(?P<stream>out|err)$")
 
@@ -258,8 +259,11 @@ class LibraryOutput:
     - `finish()`, after `ray.shutdown`: appends this job's worker output to <run_dir>/ray_workers.log
       (one section per actor process) and undoes `start()`.
 
-    Errors still reach the console: Ray's ERROR messages, the raylet's notices about dead workers,
-    and the run's own one-line `error: ...` (an actor's traceback is in the run dir's error.log).
+    Errors still reach the console: Ray's ERROR messages and the run's own lines -- one per fault
+    it survived ("engine 0 died making step 2's rollout: replaced ..."), the one-line `error: ...`
+    of a failure (an actor's traceback is in the run dir's error.log). The raylet's notices about
+    dead workers ("A worker died or was killed while executing a task ...", several long coloured
+    lines per fault, which the run reports itself) go to <run_dir>/ray_workers.log.
     `verbose=True` leaves everything as Ray does it: streamed to the console.
     """
 
@@ -273,6 +277,7 @@ class LibraryOutput:
         self._job_id: Optional[str] = None
         self._started_at = 0.0  # a session that outlives this run also holds earlier runs' workers
         self._set_ignore_unhandled = False
+        self._ray_print: Any = None  # Ray's own printer of the raylet's notices, while diverted
 
     def init_kwargs(self) -> dict[str, Any]:
         return {"log_to_driver": self.verbose}
@@ -297,6 +302,30 @@ class LibraryOutput:
             # Ray's own format (ray.init sets it on every handler of the "ray" logger anyway).
             self._file.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
             ray_logger.addHandler(self._file)
+            self._divert_raylet_notices()
+
+    def _divert_raylet_notices(self) -> None:
+        """The driver's error listener prints what the raylet publishes (a worker died, was killed,
+        ran out of memory) straight to stdout through `ray._private.worker.print_to_stdstream`,
+        bypassing every logger: those messages go to ray_workers.log instead. (No public switch
+        exists; if Ray renames the function, they reach the console as before.)"""
+        from ray._private import worker as ray_worker
+
+        ray_print = getattr(ray_worker, "print_to_stdstream", None)
+        if ray_print is None:
+            return
+        file = self._file
+
+        def print_to_stdstream(data: dict[str, Any], ignore_prefix: bool) -> None:
+            if data.get("pid") != "raylet":
+                return ray_print(data, ignore_prefix)
+            for line in data.get("lines", []):
+                file.emit(logging.makeLogRecord({"name": "ray", "levelname": "WARNING", "levelno": logging.WARNING,
+                                                 "msg": f"(raylet) {_ANSI.sub('', str(line))}"}))
+            file.flush()
+
+        self._ray_print = ray_print
+        ray_worker.print_to_stdstream = print_to_stdstream
 
     def connected(self) -> None:
         """Call once Ray is up: remembers this job's session logs and prints where the output goes."""
@@ -318,6 +347,11 @@ class LibraryOutput:
         if self.verbose:
             return
         ray_logger = logging.getLogger("ray")
+        if self._ray_print is not None:
+            from ray._private import worker as ray_worker
+
+            ray_worker.print_to_stdstream = self._ray_print
+            self._ray_print = None
         if self._file is not None:
             ray_logger.removeHandler(self._file)
             self._file.close()
