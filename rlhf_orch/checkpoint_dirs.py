@@ -60,9 +60,9 @@ def run_checkpoint_root(run_dir: Path, checkpoint_dir: Optional[str] = None) -> 
     run_dir = Path(run_dir)
     if not checkpoint_dir:
         return run_dir / "checkpoints"
-    absolute = str(run_dir.expanduser().resolve())
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{run_dir.resolve().parent.name}-{run_dir.name}").strip("_.") or "run"
-    return Path(checkpoint_dir) / f"{readable}-{hashlib.sha1(absolute.encode()).hexdigest()[:10]}"
+    absolute = run_dir.expanduser().resolve()  # `.`, a symlink, a relative path: one directory
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{absolute.parent.name}-{absolute.name}").strip("_.") or "run"
+    return Path(checkpoint_dir) / f"{readable}-{hashlib.sha1(str(absolute).encode()).hexdigest()[:10]}"
 
 
 class CheckpointStore:
@@ -153,11 +153,12 @@ def find_checkpoint(
     manifest = _read_manifest(path)
     if manifest is not None:
         return CheckpointInfo(path, int(manifest["step"]), manifest)
-    # A run dir: its checkpoints, in it or in its own directory under a shared checkpoint.dir.
-    for root in (path / "checkpoints", *([run_checkpoint_root(path, checkpoint_dir)] if checkpoint_dir else []), path):
-        done = complete_checkpoints(root)
-        if done:
-            return done[-1]
+    # A run dir: its newest checkpoint, in it or in its own directory under a shared checkpoint.dir
+    # (a run may have written both: started without checkpoint.dir, resumed with it).
+    roots = {path / "checkpoints", path, *([run_checkpoint_root(path, checkpoint_dir)] if checkpoint_dir else [])}
+    done = [c for root in roots for c in complete_checkpoints(root)]
+    if done:
+        return max(done, key=lambda c: (c.step, c.manifest.get("written_at", 0.0)))
     raise ResumeError(
         f"resume={resume!r}: no complete checkpoint there (a checkpoint dir has {MANIFEST}; a run dir has "
         "checkpoints/step_*); a run killed before its first checkpoint cannot be resumed"

@@ -89,7 +89,7 @@ def _run(name: str, overrides: list[str], run_dir: Path, log: Path) -> int:
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    from rlhf_orch.logging.plots import read_metrics
+    from rlhf_orch.logging.base import read_metrics
 
     return read_metrics(run_dir)
 

@@ -238,7 +238,9 @@ import json, sys
 from pathlib import Path
 
 run_dir, want = Path(sys.argv[1]), int(sys.argv[2])
-steps = [json.loads(line).get("step") for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+from rlhf_orch.logging.base import read_metrics
+
+steps = [r.get("step") for r in read_metrics(run_dir)]  # (records of steps run again after a requeue are marked superseded)
 summary = json.loads((run_dir / "summary.json").read_text())
 ok = steps == list(range(1, want + 1)) and summary.get("status") == "completed" and summary.get("steps") == want
 print(f"  {run_dir}: metrics.jsonl steps {steps}, summary.json status={summary.get('status')} "

@@ -101,6 +101,12 @@ def test_runs_sharing_a_checkpoint_dir_keep_and_resume_their_own_checkpoints(tmp
     # Two run dirs with one name (two experiments' roots): still two directories.
     assert run_checkpoint_root(tmp_path / "x" / "run", shared) != run_checkpoint_root(tmp_path / "y" / "run", shared)
     assert run_checkpoint_root(a) == a / "checkpoints"
+    # The run dir named through a symlink (or `.`, or a relative path): the same directory.
+    (tmp_path / "latest").symlink_to(a)
+    assert run_checkpoint_root(tmp_path / "latest", shared) == store_a.root
+    # A run started without checkpoint.dir and resumed with it has checkpoints in both: the newest counts.
+    _commit(CheckpointStore(a / "checkpoints", 2), 1, a)
+    assert find_checkpoint(str(a), outputs, shared).step == 3
 
 
 def test_config_drift_refuses_breaking_changes_and_lists_the_rest(tmp_path):
@@ -134,12 +140,12 @@ def test_metrics_file_on_resume_marks_the_steps_after_the_checkpoint_superseded(
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[-1]["reward/mean"] == 0.9
-    every = read_metrics(tmp_path, superseded=True)
+    every = read_metrics(tmp_path, include_superseded=True)
     assert [(r["step"], r.get("superseded", False)) for r in every] == [(0, False), (1, False), (2, False), (3, True), (4, True), (3, False)]
     # A second restart from the same checkpoint marks the re-run's records too, once.
     MetricsFile(tmp_path, keep_through_step=2).close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
-    assert len(read_metrics(tmp_path, superseded=True)) == 6
+    assert len(read_metrics(tmp_path, include_superseded=True)) == 6
 
 
 def test_rng_state_round_trip_and_engine_seeds(tmp_path):

@@ -76,7 +76,7 @@ def test_a_lost_trainer_rank_restarts_every_role_from_the_last_checkpoint_and_th
     # The replacement during step 3 of the lost attempt counts in the re-run steps 3 and 4 (the
     # budget of one replacement is spent: another engine loss would end the run).
     assert [r["fault/engine_restarts"] for r in rows] == [0, 0, 1, 1]
-    every = read_metrics(run_dir, superseded=True)
+    every = read_metrics(run_dir, include_superseded=True)
     assert [(r["step"], r.get("superseded", False)) for r in every] == [
         (1, True), (1, False), (2, False), (3, True), (3, False), (4, False)]
     assert _without_fault_counters(_comparable(rows)) == _without_fault_counters(whole)

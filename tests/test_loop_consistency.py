@@ -80,6 +80,7 @@ def test_a_weight_push_and_an_engine_replacement_never_overlap():
     """The main thread pushes the trainers' new weights while a rollout thread (async) replaces a
     dead engine, which re-forms the weight groups: the re-forming waits for the push."""
     events: list[str] = []
+    pushing = threading.Event()
 
     class Sync:
         pushing = False
@@ -87,6 +88,7 @@ def test_a_weight_push_and_an_engine_replacement_never_overlap():
         def push(self, version):
             self.pushing = True
             events.append(f"push v{version} start")
+            pushing.set()
             time.sleep(0.3)
             events.append(f"push v{version} end")
             self.pushing = False
@@ -102,7 +104,7 @@ def test_a_weight_push_and_an_engine_replacement_never_overlap():
     loop.trained = 1
     main = threading.Thread(target=loop.sync_engines, args=({},))
     main.start()
-    time.sleep(0.1)  # the push is under way
+    assert pushing.wait(timeout=10)  # the push is under way
     loop._replace_dead_engine(0, step=2)
     main.join()
     assert "prepare DURING A PUSH" not in events
@@ -124,7 +126,6 @@ def test_no_final_checkpoint_from_an_update_that_one_role_applied_and_another_di
         return list(refs)
 
     loop._get = get
-    loop.updating = True  # as step() sets it before the trainers' calls
     with pytest.raises(StepFailedError):
         loop._update(["policy stats"], ["critic stats"])
     assert loop.trained == 0 and loop.updating
@@ -203,8 +204,91 @@ def test_a_checkpoint_holding_a_rollout_is_not_resumed_under_another_pipeline_or
     with_rollout, without = (str(c.path) for c in store.complete())
     sync = {**config, "pipeline": {"_target_": "SyncPipeline"}}
     padded = {**config, "transfer": {"_target_": "PaddedTransfer"}}
-    with pytest.raises(ResumeError, match=r"carries the rollout generated ahead.*pipeline._target_.*OneStepOffPipeline"):
+    with pytest.raises(ResumeError, match=r"carries the rollouts generated ahead.*pipeline._target_.*OneStepOffPipeline"):
         load_resume(with_rollout, tmp_path, None, sync, num_steps=10)
     with pytest.raises(ResumeError, match=r"transfer._target_"):
         load_resume(with_rollout, tmp_path, None, padded, num_steps=10)
     assert load_resume(without, tmp_path, None, sync, num_steps=10).changed == ["pipeline._target_"]
+    # The async pipeline takes a one-step-off rollout (as its first ready one): allowed.
+    later = {**config, "pipeline": {"_target_": "AsyncPipeline"}}
+    assert load_resume(with_rollout, tmp_path, None, later, num_steps=10).changed == ["pipeline._target_"]
+
+
+def test_a_threaded_engine_whose_vllm_thread_is_stuck_does_not_answer_ping():
+    """pipeline=async engines are threaded Ray actors: a free Ray thread would answer `ping` while
+    the thread running vLLM is stuck. `ping` runs on vLLM's thread, so a stuck one is not answering."""
+    import concurrent.futures
+
+    from rlhf_orch.engines.shared_steps import EngineThread
+    from rlhf_orch.engines.vllm_engine import VLLMEngine
+
+    engine = object.__new__(VLLMEngine)  # no vLLM: only what ping needs
+    engine.index, engine._engine_thread = 3, EngineThread()
+    assert engine.ping() == 3
+    release = threading.Event()
+    threading.Thread(target=engine._engine_thread.call, args=(release.wait,), daemon=True).start()  # vLLM's thread stuck
+    answer = concurrent.futures.ThreadPoolExecutor(1).submit(engine.ping)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        answer.result(timeout=0.5)
+    release.set()
+    assert answer.result(timeout=5) == 3
+
+
+def test_a_weight_update_marks_only_the_requests_still_generating_interrupted():
+    """`rollout/interrupted` counts sequences a weight update reached mid-generation; a request that
+    finished just before the update, not yet taken by its call, was made wholly with the old weights."""
+    from rlhf_orch.engines.shared_steps import SharedEngineSteps
+
+    steps = SharedEngineSteps()
+    steps._reset_generation_state()
+    outbox: list = []
+    for key in ("finished", "generating"):
+        steps._outboxes[key], steps._started_at[key] = outbox, 0
+    outbox.append(SimpleNamespace(request_id="finished"))  # what _step does with a finished request
+    del steps._outboxes["finished"]
+    with steps._cond:
+        steps._mark_interrupted()
+    steps._outboxes.pop("generating")
+    outbox.append(SimpleNamespace(request_id="generating"))
+    ready, versions, interrupted = steps._take_versioned(outbox)
+    assert versions == {"finished": 0, "generating": 0} and interrupted == {"generating"}
+
+
+def test_a_restart_loads_only_its_own_checkpoints_or_the_one_it_resumed_from(tmp_path):
+    """Under a shared checkpoint.dir a restart goes back to a checkpoint in this run's own
+    directory, or to the one the run was resumed from (a sweep job's, a moved run dir's); any other
+    is refused (ForeignCheckpointError) rather than trained on."""
+    from rlhf_orch.orchestration.checkpoint import load_resume as load
+    from rlhf_orch.orchestration.run_record import ForeignCheckpointError
+
+    task = _Task()
+    shared = f"checkpoint.dir={tmp_path / 'shared'}"
+    theirs = _record(tmp_path / "theirs", task, shared)
+    loop = _loop(task)
+    loop.trained = loop.version = 1
+    theirs.checkpoint(1, loop, NO_ACTORS)
+    their_checkpoint = theirs.store.latest().path
+    mine = _record(tmp_path / "mine", task, shared)
+    mine.checkpoint(1, loop, NO_ACTORS)
+    assert mine.restart_point(num_steps=4).info.path == mine.store.latest().path  # its own
+    mine.last_checkpoint = their_checkpoint  # (what a shared, unnamespaced directory could hand it)
+    with pytest.raises(ForeignCheckpointError, match="neither this run's"):
+        mine.restart_point(num_steps=4)
+    # Resumed from another run dir's checkpoint: a restart before its first own checkpoint goes back there.
+    cfg = compose_config(["experiment=quick", shared])
+    typed, _ = check(cfg, instantiate(cfg.launcher))
+    config = OmegaConf.to_container(cfg, resolve=True)
+    resumed = RunRecord(tmp_path / "job", typed, config, _Logger(), task, load(str(their_checkpoint), tmp_path, None, config, 4))
+    assert resumed.restart_point(num_steps=4).info.path == their_checkpoint
+
+
+def test_the_last_finished_step_tells_two_failures_between_steps_apart(tmp_path):
+    """The crash-loop check keys a failure on the last finished step: failures outside any step
+    (a checkpoint, a callback) after steps 4 and 8 are two failures, not one repeated."""
+    task = _Task()
+    record, loop = _record(tmp_path, task), _loop(task)
+    assert record.last_finished_step() == 0
+    record.step_finished(4, loop)
+    assert record.last_finished_step() == 4
+    record.step_finished(8, loop)
+    assert record.last_finished_step() == 8

@@ -282,3 +282,32 @@ def test_async_checkpoint_drains_and_carries_every_rollout_generated_ahead():
     again.close(resumed)
     assert [e[1] for e in resumed.events if e[0] == "generate_start"] == [6]  # 3-5 were not drawn again
     assert [s for s, _ in _handed_over(resumed)] == [3, 4, 5, 6]
+
+
+def test_async_answers_rollout_threads_while_it_moves_rollouts():
+    """A rollout thread replacing a dead engine asks `holds_finished_rollouts` while the main thread
+    starts, takes and settles rollouts: the answer never fails on the rollouts changing under it
+    ("dictionary changed size during iteration")."""
+    steps = 400
+    loop, pipeline = AsyncFakeLoop(num_steps=steps, generate_s=0.0, train_s=0.0), AsyncPipeline(max_staleness=3)
+    errors, stop = [], threading.Event()
+
+    def ask() -> None:
+        while not stop.is_set():
+            try:
+                pipeline.holds_finished_rollouts()
+                pipeline.holds_rollout()
+            except RuntimeError as e:
+                errors.append(e)
+                return
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        for k in range(1, steps + 1):
+            loop.step(pipeline, k)
+    finally:
+        stop.set()
+        asker.join()
+        pipeline.close(loop)
+    assert not errors, errors[0]

@@ -19,7 +19,8 @@ from rich.console import Console
 from rlhf_orch.logging import console as console_mod
 from rlhf_orch.logging.base import MetricsFile
 from rlhf_orch.logging.console import ConsoleLogger
-from rlhf_orch.logging.plots import panels_for, phase_layers, plot_run, read_metrics, smooth
+from rlhf_orch.logging.base import read_metrics
+from rlhf_orch.logging.plots import panels_for, phase_layers, plot_run, smooth
 
 ALL_FILES = {"overview.png", "reward.png", "kl.png", "loss.png", "response_length.png", "step_time.png", "throughput.png"}
 

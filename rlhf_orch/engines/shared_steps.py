@@ -84,6 +84,12 @@ class SharedEngineSteps:
                         box.append(out)
         return True
 
+    def _mark_interrupted(self) -> None:
+        """(Holding `_cond`, as a weight update lands.) The requests still generating go on with the
+        new weights: interrupted. One that finished before the update but whose call has not taken
+        it yet (in its outbox, still in `_started_at`) was made wholly with the old weights: not."""
+        self._interrupted |= set(self._outboxes)
+
     def _take_versioned(self, outbox: list[Any]) -> tuple[list[Any], dict[str, int], set[str]]:
         """Empty `outbox`: its finished outputs, the version each started with, and those a weight
         update reached in flight."""

@@ -469,7 +469,7 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         self.llm.llm_engine.set_weight_version(str(version))
         self._weights_dropped = self._weights_dropped and not loaded  # every sync sends every weight
         with self._cond:
-            self._interrupted |= set(self._started_at)
+            self._mark_interrupted()
             self._updating = self._closed = False
             self._cond.notify_all()
         return {"engine": self.index, "version": version, "bytes": nbytes, "seconds": time.perf_counter() - t0}
@@ -485,7 +485,10 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         return self.steps_made
 
     def ping(self) -> int:
-        return self.index
+        """The engine's index, from the thread that runs vLLM when the actor is threaded
+        (pipeline=async): an engine whose vLLM thread is stuck does not answer (the failure
+        checks count it lost), however many of its Ray threads are free."""
+        return self._run(lambda: self.index)
 
     def placement(self) -> dict[str, Any]:
         from rlhf_orch.topology.introspect import where_am_i

@@ -49,14 +49,14 @@ class MetricsFile:
 SUPERSEDED = "superseded"
 
 
-def read_metrics(run_dir: str | Path, superseded: bool = False) -> list[dict[str, Any]]:
+def read_metrics(run_dir: str | Path, include_superseded: bool = False) -> list[dict[str, Any]]:
     """The records of <run_dir>/metrics.jsonl, in order (none when it is missing); a line cut by a
-    kill is skipped; records of steps run again later only with `superseded=True`."""
+    kill is skipped; records of steps run again later only with `include_superseded`."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
     rows = [_record(line) for line in path.read_text(encoding="utf-8", errors="replace").splitlines()]
-    return [r for r in rows if r is not None and (superseded or not r.get(SUPERSEDED))]
+    return [r for r in rows if r is not None and (include_superseded or not r.get(SUPERSEDED))]
 
 
 def _record(line: str) -> dict[str, Any] | None:

@@ -124,10 +124,13 @@ def load_resume(
         # The rollout generated ahead is in the format of the pipeline that holds it and the
         # transfer that exported it: another one could not put it back.
         moved = [k for k in ("pipeline._target_", "transfer._target_") if _at(state["config"], k) != _at(config, k)]
+        if moved == ["pipeline._target_"] and str(_at(state["config"], moved[0])).endswith("OneStepOffPipeline") \
+                and str(_at(config, moved[0])).endswith("AsyncPipeline"):
+            moved = []  # the async pipeline takes a one-step-off rollout as its first ready one
         if moved:
             held_by = ", ".join(f"{k}={_at(state['config'], k)}" for k in moved)
             raise ResumeError(
-                f"resume={resume}: the checkpoint {info.path} carries the rollout generated ahead for step {info.step + 1}, "
+                f"resume={resume}: the checkpoint {info.path} carries the rollouts generated ahead of step {info.step}, "
                 f"held by {held_by}; resume with the same "
                 f"{' and '.join(k.split('.')[0] for k in moved)} (change it at a checkpoint of a run that holds no rollout)"
             )

@@ -153,11 +153,13 @@ class TrainLoop:
         # Per step whose rollout lost an engine, the seconds each replacement took (restored on
         # resume). Keyed by the rollout's step: under one_step_off it is made during the step before.
         self.restart_log: dict[int, list[float]] = {}
+        self._restart_s: dict[int, float] = {}  # per step, the seconds this process spent replacing engines (time/engine_restart)
         self.rollout_dump = rollout_dump  # logger.rollouts: what the model wrote, for people
         # Each step's prompt objects by prompt index (the rollout dump's data sources); a list the
         # dynamic sampling extends in place. Kept for the steps in flight only.
         self._prompts_of_step: dict[int, list[Any]] = {}
         self._made_by: dict[int, list[Any]] = {}  # per rollout made and not handed over, the engines holding it
+        self._drawing = threading.Lock()  # a rollout thread draws a step's prompts (one_step_off) while the main thread asks
         self._data_before: dict[int, dict[str, Any]] = {}  # per step drawn, the sampler's position before (data_state_before)
         self.updating = False  # an update of the trainers is in progress (or failed half-way): see _update
         # Held by whoever pushes weights or re-forms the weight groups: the main thread's push after
@@ -207,7 +209,6 @@ class TrainLoop:
 
             # 5. Train the policy (and the critic, when there is one) concurrently.
             t = time.perf_counter()
-            self.updating = True  # from here until both return, a role may have applied the update and another not
             policy_calls = [rank.train.remote(i, algo, self.norm_len) for i, rank in enumerate(self.actors.policy)]
             critic_calls = [
                 critic.train.remote({i: returns[i] for i in self._shards_of_critic(c, num_shards)})
@@ -243,8 +244,8 @@ class TrainLoop:
         metrics.update(self.pipeline.metrics(delivery, self.trained))
         metrics.update(algo_stats)
         metrics["fault/engine_restarts"] = sum(len(v) for k, v in self.restart_log.items() if k <= step)
-        if step in self.restart_log:
-            metrics["time/engine_restart"] = sum(self.restart_log[step])
+        if step in self._restart_s:  # this attempt's replacements (the log also holds a lost attempt's)
+            metrics["time/engine_restart"] = self._restart_s[step]
         return metrics
 
     def _update(self, policy_calls: list[ray.ObjectRef], critic_calls: list[ray.ObjectRef]) -> tuple[list[Any], list[Any]]:
@@ -252,6 +253,7 @@ class TrainLoop:
         the trainers hold the next version (`trained`); a failure in between leaves `updating`
         set: the policy may have stepped its optimizer while the critic did not (or the other way),
         a state no checkpoint may be written from."""
+        self.updating = True  # (the calls are in flight: until both return, one role may have stepped and the other not)
         policy_stats = self._get(policy_calls, "training the policy")
         critic_stats = self._get(critic_calls, "training the critic")
         self.trained += 1
@@ -262,7 +264,8 @@ class TrainLoop:
         """The data sampler's position before step `step`'s prompts were drawn (now, if they were
         not): what a checkpoint of step `step - 1` that does not carry the rollouts drawn ahead
         (one_step_off, async) records, so a resumed run draws them again instead of skipping them."""
-        return self._data_before.get(step) or self.task.state_dict()
+        with self._drawing:
+            return self._data_before[step] if step in self._data_before else self.task.state_dict()
 
     @property
     def engine_restarts(self) -> int:
@@ -276,8 +279,10 @@ class TrainLoop:
         s = self.settings
         route = self.route(step)
         route.on_engines(lambda e, engine: engine.reseed.remote(engine_seed(s.seed, step, e)), range(len(route.engines)), "seeding the engines")
-        self._data_before[step] = self.task.state_dict()
-        request = self._rollout_request(self.task.sample_prompts(s.rollout_batch_size))
+        with self._drawing:  # (the position and the draw, as one: data_state_before may ask meanwhile)
+            self._data_before[step] = self.task.state_dict()
+            prompts = self.task.sample_prompts(s.rollout_batch_size)
+        request = self._rollout_request(prompts)
         self._prompts_of_step[step] = request.prompts
         return request
 
@@ -370,6 +375,7 @@ class TrainLoop:
         self.sync.verify(version)
         took = time.perf_counter() - t
         self.restart_log.setdefault(self.trained, []).extend([took / len(lost)] * len(lost))
+        self._restart_s[self.trained] = self._restart_s.get(self.trained, 0.0) + took
         print(
             f"engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost receiving weight version {version}: "
             f"replaced in {'their bundles' if len(lost) > 1 else 'its bundle'}, the version pushed again "
@@ -426,6 +432,7 @@ class TrainLoop:
         self._get([engine.reseed.remote(engine_seed(s.seed, step, e))], "seeding the replacement engine", engine_call=True)
         took = time.perf_counter() - t
         self.restart_log.setdefault(step, []).append(took)
+        self._restart_s[step] = self._restart_s.get(step, 0.0) + took
         print(
             f"engine {e} died making step {step}'s rollout: replaced in its bundle, weights v{self.version} pushed, "
             f"its prompts re-issued ({took:.1f}s; restart {self.engine_restarts}/{s.max_engine_restarts})",

@@ -274,7 +274,10 @@ class AsyncPipeline(RolloutPipeline):
 
     def settle(self, loop: PipelineHost) -> list[HeldRollout] | None:
         for step in sorted(self._in_flight):
-            self._ready[step] = self._in_flight.pop(step).result()
+            held = self._in_flight[step].result()  # (still counted in flight while it finishes)
+            with self._lock:
+                self._ready[step] = held
+                del self._in_flight[step]
         loop.sync_engines({})
         return [self._ready[s] for s in sorted(self._ready)] or None
 
@@ -287,10 +290,12 @@ class AsyncPipeline(RolloutPipeline):
         return [loop.transfer.export_held(h, loop.route()) for h in held]
 
     def holds_rollout(self) -> bool:
-        return bool(self._ready or self._in_flight)
+        with self._lock:  # (asked from rollout threads too)
+            return bool(self._ready or self._in_flight)
 
     def holds_finished_rollouts(self) -> bool:
-        return bool(self._ready) or any(f.done() for f in self._in_flight.values())
+        with self._lock:  # (asked from rollout threads, which replace engines, while this thread moves rollouts)
+            return bool(self._ready) or any(f.done() for f in self._in_flight.values())
 
     def restore(self, loop: PipelineHost, held: Any) -> None:
         if held is None:
@@ -335,7 +340,9 @@ class AsyncPipeline(RolloutPipeline):
             j = self._next
             request = loop.rollout_request(j)
             request.slot = j
-            self._in_flight[j] = self._pool.submit(self._generate, loop, request, loop.route(j), j)
+            future = self._pool.submit(self._generate, loop, request, loop.route(j), j)
+            with self._lock:
+                self._in_flight[j] = future
             self._next += 1
 
     def _generate(self, loop: PipelineHost, request: Any, route: Route, step: int) -> HeldRollout:
@@ -356,9 +363,13 @@ class AsyncPipeline(RolloutPipeline):
         return held
 
     def _take(self, step: int) -> HeldRollout:
-        if step in self._ready:
-            return self._ready.pop(step)
-        future = self._in_flight.pop(step, None)
+        with self._lock:
+            if step in self._ready:
+                return self._ready.pop(step)
+            future = self._in_flight.get(step)
         if future is None:
             raise RuntimeError(f"no rollout was started for step {step}")
-        return future.result()
+        held = future.result()  # (counted in flight until it is taken: an engine lost meanwhile restarts the run)
+        with self._lock:
+            del self._in_flight[step]
+        return held

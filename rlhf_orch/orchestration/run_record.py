@@ -31,6 +31,7 @@ class RunRecord:
         self.store = CheckpointStore(run_checkpoint_root(run_dir, ck.dir), ck.keep_last)
         self.history: list[dict[str, Any]] = list(resume.state["metrics"]) if resume else []
         self.last_checkpoint: Path | None = resume.info.path if resume else None
+        self._resumed_from: Path | None = resume.info.path if resume else None
         self.last_checkpoint_step: int | None = resume.step if resume else None
         self._last_checkpoint_at = time.monotonic()
         self._finished: dict[str, Any] | None = None
@@ -136,10 +137,16 @@ class RunRecord:
         if self._initial is None and self.last_checkpoint is None:
             self._initial = self._driver_state(0, loop)
 
+    def last_finished_step(self) -> int:
+        """The last step this attempt finished (before its first: where it started from)."""
+        if self._finished is not None:
+            return self._finished["step"]
+        return self.last_checkpoint_step or 0
+
     def attempt_failed(self, loop: Any) -> None:
         """An attempt ended in a failure: keep its engine replacements for the next attempt."""
-        if loop is not None:
-            self.engine_restart_log = copy.deepcopy(loop.restart_log)
+        if loop is not None:  # (a rollout thread may still be adding to it: copied item by item, atomically)
+            self.engine_restart_log = {step: list(times) for step, times in list(loop.restart_log.items())}
 
     def restart_point(self, num_steps: int) -> ResumePoint | None:
         """After a lost process: where the run starts again -- the last checkpoint (its driver
@@ -154,14 +161,21 @@ class RunRecord:
         ck = self.typed.checkpoint
         resume = load_resume(str(self.last_checkpoint), self.run_dir.parent, ck.dir, self.config_dict, num_steps,
                              self.typed.experiment_name)
-        written_by = resume.info.manifest.get("run_dir")
-        if written_by != str(self.run_dir.resolve()):  # never train on another run's weights
-            raise ForeignCheckpointError(f"the checkpoint {resume.info.path} to restart from was written by {written_by}, not by this run "
-                              f"({self.run_dir.resolve()})")
+        if not self._own(resume.info.path):  # never train on another run's weights
+            raise ForeignCheckpointError(
+                f"the checkpoint {resume.info.path} to restart from is neither this run's (under {self.store.root}) nor the one "
+                f"it resumed from ({self._resumed_from}); it was written by {resume.info.manifest.get('run_dir')}"
+            )
         self.task.load_state_dict(resume.state["data"])
         set_rng_state(resume.state["rng"])
         self._rewind(resume.step)
         return resume
+
+    def _own(self, checkpoint: Path) -> bool:
+        """A checkpoint this run may restart from: one it wrote (in its own store) or the one it
+        was resumed from (which may be another run dir's: a sweep job, a moved run dir)."""
+        path = Path(checkpoint).resolve()
+        return path.parent == self.store.root.resolve() or (self._resumed_from is not None and path == self._resumed_from.resolve())
 
     def _rewind(self, step: int) -> None:
         self.history = [m for m in self.history if m.get("step", 0) <= step]

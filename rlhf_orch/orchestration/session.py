@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -217,6 +217,9 @@ class _Run:
     final_note: str = ""  # what the failure did about a final checkpoint
     lost: bool = False  # the failure lost a process (a restart can help)
     warm_key: str = ""  # what kept actors must match to serve this run (launcher.keep_actors)
+    # (last finished step, step in progress, failure_signature) of every failed attempt
+    failures: list[tuple[int, int | None, str]] = field(default_factory=list)
+    crash_loop: bool = False  # the last failure repeats an earlier one (no restart)
 
 
 def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: bool, warm: RoleActors | None = None) -> dict[str, Any]:
@@ -280,7 +283,13 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
         # answering: it may be a trainer, and a checkpoint would queue behind its stuck call.
         run.lost = processes_lost(e, actors)
         record.attempt_failed(loop)
-        restart = run.lost and record.trainer_restarts < typed.fault.max_trainer_restarts
+        # A crash loop: this failure again, from the same last finished step, in the same step (or
+        # between the same steps) -- a restart would repeat it. Decided here, so that a run that
+        # stops for it keeps a final checkpoint like any failure that is not restarted.
+        failure = (record.last_finished_step(), run.in_step, failure_signature(e))
+        run.crash_loop = run.lost and failure in run.failures
+        run.failures.append(failure)
+        restart = run.lost and not run.crash_loop and record.trainer_restarts < typed.fault.max_trainer_restarts
         # (A replacement that did not start is no stuck actor: the trainers may still answer.)
         run.final_note = ("no final checkpoint: an actor stopped answering" if _stuck(e) and not isinstance(e, ActorStartError)
                           else record.final_checkpoint(loop, actors, exact_only=restart))
@@ -345,7 +354,6 @@ def run_training(
             run.warm_key, plan, typed.launcher.startup_timeout_s, typed.launcher.keep_actors
         ) as (placement, warm):
             restarted = False
-            failures: list[tuple[int | None, str]] = []  # (step, failure) of every failed attempt
             while True:
                 try:
                     outcome = _attempt(run, placement, resume, restarted, warm)
@@ -356,8 +364,7 @@ def run_training(
                     if not run.lost or record.trainer_restarts >= typed.fault.max_trainer_restarts:
                         raise
                     failed_at = run.in_step
-                    failures.append((failed_at, failure_signature(e)))
-                    if failures[-1] in failures[:-1]:
+                    if run.crash_loop:
                         raise CrashLoopError(
                             f"the same failure twice{f' at step {failed_at}' if failed_at is not None else ''}, "
                             f"so a restart would repeat it: {named(e)} -- not restarting "
