@@ -20,8 +20,9 @@ step, count what happened (`fault/engine_restarts`, `fault/trainer_restarts`), t
 of every step exactly once, and log the undisturbed run's metrics for every step (wall-clock
 figures and the fault counters aside) -- except under `pipeline=async` with `max_staleness` > 0,
 whose sampling depends on timing by design: there the verdict is every step completed with every
-sample once, and the chaos run's reward is compared with the seed-to-seed spread of two undisturbed
-runs (`--seed-spread`, the second with `seed=1`).
+sample once, and the chaos run's reward (run mean, and the mean per-step distance of its curve from
+the undisturbed run's) is reported beside an undisturbed run with `seed=1` (`--seed-spread`), not
+judged: one seed pair is no spread.
 
     .venv/bin/python scripts/chaos.py                      # 40 steps, seed 0, 6 faults
     .venv/bin/python scripts/chaos.py --steps 20 --faults 4 --seed 3
@@ -42,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ class Fault:
     target: int  # engine or policy rank
     delay_s: float = 0.0  # generation: into the rollout
     fired_at: float | None = None  # wall clock (perf_counter) when it fired
+    armed_on: set = field(default_factory=set)  # the loops (attempts) it is armed on
 
 
 def schedule(steps: int, faults: int, seed: int, engines: int, policy_ranks: int, eval_every: int) -> list[Fault]:
@@ -78,7 +80,7 @@ def schedule(steps: int, faults: int, seed: int, engines: int, policy_ranks: int
         pool = [s for s in (evals if kind == "evaluation" else free) if s in free]
         step = rng.choice(pool)
         free.remove(step)
-        target = rng.randrange(policy_ranks if kind == "trainer" else engines)
+        target = rng.randrange(policy_ranks if kind in ("trainer", "update") else engines)
         out.append(Fault(step, kind, target, delay_s=rng.uniform(0.0, 0.2) if kind == "generation" else 0.0))
     return sorted(out, key=lambda f: f.step)
 
@@ -89,15 +91,20 @@ class Injector:
     def __init__(self, faults: list[Fault]):
         self.by_step = {f.step: f for f in faults}
 
-    def __call__(self, step: int, loop: Any) -> None:
-        import ray
+    # Generation faults are armed this many steps early: under pipeline=one_step_off step k's
+    # rollout is requested while step k-1 trains, under async (max_staleness <= 2) up to 3 steps ahead.
+    GENERATION_LEAD = 4
 
-        # Generation faults are armed a step earlier too: under pipeline=one_step_off step k's
-        # rollout is requested while step k-1 trains.
-        ahead = self.by_step.get(step + 2)
-        fault = self.by_step.get(step + 1) or (ahead if ahead is not None and ahead.kind == "generation" else None)
-        if fault is None or fault.fired_at is not None:
-            return
+    def __call__(self, step: int, loop: Any) -> None:
+        for ahead in range(1, self.GENERATION_LEAD + 1):
+            fault = self.by_step.get(step + ahead)
+            if fault is not None and (ahead == 1 or fault.kind == "generation") and fault.fired_at is None:
+                if id(loop) not in fault.armed_on:  # once per attempt (a restart builds a new loop)
+                    fault.armed_on.add(id(loop))
+                    self._arm(fault, loop)
+
+    def _arm(self, fault: Fault, loop: Any) -> None:
+        import ray
 
         def fire(actor) -> None:
             if fault.fired_at is None:
@@ -185,6 +192,13 @@ def _rerun(fault: Fault, every: int) -> int:
     return {"evaluation": fault.step - last_checkpoint, "trainer": lost_steps, "update": lost_steps}.get(fault.kind, 0)
 
 
+def _curve_gap(rows: list[dict], reference: list[dict]) -> float:
+    """Mean over the steps both have of |reward/mean - the reference's|."""
+    ref = {r["step"]: r["reward/mean"] for r in reference}
+    diffs = [abs(r["reward/mean"] - ref[r["step"]]) for r in rows if r["step"] in ref]
+    return sum(diffs) / len(diffs) if diffs else float("inf")
+
+
 def _comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(UNCOMPARED)} for r in rows]
 
@@ -224,7 +238,7 @@ def main() -> int:
     print("schedule (seed %d):" % args.seed)
     for f in faults:
         extra = f" {f.delay_s * 1000:.0f} ms into the rollout" if f.kind == "generation" else ""
-        who = f"policy rank {f.target}" if f.kind == "trainer" else f"engine {f.target}"
+        who = f"policy rank {f.target}" if f.kind in ("trainer", "update") else f"engine {f.target}"
         print(f"  step {f.step:>3}  {f.kind:<11} {who}{extra}")
     with tempfile.TemporaryDirectory() as work, LocalRayLauncher(logical_gpus=8, reuse_session=True).session():
         clean, _, clean_wall = _train(overrides, Path(work) / "undisturbed")
@@ -236,8 +250,14 @@ def main() -> int:
     unequal = [a["step"] for a, b in zip(_comparable(chaos), _comparable(clean)) if a != b]
     reward = {name: round(sum(r["reward/mean"] for r in rows) / len(rows), 4) for name, rows in
               (("undisturbed", clean), ("chaos", chaos), ("seed1", other)) if rows}
-    within = other is not None and abs(reward["chaos"] - reward["undisturbed"]) <= abs(reward["seed1"] - reward["undisturbed"])
-    passed = (equal if exact else once and within) and sum(f.fired_at is not None for f in faults) == len(faults)
+    # The reward curve's distance from the undisturbed run's: the mean per-step |difference| of
+    # reward/mean, for the chaos run and for the other seed's undisturbed run (the spread it must stay in).
+    gap = {name: round(_curve_gap(rows, clean), 4) for name, rows in (("chaos", chaos), ("seed1", other)) if rows}
+    # Reported, not judged: one seed pair is no spread (on 2026-11-26 three async runs fell inside
+    # it on one measure and outside on the other, either way round).
+    within = {"run_mean": abs(reward["chaos"] - reward["undisturbed"]) <= abs(reward["seed1"] - reward["undisturbed"]),
+              "curve": gap["chaos"] <= gap["seed1"]} if other is not None else None
+    passed = (equal if exact else once) and sum(f.fired_at is not None for f in faults) == len(faults)
     result = {
         "pipeline": composed.pipeline._target_.rsplit(".", 1)[-1],
         "exact_expected": exact,
@@ -249,7 +269,8 @@ def main() -> int:
         "metrics_equal": equal,
         "steps_unequal": unequal,
         "reward_mean": reward,
-        "reward_within_seed_spread": within if other is not None else None,
+        "reward_curve_gap": gap,
+        "reward_within_seed_spread": within,
         "passed": passed,
         "engine_restarts": chaos[-1]["fault/engine_restarts"],
         "trainer_restarts": summary["trainer_restarts"],
@@ -268,6 +289,8 @@ def main() -> int:
     print(f"{'metrics equal, every step':<28}{'':>12}{str(equal):>10}")
     print(f"{'reward/mean, run mean':<28}{reward['undisturbed']:>12.4f}{reward['chaos']:>10.4f}"
           + (f"   (seed 1 undisturbed: {reward['seed1']:.4f})" if other is not None else ""))
+    if other is not None:
+        print(f"{'reward curve gap (mean |d|)':<28}{'':>12}{gap['chaos']:>10.4f}   (seed 1 undisturbed: {gap['seed1']:.4f})")
     print(json.dumps(result))
     return 0 if passed else 1
 
