@@ -43,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,6 @@ class Fault:
     target: int  # engine or policy rank
     delay_s: float = 0.0  # generation: into the rollout
     fired_at: float | None = None  # wall clock (perf_counter) when it fired
-    armed_on: set = field(default_factory=set)  # the loops (attempts) it is armed on
 
 
 def schedule(steps: int, faults: int, seed: int, engines: int, policy_ranks: int, eval_every: int) -> list[Fault]:
@@ -99,8 +98,9 @@ class Injector:
         for ahead in range(1, self.GENERATION_LEAD + 1):
             fault = self.by_step.get(step + ahead)
             if fault is not None and (ahead == 1 or fault.kind == "generation") and fault.fired_at is None:
-                if id(loop) not in fault.armed_on:  # once per attempt (a restart builds a new loop)
-                    fault.armed_on.add(id(loop))
+                armed = vars(loop).setdefault("_chaos_armed", set())  # on the loop: once per attempt (a restart builds a new one)
+                if fault.step not in armed:
+                    armed.add(fault.step)
                     self._arm(fault, loop)
 
     def _arm(self, fault: Fault, loop: Any) -> None:

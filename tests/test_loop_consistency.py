@@ -210,8 +210,10 @@ def test_a_checkpoint_holding_a_rollout_is_not_resumed_under_another_pipeline_or
         load_resume(with_rollout, tmp_path, None, padded, num_steps=10)
     assert load_resume(without, tmp_path, None, sync, num_steps=10).changed == ["pipeline._target_"]
     # The async pipeline takes a one-step-off rollout (as its first ready one): allowed.
-    later = {**config, "pipeline": {"_target_": "AsyncPipeline"}}
-    assert load_resume(with_rollout, tmp_path, None, later, num_steps=10).changed == ["pipeline._target_"]
+    later = {**config, "pipeline": {"_target_": "AsyncPipeline", "max_staleness": 1}}
+    assert "pipeline._target_" in load_resume(with_rollout, tmp_path, None, later, num_steps=10).changed
+    with pytest.raises(ResumeError, match="pipeline._target_"):  # (max_staleness 0 could not train a rollout one version old)
+        load_resume(with_rollout, tmp_path, None, {**config, "pipeline": {"_target_": "AsyncPipeline", "max_staleness": 0}}, num_steps=10)
 
 
 def test_a_threaded_engine_whose_vllm_thread_is_stuck_does_not_answer_ping():

@@ -97,7 +97,7 @@ class FakeLoop:
     def note_producers(self, step, route):
         pass
 
-    def check_producers(self, step, forget=True):
+    def check_producers(self, step, forget=True, route=None):
         pass
 
     def sleep_engines(self):

@@ -271,10 +271,13 @@ def test_the_raylet_s_notices_about_dead_workers_go_to_the_run_dir_not_the_conso
     try:
         ray_worker.print_to_stdstream(notice, ignore_prefix=False)
         ray_worker.print_to_stdstream({"lines": ["an actor's own line"], "pid": 1234, "is_err": False}, ignore_prefix=True)
+        oom = {"lines": ["Task was killed due to the node running low on memory."], "pid": "raylet", "is_err": False}
+        ray_worker.print_to_stdstream(oom, ignore_prefix=False)
     finally:
         output.finish()
     out = capsys.readouterr().out
     assert "A worker died" not in out and "an actor's own line" in out  # (log_to_driver=false never sends those)
+    assert "running low on memory" in out  # the raylet's other notices say why: they stay
     log = (tmp_path / "ray_workers.log").read_text()
     assert "(raylet) A worker died or was killed while executing a task by an unexpected system error." in log and "\x1b" not in log
     ray_worker.print_to_stdstream(notice, ignore_prefix=False)  # Ray's own printer is back

@@ -135,21 +135,35 @@ def test_a_dict_without_score_stops_the_run(tmp_path):
         score_batch(CustomReward(str(path), "compute_score"), *_batch("x"), timeout_s=5.0)
 
 
-def test_off_the_main_thread_there_is_no_per_sample_timeout():
-    """Signals only reach the main thread: a threaded caller runs samples to completion."""
+def test_off_the_main_thread_a_watchdog_times_samples_out():
+    """Signals only reach the main thread, and every engine scores on another (its liveness check
+    has a thread of its own): there a watchdog raises the timeout into the scoring thread. A Python
+    loop stops at the deadline; a sleep ends first, then counts as timed out; the rest is scored
+    and nothing is raised into the thread afterwards."""
 
     class Sleepy(RewardFunction):
         name = "sleepy"
 
         def score(self, prompt, response):
-            time.sleep(0.3)
-            return 1.0
+            if response.text == "nap":
+                time.sleep(0.3)
+            return ByText().score(prompt, response)
 
     result: list = []
-    worker = threading.Thread(target=lambda: result.append(score_batch(Sleepy(), *_batch("a"), timeout_s=0.05)))
+    took: list = []
+
+    def score_off_main() -> None:
+        start = time.monotonic()
+        result.append(score_batch(Sleepy(), *_batch("a", "spin", "nap", "abc"), timeout_s=0.2))
+        took.append(time.monotonic() - start)
+        time.sleep(0.5)  # a late watchdog would raise here
+        took.append("no late timeout")
+
+    worker = threading.Thread(target=score_off_main, daemon=True)  # (a verifier that never stops must not hang the suite)
     worker.start()
-    worker.join(10)
-    assert result[0].scores == [1.0] and result[0].timeouts == 0
+    worker.join(20)
+    assert result[0].scores == [1.0, 0.0, 0.0, 3.0] and result[0].timeouts == 2
+    assert took[0] < 2.0 and took[1] == "no late timeout"
 
 
 def _user_file(tmp_path) -> str:

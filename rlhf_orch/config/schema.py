@@ -744,9 +744,10 @@ class FaultConfig:
     """How a run reacts to failures it can survive."""
 
     max_engine_restarts: int = 3  # engines restarted (replaced in their bundle) per run at most; 0 = none
-    # Any wait on an actor within a step longer than this fails the run -- except a generation,
-    # which is waited for as long as its engines make engine steps (checked every step_timeout_s:
-    # a stuck engine is found within two of them, however long the responses).
+    # Any wait on an actor within a step longer than this fails the run -- except a training
+    # rollout's generation, waited for as long as its engines make engine steps (checked every
+    # step_timeout_s: a stuck engine is found within two of them, however long the responses).
+    # Agent rollouts, evaluations and scoring make no counted step: one window.
     step_timeout_s: float = 600.0
     # Whole-run restarts when a process the run cannot continue without (a trainer rank; an engine
     # lost outside generation) died or stopped answering: every role starts again in its bundles

@@ -240,6 +240,7 @@ class ConsoleLogger(StepLogger):
 # --------------------------------------------------------------------------- library output
 WORKER_LOG = "ray_workers.log"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes
+_DEAD_WORKER = "A worker died or was killed"  # the raylet's notice the run reports in a line of its own
 _RAY_MARKER = re.compile(r"^:(job_id|actor_name|task_name):")
 _WORKER_FILE = re.compile(r"^worker-[0-9a-f]+-(?P<job>[0-9a-f]+)-(?P<pid>\d+)\.(?P<stream>out|err)$")
 
@@ -305,10 +306,11 @@ class LibraryOutput:
             self._divert_raylet_notices()
 
     def _divert_raylet_notices(self) -> None:
-        """The driver's error listener prints what the raylet publishes (a worker died, was killed,
-        ran out of memory) straight to stdout through `ray._private.worker.print_to_stdstream`,
-        bypassing every logger: those messages go to ray_workers.log instead. (No public switch
-        exists; if Ray renames the function, they reach the console as before.)"""
+        """The driver's error listener prints what the raylet publishes straight to stdout through
+        `ray._private.worker.print_to_stdstream`, bypassing every logger: its notices that a worker
+        died or was killed (which the run reports itself) go to ray_workers.log instead; others (a
+        worker killed for lack of memory says why) stay on the console. (No public switch exists; if
+        Ray renames the function, they all reach the console as before.)"""
         from ray._private import worker as ray_worker
 
         ray_print = getattr(ray_worker, "print_to_stdstream", None)
@@ -317,12 +319,12 @@ class LibraryOutput:
         file = self._file
 
         def print_to_stdstream(data: dict[str, Any], ignore_prefix: bool) -> None:
-            if data.get("pid") != "raylet":
-                return ray_print(data, ignore_prefix)
-            for line in data.get("lines", []):
-                file.emit(logging.makeLogRecord({"name": "ray", "levelname": "WARNING", "levelno": logging.WARNING,
-                                                 "msg": f"(raylet) {_ANSI.sub('', str(line))}"}))
-            file.flush()
+            lines = [str(line) for line in data.get("lines", [])]
+            if data.get("pid") != "raylet" or not all(_DEAD_WORKER in line for line in lines):
+                return ray_print(data, ignore_prefix)  # anything else (an OOM kill's notice) stays on the console
+            for line in lines:
+                file.handle(logging.makeLogRecord({"name": "ray", "levelname": "WARNING", "levelno": logging.WARNING,
+                                                   "msg": f"(raylet) {_ANSI.sub('', line)}"}))
 
         self._ray_print = ray_print
         ray_worker.print_to_stdstream = print_to_stdstream

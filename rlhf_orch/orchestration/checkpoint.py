@@ -125,8 +125,8 @@ def load_resume(
         # transfer that exported it: another one could not put it back.
         moved = [k for k in ("pipeline._target_", "transfer._target_") if _at(state["config"], k) != _at(config, k)]
         if moved == ["pipeline._target_"] and str(_at(state["config"], moved[0])).endswith("OneStepOffPipeline") \
-                and str(_at(config, moved[0])).endswith("AsyncPipeline"):
-            moved = []  # the async pipeline takes a one-step-off rollout as its first ready one
+                and str(_at(config, moved[0])).endswith("AsyncPipeline") and (_at(config, "pipeline.max_staleness") or 0) >= 1:
+            moved = []  # the async pipeline takes a one-step-off rollout (staleness 1) as its first ready one
         if moved:
             held_by = ", ".join(f"{k}={_at(state['config'], k)}" for k in moved)
             raise ResumeError(

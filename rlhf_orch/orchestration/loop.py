@@ -306,13 +306,14 @@ class TrainLoop:
         hand-over (`check_producers`)."""
         self._made_by[step] = list(route.engines)
 
-    def check_producers(self, step: int, forget: bool = True) -> None:
+    def check_producers(self, step: int, forget: bool = True, route: Route | None = None) -> None:
         """Before step `step`'s rollout is handed over (or read into a checkpoint): every engine
         that made a share of it still holds it. One lost after making its share and replaced for
         another rollout in flight (pipeline=async: several rollouts on every engine) took the
         share with it -- a lost process (EngineDiedError): the run restarts from its checkpoint."""
         made_by = self._made_by.pop(step, None) if forget else self._made_by.get(step)
-        lost = [e for e, engine in enumerate(made_by or []) if engine is not self.actors.engines[e]]
+        current = route.engines if route is not None else self.actors.engines  # (the engines the hand-over will ask)
+        lost = [e for e, engine in enumerate(made_by or []) if engine is not current[e]]
         if lost:
             raise EngineDiedError(
                 f"vLLM engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost after making {'their shares' if len(lost) > 1 else 'its share'} "

@@ -57,7 +57,7 @@ class PipelineHost(Protocol):
     def route(self, step: int | None = None) -> Route: ...
     def generate(self, step: int) -> HeldRollout: ...
     def note_producers(self, step: int, route: Route) -> None: ...
-    def check_producers(self, step: int, forget: bool = True) -> None: ...
+    def check_producers(self, step: int, forget: bool = True, route: Route | None = None) -> None: ...
     def sync_engines(self, timings: dict[str, float]) -> None: ...
     def sleep_engines(self) -> None: ...
 
@@ -148,8 +148,9 @@ class OneStepOffPipeline(RolloutPipeline):
         t = time.perf_counter()
         held = self._take(loop, step)
         timings["rollout_wait"] = time.perf_counter() - t  # generation the trainers could not hide
-        loop.check_producers(step)
-        delivery = loop.transfer.hand_over(held, loop.route())
+        route = loop.route()
+        loop.check_producers(step, route=route)
+        delivery = loop.transfer.hand_over(held, route)
         # The engines are idle now: give them the trainers' newest weights, then start the next
         # rollout, which runs while the trainers train on this one.
         loop.sync_engines(timings)
@@ -240,6 +241,7 @@ class AsyncPipeline(RolloutPipeline):
         self._in_flight: dict[int, concurrent.futures.Future] = {}  # step -> its generation
         self._ready: dict[int, HeldRollout] = {}  # settled or restored, not handed over yet
         self._next: int | None = None  # the next step whose rollout has not started
+        self._handing: int | None = None  # the step whose finished rollout is being handed over
         self._lock = threading.Lock()
         self._busy: list[list[float]] = []  # perf_counter spans with a generation in flight ([start, end])
         self._running = 0
@@ -252,8 +254,13 @@ class AsyncPipeline(RolloutPipeline):
         held = self._take(step)
         timings["rollout_wait"] = time.perf_counter() - t  # the trainers idle, waiting for this rollout
         self._buffer_ready = sum(f.done() for f in self._in_flight.values()) + len(self._ready)
-        loop.check_producers(step)
-        return loop.transfer.hand_over(held, loop.route())
+        route = loop.route()  # (an engine replaced after this is asked at its old handle: a lost process, not a stray sample)
+        loop.check_producers(step, route=route)
+        try:
+            return loop.transfer.hand_over(held, route)
+        finally:
+            with self._lock:
+                self._handing = None
 
     def engines_idle(self, loop: PipelineHost) -> None:
         """Never: the engines go on with the next rollouts."""
@@ -295,7 +302,7 @@ class AsyncPipeline(RolloutPipeline):
 
     def holds_finished_rollouts(self) -> bool:
         with self._lock:  # (asked from rollout threads, which replace engines, while this thread moves rollouts)
-            return bool(self._ready) or any(f.done() for f in self._in_flight.values())
+            return bool(self._ready) or self._handing is not None or any(f.done() for f in self._in_flight.values())
 
     def restore(self, loop: PipelineHost, held: Any) -> None:
         if held is None:
@@ -365,6 +372,7 @@ class AsyncPipeline(RolloutPipeline):
     def _take(self, step: int) -> HeldRollout:
         with self._lock:
             if step in self._ready:
+                self._handing = step
                 return self._ready.pop(step)
             future = self._in_flight.get(step)
         if future is None:
@@ -372,4 +380,5 @@ class AsyncPipeline(RolloutPipeline):
         held = future.result()  # (counted in flight until it is taken: an engine lost meanwhile restarts the run)
         with self._lock:
             del self._in_flight[step]
+            self._handing = step  # finished and held on the engines until the hand-over returns
         return held

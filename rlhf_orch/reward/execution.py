@@ -10,12 +10,14 @@ Two ways to run:
   (`signal.setitimer(ITIMER_REAL)`). Signals can only be handled in the main thread, so off the main
   thread samples run without a per-sample timeout. Measured with Ray 2.60 (`ray.init(num_cpus=1)`,
   `threading.current_thread() is threading.main_thread()` inside the method): methods of a plain
-  (synchronous, max_concurrency=1) actor and Ray tasks run in the worker's main thread, so engines
-  that score inline get the timeout; methods of threaded actors (max_concurrency > 1) and of async
-  actors (even their sync methods) run in other threads ("Dummy-1", "AsyncIO Thread: default") and
-  do not. The timeout is an exception raised between bytecodes: it stops Python loops and sleeps,
-  not a long call inside C code, nor a verifier that catches BaseException and keeps going; only
-  the pool can stop those.
+  (synchronous, max_concurrency=1, no concurrency group) actor and Ray tasks run in the worker's
+  main thread; methods of threaded actors (max_concurrency > 1, or any concurrency group: every
+  engine has one for its liveness check) and of async actors run in other threads ("Dummy-1",
+  "AsyncIO Thread: default"). There a watchdog thread raises the timeout into the scoring thread
+  instead (`PyThreadState_SetAsyncExc`). Either way the timeout is an exception raised between
+  bytecodes: it stops Python loops (the alarm also interrupts a sleep; the watchdog's exception
+  waits for it to end), not a long call inside C code, nor a verifier that catches BaseException
+  and keeps going; only the pool can stop those.
 * a pool of Ray tasks (`pool_size > 0`): the batch is split into `pool_size` near-equal chunks, one
   task each, each task scoring its chunk inline with the per-sample timer (a task runs in its
   worker's main thread). The caller gives each task `timeout_s * len(chunk) + grace_s`; a task still
@@ -66,9 +68,6 @@ class _SampleTimeout(BaseException):
     and sympy have many) does not swallow it."""
 
 
-_warned_no_timer = False
-
-
 def _timer_available() -> bool:
     return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
 
@@ -79,17 +78,8 @@ def _run_timed(call: Callable[[], Any], seconds: float) -> tuple[str, Any]:
     RewardError propagates. The previous SIGALRM handler and ITIMER_REAL timer (e.g. pytest-timeout's)
     are restored afterwards, with the time that passed subtracted.
     """
-    global _warned_no_timer
     if not _timer_available():
-        if not _warned_no_timer:
-            _warned_no_timer = True
-            logger.warning("reward scoring off the main thread: no per-sample timeout (signals need the main thread)")
-        try:
-            return "ok", call()
-        except RewardError:
-            raise
-        except Exception as exc:
-            return "error", exc
+        return _run_timed_off_main_thread(call, seconds)
 
     # The handler raises at most once and only while armed, so an alarm landing after `call` returned
     # (before the timer is disarmed) cannot escape into the caller.
@@ -126,6 +116,46 @@ def _run_timed(call: Callable[[], Any], seconds: float) -> tuple[str, Any]:
         if previous_timer[0] > 0:
             remaining = previous_timer[0] - (time.monotonic() - start)
             signal.setitimer(signal.ITIMER_REAL, max(remaining, 1e-3), previous_timer[1])
+    return outcome
+
+
+def _run_timed_off_main_thread(call: Callable[[], Any], seconds: float) -> tuple[str, Any]:
+    """`_run_timed` for a thread that is not the main one (every engine: its calls run on Ray's
+    threads, since it answers liveness checks on a thread of its own). No signal can reach it, so a
+    watchdog timer raises the timeout in it (`PyThreadState_SetAsyncExc`): like the alarm, between
+    two bytecodes -- it stops Python loops; a sleep or a blocking call ends first (the pool stops those)."""
+    import ctypes
+
+    target = threading.get_ident()
+    state = {"armed": True, "fired": False}
+    lock = threading.Lock()
+
+    def fire() -> None:
+        with lock:
+            if state["armed"]:
+                state["armed"], state["fired"] = False, True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(target), ctypes.py_object(_SampleTimeout))
+
+    watchdog = threading.Timer(seconds, fire)
+    watchdog.daemon = True
+    outcome: tuple[str, Any] = ("timeout", None)
+    try:
+        try:
+            watchdog.start()
+            value = call()
+            outcome = ("timeout", None) if state["fired"] else ("ok", value)
+        finally:
+            with lock:  # from here on the watchdog raises nothing into this thread
+                state["armed"] = False
+                if state["fired"]:  # one it raised that is still pending is dropped, not left to escape later
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(target), None)
+            watchdog.cancel()
+    except _SampleTimeout:
+        outcome = ("timeout", None)
+    except RewardError:
+        raise
+    except Exception as exc:
+        outcome = ("timeout", None) if state["fired"] else ("error", exc)
     return outcome
 
 

@@ -139,6 +139,7 @@ class Route:
             ready = self.wait_any(pending)
             if not ready:
                 self.get(list(pending), what, engine_call=True, remaining_s=0.0)  # raises: no answer in time
+                continue  # (they all answered just now)
             ref = ready[0]
             e = pending.pop(ref)
             try:
