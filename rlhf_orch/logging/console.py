@@ -239,7 +239,6 @@ class ConsoleLogger(StepLogger):
 
 # --------------------------------------------------------------------------- library output
 WORKER_LOG = "ray_workers.log"
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colour codes
 _DEAD_WORKER = "A worker died or was killed"  # the raylet's notice the run reports in a line of its own
 _RAY_MARKER = re.compile(r"^:(job_id|actor_name|task_name):")
 _WORKER_FILE = re.compile(r"^worker-[0-9a-f]+-(?P<job>[0-9a-f]+)-(?P<pid>\d+)\.(?P<stream>out|err)$")
@@ -324,7 +323,7 @@ class LibraryOutput:
                 return ray_print(data, ignore_prefix)  # anything else (an OOM kill's notice) stays on the console
             for line in lines:
                 file.handle(logging.makeLogRecord({"name": "ray", "levelname": "WARNING", "levelno": logging.WARNING,
-                                                   "msg": f"(raylet) {_ANSI.sub('', line)}"}))
+                                                   "msg": f"(raylet) {runlog.strip_ansi(line)}"}))
 
         self._ray_print = ray_print
         ray_worker.print_to_stdstream = print_to_stdstream

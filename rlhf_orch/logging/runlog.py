@@ -39,7 +39,7 @@ class _RunLog:
     def write(self, text: str) -> None:
         with self.lock:
             if not self.file.closed:
-                self.file.write(_ANSI.sub("", text).replace("\r\n", "\n"))
+                self.file.write(strip_ansi(text).replace("\r\n", "\n"))
                 if "\n" in text:
                     self.file.flush()
 
@@ -70,6 +70,11 @@ class _Tee:
 
     def __getattr__(self, name: str) -> Any:  # encoding, errors, buffer, ...
         return getattr(self._stream, name)
+
+
+def strip_ansi(text: str) -> str:
+    """`text` without terminal colour and control sequences (what a log file should hold)."""
+    return _ANSI.sub("", text)
 
 
 @contextmanager

@@ -337,18 +337,15 @@ class TrainLoop:
 
     def _push(self, version: int) -> None:
         with self._pushing:
-            self._push_locked(version)
-
-    def _push_locked(self, version: int) -> None:
-        try:
-            self.last_sync = self.sync.push(version)
-            self.sync.verify(version)
-        except WeightSyncError:
-            lost = not_answering(self.actors.engines, timeout_s=10.0)
-            if not lost:
-                raise  # every engine answers: not a lost process (a bug, a timeout elsewhere)
-            self._replace_after_sync(lost, version)
-        self.version = version
+            try:
+                self.last_sync = self.sync.push(version)
+                self.sync.verify(version)
+            except WeightSyncError:
+                lost = not_answering(self.actors.engines, timeout_s=10.0)
+                if not lost:
+                    raise  # every engine answers: not a lost process (a bug, a timeout elsewhere)
+                self._replace_after_sync(lost, version)
+            self.version = version
 
     def _replace_after_sync(self, lost: list[int], version: int) -> None:
         """Engines lost while receiving weights: new ones in their bundles, every weight group

@@ -94,7 +94,9 @@ class Route:
     # dead engine fails the step).
     replace_engine: Callable[..., Any] | None = None
     timeout_s: float = 600.0
-    _steps_seen: dict[int, int] = field(default_factory=dict)  # engine -> its engine steps at the last look (wait_any)
+    # engine index -> (its handle, its engine steps) at the last look (wait_any); a replacement,
+    # another handle, counts from 0 and starts with a first look
+    _steps_seen: dict[int, tuple[Any, int]] = field(default_factory=dict)
 
     def wait_any(self, waiting: dict[Any, int]) -> list[Any]:
         """The first of `waiting` (Ray refs or streaming generators, each -> the engine making it)
@@ -124,8 +126,9 @@ class Route:
                         counts[e] = ray.get(ref)
                     except ray.exceptions.RayError:
                         pass
-        seen, self._steps_seen = self._steps_seen, {**self._steps_seen, **{e: c for e, c in counts.items() if c is not None}}
-        return [e for e, c in counts.items() if c is None or seen.get(e) == c]
+        stalled = [e for e, c in counts.items() if c is None or self._steps_seen.get(e) == (self.engines[e], c)]
+        self._steps_seen.update({e: (self.engines[e], c) for e, c in counts.items() if c is not None})
+        return stalled
 
     def on_engines(self, submit: Callable[[int, Any], ray.ObjectRef], engines: Sequence[int], what: str) -> dict[int, Any]:
         """Per engine index, the result of `submit(e, engine)`.
@@ -148,7 +151,6 @@ class Route:
                 if self.replace_engine is None:
                     raise
                 self.engines[e] = self.replace_engine(e, dead=self.engines[e])
-                self._steps_seen.pop(e, None)  # a new engine counts from 0
                 pending[submit(e, self.engines[e])] = e
             except ray.exceptions.RayError:
                 self.get([ref], what, engine_call=True)  # the loop's one-line error for it

@@ -62,7 +62,6 @@ class MicroBatchedTransfer(RolloutTransfer):
                 # so re-forming the weight group earlier would wait on them forever.
                 for e in died:
                     route.engines[e] = route.replace_engine(e)
-                    route._steps_seen.pop(e, None)  # a new engine counts from 0
                     rest = [w for w in shares[e] if (w.shard, w.slot) not in handed]
                     if rest:
                         active[open_stream(e, rest)] = e
