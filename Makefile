@@ -1,5 +1,5 @@
 # README's two commands: `make run` (set up, then train the default experiment) and `make test`.
-.PHONY: setup run test test-fast test-real
+.PHONY: setup run test test-full test-fast test-real
 
 setup:
 	bash scripts/setup.sh
@@ -9,7 +9,14 @@ run: setup
 
 # Two workers sharing the tests by load; the in-process end-to-end tests of one module stay on one
 # worker, so its Ray session and actors are built once (an xdist group per module, tests/conftest.py).
+# CI's tier: everything but the tests marked `extended` (second end-to-end checks of what this tier
+# already runs end to end; docs/testing.md lists each with what covers it here).
 test: setup
+	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not extended" $(PYTEST_ARGS)
+
+# Every test: CI's tier and the extended one (the fault matrix, every oracle case, a lost node, ...).
+# Run it before a change to faults, resume, pipelines, sync or the trainer lands (~45-50 min here).
+test-full: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # Pure tests only (no Ray, vLLM or DeepSpeed processes), two workers (107 s -> 81 s, docs/testing.md).

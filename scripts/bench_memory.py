@@ -99,7 +99,11 @@ def predicted(overrides: list[str]) -> tuple[dict[str, float], float, float]:
     plan = instantiate(cfg.placement).plan(reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference)
     verdict = check_memory(typed, plan, on_gpu=False, reward_model=False)
     load = verdict.plan.loads[0]
-    totals = {f"{p.role}{p.rank}" if p.role != "driver" else "driver": p.total() for p in load.processes}
+    totals: dict[str, float] = {}
+    for p in load.processes:
+        # A reference inside the policy rank's process (placement.reference_in_actor) is measured in it.
+        name = "driver" if p.role == "driver" else f"actor{p.rank}" if p.role == "reference" and plan.reference_in_actor else f"{p.role}{p.rank}"
+        totals[name] = totals.get(name, 0) + p.total()
     return totals, load.need, load.device.capacity
 
 

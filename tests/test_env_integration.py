@@ -310,6 +310,7 @@ class DigitRetryThatKillsItsEngine(DigitRetry):
 
 # slow (~60-100 s): two engines, one killed inside an environment step and started again (a second
 # vLLM start-up) -- the replacement is what the test proves.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_an_engine_dying_inside_an_environment_step_is_replaced(tmp_path):
     """An environment step takes its engine's process down mid-trajectory (a tool crashing it):

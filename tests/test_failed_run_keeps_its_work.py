@@ -84,6 +84,7 @@ def test_a_lost_trainer_rank_restarts_every_role_from_the_last_checkpoint_and_th
 
 
 # slow (~30 s): the run and one restart.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_the_same_failure_at_the_same_step_twice_stops_instead_of_spending_the_restart_budget(tmp_path):
     """The policy rank dies after step 1 in every attempt (a deterministic failure): step 2 fails
@@ -105,6 +106,7 @@ def test_the_same_failure_at_the_same_step_twice_stops_instead_of_spending_the_r
 
 
 # slow (~25 s): four short runs on kept actors.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_two_runs_sharing_a_checkpoint_dir_each_resume_their_own(tmp_path, capsys):
     """checkpoint.dir shared by two runs of one experiment with keep_last=1: both complete (neither
@@ -127,6 +129,7 @@ def test_two_runs_sharing_a_checkpoint_dir_each_resume_their_own(tmp_path, capsy
 
 
 # slow (~50 s): the failing run and its continuation, each with its own actors (exactness is the point).
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_run_failing_after_step_k_keeps_a_checkpoint_of_step_k_that_resumes_exactly(tmp_path, whole):
     def kill_the_engine(step: int, loop) -> None:
@@ -164,6 +167,7 @@ def _kill_and_wait(actor) -> None:
 
 
 # slow (~35 s): a run with two engines, one of which is started again.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_an_engine_lost_while_receiving_weights_is_replaced_and_the_run_goes_on(tmp_path, capsys):
     """Engine 1 of two dies as step 3's weights are pushed to it: it is replaced in its bundle,
@@ -198,6 +202,7 @@ def _hang(worker) -> None:
 
 
 # slow (~35 s): the run, the 8 s step timeout it waits out, and the restart of every role.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_hung_trainer_rank_is_found_by_the_step_timeout_and_restarted_like_a_dead_one(tmp_path, whole, capsys):
     """After step 2 the policy rank stays alive but stops answering (busy forever): step 3 waits
@@ -240,6 +245,7 @@ def _stuck_engine_steps(engine) -> None:
 
 
 # slow (~60 s): a generation three step timeouts long, a stuck engine found, a restart.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_generation_making_tokens_is_never_timed_out_and_a_stuck_engine_is_found_by_its_progress(tmp_path, capsys):
     """fault.step_timeout_s=6. After step 1 every engine step takes 1 s longer: step 2's generation
@@ -275,6 +281,7 @@ def test_a_generation_making_tokens_is_never_timed_out_and_a_stuck_engine_is_fou
 
 
 # slow (~10 s): one more run beside the module's uninterrupted one.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_async_with_max_staleness_0_trains_on_the_sync_pipeline_s_data(tmp_path, whole):
     """pipeline=async with max_staleness=0 starts each rollout only once the engines hold the
@@ -288,6 +295,7 @@ def test_async_with_max_staleness_0_trains_on_the_sync_pipeline_s_data(tmp_path,
 
 
 # slow (~35 s): a run that restarts once.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_async_runs_ahead_within_the_bound_and_a_lost_engine_restarts_from_the_carried_rollouts(tmp_path):
     """max_staleness=2, a checkpoint every 2 steps. After step 2 the engine is killed while it
@@ -321,6 +329,7 @@ def _idle(engine) -> bool:
 
 
 # slow (~90 s): a run whose engine is replaced mid-rollouts, then a restart.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_async_an_engine_lost_after_making_its_share_while_another_still_generates_restarts_the_run(tmp_path, capsys):
     """pipeline=async, max_staleness=2, two engines. From step 2 on, engine 1 makes each step

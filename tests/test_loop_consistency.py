@@ -60,7 +60,7 @@ def _loop(task: _Task, actors=None, sync=None, pipeline=None) -> TrainLoop:
     cfg = compose_config(["experiment=quick"])
     settings = LoopSettings(num_steps=4, rollout_batch_size=2, samples_per_prompt=2, micro_batch_size=2, response_max_len=8,
                             temperature=1.0, seed=0, step_timeout_s=10.0, max_engine_restarts=3)
-    actors = actors or SimpleNamespace(engines=[], policy=[], critic=[], reference=[], reward=[])
+    actors = actors or SimpleNamespace(engines=[], policy=[], critic=[], reference=[], own_reference=[], reward=[])
     loop = TrainLoop(actors, task, None, None, sync, instantiate(cfg.algo), settings, None, pipeline or SyncPipeline())
     loop._get = _get
     loop._rollout_request = lambda prompts: SimpleNamespace(prompts=prompts)  # the prompts are all these tests look at
@@ -99,7 +99,7 @@ def test_a_weight_push_and_an_engine_replacement_never_overlap():
             events.append("prepare" + (" DURING A PUSH" if self.pushing else ""))
 
     engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
-    actors = SimpleNamespace(engines=[engine], policy=[], critic=[], reference=[], reward=[], restart_engine=lambda e: engine)
+    actors = SimpleNamespace(engines=[engine], policy=[], critic=[], reference=[], own_reference=[], reward=[], restart_engine=lambda e: engine)
     loop = _loop(_Task(), actors, Sync())
     loop.trained = 1
     main = threading.Thread(target=loop.sync_engines, args=({},))

@@ -37,6 +37,7 @@ def two_worker_nodes():
 
 
 # slow (~45 s): a cluster, the run, its restart on the other node, and the start-up it waits out.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_lost_node_moves_the_run_to_the_node_left_then_the_run_stops_with_its_checkpoint(tmp_path, two_worker_nodes):
     """After step 2 the node holding the run's actors is removed: every role restarts from step 2's

@@ -169,3 +169,15 @@ def test_a_sleeping_colocated_engine_gives_its_memory_back_while_the_trainers_tr
     assert asleep.worst().need < awake.worst().need
     assert awake.worst().need - asleep.worst().need <= kv + next(t.bytes for t in engine.terms if t.name == "weights") + 1
     assert any(t.on_host for t in engine.terms)  # level 1 parks the weights in host memory
+
+
+def test_a_reference_inside_the_policy_process_adds_its_model_but_no_runtime():
+    own = verdict(["placement.reference_in_actor=false"]).plan
+    hosted = verdict([]).plan
+    ref_own, ref_hosted = ([p for p in m.processes if p.role == "reference"][0] for m in (own, hosted))
+    names = lambda proc: {t.name for t in proc.terms}  # noqa: E731
+    assert {"runtime", "shared libraries"} <= names(ref_own) and not {"runtime", "shared libraries"} & names(ref_hosted)
+    assert names(ref_hosted) == names(ref_own) - {"runtime", "shared libraries"}  # its weights and forward stay
+    assert ref_hosted.note == "inside actor0's process"
+    saved = sum(t.bytes for t in ref_own.terms if t.name == "runtime")
+    assert own.loads[0].need - hosted.loads[0].need == saved > 0

@@ -461,3 +461,51 @@ def test_composed_critic_free_algorithm_plans_no_critic(compose_config) -> None:
         assert ("reference" in plan.roles) == (algo != "dapo"), algo  # DAPO has no KL term
     cfg = compose_config("algo=ppo", "placement=split", "launcher.logical_gpus=8", "launcher.dry_run=true")
     assert "critic" in check(cfg, hydra.utils.instantiate(cfg.launcher))[1].roles
+
+
+# --------------------------------------------------------------------------- the reference inside the policy's processes
+def test_the_reference_runs_inside_the_policy_ranks_where_the_plan_allows_it() -> None:
+    from rlhf_orch.topology.plan import with_reference_hosting
+
+    # null (the default): wherever each reference rank has its policy rank's node (and GPU)
+    assert with_reference_hosting(cpu_local(), None).reference_in_actor
+    assert with_reference_hosting(split(), None).reference_in_actor  # a reference beside each actor rank
+    assert with_reference_hosting(colocated(), None).reference_in_actor  # rank r of each role on GPU r
+    hosted = with_reference_hosting(cpu_local(), None)
+    assert hosted.slots == cpu_local().slots  # the same slots and bundles: only no process of its own
+    assert "reference ranks run inside the actor ranks' processes" in hosted.describe()
+    assert "inside" not in cpu_local().describe()
+    # not where the ranks differ (one reference process serving two policy ranks stays that)
+    assert not with_reference_hosting(cpu_local(actor_ranks=2), None).reference_in_actor
+    assert not with_reference_hosting(colocated(reference_ranks=2), None).reference_in_actor
+    # false: a process per reference rank
+    assert not with_reference_hosting(cpu_local(), False).reference_in_actor
+
+
+@pytest.mark.parametrize(
+    "plan,setting,fragment",
+    [
+        (dict(actor_ranks=2), True, r"placement.reference_in_actor=true but 1 reference ranks for 2 policy ranks .* "
+                                    r"set placement.reference_in_actor=false .* or null"),
+        (dict(reference=False), True, r"placement.reference_in_actor=true does nothing: the algorithm has no reference"),
+        (dict(reference=False), False, r"placement.reference_in_actor=false does nothing: .* drop the key"),
+    ],
+)
+def test_a_reference_in_actor_setting_that_cannot_hold_or_does_nothing_is_refused(plan, setting, fragment) -> None:
+    from rlhf_orch.topology.plan import with_reference_hosting
+
+    with pytest.raises(PlacementError, match=fragment):
+        with_reference_hosting(cpu_local(**plan), setting)
+
+
+def test_the_composed_config_hosts_the_reference_and_its_key_reaches_the_plan(compose_config) -> None:
+    from rlhf_orch.app import check
+
+    def plan_of(*overrides: str) -> PlacementPlan:
+        cfg = compose_config(*overrides)
+        return check(cfg, hydra.utils.instantiate(cfg.launcher))[1]
+
+    assert plan_of().reference_in_actor  # the default experiment: PPO with a KL reference, one rank each
+    assert not plan_of("placement.reference_in_actor=false").reference_in_actor
+    with pytest.raises(PlacementError, match="reference_in_actor=true does nothing"):
+        plan_of("algo=dapo", "placement.reference_in_actor=true")  # DAPO has no KL term

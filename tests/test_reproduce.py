@@ -114,6 +114,8 @@ def test_every_experiment_plans_its_published_cluster_and_scales_to_this_machine
 # DAPO (dynamic sampling, overlong shaping, no reference) and split with a reward-model role. Colocated
 # PPO with a critic and GRPO run end to end elsewhere (test_ppo_run, test_learning) and the report code
 # is the same for every experiment; each experiment passes every pre-Ray check scaled (the test above).
+# CI (`make test`) runs the first; the reward-model split one is in the full tier (`make test-full`):
+# CI runs a reward-model role end to end in test_own_data_and_reward.
 END_TO_END = [n for n in ("dapo_qwen25_math_7b", "openrlhf_ppo_llama3_8b") if n in RUNNABLE]
 
 
@@ -121,7 +123,7 @@ END_TO_END = [n for n in ("dapo_qwen25_math_7b", "openrlhf_ppo_llama3_8b") if n 
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.own_processes
-@pytest.mark.parametrize("name", END_TO_END)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.extended] if n != END_TO_END[0] else []) for n in END_TO_END])
 def test_scaled_run_writes_a_report(name, tmp_path):
     proc = _cli(name, "--scale", "cpu", "--steps", "2", "--skip-studies", "--out", str(tmp_path), timeout=900)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])

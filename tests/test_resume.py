@@ -149,6 +149,7 @@ def test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit
 # slow (~80 s): two runs (uninterrupted and stopped + resumed) of two ZeRO-3 ranks with one-step-off
 # overlap, each with its own actors (fresh trainer and engine processes: what resume must restore
 # only a fresh process can prove), in one Ray session.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path, shared_ray):
     """ZeRO-3 over two policy ranks, and pipeline=one_step_off: the step-1 checkpoint carries step

@@ -41,19 +41,19 @@ def _parked_pids() -> list[int]:
     return _pids(parked)
 
 
-# slow (~90 s): two runs on new actors (PPO: engine, actor, critic, reference), two on kept ones.
+# slow (~90 s): two runs on new actors (PPO: engine, actor with the reference inside, critic), two on kept ones.
 @pytest.mark.slow
 def test_a_run_on_kept_actors_trains_exactly_as_on_new_ones(tmp_path, capsys):
     warm_actors.release()
     assert _train(tmp_path / "new")["status"] == "completed"
     first = _parked_pids()
-    assert len(first) == 4 and "actors: kept from the previous run" not in capsys.readouterr().out
+    assert len(first) == 3 and "actors: kept from the previous run" not in capsys.readouterr().out
 
     # The same settings: the engine reloads the model's weights (its tied head refreshed), the
     # trainers build their models and optimizers again, every RNG as at start.
     assert _train(tmp_path / "kept")["status"] == "completed"
     assert "actors: kept from the previous run of this process, reset (launcher.keep_actors)" in capsys.readouterr().out
-    assert _parked_pids() == first  # the same four processes
+    assert _parked_pids() == first  # the same three processes
     # Every metric but the clocks: rewards, losses, KL, values, grad norms, and the engine's
     # log-probs against the trainer's before the first sync.
     assert _comparable(_metrics(tmp_path / "kept")) == _comparable(_metrics(tmp_path / "new"))
@@ -71,7 +71,29 @@ def test_a_run_on_kept_actors_trains_exactly_as_on_new_ones(tmp_path, capsys):
     assert all_resources_free()
 
 
+def test_the_reference_inside_the_policy_process_trains_exactly_as_a_reference_process(tmp_path):
+    """placement.reference_in_actor (null: the default, where the plan allows): PPO's reference
+    log-probs from the policy rank's process, bit for bit those of a reference process of its own,
+    with one process fewer."""
+    processes: dict[str, list] = {}
+
+    def record(name: str):
+        def callback(step: int, loop) -> None:
+            processes[name] = [type(r).__name__ for r in loop.actors.reference] + [len(loop.actors.all())]
+        return callback
+
+    assert _train(tmp_path / "hosted", callbacks=[record("hosted")])["status"] == "completed"
+    own = ["placement.reference_in_actor=false", "launcher.keep_actors=false"]
+    assert _train(tmp_path / "own", *own, callbacks=[record("own")])["status"] == "completed"
+    assert processes == {"hosted": ["HostedReference", 3], "own": ["ActorHandle", 4]}
+    hosted_rows, own_rows = _metrics(tmp_path / "hosted"), _metrics(tmp_path / "own")
+    assert _comparable(hosted_rows) == _comparable(own_rows)
+    assert hosted_rows[-1]["kl"] > 0  # the KL penalty is live: the reference differs from the trained policy
+    assert all_resources_free()
+
+
 # slow (~35 s): a run on new actors, one on another plan that loses its engine.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_another_plan_starts_new_actors_and_a_failed_run_keeps_nothing(tmp_path, capsys):
     light = ["algo=grpo", "algo.kl_placement=off", "algo.num_steps=2"]  # engine and policy only
@@ -93,6 +115,7 @@ def test_another_plan_starts_new_actors_and_a_failed_run_keeps_nothing(tmp_path,
 
 
 # slow (~35 s): one run on new actors, stopped by SIGTERM after its first step.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_an_interrupted_run_keeps_nothing(tmp_path):
     light = ["algo=grpo", "algo.kl_placement=off", "algo.num_steps=3"]  # engine and policy only

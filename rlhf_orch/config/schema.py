@@ -29,6 +29,10 @@ class PlacementConfig:
     engine_tp: int = 1  # tensor-parallel size of one engine (GPUs per engine)
     nodes: int = 1
     gpus_per_node: int = 0
+    # Reference ranks inside the policy ranks' processes (one process less per policy rank):
+    # null = wherever the plan allows (a reference rank per policy rank, on its node and GPU),
+    # true = required, false = a process per reference rank.
+    reference_in_actor: Optional[bool] = None
 
 
 @dataclass

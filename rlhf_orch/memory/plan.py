@@ -17,7 +17,8 @@ from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, memory_utilization, sleep_level
 from rlhf_orch.memory.shapes import ModelShape
 from rlhf_orch.memory.terms import (
-    ALWAYS, PHASES, GiB, ProcessMemory, Term, Workload, engine_terms, forward_only_terms, runtime_terms, trainer_terms,
+    ALWAYS, PHASES, RUNTIME_TERM_NAMES, GiB, ProcessMemory, Term, Workload, engine_terms, forward_only_terms, runtime_terms,
+    trainer_terms,
 )
 from rlhf_orch.topology.plan import PlacementPlan
 
@@ -174,6 +175,10 @@ def plan_memory(
     for slot in plan.slots:
         proc = ProcessMemory(slot.role, slot.rank)
         proc.terms, proc.note = role_terms[slot.role](max(plan.num_ranks(slot.role), 1))
+        if slot.role == "reference" and plan.reference_in_actor:
+            # Inside the policy rank's process: its model and forward, not a second runtime.
+            proc.terms = [t for t in proc.terms if t.name not in RUNTIME_TERM_NAMES]
+            proc.note = f"inside actor{slot.rank}'s process"
         processes[(slot.role, slot.rank)] = proc
 
     loads: list[DeviceLoad] = []

@@ -107,6 +107,10 @@ class ProcessMemory:
         return sum(t.bytes for t in self.terms if t.phase in phases and t.on_host == on_host and (resident or not t.reclaimable))
 
 
+#: The terms of a process's own runtime (what a role hosted in another's process does not add).
+RUNTIME_TERM_NAMES = ("runtime", "shared libraries")
+
+
 def runtime_terms(kind: str, on_gpu: bool) -> list[Term]:
     if on_gpu:
         return [Term("runtime", GPU_RUNTIME_BYTES[kind])]

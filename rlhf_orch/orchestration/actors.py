@@ -24,6 +24,27 @@ _ACTOR_ENV = {
 }
 
 
+@dataclass(frozen=True)
+class HostedReference:
+    """A reference rank that runs inside policy rank `policy`'s process (`plan.reference_in_actor`):
+    called like a `ReferenceWorker` actor (`logprobs`, `placement`, `ping`), it is no process of its
+    own -- nothing to start, stage experience on, reset or kill."""
+
+    policy: Any
+
+    @property
+    def logprobs(self) -> Any:
+        return self.policy.reference_logprobs
+
+    @property
+    def placement(self) -> Any:
+        return self.policy.reference_placement
+
+    @property
+    def ping(self) -> Any:
+        return self.policy.ping
+
+
 class ActorStartError(RuntimeError):
     """An actor failed while starting (bad checkpoint, out of memory, ...)."""
 
@@ -59,7 +80,13 @@ class RoleActors:
         return engine
 
     def all(self) -> list[Any]:
-        return [*self.engines, *self.policy, *self.critic, *self.reference, *self.reward]
+        """Every process of the run (a hosted reference is its policy rank's)."""
+        return [*self.engines, *self.policy, *self.critic, *self.own_reference, *self.reward]
+
+    @property
+    def own_reference(self) -> list[Any]:
+        """The reference ranks that are processes of their own (none when hosted by the policy)."""
+        return [r for r in self.reference if not isinstance(r, HostedReference)]
 
     def close_endpoints(self) -> None:
         """Stop what the engines serve to agents (env=agent): nothing listens once the run has ended."""
@@ -128,6 +155,8 @@ def start_role_actors(
     and then built the same way; their torch.distributed groups, which the plan fixes, are kept."""
     env = {**_ACTOR_ENV, **cpu_kv_cache_env(kv_cache_gb)}
     engine_slots = plan.slots_for("engine")
+    if plan.reference_in_actor:  # each policy rank loads the reference too; no reference process starts
+        policy_spec, reference_spec = replace(policy_spec, host_reference=True), None
 
     def start_engine(e: int) -> Any:
         slot = engine_slots[e]
@@ -148,11 +177,12 @@ def start_role_actors(
                       for e, slot in zip(warm.engines, engine_slots)]
             # (the reward model's spec is the policy's: its ranks' count is its own)
             resets += [a.reset.remote(replace(spec, data_parallel_size=len(plan.slots_for(role))))
-                       for role, _, spec, name in roles for a in getattr(warm, name)]
+                       for role, _, spec, name in roles if spec is not None for a in getattr(warm, name)]
             ray.get(resets, timeout=timeout_s)
             actors.engines.extend(warm.engines)
-            for _, _, _, name in roles:
-                getattr(actors, name).extend(getattr(warm, name))
+            for _, _, spec, name in roles:
+                if spec is not None:
+                    getattr(actors, name).extend(getattr(warm, name))
         except Exception as e:  # noqa: BLE001 - e.g. an engine with requests left in flight: start new ones
             print(f"actors: the kept actors could not be reset ({type(e).__name__}): starting new ones", flush=True)
             warm.kill()
@@ -160,7 +190,7 @@ def start_role_actors(
     if warm is None:
         actors.engines.extend(start_engine(e) for e in range(len(engine_slots)))
         for role, cls, spec, name in roles:
-            slots = plan.slots_for(role)
+            slots = plan.slots_for(role) if spec is not None else []
             for slot in slots:
                 getattr(actors, name).append(_remote(cls, placement, slot, env).remote(spec, slot.rank, len(slots)))
 
@@ -174,6 +204,8 @@ def start_role_actors(
                 inits += [a.init_distributed.remote(host, port) for a in group]
             ray.get(inits, timeout=timeout_s)
         ray.get([a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference, *actors.reward)], timeout=timeout_s)
+        if plan.reference_in_actor:
+            actors.reference = [HostedReference(p) for p in actors.policy]
         ray.get([e.ping.remote() for e in actors.engines], timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
         actors.kill()

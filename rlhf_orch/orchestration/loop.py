@@ -494,7 +494,8 @@ class TrainLoop:
         reward-model ranks when the algorithm and the reward have them. `step`: the step whose
         rollout the engines make (a replacement engine is seeded for it)."""
         n = len(self.actors.policy)
-        roles = [self.actors.critic, self.actors.reference, self.actors.reward]  # empty when not planned
+        # (empty when not planned; a reference hosted by the policy ranks reads their staged shards)
+        roles = [self.actors.critic, self.actors.own_reference, self.actors.reward]
         per_role = [self._rank_per_shard(ranks, n) for ranks in roles]
         consumers = [[rank, *(r[i] for r in per_role if r[i] is not None)] for i, rank in enumerate(self.actors.policy)]
         return Route(

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable, ClassVar, Optional
 
-from rlhf_orch.topology.plan import PlacementPlan, plan_colocated, plan_cpu_local, plan_split
+from rlhf_orch.topology.plan import PlacementPlan, plan_colocated, plan_cpu_local, plan_split, with_reference_hosting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +21,7 @@ class _Placement:
     engine_tp: int
     nodes: int
     gpus_per_node: int
+    reference_in_actor: Optional[bool] = None  # not the planner's: applied to its plan (`with_reference_hosting`)
 
     planner: ClassVar[Callable[..., PlacementPlan]]
     # Fields the layout derives instead of reading (not passed to the planner).
@@ -30,8 +31,9 @@ class _Placement:
         """The layout; `reward_model`: the `reward` option has a reward-model role to place;
         `critic` / `reference`: the algorithm has a critic / a KL term (otherwise those roles get no
         ranks and no GPUs)."""
-        kwargs = {k: v for k, v in asdict(self).items() if k not in self.derived}
-        return type(self).planner(**kwargs, reward="model" if reward_model else "function", critic=critic, reference=reference)
+        kwargs = {k: v for k, v in asdict(self).items() if k not in self.derived and k != "reference_in_actor"}
+        plan = type(self).planner(**kwargs, reward="model" if reward_model else "function", critic=critic, reference=reference)
+        return with_reference_hosting(plan, self.reference_in_actor)
 
 
 @dataclass(frozen=True, kw_only=True)

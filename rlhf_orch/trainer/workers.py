@@ -75,6 +75,7 @@ class TrainerSpec:
     optimizer: str = "adamw"  # trainer.optimizer: "adamw" or "sgd" (plain, no momentum)
     offload_optimizer: bool = False  # trainer.offload_optimizer (ZeRO-Offload; GPU layouts)
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
+    host_reference: bool = False  # the policy rank also holds the reference (plan.reference_in_actor)
 
 
 class _Worker(ExperienceInbox):
@@ -192,9 +193,7 @@ class _Worker(ExperienceInbox):
 
     def _load_frozen(self, loader) -> int:
         """A forward-only model (reference, reward model): eval mode, no gradients; returns its size."""
-        self.model = loader(self.spec.model_path, self.spec.dtype, self.device).to(self.device).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        self.model = _frozen(loader(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
         return sum(p.numel() for p in self.model.parameters())
 
     def _respec(self, spec: TrainerSpec | None) -> None:
@@ -268,7 +267,23 @@ class PolicyWorker(_Worker):
             enable_gradient_checkpointing(model)
         self.engine = self._ds_engine(model, self.spec.lr)
         self.weights = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
+        if self.spec.host_reference and getattr(self, "reference", None) is None:
+            # The frozen initial policy, as a ReferenceWorker would load it (a rebuild keeps it:
+            # it never changes); not sharded by ZeRO, like the reference process's copy.
+            self.reference = _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
         return sum(p.numel() for p in model.parameters())
+
+    # ---------------------------------------------------------------- the hosted reference
+    @torch.no_grad()
+    def reference_logprobs(self, shard: int) -> list[torch.Tensor]:
+        """What `ReferenceWorker.logprobs` returns, from the reference this rank holds
+        (`host_reference`); the shard stays staged for this rank's experience and update."""
+        return [sequence_logprobs(self.reference, mb, self.spec.temperature).float().cpu() for mb in self._micro_batches(shard)]
+
+    def reference_placement(self) -> dict[str, Any]:
+        from rlhf_orch.topology.introspect import where_am_i
+
+        return where_am_i("reference", self.rank)
 
     @torch.no_grad()
     def make_experience(
@@ -621,6 +636,14 @@ class RewardModelWorker(_Worker):
             mb = PaddedBatch.from_samples([_single(seq)], self.spec.pad_id).to(self.device)
             out.append(float(sequence_scores(self.model, mb)[0]))
         return out
+
+
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` forward-only: eval mode, no gradients."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
 
 
 def _single(seq: list[int]):
