@@ -359,3 +359,135 @@ def test_the_endpoint_separates_reasoning_with_vllm_s_parsers(smollm2_tokenizer)
     assert message["reasoning_content"] == "The record is 3 1." and message["content"] == "Looking it up."
     assert message["tool_calls"][0]["function"]["name"] == "lookup"
     assert "reasoning_content" not in completion_body("policy", text, "stop", 5, 9, "hermes", tok)["choices"][0]["message"]
+
+
+class SlowGenerator(ScriptedGenerator):
+    """Answers each call `hold_s` after it arrived: calls made at once are all in flight together
+    (what an agent fanning out with `asyncio.gather` does to the engine)."""
+
+    def __init__(self, hold_s: float):
+        super().__init__()
+        self.hold_s, self.due = hold_s, []
+
+    def submit(self, key, prompt_ids, max_tokens, seed, stop):
+        super().submit(key, prompt_ids, max_tokens, seed, stop)
+        self.due.append(time.perf_counter() + self.hold_s)
+
+    def poll(self):
+        now, out = time.perf_counter(), []
+        while self.pending and self.due[0] <= now:
+            out.append(self.pending.pop(0))
+            self.due.pop(0)
+        return out
+
+
+def _fan_out_session(server, agent, limits):
+    # concurrency 8: the client's connection pool (2 per trajectory at once) lets all 8 calls through
+    runner = AgentRunner(agent, concurrency=8, timeout_s=30.0, api_key=server.api_key)
+    gen = SlowGenerator(hold_s=1.0)
+    return AgentRolloutSession(server, gen, EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 30.0), gen
+
+
+def test_calls_made_at_once_count_against_max_calls_while_in_flight(server):
+    """env.max_calls=4 and an agent that fans out 8 calls at once: 4 answers, 4 refusals."""
+    seen = []
+
+    async def fan_out(row, client, **kwargs):
+        async def one(k):
+            try:
+                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"c{k}"}])
+                return "answer"
+            except openai.BadRequestError as e:
+                assert "env.max_calls" in str(e)
+                return "refused"
+
+        seen.extend(await asyncio.gather(*(one(k) for k in range(8))))
+        return 1.0
+
+    limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
+    session, gen = _fan_out_session(server, fan_out, limits)
+    (result,) = session.run(_rows(1))
+    assert sorted(seen) == ["answer"] * 4 + ["refused"] * 4
+    assert len(gen.submitted) == 4 and result.record.counts.calls == 4 and result.record.counts.refused_calls == 4
+
+
+def test_a_conversation_takes_one_call_at_a_time(server):
+    """Two calls at once that both extend one conversation: the second is refused (recorded after
+    the first, its prompt would no longer extend the conversation and would start a sequence past
+    data.prompt_max_len); calls on other conversations go on."""
+    seen = {}
+
+    async def two_at_once(row, client, **kwargs):
+        history = [{"role": "user", "content": "q" * 30}]
+        first = await client.chat.completions.create(model="policy", messages=history)
+        history += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "tool", "content": "t"}]
+
+        async def extend(tag):
+            try:
+                await client.chat.completions.create(model="policy", messages=[*history, {"role": "user", "content": tag}])
+                return "answer"
+            except openai.BadRequestError as e:
+                assert "still being answered" in str(e)
+                return "refused"
+
+        seen["extensions"] = sorted(await asyncio.gather(extend("a"), extend("b")))
+        return 1.0
+
+    limits = AgentLimits(max_prompt_tokens=40, max_response_tokens=400, max_tokens_per_call=8, max_calls=8)
+    session, gen = _fan_out_session(server, two_at_once, limits)
+    (result,) = session.run(_rows(1))
+    assert seen.get("extensions") == ["answer", "refused"], result.outcome
+    (seq,) = result.record.sequences  # one conversation, nothing past data.prompt_max_len
+    assert len(seq.prompt_ids) <= 40 and result.record.counts.calls == 2 and result.record.counts.unmerged_calls == 0
+
+
+def _raw(server, request: bytes, timeout_s: float = 5.0) -> tuple[bytes, bool]:
+    """Send raw bytes; (what came back before the server closed or went quiet, closed by the server)."""
+    with socket.create_connection((server.host, server.port), timeout=timeout_s) as sock:
+        sock.sendall(request)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except socket.timeout:
+            return got, False
+        return got, True
+
+
+def test_the_endpoint_checks_the_key_and_the_length_before_it_reads_a_body(server):
+    """Answered at once and the connection closed, the body never read: a request without the key
+    (however large it says its body is), a Content-Length that is not a number, a body over
+    MAX_BODY_BYTES. Only then an authorised request's body is read."""
+    from rlhf_orch.engines.chat_server import MAX_BODY_BYTES
+
+    path = "/trajectories/abc/v1/chat/completions"
+    no_key, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES}\r\n\r\n".encode())
+    assert no_key.startswith(b"HTTP/1.1 401") and closed  # its 16 MiB never sent: not waited for
+    key = f"Authorization: Bearer {server.api_key}\r\n"
+    bad_length, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: ten\r\n\r\n".encode())
+    assert bad_length.startswith(b"HTTP/1.1 400") and b"not a number" in bad_length and closed
+    too_big, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode())
+    assert too_big.startswith(b"HTTP/1.1 413") and closed
+    # with the key and a body: read, and answered on a connection that stays open (keep-alive)
+    body = b'{"model": "policy", "messages": []}'
+    ok, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: {len(body)}\r\n\r\n".encode() + body, timeout_s=2.0)
+    assert ok.startswith(b"HTTP/1.1 410") and not closed  # no rollout runs: gone, the connection kept
+
+
+def test_the_endpoint_refuses_connections_past_its_limit(monkeypatch):
+    import rlhf_orch.engines.chat_server as chat_server
+
+    monkeypatch.setattr(chat_server, "MAX_CONNECTIONS", 2)
+    server = ChatServer("127.0.0.1", "policy")
+    try:
+        held = [socket.create_connection((server.host, server.port), timeout=5) for _ in range(2)]
+        time.sleep(0.3)  # both accepted, each holding its thread
+        refused, closed = _raw(server, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert refused.startswith(b"HTTP/1.1 503") and b"more than 2 connections" in refused and closed
+        for sock in held:
+            sock.close()
+        time.sleep(0.3)  # their threads end and give their places back
+        again, _ = _raw(server, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n\r\n".encode(), timeout_s=2.0)
+        assert again.startswith(b"HTTP/1.1 200")
+    finally:
+        server.close()

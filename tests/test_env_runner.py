@@ -22,9 +22,11 @@ class ScriptedGenerator:
         self.queue: list[tuple[int, list[int], int, int]] = []
         self.submitted: list[tuple[int, int]] = []
         self.contexts: dict[tuple[int, int], list[int]] = {}
+        self.max_tokens: dict[tuple[int, int], int] = {}  # what each turn was allowed to generate
         self.script = script or {}
 
     def submit(self, key, context, max_tokens, turn):
+        self.max_tokens[(key, turn)] = max_tokens
         self.queue.append((key, list(context), max_tokens, turn))
         self.submitted.append((key, turn))
         self.contexts[(key, turn)] = list(context)
@@ -129,7 +131,10 @@ def test_max_turns_ends_a_trajectory_truncated_without_a_trailing_observation():
 def test_the_whole_trajectory_stays_within_the_response_budget():
     (t,), gen = run([CountdownEnv(turns=10)], lim=limits(turns=10, per_turn=8, total=9))
     assert len(t.response_ids) <= 9 and t.truncated
-    assert all(m <= 8 for _, _, m, _ in gen.queue)
+    # each turn may generate what is left of the 9 tokens after the context so far (2 prompt tokens), at most 8
+    assert len(gen.max_tokens) >= 2
+    for (key, turn), allowed in gen.max_tokens.items():
+        assert allowed == min(8, 9 - (len(gen.contexts[(key, turn)]) - 2)), (turn, allowed)
 
 
 def test_long_observations_are_cut_and_counted():

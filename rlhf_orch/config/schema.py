@@ -475,7 +475,7 @@ class AgentEnvConfig(EnvConfig):
     max_calls: int = 16  # chat-completions calls per trajectory; later ones are refused (HTTP 400)
     concurrency: int = 16  # agent functions running at once per engine
     timeout_s: float = 120.0  # one agent function, calls included; past it: reward 0, counted
-    host: str = "auto"  # where the endpoint listens: auto (loopback on one node), loopback, node
+    host: str = "auto"  # where the endpoint listens: auto / loopback (127.0.0.1: the agents run in the engine's process), node
     served_model_name: str = "policy"  # the model name agents must ask for (GET /v1/models)
     tool_parser: str = "hermes"  # "hermes": <tool_call>{json}</tool_call> -> tool_calls; "none"; or a vLLM tool parser
     reasoning_parser: str = "none"  # a vLLM reasoning parser (qwen3, deepseek_r1): <think> -> reasoning_content

@@ -158,7 +158,9 @@ class AgentRolloutSession:
             if not self._open:
                 raise ChatAPIError(410, "the rollout ended", kind="gone")
             try:
-                max_tokens = record.budget(prompt_ids, call.max_tokens)
+                # Admitted and counted under the lock the record is written under: calls made at
+                # once see each other (env.max_calls, one call per conversation at a time).
+                max_tokens, ticket = record.admit(prompt_ids, call.max_tokens)
             except CallRefused as e:
                 record.counts.refused_calls += 1
                 raise ChatAPIError(400, str(e), "messages", "context_length_exceeded") from e
@@ -168,8 +170,14 @@ class AgentRolloutSession:
             seed = turn_seed(self.step_seed, record.index, number)
             pending = _Pending(key, record.index, prompt_ids, max_tokens, seed, call.stop, Future())
             self._queue.put(pending)
-        out: CallOutput = pending.future.result(timeout=self.call_timeout_s)
+        try:
+            out: CallOutput = pending.future.result(timeout=self.call_timeout_s)
+        except BaseException:
+            with self._lock:
+                record.done(ticket)
+            raise
         with self._lock:
+            record.done(ticket)
             record.counts.generation_seconds += time.perf_counter() - t
             record.add(prompt_ids, out.token_ids, out.logprobs, out.finish_reason == "length")
         if self.tool_parser in TOOL_PARSERS and self.reasoning_parser == "none":

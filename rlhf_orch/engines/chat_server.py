@@ -11,6 +11,12 @@ the id is random per rollout, and once the rollout has ended its calls are answe
 call does is the rollout's business (`rlhf_orch.engines.agent_rollout`): the server hands it the
 trajectory id and the JSON body and writes back what it returns. Requests are served on threads,
 so calls of many trajectories wait for the engine at once.
+
+What a client cannot do to the engine's process: read a body before its key is checked (a request
+without the key, with a body over `MAX_BODY_BYTES` or a Content-Length that is not a number is
+answered and its connection closed, the body unread), hold more than `MAX_CONNECTIONS` connections
+(more are answered 503 and closed) or a thread for ever (a connection idle for `IDLE_TIMEOUT_S`
+is closed).
 """
 
 from __future__ import annotations
@@ -28,6 +34,12 @@ from rlhf_orch.env.chat_api import ChatAPIError, models_body
 _CALL = re.compile(r"^/trajectories/([A-Za-z0-9_-]+)/v1/chat/completions/?$")
 _MODELS = re.compile(r"^(/trajectories/[A-Za-z0-9_-]+)?/v1/models/?$")
 MAX_BODY_BYTES = 16 * 2**20
+# Every trajectory in flight on the engine (env.concurrency, 16 by default) holds one or two
+# keep-alive connections; an agent fanning out holds more: far below this, which bounds the threads.
+MAX_CONNECTIONS = 256
+# An agent's client keeps its connection between calls while the agent works (tools, thinking);
+# a connection silent for this long is dropped (the client opens a new one for its next call).
+IDLE_TIMEOUT_S = 300.0
 
 
 class CallHandler(Protocol):
@@ -72,10 +84,40 @@ class ChatServer:
 class _Server(ThreadingHTTPServer):
     request_queue_size = 1024  # every trajectory in flight may connect at once (the default backlog is 5)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # One thread per connection, at most MAX_CONNECTIONS of them: one more is refused at once.
+        if not self._connections.acquire(blocking=False):
+            try:
+                request.sendall(_plain_response(503, ChatAPIError(503, f"more than {MAX_CONNECTIONS} connections to this "
+                                                                       "engine's endpoint at once", kind="overloaded").body()))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connections.release()
+
+
+def _plain_response(status: int, body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    reason = {503: "Service Unavailable"}.get(status, "Error")
+    head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    return head.encode() + data
+
 
 def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: an agent's client reuses its connection
+        timeout = IDLE_TIMEOUT_S  # the socket's: a connection silent this long gives its thread back
         # Headers and body go out as separate writes: with Nagle's algorithm on, the body waits for
         # the client's delayed ACK of the headers (~40 ms per call on Linux).
         disable_nagle_algorithm = True
@@ -96,9 +138,14 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             token = given[7:] if given.startswith("Bearer ") else ""
             if hmac.compare_digest(token.encode(), server.api_key.encode()):
                 return True
-            self._send(401, ChatAPIError(401, "missing or wrong API key: use the api_key the run passed to the agent",
-                                         kind="authentication_error").body())
+            self._refuse(401, ChatAPIError(401, "missing or wrong API key: use the api_key the run passed to the agent",
+                                           kind="authentication_error"))
             return False
+
+        def _refuse(self, status: int, error: ChatAPIError) -> None:
+            """Answer, then close the connection: a body left unread must not be taken for the next request."""
+            self.close_connection = True
+            self._send(status, error.body())
 
         def _answer(self, route: Callable[[], dict[str, Any]]) -> None:
             try:
@@ -117,10 +164,18 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
                 self._send(404, ChatAPIError(404, f"no route GET {self.path}", kind="not_found").body())
 
         def do_POST(self) -> None:  # noqa: N802
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if 0 < length <= MAX_BODY_BYTES else b""
-            if not self._authorised():
+            if not self._authorised():  # before a byte of the body is read
                 return
+            declared = self.headers.get("Content-Length") or "0"
+            if not declared.isdigit():
+                self._refuse(400, ChatAPIError(400, f"Content-Length {declared[:40]!r} is not a number of bytes"))
+                return
+            length = int(declared)
+            if length > MAX_BODY_BYTES:
+                self._refuse(413, ChatAPIError(413, f"the body is {length} bytes; at most {MAX_BODY_BYTES} are read",
+                                               kind="request_too_large"))
+                return
+            raw = self.rfile.read(length) if length else b""
             match = _CALL.match(self.path)
             if match is None:
                 self._send(404, ChatAPIError(404, f"no route POST {self.path}; calls go to <base_url>/chat/completions",

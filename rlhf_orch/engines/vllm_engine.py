@@ -502,8 +502,9 @@ def _min_response_len(prompt: Any) -> int:
 
 
 def _serving_host(host: str) -> str:
-    """env.host: the loopback interface on a one-node cluster (`auto`, `loopback`), else this node's address."""
-    if host == "loopback" or (host == "auto" and (not ray.is_initialized() or len(ray.nodes()) <= 1)):
+    """env.host: the loopback interface (`auto`, `loopback`: every agent runs inside this engine's
+    process, on any cluster), or this node's address (`node`: for agents that call from elsewhere)."""
+    if host in ("auto", "loopback"):
         return "127.0.0.1"
     return ray.util.get_node_ip_address()
 

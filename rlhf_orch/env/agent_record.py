@@ -81,6 +81,10 @@ class AgentRecord:
         self.limits = limits
         self.sequences: list[TokenSequence] = []
         self.counts = AgentCounts()
+        # Calls admitted and not yet recorded (an agent may make several at once), and the
+        # conversations they extend: what `admit` counts before the calls' `add`.
+        self._in_flight = 0
+        self._extending: set[int] = set()
 
     def _extended(self, prompt_ids: Sequence[int]) -> TokenSequence | None:
         # The longest sequence the prompt extends (a later conversation may have grown from it).
@@ -90,10 +94,34 @@ class AgentRecord:
                 best = seq
         return best
 
+    def admit(self, prompt_ids: Sequence[int], requested: int | None) -> tuple[int, int | None]:
+        """`budget` for a call about to be generated, and the call counted from now on: calls in
+        flight count against env.max_calls, and a conversation takes one call at a time (a second
+        call extending it before the first is recorded would, once the first is, extend nothing and
+        start a sequence past data.prompt_max_len). Returns (tokens, ticket): hand the ticket to
+        `done` when the call is answered or failed. CallRefused when it may not be made."""
+        seq = self._extended(prompt_ids)
+        if seq is not None and id(seq) in self._extending:
+            raise CallRefused(
+                "a call extending this conversation is still being answered: a conversation takes one call at a time "
+                "(calls on other conversations may run at once)"
+            )
+        tokens = self.budget(prompt_ids, requested)
+        self._in_flight += 1
+        ticket = id(seq) if seq is not None else None
+        if ticket is not None:
+            self._extending.add(ticket)
+        return tokens, ticket
+
+    def done(self, ticket: int | None) -> None:
+        """A call `admit` let through was answered (record it with `add`) or failed."""
+        self._in_flight -= 1
+        self._extending.discard(ticket)
+
     def budget(self, prompt_ids: Sequence[int], requested: int | None) -> int:
         """Tokens a call with this prompt may generate; CallRefused when none."""
         lim = self.limits
-        if self.counts.calls >= lim.max_calls:
+        if self.counts.calls + self._in_flight >= lim.max_calls:
             raise CallRefused(f"this trajectory made its {lim.max_calls} calls (env.max_calls)")
         seq = self._extended(prompt_ids)
         if seq is None:
