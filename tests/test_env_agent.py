@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 
 import openai
@@ -491,3 +492,26 @@ def test_the_endpoint_refuses_connections_past_its_limit(monkeypatch):
         assert again.startswith(b"HTTP/1.1 200")
     finally:
         server.close()
+
+
+def test_a_hung_plain_agent_holds_no_thread_the_next_trajectory_waits_for(server):
+    """env.concurrency=1, a plain agent function: trajectory 0's spins past env.timeout_s and is
+    given up (its thread stopped); trajectory 1's then runs with its whole timeout and scores."""
+    def agent(row, client, **kwargs):
+        if row["prompt"] == "q0":
+            while True:
+                pass
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        return 1.0 if reply.choices[0].message.content else 0.0
+
+    limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
+    before = set(threading.enumerate())
+    runner = AgentRunner(agent, concurrency=1, timeout_s=1.0, api_key=server.api_key)
+    session = AgentRolloutSession(server, ScriptedGenerator(), EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 5.0)
+    results = {r.index: r for r in session.run(_rows(2))}
+    assert results[0].outcome.timed_out and results[0].outcome.reward == 0.0
+    assert not results[1].outcome.timed_out and results[1].outcome.reward == 1.0
+    deadline = time.monotonic() + 5
+    while (left := [t for t in threading.enumerate() if t not in before and t.name.startswith("agent")]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left  # the spinning function's thread ended

@@ -195,6 +195,35 @@ def test_a_hanging_step_times_out_and_the_rollout_finishes():
     assert hung.counts.env_timeouts == 1 and hung.truncated
 
 
+class SpinningEnv(CountdownEnv):
+    """Its first step never returns: a Python loop (what a hung tool written in Python does)."""
+
+    def step(self, action):
+        self.seen.append(action)
+        while True:
+            pass
+
+
+def test_a_hung_step_holds_no_worker_and_a_later_step_gets_its_whole_timeout():
+    """One trajectory at a time (env.concurrency=1): the first one's step hangs, is given up at the
+    timeout, and the next trajectory's steps still run -- each timed from its own start, not queued
+    behind the hung one (which a fixed pool of one thread would do: they would time out unstarted)."""
+    out, _ = run([CountdownEnv(turns=2, delay=3.0), CountdownEnv(turns=2, delay=0.2)], concurrency=1, timeout=1.0)
+    hung, later = sorted(out, key=lambda t: t.index)
+    assert hung.counts.env_timeouts == 1 and hung.truncated
+    assert later.counts.env_timeouts == 0 and later.turn_rewards == [1.0, 2.0] and not later.truncated
+
+
+def test_a_step_spinning_in_python_is_stopped_when_given_up():
+    before = set(threading.enumerate())
+    out, _ = run([SpinningEnv(turns=2)], timeout=0.5)
+    assert out[0].counts.env_timeouts == 1
+    deadline = time.monotonic() + 5
+    while (new := [t for t in threading.enumerate() if t not in before]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not new  # the spinning thread ended (Abandoned raised in it)
+
+
 def test_an_environment_that_cannot_start_names_the_sample():
     class Broken(CountdownEnv):
         def init(self, prompt):

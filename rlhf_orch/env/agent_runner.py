@@ -15,13 +15,14 @@ pool), so the caller's thread stays free to drive the engine that answers their 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import inspect
 import math
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
+
+from rlhf_orch.env import abandonable
 
 CLIENT_KEYWORDS = ("client", "base_url", "api_key")
 
@@ -94,17 +95,12 @@ class AgentRunner:
     # ------------------------------------------------------------------ the loop's thread
     def _main(self, items: list[tuple[int, Any, str]]) -> None:
         loop = asyncio.new_event_loop()
-        # Plain functions block in threads: one per trajectory in flight.
-        pool = cf.ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="agent")
-        loop.set_default_executor(pool)
         try:
             loop.run_until_complete(self._all(items))
             loop.run_until_complete(loop.shutdown_asyncgens())
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             self._crash = e
         finally:
-            # Timed-out plain functions may still run: their threads are left to finish.
-            pool.shutdown(wait=False, cancel_futures=True)
             loop.close()
             self._done.set()
 
@@ -136,8 +132,14 @@ class AgentRunner:
                 if self.is_async:
                     result = await asyncio.wait_for(self.fn(row, **kwargs), self.timeout_s)
                 else:
-                    loop = asyncio.get_running_loop()
-                    result = await asyncio.wait_for(loop.run_in_executor(None, lambda: self.fn(row, **kwargs)), self.timeout_s)
+                    # A plain function blocks a thread of its own (not a pool's: one that hangs would
+                    # hold a worker the next trajectory waits for); past env.timeout_s it is abandoned.
+                    call = abandonable.start(self.fn, row, name="agent", **kwargs)
+                    try:
+                        result = await asyncio.wait_for(asyncio.wrap_future(call), self.timeout_s)
+                    except asyncio.TimeoutError:
+                        abandonable.abandon(call)
+                        raise
                 out.reward, out.metrics = reward_of(result)
             except asyncio.TimeoutError:
                 out.timed_out = True

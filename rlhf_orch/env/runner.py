@@ -1,7 +1,8 @@
 """Drive many multi-turn trajectories through one engine at once.
 
-Trajectories progress independently: while one waits for its environment (a tool running in the
-step pool), the engine keeps generating the others' turns; a batch ends when every trajectory is
+Trajectories progress independently: while one waits for its environment (a step running on a
+thread of its own, given up past `env.tool_timeout_s`: `rlhf_orch.env.abandonable`), the engine
+keeps generating the others' turns; a batch ends when every trajectory is
 done or hit a limit. At most `concurrency` trajectories are in flight; the rest wait to start.
 
 The engine side is a `TurnGenerator` (the vLLM engine supplies one; tests a scripted one) and the
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from rlhf_orch.data.base import Prompt
+from rlhf_orch.env import abandonable
 from rlhf_orch.env.base import StepResult, TextEnv, call_env, env_class_key, is_async, prompt_messages
 from rlhf_orch.env.observations import CHECK_MODES
 from rlhf_orch.env.trajectory import Trajectory, TrajectoryLimits
@@ -103,6 +105,7 @@ class _Live:
     deadline: float = 0.0
     started: float = 0.0
     loop: asyncio.AbstractEventLoop | None = None  # an `async def` environment's own event loop
+    abandoned: bool = False  # a step ran past env.tool_timeout_s: its thread (and loop) are left to end
 
 
 class MultiTurnRunner:
@@ -132,7 +135,6 @@ class MultiTurnRunner:
         """Every (sample index, prompt, prompt ids) as a trajectory; yields each as it finishes."""
         waiting = deque(items)
         live: dict[int, _Live] = {}
-        pool = cf.ThreadPoolExecutor(max_workers=max(1, self.concurrency), thread_name_prefix="env-step")
         try:
             while waiting or live:
                 while waiting and len(live) < self.concurrency:
@@ -148,7 +150,9 @@ class MultiTurnRunner:
                     entry.trajectory.messages.append({"role": "assistant", "content": action})
                     entry.started = time.perf_counter()
                     entry.deadline = time.monotonic() + self.step_timeout_s
-                    entry.future = pool.submit(call_env, entry.env.step, action, loop=entry.loop)
+                    # A thread of its own per step: the deadline counts from its start, and a step
+                    # that hangs holds no worker another trajectory's step would wait for.
+                    entry.future = abandonable.start(call_env, entry.env.step, action, loop=entry.loop, name="env-step")
                 for entry in self._stepped(live, block=not self.generator.busy()):
                     self._after_step(entry)
                 finished = [i for i, e in live.items() if e.trajectory.done]
@@ -160,8 +164,9 @@ class MultiTurnRunner:
                     raise RuntimeError(f"multi-turn rollout stalled: {len(live)} trajectories neither generating nor stepping")
         finally:
             for entry in live.values():
+                if entry.future is not None:  # the rollout failed with this step running
+                    entry.abandoned = abandonable.abandon(entry.future) or not entry.future.done()
                 self._close(entry)
-            pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ pieces
     def _start(self, index: int, prompt: Prompt, ids: Sequence[int]) -> _Live:
@@ -209,7 +214,9 @@ class MultiTurnRunner:
         entry.future = None
         counts = t.counts
         counts.env_seconds += time.perf_counter() - entry.started
-        if not future.done():  # past env.tool_timeout_s: its thread is left to finish on its own
+        if not future.done():  # past env.tool_timeout_s: given up (`abandonable`), its thread ends on its own
+            entry.abandoned = True
+            abandonable.abandon(future)
             counts.env_timeouts += 1
             t.turn_rewards.append(0.0)
             t.finish(truncated=True)
@@ -297,7 +304,7 @@ class MultiTurnRunner:
                 t.env_metrics = (env_class_key(type(entry.env)), _plain(get_metrics() or {}))
             except Exception as e:  # noqa: BLE001 - metrics never cost a trajectory
                 logger.warning("sample %d: %s.get_metrics() raised %s: %s", t.index, type(entry.env).__name__, type(e).__name__, e)
-        if entry.loop is not None and entry.future is None:  # (a timed-out step still runs on it)
+        if entry.loop is not None and not entry.abandoned:  # (an abandoned step may still run on it)
             entry.loop.close()
         try:
             getattr(entry.env, "close", lambda: None)()  # optional for a user's class
