@@ -15,7 +15,7 @@ test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not extended" $(PYTEST_ARGS)
 
 # Every test: CI's tier and the extended one (the fault matrix, every oracle case, a lost node, ...).
-# Run it before a change to faults, resume, pipelines, sync or the trainer lands (~45-50 min here).
+# Run it before a change to faults, resume, pipelines, sync or the trainer lands (40-50 min here).
 test-full: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup $(PYTEST_ARGS)
 

@@ -34,6 +34,7 @@ def _max_diff(a, b):
     return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
 
 
+@pytest.mark.extended
 def test_tp2_engine_generates_and_matches_trainer_after_sync(tiny_model_path):
     plan = plan_cpu_local(actor_ranks=1, critic_ranks=1, reference_ranks=1, engines=1, engine_tp=2, reward="function",
                           critic=False, reference=False)

@@ -52,6 +52,7 @@ def _without_fault_counters(rows: list[dict]) -> list[dict]:
 
 
 # slow (~70 s): three starts of every role (the run, and two restarts) -- restarting is the point.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_lost_trainer_rank_restarts_every_role_from_the_last_checkpoint_and_the_run_ends_the_same(tmp_path, whole):
     """The policy rank is killed after step 1 (no checkpoint yet: the run starts again from the

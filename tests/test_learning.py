@@ -50,7 +50,8 @@ def _openrlhf_jsonl(files: dict) -> list[str]:
 # actors (launcher.keep_actors, tests/conftest.py::SHARED_RAY) instead of starting four processes.
 # PPO under pipeline=sync learning is also what CI's test_cli_verl_parquet_custom_reward_with_eval_learns_packed
 # shows (the default algo, from a CLI process): that case runs in the full tier only.
-@pytest.mark.parametrize("algo,pipeline", [pytest.param("ppo", "sync", marks=pytest.mark.extended), ("ppo", "one_step_off"), ("grpo", "sync")])
+@pytest.mark.parametrize("algo,pipeline", [pytest.param("ppo", "sync", marks=pytest.mark.extended),
+                                           pytest.param("ppo", "one_step_off", marks=pytest.mark.extended), ("grpo", "sync")])
 def test_reward_rises(tmp_path, algo, pipeline, digit_files):
     roles = {}
 

@@ -318,6 +318,8 @@ def test_trainer_matches_the_oracle(actors, initial_weights, tiny_model_path, na
 DECOUPLED_CASES = [(name, LOSS_AGGREGATIONS[i]) for i, name in enumerate(ALGORITHMS[: len(LOSS_AGGREGATIONS)])]
 
 
+# (the full tier only: CI runs decoupled PPO end to end in test_env_integration's async tool-use run)
+@pytest.mark.extended
 @pytest.mark.parametrize("name,agg", DECOUPLED_CASES, ids=[f"{a}-{g}" for a, g in DECOUPLED_CASES])
 def test_trainer_matches_the_oracle_with_decoupled_ppo(actors, initial_weights, tiny_model_path, name, agg):
     """AReaL's decoupled PPO weights (tokens above the cap dropped) instead of truncated IS: all

@@ -55,6 +55,7 @@ def _rises(rows: list[dict], by: float) -> None:
 # ----------------------------------------------------------------------------- learning from files
 # slow (~50-70 s): README's command as a user types it (a CLI process with its own Ray, engine and
 # trainers), 20+ steps with an evaluation every 5 -- learning needs the steps.
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.own_processes
 def test_cli_verl_parquet_custom_reward_with_eval_learns_packed(digit_files, tmp_path):
@@ -197,6 +198,7 @@ def test_hf_model_not_in_the_local_cache(refused):
             words=("model.name_or_path", "local Hugging Face cache"))
 
 
+@pytest.mark.extended
 def test_reward_returning_nan_stops_the_run_naming_function_and_sample(tmp_path, shared_ray, monkeypatch):
     """In-process (app.main, as run.py calls it, in the module's Ray session); the command line's
     own exit 3 and one-line stderr: tests/test_config_errors.py::test_unexpected_failure_exits_3_with_one_line."""
@@ -216,7 +218,7 @@ def test_reward_returning_nan_stops_the_run_naming_function_and_sample(tmp_path,
 
 # 0: inline on the engine -- off the main thread (the engine's liveness check has a thread of its
 # own), where a watchdog raises the timeout into the scoring thread; 2: two Ray tasks.
-@pytest.mark.parametrize("pool_size", [0, 2])
+@pytest.mark.parametrize("pool_size", [0, pytest.param(2, marks=pytest.mark.extended)])  # the pool alone: test_reward_execution
 def test_raising_and_hanging_rewards_score_zero_are_counted_and_the_step_completes(tmp_path, pool_size, shared_ray):
     flaky = tmp_path / "flaky_reward.py"
     flaky.write_text(

