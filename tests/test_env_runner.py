@@ -224,6 +224,27 @@ def test_a_step_spinning_in_python_is_stopped_when_given_up():
     assert not new  # the spinning thread ended (Abandoned raised in it)
 
 
+def test_a_prompt_rewritten_by_init_past_data_prompt_max_len_is_refused_naming_the_sample():
+    class LongInit(CountdownEnv):
+        def init(self, prompt):
+            return [{"role": "system", "content": "s"}] * 20 + list(prompt), {}  # 21 messages
+
+    class TokenPerMessage(OneTokenPerMessage):
+        def prompt(self, messages):
+            return [60] * len(messages)
+
+    def runner(longest, envs):
+        made = iter(envs)
+        return MultiTurnRunner(lambda p: next(made), ScriptedGenerator(), TokenPerMessage(),
+                               TrajectoryLimits(4, 8, 64, 16, max_prompt_tokens=longest), 8, 5.0)
+
+    items = [(i, Prompt(text=f"p{i}"), [50, 51]) for i in range(2)]
+    done = list(runner(21, [CountdownEnv(), LongInit()]).run(items))  # at the limit: runs
+    assert sorted(len(t.prompt_ids) for t in done) == [2, 21]
+    with pytest.raises(EnvRuntimeError, match=r"sample 1 rewrote the prompt in init to 21 tokens, more than data.prompt_max_len=20"):
+        list(runner(20, [CountdownEnv(), LongInit()]).run(items))
+
+
 def test_an_environment_that_cannot_start_names_the_sample():
     class Broken(CountdownEnv):
         def init(self, prompt):

@@ -47,6 +47,7 @@ class MultiTurnEnv(EnvGroup):
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     mask_failed: bool = False
     mask_truncated: bool = False
+    prompt_max_len: int = 0  # data.prompt_max_len, taken in `bind` (what env.init may make the prompt)
 
     multi_turn = True
     # The engine's tokenizer, set where trajectories run (`attach`): what environments that read
@@ -87,9 +88,12 @@ class MultiTurnEnv(EnvGroup):
             tokenizer, self.observation_format, self.observation_truncate_side, stop_ids, self.chat_template_kwargs
         )
 
+    def bind(self, task: Any) -> None:
+        self.prompt_max_len = int(task.prompt_max_len)
+
     def limits(self, response_max_len: int) -> TrajectoryLimits:
         per_turn = self.max_tokens_per_turn or response_max_len
-        return TrajectoryLimits(self.max_turns, per_turn, response_max_len, self.max_observation_tokens)
+        return TrajectoryLimits(self.max_turns, per_turn, response_max_len, self.max_observation_tokens, self.prompt_max_len)
 
     def check(self, prompt: Prompt, tokenizer: Any) -> None:
         """The observation format renders with this tokenizer; the environment starts for `prompt`."""

@@ -21,6 +21,7 @@ class TrajectoryLimits:
     max_tokens_per_turn: int
     max_response_tokens: int  # data.response_max_len: the whole trajectory after the prompt
     max_observation_tokens: int
+    max_prompt_tokens: int = 0  # data.prompt_max_len: a prompt env.init rewrote may be no longer (0: unchecked)
 
 
 @dataclass
