@@ -42,6 +42,10 @@ class ScriptedGenerator:
     def decode(self, ids):
         return " ".join(map(str, ids))
 
+    def abort(self, keys):
+        self.aborted = [*getattr(self, "aborted", []), *keys]
+        self.queue = [q for q in self.queue if q[0] not in keys]
+
 
 class CountdownEnv:
     """Answers every turn with the observation [obs] for `turns` turns, reward = turn number."""
@@ -243,6 +247,19 @@ def test_a_prompt_rewritten_by_init_past_data_prompt_max_len_is_refused_naming_t
     assert sorted(len(t.prompt_ids) for t in done) == [2, 21]
     with pytest.raises(EnvRuntimeError, match=r"sample 1 rewrote the prompt in init to 21 tokens, more than data.prompt_max_len=20"):
         list(runner(20, [CountdownEnv(), LongInit()]).run(items))
+
+
+def test_a_failed_rollout_stops_the_turns_it_left_generating():
+    class Broken(CountdownEnv):
+        def init(self, prompt):
+            raise KeyError("db_id")
+
+    generator = ScriptedGenerator()
+    made = iter([CountdownEnv(), Broken()])
+    runner = MultiTurnRunner(lambda p: next(made), generator, render, limits(), 8, 5.0)
+    with pytest.raises(EnvRuntimeError):
+        list(runner.run([(i, Prompt(text=f"p{i}"), [50, 51]) for i in range(2)]))
+    assert generator.submitted == [(0, 0)] and generator.aborted == [0]  # trajectory 0's first turn, in flight
 
 
 def test_an_environment_that_cannot_start_names_the_sample():

@@ -154,6 +154,9 @@ class VLLMTurns:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def abort(self, keys: Sequence[int]) -> None:
+        self.calls.abort(keys)
+
 
 def complete_trajectories(
     llm: Any, requests: Sequence[CompletionRequest], job: RolloutJob, step_seed: int, stepping: SharedStepping | None = None

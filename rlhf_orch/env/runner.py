@@ -56,6 +56,9 @@ class TurnGenerator(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str:
         """A turn's text, as the environment reads it (special tokens skipped)."""
 
+    def abort(self, keys: Sequence[int]) -> None:
+        """Stop generating the turns of these trajectories (a rollout that failed leaves nothing running)."""
+
 
 def _plain(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """Episode metrics as plain numbers and strings: they travel in checkpoints, which load only those."""
@@ -163,6 +166,8 @@ class MultiTurnRunner:
                 if live and not finished and not self.generator.busy() and all(e.future is None for e in live.values()):
                     raise RuntimeError(f"multi-turn rollout stalled: {len(live)} trajectories neither generating nor stepping")
         finally:
+            if live:  # the rollout failed (or its consumer stopped): the engine stops their turns
+                self.generator.abort(list(live))
             for entry in live.values():
                 if entry.future is not None:  # the rollout failed with this step running
                     entry.abandoned = abandonable.abandon(entry.future) or not entry.future.done()
