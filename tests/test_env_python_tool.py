@@ -107,3 +107,38 @@ def test_tool_formats_beyond_hermes_are_vllm_s_parsers(smollm2_tokenizer):
         env.attach(smollm2_tokenizer)
     # the schema reaches the model through the chat template's `tools`
     assert _env().chat_template_kwargs["tools"][0]["function"]["name"] == "python"
+
+
+def test_a_host_whose_sandbox_lacks_a_boundary_is_refused_before_ray_unless_allowed(monkeypatch, tiny_model_path):
+    """Not root, or a container without namespaces: the config check names what is missing and
+    env.allow_weak_sandbox; the engine (another host on a cluster) refuses too; the console says."""
+    from hydra.utils import instantiate
+
+    import rlhf_orch.env.python_tool as python_tool
+    from rlhf_orch.app import check
+    from rlhf_orch.config.problems import ConfigError
+    from rlhf_orch.env.sandbox import SandboxSupport
+    from tests.conftest import compose_config
+
+    weak = SandboxSupport(network_namespace=True, private_filesystem=False, separate_uid=False)
+    monkeypatch.setattr(python_tool, "sandbox_support", lambda: weak)
+
+    def checked(*overrides: str):
+        cfg = compose_config(["env=python_tool", *overrides])
+        return check(cfg, instantiate(cfg.launcher))
+
+    with pytest.raises(ConfigError) as refused:
+        checked()
+    text = str(refused.value)
+    assert "env.allow_weak_sandbox" in text and "no private read-only filesystem, no separate uid" in text
+    typed, _ = checked("env.allow_weak_sandbox=true")  # allowed: runs with what works
+    assert typed.env.allow_weak_sandbox
+
+    env = PythonToolEnv(tool_format="tags")
+    with pytest.raises(EnvError, match="on this engine's host the sandbox has no private read-only filesystem"):
+        env.attach(None)
+    assert any("separate uid no (this host) -- env.allow_weak_sandbox=true" in line for line in env.describe())
+    PythonToolEnv(tool_format="tags", allow_weak_sandbox=True).attach(None)
+
+    monkeypatch.setattr(python_tool, "sandbox_support", lambda: SandboxSupport(True, True, True))
+    checked()  # every boundary: nothing to allow

@@ -462,6 +462,9 @@ class PythonToolEnvConfig(MultiTurnEnvConfig):
     tool_memory_mb: int = 512
     tool_cpu_s: int = 5
     tool_max_output_bytes: int = 2000
+    # Run model-written code where the sandbox lacks a boundary (network namespace, private read-only
+    # filesystem, separate uid: not root, or a container without namespaces); refused otherwise.
+    allow_weak_sandbox: bool = False
 
 
 @dataclass

@@ -384,6 +384,9 @@ def _env(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
             "the padded baseline scores rollouts on the driver, and a trajectory's reward comes from its environment, "
             "which lives on the engine that played it; use transfer=packed or transfer=micro_batched",
         ))
+    host_problems = getattr(get_class(env._target_), "host_problems", None)
+    if host_problems is not None:  # e.g. env=python_tool: this host's sandbox (probed here, before Ray)
+        problems += [Problem(key, value, why) for key, value, why in host_problems(env)]
     if isinstance(cfg.reward, ModelRewardConfig):
         problems.append(Problem(
             "reward", "model",

@@ -24,7 +24,7 @@ from typing import Any
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, row_extras
 from rlhf_orch.env.multi_turn import MultiTurnEnv
-from rlhf_orch.env.sandbox import SandboxLimits, run_python
+from rlhf_orch.env.sandbox import SandboxLimits, SandboxSupport, run_python, sandbox_support
 from rlhf_orch.env.tool_parsers import check_tool_parser, ensure_tool_parser, extract_tool_calls
 
 TOOL_FORMATS = ("hermes", "tags")  # built in; any of vLLM's tool parsers besides (rlhf_orch.env.tool_parsers)
@@ -58,6 +58,17 @@ def parse_tool_calls(text: str, fmt: str, tokenizer: Any = None) -> list[tuple[s
             code = call.arguments.get("code") if isinstance(call.arguments, dict) else None
             out.append((code, None) if isinstance(code, str) else (None, "python tool call needs arguments {\"code\": \"...\"}"))
     return out
+
+
+def _weak_sandbox(support: SandboxSupport) -> str | None:
+    """Why model-written code should not run in this host's sandbox, or None when every boundary works."""
+    if not support.missing:
+        return None
+    return (
+        f"the sandbox has no {', no '.join(support.missing)} (not root, or a container without namespaces): model-written "
+        "code could read and write what the engine can (checkpoints, data with its answers, /proc/<pid>/environ) and reach "
+        "the network; run as root on a host with namespaces, or set env.allow_weak_sandbox=true to run it anyway"
+    )
 
 
 def final_answer(text: str) -> str:
@@ -116,6 +127,15 @@ class PythonToolEnv(MultiTurnEnv):
     tool_memory_mb: int = 512
     tool_cpu_s: int = 5
     tool_max_output_bytes: int = 2000
+    allow_weak_sandbox: bool = False
+
+    @classmethod
+    def host_problems(cls, config: Any) -> list[tuple[str, Any, str]]:
+        """Before Ray (the config check): (key, value, why) when this host's sandbox lacks a boundary
+        and `env.allow_weak_sandbox` is not set. Probes the host once per process (a few child runs)."""
+        if config.allow_weak_sandbox:
+            return []
+        return [("env.allow_weak_sandbox", False, why) for why in [_weak_sandbox(sandbox_support())] if why]
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -141,6 +161,15 @@ class PythonToolEnv(MultiTurnEnv):
     def attach(self, tokenizer: Any) -> None:
         super().attach(tokenizer)
         ensure_tool_parser(self.tool_format, tokenizer, [PYTHON_TOOL])  # before the first turn, in one line
+        # The engine's host (on a cluster not the driver's, which the config check probed).
+        why = None if self.allow_weak_sandbox else _weak_sandbox(sandbox_support())
+        if why:
+            raise EnvError(f"env.allow_weak_sandbox=false: on this engine's host {why}")
+
+    def describe(self) -> list[str]:
+        support = sandbox_support()
+        weak = " -- env.allow_weak_sandbox=true: runs anyway" if support.missing else ""
+        return [*super().describe(), f"{support.describe()} (this host){weak}"]
 
     def make(self, prompt: Prompt) -> PythonToolTrajectory:
         ground_truth = row_extras(prompt)["reward_spec"].get("ground_truth")

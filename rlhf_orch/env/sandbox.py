@@ -222,6 +222,13 @@ class SandboxSupport:
     private_filesystem: bool  # read-only mounts, masked /tmp, a tmpfs work dir (CLONE_NEWNS)
     separate_uid: bool  # the code runs as its own unprivileged uid: RLIMIT_NPROC holds
 
+    @property
+    def missing(self) -> list[str]:
+        """The boundaries that do not work here."""
+        names = {"network_namespace": "network namespace", "private_filesystem": "private read-only filesystem",
+                 "separate_uid": "separate uid"}
+        return [name for field, name in names.items() if not getattr(self, field)]
+
     def describe(self) -> str:
         def word(ok: bool) -> str:
             return "yes" if ok else "no"
