@@ -9,8 +9,8 @@ run: setup
 
 # Two workers sharing the tests by load; the in-process end-to-end tests of one module stay on one
 # worker, so its Ray session and actors are built once (an xdist group per module, tests/conftest.py).
-# CI's tier: everything but the tests marked `extended` (second end-to-end checks of what this tier
-# already runs end to end; docs/testing.md lists each with what covers it here).
+# CI's tier: everything but the tests marked `extended` (left out for time; docs/testing.md lists
+# each with what this tier still runs of the same capability, and what only the full tier checks).
 test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not extended" $(PYTEST_ARGS)
 

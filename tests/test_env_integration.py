@@ -390,7 +390,8 @@ def test_every_conversation_of_an_agent_trains_on_every_rank_layout(tmp_path, tr
     path.write_text(TWO_CONVERSATIONS.format(examples=str(Path(EXAMPLE_AGENT).parent)))
     rows = _run(["experiment=quick", "algo.num_steps=2", "checkpoint.export_final=false", "env=agent", f"env.path={path}",
                  "env.name=answer_then_retry_afresh", "env.max_tokens_per_turn=8", "data.response_max_len=16",
-                 "placement.actor_ranks=2", f"transfer={transfer}"], tmp_path / "run")
+                 # two reference ranks: each inside its policy rank's process (placement.reference_in_actor)
+                 "placement.actor_ranks=2", "placement.reference_ranks=2", f"transfer={transfer}"], tmp_path / "run")
     for r in rows:
         assert r["rollout/samples"] == 16 and r["rollout/sequences"] == 32
         assert r["env/calls_mean"] == 2.0 and r["env/unmerged_calls"] == 16 and r["env/agent_errors"] == 0

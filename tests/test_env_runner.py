@@ -245,8 +245,19 @@ def test_a_prompt_rewritten_by_init_past_data_prompt_max_len_is_refused_naming_t
     items = [(i, Prompt(text=f"p{i}"), [50, 51]) for i in range(2)]
     done = list(runner(21, [CountdownEnv(), LongInit()]).run(items))  # at the limit: runs
     assert sorted(len(t.prompt_ids) for t in done) == [2, 21]
-    with pytest.raises(EnvRuntimeError, match=r"sample 1 rewrote the prompt in init to 21 tokens, more than data.prompt_max_len=20"):
+    with pytest.raises(EnvRuntimeError, match=r"sample 1: the environment's init made the prompt 21 tokens, more than data.prompt_max_len=20"):
         list(runner(20, [CountdownEnv(), LongInit()]).run(items))
+
+    class WithTools(TokenPerMessage):  # env.chat_template_kwargs (tools) re-render every prompt, longer
+        def prompt(self, messages):
+            return [60] * 30
+
+        def renders_prompts(self):
+            return True
+
+    tools = MultiTurnRunner(lambda p: CountdownEnv(), ScriptedGenerator(), WithTools(), TrajectoryLimits(4, 8, 64, 16, max_prompt_tokens=20), 8, 5.0)
+    with pytest.raises(EnvRuntimeError, match=r"sample 0: the chat template with env.chat_template_kwargs made the prompt 30 tokens"):
+        list(tools.run(items))
 
 
 def test_a_failed_rollout_stops_the_turns_it_left_generating():

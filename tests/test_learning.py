@@ -48,8 +48,9 @@ def _openrlhf_jsonl(files: dict) -> list[str]:
 
 # The two PPO runs one after the other: they share a plan, so the second runs on the first's kept
 # actors (launcher.keep_actors, tests/conftest.py::SHARED_RAY) instead of starting four processes.
-# PPO under pipeline=sync learning is also what CI's test_cli_verl_parquet_custom_reward_with_eval_learns_packed
-# shows (the default algo, from a CLI process): that case runs in the full tier only.
+# PPO's two cases run in the full tier only (`make test-full`); CI's tier runs GRPO's here and PPO
+# learning tool use under pipeline=async (tests/test_env_integration.py). README's CLI run with the
+# default PPO (test_own_data_and_reward) is in the full tier too.
 @pytest.mark.parametrize("algo,pipeline", [pytest.param("ppo", "sync", marks=pytest.mark.extended),
                                            pytest.param("ppo", "one_step_off", marks=pytest.mark.extended), ("grpo", "sync")])
 def test_reward_rises(tmp_path, algo, pipeline, digit_files):

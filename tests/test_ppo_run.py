@@ -144,9 +144,11 @@ LAYOUTS = {
     "colocated": ["placement=colocated", "placement.gpus_per_node=1", "placement.actor_ranks=1",
                   "placement.critic_ranks=1", "placement.reference_ranks=1", "placement.engines=1",
                   "launcher.logical_gpus=1"],
-    # Disjoint trainer and vLLM GPUs; the reference shares the actor's GPU.
+    # Disjoint trainer and vLLM GPUs; the reference shares the actor's GPU, in a process of its own
+    # here (the colocated layout hosts it in the actor's process, the default).
     "split": ["placement=split", "placement.gpus_per_node=3", "placement.actor_gpus=1",
-              "placement.critic_gpus=1", "placement.vllm_gpus=1", "launcher.logical_gpus=3"],
+              "placement.critic_gpus=1", "placement.vllm_gpus=1", "launcher.logical_gpus=3",
+              "placement.reference_in_actor=false"],
 }
 
 
@@ -164,6 +166,9 @@ def test_ppo_step_on_logical_gpu_layout_lands_where_planned(tmp_path, layout, sh
 
     run_training(cfg, typed, plan, launcher, tmp_path, callbacks=[record_placement])
     assert len(_metrics(tmp_path)) == 1
+    assert plan.reference_in_actor == (layout == "colocated")
+    # a reference process of its own has its own pid; a hosted one is its policy rank's process
+    assert (seen[("reference", 0)]["pid"] == seen[("actor", 0)]["pid"]) == plan.reference_in_actor
     # Every process of the plan ran and holds exactly the GPU its bundle was given.
     gpu_of_bundle: dict[int, str] = {}
     for slot in plan.slots:

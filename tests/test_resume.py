@@ -155,7 +155,9 @@ def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path, shared_ray
     """ZeRO-3 over two policy ranks, and pipeline=one_step_off: the step-1 checkpoint carries step
     2's rollout, generated ahead with the initial weights; the resumed run trains on that very
     rollout (redrawing it with the checkpoint's weights would change every metric)."""
-    overrides = [*RUN, "algo.num_steps=3", "trainer.zero_stage=3", "placement.actor_ranks=2", "checkpoint.export_final=false",
+    # (two reference ranks: each inside its ZeRO-3 policy rank's process, placement.reference_in_actor)
+    overrides = [*RUN, "algo.num_steps=3", "trainer.zero_stage=3", "placement.actor_ranks=2", "placement.reference_ranks=2",
+                 "checkpoint.export_final=false",
                  "pipeline=one_step_off", "transfer=packed", "algo.tis_cap=2", *shared_ray, "launcher.keep_actors=false"]
     cfg = compose_config(overrides)
     launcher = instantiate(cfg.launcher)

@@ -163,7 +163,7 @@ class AgentRolloutSession:
                 max_tokens, ticket = record.admit(prompt_ids, call.max_tokens)
             except CallRefused as e:
                 record.counts.refused_calls += 1
-                raise ChatAPIError(400, str(e), "messages", "context_length_exceeded") from e
+                raise ChatAPIError(400, str(e), "messages", e.kind) from e
             number = self._calls_made.get(record.index, 0)
             self._calls_made[record.index] = number + 1
             key, self._next_key = self._next_key, self._next_key + 1

@@ -12,11 +12,12 @@ call does is the rollout's business (`rlhf_orch.engines.agent_rollout`): the ser
 trajectory id and the JSON body and writes back what it returns. Requests are served on threads,
 so calls of many trajectories wait for the engine at once.
 
-What a client cannot do to the engine's process: read a body before its key is checked (a request
-without the key, with a body over `MAX_BODY_BYTES` or a Content-Length that is not a number is
-answered and its connection closed, the body unread), hold more than `MAX_CONNECTIONS` connections
-(more are answered 503 and closed) or a thread for ever (a connection idle for `IDLE_TIMEOUT_S`
-is closed).
+What a client cannot do to the engine's process: have a body read before its key is checked (a
+request without the key, with a body over `MAX_BODY_BYTES`, a Content-Length that is not a number
+or a chunked body is answered and its connection closed, the body not read -- at most `_DRAIN_BYTES`
+already sent are discarded first, so that the close does not reset the connection before the client
+reads the answer), hold more connections than the server's limit (more are answered 503 and
+closed) or a thread for ever (a connection idle for `IDLE_TIMEOUT_S` is closed).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ _MODELS = re.compile(r"^(/trajectories/[A-Za-z0-9_-]+)?/v1/models/?$")
 MAX_BODY_BYTES = 16 * 2**20
 # Every trajectory in flight on the engine (env.concurrency, 16 by default) holds one or two
 # keep-alive connections; an agent fanning out holds more: far below this, which bounds the threads.
-MAX_CONNECTIONS = 256
+MAX_CONNECTIONS = 256  # the least a server allows; an engine's allows 4 per agent it runs at once if more
+_DRAIN_BYTES = 64 * 2**10  # of a refused request's body, read and dropped before the close (0.2 s at most)
 # An agent's client keeps its connection between calls while the agent works (tools, thinking);
 # a connection silent for this long is dropped (the client opens a new one for its next call).
 IDLE_TIMEOUT_S = 300.0
@@ -48,12 +50,12 @@ class CallHandler(Protocol):
 
 
 class ChatServer:
-    def __init__(self, host: str, model_name: str):
+    def __init__(self, host: str, model_name: str, max_connections: int = MAX_CONNECTIONS):
         self.model_name = model_name
         self.api_key = "rlhf-" + secrets.token_urlsafe(24)
         self._handler: CallHandler | None = None
         self._lock = threading.Lock()
-        self._httpd = _Server((host, 0), _handler_class(self))
+        self._httpd = _Server((host, 0), _handler_class(self), max_connections=max_connections)
         self._httpd.daemon_threads = True
         self.host, self.port = self._httpd.server_address[:2]
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="chat-server", daemon=True)
@@ -84,16 +86,18 @@ class ChatServer:
 class _Server(ThreadingHTTPServer):
     request_queue_size = 1024  # every trajectory in flight may connect at once (the default backlog is 5)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+    def __init__(self, address: Any, handler: Any, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self.max_connections = max_connections
+        self._connections = threading.BoundedSemaphore(max_connections)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        # One thread per connection, at most MAX_CONNECTIONS of them: one more is refused at once.
+        # One thread per connection, at most max_connections of them: one more is refused at once.
         if not self._connections.acquire(blocking=False):
             try:
-                request.sendall(_plain_response(503, ChatAPIError(503, f"more than {MAX_CONNECTIONS} connections to this "
-                                                                       "engine's endpoint at once", kind="overloaded").body()))
+                request.sendall(_plain_response(503, ChatAPIError(503, f"more than {self.max_connections} connections to "
+                                                                       "this engine's endpoint at once", kind="overloaded").body()))
+                _drain(request)
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -105,6 +109,18 @@ class _Server(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._connections.release()
+
+
+def _drain(sock: Any) -> None:
+    """Read and drop up to _DRAIN_BYTES the client already sent (0.2 s at most): closing a socket with
+    unread data resets the connection, and the client may lose the answer written just before."""
+    try:
+        sock.settimeout(0.2)
+        left = _DRAIN_BYTES
+        while left > 0 and (chunk := sock.recv(min(left, 16384))):
+            left -= len(chunk)
+    except OSError:
+        pass
 
 
 def _plain_response(status: int, body: dict[str, Any]) -> bytes:
@@ -146,6 +162,8 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             """Answer, then close the connection: a body left unread must not be taken for the next request."""
             self.close_connection = True
             self._send(status, error.body())
+            self.wfile.flush()
+            _drain(self.connection)
 
         def _answer(self, route: Callable[[], dict[str, Any]]) -> None:
             try:
@@ -166,8 +184,11 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802
             if not self._authorised():  # before a byte of the body is read
                 return
+            if self.headers.get("Transfer-Encoding"):
+                self._refuse(411, ChatAPIError(411, "send the body with a Content-Length (no Transfer-Encoding)"))
+                return
             declared = self.headers.get("Content-Length") or "0"
-            if not declared.isdigit():
+            if not (declared.isascii() and declared.isdigit()):
                 self._refuse(400, ChatAPIError(400, f"Content-Length {declared[:40]!r} is not a number of bytes"))
                 return
             length = int(declared)

@@ -299,7 +299,11 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         if server is None:
             from rlhf_orch.engines.chat_server import ChatServer
 
-            server = self._server = ChatServer(_serving_host(env.host), env.served_model_name)
+            from rlhf_orch.engines.chat_server import MAX_CONNECTIONS
+
+            # each agent running at once may hold a few connections (its client's pool, calls fanned out)
+            limit = max(MAX_CONNECTIONS, 4 * env.concurrency)
+            server = self._server = ChatServer(_serving_host(env.host), env.served_model_name, max_connections=limit)
         return server
 
     def chat_endpoint(self) -> dict[str, Any] | None:

@@ -31,7 +31,13 @@ AGENT_METRIC_PREFIX = "agent_metric/"
 
 
 class CallRefused(ValueError):
-    """A call the trajectory's limits leave no room for (answered with HTTP 400)."""
+    """A call the trajectory's limits leave no room for (answered with HTTP 400 and `kind` as the
+    error's type: OpenAI's `context_length_exceeded` where the budget is spent, another where a
+    retry later could succeed)."""
+
+    def __init__(self, message: str, kind: str = "context_length_exceeded"):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass
@@ -104,7 +110,7 @@ class AgentRecord:
         if seq is not None and id(seq) in self._extending:
             raise CallRefused(
                 "a call extending this conversation is still being answered: a conversation takes one call at a time "
-                "(calls on other conversations may run at once)"
+                "(calls on other conversations may run at once)", kind="conversation_busy"
             )
         tokens = self.budget(prompt_ids, requested)
         self._in_flight += 1

@@ -88,8 +88,8 @@ def row_extras(prompt: Prompt) -> dict[str, Any]:
 def call_env(method: Callable[..., Any], *args: Any, loop: asyncio.AbstractEventLoop | None = None) -> Any:
     """An environment's `init` / `step`, plain or `async def`: a coroutine runs to completion on
     `loop` (the trajectory's own, so a client made in `init` still works in `step`) in the calling
-    thread -- the runner calls steps on its pool's threads, so one environment's await never holds
-    the others."""
+    thread -- the runner calls each step on a thread of its own, so one environment's await never
+    holds the others."""
     result = method(*args)
     if not inspect.isawaitable(result):
         return result

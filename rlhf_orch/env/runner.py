@@ -195,11 +195,13 @@ class MultiTurnRunner:
             # did not have (env.chat_template_kwargs: tools, enable_thinking)
             prompt_ids = self.renderer.prompt(messages)
             longest = self.limits.max_prompt_tokens
-            if rewritten and longest and len(prompt_ids) > longest:
+            if longest and len(prompt_ids) > longest:
                 # (the engine's max_model_len has room for data.prompt_max_len + data.response_max_len only)
+                self._close(_Live(Trajectory(index, prompt_ids, self.limits), env, loop=loop))
+                by = "the environment's init" if rewritten else "the chat template with env.chat_template_kwargs"
                 raise EnvRuntimeError(
-                    f"the environment for sample {index} rewrote the prompt in init to {len(prompt_ids)} tokens, more than "
-                    f"data.prompt_max_len={longest}: shorten what its init returns, or raise data.prompt_max_len"
+                    f"sample {index}: {by} made the prompt {len(prompt_ids)} tokens, more than data.prompt_max_len={longest}: "
+                    "shorten it, or raise data.prompt_max_len"
                 )
         trajectory = Trajectory(index, prompt_ids, self.limits, messages=[dict(m) for m in messages])
         trajectory.counts.env_seconds += time.perf_counter() - t

@@ -29,8 +29,10 @@ BREAKING_KEYS = (
     "data.seed",
     "seed",
 )
-# Keys that never affect the trained policy.
-HARMLESS_KEYS = ("logger", "launcher", "checkpoint", "algo.num_steps", "eval", "experiment_name", "fault", "reference")
+# Keys that never affect the trained policy (placement.reference_in_actor: the same log-probs in
+# another process, bit for bit -- tests/test_warm_actors.py).
+HARMLESS_KEYS = ("logger", "launcher", "checkpoint", "algo.num_steps", "eval", "experiment_name", "fault", "reference",
+                 "placement.reference_in_actor")
 
 
 def config_drift(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:

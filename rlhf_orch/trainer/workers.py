@@ -261,6 +261,8 @@ class PolicyWorker(_Worker):
     def build(self, spec: TrainerSpec | None = None) -> int:
         """(Re)build the DeepSpeed engine from the checkpoint; `spec` replaces this role's settings."""
         self._respec(spec)
+        if spec is not None:
+            self.reference = None  # another spec may name another model: loaded again below
         model = load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device)
         model.config.use_cache = False
         if self.spec.gradient_checkpointing:
