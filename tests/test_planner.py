@@ -474,6 +474,7 @@ def test_the_reference_runs_inside_the_policy_ranks_where_the_plan_allows_it() -
     hosted = with_reference_hosting(cpu_local(), None)
     assert hosted.slots == cpu_local().slots  # the same slots and bundles: only no process of its own
     assert "reference ranks run inside the actor ranks' processes" in hosted.describe()
+    assert "reference0[in actor0]" in hosted.describe() and "[in actor" not in cpu_local().describe()
     assert "inside" not in cpu_local().describe()
     # not where the ranks differ (one reference process serving two policy ranks stays that)
     assert not with_reference_hosting(cpu_local(actor_ranks=2), None).reference_in_actor

@@ -169,7 +169,8 @@ class PlacementPlan:
                         " ".join(f"{key}={_fmt(value)}" for key, value in sorted(resources.items())),
                         _fmt(claimed) if gpu_layout else "-",
                         " ".join(
-                            f"{claim.label}({_fmt(claim.num_gpus)})" if gpu_layout else claim.label
+                            (f"{claim.label}({_fmt(claim.num_gpus)})" if gpu_layout else claim.label)
+                            + (f"[in actor{claim.rank}]" if self.reference_in_actor and claim.role == "reference" else "")
                             for claim in claims
                         ),
                     )
