@@ -117,9 +117,8 @@ def plan_line(typed: RootConfig, plan: PlacementPlan) -> str:
     if getattr(typed.env, "max_turns", None) is not None:  # multi-turn rollouts: say which environment
         groups.append("env")
     picked = " ".join(f"{g}={choices[g]}" for g in groups if choices.get(g))
-    ranks = " ".join(f"{role}={plan.num_ranks(role)}" for role in plan.roles)
-    if plan.reference_in_actor:
-        ranks = ranks.replace(f"reference={plan.num_ranks('reference')}", f"reference={plan.num_ranks('reference')}(in actor)")
+    hosted = {"reference": "(in actor)"} if plan.reference_in_actor else {}
+    ranks = " ".join(f"{role}={plan.num_ranks(role)}{hosted.get(role, '')}" for role in plan.roles)
     a = typed.algo
     return (f"plan: {picked} | {ranks} engine_tp={plan.engine_tp} GPUs={plan.total_gpus} | "
             f"{a.num_steps} steps x {a.rollout_batch_size} prompts x {a.samples_per_prompt} samples")

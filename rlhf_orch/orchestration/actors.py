@@ -169,6 +169,7 @@ def start_role_actors(
         ("reference", ReferenceWorker, reference_spec, "reference"),
         ("reward", RewardModelWorker, reward_spec, "reward"),
     )
+    roles = tuple(r for r in roles if r[2] is not None)  # a role without a spec starts no process (none planned, or hosted)
     actors = RoleActors(start_engine=start_engine, startup_timeout_s=timeout_s)
     if warm is not None:
         try:
@@ -177,12 +178,11 @@ def start_role_actors(
                       for e, slot in zip(warm.engines, engine_slots)]
             # (the reward model's spec is the policy's: its ranks' count is its own)
             resets += [a.reset.remote(replace(spec, data_parallel_size=len(plan.slots_for(role))))
-                       for role, _, spec, name in roles if spec is not None for a in getattr(warm, name)]
+                       for role, _, spec, name in roles for a in getattr(warm, name)]
             ray.get(resets, timeout=timeout_s)
             actors.engines.extend(warm.engines)
-            for _, _, spec, name in roles:
-                if spec is not None:
-                    getattr(actors, name).extend(getattr(warm, name))
+            for _, _, _, name in roles:
+                getattr(actors, name).extend(getattr(warm, name))
         except Exception as e:  # noqa: BLE001 - e.g. an engine with requests left in flight: start new ones
             print(f"actors: the kept actors could not be reset ({type(e).__name__}): starting new ones", flush=True)
             warm.kill()
@@ -190,7 +190,7 @@ def start_role_actors(
     if warm is None:
         actors.engines.extend(start_engine(e) for e in range(len(engine_slots)))
         for role, cls, spec, name in roles:
-            slots = plan.slots_for(role) if spec is not None else []
+            slots = plan.slots_for(role)
             for slot in slots:
                 getattr(actors, name).append(_remote(cls, placement, slot, env).remote(spec, slot.rank, len(slots)))
 

@@ -191,6 +191,10 @@ class _Worker(ExperienceInbox):
             stats["grad_norm"] = float(torch.tensor(self._grad_norms).max())
         return stats
 
+    def _logprobs_of(self, model: torch.nn.Module, shard: int) -> list[torch.Tensor]:
+        """A frozen model's log-probs of the shard's sequences, on CPU (the reference's, hosted or not)."""
+        return [sequence_logprobs(model, mb, self.spec.temperature).float().cpu() for mb in self._micro_batches(shard)]
+
     def _load_frozen(self, loader) -> int:
         """A forward-only model (reference, reward model): eval mode, no gradients; returns its size."""
         self.model = _frozen(loader(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
@@ -280,7 +284,7 @@ class PolicyWorker(_Worker):
     def reference_logprobs(self, shard: int) -> list[torch.Tensor]:
         """What `ReferenceWorker.logprobs` returns, from the reference this rank holds
         (`host_reference`); the shard stays staged for this rank's experience and update."""
-        return [sequence_logprobs(self.reference, mb, self.spec.temperature).float().cpu() for mb in self._micro_batches(shard)]
+        return self._logprobs_of(self.reference, shard)
 
     def reference_placement(self) -> dict[str, Any]:
         from rlhf_orch.topology.introspect import where_am_i
@@ -603,7 +607,7 @@ class ReferenceWorker(_Worker):
 
     @torch.no_grad()
     def logprobs(self, shard: int) -> list[torch.Tensor]:
-        out = [sequence_logprobs(self.model, mb, self.spec.temperature).float().cpu() for mb in self._micro_batches(shard)]
+        out = self._logprobs_of(self.model, shard)
         self._staged.pop(shard, None)
         return out
 
