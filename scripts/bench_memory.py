@@ -14,6 +14,9 @@ Optimizer offload is a GPU-only setting (refused without CUDA), not measured.
 
     .venv/bin/python scripts/bench_memory.py                  # every configuration (~15 min)
     .venv/bin/python scripts/bench_memory.py --only tiny_zero2,qwen05b_zero2
+    python scripts/bench_memory.py --gpu      # on a CUDA GPU: the trainer's terms against
+                                              # torch.cuda.max_memory_allocated and nvidia-smi
+                                              # per process (scripts/bench_gpu.py's memory part)
 """
 
 from __future__ import annotations
@@ -185,7 +188,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated configuration names")
     parser.add_argument("--work-dir", default=os.environ.get("RLHF_ORCH_BENCH_DIR", str(Path(tempfile.gettempdir()) / "rlhf_orch_bench_memory")))
+    parser.add_argument("--gpu", action="store_true", help="measure on a CUDA GPU (scripts/bench_gpu.py --parts memory)")
     args = parser.parse_args()
+    if args.gpu:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from bench_gpu import main as bench_gpu_main
+
+        sys.exit(bench_gpu_main(["--parts", "memory"]))
     work = Path(args.work_dir)
     qwen_dir = work / "qwen2_5_0_5b_shape"
     configs = configurations(str(qwen_dir))

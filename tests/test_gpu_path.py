@@ -356,3 +356,25 @@ def test_kv_cache_and_memory_fraction_that_would_do_nothing_are_refused(override
     with pytest.raises(ConfigError) as err:
         check(cfg, instantiate(cfg.launcher))
     assert key in str(err.value) and words in str(err.value)
+
+
+def test_trainers_on_gpus_use_expandable_segments_and_engines_do_not(monkeypatch):
+    from rlhf_orch.orchestration.actors import _ACTOR_ENV, engine_options, trainer_process_env
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert trainer_process_env(_ACTOR_ENV, gpu_layout=True)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in trainer_process_env(_ACTOR_ENV, gpu_layout=False)  # CPU: no CUDA allocator
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in trainer_process_env(_ACTOR_ENV, gpu_layout=True)  # the user's own wins
+
+    class Placement:  # what engine_options asks of a RayPlacement
+        def options_for(self, slot):
+            return {}
+
+    from rlhf_orch.engines.vllm_engine import EngineSpec
+
+    plan = _colocated(engines=1, engine_tp=1, nodes=1, gpus_per_node=1)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    spec = EngineSpec(model_path="m", dtype="bfloat16", max_model_len=64)
+    options, _ = engine_options(Placement(), plan.slots_for("engine")[0], spec, dict(_ACTOR_ENV), gpu_layout=True)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in options["runtime_env"]["env_vars"]

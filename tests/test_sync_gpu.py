@@ -46,7 +46,8 @@ def test_pack_unpack_in_cuda_memory():
 
 
 def _engine_side(queue, results):
-    # The "engine": map the trainer's buffer through its IPC handle and copy the bucket out.
+    # The "engine": map the trainer's buffer through its IPC handle and copy the bucket out. It stays
+    # up until told to stop: the CPU tensors it sends travel as file descriptors it must still serve.
     from rlhf_orch.sync.buckets import unpack_bucket
 
     torch.cuda.set_device(0)
@@ -55,10 +56,11 @@ def _engine_side(queue, results):
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device="cuda")
         payload.copy_into(buf)
         results.put({n: t.cpu() for n, t in unpack_bucket(bucket, buf)})
+    queue.get()  # stop
 
 
 def test_cuda_ipc_handover_between_two_processes_on_one_gpu():
-    from rlhf_orch.sync.cuda_ipc import cuda_ipc_payload
+    from rlhf_orch.sync.cuda_ipc_handles import cuda_ipc_payload
 
     params = _params("cuda")
     buckets = plan_buckets([TensorMeta.of(n, t) for n, t in params.items()], 40_000)[:2]
@@ -71,6 +73,7 @@ def test_cuda_ipc_handover_between_two_processes_on_one_gpu():
     for b in buckets:
         queue.put((b, cuda_ipc_payload(pack_bucket(b, params, buffers[b.index % 2]))))
         received.update(results.get(timeout=120))  # sender keeps its buffer alive until the copy is done
+    queue.put(None)
     engine.join(timeout=60)
     assert engine.exitcode == 0
     for b in buckets:

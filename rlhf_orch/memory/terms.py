@@ -47,9 +47,12 @@ BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 # raylet, GCS, dashboard and idle workers.
 CPU_RUNTIME_BYTES = {"trainer": (int(0.52e9), int(0.16e9)), "forward": (int(0.42e9), int(0.16e9)),
                      "engine": (int(0.63e9), int(0.24e9)), "driver": (int(1.1e9), int(0.4e9))}
-# On a GPU: the CUDA context, cuBLAS/NCCL workspaces and the caching allocator's slack, per process
-# (not measured here: no GPU was lent; docs/memory.md).
-GPU_RUNTIME_BYTES = {"trainer": int(1.0 * GiB), "forward": int(1.0 * GiB), "engine": int(1.0 * GiB)}
+# On a GPU: the CUDA context, cuBLAS/NCCL workspaces and what DeepSpeed allocates outside torch's
+# caching allocator, per process (nvidia-smi's figure less torch's reserve). The trainer's were measured
+# on an H100 (scripts/bench_gpu.py, 2026-11-27: 1.39 GB at ZeRO-0..2, 0.41 GB more at ZeRO-3); the
+# forward-only and engine rows are not measured yet (the lent GPU machine had no vLLM; docs/memory.md).
+GPU_RUNTIME_BYTES = {"trainer": int(1.39e9), "forward": int(1.0 * GiB), "engine": int(1.0 * GiB)}
+GPU_ZERO3_RUNTIME_BYTES = int(0.41e9)
 GPU_ENGINE_GRAPHS_BYTES = int(0.5 * GiB)  # vLLM's CUDA graphs when engine.enforce_eager=false
 
 
@@ -111,9 +114,9 @@ class ProcessMemory:
 RUNTIME_TERM_NAMES = ("runtime", "shared libraries")
 
 
-def runtime_terms(kind: str, on_gpu: bool) -> list[Term]:
+def runtime_terms(kind: str, on_gpu: bool, gpu_extra: int = 0) -> list[Term]:
     if on_gpu:
-        return [Term("runtime", GPU_RUNTIME_BYTES[kind])]
+        return [Term("runtime", GPU_RUNTIME_BYTES[kind] + gpu_extra)]
     anonymous, libraries = CPU_RUNTIME_BYTES[kind]
     return [Term("runtime", anonymous), Term("shared libraries", libraries, reclaimable=True)]
 
@@ -178,7 +181,7 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
     if role == "actor":
         terms.append(Term("logits", wl.tokens_per_micro_batch * shape.vocab * (2 * w + 4), TRAIN))
     terms += checkpoint_load_term(params, shape, wl)
-    terms += runtime_terms("trainer", wl.on_gpu)
+    terms += runtime_terms("trainer", wl.on_gpu, GPU_ZERO3_RUNTIME_BYTES if z == 3 else 0)
     return terms
 
 
