@@ -358,23 +358,25 @@ def test_kv_cache_and_memory_fraction_that_would_do_nothing_are_refused(override
     assert key in str(err.value) and words in str(err.value)
 
 
-def test_trainers_on_gpus_use_expandable_segments_and_engines_do_not(monkeypatch):
-    from rlhf_orch.orchestration.actors import _ACTOR_ENV, engine_options, trainer_process_env
+def test_trainers_on_gpus_use_expandable_segments_unless_the_sync_hands_over_their_cuda_memory(monkeypatch):
+    from rlhf_orch.orchestration.actors import _ACTOR_ENV, trainer_process_env
+    from rlhf_orch.sync.bucketed import BucketedBroadcastSync
+    from rlhf_orch.sync.cuda_ipc import CudaIpcSync
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert trainer_process_env(_ACTOR_ENV, gpu_layout=True)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in trainer_process_env(_ACTOR_ENV, gpu_layout=False)  # CPU: no CUDA allocator
+    # CUDA IPC senders keep the default allocator (an expandable segment's handle needs pidfd_getfd)
+    assert CudaIpcSync.shares_cuda_memory and not BucketedBroadcastSync.shares_cuda_memory
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in trainer_process_env(_ACTOR_ENV, True, CudaIpcSync.shares_cuda_memory)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert "PYTORCH_CUDA_ALLOC_CONF" not in trainer_process_env(_ACTOR_ENV, gpu_layout=True)  # the user's own wins
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in _ACTOR_ENV  # engines get the shared env only: vLLM's sleep pool
 
-    class Placement:  # what engine_options asks of a RayPlacement
-        def options_for(self, slot):
-            return {}
 
-    from rlhf_orch.engines.vllm_engine import EngineSpec
+def test_a_cuda_ipc_handle_opens_only_on_the_gpu_it_came_from():
+    from rlhf_orch.sync.cuda_ipc_handles import local_index_of
 
-    plan = _colocated(engines=1, engine_tp=1, nodes=1, gpus_per_node=1)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    spec = EngineSpec(model_path="m", dtype="bfloat16", max_model_len=64)
-    options, _ = engine_options(Placement(), plan.slots_for("engine")[0], spec, dict(_ACTOR_ENV), gpu_layout=True)
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in options["runtime_env"]["env_vars"]
+    assert local_index_of("GPU-b", ["GPU-a", "GPU-b"]) == 1  # indices differ between processes, UUIDs do not
+    with pytest.raises(RuntimeError, match="cannot see that GPU"):
+        local_index_of("GPU-c", ["GPU-a", "GPU-b"])

@@ -145,6 +145,23 @@ def test_reasoning_gym_scores_with_the_datasets_own_verifier(smollm2_tokenizer):
     p = arithmetic.sample_prompts(1)[0]
     wrong = Response(f"<answer>{p.label['answer']}1</answer>", 4, False)
     assert rule.score(p, wrong) == pytest.approx(len(p.label["answer"]) / (len(p.label["answer"]) + 1))  # the dataset's partial credit
+    full_only = ReasoningGymRule(partial_credit=False)  # reward.partial_credit=false
+    assert full_only.score(p, wrong) == 0.0
+    assert full_only.score(p, Response(f"<answer>{p.label['answer']}</answer>", 4, False)) == 1.0
+    with pytest.raises(ValueError, match="partial_credit must be true or false"):
+        ReasoningGymRule(partial_credit="no")
+
+
+def test_partial_credit_is_a_key_of_reasoning_gyms_reward_only():
+    from hydra.errors import ConfigCompositionException
+
+    from rlhf_orch.reward.scoring import build_reward
+
+    cfg = compose_config(["data=reasoning_gym", "reward.partial_credit=false"])
+    assert build_reward(cfg.reward).rule.fn.partial_credit is False
+    assert build_reward(compose_config(["data=reasoning_gym"]).reward).rule.fn.partial_credit is True
+    with pytest.raises(ConfigCompositionException):  # a key that does nothing for another reward is refused
+        compose_config(["reward=countdown", "reward.partial_credit=false"])
 
 
 def test_reasoning_gym_refuses_bad_options_before_anything_starts(smollm2_tokenizer):

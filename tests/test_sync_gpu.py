@@ -66,7 +66,7 @@ def test_cuda_ipc_handover_between_two_processes_on_one_gpu():
     buckets = plan_buckets([TensorMeta.of(n, t) for n, t in params.items()], 40_000)[:2]
     ctx = mp.get_context("spawn")
     queue, results = ctx.Queue(), ctx.Queue()
-    engine = ctx.Process(target=_engine_side, args=(queue, results))
+    engine = ctx.Process(target=_engine_side, args=(queue, results), daemon=True)  # a failed test must not wait on it
     engine.start()
     buffers = [torch.empty(bucket_capacity(buckets), dtype=torch.uint8, device="cuda") for _ in range(2)]
     received = {}

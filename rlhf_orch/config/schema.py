@@ -350,6 +350,9 @@ class CountdownRuleConfig(RuleRewardConfig):
 @dataclass
 class ReasoningGymRuleConfig(RuleRewardConfig):
     _target_: str = "rlhf_orch.reward.reasoning_gym_rule.ReasoningGymRule"
+    # false: only a full score counts (1.0), every partial one is 0 -- e.g. basic_arithmetic's credit for
+    # the right number inside a longer answer ("19.10" for 19 scores 0.4), which a policy can learn to farm.
+    partial_credit: bool = True
 
 
 @dataclass

@@ -25,7 +25,8 @@ ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I 
     copy of the linear weights and the sync's two receive buffers
   * checkpoint load (CPU) the checkpoint's memory-mapped file pages, read while loading
   * runtime        what the process holds besides tensors (interpreter, torch, vLLM/DeepSpeed,
-    CUDA context); measured on this machine's CPU processes (scripts/bench_memory.py), stated for GPUs
+    CUDA context); measured on this machine's CPU processes (scripts/bench_memory.py); on a GPU the
+    trainer's measured on an H100 (scripts/bench_gpu.py), the others stated
 """
 
 from __future__ import annotations

@@ -119,12 +119,14 @@ def not_answering(actors: Sequence[Any], timeout_s: float) -> list[int]:
     return lost
 
 
-def trainer_process_env(env: dict[str, str], gpu_layout: bool) -> dict[str, str]:
+def trainer_process_env(env: dict[str, str], gpu_layout: bool, shares_cuda_memory: bool = False) -> dict[str, str]:
     """The environment of trainer and forward-only processes. On GPUs torch's caching allocator uses
     expandable segments: one policy update on an H100 (scripts/bench_gpu.py) reserved 2.3-11.7 GB
     above its peak with the default allocator and 0.05-4.0 GB with them. Not for engines: vLLM's
-    sleep mode allocates from a memory pool that expandable segments break. A value the user set wins."""
-    if not gpu_layout or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+    sleep mode allocates from a memory pool that expandable segments break. Not when the sync hands
+    engines CUDA IPC handles of the trainers' memory (`WeightSync.shares_cuda_memory`). A value the
+    user set wins."""
+    if not gpu_layout or shares_cuda_memory or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
         return env
     return {**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
@@ -160,6 +162,7 @@ def start_role_actors(
     kv_cache_gb: float | None,
     reward_spec: TrainerSpec | None = None,
     warm: RoleActors | None = None,
+    shares_cuda_memory: bool = False,
 ) -> RoleActors:
     """Every role's actors in their bundles, built and answering. `warm`: the actors of an earlier
     run on the same plan (`rlhf_orch.orchestration.warm_actors`), reset to what new ones start as
@@ -200,7 +203,7 @@ def start_role_actors(
             warm = None
     if warm is None:
         actors.engines.extend(start_engine(e) for e in range(len(engine_slots)))
-        trainer_env = trainer_process_env(env, plan.total_gpus > 0)
+        trainer_env = trainer_process_env(env, plan.total_gpus > 0, shares_cuda_memory)
         for role, cls, spec, name in roles:
             slots = plan.slots_for(role)
             for slot in slots:

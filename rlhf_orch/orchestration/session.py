@@ -233,6 +233,7 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
     actors = start_role_actors(
         run.plan, placement, run.engines, run.specs["actor"], run.specs.get("critic"), run.specs.get("reference"),
         typed.launcher.startup_timeout_s, typed.engine.kv_cache_gb, run.reward_spec, warm=warm,
+        shares_cuda_memory=sync.shares_cuda_memory,
     )
     loop: TrainLoop | None = None
     completed = False  # only a completed run's actors are kept (nothing of it is left running)

@@ -5,7 +5,8 @@ reasoning-gym's `extract_answer` finds in its last `<answer>...</answer>` (None 
 score is the entry's dataset's `score_answer(answer, entry)`: exactly how reasoning-gym's own
 evaluation and the peers training on it (veRL's and TRL's reasoning-gym recipes) score it. Partial
 credit is the dataset's (basic_arithmetic gives len(answer)/len(response) when the right answer is
-inside a longer one).
+inside a longer one); `reward.partial_credit=false` keeps only full scores (1.0) and makes every
+partial one 0, so a policy cannot farm the partial credit of malformed answers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ def _scorer(dataset: str) -> Callable[[Any, dict], float]:
 class ReasoningGymRule(RewardFunction):
     name = "reasoning_gym"
 
+    def __init__(self, partial_credit: bool = True):
+        if not isinstance(partial_credit, bool):
+            raise ValueError(f"partial_credit must be true or false, got {partial_credit!r}")
+        self.partial_credit = partial_credit
+
     def score(self, prompt: Prompt, response: Response) -> float:
         from reasoning_gym.utils import extract_answer
 
@@ -34,7 +40,8 @@ class ReasoningGymRule(RewardFunction):
         if not isinstance(entry, dict) or "answer" not in entry or "metadata" not in entry:
             raise ValueError(f"reward=reasoning_gym needs a reasoning-gym entry as the label (data=reasoning_gym), got {type(entry).__name__}")
         dataset = entry["metadata"].get("source_dataset") or prompt.source
-        return float(_scorer(dataset)(extract_answer(response.text), entry))
+        score = float(_scorer(dataset)(extract_answer(response.text), entry))
+        return score if self.partial_credit or score >= 1.0 else 0.0
 
     def check(self) -> None:
         try:

@@ -56,6 +56,11 @@ class WeightSync(abc.ABC):
     error translation are shared here.
     """
 
+    # True: the policy ranks hand engines handles of their own CUDA memory (CUDA IPC). Such a sender
+    # keeps torch's default allocator: with expandable segments a handle is a file descriptor the
+    # receiver must fetch with pidfd_getfd, which unprivileged containers refuse.
+    shares_cuda_memory: bool = False
+
     def __init__(self, backend: str = "gloo", timeout_s: float = 120.0):
         self.backend = backend
         self.timeout_s = timeout_s

@@ -23,6 +23,7 @@ from rlhf_orch.sync.handover import HandoverSync
 
 class CudaIpcSync(HandoverSync):
     transport = "cuda_ipc"
+    shares_cuda_memory = True
 
     def __init__(self, backend: str = "cuda_ipc", timeout_s: float = 120.0, bucket_mb: float = 512.0):
         super().__init__(backend, timeout_s, bucket_mb)
