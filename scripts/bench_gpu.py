@@ -96,13 +96,12 @@ def _gpu_used_by(pid: int) -> int | None:
     return None
 
 
-def _gpu_used_total() -> int | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout.split()
-        return int(out[0]) * 2**20
-    except (OSError, subprocess.TimeoutExpired, IndexError, ValueError):
-        return None
+def _hf_config(model: str):
+    """transformers' config of a KNOWN_CONFIGS model (its dtype field aside: the bench picks bf16)."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in KNOWN_CONFIGS[model].items() if k != "torch_dtype"}
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 # --------------------------------------------------------------------------- memory
@@ -112,7 +111,7 @@ def _memory_case(case: MemoryCase, port: int, results, release) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     torch.cuda.set_device(0)
     import deepspeed
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from rlhf_orch.trainer.deepspeed_config import deepspeed_config
     from rlhf_orch.trainer.deepspeed_startup import skip_muon_import
@@ -121,8 +120,7 @@ def _memory_case(case: MemoryCase, port: int, results, release) -> None:
 
     skip_muon_import()
     deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False)
-    fields = dict(KNOWN_CONFIGS[case.model])
-    config = AutoConfig.for_model(fields.pop("model_type"), **{k: v for k, v in fields.items() if k != "torch_dtype"})
+    config = _hf_config(case.model)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=packed_attention_impl("cuda")).to(torch.bfloat16)
     model.config.use_cache = False
@@ -219,10 +217,9 @@ def run_memory(cases: list[MemoryCase]) -> list[dict]:
 # --------------------------------------------------------------------------- ipc
 def _state_dict_shapes(model: str) -> dict[str, tuple[int, ...]]:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    fields = dict(KNOWN_CONFIGS[model])
-    config = AutoConfig.for_model(fields.pop("model_type"), **{k: v for k, v in fields.items() if k != "torch_dtype"})
+    config = _hf_config(model)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     return {n: tuple(p.shape) for n, p in meta.state_dict().items()}
@@ -409,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         report.update(deepspeed=deepspeed.__version__, transformers=transformers.__version__)
     except ImportError as e:
         report["import_error"] = str(e)
-    print(json.dumps({k: v for k, v in report.items()}), flush=True)
+    print(json.dumps(report), flush=True)
     if "ipc" in parts:  # first: the shortest part
         try:
             report.update(ipc_part(args.quick))
