@@ -34,7 +34,38 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
+def pytest_configure(config):
+    # xdist queues its work units (a module's group, or one test) largest group first, so a long test
+    # that is a unit of its own (the kill-and-resume test: ~4 min) used to start last and run alone
+    # at the end. Queue them in the order `_longest_first` gives instead.
+    config.option.loadscopereorder = False
+
+
+def _unit_of(item) -> str:
+    """The xdist work unit an item runs in: its module's group, or the test alone."""
+    group = item.get_closest_marker("xdist_group")
+    return f"@{group.args[0]}" if group else item.nodeid
+
+
+def _cost_tier(item) -> int:
+    """0: end-to-end runs of a minute or more (slow, the real model, own processes); 1: other tests with
+    Ray actors, vLLM or DeepSpeed; 2: the pure tests, which fill in at the end on whichever worker is
+    free first."""
+    if "integration" not in item.keywords:
+        return 2
+    return 0 if any(mark in item.keywords for mark in ("slow", "real_model", "own_processes")) else 1
+
+
+def _longest_first(items) -> None:
+    tier: dict[str, int] = {}
+    for item in items:
+        unit = _unit_of(item)
+        tier[unit] = min(tier.get(unit, 2), _cost_tier(item))
+    items.sort(key=lambda item: tier[_unit_of(item)])  # stable: collection order within a tier
+
+
 def pytest_collection_modifyitems(config, items):
+    _longest_first(items)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

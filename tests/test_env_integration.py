@@ -336,6 +336,12 @@ def test_an_engine_dying_inside_an_environment_step_is_replaced(tmp_path):
     assert all(r["rollout/samples"] == 8 * 2 and r["env/turns_mean"] == 2.0 for r in rows)
 
 
+# The plan of the agent runs below (one set of actors, kept from run to run: launcher.keep_actors): two
+# engines, each serving its agents' calls; two policy ranks, each hosting its reference rank
+# (placement.reference_in_actor).
+AGENT_PLAN = ["placement.engines=2", "placement.actor_ranks=2", "placement.reference_ranks=2"]
+
+
 def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
     """`env=agent` with the example agent in a whole run: every trajectory's calls merge (none
     unmerged, no agent errors), the policy trains on them, and once the run has ended nothing
@@ -344,7 +350,7 @@ def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
 
     cfg = compose_config(["experiment=quick", "algo.num_steps=2", "checkpoint.export_final=false", "env=agent",
                           f"env.path={EXAMPLE_AGENT}", "env.name=three_tries", "env.max_tokens_per_turn=8",
-                          "data.response_max_len=40", "placement.engines=2", *SHARED_RAY])
+                          "data.response_max_len=40", *AGENT_PLAN, *SHARED_RAY])
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     endpoints = []
@@ -390,8 +396,7 @@ def test_every_conversation_of_an_agent_trains_on_every_rank_layout(tmp_path, tr
     path.write_text(TWO_CONVERSATIONS.format(examples=str(Path(EXAMPLE_AGENT).parent)))
     rows = _run(["experiment=quick", "algo.num_steps=2", "checkpoint.export_final=false", "env=agent", f"env.path={path}",
                  "env.name=answer_then_retry_afresh", "env.max_tokens_per_turn=8", "data.response_max_len=16",
-                 # two reference ranks: each inside its policy rank's process (placement.reference_in_actor)
-                 "placement.actor_ranks=2", "placement.reference_ranks=2", f"transfer={transfer}"], tmp_path / "run")
+                 *AGENT_PLAN, f"transfer={transfer}"], tmp_path / "run")
     for r in rows:
         assert r["rollout/samples"] == 16 and r["rollout/sequences"] == 32
         assert r["env/calls_mean"] == 2.0 and r["env/unmerged_calls"] == 16 and r["env/agent_errors"] == 0

@@ -101,6 +101,32 @@ def test_verl_parquet_evaluated_before_training_trains_dr_grpo_packed(digit_file
     assert rows[1]["loss/policy"] != 0.0
 
 
+# 0: inline on the engine -- off the main thread (the engine's liveness check has a thread of its
+# own), where a watchdog raises the timeout into the scoring thread; 2: two Ray tasks.
+@pytest.mark.parametrize("pool_size", [0, pytest.param(2, marks=pytest.mark.extended)])  # the pool alone: test_reward_execution
+def test_raising_and_hanging_rewards_score_zero_are_counted_and_the_step_completes(tmp_path, pool_size, shared_ray):
+    flaky = tmp_path / "flaky_reward.py"
+    flaky.write_text(
+        "import time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if '1' in ground_truth:\n"
+        "        raise ValueError('no ones')\n"
+        "    if '2' in ground_truth:\n"
+        "        deadline = time.monotonic() + 30\n"
+        "        while time.monotonic() < deadline:  # a verifier stuck in a Python loop\n"
+        "            pass\n"
+        "    return 1.0\n"
+    )
+    t0 = time.perf_counter()
+    # Dr. GRPO: the previous test's plan, so its kept actors serve this run (launcher.keep_actors).
+    _train(["experiment=quick", "algo=dr_grpo", "algo.num_steps=1", "algo.rollout_batch_size=16", "reward=custom", f"reward.path={flaky}",
+            "reward.timeout_s=0.5", f"reward.pool_size={pool_size}"], tmp_path / "run")
+    row = _metrics(tmp_path / "run")[0]
+    assert row["reward/errors"] > 0 and row["reward/timeouts"] > 0, row
+    assert row["rollout/samples"] == 32
+    assert time.perf_counter() - t0 < 240  # no sample waited its full 30 s
+
+
 # ----------------------------------------------------------------------------- reward model
 def test_reward_model_role_with_a_rule_term_scores_like_hugging_face(tmp_path, shared_ray):
     """reward=model plus a rule term: the final score is weight x model + rule_weight x rule, and the
@@ -214,28 +240,3 @@ def test_reward_returning_nan_stops_the_run_naming_function_and_sample(tmp_path,
     last = err.getvalue().strip().splitlines()[-1]
     assert "compute_score" in last and "sample" in last and "nan" in last.lower()
     assert all_resources_free()
-
-
-# 0: inline on the engine -- off the main thread (the engine's liveness check has a thread of its
-# own), where a watchdog raises the timeout into the scoring thread; 2: two Ray tasks.
-@pytest.mark.parametrize("pool_size", [0, pytest.param(2, marks=pytest.mark.extended)])  # the pool alone: test_reward_execution
-def test_raising_and_hanging_rewards_score_zero_are_counted_and_the_step_completes(tmp_path, pool_size, shared_ray):
-    flaky = tmp_path / "flaky_reward.py"
-    flaky.write_text(
-        "import time\n"
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    if '1' in ground_truth:\n"
-        "        raise ValueError('no ones')\n"
-        "    if '2' in ground_truth:\n"
-        "        deadline = time.monotonic() + 30\n"
-        "        while time.monotonic() < deadline:  # a verifier stuck in a Python loop\n"
-        "            pass\n"
-        "    return 1.0\n"
-    )
-    t0 = time.perf_counter()
-    _train(["experiment=quick", "algo.num_steps=1", "algo.rollout_batch_size=16", "reward=custom", f"reward.path={flaky}",
-            "reward.timeout_s=0.5", f"reward.pool_size={pool_size}"], tmp_path / "run")
-    row = _metrics(tmp_path / "run")[0]
-    assert row["reward/errors"] > 0 and row["reward/timeouts"] > 0, row
-    assert row["rollout/samples"] == 32
-    assert time.perf_counter() - t0 < 240  # no sample waited its full 30 s

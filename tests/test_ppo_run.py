@@ -36,7 +36,8 @@ def test_sweep_runs_each_job_in_its_own_dir_and_summarises_every_job(tmp_path):
     sweep_dir = tmp_path / "sweep"
     # Two jobs: one trains, one is refused before Ray (NCCL on a CPU machine); the sweep goes on.
     proc = subprocess.run(
-        [sys.executable, "run.py", "-m", "experiment=quick", "algo.num_steps=1",
+        # GRPO: no critic process to start (the sweep is what is tested, not the algorithm)
+        [sys.executable, "run.py", "-m", "experiment=quick", "algo=grpo", "algo.num_steps=1",
          "sync=gloo_per_tensor,nccl_bucketed", f"hydra.sweep.dir={sweep_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=1200,
     )
@@ -152,7 +153,11 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# The colocated layout is the full tier's (`make test-full`): CI runs the split one end to end, and
+# roles sharing one bundle's GPU with real Ray actors in test_ray_placement
+# (test_colocated_roles_on_one_bundle_share_its_gpu), the reference inside the policy's process in
+# test_warm_actors.
+@pytest.mark.parametrize("layout", [pytest.param("colocated", marks=pytest.mark.extended), "split"])
 def test_ppo_step_on_logical_gpu_layout_lands_where_planned(tmp_path, layout, shared_ray):
     cfg = compose_config(["experiment=quick", "algo.num_steps=1", *LAYOUTS[layout], *shared_ray])
     launcher = instantiate(cfg.launcher)

@@ -73,7 +73,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
 
 
 # slow (~195 s on 2 cores): four CLI runs that must own their processes -- the uninterrupted run,
-# one SIGKILLed, one resumed and stopped by SIGINT, one resumed to the end -- and a vLLM load of the export.
+# one SIGKILLed, one resumed and stopped by SIGINT, one resumed to the end.
 @pytest.mark.slow
 @pytest.mark.own_processes
 def test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit(tmp_path):
@@ -134,16 +134,9 @@ def test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit
     assert _comparable(_metrics(cut)) == _comparable(_metrics(whole))
     assert json.loads((cut / "summary.json").read_text())["status"] == "completed"
     assert (cut / ".hydra" / "config.yaml").exists()  # the first invocation's config is kept
-    # The final export is a Hugging Face checkpoint vLLM loads and generates with.
-    script = (
-        "import sys; from vllm import LLM, SamplingParams; "
-        "llm = LLM(model=sys.argv[1], dtype='float32', max_model_len=64, enforce_eager=True); "
-        "out = llm.generate(['12 3'], SamplingParams(max_tokens=4, temperature=0)); "
-        "print('GENERATED', len(out[0].outputs[0].token_ids))"
-    )
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    gen = subprocess.run([sys.executable, "-c", script, str(cut / "policy_hf")], capture_output=True, text=True, env=env, timeout=600)
-    assert "GENERATED" in gen.stdout, gen.stderr[-3000:]
+    # The final export of the resumed run is written (that an export loads in transformers and vLLM
+    # with equal log-probs is test_real_model's, on the real model).
+    assert (cut / "policy_hf" / "config.json").exists()
 
 
 # slow (~80 s): two runs (uninterrupted and stopped + resumed) of two ZeRO-3 ranks with one-step-off

@@ -31,17 +31,38 @@ SEQUENCES = [[1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 20, 21, 4, 5], [1, 30, 31, 32, 
 ENV = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
 
 
-def _policy_ranks(model_path: str, zero_stage: int, ranks: int) -> list:
-    spec = TrainerSpec(
+def _spec(model_path: str, zero_stage: int, ranks: int) -> TrainerSpec:
+    return TrainerSpec(
         model_path=model_path, dtype="float32", zero_stage=zero_stage, micro_batch_size=2, train_batch_size=2 * ranks,
         data_parallel_size=ranks, pad_id=0, temperature=1.0, lr=1e-4, weight_decay=0.0, grad_clip=1.0,
         clip_eps=0.2, ppo_epochs=1, seed=0,
     )
-    workers = [ray.remote(PolicyWorker).options(num_cpus=1, runtime_env=ENV).remote(spec, r, ranks) for r in range(ranks)]
-    host, port = ray.get(workers[0].rendezvous_address.remote())
-    ray.get([w.init_distributed.remote(host, port) for w in workers])  # collective: all ranks at once
-    ray.get([w.build.remote() for w in workers])
-    return workers
+
+
+class Policies:
+    """Policy ranks by (ZeRO stage, data-parallel ranks): one group of processes per size (multi-sender
+    strategies need two ranks), rebuilt in place (`PolicyWorker.build(spec)`, as kept actors are) when
+    a test asks for the other stage -- three trainer processes instead of one group per key."""
+
+    def __init__(self, model_path: str):
+        self.model_path = model_path
+        self.groups: dict[int, list] = {}
+        self.stage: dict[int, int] = {}
+        for ranks in (1, 2):
+            spec = _spec(model_path, 2, ranks)
+            workers = [ray.remote(PolicyWorker).options(num_cpus=1, runtime_env=ENV).remote(spec, r, ranks) for r in range(ranks)]
+            host, port = ray.get(workers[0].rendezvous_address.remote())
+            ray.get([w.init_distributed.remote(host, port) for w in workers])  # collective: all ranks at once
+            ray.get([w.build.remote() for w in workers])
+            self.groups[ranks], self.stage[ranks] = workers, 2
+
+    def __getitem__(self, key: tuple[int, int]) -> list:
+        zero_stage, ranks = key
+        workers = self.groups[ranks]
+        if self.stage[ranks] != zero_stage:  # every rank at once: ZeRO partitions collectively
+            ray.get([w.build.remote(_spec(self.model_path, zero_stage, ranks)) for w in workers])
+            self.stage[ranks] = zero_stage
+        return workers
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +70,7 @@ def cluster(tiny_model_path):
     ray.init(address="local", num_cpus=16, num_gpus=0, include_dashboard=False, runtime_env=ENV)
     spec = EngineSpec(model_path=tiny_model_path, dtype="float32", max_model_len=256)
     engines = [VLLMEngineActor.options(num_cpus=1, runtime_env=ENV).remote(spec, i) for i in range(2)]
-    # Policies by (ZeRO stage, data-parallel ranks): multi-sender strategies need two ranks.
-    policies = {(stage, ranks): _policy_ranks(tiny_model_path, stage, ranks) for stage in (2, 3) for ranks in (1, 2)}
+    policies = Policies(tiny_model_path)
     ray.get([e.ping.remote() for e in engines])
     yield engines, policies
     ray.shutdown()
@@ -90,8 +110,9 @@ def _trainer_logprobs(policy_ranks: list) -> list[list[float]]:
     return ray.get([p.logprobs_of.remote(SEQUENCES) for p in policy_ranks])[0]
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+# Every strategy at ZeRO-2, then every one at ZeRO-3: the policy processes are rebuilt once per stage.
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("zero_stage", [2, 3])
 def test_engine_logprobs_equal_trainer_after_sync(cluster, strategy, zero_stage):
     engines, policies = cluster
     ranks, factory = STRATEGIES[strategy]
