@@ -35,16 +35,18 @@ def pytest_itemcollected(item):
 
 
 def pytest_configure(config):
-    # xdist queues its work units (a module's group, or one test) largest group first, so a long test
-    # that is a unit of its own (the kill-and-resume test: ~4 min) used to start last and run alone
-    # at the end. Queue them in the order `_longest_first` gives instead.
+    # xdist's loadgroup/loadscope queue their work units (a module's group, or one test) largest group
+    # first, so a long test that is a unit of its own (the kill-and-resume test: ~4 min) used to start
+    # last and run alone at the end. Queue them in collection order, which `_longest_first` sets
+    # (this overrides `--loadscope-reorder`; without xdist, or under `--dist load`, nothing reads it).
     config.option.loadscopereorder = False
 
 
 def _unit_of(item) -> str:
-    """The xdist work unit an item runs in: its module's group, or the test alone."""
-    group = item.get_closest_marker("xdist_group")
-    return f"@{group.args[0]}" if group else item.nodeid
+    """The xdist work unit an item runs in: its group, named as xdist's worker names it (every
+    `xdist_group` mark's name, sorted, joined with "_"), or the test alone."""
+    names = {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+    return "@" + "_".join(sorted(names)) if names else item.nodeid
 
 
 def _cost_tier(item) -> int:
@@ -64,6 +66,7 @@ def _longest_first(items) -> None:
     items.sort(key=lambda item: tier[_unit_of(item)])  # stable: collection order within a tier
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` deselection: tiers of the tests that run
 def pytest_collection_modifyitems(config, items):
     _longest_first(items)
     if has_cuda():

@@ -272,26 +272,26 @@ class TestMultiNode:
 
 # --------------------------------------------------------------------------- local launcher
 class TestLocalLauncher:
-    # One test, two Ray sessions (each start is ~8 CPU-seconds): a session that raises shuts Ray
-    # down, the next one in the same process starts cleanly with the asked resources, refuses to nest,
-    # and shuts down at its end.
+    # One test, one launcher, two Ray sessions (each start is ~8 CPU-seconds): a session whose body
+    # raises shuts Ray down; the next one of the same launcher starts cleanly with the asked
+    # resources, refuses a nested session without touching its own, and shuts down at its end.
     def test_sessions_start_and_stop_in_one_process_even_when_the_body_raises_and_refuse_to_nest(self) -> None:
+        launcher = LocalRayLauncher(logical_gpus=2, num_cpus=4)
         with pytest.raises(ZeroDivisionError):
-            with LocalRayLauncher(num_cpus=2).session():
+            with launcher.session():
                 assert ray.is_initialized()
                 1 / 0
         assert not ray.is_initialized()
-        launcher = LocalRayLauncher(logical_gpus=2, num_cpus=4)
         with launcher.session() as session:  # a later session starts cleanly
             assert session is launcher
             resources = ray.cluster_resources()
             assert resources["CPU"] == 4
             assert resources.get("GPU", 0) == launcher.gpus_present()
             with pytest.raises(RuntimeError, match="already initialised"):
-                with LocalRayLauncher(num_cpus=2).session():
+                with launcher.session():
                     pass
-            assert ray.is_initialized()  # the outer session is untouched
-        assert not ray.is_initialized()
+            assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 4  # the outer session is untouched
+        assert not ray.is_initialized()  # ... and the refused nested call did not keep it from shutting down
 
 
 # --------------------------------------------------------------------------- launcher construction

@@ -112,7 +112,7 @@ def test_every_experiment_plans_its_published_cluster_and_scales_to_this_machine
 
 # Two steps scaled, end to end, for the two experiments whose shapes no other end-to-end test has:
 # DAPO (dynamic sampling, overlong shaping, no reference) and split with a reward-model role. Colocated
-# PPO with a critic and GRPO run end to end elsewhere (test_ppo_run, test_learning) and the report code
+# PPO with a critic (test_ppo_run, the full tier) and GRPO (test_learning) run end to end elsewhere, and the report code
 # is the same for every experiment; each experiment passes every pre-Ray check scaled (the test above).
 # CI (`make test`) runs the first; the reward-model split one is in the full tier (`make test-full`):
 # CI runs a reward-model role end to end in test_own_data_and_reward.

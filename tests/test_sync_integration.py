@@ -41,26 +41,30 @@ def _spec(model_path: str, zero_stage: int, ranks: int) -> TrainerSpec:
 
 class Policies:
     """Policy ranks by (ZeRO stage, data-parallel ranks): one group of processes per size (multi-sender
-    strategies need two ranks), rebuilt in place (`PolicyWorker.build(spec)`, as kept actors are) when
-    a test asks for the other stage -- three trainer processes instead of one group per key."""
+    strategies need two ranks; 1 + 2 processes), reset and rebuilt in place for the other stage as
+    kept actors are (`PolicyWorker.reset` then `build`). They start at ZeRO-3 (what a new process
+    must get right; the cases run stage 3 first), and switch to ZeRO-2 once."""
 
     def __init__(self, model_path: str):
         self.model_path = model_path
         self.groups: dict[int, list] = {}
-        self.stage: dict[int, int] = {}
+        self.stage: dict[int, int | None] = {}
         for ranks in (1, 2):
-            spec = _spec(model_path, 2, ranks)
+            spec = _spec(model_path, 3, ranks)
             workers = [ray.remote(PolicyWorker).options(num_cpus=1, runtime_env=ENV).remote(spec, r, ranks) for r in range(ranks)]
             host, port = ray.get(workers[0].rendezvous_address.remote())
             ray.get([w.init_distributed.remote(host, port) for w in workers])  # collective: all ranks at once
             ray.get([w.build.remote() for w in workers])
-            self.groups[ranks], self.stage[ranks] = workers, 2
+            self.groups[ranks], self.stage[ranks] = workers, 3
 
     def __getitem__(self, key: tuple[int, int]) -> list:
         zero_stage, ranks = key
         workers = self.groups[ranks]
-        if self.stage[ranks] != zero_stage:  # every rank at once: ZeRO partitions collectively
-            ray.get([w.build.remote(_spec(self.model_path, zero_stage, ranks)) for w in workers])
+        if self.stage[ranks] != zero_stage:
+            self.stage[ranks] = None  # a rebuild that fails half-way leaves no stage to reuse
+            spec = _spec(self.model_path, zero_stage, ranks)
+            ray.get([w.reset.remote(spec) for w in workers])
+            ray.get([w.build.remote() for w in workers])  # every rank at once: ZeRO partitions collectively
             self.stage[ranks] = zero_stage
         return workers
 
@@ -110,9 +114,9 @@ def _trainer_logprobs(policy_ranks: list) -> list[list[float]]:
     return ray.get([p.logprobs_of.remote(SEQUENCES) for p in policy_ranks])[0]
 
 
-# Every strategy at ZeRO-2, then every one at ZeRO-3: the policy processes are rebuilt once per stage.
+# Every strategy at ZeRO-3, then every one at ZeRO-2: the policy processes are rebuilt once.
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("zero_stage", [3, 2])
 def test_engine_logprobs_equal_trainer_after_sync(cluster, strategy, zero_stage):
     engines, policies = cluster
     ranks, factory = STRATEGIES[strategy]
