@@ -179,8 +179,9 @@ def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path, shared_ray
 
 @pytest.mark.own_processes
 def test_sigterm_during_start_up_stops_before_the_first_step_with_exit_143(tmp_path):
-    """Slurm's SIGTERM while Ray and the actors start: no step runs, nothing is exported, the
-    summary says so, exit 143. (Real signal, real start-up; ~20 s.)"""
+    """Slurm's SIGTERM while Ray and the actors start: the start-up is given up at once (the actors
+    killed mid-start, not waited for: Slurm's SIGKILL follows within its grace period), no step runs,
+    nothing is exported, the summary says so, exit 143. (Real signal, real start-up; ~15 s.)"""
     run = tmp_path / "run"
     proc = _start(run, "checkpoint.export_final=false")
     lines: list[str] = []
@@ -194,6 +195,7 @@ def test_sigterm_during_start_up_stops_before_the_first_step_with_exit_143(tmp_p
     os.kill(proc.pid, signal.SIGTERM)
     rc, out = _finish(proc)
     assert rc == 143, "".join(lines) + out[-3000:]
+    assert "SIGTERM: stopped during start-up (no step ran)" in out, out[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM" and summary["steps"] == 0
     assert not (run / "metrics.jsonl").exists() or _steps_logged(run) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -48,6 +49,31 @@ class HostedReference:
 
 class ActorStartError(RuntimeError):
     """An actor failed while starting (bad checkpoint, out of memory, ...)."""
+
+
+class StartupStopped(Exception):
+    """A stop signal arrived while the actors were starting: they were killed, no step ran."""
+
+
+# How often a start-up wait looks at the stop request (a signal during start-up stops the run within
+# about this long, instead of after every engine and trainer has finished starting).
+_STOP_POLL_S = 0.5
+
+
+def wait_starting(refs: list, timeout_s: float, stopped: Callable[[], bool] | None) -> list:
+    """`ray.get(refs, timeout=timeout_s)`, given up (StartupStopped) once `stopped()` is true."""
+    if stopped is None:
+        return ray.get(refs, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        if stopped():
+            raise StartupStopped()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return ray.get(refs, timeout=0)  # raises GetTimeoutError as ray.get would have
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(_STOP_POLL_S, left))
+    return ray.get(refs)
 
 
 @dataclass
@@ -163,10 +189,12 @@ def start_role_actors(
     reward_spec: TrainerSpec | None = None,
     warm: RoleActors | None = None,
     shares_cuda_memory: bool = False,
+    stopped: Callable[[], bool] | None = None,
 ) -> RoleActors:
     """Every role's actors in their bundles, built and answering. `warm`: the actors of an earlier
     run on the same plan (`rlhf_orch.orchestration.warm_actors`), reset to what new ones start as
-    and then built the same way; their torch.distributed groups, which the plan fixes, are kept."""
+    and then built the same way; their torch.distributed groups, which the plan fixes, are kept.
+    `stopped`: a stop request (a signal) -- once true, the actors are killed and StartupStopped raised."""
     env = {**_ACTOR_ENV, **cpu_kv_cache_env(kv_cache_gb)}
     engine_slots = plan.slots_for("engine")
     if plan.reference_in_actor:  # each policy rank loads the reference too; no reference process starts
@@ -215,13 +243,16 @@ def start_role_actors(
             # warm ranks already form theirs.
             inits = []
             for group in (g for g in (actors.policy, actors.critic) if g):
-                host, port = ray.get(group[0].rendezvous_address.remote(), timeout=timeout_s)
+                host, port = wait_starting([group[0].rendezvous_address.remote()], timeout_s, stopped)[0]
                 inits += [a.init_distributed.remote(host, port) for a in group]
-            ray.get(inits, timeout=timeout_s)
-        ray.get([a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference, *actors.reward)], timeout=timeout_s)
+            wait_starting(inits, timeout_s, stopped)
+        wait_starting([a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference, *actors.reward)], timeout_s, stopped)
         if plan.reference_in_actor:
             actors.reference = [HostedReference(p) for p in actors.policy]
-        ray.get([e.ping.remote() for e in actors.engines], timeout=timeout_s)
+        wait_starting([e.ping.remote() for e in actors.engines], timeout_s, stopped)
+    except StartupStopped:
+        actors.kill()
+        raise
     except ray.exceptions.GetTimeoutError as e:
         actors.kill()
         raise ActorStartError(

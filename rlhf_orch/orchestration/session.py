@@ -19,7 +19,7 @@ from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import named
 from rlhf_orch.orchestration import warm_actors
-from rlhf_orch.orchestration.actors import ActorStartError, RoleActors, not_answering, start_role_actors
+from rlhf_orch.orchestration.actors import ActorStartError, RoleActors, StartupStopped, not_answering, start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import ResumeError
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
@@ -230,11 +230,15 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
     transfer, sync, pipeline = instantiate(cfg.transfer), instantiate(cfg.sync), instantiate(cfg.pipeline)
     sync.use_plan(run.plan)  # CUDA IPC: which policy rank feeds which engine worker
     run.lost, run.final_note = False, ""
-    actors = start_role_actors(
-        run.plan, placement, run.engines, run.specs["actor"], run.specs.get("critic"), run.specs.get("reference"),
-        typed.launcher.startup_timeout_s, typed.engine.kv_cache_gb, run.reward_spec, warm=warm,
-        shares_cuda_memory=sync.shares_cuda_memory,
-    )
+    try:
+        actors = start_role_actors(
+            run.plan, placement, run.engines, run.specs["actor"], run.specs.get("critic"), run.specs.get("reference"),
+            typed.launcher.startup_timeout_s, typed.engine.kv_cache_gb, run.reward_spec, warm=warm,
+            shares_cuda_memory=sync.shares_cuda_memory, stopped=lambda: run.stop.requested,
+        )
+    except StartupStopped:  # nothing ran, nothing to keep: the actors were killed mid-start
+        print(f"{run.stop.name}: stopped during start-up (no step ran)", flush=True)
+        return {"status": "interrupted", "signal": run.stop.name}
     loop: TrainLoop | None = None
     completed = False  # only a completed run's actors are kept (nothing of it is left running)
     try:
