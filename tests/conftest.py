@@ -138,6 +138,17 @@ def shared_ray():
     ray.shutdown()
 
 
+def start_trainer_ranks(cls, spec, ranks: int, runtime_env: dict) -> list:
+    """`ranks` data-parallel ranks of a trainer class (`PolicyWorker`, `CriticWorker`) as bare Ray actors,
+    joined in one torch.distributed world (rank 0 hosts it; every rank joins at once). Not built."""
+    import ray
+
+    workers = [ray.remote(cls).options(num_cpus=1, runtime_env=runtime_env).remote(spec, r, ranks) for r in range(ranks)]
+    host, port = ray.get(workers[0].rendezvous_address.remote())
+    ray.get([w.init_distributed.remote(host, port) for w in workers])
+    return workers
+
+
 def train_in_process(overrides: list[str], run_dir: Path, callbacks=()) -> dict:
     """One run in this process, as run.py would start it (composed, checked, trained); its summary."""
     from rlhf_orch.app import check

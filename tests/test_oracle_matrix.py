@@ -52,7 +52,7 @@ from rlhf_orch.trainer.metrics import trainer_metrics
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, TrainerSpec
 from rlhf_orch.transfer.batch import LOSS_MASK, Sample
 from rlhf_orch.transfer.engine_side import rollout_meta
-from tests.conftest import compose_config
+from tests.conftest import compose_config, start_trainer_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -144,11 +144,7 @@ def _spec(model_path: str, ranks: int, cut: str, optimizer: str, epochs: int, cr
 
 
 def _group(cls, model_path: str, ranks: int) -> list:
-    spec = _spec(model_path, ranks, "one_step", "sgd", 1, False)
-    workers = [ray.remote(cls).options(num_cpus=1, runtime_env=ENV).remote(spec, r, ranks) for r in range(ranks)]
-    host, port = ray.get(workers[0].rendezvous_address.remote())
-    ray.get([w.init_distributed.remote(host, port) for w in workers])
-    return workers
+    return start_trainer_ranks(cls, _spec(model_path, ranks, "one_step", "sgd", 1, False), ranks, ENV)
 
 
 @pytest.fixture(scope="module")

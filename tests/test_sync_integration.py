@@ -23,6 +23,7 @@ from rlhf_orch.sync.multi_sender import MultiSenderBroadcastSync
 from rlhf_orch.sync.object_store import ObjectStoreSync
 from rlhf_orch.sync.per_tensor import PerTensorBroadcastSync
 from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec
+from tests.conftest import start_trainer_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -50,10 +51,7 @@ class Policies:
         self.groups: dict[int, list] = {}
         self.stage: dict[int, int | None] = {}
         for ranks in (1, 2):
-            spec = _spec(model_path, 3, ranks)
-            workers = [ray.remote(PolicyWorker).options(num_cpus=1, runtime_env=ENV).remote(spec, r, ranks) for r in range(ranks)]
-            host, port = ray.get(workers[0].rendezvous_address.remote())
-            ray.get([w.init_distributed.remote(host, port) for w in workers])  # collective: all ranks at once
+            workers = start_trainer_ranks(PolicyWorker, _spec(model_path, 3, ranks), ranks, ENV)
             ray.get([w.build.remote() for w in workers])
             self.groups[ranks], self.stage[ranks] = workers, 3
 
