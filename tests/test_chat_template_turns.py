@@ -275,6 +275,50 @@ def test_environment_metrics_are_aggregated_by_the_environment_s_class(smollm2_t
     assert env.aggregate([t.env_metrics for t in out]) == {"env/gsm8k_multi_turn/avg_steps": 1.5}
 
 
+def test_per_turn_rewards_sit_on_each_turn_s_last_token(smollm2_tokenizer):
+    """env.reward=per_turn with skyrl-gym's gsm8k_multi_turn (turn-level rewards: 1 for the right
+    answer, 0.2 / max_turns for a well-formatted wrong one): each step's reward lands on its turn's
+    closing <|im_end|>, the score is their sum, and REINFORCE++'s return-to-go then gives a turn's
+    tokens the rewards from that turn on -- where env.reward=sum gives every token the sum."""
+    import torch
+
+    from rlhf_orch.algo.advantages import reinforce_pp_returns
+    from rlhf_orch.env.skyrl import SkyRLEnv
+
+    tok = smollm2_tokenizer
+    env = SkyRLEnv(env_class="gsm8k_multi_turn", reward="per_turn", max_turns=3)
+    assert env.places_turn_rewards and not SkyRLEnv(env_class="gsm8k_multi_turn", reward="sum").places_turn_rewards
+    prompt = Prompt(text="q", label="42", messages=({"role": "user", "content": "What is 6 times 7?"},),
+                    env_fields={"reward_spec": {"method": "rule", "ground_truth": "42"}, "extra_info": {"max_turns": 3}})
+    scripts = {(0, 0): _turn(tok, "I think 40"), (0, 1): _turn(tok, "#### 41"), (0, 2): _turn(tok, "#### 42")}
+    generator = ScriptedGenerator(scripts)
+    generator.decode = lambda t: tok.decode(t, skip_special_tokens=True)
+    runner = MultiTurnRunner(env.make, generator, env.renderer(tok), env.limits(256), 1, 10.0, "strict")
+    (t,) = list(runner.run([(0, prompt, _chat(tok, list(prompt.messages), {}))]))
+    assert t.turn_rewards == pytest.approx([0.0, 0.2 / 3, 1.0]) and t.reward("per_turn") == pytest.approx(0.2 / 3 + 1.0)
+    placed = t.turn_reward_field()
+    ends = [k for k, r in enumerate(placed) if r]
+    assert [t.response_ids[k] for k in ends] == [tok.convert_tokens_to_ids("<|im_end|>")] * 2  # turns 2 and 3 close there
+    assert [placed[k] for k in ends] == pytest.approx([0.2 / 3, 1.0]) and all(t.loss_mask[k] for k in ends)
+    assert ends[-1] == len(t.response_ids) - 1
+
+    mask = torch.tensor([t.loss_mask], dtype=torch.bool)
+    score = torch.tensor([t.reward("per_turn")])
+    per_turn = reinforce_pp_returns(score, mask, placed=torch.tensor([placed]))[0]
+    summed = reinforce_pp_returns(score, mask)[0]
+    turn_of = [k for k, (a, b) in enumerate(_spans(t.loss_mask)) for _ in range(a, b)]
+    model = [k for k, m in enumerate(t.loss_mask) if m]
+    by_turn = {turn: {round(float(per_turn[k]), 5) for k, tt in zip(model, turn_of) if tt == turn} for turn in range(3)}
+    assert by_turn == {0: {round(0.2 / 3 + 1, 5)}, 1: {round(0.2 / 3 + 1, 5)}, 2: {1.0}}
+    assert {round(float(summed[k]), 5) for k in model} == {round(0.2 / 3 + 1, 5)}
+
+
+def _spans(mask):
+    from rlhf_orch.transfer.batch import model_turn_spans
+
+    return model_turn_spans(mask)
+
+
 def test_a_template_closing_turns_with_another_token_than_the_tokenizer_s_eos(smollm2_tokenizer):
     """Phi-3 / Gemma style: the tokenizer's EOS is <|endoftext|>, the template closes turns with
     <|im_end|> -- an engine stop id from the generation config. Given it, the newline is kept."""

@@ -249,13 +249,19 @@ def test_a_skyrl_gym_environment_trains_from_a_skyrl_parquet_and_evaluates(tmp_p
 
 
 def test_one_step_off_multi_turn_resume_is_exact(tmp_path, env_file):
-    """The step-1 checkpoint carries step 2's held multi-turn rollout (loss masks and env counters
-    included); the resumed run's metrics equal the uninterrupted run's."""
-    overrides = [*_env_overrides(env_file), "experiment=quick", "algo.num_steps=3", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3",
-                 "checkpoint.export_final=false", "pipeline=one_step_off", "algo.tis_cap=2"]
+    """PPO on per-turn rewards (env.reward=per_turn): each try's reward reaches the policy ranks on
+    its turn's last token (the rollout dump reads them back from the rank). The step-1 checkpoint
+    carries step 2's held multi-turn rollout (loss masks, turn rewards and env counters included);
+    the resumed run's metrics equal the uninterrupted run's."""
+    overrides = [*_env_overrides(env_file), "env.reward=per_turn", "experiment=quick", "algo.num_steps=3", "checkpoint.every_n_steps=1",
+                 "checkpoint.keep_last=3", "checkpoint.export_final=false", "pipeline=one_step_off", "algo.tis_cap=2"]
     whole = tmp_path / "whole"
     rows = _run(overrides, whole)
     assert all(r["env/turns_mean"] == 2.0 for r in rows)
+    dumped = [json.loads(line) for p in sorted((whole / "rollouts").glob("step_*.jsonl")) for line in p.read_text().splitlines()]
+    assert dumped and all(d["turns"] == 2 and len(d["turn_rewards"]) == len(d["turn_advantages"]) == 2 for d in dumped)
+    assert all(sum(d["turn_rewards"]) == pytest.approx(d["reward"], abs=1e-5) for d in dumped)
+    assert any(d["turn_rewards"][0] > 0 for d in dumped), "no first try was rewarded on its own turn"
     cut = tmp_path / "cut"
     shutil.copytree(whole / "checkpoints" / "step_00000001", cut / "checkpoints" / "step_00000001")
     (cut / "metrics.jsonl").write_text((whole / "metrics.jsonl").read_text().splitlines()[0] + "\n")

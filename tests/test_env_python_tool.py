@@ -109,6 +109,33 @@ def test_tool_formats_beyond_hermes_are_vllm_s_parsers(smollm2_tokenizer):
     assert _env().chat_template_kwargs["tools"][0]["function"]["name"] == "python"
 
 
+def test_a_tool_format_whose_marker_is_a_special_token_reads_the_turn_with_it(smollm2_tokenizer):
+    """env.tool_format=mistral: `[TOOL_CALLS]` is a special token (here added to SmolLM2's tokenizer),
+    gone from the action skyrl-gym's contract decodes. The option's action decoder keeps special
+    tokens, as vLLM's OpenAI server does for its tool parsers, without the turn's closing EOS: the
+    call runs in the sandbox and the final answer still scores."""
+    import copy
+
+    from rlhf_orch.env.runner import MultiTurnRunner
+    from tests.test_env_runner import ScriptedGenerator
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    env = _env(tool_format="mistral")
+    env.attach(tok)
+    eos = [tok.eos_token_id]
+    call = tok('[TOOL_CALLS][{"name": "python", "arguments": {"code": "print(6*7)"}}]', add_special_tokens=False)["input_ids"] + eos
+    assert parse_tool_calls(tok.decode(call, skip_special_tokens=True), "mistral", tok) == []  # what skyrl-gym's action holds
+    generator = ScriptedGenerator({(0, 0): call, (0, 1): tok("#### 42", add_special_tokens=False)["input_ids"] + eos})
+    generator.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    prompt = Prompt(text="q", label="42", messages=({"role": "user", "content": "What is 6 times 7?"},))
+    runner = MultiTurnRunner(env.make, generator, env.renderer(tok), env.limits(256), 1, 30.0, "strict", env.action_decoder(tok))
+    (t,) = list(runner.run([(0, prompt, [])]))
+    assert (t.counts.turns, t.counts.tool_calls, t.counts.tool_errors) == (2, 1, 0) and t.turn_rewards == [0.0, 1.0]
+    assert "42" in tok.decode(generator.contexts[(0, 1)])  # the tool's output is the second turn's context
+    assert _env(tool_format="hermes").action_decoder(tok) is None  # built-in formats: skyrl-gym's action
+
+
 def test_a_host_whose_sandbox_lacks_a_boundary_is_refused_before_ray_unless_allowed(monkeypatch, tiny_model_path):
     """Not root, or a container without namespaces: the config check names what is missing and
     env.allow_weak_sandbox; the engine (another host on a cluster) refuses too; the console says."""

@@ -341,3 +341,24 @@ def test_vllm_turns_keep_the_stop_string_in_the_turn():
     VLLMTurns(llm, 0.7, step_seed=1, stop=["</sql>"]).submit(0, [1, 2], 8, 0)
     (params,) = llm.params
     assert params.stop == ["</sql>"] and params.include_stop_str_in_output and params.temperature == 0.7
+
+
+def test_turn_rewards_are_placed_on_each_turn_s_last_model_token():
+    """env.reward=per_turn's field: step k's reward on turn k's last token, after an environment
+    shortened the turn (skyrl-gym's postprocessed_action) on the new last token, and a turn with no
+    token of its own on the model token before it."""
+    from rlhf_orch.env.trajectory import Trajectory
+
+    t = Trajectory(0, [1, 2], limits())
+    t.add_turn([10, 11, 12], [0.0] * 3, hit_length=False)
+    t.turn_rewards.append(0.25)
+    t.shorten_last_turn(2)  # the environment used "10 11" only
+    assert t.add_observation([90, 91])
+    t.add_turn([], [], hit_length=False)  # an empty turn (EOS only, dropped by the engine)
+    t.turn_rewards.append(0.5)
+    assert t.add_observation([92])
+    t.add_turn([13, 14], [0.0] * 2, hit_length=False)
+    t.turn_rewards.append(1.0)
+    assert t.response_ids == [10, 11, 90, 91, 92, 13, 14]
+    assert t.turn_reward_field() == [0.0, 0.75, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert t.reward("per_turn") == t.reward("sum") == 1.75 and t.reward("last") == 1.0

@@ -50,7 +50,7 @@ from rlhf_orch.orchestration.loop import sample_values_by_index
 from rlhf_orch.trainer.forward import load_critic, load_policy
 from rlhf_orch.trainer.metrics import trainer_metrics
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, TrainerSpec
-from rlhf_orch.transfer.batch import LOSS_MASK, Sample
+from rlhf_orch.transfer.batch import LOSS_MASK, TURN_REWARDS, Sample
 from rlhf_orch.transfer.engine_side import rollout_meta
 from tests.conftest import compose_config, start_trainer_ranks
 
@@ -97,6 +97,15 @@ def _rollout() -> list[Sample]:
         if s.index in HOLED and n >= 4:
             mask[1 : n - 2] = [0.0] * (n - 3)
         s.fields[LOSS_MASK] = mask
+        # env.reward=per_turn: each turn's reward on its last token (a holed response's first turn is
+        # its token 0); sample 2 keeps 0.1 of its score off the turns (a reward group's share), which
+        # goes on the last token. Read by PPO and REINFORCE++ only (the others refuse per_turn).
+        placed = [0.0] * n
+        if n:
+            first = round(rng.uniform(-0.5, 0.5), 2) if s.index in HOLED and n >= 4 else 0.0
+            placed[0] += first
+            placed[-1] += s.reward - first - (0.1 if s.index == 2 else 0.0)
+        s.fields[TURN_REWARDS] = placed
     return samples
 
 
@@ -230,6 +239,7 @@ def _oracle(model_path, algo, optimizer, policy_steps, critic_steps):
         ref_logprobs=[list(s.fields["ref"]) for s in SAMPLES],
         engine_logprobs=[list(s.engine_logprobs) for s in SAMPLES],
         loss_masks=[[int(m) for m in s.fields[LOSS_MASK]] for s in SAMPLES],
+        turn_rewards=[list(s.fields[TURN_REWARDS]) for s in SAMPLES],
     )
     opt = Optimization(actor_lr=LR[optimizer], critic_lr=LR[optimizer] * 4, optimizer=optimizer, grad_clip=1.0, norm_len=MAX_RESPONSE_LEN)
     policy = copy.deepcopy(_initial_model(model_path, "policy")).train()

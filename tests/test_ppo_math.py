@@ -74,6 +74,19 @@ def test_token_rewards_leading_prompt_positions_and_empty_row():
     close(token_rewards(scores, kl, mask, kl_coef=0.1), [[0.0, -0.2, 1.7], [0.0, 0.0, 0.0]])
 
 
+def test_token_rewards_keep_placed_rewards_and_put_the_rest_of_the_score_last():
+    # env.reward=per_turn: row 0 has turn rewards 0.3 (position 0) and 0.5 (position 2) of a score
+    # of 1.0 -> [0.3, 0, 0.5 + (1.0 - 0.8)] = [0.3, 0, 0.7]; row 1's placed 0.4 sits on a masked
+    # position (an observation): not placed, so the whole score goes last -> [0, -1.0, 0]
+    scores = t([1.0, -1.0])
+    kl = torch.zeros(2, 3)
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    placed = t([[0.3, 0.0, 0.5], [0.0, 0.0, 0.4]])
+    out = token_rewards(scores, kl, mask, kl_coef=0.1, placed=placed)
+    close(out, [[0.3, 0.0, 0.7], [0.0, -1.0, 0.0]])
+    close(out.sum(-1), scores)  # a row's rewards still sum to its score
+
+
 # --------------------------------------------------------------------------- GAE
 def test_gae_gamma1_lam1_is_reward_to_go_minus_value():
     # r = [0.1, -0.2, 1.0]  reward-to-go = [0.9, 0.8, 1.0]

@@ -14,6 +14,7 @@ from reasoning_gym import get_score_answer_fn
 from rlhf_orch.data.base import DataError
 from rlhf_orch.data.reasoning_gym_task import ReasoningGymTask
 from rlhf_orch.logging.rollout_dump import RolloutDump, model_turns
+from rlhf_orch.transfer.batch import model_turn_spans
 from rlhf_orch.models.hub import ModelSourceError, check_model_source
 from rlhf_orch.models.packaged import check_packaged_gguf, gguf_model_id, packaged_file
 from rlhf_orch.reward.base import Response
@@ -180,6 +181,8 @@ def test_model_turns_count_runs_of_model_tokens():
     assert model_turns([0, 0, 1, 1, 1]) == 1
     assert model_turns([0, 1, 1, 0, 0, 1, 0, 1]) == 3
     assert model_turns([0, 0]) == 0
+    # each turn's [start, end): what the dump's turn_rewards / turn_advantages are read over
+    assert model_turn_spans([1, 1, 0, 0, 1, 0, 1]) == [(0, 2), (4, 5), (6, 7)] and model_turn_spans([0, 0]) == []
 
 
 def test_the_dump_reads_as_the_chat_template_renders_the_conversation(tmp_path, smollm2_tokenizer):

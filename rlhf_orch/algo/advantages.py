@@ -194,13 +194,15 @@ def reinforce_pp_returns(
     kl_coef: float = 0.0,
     gamma: float = 1.0,
     group_ids: Tensor | None = None,
+    placed: Tensor | None = None,
 ) -> Tensor:
     """REINFORCE++'s un-whitened per-token returns `[B, T]` (the part before global whitening).
 
     1. With `group_ids` (REINFORCE++-baseline): r_i <- r_i - mean(r_group) (a group of one -> 0).
     2. Token rewards: the score at each row's last real token, minus `kl_coef * kl` at every real
        token (`ppo_math.token_rewards`; `kl` is the per-token KL to the reference, e.g.
-       `losses.kl_divergence(..., "k1")`, and may hold garbage at masked positions).
+       `losses.kl_divergence(..., "k1")`, and may hold garbage at masked positions). `placed`:
+       per-turn rewards kept at their tokens, the rest of the score at the last one.
     3. Discounted return-to-go along each row, G_t = sum_k gamma^k r_{t+k} over real tokens
        (`gae_advantages` with V = 0, lam = 1; masked positions are skipped and come back 0).
     """
@@ -209,7 +211,7 @@ def reinforce_pp_returns(
         scores, _, _, _ = _group_stats(scores, group_ids)
     if kl is None:
         kl, kl_coef = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device), 0.0
-    rewards = token_rewards(scores, kl, mask, kl_coef)
+    rewards = token_rewards(scores, kl, mask, kl_coef, placed)
     returns, _ = gae_advantages(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
     return returns
 

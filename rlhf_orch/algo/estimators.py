@@ -6,7 +6,9 @@ An algorithm answers two questions, each in the place where it is cheapest:
   score per sample: the per-sample number the ranks need. Outcome estimators (GRPO, Dr. GRPO,
   RLOO, DAPO) return the advantage itself; REINFORCE++-baseline returns the group-centred score;
   PPO and REINFORCE++ return the score unchanged. Groups are always whole here (the driver sees
-  every sample), and only these floats go to the ranks -- never sequences.
+  every sample), and only these floats go to the ranks -- never sequences. (Per-turn rewards,
+  `env.reward=per_turn`, travel with the sequences; the rest of the score beyond them goes on the
+  last token: `ppo_math.token_rewards`.)
 * `token_targets(rows, all_reduce)` -- on each policy rank, per micro-batch rows `[b, T]`: token
   advantages (and the critic's returns for PPO). Batch-wide normalisation (PPO's whitening,
   REINFORCE++'s) uses moments summed over all data-parallel ranks through `all_reduce`, so it is
@@ -51,6 +53,7 @@ class TargetRows:
     old_logprobs: Tensor
     ref_logprobs: Optional[Tensor]  # None when the algorithm uses no reference
     values: Optional[Tensor]  # critic values; None without a critic
+    turn_rewards: Optional[Tensor] = None  # env.reward=per_turn: each turn's reward on its last token
 
 
 @dataclass
@@ -109,12 +112,14 @@ def _whiten_globally(tensors: list[Tensor], masks: list[Tensor], all_reduce: All
 
 @dataclass
 class PPO(PPOConfig, Algorithm):
-    """GAE over KL-shaped token rewards with the critic's values; whitened over the global batch."""
+    """GAE over KL-shaped token rewards with the critic's values; whitened over the global batch.
+    Per-turn rewards (`TargetRows.turn_rewards`) stay on their turns' last tokens."""
 
     def token_targets(self, rows: list[TargetRows], all_reduce: AllReduce) -> list[Targets]:
         out = []
         for r in rows:
-            rewards = token_rewards(r.sample_values, self._reward_kl(r), r.mask, self.kl_coef if self.kl_in_reward else 0.0)
+            coef = self.kl_coef if self.kl_in_reward else 0.0
+            rewards = token_rewards(r.sample_values, self._reward_kl(r), r.mask, coef, r.turn_rewards)
             adv, ret = gae_advantages(rewards, r.values, r.mask, self.gamma, self.lam)
             out.append(Targets(adv, ret, self._kl(r)))
         if self.whiten_advantages and out:
@@ -125,7 +130,8 @@ class PPO(PPOConfig, Algorithm):
 
 @dataclass
 class ReinforcePP(ReinforcePPConfig, Algorithm):
-    """REINFORCE++ (Hu 2025): return-to-go of (score - KL) per token, normalised over the global batch."""
+    """REINFORCE++ (Hu 2025): return-to-go of (score - KL) per token, normalised over the global batch.
+    Per-turn rewards stay on their turns' last tokens: a turn's tokens get the rewards from it on."""
 
     def sample_values(
         self, scores: Tensor, group_ids: Tensor, response_lens: Tensor, max_response_len: int
@@ -137,7 +143,10 @@ class ReinforcePP(ReinforcePPConfig, Algorithm):
 
     def token_targets(self, rows: list[TargetRows], all_reduce: AllReduce) -> list[Targets]:
         coef = self.kl_coef if self.kl_in_reward else 0.0
-        returns = [reinforce_pp_returns(r.sample_values, r.mask, self._reward_kl(r), coef, self.gamma) for r in rows]
+        returns = [
+            reinforce_pp_returns(r.sample_values, r.mask, self._reward_kl(r), coef, self.gamma, placed=r.turn_rewards)
+            for r in rows
+        ]
         advantages = _whiten_globally(returns, [r.mask for r in rows], all_reduce)
         return [Targets(a, None, self._kl(r)) for a, r in zip(advantages, rows)]
 

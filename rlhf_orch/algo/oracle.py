@@ -16,11 +16,13 @@ What one update is, for a rollout of N sequences (prompt x_i, response y_i, scor
    temperature). KL estimates compare them with the reference's log-probs (given).
 2. Advantages A_it (and, for PPO, returns R_it), per `algo`:
      PPO          GAE over token rewards (-kl_coef * KL_t, + r_i at the last token) with the
-                  critic's values V_old, R = A + V_old; A whitened over all tokens of the rollout
+                  critic's values V_old, R = A + V_old; A whitened over all tokens of the rollout.
+                  Per-turn rewards u_it (env.reward=per_turn; each turn's on its last token):
+                  + u_it at token t, and r_i - sum_t u_it (not r_i) at the last token
      GRPO         (r_i - mean_g) / (std_g + eps), std unbiased; Dr. GRPO: r_i - mean_g
      RLOO         r_i - mean of the other samples of the group
-     REINFORCE++  return-to-go of the token rewards (gamma), whitened over all tokens;
-                  -baseline: r_i - mean_g first
+     REINFORCE++  return-to-go of the token rewards (gamma; per-turn rewards as PPO's),
+                  whitened over all tokens; -baseline: r_i - mean_g first
      DAPO         GRPO on r_i + overlong penalty
    A group of one, or of equal scores, gets advantage 0 (docs/algorithms.md compares with veRL).
 3. For each optimizer step (its sequences are given: which sequences share a step is the
@@ -69,6 +71,8 @@ class Rollout:
     ref_logprobs: list[list[float]] | None = None  # the reference policy's (KL terms)
     engine_logprobs: list[list[float]] | None = None  # the behaviour policy's (TIS, decoupled PPO)
     loss_masks: list[list[int]] | None = None  # 1 = trained on; 0 = a hole (e.g. a tool's output)
+    # env.reward=per_turn: per response token, a turn's reward on its last token (PPO, REINFORCE++)
+    turn_rewards: list[list[float]] | None = None
 
     def mask(self, i: int) -> list[bool]:
         return [bool(m) for m in self.loss_masks[i]] if self.loss_masks else [True] * len(self.responses[i])
@@ -172,9 +176,12 @@ def _leave_one_out(scores: list[float], group_ids: list[int]) -> list[float]:
     return out
 
 
-def _token_rewards(score: float, kl: Tensor, mask: list[bool], kl_coef: float) -> Tensor:
+def _token_rewards(score: float, kl: Tensor, mask: list[bool], kl_coef: float, placed: list[float] | None) -> Tensor:
     rewards = -kl_coef * kl
     real = [t for t, m in enumerate(mask) if m]
+    for t in real if placed else ():
+        rewards[t] += placed[t]
+        score -= placed[t]
     if real:
         rewards[real[-1]] += score
     return rewards
@@ -220,13 +227,15 @@ class _Inputs:
     max_response_len: int
 
     def token_rewards(self, scores: list[float]) -> list[Tensor]:
-        """r_i at each sequence's last real token, minus kl_coef * KL_t (kl_placement=in_reward)."""
+        """r_i at each sequence's last real token, minus kl_coef * KL_t (kl_placement=in_reward);
+        with per-turn rewards u_it, u_it at token t and r_i - sum_t u_it at the last one."""
         a = self.algo
         coef = a.kl_coef if (a.kl_placement == "in_reward" and a.kl_coef > 0) else 0.0
         out = []
         for i, score in enumerate(scores):
             kl = kl_estimate(self.old[i], torch.tensor(self.rollout.ref_logprobs[i]), a.kl_estimator) if coef else torch.zeros_like(self.old[i])
-            out.append(_token_rewards(score, kl, self.masks[i], coef))
+            placed = self.rollout.turn_rewards[i] if self.rollout.turn_rewards else None
+            out.append(_token_rewards(score, kl, self.masks[i], coef, placed))
         return out
 
     def per_token(self, per_sample: list[float]) -> list[Tensor]:

@@ -83,8 +83,14 @@ def last_token_onehot(mask: Tensor) -> Tensor:
     return positions == last
 
 
-def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> Tensor:
+def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float, placed: Tensor | None = None) -> Tensor:
     """Per-token rewards: `-kl_coef * kl` everywhere, plus the sequence score at its last token.
+
+    `placed` (`[B, T]`, optional): rewards that belong to positions inside the sequence (a
+    multi-turn trajectory's per-turn rewards, `env.reward=per_turn`) stay where they are, and
+    only the rest of the score (`score - sum(placed)`: the reward group's share, or what an
+    estimator's baseline took off) goes on the last token, so a row's rewards still sum to its
+    score (minus the KL penalty). Placed values on masked positions are not counted as placed.
 
     A row with no real token (an empty response) has no action to credit, so its score is
     dropped here (it still counts in reward statistics computed from `scores`).
@@ -92,7 +98,12 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> T
     keep = mask.bool()
     penalty = torch.where(keep, -kl_coef * kl, torch.zeros_like(kl))
     at_last = last_token_onehot(keep)
-    return penalty + at_last.to(penalty.dtype) * scores.to(penalty.dtype).unsqueeze(-1)
+    last_share = scores.to(penalty.dtype)
+    if placed is not None:
+        placed = torch.where(keep, placed.to(penalty.dtype), torch.zeros_like(penalty))
+        penalty = penalty + placed
+        last_share = last_share - placed.sum(-1)
+    return penalty + at_last.to(penalty.dtype) * last_share.unsqueeze(-1)
 
 
 # --------------------------------------------------------------------------- log-probs

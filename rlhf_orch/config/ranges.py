@@ -280,7 +280,9 @@ RANGES: tuple[Range, ...] = (
     ints("env.max_observation_tokens", 1, "tokens of one observation; longer ones are cut and counted"),
     reals("env.tool_timeout_s", 0, lo_open=True, why="seconds one env.step (a tool call) may take"),
     ints("env.concurrency", 1, "trajectories in flight per engine"),
-    choice("env.reward", ("last", "sum"), "'last' (the last step's reward) or 'sum' (every step's rewards added)"),
+    choice("env.reward", ("last", "sum", "per_turn"),
+           "'last' (the last step's reward), 'sum' (every step's rewards added) or 'per_turn' (every step's, "
+           "each on its turn's last token: algo=ppo / reinforce_pp)"),
     reals("env.reward_weight", why="multiplies the reward group's score of the transcript; 0 leaves the reward group out"),
     choice("env.observation_format", ("chat_template", "plain"),
            "'chat_template' (the tokenizer renders the new messages) or 'plain' (their text, for models whose "

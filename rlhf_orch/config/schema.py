@@ -410,7 +410,9 @@ class MultiTurnEnvConfig(EnvConfig):
     max_observation_tokens: int = 256  # longer observations are cut (counted: env/observations_truncated)
     tool_timeout_s: float = 10.0  # one env.step (a tool call) longer than this ends the trajectory, counted
     concurrency: int = 16  # trajectories in flight per engine
-    reward: str = "last"  # "last": the last step's reward; "sum": every step's
+    # "last": the last step's reward; "sum": every step's; "per_turn": every step's, each on its turn's
+    # last token (for PPO / REINFORCE++, whose advantages read rewards per token)
+    reward: str = "last"
     reward_weight: float = 0.0  # + this x the reward group's score of the transcript (0: the environment's alone)
     observation_format: str = "chat_template"  # or "plain" (models whose template renders no tool/user turns)
     # Which part of a too-long observation's content is cut (tail / head / middle); the template's
@@ -586,6 +588,9 @@ class AlgoConfig:
 
     needs_critic: ClassVar[bool] = False
     group_estimator: ClassVar[bool] = False  # advantages compare the samples of one prompt
+    # Advantages read rewards per token (GAE, a return-to-go), so env.reward=per_turn changes them;
+    # outcome estimators judge a trajectory by one score (per-turn rewards would be their sum).
+    per_token_rewards: ClassVar[bool] = False
 
     # Derived (not keys): what the KL settings ask of the run.
     @property
@@ -619,6 +624,7 @@ class PPOConfig(AlgoConfig):
     whiten_advantages: bool = True  # over the global batch (all data-parallel ranks)
 
     needs_critic: ClassVar[bool] = True
+    per_token_rewards: ClassVar[bool] = True
 
 
 @dataclass
@@ -654,6 +660,8 @@ class ReinforcePPConfig(AlgoConfig):
     _target_: str = "rlhf_orch.algo.estimators.ReinforcePP"
     gamma: float = 1.0
     group_baseline: bool = False  # reinforce_pp_baseline: subtract the prompt group's mean score first
+
+    per_token_rewards: ClassVar[bool] = True
 
     @property
     def compares_group_samples(self) -> bool:

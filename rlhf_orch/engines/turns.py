@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from rlhf_orch.env.runner import MultiTurnRunner, TurnOutput
-from rlhf_orch.transfer.batch import LOSS_MASK
+from rlhf_orch.transfer.batch import LOSS_MASK, TURN_REWARDS
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob
 from rlhf_orch.transfer.plan import CompletionRequest
 
@@ -166,10 +166,11 @@ def complete_trajectories(
     env = job.env
     generator = VLLMTurns(llm, job.temperature, step_seed, stepping, env.stop)
     env.attach(generator.tokenizer)
-    renderer = env.renderer(generator.tokenizer, generation_eos_ids(generator.tokenizer))
+    stop_ids = generation_eos_ids(generator.tokenizer)
+    renderer = env.renderer(generator.tokenizer, stop_ids)
     runner = MultiTurnRunner(
         env.make, generator, renderer, env.limits(job.max_tokens), env.concurrency, env.step_timeout_s(),
-        env.tokenization_sanity_check_mode,
+        env.tokenization_sanity_check_mode, env.action_decoder(generator.tokenizer, stop_ids),
     )
     owner = {i: r for r in requests for i in r.indices(job.samples_per_prompt)}
     waiting = {r: r.count for r in requests}
@@ -181,10 +182,13 @@ def complete_trajectories(
         if env.masks_out(t):
             mask.zero_()
             t.counts.masked = 1
+        fields = {LOSS_MASK: mask}
+        if env.places_turn_rewards:
+            fields[TURN_REWARDS] = torch.tensor(t.turn_reward_field(), dtype=torch.float32)
         done[request].append(
             Completion(
                 t.index, t.prompt_ids, t.response_ids, t.logprobs,
-                fields={LOSS_MASK: mask},
+                fields=fields,
                 truncated=t.truncated or t.last_turn_hit_length,
                 env_reward=t.reward(env.reward),
                 env_stats=t.counts.as_dict(),

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, EnvGroup, call_env, prompt_messages
 from rlhf_orch.env.observations import CHECK_MODES, FORMATS, TRUNCATE_SIDES, ObservationRenderer
 from rlhf_orch.env.trajectory import Trajectory, TrajectoryLimits
 
-REWARDS = ("last", "sum")
+REWARDS = ("last", "sum", "per_turn")
 
 
 def average_metrics(metrics: Sequence[dict]) -> dict[str, float]:
@@ -29,7 +29,8 @@ class MultiTurnEnv(EnvGroup):
     """Base of `env=custom`, `env=skyrl`, `env=python_tool` (their schema: rlhf_orch.config.schema).
 
     The trajectory's reward is the environment's (`reward`: the last step's, or the sum of every
-    step's) plus `reward_weight` x the `reward` group's score of the final transcript (the decoded
+    step's; `per_turn`: the sum, each step's reward also placed on its turn's last token for the
+    estimators that read rewards per token, PPO and REINFORCE++) plus `reward_weight` x the `reward` group's score of the final transcript (the decoded
     response: every turn and observation); `reward_weight: 0` leaves the reward group out.
     """
 
@@ -53,6 +54,11 @@ class MultiTurnEnv(EnvGroup):
     # The engine's tokenizer, set where trajectories run (`attach`): what environments that read
     # special tokens (vLLM's tool parsers) need. None on the driver.
     engine_tokenizer = None  # (a class attribute, not a config field)
+
+    @property
+    def places_turn_rewards(self) -> bool:
+        """Each trajectory carries its turns' rewards per token (`TURN_REWARDS`)."""
+        return self.reward == "per_turn"
 
     def attach(self, tokenizer: Any) -> None:
         self.engine_tokenizer = tokenizer
@@ -87,6 +93,11 @@ class MultiTurnEnv(EnvGroup):
         return ObservationRenderer(
             tokenizer, self.observation_format, self.observation_truncate_side, stop_ids, self.chat_template_kwargs
         )
+
+    def action_decoder(self, tokenizer: Any, stop_ids: Sequence[int] = ()) -> Callable[[Sequence[int]], str] | None:
+        """How a model turn's tokens become the `action` env.step reads where this option reads more
+        than skyrl-gym's contract gives (its text without special tokens: None)."""
+        return None
 
     def bind(self, task: Any) -> None:
         self.prompt_max_len = int(task.prompt_max_len)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, row_extras
@@ -165,6 +165,23 @@ class PythonToolEnv(MultiTurnEnv):
         why = None if self.allow_weak_sandbox else _weak_sandbox(sandbox_support())
         if why:
             raise EnvError(f"env.allow_weak_sandbox=false: on this engine's host {why}")
+
+    def action_decoder(self, tokenizer: Any, stop_ids: Sequence[int] = ()) -> Callable[[Sequence[int]], str] | None:
+        """A vLLM tool parser reads the turn with its special tokens, as vLLM's OpenAI server hands
+        it over (its parsers' `adjust_request` turns skip_special_tokens off): markers such as
+        mistral's `[TOOL_CALLS]` are special tokens, gone from skyrl-gym's decoded action. The
+        turn's closing end-of-turn token is not part of its text (nor is it in the server's)."""
+        if self.tool_format in TOOL_FORMATS:
+            return None
+        stops = {int(i) for i in stop_ids} | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+        def decode(token_ids: Sequence[int]) -> str:
+            ids = list(token_ids)
+            if ids and ids[-1] in stops:
+                ids = ids[:-1]
+            return tokenizer.decode(ids, skip_special_tokens=False)
+
+        return decode
 
     def describe(self) -> list[str]:
         support = sandbox_support()

@@ -121,6 +121,7 @@ class MultiTurnRunner:
         concurrency: int,
         step_timeout_s: float,
         check: str = "strict",
+        action_decode: Callable[[Sequence[int]], str] | None = None,
     ):
         if check not in CHECK_MODES:
             raise ValueError(f"env.tokenization_sanity_check_mode={check!r}: must be one of {', '.join(CHECK_MODES)}")
@@ -130,6 +131,9 @@ class MultiTurnRunner:
         self.limits = limits
         self.concurrency = concurrency
         self.step_timeout_s = step_timeout_s
+        # How a model turn becomes the `action` env.step reads; None: the turn's text without special
+        # tokens (skyrl-gym's contract; also what the conversation's messages hold).
+        self.action_decode = action_decode
         # Only a chat-template rendering has a template to check against.
         self.check = check if renderer.format == "chat_template" else "off"
         self._warned = False
@@ -148,9 +152,10 @@ class MultiTurnRunner:
                 for out in self.generator.poll() if self.generator.busy() else ():
                     entry = live[out.key]
                     entry.trajectory.add_turn(out.token_ids, out.logprobs, out.hit_length)
-                    action = self.generator.decode(out.token_ids)
+                    text = self.generator.decode(out.token_ids)
+                    action = self.action_decode(out.token_ids) if self.action_decode else text
                     entry.trajectory.turn_messages.append(len(entry.trajectory.messages))
-                    entry.trajectory.messages.append({"role": "assistant", "content": action})
+                    entry.trajectory.messages.append({"role": "assistant", "content": text})
                     entry.started = time.perf_counter()
                     entry.deadline = time.monotonic() + self.step_timeout_s
                     # A thread of its own per step: the deadline counts from its start, and a step

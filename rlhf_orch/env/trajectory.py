@@ -68,6 +68,7 @@ class Trajectory:
     messages: list[dict] = field(default_factory=list)
     turns: list[list[int]] = field(default_factory=list)
     turn_messages: list[int] = field(default_factory=list)  # where each model turn is in `messages`
+    turn_ends: list[int] = field(default_factory=list)  # per model turn: its end in `response_ids`
     env_metrics: tuple[str, dict] | None = None  # (the environment's class, its get_metrics()) once closed
 
     def context(self) -> list[int]:
@@ -86,6 +87,7 @@ class Trajectory:
         self.logprobs.extend(float(x) for x in logprobs)
         self.loss_mask.extend([1] * len(token_ids))
         self.turns.append([int(t) for t in token_ids])
+        self.turn_ends.append(len(self.response_ids))
         self.counts.turns += 1
         self.last_turn_hit_length = hit_length
 
@@ -95,6 +97,7 @@ class Trajectory:
         if drop <= 0:
             return
         self.turns[-1] = self.turns[-1][:keep]
+        self.turn_ends[-1] -= drop
         del self.response_ids[-drop:], self.logprobs[-drop:], self.loss_mask[-drop:]
         self.counts.postprocessed_actions += 1
         self.last_turn_hit_length = False
@@ -129,7 +132,23 @@ class Trajectory:
         return True
 
     def reward(self, how: str) -> float:
-        """env.reward: the last step's reward, or the sum over steps."""
+        """env.reward: the last step's reward, or the sum over steps (`sum`, and `per_turn`, whose
+        trajectory score is the sum and whose turns' shares are placed by `turn_reward_field`)."""
         if not self.turn_rewards:
             return 0.0
         return self.turn_rewards[-1] if how == "last" else float(sum(self.turn_rewards))
+
+    def turn_reward_field(self) -> list[float]:
+        """env.reward=per_turn: per response token, each model turn's reward on the turn's last
+        token, 0 elsewhere. The reward of step k belongs to turn k (the action it judged). A turn
+        with no token of its own (an empty generation) gives its reward to the last model token
+        before it; before the first model token there is none to credit, and the estimator puts
+        whatever the field leaves out on the sequence's last token (`ppo_math.token_rewards`)."""
+        placed = [0.0] * len(self.response_ids)
+        for end, reward in zip(self.turn_ends, self.turn_rewards):
+            last = end - 1
+            while last >= 0 and not self.loss_mask[last]:
+                last -= 1
+            if last >= 0:
+                placed[last] += float(reward)
+        return placed

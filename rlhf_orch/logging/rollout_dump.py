@@ -5,7 +5,8 @@ indices: whole prompt groups first), with the whole sequence decoded with its sp
 (`text`: exactly what the policy was trained on, chat template included), its `prompt` and
 `response` (the response runs from the first model token to the end: in a multi-turn trajectory it
 holds the observations between the model's turns), the reward, the mean advantage over the
-model's tokens, the number of model turns, the data source, and where the tokens came from. The
+model's tokens and over each model turn (`turn_advantages`), each turn's reward where they are
+placed per turn (`turn_rewards`, env.reward=per_turn), the number of model turns, the data source, and where the tokens came from. The
 tokens come from the policy rank that trained them (`PolicyWorker.sequences`), so the dump shows
 what training saw, whatever the transfer. A resumed or restarted run rewrites the steps it runs
 again. `data_source` is null where the step's prompts are not known to this process (a rollout a
@@ -19,12 +20,13 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from rlhf_orch.transfer.batch import model_turn_spans
 from rlhf_orch.transfer.plan import group_of, trajectory_of
 
 
 def model_turns(action: Sequence[int]) -> int:
     """Contiguous runs of model tokens: one per model turn (observations break them)."""
-    return sum(1 for k, a in enumerate(action) if a and (k == 0 or not action[k - 1]))
+    return len(model_turn_spans(action))
 
 
 class RolloutDump:
@@ -75,6 +77,8 @@ class RolloutDump:
                 "turns": model_turns(action),
                 "reward": rewards.get(index),
                 "advantage": seq["advantage"],
+                "turn_advantages": seq.get("turn_advantages"),
+                **({"turn_rewards": seq["turn_rewards"]} if "turn_rewards" in seq else {}),
                 "response_tokens": sum(action),
                 "weight_version": seq.get("weight_version"),
                 "prompt": decode(ids[:first]),

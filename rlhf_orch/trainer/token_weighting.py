@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch
+from rlhf_orch.transfer.batch import TURN_REWARDS, PackedBatch, PaddedBatch
 from rlhf_orch.transfer.micro_batches import near_equal_ranges
 
 
@@ -116,7 +116,13 @@ def padded_rows(mb: Any, fields: dict[str, Tensor], pad_id: int) -> PaddedBatch:
 def rows_for_targets(
     mbs: Sequence[Any], old: Sequence[Tensor], ref: Sequence[Tensor], values: Sequence[Tensor], pad_id: int
 ) -> list[PaddedBatch]:
-    return [_as_rows(mb, {"old": o, "ref": r, "values": v}, pad_id) for mb, o, r, v in zip(mbs, old, ref, values)]
+    """Each micro-batch as rows with `old`, `ref`, `values`, and the fields the estimators read
+    from the rollout itself (`TURN_REWARDS`) where the micro-batch carries them."""
+    rows = []
+    for mb, o, r, v in zip(mbs, old, ref, values):
+        carried = {name: mb.fields[name] for name in (TURN_REWARDS,) if name in mb.fields}
+        rows.append(_as_rows(mb, {"old": o, "ref": r, "values": v, **carried}, pad_id))
+    return rows
 
 
 @singledispatch

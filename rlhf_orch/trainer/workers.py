@@ -49,7 +49,7 @@ from rlhf_orch.trainer.token_weighting import (
     targets_in_layout,
 )
 from rlhf_orch.trainer.weight_source import ModuleWeightSource
-from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, PackedBatch, PaddedBatch
+from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, TURN_REWARDS, PackedBatch, PaddedBatch, model_turn_spans
 from rlhf_orch.transfer.inbox import ExperienceInbox
 
 
@@ -322,6 +322,7 @@ class PolicyWorker(_Worker):
                 old_logprobs=r.fields["old"],
                 ref_logprobs=r.fields["ref"] if ref is not None else None,
                 values=r.fields["values"] if vals is not None else None,
+                turn_rewards=r.fields.get(TURN_REWARDS),
             )
             for r in rows
         ]
@@ -369,27 +370,35 @@ class PolicyWorker(_Worker):
 
     def sequences(self, shard: int, indices: list[int]) -> list[dict]:
         """The sequences `indices` of `shard` as this rank trained them: token ids, which positions
-        are model tokens (`action`), the mean advantage over them, the weights that drew them (the
-        rollout dump, logger.rollouts; after make_experience, which set the advantages)."""
+        are model tokens (`action`), the mean advantage over them and over each model turn, each
+        turn's placed reward (env.reward=per_turn), the weights that drew them (the rollout dump,
+        logger.rollouts; after make_experience, which set the advantages)."""
         wanted = set(indices)
         out = []
         for mb in self._micro_batches(shard):
             if not wanted & set(mb.indices.tolist()):
                 continue
-            rows = padded_rows(mb, {"advantages": mb.fields["advantages"]}, self.spec.pad_id)
+            carried = {name: mb.fields[name] for name in ("advantages", TURN_REWARDS) if name in mb.fields}
+            rows = padded_rows(mb, carried, self.spec.pad_id)
             for r, index in enumerate(rows.indices.tolist()):
                 if index not in wanted:
                     continue
                 length = int(rows.attention_mask[r].sum())
                 action = rows.action_mask[r, : length - 1].bool()
-                advantages = rows.fields["advantages"][r, : length - 1][action]
-                out.append({
+                advantages = rows.fields["advantages"][r, : length - 1]
+                turns = model_turn_spans(action.tolist())
+                seq = {
                     "index": index,
                     "ids": rows.input_ids[r, :length].tolist(),
                     "action": [0] + action.int().tolist(),  # position t: token t is the model's
-                    "advantage": float(advantages.float().mean()) if advantages.numel() else 0.0,
+                    "advantage": float(advantages[action].float().mean()) if action.any() else 0.0,
+                    "turn_advantages": [float(advantages[a:b].float().mean()) for a, b in turns],
                     "weight_version": int(rows.weight_versions[r]),
-                })
+                }
+                if TURN_REWARDS in rows.fields:
+                    placed = rows.fields[TURN_REWARDS][r, : length - 1]
+                    seq["turn_rewards"] = [round(float(placed[a:b].sum()), 6) for a, b in turns]
+                out.append(seq)
         return out
 
     def train(self, shard: int, algo: Algorithm, norm_len: int) -> dict[str, float]:

@@ -38,6 +38,11 @@ ENGINE_LOGPROBS = "engine_logprobs"  # field name under which Sample.engine_logp
 # the trainer folds it into `action_mask` on arrival (`apply_loss_mask`): observation tokens are
 # context, never trained on, skipped by GAE and every loss aggregation like holes.
 LOSS_MASK = "loss_mask"
+# `env.reward=per_turn`: per response token, the environment's reward of a model turn on that turn's
+# last token (0 elsewhere). Estimators that read rewards per token (PPO's GAE, REINFORCE++'s
+# return-to-go) place them there; the rest of the sample's score goes on its last token
+# (`ppo_math.token_rewards`).
+TURN_REWARDS = "turn_rewards"
 
 
 def apply_loss_mask(batch: "PaddedBatch | PackedBatch") -> "PaddedBatch | PackedBatch":
@@ -47,6 +52,20 @@ def apply_loss_mask(batch: "PaddedBatch | PackedBatch") -> "PaddedBatch | Packed
     if mask is not None:
         batch.action_mask = batch.action_mask & (mask > 0.5)
     return batch
+
+
+def model_turn_spans(action: Sequence[int | bool]) -> list[tuple[int, int]]:
+    """[start, end) of each contiguous run of model tokens in a response's action flags: one per
+    model turn of a multi-turn trajectory (observations break the runs), one for a single turn."""
+    spans: list[tuple[int, int]] = []
+    for k, a in enumerate(action):
+        if a and (k == 0 or not action[k - 1]):
+            spans.append((k, k + 1))
+        elif a:
+            spans[-1] = (spans[-1][0], k + 1)
+    return spans
+
+
 BatchT = TypeVar("BatchT", "PaddedBatch", "PackedBatch")
 
 
