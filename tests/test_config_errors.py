@@ -34,7 +34,7 @@ def test_default_config_is_valid():
 
 @pytest.mark.parametrize("algo", ["ppo", "reinforce_pp", "reinforce_pp_baseline"])
 def test_per_turn_rewards_are_taken_by_estimators_that_read_rewards_per_token(algo):
-    typed, _ = _check(["env=lookup", "data=lookup", "model=tiny_tool", f"algo={algo}", "env.reward=per_turn"])
+    typed, _ = _check(["env=skyrl", f"algo={algo}", "env.reward=per_turn"])
     assert typed.env.reward == "per_turn" and typed.algo.per_token_rewards
 
 
@@ -45,8 +45,11 @@ BAD = [
     (["env=agent", "env.path=scripts/examples/openai_agent.py", "env.name=three_tries", "env.max_tokens_per_turn=17"],
      "env.max_tokens_per_turn=17", "set env.max_tokens_per_turn <= 16"),
     (["env=agent"], "env.path='???'", "required by the option chosen: set env.path=<value>"),
-    (["env=lookup", "data=lookup", "model=tiny_tool", "algo=grpo", "env.reward=per_turn"], "env.reward='per_turn'",
+    (["env=skyrl", "algo=grpo", "env.reward=per_turn"], "env.reward='per_turn'",
      "use env.reward=sum, or an algorithm whose advantages read rewards per token"),
+    (["env=lookup", "data=lookup", "model=tiny_tool", "env.reward=per_turn"], "env.reward='per_turn'",
+     "env LookupEnv rewards only the final answer"),
+    (["env=skyrl", "env.max_turns=1", "env.reward=per_turn"], "env.reward='per_turn'", "with env.max_turns=1"),
     (["env=lookup", "data=lookup", "model=tiny_tool", "env.reward=each"], "env.reward='each'", "'per_turn'"),
     (["env=agent", "env.path=scripts/examples/openai_agent.py", "env.name=three_tries", "env.host=public"],
      "env.host='public'", "'loopback' or 'node'"),

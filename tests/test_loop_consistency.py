@@ -192,7 +192,7 @@ def test_the_same_failure_twice_is_one_signature_whatever_its_numbers():
     assert failure_signature(a) != failure_signature(TimeoutError(str(a)))
 
 
-def test_a_checkpoint_holding_a_rollout_is_not_resumed_under_another_pipeline_or_transfer(tmp_path):
+def test_a_checkpoint_holding_a_rollout_is_not_resumed_under_another_pipeline_transfer_or_env_reward(tmp_path):
     from rlhf_orch.checkpoint_dirs import CheckpointStore
 
     config = {"pipeline": {"_target_": "OneStepOffPipeline"}, "transfer": {"_target_": "PackedTransfer"}, "resume": None}
@@ -208,6 +208,8 @@ def test_a_checkpoint_holding_a_rollout_is_not_resumed_under_another_pipeline_or
         load_resume(with_rollout, tmp_path, None, sync, num_steps=10)
     with pytest.raises(ResumeError, match=r"transfer._target_"):
         load_resume(with_rollout, tmp_path, None, padded, num_steps=10)
+    with pytest.raises(ResumeError, match=r"env.reward=None; resume with the same env"):  # (per-turn rewards: per token)
+        load_resume(with_rollout, tmp_path, None, {**config, "env": {"reward": "per_turn"}}, num_steps=10)
     assert load_resume(without, tmp_path, None, sync, num_steps=10).changed == ["pipeline._target_"]
     # The async pipeline takes a one-step-off rollout (as its first ready one): allowed.
     later = {**config, "pipeline": {"_target_": "AsyncPipeline", "max_staleness": 1}}

@@ -87,7 +87,7 @@ def _rollout() -> list[Sample]:
                 fields={"ref": [rng.uniform(-4.0, -2.5) for _ in response]},
             )
         )
-    for s in samples[4:8]:  # a group of equal scores: no signal
+    for s in samples[4:8]:  # a group of equal scores: no signal (but per-turn rewards: sample 5's turns differ)
         s.reward = 0.5
     # Multi-turn trajectories (env): tokens of a tool's or user's reply inside a response are
     # context, not actions -- a loss mask with holes, folded into the trainer's action mask.
@@ -105,6 +105,8 @@ def _rollout() -> list[Sample]:
             first = round(rng.uniform(-0.5, 0.5), 2) if s.index in HOLED and n >= 4 else 0.0
             placed[0] += first
             placed[-1] += s.reward - first - (0.1 if s.index == 2 else 0.0)
+        if s.index == 5 and n >= 4:  # a value on an observation token (loss mask 0): it counts on the last token
+            placed[1] = 0.2
         s.fields[TURN_REWARDS] = placed
     return samples
 

@@ -199,6 +199,9 @@ def reinforce_pp_returns(
     """REINFORCE++'s un-whitened per-token returns `[B, T]` (the part before global whitening).
 
     1. With `group_ids` (REINFORCE++-baseline): r_i <- r_i - mean(r_group) (a group of one -> 0).
+       With `placed` rewards the baseline goes with the rest of the score on the last token, so
+       (gamma = 1) each token's return is its return-to-go minus the group's mean score: a group of
+       equal totals still tells a turn rewarded early from one rewarded late.
     2. Token rewards: the score at each row's last real token, minus `kl_coef * kl` at every real
        token (`ppo_math.token_rewards`; `kl` is the per-token KL to the reference, e.g.
        `losses.kl_divergence(..., "k1")`, and may hold garbage at masked positions). `placed`:
@@ -225,6 +228,7 @@ def reinforce_pp_advantages(
     gamma: float = 1.0,
     group_ids: Tensor | None = None,
     eps: float = 1e-8,
+    placed: Tensor | None = None,
 ) -> Tensor:
     """REINFORCE++ advantages `[B, T]`: `reinforce_pp_returns` whitened over the batch's tokens.
 
@@ -238,7 +242,7 @@ def reinforce_pp_advantages(
     `group_ids` selects the REINFORCE++-baseline variant (as OpenRLHF's "reinforce_baseline" and
     veRL's "reinforce_plus_plus_baseline"): group-mean-subtracted scores, then the same steps.
     """
-    returns = reinforce_pp_returns(scores, mask, kl, kl_coef, gamma, group_ids)
+    returns = reinforce_pp_returns(scores, mask, kl, kl_coef, gamma, group_ids, placed)
     return whiten_with_moments(returns, mask, *masked_moments(returns, mask), eps=eps)
 
 

@@ -24,7 +24,8 @@ What one update is, for a rollout of N sequences (prompt x_i, response y_i, scor
      REINFORCE++  return-to-go of the token rewards (gamma; per-turn rewards as PPO's),
                   whitened over all tokens; -baseline: r_i - mean_g first
      DAPO         GRPO on r_i + overlong penalty
-   A group of one, or of equal scores, gets advantage 0 (docs/algorithms.md compares with veRL).
+   A group of one, or of equal scores, gets advantage 0 (docs/algorithms.md compares with veRL) --
+   unless per-turn rewards give its tokens different returns-to-go (REINFORCE++-baseline: G_it - mean_g).
 3. For each optimizer step (its sequences are given: which sequences share a step is the
    trainer's sampling decision, `policy_steps`), the loss over the step's sequences S
        l_it = max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high))   ratio = pi / pi_old

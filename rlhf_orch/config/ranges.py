@@ -282,7 +282,7 @@ RANGES: tuple[Range, ...] = (
     ints("env.concurrency", 1, "trajectories in flight per engine"),
     choice("env.reward", ("last", "sum", "per_turn"),
            "'last' (the last step's reward), 'sum' (every step's rewards added) or 'per_turn' (every step's, "
-           "each on its turn's last token: algo=ppo / reinforce_pp)"),
+           "each on its turn's last token: algo=ppo, reinforce_pp, reinforce_pp_baseline)"),
     reals("env.reward_weight", why="multiplies the reward group's score of the transcript; 0 leaves the reward group out"),
     choice("env.observation_format", ("chat_template", "plain"),
            "'chat_template' (the tokenizer renders the new messages) or 'plain' (their text, for models whose "

@@ -427,6 +427,10 @@ class MultiTurnEnvConfig(EnvConfig):
     mask_failed: bool = False  # train nothing of a trajectory whose env.step raised or timed out (else: its reward)
     mask_truncated: bool = False  # train nothing of a trajectory cut by a limit (turns, tokens)
 
+    # The environment can reward a turn before the last (env.reward=per_turn then places it there);
+    # an option that rewards only its final answer makes per_turn the same as sum.
+    rewards_each_turn: ClassVar[bool] = True
+
 
 @dataclass
 class CustomEnvConfig(MultiTurnEnvConfig):
@@ -455,6 +459,8 @@ class LookupEnvConfig(MultiTurnEnvConfig):
     max_turns: int = 3
     observation_format: str = "plain"
 
+    rewards_each_turn: ClassVar[bool] = False  # a tool call scores 0; the answer is scored
+
 
 
 @dataclass
@@ -470,6 +476,8 @@ class PythonToolEnvConfig(MultiTurnEnvConfig):
     # Run model-written code where the sandbox lacks a boundary (network namespace, private read-only
     # filesystem, separate uid: not root, or a container without namespaces); refused otherwise.
     allow_weak_sandbox: bool = False
+
+    rewards_each_turn: ClassVar[bool] = False  # a tool call scores 0; the final answer is scored
 
 
 @dataclass

@@ -384,13 +384,21 @@ def _env(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
             "the padded baseline scores rollouts on the driver, and a trajectory's reward comes from its environment, "
             "which lives on the engine that played it; use transfer=packed or transfer=micro_batched",
         ))
-    if getattr(env, "reward", None) == "per_turn" and not cfg.algo.per_token_rewards:
-        problems.append(Problem(
-            "env.reward", "per_turn",
-            f"algo {cfg.algo._target_.rsplit('.', 1)[-1]} gives a trajectory one advantage from one score, so "
-            "per-turn rewards would only add up: use env.reward=sum, or an algorithm whose advantages read rewards "
-            "per token (algo=ppo, reinforce_pp, reinforce_pp_baseline)",
-        ))
+    if getattr(env, "reward", None) == "per_turn":
+        # refused where it would place every reward on the last token anyway (the same as sum)
+        if not cfg.algo.per_token_rewards:
+            why = (f"algo {cfg.algo._target_.rsplit('.', 1)[-1]} gives a trajectory one advantage from one score, so "
+                   "per-turn rewards would only add up: use env.reward=sum, or an algorithm whose advantages read "
+                   "rewards per token (algo=ppo, reinforce_pp, reinforce_pp_baseline)")
+        elif not env.rewards_each_turn:
+            why = (f"env {env._target_.rsplit('.', 1)[-1]} rewards only the final answer, so every reward would sit on "
+                   "the last token: use env.reward=sum")
+        elif env.max_turns == 1:
+            why = "with env.max_turns=1 the only turn's reward sits on the last token: use env.reward=sum"
+        else:
+            why = None
+        if why:
+            problems.append(Problem("env.reward", "per_turn", why))
     host_problems = getattr(get_class(env._target_), "host_problems", None)
     if host_problems is not None:  # e.g. env=python_tool: this host's sandbox (probed here, before Ray)
         problems += [Problem(key, value, why) for key, value, why in host_problems(env)]

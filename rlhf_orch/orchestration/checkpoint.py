@@ -124,8 +124,9 @@ def load_resume(
         )
     if state.get("pending_rollout") is not None:
         # The rollout generated ahead is in the format of the pipeline that holds it and the
-        # transfer that exported it: another one could not put it back.
-        moved = [k for k in ("pipeline._target_", "transfer._target_") if _at(state["config"], k) != _at(config, k)]
+        # transfer that exported it: another one could not put it back. Its sequences carry their
+        # rewards as env.reward placed them (per_turn: per token), which another value would not.
+        moved = [k for k in ("pipeline._target_", "transfer._target_", "env.reward") if _at(state["config"], k) != _at(config, k)]
         if moved == ["pipeline._target_"] and str(_at(state["config"], moved[0])).endswith("OneStepOffPipeline") \
                 and str(_at(config, moved[0])).endswith("AsyncPipeline") and (_at(config, "pipeline.max_staleness") or 0) >= 1:
             moved = []  # the async pipeline takes a one-step-off rollout (staleness 1) as its first ready one
