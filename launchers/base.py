@@ -70,6 +70,13 @@ class RayLauncher(ABC):
     def gpus_present(self) -> int:
         """GPUs Ray can schedule (real or logical)."""
 
+    def cuda_present(self) -> bool:
+        """Real CUDA devices where the roles run (NCCL, CUDA IPC and the memory plan's GPU terms need
+        them): this machine's, unless the launcher knows of others."""
+        from rlhf_orch.cuda_probe import cuda_available
+
+        return cuda_available()
+
     def _connect(self) -> None:
         """Start or join Ray; `session()` disconnects it again (also when this raises after `ray.init`)."""
         ray.init(**self._init_kwargs(), **self._output.init_kwargs())

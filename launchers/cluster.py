@@ -21,8 +21,9 @@ class ClusterRayLauncher(RayLauncher):
     """Connects with `ray.init(address=...)`; leaving the session only disconnects this driver.
 
     The cluster's resources are fixed by `ray start`, so `logical_gpus` and `num_cpus` are refused
-    here rather than silently ignored. `gpus_present()` reads the cluster: inside `session()` it uses
-    that connection, outside it connects just long enough to ask (config checks run before the session).
+    here rather than silently ignored. `gpus_present()` / `cuda_present()` read the cluster: inside
+    `session()` they use that connection, outside it one connection just long enough to ask (config
+    checks run before the session).
     Before every `ray.init` the address is resolved and probed (`check_reachable`), so an unreachable
     cluster is a `ConnectionError` within seconds rather than a hang.
     """
@@ -49,12 +50,23 @@ class ClusterRayLauncher(RayLauncher):
                 "give `ray start --num-cpus=N` on each node instead, or use launcher=local"
             )
         super().__init__(dry_run, logical_gpus, num_cpus, address or "auto", startup_timeout_s, reuse_session, memory_check, keep_actors)
+        self._asked: Optional[dict[str, float]] = None  # the cluster's resources, read outside a session
 
     def gpus_present(self) -> int:
+        return int(self._resources().get("GPU", 0))
+
+    def cuda_present(self) -> bool:
+        """The cluster's GPUs are real where Ray detected their type on some node, whatever the
+        driver's machine has: a CPU-only head node (or a login node) drives a GPU cluster."""
+        return detected_gpus(self._resources()) or super().cuda_present()
+
+    def _resources(self) -> dict[str, float]:
         if ray.is_initialized():
-            return int(ray.cluster_resources().get("GPU", 0))
-        with self.session():
-            return int(ray.cluster_resources().get("GPU", 0))
+            return dict(ray.cluster_resources())
+        if self._asked is None:  # the checks ask twice (GPUs, CUDA) before the session: connect once
+            with self.session():
+                self._asked = dict(ray.cluster_resources())
+        return self._asked
 
     def _init_kwargs(self) -> dict[str, Any]:
         check_reachable(self.address)
@@ -152,3 +164,9 @@ _HINT = (
     "check that the head node runs (`ray status` there) and that launcher.address names its GCS address "
     "(<head-ip>:6379 by default) or its Ray Client address (ray://<head-ip>:10001)"
 )
+
+
+def detected_gpus(resources: dict[str, float]) -> bool:
+    """Ray offers GPUs whose type it detected (the `accelerator_type:<type>` resource a node's real
+    devices add: `ray start --num-gpus=N` on a machine without any declares logical ones, untyped)."""
+    return resources.get("GPU", 0) > 0 and any(k.startswith("accelerator_type:") for k in resources)

@@ -34,12 +34,6 @@ EXIT_RUNTIME = 3
 EXIT_SIGNAL_BASE = 128  # stopped by a signal: 130 SIGINT, 143 SIGTERM (after a checkpoint)
 
 
-def _cuda_available() -> bool:
-    from rlhf_orch.cuda_probe import cuda_available
-
-    return cuda_available()
-
-
 def check(cfg: DictConfig, launcher: Any) -> tuple[RootConfig, PlacementPlan]:
     """Typed config + plan, or ConfigError/PlacementError; runs before Ray starts.
 
@@ -59,7 +53,7 @@ def check(cfg: DictConfig, launcher: Any) -> tuple[RootConfig, PlacementPlan]:
         plan = instantiate(cfg.placement).plan(
             reward_model=reward.has_model, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
         )
-        hw = Hardware(gpus=launcher.gpus_present(), cuda=_cuda_available())
+        hw = Hardware(gpus=launcher.gpus_present(), cuda=launcher.cuda_present())
         if launcher.dry_run:
             # A dry run plans for the target cluster: GPUs missing *here* are reported, not fatal.
             hw = Hardware(gpus=max(hw.gpus, int(plan.total_gpus + 0.999)), cuda=hw.cuda or plan.total_gpus > 0)
@@ -75,11 +69,13 @@ def check(cfg: DictConfig, launcher: Any) -> tuple[RootConfig, PlacementPlan]:
     return typed, plan
 
 
-def memory_verdict(cfg: DictConfig, typed: RootConfig, plan: PlacementPlan):
-    """The run's memory plan (`rlhf_orch.memory`): a dry run of a GPU layout plans GPUs even here."""
+def memory_verdict(cfg: DictConfig, typed: RootConfig, plan: PlacementPlan, launcher: Any):
+    """The run's memory plan (`rlhf_orch.memory`): a GPU layout is planned on GPUs where the roles
+    run on real ones (the launcher's answer: a CPU-only driver of a GPU cluster plans GPUs), and in
+    a dry run; logical GPUs (launcher.logical_gpus, CPU testing) are host processes."""
     from rlhf_orch.memory.check import check_memory
 
-    on_gpu = plan.total_gpus > 0 and (typed.launcher.dry_run or _cuda_available())
+    on_gpu = plan.total_gpus > 0 and (typed.launcher.dry_run or launcher.cuda_present())
     return check_memory(typed, plan, on_gpu, reward_model=plan.num_ranks("reward") > 0)
 
 
@@ -156,7 +152,7 @@ def _main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
         print(f"error: cannot reach the Ray cluster at launcher.address={cfg.launcher.address!r}: {e}", file=sys.stderr)
         return EXIT_CONFIG, None
 
-    memory = memory_verdict(cfg, typed, plan)
+    memory = memory_verdict(cfg, typed, plan, launcher)
     if typed.launcher.dry_run:
         print(plan.describe())
         if typed.sync.needs_colocated_engines:

@@ -322,3 +322,48 @@ def test_a_batched_custom_reward_refuses_a_pool(tmp_path):
     _check(overrides)
     with pytest.raises(ConfigError, match=r"reward.pool_size=2: reward.batched=true scores the whole batch in one call"):
         _check([*overrides, "reward.pool_size=2"])
+
+
+class _ClusterFromACpuHead:
+    """launcher=cluster as seen from a CPU-only head node: the cluster offers 8 GPUs; whether they are
+    real is the launcher's answer (`ClusterRayLauncher.cuda_present`), not this machine's CUDA."""
+
+    dry_run = False
+    address = "head:6379"
+
+    def __init__(self, real: bool) -> None:
+        self.real = real
+
+    def gpus_present(self) -> int:
+        return 8
+
+    def cuda_present(self) -> bool:
+        return self.real
+
+
+@pytest.mark.skipif(has_cuda(), reason="the point is a driver without CUDA")
+def test_a_cpu_only_head_node_plans_a_gpu_cluster_on_its_gpus():
+    """A GPU layout with NCCL, checked on this CUDA-less machine for a cluster whose GPUs are real:
+    accepted, and the memory plan puts the roles on GPUs; the same cluster with logical GPUs (CPU
+    testing) refuses NCCL and plans host processes. (Before: both followed the driver's CUDA.)"""
+    from rlhf_orch.app import memory_verdict
+
+    overrides = ["placement=split", "sync=nccl_bucketed",
+                 "model=qwen2_5_0_5b", "launcher=cluster"]
+    cfg = compose_config(overrides)
+    typed, plan = check(cfg, _ClusterFromACpuHead(real=True))
+    assert plan.total_gpus == 8
+    assert "memory plan (GB = 1e9 bytes; GPU;" in memory_verdict(cfg, typed, plan, _ClusterFromACpuHead(real=True)).table()
+    with pytest.raises(ConfigError, match="NCCL needs CUDA GPUs"):
+        check(cfg, _ClusterFromACpuHead(real=False))
+    cpu = compose_config([*overrides[:-2], "sync=gloo_bucketed", "launcher=cluster"])
+    typed, plan = check(cpu, _ClusterFromACpuHead(real=False))
+    assert "host (CPU)" in memory_verdict(cpu, typed, plan, _ClusterFromACpuHead(real=False)).table()
+
+
+def test_ray_detected_gpus_are_the_ones_with_a_type():
+    from launchers.cluster import detected_gpus
+
+    assert detected_gpus({"CPU": 64.0, "GPU": 8.0, "accelerator_type:H100": 1.0})
+    assert not detected_gpus({"CPU": 64.0, "GPU": 8.0})  # `ray start --num-gpus=8` on a machine without any
+    assert not detected_gpus({"CPU": 64.0, "accelerator_type:H100": 1.0})

@@ -126,13 +126,20 @@ _FLAGS = {"-m", "--multirun", "--resolve", "--help", "-h", "--hydra-help"}
 
 
 class _DryRun:
-    """The launcher `check` asks: no GPUs here; a dry run plans for the target cluster's."""
+    """The launcher `check` asks: no GPUs here; a dry run plans for the target cluster's, on a
+    machine with CUDA (`cuda`: a docs command may be for a cluster) or without it."""
 
     dry_run = True
     address = None
 
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
     def gpus_present(self) -> int:
         return 0
+
+    def cuda_present(self) -> bool:
+        return self.cuda
 
 
 # Keys naming files or runs on the user's machine (README's /data/gsm8k/train.parquet): a docs
@@ -202,8 +209,6 @@ def _job_problem(overrides: tuple[str, ...], gpu_machine: bool, only_compose: bo
         return _checked[key]
     if only_compose and _checked.get((overrides, gpu_machine, False), 1) is None:
         return None  # it passed the checks, so it composes
-    cuda = app._cuda_available
-    app._cuda_available = lambda: gpu_machine
     error: Exception | None = None
     try:
         cfg = compose(config_name="config", overrides=[*overrides, "launcher.dry_run=true"])
@@ -211,14 +216,12 @@ def _job_problem(overrides: tuple[str, ...], gpu_machine: bool, only_compose: bo
             OmegaConf.to_object(cfg)  # the typed schema: what --cfg job prints is a valid config
         else:
             try:
-                app.check(cfg, _DryRun())
+                app.check(cfg, _DryRun(cuda=gpu_machine))
             except ConfigError as e:
                 if any(p.key not in MACHINE_KEYS for p in e.problems):
                     raise
     except Exception as e:  # noqa: BLE001 - the caller reports it
         error = e
-    finally:
-        app._cuda_available = cuda
     _checked[key] = error
     return error
 

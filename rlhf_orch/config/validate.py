@@ -60,7 +60,7 @@ class Hardware:
     """What this machine (or the Ray cluster) offers, as far as checks need to know."""
 
     gpus: int  # GPUs Ray will offer (real, or logical when launcher.logical_gpus is set)
-    cuda: bool  # real CUDA devices present (NCCL and CUDA IPC need them)
+    cuda: bool  # real CUDA devices where the roles run (the launcher says: NCCL and CUDA IPC need them)
 
 
 def _ranges(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
@@ -184,7 +184,7 @@ def _sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pr
             Problem(
                 "sync.backend",
                 backend,
-                f"{_CUDA_BACKENDS[backend][0]} needs CUDA GPUs and this machine has none; {_CUDA_BACKENDS[backend][1]}",
+                f"{_CUDA_BACKENDS[backend][0]} needs CUDA GPUs where the roles run and there are none; {_CUDA_BACKENDS[backend][1]}",
             )
         )
     if sync.needs_colocated_engines and plan.layout != "colocated":
