@@ -181,3 +181,15 @@ def test_a_reference_inside_the_policy_process_adds_its_model_but_no_runtime():
     assert ref_hosted.note == "inside actor0's process"
     saved = sum(t.bytes for t in ref_own.terms if t.name == "runtime")
     assert own.loads[0].need - hosted.loads[0].need == saved > 0
+
+
+def test_a_gpu_s_size_is_read_as_it_is_sold():
+    """placement.gpu_memory_gb=80 is an "80GB" A100 / H100, which reports ~85.0e9 bytes (torch's
+    total_memory of an H100 SXM: 85,031,714,816), not 80e9: the plan's capacity is within 1.1 % of
+    what the device reports (it was 6 % short)."""
+    from rlhf_orch.memory.plan import gpu_memory
+
+    h100_reports = 85_031_714_816
+    capacity, source = gpu_memory(OmegaConf.to_object(compose_config(["placement=split", "placement.gpu_memory_gb=80"])))
+    assert source == "placement.gpu_memory_gb" and abs(capacity - h100_reports) / h100_reports < 0.011
+    assert "85.90" in verdict(["placement=split", "placement.gpu_memory_gb=80", "model=qwen2_5_0_5b"]).table()  # the capacity column

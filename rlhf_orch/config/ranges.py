@@ -340,7 +340,7 @@ RANGES: tuple[Range, ...] = (
     ints("launcher.logical_gpus", 0, "0 = only real GPUs"),
     choice("launcher.memory_check", ("refuse", "warn"),
            "'refuse' (a plan that does not fit exits 2 before Ray starts) or 'warn' (say so and run)"),
-    reals("placement.gpu_memory_gb", 0, lo_open=True, why="memory of one GPU in GB (80 for an A100/H100 80GB); null = this machine's",
+    reals("placement.gpu_memory_gb", 0, lo_open=True, why="memory of one GPU as sold, in GiB (80 for an A100/H100 80GB: 85.9e9 bytes); null = this machine's",
           nullable=True),
     ints("launcher.num_cpus", 1, "logical CPUs for Ray; null = the default", nullable=True),
     reals("launcher.startup_timeout_s", 0, lo_open=True, why="seconds actors and placement groups may take to start"),

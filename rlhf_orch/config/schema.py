@@ -61,7 +61,7 @@ class ColocatedPlacementConfig(RankedPlacementConfig):
     critic_fraction: float = 0.25
     reference_fraction: float = 0.15
     engine_fraction: float = 0.35
-    gpu_memory_gb: Optional[float] = None  # memory of one GPU, GB; null = this machine's GPU (the memory plan)
+    gpu_memory_gb: Optional[float] = None  # one GPU as sold: 80 for an 80GB A100/H100 (GiB); null = this machine's GPU (the memory plan)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class SplitPlacementConfig(PlacementConfig):
     critic_gpus: int = 2
     vllm_gpus: int = 2
     reference_fraction: float = 0.25
-    gpu_memory_gb: Optional[float] = None  # memory of one GPU, GB; null = this machine's GPU (the memory plan)
+    gpu_memory_gb: Optional[float] = None  # one GPU as sold: 80 for an 80GB A100/H100 (GiB); null = this machine's GPU (the memory plan)
     # Derived from the GPU counts (a policy rank per actor GPU with a reference beside it, a critic
     # rank per critic GPU, an engine per engine_tp vLLM GPUs); a value is refused, naming the key to set.
     actor_ranks: Optional[int] = None

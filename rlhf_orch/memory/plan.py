@@ -23,6 +23,9 @@ from rlhf_orch.memory.terms import (
 from rlhf_orch.topology.plan import PlacementPlan
 
 GB = 10**9
+#: placement.gpu_memory_gb is a GPU's size as it is sold and named ("80GB" A100 / H100), which is in
+#: GiB: such a GPU reports ~85.0e9 bytes (torch's total_memory; 81559 MiB in nvidia-smi), not 80e9.
+GPU_SIZE_UNIT = GiB
 #: What a GPU is assumed to hold when neither placement.gpu_memory_gb nor a GPU here says.
 ASSUMED_GPU_GB = 80.0
 #: Ray kills a worker once the host's memory use passes this fraction (RAY_memory_usage_threshold).
@@ -94,7 +97,7 @@ def gpu_memory(typed: RootConfig) -> tuple[int, str]:
     """(bytes of one GPU, where that figure comes from)."""
     configured = getattr(typed.placement, "gpu_memory_gb", None)
     if configured is not None:
-        return int(configured * GB), "placement.gpu_memory_gb"
+        return int(configured * GPU_SIZE_UNIT), "placement.gpu_memory_gb"
     try:
         import torch
 
@@ -102,7 +105,7 @@ def gpu_memory(typed: RootConfig) -> tuple[int, str]:
             return int(torch.cuda.get_device_properties(0).total_memory), f"{torch.cuda.get_device_name(0)}"
     except Exception:  # noqa: BLE001 - no usable CUDA: fall back to the assumption, said in the table
         pass
-    return int(ASSUMED_GPU_GB * GB), f"assumed {ASSUMED_GPU_GB:g} GB (set placement.gpu_memory_gb)"
+    return int(ASSUMED_GPU_GB * GPU_SIZE_UNIT), f"assumed an {ASSUMED_GPU_GB:g}GB GPU (set placement.gpu_memory_gb)"
 
 
 def host_memory() -> tuple[int, str]:
