@@ -193,3 +193,31 @@ def test_a_gpu_s_size_is_read_as_it_is_sold():
     capacity, source = gpu_memory(OmegaConf.to_object(compose_config(["placement=split", "placement.gpu_memory_gb=80"])))
     assert source == "placement.gpu_memory_gb" and abs(capacity - h100_reports) / h100_reports < 0.011
     assert "85.90" in verdict(["placement=split", "placement.gpu_memory_gb=80", "model=qwen2_5_0_5b"]).table()  # the capacity column
+
+
+def test_the_entropy_bonus_is_planned_as_what_its_backward_keeps():
+    """algo.entropy_coef > 0: the actor keeps T x V x 17 bytes for the entropy's backward -- the
+    constant measured again here on `entropy_from_logits` itself (torch's saved-tensors hooks), so a
+    change of that function shows -- e.g. 15.9 GB at T=6144, V=152k; 0 without the bonus."""
+    from rlhf_orch.algo.losses import entropy_from_logits
+    from rlhf_orch.memory.terms import ENTROPY_SAVED_BYTES_PER_ELEMENT
+
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = torch.randn(8, 500, dtype=dtype, requires_grad=True)
+        saved: dict[int, int] = {}
+
+        def keep(t):
+            saved[t.data_ptr()] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            entropy_from_logits(logits)
+        assert round(sum(saved.values()) / logits.numel()) == ENTROPY_SAVED_BYTES_PER_ELEMENT, dtype
+
+    def entropy_term(coef: float) -> float:
+        plan = verdict(["placement=split", "placement.gpu_memory_gb=80", "model=qwen2_5_0_5b", f"algo.entropy_coef={coef}"]).plan
+        actor = next(p for p in plan.processes if p.role == "actor")
+        return sum(t.bytes for t in actor.terms if t.name == "entropy")
+
+    tokens, vocab = 768, 151936  # the packed micro-batch of this config; Qwen2.5's vocabulary
+    assert entropy_term(0.01) == tokens * vocab * ENTROPY_SAVED_BYTES_PER_ELEMENT and entropy_term(0.0) == 0

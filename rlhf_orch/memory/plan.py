@@ -132,6 +132,7 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         sleep_level=level, enforce_eager=e.enforce_eager,
         sequences_per_engine=-(-a.rollout_batch_size * a.samples_per_prompt // engines),
         sync_bucket_bytes=int(getattr(typed.sync, "bucket_mb", 0) * 2**20),
+        entropy=a.entropy_coef > 0,
     )
 
 

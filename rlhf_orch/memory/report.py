@@ -13,7 +13,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "weights": ("weights", "gathered weights"),
     "grads": ("gradients", "fp32 gradients"),
     "optimizer": ("master weights", "optimizer"),
-    "activations": ("activations", "logits"),
+    "activations": ("activations", "logits", "entropy"),
     "kv cache": ("kv cache",),
     "other": ("workspace", "cuda graphs", "cpu weight packing", "sync buffers", "checkpoint load", "runtime", "shared libraries"),
 }

@@ -20,6 +20,8 @@ ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I 
   * logits         T*V*(2w + 4) in training: the logits, the fp32 chunks of the log-softmax kept for
     backward, the logits' gradient (`ppo_math.logprobs_from_logits`); T*V*w in a forward without
     gradients (old and reference logprobs)
+  * entropy        T*V*17 in training when algo.entropy_coef > 0: the float32 copies (and a mask)
+    `losses.entropy_from_logits` keeps for backward (`ENTROPY_SAVED_BYTES_PER_ELEMENT`)
   * engine         weights N*w/tp, KV cache (engine.kv_cache_gb, or what gpu_memory_utilization
     leaves), a forward workspace, CUDA graphs unless enforce_eager; on CPU also vLLM's re-packed
     copy of the linear weights and the sync's two receive buffers
@@ -37,6 +39,10 @@ from typing import Optional
 from rlhf_orch.memory.shapes import ModelShape
 
 GiB = 2**30
+# What `losses.entropy_from_logits` keeps for backward per logit, bf16 or fp32 logits alike: four
+# float32 [T, V] tensors (the shifted logits, softmax, the finite logits, the logsumexp input) and a
+# bool mask -- measured with torch's saved-tensors hooks (tests/test_memory_plan.py measures it again).
+ENTROPY_SAVED_BYTES_PER_ELEMENT = 17
 ALWAYS, TRAIN, EXPERIENCE, GENERATE = "always", "train", "experience", "generate"
 PHASES = (TRAIN, EXPERIENCE, GENERATE)
 
@@ -91,6 +97,7 @@ class Workload:
     enforce_eager: bool = True
     sequences_per_engine: int = 1  # sequences one engine generates per step
     sync_bucket_bytes: int = 0  # sync.bucket_mb of the bucketed syncs; 0 = tensor by tensor
+    entropy: bool = False  # the actor computes the entropy bonus (algo.entropy_coef > 0)
 
     @property
     def w(self) -> int:
@@ -181,6 +188,8 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
     terms.append(Term("activations", activation_bytes(shape, wl), TRAIN))
     if role == "actor":
         terms.append(Term("logits", wl.tokens_per_micro_batch * shape.vocab * (2 * w + 4), TRAIN))
+        if wl.entropy:
+            terms.append(Term("entropy", wl.tokens_per_micro_batch * shape.vocab * ENTROPY_SAVED_BYTES_PER_ELEMENT, TRAIN))
     terms += checkpoint_load_term(params, shape, wl)
     terms += runtime_terms("trainer", wl.on_gpu, GPU_ZERO3_RUNTIME_BYTES if z == 3 else 0)
     return terms
