@@ -221,3 +221,20 @@ def test_the_entropy_bonus_is_planned_as_what_its_backward_keeps():
 
     tokens, vocab = 768, 151936  # the packed micro-batch of this config; Qwen2.5's vocabulary
     assert entropy_term(0.01) == tokens * vocab * ENTROPY_SAVED_BYTES_PER_ELEMENT and entropy_term(0.0) == 0
+
+
+def test_offloaded_optimizer_states_are_planned_against_each_node_s_host_memory(tmp_path):
+    """trainer.offload_optimizer=true moves 16 bytes per parameter to the host (fp32 gradients, master
+    weights, Adam's moments), and a sleeping colocated engine parks its bf16 weights there: for a 70B
+    policy at ZeRO-2 with 8 engines on one 8-GPU node that is 16N + 8 x 2N = 32N, ~2.3 TB of the
+    node's RAM. Planned against placement.host_memory_gb (4 TiB: fits; 1 TiB: refused on "host n0");
+    without the key on a machine with no CUDA GPU the nodes' RAM is not known and not planned."""
+    overrides = ["model=hf", f"model.name_or_path={_write_70b(tmp_path)}", "model.context_len=8192", "algo=dapo",
+                 "placement=colocated", "placement.gpus_per_node=8", "placement.gpu_memory_gb=80", "trainer.zero_stage=2",
+                 "trainer.offload_optimizer=true", "launcher.dry_run=true"]
+    host = lambda v: next(load for load in v.plan.loads if load.device.name == "host n0")  # noqa: E731
+    roomy = verdict([*overrides, "placement.host_memory_gb=4096"])
+    assert host(roomy).need == pytest.approx(32 * roomy.plan.shape.policy_params, rel=0.01) and host(roomy).fits
+    short = verdict([*overrides, "placement.host_memory_gb=1024"])
+    assert not host(short).fits and not short.fits and "host n0" in short.refusal()
+    assert not any(load.device.name.startswith("host") for load in verdict(overrides).plan.loads)

@@ -342,6 +342,8 @@ RANGES: tuple[Range, ...] = (
            "'refuse' (a plan that does not fit exits 2 before Ray starts) or 'warn' (say so and run)"),
     reals("placement.gpu_memory_gb", 0, lo_open=True, why="memory of one GPU as sold, in GiB (80 for an A100/H100 80GB: 85.9e9 bytes); null = this machine's",
           nullable=True),
+    reals("placement.host_memory_gb", 0, lo_open=True, why="RAM of one node as sold, in GiB (offloaded optimizer states and "
+          "sleeping engines' weights live there); null = this machine's where it has CUDA GPUs", nullable=True),
     ints("launcher.num_cpus", 1, "logical CPUs for Ray; null = the default", nullable=True),
     reals("launcher.startup_timeout_s", 0, lo_open=True, why="seconds actors and placement groups may take to start"),
     # ---- root

@@ -62,6 +62,9 @@ class ColocatedPlacementConfig(RankedPlacementConfig):
     reference_fraction: float = 0.15
     engine_fraction: float = 0.35
     gpu_memory_gb: Optional[float] = None  # one GPU as sold: 80 for an 80GB A100/H100 (GiB); null = this machine's GPU (the memory plan)
+    # one node's RAM as sold (GiB; null = this machine's where it has CUDA GPUs, else not planned): what
+    # offloaded optimizer states and sleeping engines' weights take on the host (the memory plan)
+    host_memory_gb: Optional[float] = None
 
 
 @dataclass
@@ -81,6 +84,9 @@ class SplitPlacementConfig(PlacementConfig):
     vllm_gpus: int = 2
     reference_fraction: float = 0.25
     gpu_memory_gb: Optional[float] = None  # one GPU as sold: 80 for an 80GB A100/H100 (GiB); null = this machine's GPU (the memory plan)
+    # one node's RAM as sold (GiB; null = this machine's where it has CUDA GPUs, else not planned): what
+    # offloaded optimizer states and sleeping engines' weights take on the host (the memory plan)
+    host_memory_gb: Optional[float] = None
     # Derived from the GPU counts (a policy rank per actor GPU with a reference beside it, a critic
     # rank per critic GPU, an engine per engine_tp vLLM GPUs); a value is refused, naming the key to set.
     actor_ranks: Optional[int] = None

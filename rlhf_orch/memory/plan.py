@@ -108,6 +108,35 @@ def gpu_memory(typed: RootConfig) -> tuple[int, str]:
     return int(ASSUMED_GPU_GB * GPU_SIZE_UNIT), f"assumed an {ASSUMED_GPU_GB:g}GB GPU (set placement.gpu_memory_gb)"
 
 
+def node_host_loads(typed: RootConfig, plan: PlacementPlan, processes: dict[tuple[str, int], ProcessMemory]) -> list[DeviceLoad]:
+    """GPU layouts: each node's host memory against what its processes keep there (offloaded
+    optimizer states and master weights, a sleeping engine's parked weights), counted at once --
+    a node's RAM is `placement.host_memory_gb`, else this machine's where it has CUDA GPUs (it is a
+    node of the cluster); a dry run from a machine without them does not plan it (said by the
+    source). Nothing to plan without such terms."""
+    capacity = node_host_memory(typed)
+    loads = []
+    for node_index in range(len(plan.nodes)):
+        on_node = {(s.role, s.rank) for s in plan.slots if s.node == node_index}
+        views = [
+            ProcessMemory(p.role, p.rank, [Term(t.name, t.bytes) for t in p.terms if t.on_host], p.note)
+            for key, p in processes.items() if key in on_node and any(t.on_host for t in p.terms)
+        ]
+        if views and capacity is not None:
+            loads.append(DeviceLoad(Device(f"host n{node_index}", *capacity), views, sums_phases=False))
+    return loads
+
+
+def node_host_memory(typed: RootConfig) -> Optional[tuple[int, str]]:
+    """(bytes a GPU node's processes may keep in host memory, where from), or None: unknown here."""
+    configured = getattr(typed.placement, "host_memory_gb", None)
+    if configured is not None:
+        return int(configured * GiB * RAY_MEMORY_THRESHOLD), f"placement.host_memory_gb x {RAY_MEMORY_THRESHOLD:g} (Ray's kill threshold)"
+    from rlhf_orch.cuda_probe import cuda_available
+
+    return host_memory() if cuda_available() else None
+
+
 def host_memory() -> tuple[int, str]:
     """(bytes this host's processes may use before Ray's memory monitor kills one, where from)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -194,6 +223,7 @@ def plan_memory(
                 claims = plan.claims_on(node_index, bundle_index)
                 device = Device(f"gpu n{node_index}/b{bundle_index}", gpu_bytes, gpu_source)
                 loads.append(DeviceLoad(device, [processes[(c.role, c.rank)] for c in claims]))
+        loads += node_host_loads(typed, plan, processes)
     else:
         host_bytes, host_source = host or host_memory()
         driver = ProcessMemory("driver", 0, runtime_terms("driver", on_gpu=False), "run.py, Ray's raylet/GCS/workers")

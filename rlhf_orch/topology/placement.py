@@ -62,9 +62,10 @@ class ColocatedPlacement(_RankedPlacement):
     reference_fraction: float
     engine_fraction: float
     gpu_memory_gb: Optional[float] = None  # read by the memory plan (rlhf_orch.memory), not the planner
+    host_memory_gb: Optional[float] = None  # read by the memory plan, not the planner
 
     planner = staticmethod(plan_colocated)
-    derived = ("gpu_memory_gb",)
+    derived = ("gpu_memory_gb", "host_memory_gb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +82,7 @@ class SplitPlacement(_Placement):
     vllm_gpus: int
     reference_fraction: float
     gpu_memory_gb: Optional[float] = None  # read by the memory plan (rlhf_orch.memory), not the planner
+    host_memory_gb: Optional[float] = None  # read by the memory plan, not the planner
     # Always None (the config check refuses a value): the counts follow from the GPUs.
     actor_ranks: Optional[int] = None
     critic_ranks: Optional[int] = None
@@ -88,7 +90,7 @@ class SplitPlacement(_Placement):
     engines: Optional[int] = None
 
     planner = staticmethod(plan_split)
-    derived = ("actor_ranks", "critic_ranks", "reference_ranks", "engines", "gpu_memory_gb")
+    derived = ("actor_ranks", "critic_ranks", "reference_ranks", "engines", "gpu_memory_gb", "host_memory_gb")
 
     def __post_init__(self) -> None:
         given = [f"placement.{k}={getattr(self, k)}" for k in self.derived[:4] if getattr(self, k) is not None]
