@@ -238,3 +238,26 @@ def test_offloaded_optimizer_states_are_planned_against_each_node_s_host_memory(
     short = verdict([*overrides, "placement.host_memory_gb=1024"])
     assert not host(short).fits and not short.fits and "host n0" in short.refusal()
     assert not any(load.device.name.startswith("host") for load in verdict(overrides).plan.loads)
+
+
+def test_a_pipeline_that_generates_during_training_keeps_the_colocated_engine_awake():
+    """7B PPO on 8 colocated 80GB GPUs at ZeRO-3: under pipeline=sync the engine sleeps while the
+    trainers train and the plan fits (~84 GB of 85.9); under one_step_off and async (max_staleness
+    > 0) it generates the next rollout meanwhile, so its weights and KV cache count in training too
+    (~99 GB): refused, with fixes. async with max_staleness=0 is sync."""
+    base = ["model=qwen2_5_math_7b", "placement=colocated", "placement.gpus_per_node=8", "trainer.zero_stage=3",
+            "placement.gpu_memory_gb=80", "launcher.dry_run=true"]
+
+    def gpu0(pipeline: list[str]):
+        v = verdict([*base, *pipeline])
+        return v, next(load for load in v.plan.loads if load.device.name == "gpu n0/b0")
+
+    sync, sync_gpu = gpu0(["pipeline=sync"])
+    assert sync.fits
+    engine = next(p for p in sync_gpu.processes if p.role == "engine")
+    awake = sum(t.bytes for t in engine.terms if t.phase == "generate" and not t.on_host)
+    for pipeline in (["pipeline=one_step_off"], ["pipeline=async"]):
+        v, gpu = gpu0(pipeline)
+        assert not v.fits and (v.fixes or v.chain), pipeline
+        assert gpu.need > sync_gpu.need + awake / 2, pipeline  # the training phase now holds the engine too
+    assert gpu0(["pipeline=async", "pipeline.max_staleness=0"])[1].need == sync_gpu.need

@@ -162,7 +162,19 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         sequences_per_engine=-(-a.rollout_batch_size * a.samples_per_prompt // engines),
         sync_bucket_bytes=int(getattr(typed.sync, "bucket_mb", 0) * 2**20),
         entropy=a.entropy_coef > 0,
+        engines_overlap_training=generates_during_training(typed),
     )
+
+
+def generates_during_training(typed: RootConfig) -> bool:
+    """The pipeline's answer: it generates the next rollouts while the trainers train (its
+    max_staleness, the async option's key or the class's own: 0 sync, 1 one_step_off)."""
+    from hydra.utils import get_class
+
+    staleness = getattr(typed.pipeline, "max_staleness", None)
+    if staleness is None:
+        staleness = get_class(typed.pipeline._target_).max_staleness
+    return staleness > 0
 
 
 def batch_quantities(typed: RootConfig, plan: PlacementPlan, wl: Workload) -> dict[str, Any]:
