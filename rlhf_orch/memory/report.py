@@ -11,7 +11,7 @@ from rlhf_orch.memory.terms import ProcessMemory
 # Table columns: the terms of `rlhf_orch.memory.terms` grouped the way people speak of them.
 COLUMNS: dict[str, tuple[str, ...]] = {
     "weights": ("weights", "gathered weights"),
-    "grads": ("gradients", "fp32 gradients"),
+    "grads": ("gradients", "gradient partition", "fp32 gradients"),
     "optimizer": ("master weights", "optimizer"),
     "activations": ("activations", "logits", "entropy"),
     "kv cache": ("kv cache",),

@@ -10,7 +10,8 @@ work).
 The formulas, per role (N = parameters, w = bytes per element of the model dtype, dp = data-parallel
 ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I intermediate, V vocab):
   * weights        N*w, divided by dp under ZeRO-3
-  * gradients      N*w (+ N*4 fp32 accumulation when w < 4), divided by dp from ZeRO-2
+  * gradients      N*w (+ N*4 fp32 accumulation when w < 4), divided by dp from ZeRO-2 (whose reduce
+    bucket of up to 5e8 elements and, at ZeRO-2, a partition in the model's dtype come on top)
   * master weights N*4 when w < 4 (mixed precision), divided by dp from ZeRO-1
   * optimizer      AdamW: 8*N (two fp32 moments), divided by dp from ZeRO-1; plain SGD: 0
     (offloaded optimizer states and master weights live in host memory, not on the GPU)
@@ -179,6 +180,10 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
             terms += [Term("fp32 gradients", params * 4, on_host=offload), Term("master weights", params * 4, on_host=offload)]
     else:
         model_grads = params * w if z == 1 else min(params, REDUCE_BUCKET_ELEMENTS) * w
+        if z == 2:
+            # ZeRO-2 reduces each gradient into this rank's partition in the model's dtype before the
+            # fp32 copy (DeepSpeed's estimator counts it: its "2_grads_16bit").
+            terms.append(Term("gradient partition", params * w // dp))
         terms += [
             Term("gradients", model_grads),
             Term("fp32 gradients", params * 4 // dp, on_host=offload),
