@@ -50,22 +50,24 @@ class ClusterRayLauncher(RayLauncher):
                 "give `ray start --num-cpus=N` on each node instead, or use launcher=local"
             )
         super().__init__(dry_run, logical_gpus, num_cpus, address or "auto", startup_timeout_s, reuse_session, memory_check, keep_actors)
-        self._asked: Optional[dict[str, float]] = None  # the cluster's resources, read outside a session
+        self._asked: Optional[list[dict[str, float]]] = None  # the nodes' resources, read outside a session
 
     def gpus_present(self) -> int:
-        return int(self._resources().get("GPU", 0))
+        return int(sum(node.get("GPU", 0) for node in self._node_resources()))
 
     def cuda_present(self) -> bool:
-        """The cluster's GPUs are real where Ray detected their type on some node, whatever the
-        driver's machine has: a CPU-only head node (or a login node) drives a GPU cluster."""
-        return detected_gpus(self._resources()) or super().cuda_present()
+        """The cluster's GPUs are real where Ray detected their type on a node that offers them,
+        whatever the driver's machine has: a CPU-only head node (or a login node) drives a GPU
+        cluster. Where Ray typed none (its detection failed), this machine's answer, as before."""
+        return any(detected_gpus(node) for node in self._node_resources()) or super().cuda_present()
 
-    def _resources(self) -> dict[str, float]:
+    def _node_resources(self) -> list[dict[str, float]]:
+        """Each alive node's resources (read once outside a session: the checks ask twice)."""
         if ray.is_initialized():
-            return dict(ray.cluster_resources())
-        if self._asked is None:  # the checks ask twice (GPUs, CUDA) before the session: connect once
+            return _alive_nodes()
+        if self._asked is None:
             with self.session():
-                self._asked = dict(ray.cluster_resources())
+                self._asked = _alive_nodes()
         return self._asked
 
     def _init_kwargs(self) -> dict[str, Any]:
@@ -166,7 +168,11 @@ _HINT = (
 )
 
 
+def _alive_nodes() -> list[dict[str, float]]:
+    return [dict(node.get("Resources", {})) for node in ray.nodes() if node.get("Alive")]
+
+
 def detected_gpus(resources: dict[str, float]) -> bool:
-    """Ray offers GPUs whose type it detected (the `accelerator_type:<type>` resource a node's real
-    devices add: `ray start --num-gpus=N` on a machine without any declares logical ones, untyped)."""
+    """One node offers GPUs whose type Ray detected (the `accelerator_type:<type>` resource a node's
+    real devices add: `ray start --num-gpus=N` on a machine without any declares logical ones, untyped)."""
     return resources.get("GPU", 0) > 0 and any(k.startswith("accelerator_type:") for k in resources)

@@ -259,15 +259,28 @@ class TestMultiNode:
         assert "holds planned node 0" in message and "holds planned node 1" in message
         assert placement.placement_groups == ()
 
-    def test_cluster_launcher_disconnects_without_stopping_the_cluster(self, two_gpu_nodes: Cluster) -> None:
+    def test_cluster_launcher_disconnects_without_stopping_the_cluster(self, two_gpu_nodes: Cluster, monkeypatch) -> None:
         launcher = ClusterRayLauncher(address=two_gpu_nodes.address)
+        connects = []
+        init = ray.init
+        monkeypatch.setattr(ray, "init", lambda *a, **k: connects.append(1) or init(*a, **k))
         assert launcher.gpus_present() == 8  # outside a session: connects just to ask
-        assert not ray.is_initialized()
+        assert not launcher.cuda_present()  # logical GPUs (untyped), and no CUDA here
+        assert len(connects) == 1 and not ray.is_initialized()  # the checks' two questions: one connection
+        monkeypatch.setattr(ray, "init", init)
         for _ in range(2):
             with launcher.session():
                 assert sum(node["Alive"] for node in ray.nodes()) == 3
                 assert launcher.gpus_present() == 8
             assert not ray.is_initialized()
+        # A node whose GPUs Ray typed (as it does for real ones): the cluster's GPUs are real, whatever
+        # this driver has (a CPU-only head node drives a GPU cluster).
+        typed = two_gpu_nodes.add_node(num_cpus=1, num_gpus=1, resources={"accelerator_type:H100": 1})
+        try:
+            two_gpu_nodes.wait_for_nodes()
+            assert ClusterRayLauncher(address=two_gpu_nodes.address).cuda_present()
+        finally:
+            two_gpu_nodes.remove_node(typed)
 
 
 # --------------------------------------------------------------------------- local launcher

@@ -340,7 +340,7 @@ RANGES: tuple[Range, ...] = (
     ints("launcher.logical_gpus", 0, "0 = only real GPUs"),
     choice("launcher.memory_check", ("refuse", "warn"),
            "'refuse' (a plan that does not fit exits 2 before Ray starts) or 'warn' (say so and run)"),
-    reals("placement.gpu_memory_gb", 0, lo_open=True, why="memory of one GPU as sold, in GiB (80 for an A100/H100 80GB: 85.9e9 bytes); null = this machine's",
+    reals("placement.gpu_memory_gb", 0, lo_open=True, why="memory of one GPU as sold (80 for an A100/H100 80GB: 85.0e9 bytes, GiB less the driver's 1 %); null = this machine's",
           nullable=True),
     reals("placement.host_memory_gb", 0, lo_open=True, why="RAM of one node as sold, in GiB (offloaded optimizer states and "
           "sleeping engines' weights live there); null = this machine's where it has CUDA GPUs", nullable=True),

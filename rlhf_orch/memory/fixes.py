@@ -85,7 +85,7 @@ def _engine_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str,
         smaller = round(e.kv_cache_gb / 2, 2)
         yield f"engine.kv_cache_gb={smaller:g}", "a smaller KV cache (fewer sequences at once)", _with(cfg, "engine", kv_cache_gb=smaller)
         return
-    worst = plan.worst()
+    worst = plan.worst_gpu()
     lower = round(wl.gpu_memory_utilization + min(worst.headroom, 0) / worst.device.capacity - 0.02, 2)
     if 0.05 <= lower < wl.gpu_memory_utilization:
         yield (f"engine.gpu_memory_utilization={lower:g}", "a smaller KV cache (fewer sequences at once)",
@@ -141,7 +141,7 @@ def _more_gpu_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[st
     engine = next((proc for proc in plan.processes if proc.role == "engine"), None)
     if engine is not None:
         weights = next(t.bytes for t in engine.terms if t.name == "weights")
-        if weights > 0.5 * plan.worst().device.capacity or plan.engine_problems:
+        if weights > 0.5 * plan.worst_gpu().device.capacity or plan.engine_problems:
             tp = p.engine_tp * 2
             override, changes = f"placement.engine_tp={tp}", {"engine_tp": tp}
             if getattr(p, "engines", None):  # layouts given engine counts: as many GPUs, half the engines
@@ -153,11 +153,12 @@ def _more_gpu_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[st
 
 def suggest_fixes(cfg: RootConfig, plan: MemoryPlan, replan: Replan) -> list[Fix]:
     """The candidates that lower the worst device's need, in the order that costs the run least."""
-    worst_need = plan.worst().need
+    # (in shortfall, not need: a plan's worst device may be a node's host memory or a GPU)
+    worst_headroom = plan.worst().headroom
     fixes = []
     for override, what, changed in _candidates(cfg, plan):
         new = replan(changed)
-        if new is not None and (new.fits or new.worst().need < worst_need or len(new.engine_problems) < len(plan.engine_problems)):
+        if new is not None and (new.fits or new.worst().headroom > worst_headroom or len(new.engine_problems) < len(plan.engine_problems)):
             fixes.append(Fix(override, what, changed, new))
     return fixes
 

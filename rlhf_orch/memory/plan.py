@@ -23,9 +23,11 @@ from rlhf_orch.memory.terms import (
 from rlhf_orch.topology.plan import PlacementPlan
 
 GB = 10**9
-#: placement.gpu_memory_gb is a GPU's size as it is sold and named ("80GB" A100 / H100), which is in
-#: GiB: such a GPU reports ~85.0e9 bytes (torch's total_memory; 81559 MiB in nvidia-smi), not 80e9.
-GPU_SIZE_UNIT = GiB
+#: placement.gpu_memory_gb is a GPU's size as it is sold and named ("80GB" A100 / H100), in GiB less
+#: the ~1 % the driver keeps: an H100 80GB reports 85.0175e9 bytes (torch's total_memory,
+#: docs/gpu_runs/2026-11-27-h100), an A100 40GB 42.505e9; 0.9895 GiB per "GB" gives 84.996e9 and
+#: 42.499e9, at most what they report (it was read as 1e9: 6 % short).
+GPU_SIZE_UNIT = int(0.9895 * GiB)
 #: What a GPU is assumed to hold when neither placement.gpu_memory_gb nor a GPU here says.
 ASSUMED_GPU_GB = 80.0
 #: Ray kills a worker once the host's memory use passes this fraction (RAY_memory_usage_threshold).
@@ -91,6 +93,12 @@ class MemoryPlan:
     def worst(self) -> DeviceLoad:
         return min(self.loads, key=lambda load: load.headroom)
 
+    def worst_gpu(self) -> DeviceLoad:
+        """The GPU with the least headroom (the worst load on plans without GPUs): what the engine's
+        share and tensor parallelism are sized against, not a node's host memory."""
+        gpus = [load for load in self.loads if load.device.name.startswith("gpu")]
+        return min(gpus, key=lambda load: load.headroom) if gpus else self.worst()
+
 
 # --------------------------------------------------------------------------- inputs from the config
 def gpu_memory(typed: RootConfig) -> tuple[int, str]:
@@ -108,18 +116,23 @@ def gpu_memory(typed: RootConfig) -> tuple[int, str]:
     return int(ASSUMED_GPU_GB * GPU_SIZE_UNIT), f"assumed an {ASSUMED_GPU_GB:g}GB GPU (set placement.gpu_memory_gb)"
 
 
-def node_host_loads(typed: RootConfig, plan: PlacementPlan, processes: dict[tuple[str, int], ProcessMemory]) -> list[DeviceLoad]:
+def node_host_loads(
+    typed: RootConfig, plan: PlacementPlan, processes: dict[tuple[str, int], ProcessMemory], engine_tp: int
+) -> list[DeviceLoad]:
     """GPU layouts: each node's host memory against what its processes keep there (offloaded
-    optimizer states and master weights, a sleeping engine's parked weights), counted at once --
-    a node's RAM is `placement.host_memory_gb`, else this machine's where it has CUDA GPUs (it is a
-    node of the cluster); a dry run from a machine without them does not plan it (said by the
-    source). Nothing to plan without such terms."""
+    optimizer states and master weights, a sleeping engine's parked weights: each of a
+    tensor-parallel engine's `engine_tp` workers parks its own shard), counted at once. A node's RAM
+    is `placement.host_memory_gb`, else this machine's when the run starts here on CUDA GPUs (this
+    machine is its node); otherwise (a dry run, a cluster) it is not known and not planned. Nothing
+    to plan without such terms. Not counted: each process's own host memory (the model as loaded,
+    the runtime), the driver, Ray's object store (docs/memory.md)."""
     capacity = node_host_memory(typed)
     loads = []
     for node_index in range(len(plan.nodes)):
         on_node = {(s.role, s.rank) for s in plan.slots if s.node == node_index}
         views = [
-            ProcessMemory(p.role, p.rank, [Term(t.name, t.bytes) for t in p.terms if t.on_host], p.note)
+            ProcessMemory(p.role, p.rank, [Term(t.name, t.bytes * (engine_tp if p.role == "engine" else 1))
+                                           for t in p.terms if t.on_host], p.note)
             for key, p in processes.items() if key in on_node and any(t.on_host for t in p.terms)
         ]
         if views and capacity is not None:
@@ -130,17 +143,27 @@ def node_host_loads(typed: RootConfig, plan: PlacementPlan, processes: dict[tupl
 def node_host_memory(typed: RootConfig) -> Optional[tuple[int, str]]:
     """(bytes a GPU node's processes may keep in host memory, where from), or None: unknown here."""
     configured = getattr(typed.placement, "host_memory_gb", None)
+    threshold = ray_memory_threshold()
     if configured is not None:
-        return int(configured * GiB * RAY_MEMORY_THRESHOLD), f"placement.host_memory_gb x {RAY_MEMORY_THRESHOLD:g} (Ray's kill threshold)"
+        return int(configured * GiB * threshold), f"placement.host_memory_gb x {threshold:g} (Ray's kill threshold)"
+    if typed.launcher.dry_run or typed.launcher.address is not None:
+        return None
     from rlhf_orch.cuda_probe import cuda_available
 
-    return host_memory() if cuda_available() else None
+    if not cuda_available():
+        return None
+    capacity, source = host_memory()
+    return capacity, f"{source}, this machine (set placement.host_memory_gb)"
+
+
+def ray_memory_threshold() -> float:
+    return float(os.environ.get("RAY_memory_usage_threshold", RAY_MEMORY_THRESHOLD))
 
 
 def host_memory() -> tuple[int, str]:
     """(bytes this host's processes may use before Ray's memory monitor kills one, where from)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    threshold = float(os.environ.get("RAY_memory_usage_threshold", RAY_MEMORY_THRESHOLD))
+    threshold = ray_memory_threshold()
     return int(total * threshold), f"{total / GiB:.1f} GiB RAM x {threshold:g} (Ray's kill threshold)"
 
 
@@ -162,19 +185,18 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         sequences_per_engine=-(-a.rollout_batch_size * a.samples_per_prompt // engines),
         sync_bucket_bytes=int(getattr(typed.sync, "bucket_mb", 0) * 2**20),
         entropy=a.entropy_coef > 0,
-        engines_overlap_training=generates_during_training(typed),
+        engines_overlap_training=_pipeline_says(typed, "engines_awake_in_training", False),
+        engines_sleep=_pipeline_says(typed, "sleeps_engines", True),
     )
 
 
-def generates_during_training(typed: RootConfig) -> bool:
-    """The pipeline's answer: it generates the next rollouts while the trainers train (its
-    max_staleness, the async option's key or the class's own: 0 sync, 1 one_step_off)."""
+def _pipeline_says(typed: RootConfig, attribute: str, default: bool) -> bool:
+    """The chosen pipeline class's answer (`RolloutPipeline`'s ClassVars): whether its engines are
+    awake while the trainers train, whether it ever puts them to sleep. A user's class without the
+    attribute gets the sync pipeline's answer."""
     from hydra.utils import get_class
 
-    staleness = getattr(typed.pipeline, "max_staleness", None)
-    if staleness is None:
-        staleness = get_class(typed.pipeline._target_).max_staleness
-    return staleness > 0
+    return bool(getattr(get_class(typed.pipeline._target_), attribute, default))
 
 
 def batch_quantities(typed: RootConfig, plan: PlacementPlan, wl: Workload) -> dict[str, Any]:
@@ -235,7 +257,7 @@ def plan_memory(
                 claims = plan.claims_on(node_index, bundle_index)
                 device = Device(f"gpu n{node_index}/b{bundle_index}", gpu_bytes, gpu_source)
                 loads.append(DeviceLoad(device, [processes[(c.role, c.rank)] for c in claims]))
-        loads += node_host_loads(typed, plan, processes)
+        loads += node_host_loads(typed, plan, processes, wl.engine_tp)
     else:
         host_bytes, host_source = host or host_memory()
         driver = ProcessMemory("driver", 0, runtime_terms("driver", on_gpu=False), "run.py, Ray's raylet/GCS/workers")

@@ -75,7 +75,8 @@ def describe(plan: MemoryPlan) -> str:
                      "pages in each total are page cache shared between processes, counted once in need")
     if wl.on_gpu:
         lines.append("need = the worse of generation (engines awake) and training (activations; sleeping engines "
-                     "freed); 'host' = held in host memory (offloaded states, a sleeping engine's weights)")
+                     "freed unless the pipeline generates during training); 'host' = held in host memory (offloaded "
+                     "states, a sleeping engine's weights)")
     notes = sorted({p.note for p in plan.processes if p.note and p.role == "engine"})
     lines += [f"engine: {note}" for note in notes]
     lines.append("")

@@ -99,9 +99,10 @@ class Workload:
     sequences_per_engine: int = 1  # sequences one engine generates per step
     sync_bucket_bytes: int = 0  # sync.bucket_mb of the bucketed syncs; 0 = tensor by tensor
     entropy: bool = False  # the actor computes the entropy bonus (algo.entropy_coef > 0)
-    # The pipeline generates while the trainers train (one_step_off, async with max_staleness > 0): a
-    # colocated engine is awake then, so its weights and KV cache count in the training phase too.
+    # The pipeline generates while the trainers train (one_step_off, async): a colocated engine is
+    # awake then, so its weights and KV cache count in the training phase too.
     engines_overlap_training: bool = False
+    engines_sleep: bool = True  # the pipeline puts idle engines to sleep (async never does)
 
     @property
     def w(self) -> int:
@@ -241,7 +242,8 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
                 "at once: vLLM runs them in waves (slower, fits)")
     # A sleeping engine (colocated GPUs) gives weights and KV cache back while the trainers train;
     # level 1 parks the weights in host memory.
-    phase = GENERATE if wl.on_gpu and wl.sleep_level > 0 and not wl.engines_overlap_training else ALWAYS
+    asleep = wl.on_gpu and wl.sleep_level > 0 and wl.engines_sleep
+    phase = GENERATE if asleep and not wl.engines_overlap_training else ALWAYS
     terms = [
         Term("weights", weights, phase),
         Term("kv cache", max(kv, 0), phase),
@@ -257,9 +259,9 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
         bucket = min(wl.sync_bucket_bytes or shape.vocab * shape.hidden * wl.w, shape.policy_params * wl.w)
         terms.append(Term("sync buffers", 2 * bucket))
         terms += checkpoint_load_term(shape.policy_params // tp, shape, wl)
-    if wl.on_gpu and wl.sleep_level == 1:
+    if asleep and wl.sleep_level == 1:
         # Parked in host memory while asleep (one_step_off sleeps once its generation is done, which
-        # may be mid-training; async engines never do: counted anyway, on the safe side).
+        # may be mid-training).
         terms.append(Term("weights (asleep)", weights, TRAIN, on_host=True))  # host: not in GPU sums
     terms += runtime_terms("engine", wl.on_gpu)
     return terms, note

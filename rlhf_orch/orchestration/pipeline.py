@@ -67,6 +67,10 @@ class RolloutPipeline:
     max_staleness: ClassVar[int] = 0
     # Needs a transfer that can hold a finished rollout until the trainers are free.
     needs_held_rollouts: ClassVar[bool] = False
+    # (the memory plan asks) Engines generate while the trainers train, so a colocated engine is
+    # awake then; and whether idle engines are ever put to sleep (engine.sleep_level).
+    engines_awake_in_training: ClassVar[bool] = False
+    sleeps_engines: ClassVar[bool] = True
     # Rollouts an engine generates at once (its Ray max_concurrency; > 1: continuous batching across them).
     rollouts_at_once: int = 1
 
@@ -134,6 +138,7 @@ class OneStepOffPipeline(RolloutPipeline):
 
     max_staleness: ClassVar[int] = 1
     needs_held_rollouts: ClassVar[bool] = True
+    engines_awake_in_training: ClassVar[bool] = True  # the next rollout generates meanwhile; sleeps after it
 
     def __init__(self) -> None:
         # One background thread drives the next rollout's generation (its Ray calls, dynamic
@@ -230,6 +235,8 @@ class AsyncPipeline(RolloutPipeline):
     each new version reaches the engines as soon as the trainers made it."""
 
     needs_held_rollouts: ClassVar[bool] = True
+    engines_awake_in_training: ClassVar[bool] = True  # never idle (engines_idle does nothing), never asleep
+    sleeps_engines: ClassVar[bool] = False
 
     def __init__(self, max_staleness: int = 1, partial_rollout: bool = True) -> None:
         if max_staleness < 0:
