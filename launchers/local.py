@@ -53,9 +53,6 @@ class LocalRayLauncher(RayLauncher):
             return self.logical_gpus
         return cuda_gpus
 
-    def cuda_present(self) -> bool:
-        return cuda_device_count() > 0
-
     def logical_cpus(self) -> int:
         if self.num_cpus is not None:
             return self.num_cpus
