@@ -15,9 +15,11 @@ tool-free template), slightly less accurately.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_orch.models.base import ModelSource
@@ -65,20 +67,36 @@ class PackagedGGUFModel(ModelSource):
         print(f"model: {self.model_id} built in {seconds:.0f} s; later runs load it from the cache offline", file=sys.stderr, flush=True)
 
 
+@contextmanager
+def quiet_gguf_progress():
+    """transformers' GGUF reader draws a progress bar per tensor (its own `tqdm`, which
+    `disable_progress_bar()` does not reach): off while the block runs, for this reader only. Not
+    through `TQDM_DISABLE`: set in os.environ it would outlive the build and reach every process this
+    one starts, and vLLM's `LLM.generate` divides by a disabled bar's elapsed time (0)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+    from transformers.utils import logging as hf_logging
+
+    bar, bars_were_on = gguf_reader.tqdm, hf_logging.is_progress_bar_enabled()
+    gguf_reader.tqdm = functools.partial(bar, disable=True)
+    hf_logging.disable_progress_bar()  # and transformers' own (loading, writing shards)
+    try:
+        yield
+    finally:
+        gguf_reader.tqdm = bar
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
 def build_from_gguf(gguf_path: Path, out_dir: Path, context_len: int) -> None:
     """Dequantize `gguf_path` and write a plain Hugging Face checkpoint (float32 safetensors,
     tokenizer with its chat template, generation config) to `out_dir`."""
-    import os
-
-    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' per-tensor GGUF progress bar (read when tqdm is imported)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with quiet_gguf_progress():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights below are plain floats
@@ -92,7 +110,8 @@ def build_from_gguf(gguf_path: Path, out_dir: Path, context_len: int) -> None:
     # The checkpoint's own limit, not the run's model.context_len (not part of the cache key: the
     # engines and trainers bound lengths with model.context_len themselves).
     tokenizer.model_max_length = int(getattr(config, "max_position_embeddings", 0) or context_len)
-    model.save_pretrained(out_dir)
+    with quiet_gguf_progress():
+        model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
