@@ -521,3 +521,18 @@ def test_a_hung_plain_agent_holds_no_thread_the_next_trajectory_waits_for(server
     while (left := [t for t in threading.enumerate() if t not in before and t.name.startswith("agent")]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left  # the spinning function's thread ended
+
+
+def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness():
+    """An agent session steps vLLM itself (no shared stepping): each step counts, so the driver's
+    `progress` question sees a busy engine move while `ping` waits behind the session."""
+    from types import SimpleNamespace
+
+    from rlhf_orch.engines.turns import VLLMCalls
+
+    engine = SimpleNamespace(step=lambda: [SimpleNamespace(finished=False)], has_unfinished_requests=lambda: True)
+    counted: list[int] = []
+    calls = VLLMCalls(SimpleNamespace(llm_engine=engine), 1.0, count_step=lambda: counted.append(1))
+    for _ in range(3):
+        assert calls.poll() == []
+    assert len(counted) == 3

@@ -204,3 +204,66 @@ def test_a_run_joins_the_processs_ray_session_only_when_asked_and_when_it_fits(s
     with LocalRayLauncher(logical_gpus=4, reuse_session=True).session():
         pass
     assert ray.is_initialized()  # joined, and left up for the next run
+
+
+@ray.remote(concurrency_groups={"monitor": 1})
+class _LivenessProbe:
+    """What `not_answering` sees of an engine: `ping` on the thread one long call can hold (vLLM's),
+    `progress` on a thread of its own; `generating` makes engine steps in the background."""
+
+    def __init__(self, generating: bool) -> None:
+        import threading
+        import time
+
+        self.steps = 0
+
+        def generate() -> None:
+            while True:
+                time.sleep(0.05)
+                self.steps += 1
+
+        if generating:
+            threading.Thread(target=generate, daemon=True).start()
+
+    def hold(self, seconds: float) -> None:  # one long call (an agent session, a hung broadcast)
+        import time
+
+        time.sleep(seconds)
+
+    def ping(self) -> int:
+        return 0
+
+    @ray.method(concurrency_group="monitor")
+    def progress(self) -> int:
+        return self.steps
+
+
+@ray.remote
+class _TrainerProbe:
+    def hold(self, seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
+
+    def ping(self) -> int:
+        return 0
+
+
+def test_an_engine_busy_in_one_long_call_is_not_lost_while_it_makes_steps(shared_ray):
+    """`ping` waits behind a long call on vLLM's thread (an agent session): an engine that made
+    engine steps meanwhile is busy, not lost; one whose steps stand (a hung call), a dead one and
+    a busy actor without a step count (a trainer in a hung collective) are lost."""
+    from rlhf_orch.orchestration.actors import not_answering
+
+    idle, busy, stuck, dead = (_LivenessProbe.options(num_cpus=0).remote(g) for g in (False, True, False, False))
+    trainer = _TrainerProbe.options(num_cpus=0).remote()
+    actors = [idle, busy, stuck, dead, trainer]
+    try:
+        ray.get([a.ping.remote() for a in actors])
+        for a in (busy, stuck, trainer):
+            a.hold.remote(60)
+        ray.kill(dead)
+        assert not_answering(actors, timeout_s=2.0) == [2, 3, 4]
+    finally:
+        for a in actors:
+            ray.kill(a)

@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -217,14 +217,16 @@ def trajectory_completions(
             }
 
 
-def complete_agent_trajectories(llm: Any, server: Any, requests: Sequence[Any], job: Any, step_seed: int) -> Iterator[list[Any]]:
+def complete_agent_trajectories(llm: Any, server: Any, requests: Sequence[Any], job: Any, step_seed: int,
+                                count_step: Callable[[], None] | None = None) -> Iterator[list[Any]]:
     """Every requested sample as an agent trajectory; yields each request's completions (every
-    sequence of all its samples) in request order once every agent function has returned."""
+    sequence of all its samples) in request order once every agent function has returned.
+    `count_step`: called after each engine step (the engine's liveness count)."""
     env = job.env
     tokenizer = llm.get_tokenizer()
     runner = AgentRunner(env.load(), env.concurrency, env.timeout_s, server.api_key)
     session = AgentRolloutSession(
-        server, VLLMCalls(llm, job.temperature), tokenizer, runner, env.limits(job.max_tokens), job.temperature, step_seed,
+        server, VLLMCalls(llm, job.temperature, count_step=count_step), tokenizer, runner, env.limits(job.max_tokens), job.temperature, step_seed,
         env.tool_parser, env.timeout_s, env.reasoning_parser,
     )
     owner = {i: r for r in requests for i in r.indices(job.samples_per_prompt)}

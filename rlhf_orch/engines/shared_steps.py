@@ -54,6 +54,11 @@ class SharedEngineSteps:
             return fn(*args)
         return self._engine_thread.call(fn, *args)
 
+    def _count_step(self) -> None:
+        """(vLLM's thread.) One more engine step made: what `progress` reports to the driver (every
+        engine step counts, the ones an agent session makes on its own too)."""
+        self.steps_made += 1
+
     def _enqueue(self, prompts, params, outbox: list[Any]) -> list[str]:
         """(vLLM's thread.) Add the requests; their finished outputs will go to `outbox`."""
         self._weights_present()
@@ -75,7 +80,7 @@ class SharedEngineSteps:
         if not engine.has_unfinished_requests():
             return False
         outputs = engine.step()
-        self.steps_made += 1  # liveness: what `progress` reports to the driver
+        self._count_step()
         for out in outputs:
             if out.finished:
                 with self._cond:

@@ -70,11 +70,15 @@ class VLLMCalls:
     """`CallGenerator` on a `vllm.LLM`: one request per call (n=1), from the call's token ids. With
     `stepping`, the engine's steps are shared with the other rollouts it generates at once."""
 
-    def __init__(self, llm: Any, temperature: float, stepping: SharedStepping | None = None):
+    def __init__(self, llm: Any, temperature: float, stepping: SharedStepping | None = None,
+                 count_step: Callable[[], None] | None = None):
         self.llm = llm
         self.engine = llm.llm_engine
         self.temperature = temperature
         self.stepping = stepping
+        # called after each engine step made here (not through `stepping`, which counts its own):
+        # the engine's liveness count (`VLLMEngine.progress`)
+        self.count_step = count_step
         self._outbox: list[Any] = []
         self._key_of: dict[str, int] = {}
 
@@ -108,6 +112,8 @@ class VLLMCalls:
             finished = self.stepping.take(self._outbox)
         else:
             finished = [out for out in self.engine.step() if out.finished]
+            if self.count_step is not None:
+                self.count_step()
         done = []
         for out in finished:
             key = self._key_of.pop(str(out.request_id), None)

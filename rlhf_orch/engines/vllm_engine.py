@@ -291,7 +291,7 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
     def _complete_agents(self, requests, job: RolloutJob, step_seed: int):
         from rlhf_orch.engines.agent_rollout import complete_agent_trajectories
 
-        return complete_agent_trajectories(self.llm, self._chat_server(job.env), requests, job, step_seed)
+        return complete_agent_trajectories(self.llm, self._chat_server(job.env), requests, job, step_seed, self._count_step)
 
     def _chat_server(self, env: Any) -> Any:
         """The engine's `env=agent` endpoint, started at its first agent rollout, closed with the engine."""

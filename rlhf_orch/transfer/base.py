@@ -116,7 +116,7 @@ class Route:
     def _stalled(self, engines: list[int]) -> list[int]:
         """Of `engines`, those with no engine step since the last look (or not answering within
         10 s, or without a step counter); an engine's first look counts as progress."""
-        asks = {e: self.engines[e].progress.remote() for e in engines if _has_method(self.engines[e], "progress")}
+        asks = {e: self.engines[e].progress.remote() for e in engines if has_method(self.engines[e], "progress")}
         counts: dict[int, int | None] = dict.fromkeys(engines)
         if asks:
             done, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=min(10.0, self.timeout_s))
@@ -157,7 +157,7 @@ class Route:
         return results
 
 
-def _has_method(actor: Any, name: str) -> bool:
+def has_method(actor: Any, name: str) -> bool:
     """Whether a Ray actor handle (or a plain object in tests) offers `name`."""
     try:
         getattr(actor, name)
