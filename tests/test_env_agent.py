@@ -523,16 +523,27 @@ def test_a_hung_plain_agent_holds_no_thread_the_next_trajectory_waits_for(server
     assert not left  # the spinning function's thread ended
 
 
-def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness():
+def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(monkeypatch):
     """An agent session steps vLLM itself (no shared stepping): each step counts, so the driver's
     `progress` question sees a busy engine move while `ping` waits behind the session."""
     from types import SimpleNamespace
 
+    from rlhf_orch.engines import agent_rollout
     from rlhf_orch.engines.turns import VLLMCalls
+    from rlhf_orch.engines.vllm_engine import VLLMEngine
 
-    engine = SimpleNamespace(step=lambda: [SimpleNamespace(finished=False)], has_unfinished_requests=lambda: True)
+    vllm_engine = SimpleNamespace(step=lambda: [SimpleNamespace(finished=False)], has_unfinished_requests=lambda: True)
     counted: list[int] = []
-    calls = VLLMCalls(SimpleNamespace(llm_engine=engine), 1.0, count_step=lambda: counted.append(1))
+    calls = VLLMCalls(SimpleNamespace(llm_engine=vllm_engine), 1.0, count_step=lambda: counted.append(1))
     for _ in range(3):
         assert calls.poll() == []
     assert len(counted) == 3
+    # The engine hands the session its own count, the one `progress` answers.
+    engine = object.__new__(VLLMEngine)  # no vLLM: only what an agent rollout's start needs
+    engine.llm, engine.steps_made, engine._chat_server = None, 0, lambda env: None
+    handed = {}
+    monkeypatch.setattr(agent_rollout, "complete_agent_trajectories", lambda *args: handed.setdefault("count_step", args[-1]))
+    engine._complete_agents([], SimpleNamespace(env=None), step_seed=0)
+    handed["count_step"]()
+    handed["count_step"]()
+    assert engine.progress() == 2

@@ -251,9 +251,11 @@ class _TrainerProbe:
 
 def test_an_engine_busy_in_one_long_call_is_not_lost_while_it_makes_steps(shared_ray):
     """`ping` waits behind a long call on vLLM's thread (an agent session): an engine that made
-    engine steps meanwhile is busy, not lost; one whose steps stand (a hung call), a dead one and
-    a busy actor without a step count (a trainer in a hung collective) are lost."""
-    from rlhf_orch.orchestration.actors import not_answering
+    engine steps meanwhile is busy, not lost, when a failure asks whether to restart
+    (`lost_processes`); one whose steps stand (a hung call), a dead one and a busy actor without a
+    step count (a trainer in a hung collective) are lost. The strict check (`not_answering`: may
+    its weights be pushed, may it be kept for the next run) still counts the busy engine."""
+    from rlhf_orch.orchestration.actors import lost_processes, not_answering
 
     idle, busy, stuck, dead = (_LivenessProbe.options(num_cpus=0).remote(g) for g in (False, True, False, False))
     trainer = _TrainerProbe.options(num_cpus=0).remote()
@@ -263,7 +265,8 @@ def test_an_engine_busy_in_one_long_call_is_not_lost_while_it_makes_steps(shared
         for a in (busy, stuck, trainer):
             a.hold.remote(60)
         ray.kill(dead)
-        assert not_answering(actors, timeout_s=2.0) == [2, 3, 4]
+        assert lost_processes(actors, timeout_s=2.0) == [2, 3, 4]
+        assert not_answering(actors, timeout_s=1.0) == [1, 2, 3, 4]
     finally:
         for a in actors:
             ray.kill(a)

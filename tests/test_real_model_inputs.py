@@ -5,8 +5,8 @@ log-prob metrics -- on SmolLM2-135M-Instruct's real tokenizer and ChatML templat
 from __future__ import annotations
 
 import importlib.util
-import os
 import json
+import os
 import sys
 
 import pytest
@@ -225,18 +225,31 @@ def test_logprob_agreement_reports_the_mean_and_the_share_over_the_threshold_bes
     assert m["rollout/logprob_diff_over_frac"] == pytest.approx(1 / 40)
 
 
-def test_the_gguf_build_silences_its_progress_bars_without_touching_the_environment():
+def test_the_gguf_build_silences_its_progress_bars_without_touching_the_environment(monkeypatch, tmp_path):
     """The build once set TQDM_DISABLE in os.environ: every process started after it (the export
     check's vLLM) inherited it, and vLLM's `LLM.generate` divided by the disabled bar's elapsed 0.
-    The bars are off inside the block only, and nothing leaks into the environment."""
+    `build_from_gguf` runs up to its first load (stopped there): the reader's bar is off while it
+    loads, and afterwards the environment and the bars are as they were."""
+    import transformers
     from transformers import modeling_gguf_pytorch_utils as gguf_reader
     from transformers.utils import logging as hf_logging
 
-    from rlhf_orch.models.gguf import quiet_gguf_progress
+    from rlhf_orch.models.gguf import build_from_gguf
 
     environment, bar, bars_on = dict(os.environ), gguf_reader.tqdm, hf_logging.is_progress_bar_enabled()
-    with quiet_gguf_progress():
-        assert gguf_reader.tqdm(range(3)).disable and not hf_logging.is_progress_bar_enabled()
-        assert dict(os.environ) == environment
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def first_load(*args, **kwargs):
+        seen["bar_off"] = gguf_reader.tqdm(range(3)).disable
+        seen["environment"] = dict(os.environ)
+        raise Loaded
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", first_load)
+    with pytest.raises(Loaded):
+        build_from_gguf(tmp_path / "model.gguf", tmp_path / "out", 2048)
+    assert seen["bar_off"] and seen["environment"] == environment
     assert dict(os.environ) == environment
     assert gguf_reader.tqdm is bar and hf_logging.is_progress_bar_enabled() == bars_on

@@ -13,8 +13,8 @@ from rlhf_orch.engines.launch import cpu_kv_cache_env, engine_launch
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
-from rlhf_orch.transfer.base import has_method
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, TrainerSpec
+from rlhf_orch.transfer.base import has_method
 
 # Environment every actor of a run gets: tokenizers threads fight the trainer's on small boxes.
 _ACTOR_ENV = {
@@ -134,35 +134,45 @@ class RoleActors:
 
 def not_answering(actors: Sequence[Any], timeout_s: float) -> list[int]:
     """Positions of the actors that are dead or do not answer `ping` within `timeout_s` (alive
-    but stuck -- say, waiting in a broadcast that will never finish -- is as lost as dead).
-
-    An engine's `ping` runs on the thread that runs vLLM, which one long call can hold (a whole
-    agent session, a rollout on an unthreaded engine): an engine that does not answer `ping` but
-    made engine steps during the wait (`progress`, answered on a thread of its own) is busy, not
-    lost. Stuck in a broadcast or a hung call, its step count stands."""
+    but stuck -- say, waiting in a broadcast that will never finish -- is as lost as dead). Strict:
+    an engine busy in one long call does not answer either (see `lost_processes`)."""
     refs = [actor.ping.remote() for actor in actors]
-    first_looks = {k: actor.progress.remote() for k, actor in enumerate(actors) if has_method(actor, "progress")}
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     lost = []
     for k, ref in enumerate(refs):
         try:
             ray.get(ref, timeout=0)
-        except ray.exceptions.RayActorError:
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             lost.append(k)
-        except ray.exceptions.GetTimeoutError:
-            if k not in first_looks or not _made_steps(actors[k], first_looks[k]):
-                lost.append(k)
     return lost
 
 
-def _made_steps(engine: Any, first_look: Any, timeout_s: float = 10.0) -> bool:
-    """Whether `engine`'s step count moved since `first_look` (its `progress` asked earlier)."""
-    try:
-        before = ray.get(first_look, timeout=timeout_s)
-        return ray.get(engine.progress.remote(), timeout=timeout_s) > before
-    except (ray.exceptions.RayError, TimeoutError):  # dead, or not even its monitor thread answers
-        return False
+PROGRESS_ANSWER_S = 10.0  # how long the monitor threads of the engines that missed `ping` have to answer
 
+
+def lost_processes(actors: Sequence[Any], timeout_s: float) -> list[int]:
+    """Positions of the actors that are dead or hung, telling a busy engine from a stuck one: an
+    engine's `ping` runs on the thread that runs vLLM, which one long call holds without being stuck
+    (a whole agent session, a rollout on an unthreaded engine). Every engine (an actor with
+    `progress`, answered on a thread of its own) is asked for its engine steps as the `ping` wait
+    starts; one that missed `ping` is asked again after it and counts as busy, not lost, if its
+    count moved. Stuck in a broadcast or a hung call, its count stands; an actor without a count (a
+    trainer) that misses `ping` is lost. At most `timeout_s` + `PROGRESS_ANSWER_S`."""
+    first_looks = {k: actor.progress.remote() for k, actor in enumerate(actors) if has_method(actor, "progress")}
+    silent = not_answering(actors, timeout_s)
+    second_looks = {k: actors[k].progress.remote() for k in silent if k in first_looks}
+    if not second_looks:
+        return silent
+    refs = [first_looks[k] for k in second_looks] + list(second_looks.values())
+    ray.wait(refs, num_returns=len(refs), timeout=PROGRESS_ANSWER_S)
+    busy = set()
+    for k, second in second_looks.items():
+        try:
+            if ray.get(second, timeout=0) > ray.get(first_looks[k], timeout=0):
+                busy.add(k)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # dead since, or not even its monitor thread answers: lost
+    return [k for k in silent if k not in busy]
 
 
 def trainer_process_env(env: dict[str, str], gpu_layout: bool, shares_cuda_memory: bool = False) -> dict[str, str]:

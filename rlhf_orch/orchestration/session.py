@@ -19,7 +19,7 @@ from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import named
 from rlhf_orch.orchestration import warm_actors
-from rlhf_orch.orchestration.actors import ActorStartError, RoleActors, StartupStopped, not_answering, start_role_actors
+from rlhf_orch.orchestration.actors import ActorStartError, RoleActors, StartupStopped, lost_processes, start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import ResumeError
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
@@ -188,13 +188,14 @@ _NOT_RESTARTED = (NonFiniteError, EngineRestartBudgetError, ActorStartError)
 
 def processes_lost(error: BaseException, actors: Any, timeout_s: float = 10.0) -> bool:
     """Whether the failure lost a process of the run: an actor is dead or does not answer within
-    `timeout_s` (hung: treated as dead). A failure with every process answering (a bug, a bad
+    `timeout_s` (hung: treated as dead; an engine busy in one long call that makes engine steps
+    is neither, `lost_processes`). A failure with every process answering or busy (a bug, a bad
     reward function) is no reason to restart."""
     if isinstance(error, _NOT_RESTARTED):
         return False
     if _stuck(error) or isinstance(error, ActorDiedError):  # (its replacement may answer by now)
         return True
-    return bool(not_answering(actors.all(), timeout_s))
+    return bool(lost_processes(actors.all(), timeout_s))
 
 
 @dataclass
