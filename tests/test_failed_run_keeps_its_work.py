@@ -276,7 +276,8 @@ def test_a_generation_making_tokens_is_never_timed_out_and_a_stuck_engine_is_fou
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["fault/trainer_restarts"] for r in rows] == [0, 0, 1, 1]
     assert rows[1]["time/generate"] > 12  # two timeouts: waited for, since the engine made steps
     out = capsys.readouterr().out
-    assert "step 3: ActorTimeoutError: no answer within 6s (fault.step_timeout_s) while generating" in out
+    assert ("step 3: ActorTimeoutError: no answer within 6s (fault.step_timeout_s) while generating: "
+            "vLLM engine 0 made no engine step within 6s") in out
     assert "restarting every role from the checkpoint of step 2" in out
     assert all_resources_free()
 

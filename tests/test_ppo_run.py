@@ -270,3 +270,24 @@ def test_an_engine_busy_in_one_long_call_is_not_lost_while_it_makes_steps(shared
     finally:
         for a in actors:
             ray.kill(a)
+
+
+def test_a_wait_that_gives_up_on_a_stuck_engine_names_it_and_not_the_busy_one(shared_ray):
+    """Liveness by progress during a rollout (`Route.wait_any`): after a window without a result the
+    engines are asked for their engine steps; one whose count stood over a whole window is stuck, and
+    the one-line error names it -- not the engine still making steps."""
+    from rlhf_orch.transfer.base import Route
+
+    stuck, busy = (_LivenessProbe.options(num_cpus=0).remote(g) for g in (False, True))
+
+    def get(refs, what, **kwargs):  # the loop's getter: raises its one line when a wait gives up
+        raise TimeoutError(what)
+
+    route = Route(engines=[stuck, busy], consumers=[], get=get, timeout_s=1.0)
+    try:
+        with pytest.raises(TimeoutError) as error:
+            route.on_engines(lambda e, engine: engine.hold.remote(60), [0, 1], "generating")
+        assert str(error.value) == "generating: vLLM engine 0 made no engine step within 1s (fault.step_timeout_s) or did not answer"
+    finally:
+        for a in (stuck, busy):
+            ray.kill(a)

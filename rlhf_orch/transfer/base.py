@@ -97,6 +97,8 @@ class Route:
     # engine index -> (its handle, its engine steps) at the last look (wait_any); a replacement,
     # another handle, counts from 0 and starts with a first look
     _steps_seen: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    # the engines the last wait found stuck (wait_any returned []), for the error that follows
+    stalled: list[int] = field(default_factory=list)
 
     def wait_any(self, waiting: dict[Any, int]) -> list[Any]:
         """The first of `waiting` (Ray refs or streaming generators, each -> the engine making it)
@@ -110,8 +112,15 @@ class Route:
             ready, _ = ray.wait(list(waiting), num_returns=1, timeout=self.timeout_s)
             if ready:
                 return ready
-            if self._stalled(sorted(set(waiting.values()))):
+            self.stalled = self._stalled(sorted(set(waiting.values())))
+            if self.stalled:
                 return []
+
+    def stall_note(self) -> str:
+        """Which engines the last wait found stuck, for the one-line error."""
+        engines = ", ".join(map(str, self.stalled))
+        return (f"vLLM engine{'s' if len(self.stalled) > 1 else ''} {engines} made no engine step within "
+                f"{self.timeout_s:g}s (fault.step_timeout_s) or did not answer")
 
     def _stalled(self, engines: list[int]) -> list[int]:
         """Of `engines`, those with no engine step since the last look (or not answering within
@@ -141,7 +150,7 @@ class Route:
         while pending:
             ready = self.wait_any(pending)
             if not ready:
-                self.get(list(pending), what, engine_call=True, remaining_s=0.0)  # raises: no answer in time
+                self.get(list(pending), f"{what}: {self.stall_note()}", engine_call=True, remaining_s=0.0)  # raises
                 continue  # (they all answered just now)
             ref = ready[0]
             e = pending.pop(ref)

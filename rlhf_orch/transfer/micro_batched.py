@@ -69,8 +69,7 @@ class MicroBatchedTransfer(RolloutTransfer):
                 continue
             ready = route.wait_any(active)
             if not ready:  # a stuck engine must not hang the run (one that makes engine steps is waited for)
-                raise TimeoutError(f"no micro-batch from the engines and no engine step within {route.timeout_s:.0f}s "
-                                   "(fault.step_timeout_s) while generating")
+                raise TimeoutError(f"no micro-batch from the engines while generating: {route.stall_note()}")
             for stream in ready:
                 ref = None
                 try:
