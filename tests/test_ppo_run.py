@@ -279,6 +279,7 @@ def test_a_wait_that_gives_up_on_a_stuck_engine_names_it_and_not_the_busy_one(sh
     from rlhf_orch.transfer.base import Route
 
     stuck, busy = (_LivenessProbe.options(num_cpus=0).remote(g) for g in (False, True))
+    ray.get([a.ping.remote() for a in (stuck, busy)])  # started: their first look answers at once
 
     def get(refs, what, **kwargs):  # the loop's getter: raises its one line when a wait gives up
         raise TimeoutError(what)

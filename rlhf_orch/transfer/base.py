@@ -108,6 +108,7 @@ class Route:
         each made steps since the last look, the wait goes on -- a generation producing tokens is
         never cut, however long -- else [] (the caller reports no answer in time). A stuck engine
         (its vLLM thread included) is found within two windows, whatever the response length."""
+        self.stalled = []
         while True:
             ready, _ = ray.wait(list(waiting), num_returns=1, timeout=self.timeout_s)
             if ready:
@@ -150,8 +151,13 @@ class Route:
         while pending:
             ready = self.wait_any(pending)
             if not ready:
-                self.get(list(pending), f"{what}: {self.stall_note()}", engine_call=True, remaining_s=0.0)  # raises
-                continue  # (they all answered just now)
+                # Give up on the stuck engines whose calls are still out; one that answered just now
+                # (or failed: replaced below) is taken by the next wait.
+                _, late = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+                self.stalled = [e for e in self.stalled if e in {pending[ref] for ref in late}]
+                if self.stalled:
+                    self.get(late, f"{what}: {self.stall_note()}", engine_call=True, remaining_s=0.0)  # raises
+                continue
             ref = ready[0]
             e = pending.pop(ref)
             try:
