@@ -89,14 +89,18 @@ def quiet_gguf_progress():
 
 def build_from_gguf(gguf_path: Path, out_dir: Path, context_len: int) -> None:
     """Dequantize `gguf_path` and write a plain Hugging Face checkpoint (float32 safetensors,
-    tokenizer with its chat template, generation config) to `out_dir`."""
+    tokenizer with its chat template, generation config) to `out_dir`, without progress bars."""
+    with quiet_gguf_progress():
+        _convert(gguf_path, out_dir, context_len)
+
+
+def _convert(gguf_path: Path, out_dir: Path, context_len: int) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    with quiet_gguf_progress():
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights below are plain floats
@@ -110,8 +114,7 @@ def build_from_gguf(gguf_path: Path, out_dir: Path, context_len: int) -> None:
     # The checkpoint's own limit, not the run's model.context_len (not part of the cache key: the
     # engines and trainers bound lengths with model.context_len themselves).
     tokenizer.model_max_length = int(getattr(config, "max_position_embeddings", 0) or context_len)
-    with quiet_gguf_progress():
-        model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
