@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from rlhf_orch.config.problems import ConfigError, Problem
+from rlhf_orch.models.lora import SYNC_MODES, VLLM_MAX_LORA_RANKS
 from rlhf_orch.config.schema import (
     ColocatedPlacementConfig,
     CpuLocalPlacementConfig,
@@ -91,6 +92,12 @@ def choice(key: str, options: tuple, fix: Optional[str] = None, **kw: Any) -> Ra
 
 def text(key: str, why: str = "", **kw: Any) -> Range:
     return Range(key, lambda v: isinstance(v, str) and v.strip() != "", "must be a non-empty string" + _why(why), **kw)
+
+
+def _lora_targets_ok(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip() != ""
+    return isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(m, str) and m.strip() for m in v)
 
 
 def _needs_critic(c: RootConfig) -> bool:
@@ -215,6 +222,11 @@ RANGES: tuple[Range, ...] = (
           "must be the name of the function in reward.path (a Python identifier), e.g. compute_score"),
     # ---- model
     ints("model.context_len", 1, "max positions the engines and trainers may use"),
+    ints("model.lora.rank", 0, "LoRA adapter rank; 0 = full fine-tuning", hi=VLLM_MAX_LORA_RANKS[-1]),
+    reals("model.lora.alpha", 0, lo_open=True, why="the adapter's update is alpha / rank * B @ A"),
+    reals("model.lora.dropout", 0, 1, hi_open=True, why="dropout on the adapters' input while training"),
+    choice("model.lora.sync", SYNC_MODES),
+    Range("model.lora.target_modules", _lora_targets_ok, 'give "all-linear" or a non-empty list of module names (q_proj, v_proj, ...)'),
     choice("model.dtype", ("float32", "bfloat16", "float16"), "use float32 (CPU), bfloat16 or float16"),
     ints("model.hidden_size", 1),
     ints("model.num_layers", 1),

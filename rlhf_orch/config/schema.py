@@ -505,10 +505,24 @@ class AgentEnvConfig(EnvConfig):
 
 # --------------------------------------------------------------------------- model
 @dataclass
+class LoraConfig:
+    """model.lora: the policy trains LoRA adapters on the frozen base (`peft`); rank 0 = off (full
+    fine-tuning). rlhf_orch.models.lora says what each key does and how the engines get the adapter."""
+
+    _target_: str = "rlhf_orch.models.lora.LoraSettings"
+    rank: int = 0  # adapter rank; 0 = full fine-tuning
+    alpha: float = 16.0  # the update is alpha / rank * B @ A
+    dropout: float = 0.0  # on the adapters' input, training forwards only
+    target_modules: Any = "all-linear"  # PEFT's: "all-linear" or a list of module names (q_proj, ...)
+    sync: str = "auto"  # what each weight sync moves: adapter (its tensors only), merged (every weight), auto
+
+
+@dataclass
 class ModelConfig:
     _target_: str = MISSING
     context_len: int = 2048  # max_position_embeddings the engines and trainers may use
     dtype: str = "float32"  # "float32" on CPU, "bfloat16" on GPUs
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

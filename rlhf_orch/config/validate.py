@@ -38,6 +38,7 @@ from rlhf_orch.config.schema import (
     FilesDataConfig,
     GSM8KRuleConfig,
     LocalLauncherConfig,
+    LoraConfig,
     MathVerifyRuleConfig,
     ModelRewardConfig,
     MultiTurnEnvConfig,
@@ -48,6 +49,7 @@ from rlhf_orch.config.schema import (
 )
 from rlhf_orch.config.problems import ConfigError, Problem
 from rlhf_orch.config.ranges import is_int, is_real, lookup, range_problems
+from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.topology.plan import PlacementPlan
 
 
@@ -674,6 +676,28 @@ def _timeouts(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
     return problems
 
 
+def _lora(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    """model.lora: keys that do nothing at rank 0; what an adapter-serving engine cannot do."""
+    lora, defaults = cfg.model.lora, LoraConfig()
+    if lora.rank == 0:
+        return [Problem(f"model.lora.{key}", getattr(lora, key), "does nothing at model.lora.rank=0 (full fine-tuning): "
+                        "set model.lora.rank > 0 or drop the key")
+                for key in ("alpha", "dropout", "target_modules", "sync") if getattr(lora, key) != getattr(defaults, key)]
+    problems = []
+    if lora.sync != "merged" and cfg.engine.sleep_level == 2:
+        problems.append(Problem("engine.sleep_level", 2, "level 2 drops the engines' base weights and an adapter update "
+                                "does not bring them back: use engine.sleep_level=1, or model.lora.sync=merged"))
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
+    settings = LoraSettings(rank=lora.rank, target_modules=targets)
+    if settings.embedding_targets():
+        problems.append(Problem("model.lora.target_modules", targets, f"LoRA on embeddings ({settings.embedding_targets()}) "
+                                "is not supported: target linear layers (q_proj, ..., or all-linear)"))
+    if lora.sync == "adapter" and settings.unservable_targets():
+        problems.append(Problem("model.lora.sync", "adapter", f"vLLM serves no adapter on {settings.unservable_targets()}: "
+                                "drop the head from model.lora.target_modules, or set model.lora.sync=merged"))
+    return problems
+
+
 def _offload(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     if cfg.trainer.offload_optimizer and not hw.cuda:
         return [Problem("trainer.offload_optimizer", True, "offloading moves optimizer states from GPU to host memory; "
@@ -753,6 +777,7 @@ CHECKS: tuple[Callable[[RootConfig, PlacementPlan, Hardware], list[Problem]], ..
     _launcher,
     _paths,
     _offload,
+    _lora,
 )
 
 

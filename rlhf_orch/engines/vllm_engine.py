@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 
+from rlhf_orch.engines.adapter_serving import AdapterServingLLM, peft_helper_dict, serves_adapter, vllm_lora_args
 from rlhf_orch.engines.launch import (
     SLEEP_WHERE_AVAILABLE,
     TORCH_COMPILE_OFF_ENV,
@@ -18,6 +19,7 @@ from rlhf_orch.engines.launch import (
     skips_torch_compile,
 )
 from rlhf_orch.engines.shared_steps import SharedEngineSteps, mean_version
+from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.sync.buckets import Bucket, TensorMeta
 from rlhf_orch.sync.group import GroupAddress
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob, RolloutProducer
@@ -45,6 +47,10 @@ class EngineSpec:
     # A weight update waits until the requests in flight finish (no new one starts meanwhile):
     # every sequence is drawn by one version (pipeline.partial_rollout=false).
     finish_before_update: bool = False
+    # model.lora: with its sync resolved to adapter (`serves_adapter`), vLLM serves the base with
+    # the policy's adapter and each update carries the adapter's tensors only
+    # (rlhf_orch.engines.adapter_serving); merged, or None: every weight, as without LoRA.
+    lora: LoraSettings | None = None
 
 
 #: The vLLM releases this code is written and tested against (the `gpu` extra pins the same range).
@@ -140,6 +146,10 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
 
             torch._dynamo.config.disable = True  # checked at each call: this process
             os.environ.update(TORCH_COMPILE_OFF_ENV)  # vLLM's TP worker processes (mp)
+        # model.lora: this engine takes the policy's adapter, or (merged) full weights as always.
+        self.serves_adapter = spec.lora is not None and serves_adapter(spec.lora, spec.model_path)
+        if self.serves_adapter:
+            extra.update(vllm_lora_args(spec.lora))
         if spec.tensor_parallel_size > 1 and spec.distributed_executor_backend == "mp":
             _bind_cpu_workers(spec.tensor_parallel_size)
         # vLLM's start-up runs gc.collect() five times over everything imported so far (torch,
@@ -162,6 +172,9 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
             logprobs_mode="processed_logprobs",
             **extra,
         )
+        if self.serves_adapter:
+            self.llm = AdapterServingLLM(self.llm)
+            self.llm.collective_rpc("rlhf_serve_adapter", args=(peft_helper_dict(spec.lora),))
         # vLLM labels every output token with the weight version that sampled it (spans per
         # completion): the per-token staleness of a sequence a weight update reached mid-way.
         self.llm.llm_engine.set_weight_version("0")
@@ -344,6 +357,8 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
             self._refuse_in_flight()
             self._awake()
             self.llm.collective_rpc("rlhf_reset")
+            if self.serves_adapter:
+                self.llm.adapter_request = None  # the base until the first update of the next run
             self.llm.reset_prefix_cache()
             self.llm.llm_engine.set_weight_version("0")
 
@@ -469,6 +484,8 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         # (vLLM's thread.) Cached prefixes were computed with the old weights: drop them, then
         # publish the version. Requests in flight go on with the new weights (pipeline=async).
         self.llm.reset_prefix_cache()
+        if self.serves_adapter and loaded:
+            self.llm.adapter_arrived()  # from now on every request names the adapter
         self.weight_version = version
         self.llm.llm_engine.set_weight_version(str(version))
         self._weights_dropped = self._weights_dropped and not loaded  # every sync sends every weight
@@ -477,6 +494,13 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
             self._updating = self._closed = False
             self._cond.notify_all()
         return {"engine": self.index, "version": version, "bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+    def lora_sync(self) -> str | None:
+        """What a weight update must carry to this engine under model.lora: "adapter" (its tensors
+        only) or "merged" (every weight); None without LoRA."""
+        if self.spec.lora is None:
+            return None
+        return "adapter" if self.serves_adapter else "merged"
 
     def get_weight_version(self) -> int:
         return self.weight_version

@@ -21,6 +21,8 @@ from typing import Iterator, Protocol
 
 import torch
 
+from rlhf_orch.engines.adapter_serving import AdapterUpdate
+from rlhf_orch.models.lora import ADAPTER_ID
 from rlhf_orch.sync.buckets import (
     Bucket,
     TensorMeta,
@@ -77,6 +79,9 @@ class WeightSyncWorkerExtension:
         self._rlhf_buffer_pool = None
         self._rlhf_session = None  # a layer-wise reload an update left open
         self._rlhf_raw_buffer = None
+        self._rlhf_adapter_update = None
+        if getattr(self, "_rlhf_adapter", None) is not None:
+            self.model_runner.lora_manager._adapter_manager.remove_adapter(ADAPTER_ID)  # the base again
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the dropped receive buffers, as a new engine would not hold them
@@ -88,6 +93,15 @@ class WeightSyncWorkerExtension:
         """Seed the sampler's random stream (vLLM draws from the device's default generator when a
         request carries no seed of its own): the driver reseeds every engine at every step."""
         torch.manual_seed(seed)
+
+    def rlhf_serve_adapter(self, peft_helper: dict) -> None:
+        """Every later update carries LoRA adapter tensors (`model.lora.sync=adapter`): they replace
+        the served adapter instead of reloading the base (`rlhf_orch.engines.adapter_serving`)."""
+        self._rlhf_adapter = peft_helper
+
+    def _rlhf_adapter_update_open(self) -> AdapterUpdate | None:
+        peft_helper = getattr(self, "_rlhf_adapter", None)
+        return None if peft_helper is None else AdapterUpdate(peft_helper)
 
     def _rlhf_group(self, name: str = DEFAULT_GROUP) -> BroadcastGroup:
         return self._rlhf_groups[name]
@@ -135,14 +149,21 @@ class WeightSyncWorkerExtension:
         model = self.model_runner.get_model()
         try:
             tensors = pool.stream(arrivals(), buffer_release_points(buckets))
+            adapter = self._rlhf_adapter_update_open()
             if not load:
                 for _ in tensors:
                     pass
                 return dict(stats, seconds=time.perf_counter() - t0)
-            self.model_runner.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+            if adapter is not None:
+                adapter.add(tensors)
+            else:
+                self.model_runner.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
         finally:
             pool.release_all()
-        refresh_tied_layers(model)
+        if adapter is not None:
+            adapter.apply(self.model_runner.lora_manager)
+        else:
+            refresh_tied_layers(model)
         return dict(stats, seconds=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ reload session (per tensor, handed-over buckets)
@@ -150,14 +171,24 @@ class WeightSyncWorkerExtension:
         """Open vLLM's layer-wise reload; with `buckets`, handed-over buckets follow one call each."""
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model_runner.get_model())
+        self._rlhf_adapter_update = self._rlhf_adapter_update_open()
+        if self._rlhf_adapter_update is None:
+            initialize_layerwise_reload(self.model_runner.get_model())
         self._rlhf_session = _HandoverSession(buffer_release_points(buckets)) if buckets else None
 
     def rlhf_receive_tensor(self, meta: TensorMeta, src: int = 0, group: str = DEFAULT_GROUP) -> int:
         tensor = torch.empty(meta.shape, dtype=dtype_from_name(meta.dtype), device=self._rlhf_group(group).device)
         self._rlhf_group(group).broadcast(tensor, src).wait()
-        self.model_runner.get_model().load_weights([(meta.name, tensor)])
+        self._rlhf_load([(meta.name, tensor)])
         return meta.nbytes
+
+    def _rlhf_load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Tensors of the open update: into vLLM's layer-wise reload, or into the adapter update."""
+        adapter = getattr(self, "_rlhf_adapter_update", None)
+        if adapter is not None:
+            adapter.add(tensors)
+        else:
+            self.model_runner.get_model().load_weights(tensors)
 
     def rlhf_load_bucket(self, bucket: Bucket, payload: BucketPayload, capacity: int) -> int:
         """Load one handed-over bucket (object store, CUDA IPC) inside the open session.
@@ -172,7 +203,7 @@ class WeightSyncWorkerExtension:
         buf = pool.acquire()[: bucket.nbytes]
         payload.copy_into(buf)
         pool.hold(buf, session.release_after[bucket.index])
-        self.model_runner.get_model().load_weights(list(unpack_bucket(bucket, buf)))
+        self._rlhf_load(list(unpack_bucket(bucket, buf)))
         session.position += len(bucket.slots)
         # load_weights processed every layer completed by these tensors before returning.
         pool.release_through(session.position)
@@ -181,9 +212,13 @@ class WeightSyncWorkerExtension:
     def rlhf_finish_update(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-        model = self.model_runner.get_model()
-        finalize_layerwise_reload(model, self.model_runner.model_config)
-        refresh_tied_layers(model)
+        adapter, self._rlhf_adapter_update = getattr(self, "_rlhf_adapter_update", None), None
+        if adapter is not None:
+            adapter.apply(self.model_runner.lora_manager)
+        else:
+            model = self.model_runner.get_model()
+            finalize_layerwise_reload(model, self.model_runner.model_config)
+            refresh_tied_layers(model)
         pool = getattr(self, "_rlhf_buffer_pool", None)
         if pool is not None:
             pool.release_all()  # non-layer tensors (embeddings) are processed only by finalize

@@ -14,6 +14,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from rlhf_orch.models.hub import ModelSourceError
+from rlhf_orch.models.lora import LoraSettings
 
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # Where Hugging Face configs keep the longest sequence the positions cover (the first one present counts).
@@ -23,13 +24,15 @@ _POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_
 class ModelSource(ABC):
     """A policy checkpoint (weights + tokenizer) and the limits it is used under."""
 
-    def __init__(self, context_len: int, dtype: str) -> None:
+    def __init__(self, context_len: int, dtype: str, lora: LoraSettings | None = None) -> None:
         if context_len <= 0:
             raise ValueError(f"context_len must be > 0, got {context_len}")
         if dtype not in _SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {dtype!r}")
         self._context_len = context_len
         self._dtype = dtype
+        # model.lora: the adapters the policy trains on this base (None: full fine-tuning).
+        self.lora = lora if lora is not None and lora.enabled else None
 
     @property
     def context_len(self) -> int:

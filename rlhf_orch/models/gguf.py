@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_orch.models.base import ModelSource
+from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.models.cache import build_once
 from rlhf_orch.models.packaged import GGUF_BUILD_FORMAT_VERSION, check_packaged_gguf, gguf_model_id, packaged_file
 
@@ -30,8 +31,11 @@ from rlhf_orch.models.packaged import GGUF_BUILD_FORMAT_VERSION, check_packaged_
 class PackagedGGUFModel(ModelSource):
     """A GGUF file in an installed package (`distribution`==`version`, at `gguf_file` inside it)."""
 
-    def __init__(self, context_len: int, dtype: str, distribution: str, version: str, gguf_file: str, cache_dir: str) -> None:
-        super().__init__(context_len, dtype)
+    def __init__(
+        self, context_len: int, dtype: str, distribution: str, version: str, gguf_file: str, cache_dir: str,
+        lora: LoraSettings | None = None,
+    ) -> None:
+        super().__init__(context_len, dtype, lora)
         for key, value in (("distribution", distribution), ("version", version), ("gguf_file", gguf_file)):
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"model.{key} must name the package's {key}, got {value!r}")

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from rlhf_orch.models.base import ModelSource
+from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.models.hub import check_model_source, resolve_local_checkpoint
 
 
 class HFModel(ModelSource):
     """A pretrained checkpoint; the consumers load `name_or_path` themselves."""
 
-    def __init__(self, context_len: int, dtype: str, name_or_path: str) -> None:
-        super().__init__(context_len, dtype)
+    def __init__(self, context_len: int, dtype: str, name_or_path: str, lora: LoraSettings | None = None) -> None:
+        super().__init__(context_len, dtype, lora)
         if not name_or_path:
             raise ValueError("name_or_path must name a local directory or a hub id")
         self.name_or_path = name_or_path

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rlhf_orch.models.base import ModelSource
+from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.models.cache import build_once
 from rlhf_orch.models.tiny_build import TinyLlamaSpec, build_tiny_checkpoint
 from rlhf_orch.models.warm_start_task import WARM_STARTS
@@ -32,8 +33,9 @@ class TinyLlama(ModelSource):
         warmup_steps: int,
         cache_dir: str,
         warm_start: str = "digit_reverse",
+        lora: LoraSettings | None = None,
     ) -> None:
-        super().__init__(context_len, dtype)
+        super().__init__(context_len, dtype, lora)
         self.spec = TinyLlamaSpec(
             context_len=context_len,
             dtype=dtype,

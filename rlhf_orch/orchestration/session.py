@@ -17,6 +17,7 @@ from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.engines.launch import memory_utilization, sleep_level
 from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.logging.rollout_dump import RolloutDump
+from rlhf_orch.models.lora import lora_settings
 from rlhf_orch.one_line import named
 from rlhf_orch.orchestration import warm_actors
 from rlhf_orch.orchestration.actors import ActorStartError, RoleActors, StartupStopped, lost_processes, start_role_actors
@@ -58,7 +59,8 @@ def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id:
             torch_threads=t.torch_threads,
         )
 
-    specs = {"actor": spec("actor", a.actor_lr)}
+    # model.lora trains the policy's adapters only; the critic and the reference are full models.
+    specs = {"actor": replace(spec("actor", a.actor_lr), lora=lora_settings(cfg.model.lora))}
     if a.needs_critic:
         specs["critic"] = spec("critic", a.critic_lr)
     if a.needs_reference:
@@ -105,6 +107,7 @@ def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipelin
         enforce_eager=typed.engine.enforce_eager,
         max_concurrency=rollouts_at_once,
         finish_before_update=not getattr(pipeline, "partial_rollout", True),
+        lora=lora_settings(typed.model.lora),
     )
 
 
@@ -198,6 +201,21 @@ def processes_lost(error: BaseException, actors: Any, timeout_s: float = 10.0) -
     return bool(lost_processes(actors.all(), timeout_s))
 
 
+def use_lora_sync(actors: RoleActors, timeout_s: float) -> str:
+    """model.lora: ask the engines what an update must carry (the adapter, or merged weights where
+    vLLM cannot serve the adapter: `VLLMEngine.lora_sync`), tell every policy rank; the start-up line."""
+    modes = set(ray.get([e.lora_sync.remote() for e in actors.engines], timeout=timeout_s))
+    if len(modes) != 1:
+        raise RuntimeError(f"the engines disagree on what a LoRA update carries: {sorted(modes)}")
+    mode = modes.pop()
+    ray.get([rank.use_lora_sync.remote(mode) for rank in actors.policy], timeout=timeout_s)
+    info = ray.get(actors.policy[0].lora_summary.remote(), timeout=timeout_s)
+    carried = (f"the adapter ({info['adapter_bytes'] / 1e6:.2f} MB; vLLM serves it in memory)" if mode == "adapter"
+               else f"merged weights ({info['full_bytes'] / 1e6:.1f} MB: the engines cannot take an adapter)")
+    return (f"lora: rank {info['rank']}, alpha {info['alpha']:g}, {info['layers']} layers -- {info['trainable']:,} of "
+            f"{info['total']:,} weights train; each sync sends {carried} (model.lora.sync={info['sync']})")
+
+
 @dataclass
 class _Run:
     """What every attempt of one run shares (a restart is a new attempt: new actors, same record)."""
@@ -243,6 +261,10 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
     loop: TrainLoop | None = None
     completed = False  # only a completed run's actors are kept (nothing of it is left running)
     try:
+        if run.specs["actor"].lora is not None:
+            line = use_lora_sync(actors, typed.launcher.startup_timeout_s)
+            if not restarted:
+                print(line, flush=True)
         sync.prepare(actors.policy, actors.engines, run.plan.engine_tp)
         dump = RolloutDump(run.run_dir, run.inputs.tokenizer, typed.logger.rollouts_per_step) if typed.logger.rollouts else None
         loop = TrainLoop(actors, run.inputs.task, run.inputs.tokenizer, transfer, sync, instantiate(cfg.algo),

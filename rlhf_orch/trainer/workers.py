@@ -27,6 +27,7 @@ from rlhf_orch.algo.losses import (
     truncated_is_weights,
 )
 from rlhf_orch.algo.ppo_math import LOGPROB_DIFF_THRESHOLD, masked_mean
+from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config
 from rlhf_orch.trainer.deepspeed_startup import skip_muon_import, skip_shm_comm_op
@@ -48,6 +49,7 @@ from rlhf_orch.trainer.token_weighting import (
     rows_for_targets,
     targets_in_layout,
 )
+from rlhf_orch.trainer.lora import ADAPTER_DIR, AdapterWeights, MergedLoraWeights, apply_lora, export_adapter, frozen_base
 from rlhf_orch.trainer.weight_source import ModuleWeightSource
 from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, TURN_REWARDS, PackedBatch, PaddedBatch, model_turn_spans
 from rlhf_orch.transfer.inbox import ExperienceInbox
@@ -76,6 +78,9 @@ class TrainerSpec:
     offload_optimizer: bool = False  # trainer.offload_optimizer (ZeRO-Offload; GPU layouts)
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
     host_reference: bool = False  # the policy rank also holds the reference (plan.reference_in_actor)
+    # model.lora (its sync resolved to adapter or merged): the policy trains adapters on a frozen
+    # base (rlhf_orch.trainer.lora); None: every weight trains.
+    lora: LoraSettings | None = None
 
 
 class _Worker(ExperienceInbox):
@@ -216,7 +221,7 @@ class _Worker(ExperienceInbox):
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """Every weight of the role's model, on CPU: rank 0 returns them, other ranks None (every
         rank calls: under ZeRO-3 the gather is collective)."""
-        source = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
+        source = self.full
         with source.gathered([m.name for m in source.metas()]) as full:
             return {n: t.detach().to("cpu", copy=True) for n, t in full.items()} if self.rank == 0 else None
 
@@ -224,11 +229,16 @@ class _Worker(ExperienceInbox):
     def save_checkpoint(self, directory: str) -> None:
         """DeepSpeed's checkpoint of this role (every rank calls: ZeRO partitions are per rank) and
         this rank's RNG state (DeepSpeed keeps `client_state` from rank 0 only)."""
-        self.engine.save_checkpoint(directory, tag="state", save_latest=False)
+        # Under model.lora only the adapters (and their optimizer states) are saved: the frozen
+        # base is the model's own checkpoint, loaded again by `build`.
+        self.engine.save_checkpoint(directory, tag="state", save_latest=False, exclude_frozen_parameters=self.spec.lora is not None)
         torch.save(rng_state(), os.path.join(directory, f"rng_rank{self.rank}.pt"))
 
     def load_checkpoint(self, directory: str) -> None:
-        path, _ = self.engine.load_checkpoint(directory, tag="state", load_optimizer_states=True, load_lr_scheduler_states=True)
+        path, _ = self.engine.load_checkpoint(
+            directory, tag="state", load_optimizer_states=True, load_lr_scheduler_states=True,
+            load_module_strict=self.spec.lora is None,  # (the adapters' checkpoint has no base weights)
+        )
         if path is None:
             raise RuntimeError(f"no DeepSpeed checkpoint of the {self.role} in {directory}")
         set_rng_state(torch.load(os.path.join(directory, f"rng_rank{self.rank}.pt"), weights_only=True))
@@ -271,19 +281,54 @@ class PolicyWorker(_Worker):
         model.config.use_cache = False
         if self.spec.gradient_checkpointing:
             enable_gradient_checkpointing(model)
+        lora = self.spec.lora
+        if lora is not None:
+            model = apply_lora(model, lora)
         self.engine = self._ds_engine(model, self.spec.lr)
-        self.weights = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
-        if self.spec.host_reference and getattr(self, "reference", None) is None:
+        # `full`: every weight under the checkpoint's names (export, tests); `weights`: what a
+        # sync sends -- the same, or the adapter tensors alone (model.lora.sync=adapter).
+        if lora is None:
+            self.full = self.weights = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
+        else:
+            self.full = MergedLoraWeights(self.engine.module, self.spec.zero_stage)
+            self.adapter = AdapterWeights(self.engine.module, self.spec.zero_stage)
+            self.weights = self.adapter if lora.sync == "adapter" else self.full  # auto: told by `use_lora_sync`
+        if lora is not None:
+            self.reference = None  # the frozen base under the adapters is the reference (`frozen_base`)
+        elif self.spec.host_reference and getattr(self, "reference", None) is None:
             # The frozen initial policy, as a ReferenceWorker would load it (a rebuild keeps it:
             # it never changes); not sharded by ZeRO, like the reference process's copy.
             self.reference = _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
         return sum(p.numel() for p in model.parameters())
 
+    def use_lora_sync(self, mode: str) -> None:
+        """What each weight sync sends under model.lora, as the engines take it (`VLLMEngine.lora_sync`):
+        "adapter" the adapter tensors only, "merged" every weight with the adapters merged in."""
+        if mode not in ("adapter", "merged"):
+            raise ValueError(f"lora sync mode {mode!r}: adapter or merged")
+        self.weights = self.adapter if mode == "adapter" else self.full
+
+    def lora_summary(self) -> dict[str, Any]:
+        """What model.lora trains and what a sync moves (the start-up line)."""
+        lora = self.spec.lora
+        params = list(self.engine.module.parameters())
+        numel = lambda p: int(getattr(p, "ds_numel", p.numel()))  # noqa: E731 (ZeRO-3 keeps the full count here)
+        return {
+            "rank": lora.rank, "alpha": lora.alpha, "sync": lora.sync, "layers": len(self.adapter.metas()) // 2,
+            "trainable": sum(numel(p) for p in params if p.requires_grad), "total": sum(numel(p) for p in params),
+            "adapter_bytes": sum(m.nbytes for m in self.adapter.metas()), "full_bytes": sum(m.nbytes for m in self.full.metas()),
+        }
+
     # ---------------------------------------------------------------- the hosted reference
     @torch.no_grad()
     def reference_logprobs(self, shard: int) -> list[torch.Tensor]:
         """What `ReferenceWorker.logprobs` returns, from the reference this rank holds
-        (`host_reference`); the shard stays staged for this rank's experience and update."""
+        (`host_reference`); the shard stays staged for this rank's experience and update. Under
+        model.lora the reference is the policy's own base with the adapters switched off."""
+        if self.spec.lora is not None:
+            self.engine.eval()
+            with frozen_base(self.engine.module) as base:
+                return self._logprobs_of(base, shard)
         return self._logprobs_of(self.reference, shard)
 
     def reference_placement(self) -> dict[str, Any]:
@@ -520,11 +565,14 @@ class PolicyWorker(_Worker):
     def export_hf(self, directory: str) -> None:
         """The policy in Hugging Face format (safetensors + config + tokenizer), loadable as is by
         vLLM and transformers. Every rank calls (ZeRO-3 gathers are collective); rank 0 writes."""
-        names = [m.name for m in self.weights.metas()]
-        with self.weights.gathered(names) as full:
+        names = [m.name for m in self.full.metas()]
+        with self.full.gathered(names) as full:
             if self.rank == 0:
                 state = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in full.items()}
-                self.engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+                base = self.engine.module if self.spec.lora is None else self.engine.module.get_base_model()
+                base.save_pretrained(directory, state_dict=state, safe_serialization=True)
+        if self.spec.lora is not None:
+            export_adapter(self.adapter, self.engine.module, os.path.join(directory, ADAPTER_DIR), self.rank == 0)
         if self.rank == 0:
             from transformers import AutoTokenizer
 
@@ -548,8 +596,10 @@ class PolicyWorker(_Worker):
         gen = torch.Generator().manual_seed(seed)
         # Same seed on every rank: replicated weights (ZeRO-0/1/2) stay identical; under ZeRO-3
         # the full parameters are gathered and rank 0's change is what gets re-partitioned.
-        names = [m.name for m in self.weights.metas()]
-        with self.weights.gathered(names, modifier_rank=0) as full:
+        # (Under model.lora: the adapters, the only weights that change.)
+        source = self.weights if self.spec.lora is None else self.adapter
+        names = [m.name for m in source.metas()]
+        with source.gathered(names, modifier_rank=0) as full:
             for p in full.values():
                 p.add_(torch.randn(p.shape, generator=gen).to(p) * scale)
 

@@ -1,0 +1,136 @@
+"""An engine serving the base with the policy's LoRA adapter (`model.lora.sync=adapter`).
+
+vLLM serves adapters per request (`LoRARequest`) and loads them from a directory; here the adapter
+arrives over the weight sync as tensors, so the worker builds vLLM's `LoRAModel` from them in
+memory (`LoRAModel.from_lora_tensors`) and swaps it into its LoRA manager under one fixed id, in
+place at every update -- no file is written or read (veRL hands vLLM its adapters the same way).
+Every request then names that id: `AdapterServingLLM` adds it to every generate/enqueue call, so no
+rollout, turn, agent call or scoring pass can reach the bare base by mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from rlhf_orch.models.lora import ADAPTER_ID, ADAPTER_NAME, LoraSettings
+
+#: Never read: the adapter is resident before any request names it (vLLM's request type needs a path).
+IN_MEMORY_PATH = "/in-memory/rlhf_orch/policy-adapter"
+
+
+class AdapterNotServable(ValueError):
+    """model.lora.sync=adapter on a model vLLM cannot serve with a LoRA adapter."""
+
+
+def serves_adapter(settings: LoraSettings, model_path: str) -> bool:
+    """(Engine process, before `vllm.LLM` starts.) Whether this engine takes the policy's adapter:
+    `model.lora.sync` resolved -- `auto` is `adapter` where vLLM's model class for the checkpoint's
+    architecture supports LoRA and every targeted layer is one vLLM can adapt, else `merged`."""
+    if settings.sync == "merged":
+        return False
+    arch = _architecture(model_path)
+    why_not = None
+    if settings.unservable_targets():
+        why_not = f"vLLM adapts no {settings.unservable_targets()} layer"
+    elif not _vllm_supports_lora(arch):
+        why_not = f"vLLM's {arch} takes no LoRA adapter"
+    if why_not is None:
+        return True
+    if settings.sync == "adapter":
+        raise AdapterNotServable(f"model.lora.sync=adapter: {why_not}; set model.lora.sync=merged (or auto)")
+    return False
+
+
+def _architecture(model_path: str) -> str:
+    import json
+    import os
+
+    from rlhf_orch.models.hub import resolve_local_checkpoint
+
+    with open(os.path.join(resolve_local_checkpoint(model_path, "model"), "config.json")) as f:
+        return (json.load(f).get("architectures") or ["?"])[0]
+
+
+def _vllm_supports_lora(arch: str) -> bool:
+    from vllm.model_executor.models import ModelRegistry, supports_lora
+
+    model_cls = ModelRegistry._try_load_model_cls(arch)  # imports that one model module
+    return model_cls is not None and supports_lora(model_cls)
+
+
+def vllm_lora_args(settings: LoraSettings) -> dict[str, Any]:
+    """`vllm.LLM(...)` arguments for an engine serving one adapter of `settings.rank`."""
+    return {"enable_lora": True, "max_lora_rank": settings.engine_max_rank(), "max_loras": 1}
+
+
+def peft_helper_dict(settings: LoraSettings) -> dict[str, Any]:
+    """What vLLM's `PEFTHelper` needs of the adapter (its adapter_config.json fields)."""
+    targets = settings.targets()
+    return {"r": settings.rank, "lora_alpha": settings.alpha, "target_modules": targets if isinstance(targets, str) else list(targets)}
+
+
+class AdapterServingLLM:
+    """A `vllm.LLM` whose generate / enqueue calls carry the served adapter once one arrived.
+
+    Before the first update nothing is named: the adapter's B starts at zero, so the base is the
+    policy (and vLLM would otherwise look for the adapter on disk).
+    """
+
+    def __init__(self, llm: Any):
+        self._llm = llm
+        self.adapter_request: Any = None
+
+    def adapter_arrived(self) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.adapter_request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, IN_MEMORY_PATH)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("lora_request", self.adapter_request)
+        return self._llm.generate(*args, **kwargs)
+
+    def enqueue(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("lora_request", self.adapter_request)
+        return self._llm.enqueue(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the LLM's own
+        return getattr(self._llm, name)
+
+
+class AdapterUpdate:
+    """(vLLM worker.) One update's adapter tensors, collected as they arrive, then swapped in."""
+
+    def __init__(self, peft_helper: dict[str, Any]):
+        self.peft_helper = peft_helper
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def add(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # Copies: the receive buffers are reused for the next bucket.
+        for name, tensor in items:
+            self.tensors[name] = tensor.clone()
+
+    def apply(self, lora_manager: Any) -> int:
+        """Replace the served adapter with these tensors (vLLM's manager copies them into its
+        per-layer LoRA buffers when it activates the adapter). Returns the number of layers."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        if not self.tensors:
+            raise RuntimeError("an adapter update carried no tensor")
+        manager = lora_manager._adapter_manager
+        helper = PEFTHelper.from_dict(dict(self.peft_helper, vllm_max_position_embeddings=lora_manager.max_position_embeddings))
+        helper.validate_legal(lora_manager.lora_config)
+        adapter = LoRAModel.from_lora_tensors(
+            ADAPTER_ID, self.tensors, helper, device="cpu", dtype=lora_manager.lora_config.lora_dtype,
+            model_vocab_size=lora_manager.vocab_size,
+        )
+        manager.remove_adapter(ADAPTER_ID)
+        manager.add_adapter(adapter)  # fuses q/k/v and gate/up adapters as vLLM fuses those layers
+        unknown = sorted(set(adapter.loras) - set(manager.modules))
+        if unknown:  # a layer the engine does not have would silently serve the bare base
+            manager.remove_adapter(ADAPTER_ID)
+            raise RuntimeError(f"the adapter names layers the engine's model does not have: {unknown[:3]}")
+        manager.activate_adapter(ADAPTER_ID)
+        return len(adapter.loras)

@@ -1,0 +1,163 @@
+"""LoRA on the policy without Ray or vLLM: the weight views a sync sends, the reference, the export.
+
+`MergedLoraWeights` must be PEFT's own merge (`merge_and_unload`) under the base's names;
+`AdapterWeights` must carry PEFT's saved names, which vLLM's LoRA loader parses back to the
+base's layers; `frozen_base` must be the base model; the export must load in PEFT and in
+transformers as it is. On the tiny model and on SmolLM2's real layout (grouped KV heads, tied
+embeddings, 30 layers).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlhf_orch.models.lora import LoraSettings, adapter_bytes, lora_settings
+from rlhf_orch.trainer.lora import (
+    AdapterWeights,
+    MergedLoraWeights,
+    adapted_layers,
+    apply_lora,
+    export_adapter,
+    frozen_base,
+)
+
+
+def _load(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _trained(path: str, settings: LoraSettings, seed: int = 0):
+    """The policy wrapped with LoRA and its adapters moved away from PEFT's zero B (as training would)."""
+    model = apply_lora(_load(path), settings)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model
+
+
+def _gather_all(source) -> dict[str, torch.Tensor]:
+    names = [m.name for m in source.metas()]
+    with source.gathered(names) as tensors:
+        return {n: t.clone() for n, t in tensors.items()}
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
+def test_merged_view_is_peft_merge_under_the_base_names(tiny_model_path, targets):
+    settings = LoraSettings(rank=8, alpha=16, target_modules=targets)
+    model = _trained(tiny_model_path, settings)
+    merged = _gather_all(MergedLoraWeights(model, zero_stage=0))
+    reference = model.merge_and_unload().state_dict()
+    base_names = dict(_load(tiny_model_path).named_parameters())
+    assert list(merged) == list(base_names)  # the base checkpoint's names, its order, a tied head once
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6)
+    changed = [n for n in merged if not torch.equal(merged[n], base_names[n].data)]
+    expected = 2 * (2 if targets != "all-linear" else 7)  # two layers x adapted projections
+    assert len(changed) == expected
+
+
+def test_adapter_view_carries_peft_names_that_vllm_parses_to_base_layers(tiny_model_path):
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    settings = LoraSettings(rank=8, alpha=16)
+    model = _trained(tiny_model_path, settings)
+    adapter = AdapterWeights(model, zero_stage=0)
+    tensors = _gather_all(adapter)
+    base_layers = {n[: -len(".weight")] for n, _ in _load(tiny_model_path).named_parameters()}
+    parsed = {parse_fine_tuned_lora_name(name) for name in tensors}
+    assert {module for module, _ in parsed} <= base_layers
+    assert len(parsed) == len(tensors) == 2 * len(adapted_layers(model))  # one A and one B per layer
+    # What PEFT itself saves (its get_peft_model_state_dict) is the same set of names and tensors.
+    from peft.utils import get_peft_model_state_dict
+
+    peft_saved = get_peft_model_state_dict(model)
+    assert set(peft_saved) == set(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(tensor, peft_saved[name])
+    # The byte count the memory plan and the start-up line use is what travels.
+    shapes = [tuple(layer.weight.shape) for layer in adapted_layers(model).values()]
+    assert sum(m.nbytes for m in adapter.metas()) == adapter_bytes(8, shapes, 4)
+
+
+def test_frozen_base_is_the_base_model(tiny_model_path):
+    model = _trained(tiny_model_path, LoraSettings(rank=8, alpha=16))
+    base = _load(tiny_model_path)
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with frozen_base(model) as frozen:
+            without = frozen(input_ids=ids).logits
+        expected = base(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    torch.testing.assert_close(without, expected, rtol=0, atol=1e-5)
+    assert (adapted - expected).abs().max() > 1e-3  # the adapters do change the model
+    torch.testing.assert_close(again, adapted, rtol=0, atol=0)  # and are back after the block
+
+
+def test_only_adapters_train_and_a_fresh_adapter_is_the_base(tiny_model_path):
+    model = apply_lora(_load(tiny_model_path), LoraSettings(rank=4, alpha=8, target_modules=["q_proj"]))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    merged = _gather_all(MergedLoraWeights(model, zero_stage=0))
+    for name, p in _load(tiny_model_path).named_parameters():
+        assert torch.equal(merged[name], p.data)  # B = 0 at start: the policy is the base
+
+
+def test_lora_on_an_embedding_is_refused(tiny_model_path):
+    with pytest.raises(ValueError, match="non-linear layers"):
+        apply_lora(_load(tiny_model_path), LoraSettings(rank=4, target_modules=["embed_tokens", "q_proj"]))
+    with pytest.raises(ValueError, match="no_such_proj"):  # PEFT names what it did not find
+        apply_lora(_load(tiny_model_path), LoraSettings(rank=4, target_modules=["no_such_proj"]))
+
+
+def test_exported_adapter_loads_in_peft_as_the_trained_policy(tiny_model_path, tmp_path):
+    from peft import PeftModel
+
+    settings = LoraSettings(rank=8, alpha=16)
+    model = _trained(tiny_model_path, settings)
+    export_adapter(AdapterWeights(model, 0), model, str(tmp_path / "adapter"), write=True)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16
+    assert any(m.endswith("q_proj") for m in config["target_modules"])  # "all-linear" as PEFT resolved it
+    loaded = PeftModel.from_pretrained(_load(tiny_model_path), str(tmp_path / "adapter"))
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
+def test_real_layout_smollm2_merged_and_adapter_views(smollm2_path):
+    """SmolLM2's layout: grouped KV heads (k/v 192 x 576), tied embeddings, 30 layers."""
+    settings = LoraSettings(rank=16, alpha=32)
+    model = _trained(smollm2_path, settings)
+    layers = adapted_layers(model)
+    assert len(layers) == 30 * 7
+    k = layers["model.layers.0.self_attn.k_proj.weight"]
+    assert tuple(k.lora_a.shape) == (16, 576) and tuple(k.lora_b.shape) == (192, 16)
+    merged = MergedLoraWeights(model, 0)
+    full_bytes = sum(m.nbytes for m in merged.metas())
+    adapter = sum(m.nbytes for m in AdapterWeights(model, 0).metas())
+    assert "lm_head.weight" not in {m.name for m in merged.metas()}  # tied: sent once, as the embedding
+    assert full_bytes / adapter >= 25  # the issue's goal for rank 16 on all linear layers
+    names = ["model.layers.3.self_attn.k_proj.weight", "model.layers.29.mlp.down_proj.weight", "model.norm.weight"]
+    with merged.gathered(names) as got:
+        got = {n: t.clone() for n, t in got.items()}
+    reference = model.merge_and_unload().state_dict()
+    for name in names:
+        torch.testing.assert_close(got[name], reference[name], rtol=0, atol=1e-6)
+
+
+def test_settings_from_config_nodes():
+    assert lora_settings(None) is None
+    assert lora_settings(LoraSettings(rank=0)) is None
+    s = lora_settings(LoraSettings(rank=16, alpha=32, target_modules=["q_proj"], sync="auto"))
+    assert s.scaling == 2.0 and s.engine_max_rank() == 16
+    assert LoraSettings(rank=17).engine_max_rank() == 32  # vLLM's kernels come in fixed ranks
+    assert LoraSettings(rank=8, target_modules=["lm_head", "q_proj"]).unservable_targets() == ["lm_head"]
+    assert LoraSettings(rank=8, target_modules=["embed_tokens"]).embedding_targets() == ["embed_tokens"]
