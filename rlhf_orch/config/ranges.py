@@ -223,7 +223,7 @@ RANGES: tuple[Range, ...] = (
     # ---- model
     ints("model.context_len", 1, "max positions the engines and trainers may use"),
     ints("model.lora.rank", 0, "LoRA adapter rank; 0 = full fine-tuning", hi=VLLM_MAX_LORA_RANKS[-1]),
-    reals("model.lora.alpha", 0, lo_open=True, why="the adapter's update is alpha / rank * B @ A"),
+    reals("model.lora.alpha", 0, lo_open=True, why="the adapter's update is alpha / rank * B @ A; null = 4 x rank", nullable=True),
     reals("model.lora.dropout", 0, 1, hi_open=True, why="dropout on the adapters' input while training"),
     choice("model.lora.sync", SYNC_MODES),
     Range("model.lora.target_modules", _lora_targets_ok, 'give "all-linear" or a non-empty list of module names (q_proj, v_proj, ...)'),

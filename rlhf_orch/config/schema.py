@@ -511,7 +511,7 @@ class LoraConfig:
 
     _target_: str = "rlhf_orch.models.lora.LoraSettings"
     rank: int = 0  # adapter rank; 0 = full fine-tuning
-    alpha: float = 16.0  # the update is alpha / rank * B @ A
+    alpha: Optional[float] = None  # the update is alpha / rank * B @ A; null = 4 x rank (docs/lora.md)
     dropout: float = 0.0  # on the adapters' input, training forwards only
     target_modules: Any = "all-linear"  # PEFT's: "all-linear" or a list of module names (q_proj, ...)
     sync: str = "auto"  # what each weight sync moves: adapter (its tensors only), merged (every weight), auto

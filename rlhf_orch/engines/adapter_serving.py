@@ -60,9 +60,32 @@ def _vllm_supports_lora(arch: str) -> bool:
     return model_cls is not None and supports_lora(model_cls)
 
 
-def vllm_lora_args(settings: LoraSettings) -> dict[str, Any]:
-    """`vllm.LLM(...)` arguments for an engine serving one adapter of `settings.rank`."""
-    return {"enable_lora": True, "max_lora_rank": settings.engine_max_rank(), "max_loras": 1}
+def vllm_lora_args(settings: LoraSettings, model_path: str) -> dict[str, Any]:
+    """`vllm.LLM(...)` arguments for an engine serving one adapter of `settings.rank` on the layers
+    it targets. Naming them keeps vLLM from wrapping the rest -- the head above all: its LoRA
+    logits path computes a [tokens, vocab] product per step for an adapter that has no head part,
+    and on the CPU it breaks prompt log-probs (it expects one row per request)."""
+    return {"enable_lora": True, "max_lora_rank": settings.engine_max_rank(), "max_loras": 1,
+            "lora_target_modules": adapter_target_names(settings, model_path)}
+
+
+def adapter_target_names(settings: LoraSettings, model_path: str) -> list[str]:
+    """The adapted layers' names (suffixes, as PEFT and vLLM match them). "all-linear" is resolved
+    as PEFT resolves it: every linear layer of the model but the output head (read off the model's
+    structure on the meta device: no weights are loaded)."""
+    targets = settings.targets()
+    if not isinstance(targets, str):
+        return sorted(set(targets))
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf_orch.models.hub import resolve_local_checkpoint
+
+    config = AutoConfig.from_pretrained(resolve_local_checkpoint(model_path, "model"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head})
 
 
 def peft_helper_dict(settings: LoraSettings) -> dict[str, Any]:

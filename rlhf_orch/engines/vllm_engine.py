@@ -149,7 +149,7 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         # model.lora: this engine takes the policy's adapter, or (merged) full weights as always.
         self.serves_adapter = spec.lora is not None and serves_adapter(spec.lora, spec.model_path)
         if self.serves_adapter:
-            extra.update(vllm_lora_args(spec.lora))
+            extra.update(vllm_lora_args(spec.lora, spec.model_path))
         if spec.tensor_parallel_size > 1 and spec.distributed_executor_backend == "mp":
             _bind_cpu_workers(spec.tensor_parallel_size)
         # vLLM's start-up runs gc.collect() five times over everything imported so far (torch,
