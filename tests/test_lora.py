@@ -33,7 +33,7 @@ def _load(path: str):
 
 def _trained(path: str, settings: LoraSettings, seed: int = 0):
     """The policy wrapped with LoRA and its adapters moved away from PEFT's zero B (as training would)."""
-    model = apply_lora(_load(path), settings)
+    model = apply_lora(_load(path), settings, seed=0)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -102,7 +102,7 @@ def test_frozen_base_is_the_base_model(tiny_model_path):
 
 
 def test_only_adapters_train_and_a_fresh_adapter_is_the_base(tiny_model_path):
-    model = apply_lora(_load(tiny_model_path), LoraSettings(rank=4, alpha=8, target_modules=["q_proj"]))
+    model = apply_lora(_load(tiny_model_path), LoraSettings(rank=4, alpha=8, target_modules=["q_proj"]), seed=0)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     merged = _gather_all(MergedLoraWeights(model, zero_stage=0))
@@ -112,9 +112,9 @@ def test_only_adapters_train_and_a_fresh_adapter_is_the_base(tiny_model_path):
 
 def test_lora_on_an_embedding_is_refused(tiny_model_path):
     with pytest.raises(ValueError, match="non-linear layers"):
-        apply_lora(_load(tiny_model_path), LoraSettings(rank=4, target_modules=["embed_tokens", "q_proj"]))
+        apply_lora(_load(tiny_model_path), LoraSettings(rank=4, target_modules=["embed_tokens", "q_proj"]), seed=0)
     with pytest.raises(ValueError, match="no_such_proj"):  # PEFT names what it did not find
-        apply_lora(_load(tiny_model_path), LoraSettings(rank=4, target_modules=["no_such_proj"]))
+        apply_lora(_load(tiny_model_path), LoraSettings(rank=4, target_modules=["no_such_proj"]), seed=0)
 
 
 def test_exported_adapter_loads_in_peft_as_the_trained_policy(tiny_model_path, tmp_path):

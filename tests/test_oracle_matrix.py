@@ -46,8 +46,10 @@ from hydra.utils import instantiate
 
 from rlhf_orch.algo.losses import LOSS_AGGREGATIONS
 from rlhf_orch.algo.oracle import Optimization, Rollout, reference_update
+from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.orchestration.loop import sample_values_by_index
 from rlhf_orch.trainer.forward import load_critic, load_policy
+from rlhf_orch.trainer.lora import AdapterWeights, apply_lora
 from rlhf_orch.trainer.metrics import trainer_metrics
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, TrainerSpec
 from rlhf_orch.transfer.batch import LOSS_MASK, TURN_REWARDS, Sample
@@ -65,6 +67,9 @@ MAX_RESPONSE_LEN = 10
 # micro-batches; then two steps per epoch over ragged micro-batches (packed: cut by tokens).
 CUTS = {"one_step": (4, 16, 0), "two_steps": (3, 8, 24)}
 LR = {"sgd": 0.05, "adamw": 1e-4}
+SEED = 3
+# model.lora: adapters on every linear layer; alpha / rank = 4 as the default.
+LORA = LoraSettings(rank=4, alpha=16, target_modules="all-linear")
 
 
 HOLED = (2, 5, 11, 14)  # samples whose responses hold an observation (loss mask 0 in the middle)
@@ -145,12 +150,12 @@ def _transfer(name: str, token_budget: int):
     return instantiate(compose_config(overrides).transfer)
 
 
-def _spec(model_path: str, ranks: int, cut: str, optimizer: str, epochs: int, critic: bool) -> TrainerSpec:
+def _spec(model_path: str, ranks: int, cut: str, optimizer: str, epochs: int, critic: bool, lora: LoraSettings | None = None) -> TrainerSpec:
     micro, train_batch, _ = CUTS[cut]
     return TrainerSpec(
         model_path=model_path, dtype="float32", zero_stage=2, micro_batch_size=micro, train_batch_size=train_batch,
         data_parallel_size=ranks, pad_id=0, temperature=1.0, lr=LR[optimizer] * (4 if critic else 1), weight_decay=0.0,
-        grad_clip=1.0, clip_eps=0.2, ppo_epochs=epochs, seed=3, optimizer=optimizer,
+        grad_clip=1.0, clip_eps=0.2, ppo_epochs=epochs, seed=SEED, optimizer=optimizer, lora=None if critic else lora,
     )
 
 
@@ -166,7 +171,7 @@ def actors(tiny_model_path):
     ray.shutdown()
 
 
-def _submit_update(actors, model_path, algo, transfer_name, ranks, cut, optimizer, train_critic: bool) -> dict:
+def _submit_update(actors, model_path, algo, transfer_name, ranks, cut, optimizer, train_critic: bool, lora: LoraSettings | None = None) -> dict:
     """Submit one update through the transfer layout and the trainer actors; returns the pending
     results. Nothing waits here: an actor runs its calls in the order submitted, so the cases of
     a test queue up behind each other and the driver checks one while the actors run the next."""
@@ -174,7 +179,7 @@ def _submit_update(actors, model_path, algo, transfer_name, ranks, cut, optimize
     shards = _transfer(transfer_name, budget).layout(SAMPLES, ranks, micro, 0)
     policy, critic = actors[("policy", ranks)], actors[("critic", ranks)] if algo.needs_critic else []
     for w in policy:
-        w.build.remote(_spec(model_path, ranks, cut, optimizer, algo.ppo_epochs, False))
+        w.build.remote(_spec(model_path, ranks, cut, optimizer, algo.ppo_epochs, False, lora))
     for w in critic:
         w.build.remote(_spec(model_path, ranks, cut, optimizer, algo.ppo_epochs, True))
     # the driver's own path: the rollout's metadata as an engine reports it (DAPO's overlong
@@ -192,8 +197,9 @@ def _submit_update(actors, model_path, algo, transfer_name, ranks, cut, optimize
     return {
         "exp": [m[0] for m in made],
         "policy_stats": [w.train.remote(rank, algo, MAX_RESPONSE_LEN) for rank, w in enumerate(policy)],
-        "policy": policy[0].full_weights.remote(),
-        "policy_rest": [w.full_weights.remote() for w in policy[1:]],  # every rank calls (ZeRO-3 gathers)
+        # (model.lora: the adapters, the only weights that train)
+        "policy": (policy[0].adapter_weights if lora else policy[0].full_weights).remote(),
+        "policy_rest": [(w.adapter_weights if lora else w.full_weights).remote() for w in policy[1:]],  # every rank calls (ZeRO-3 gathers)
         "policy_steps": [w.step_members.remote() for w in policy],
         **_submit_critic_update(critic if train_critic else [], made),
     }
@@ -232,7 +238,7 @@ def _initial_model(model_path: str, role: str) -> torch.nn.Module:
     return (load_policy if role == "policy" else load_critic)(model_path, "float32", "cpu")
 
 
-def _oracle(model_path, algo, optimizer, policy_steps, critic_steps):
+def _oracle(model_path, algo, optimizer, policy_steps, critic_steps, lora: LoraSettings | None = None):
     rollout = Rollout(
         prompts=[list(s.prompt_ids) for s in SAMPLES],
         responses=[list(s.response_ids) for s in SAMPLES],
@@ -245,14 +251,17 @@ def _oracle(model_path, algo, optimizer, policy_steps, critic_steps):
     )
     opt = Optimization(actor_lr=LR[optimizer], critic_lr=LR[optimizer] * 4, optimizer=optimizer, grad_clip=1.0, norm_len=MAX_RESPONSE_LEN)
     policy = copy.deepcopy(_initial_model(model_path, "policy")).train()
+    if lora is not None:  # the same adapters the trainer starts from (A drawn from the spec's seed)
+        policy = apply_lora(policy, lora, SEED)
     critic = copy.deepcopy(_initial_model(model_path, "critic")).train() if algo.needs_critic else None
     critic_steps = critic_steps or []  # [] = the critic gives the old values and is not trained
     result = reference_update(algo, rollout, policy, opt, policy_steps, critic, critic_steps, 0.2, MAX_RESPONSE_LEN)
     return result
 
 
-def _assert_weights_close(system: dict[str, torch.Tensor], oracle: torch.nn.Module, initial: dict[str, torch.Tensor], optimizer: str, what: str):
-    expected = dict(oracle.named_parameters())
+def _assert_weights_close(system: dict[str, torch.Tensor], oracle: torch.nn.Module, initial: dict[str, torch.Tensor], optimizer: str, what: str,
+                          adapters: bool = False):
+    expected = _adapters(oracle) if adapters else dict(oracle.named_parameters())
     assert set(system) == set(expected), what
     diff = torch.cat([(system[n] - expected[n].detach()).flatten().abs() for n in sorted(system)])
     update = torch.cat([(expected[n].detach() - initial[n]).flatten().abs() for n in sorted(system)])
@@ -266,6 +275,12 @@ def _assert_weights_close(system: dict[str, torch.Tensor], oracle: torch.nn.Modu
         assert tail <= tol and float(diff.max()) <= 2 * float(update.max()), (
             f"{what}: 0.1 % of weights differ by more than {tail:.3g} (> {tol:.3g}), at most by {float(diff.max()):.3g}"
         )
+
+
+def _adapters(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    source = AdapterWeights(peft_model, zero_stage=0)
+    with source.gathered([m.name for m in source.metas()]) as tensors:
+        return {n: t.detach().clone() for n, t in tensors.items()}
 
 
 # The metrics of the correction for the engine's sampling, which both sides must log.
@@ -287,6 +302,7 @@ def initial_weights(tiny_model_path):
     return {
         "policy": {n: p.detach().clone() for n, p in load_policy(tiny_model_path, "float32", "cpu").named_parameters()},
         "critic": {n: p.detach().clone() for n, p in load_critic(tiny_model_path, "float32", "cpu").named_parameters()},
+        "adapters": _adapters(apply_lora(load_policy(tiny_model_path, "float32", "cpu"), LORA, SEED)),
     }
 
 
@@ -339,19 +355,21 @@ def test_trainer_matches_the_oracle_with_decoupled_ppo(actors, initial_weights, 
     assert all(0.0 < m["policy/decoupled_dropped_frac"] < 0.5 for m in metrics)
 
 
-def _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, agg, case, correction) -> list[dict]:
-    """Every setting of `_settings(case)` through the system, each held to the oracle; returns the
-    system's metrics of each setting."""
+def _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, agg, case, correction, lora=None, settings_of=None) -> list[dict]:
+    """Every setting of `_settings(case)` (or `settings_of(case)`) through the system, each held to
+    the oracle; returns the system's metrics of each setting. `lora`: the policy trains LoRA adapters."""
+    settings_of = settings_of or _settings
     # The critic's update does not depend on the policy's loss aggregation: it is checked with
     # token-mean; the other aggregations' cases use its values for GAE and leave it untrained.
     train_critic = agg == "token-mean"
     pending = [
-        (settings, _submit_update(actors, tiny_model_path, _algo(name, agg, settings[0], correction), *settings[2:], settings[1], train_critic))
-        for settings in _settings(case)
+        (settings, _submit_update(actors, tiny_model_path, _algo(name, agg, settings[0], correction), *settings[2:], settings[1], train_critic, lora))
+        for settings in settings_of(case)
     ]
     oracles, checked = {}, []
     for (epochs, optimizer, transfer_name, ranks, cut), refs in pending:
         what = f"algo={name} loss_agg={agg} {correction} ppo_epochs={epochs} {optimizer} transfer={transfer_name} ranks={ranks} cut={cut}"
+        what += f" lora rank={lora.rank}" if lora else ""
         algo = _algo(name, agg, epochs, correction)
         system = _collect(refs, algo)
         steps = system["policy_steps"]
@@ -361,11 +379,32 @@ def _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, ag
         # The oracle depends on the cut only through which sequences shared a step.
         key = (epochs, optimizer, str(system["policy_steps"]), str(system["critic_steps"]))
         if key not in oracles:
-            oracles[key] = _oracle(tiny_model_path, algo, optimizer, system["policy_steps"], system["critic_steps"])
+            oracles[key] = _oracle(tiny_model_path, algo, optimizer, system["policy_steps"], system["critic_steps"], lora)
         oracle = oracles[key]
         _assert_metrics_close(system["metrics"], oracle.metrics, what, correction)
         checked.append(system["metrics"])
-        _assert_weights_close(system["policy"], oracle.policy, initial_weights["policy"], optimizer, what + " (policy)")
+        initial = initial_weights["policy"] if lora is None else initial_weights["adapters"]
+        _assert_weights_close(system["policy"], oracle.policy, initial, optimizer, what + " (policy)", adapters=lora is not None)
         if algo.needs_critic and train_critic:
             _assert_weights_close(system["critic"], oracle.critic, initial_weights["critic"], optimizer, what + " (critic)")
     return checked
+
+
+# model.lora: the policy trains its adapters only. Every algo once (loss aggregations rotated), two
+# settings each rotated over transfer x ranks x cut: SGD over two epochs (scale errors) and Adam; the
+# critic is a full model and trains as in the cases above. The oracle wraps the same initial model
+# with the same adapters (PEFT, A from the seed, B = 0) and updates them in plain PyTorch.
+LORA_CASES = [(name, LOSS_AGGREGATIONS[i % len(LOSS_AGGREGATIONS)]) for i, name in enumerate(ALGORITHMS)]
+
+
+def _lora_settings(case: int) -> list[tuple]:
+    sgd_layout, adam_layout = LAYOUTS[case % len(LAYOUTS)], LAYOUTS[(case + 3) % len(LAYOUTS)]
+    cuts = list(CUTS)
+    return [(2, "sgd", *sgd_layout, cuts[case % 2]), (2, "adamw", *adam_layout, cuts[(case + 1) % 2])]
+
+
+@pytest.mark.parametrize("name,agg", LORA_CASES, ids=[f"{a}-{g}" for a, g in LORA_CASES])
+def test_trainer_matches_the_oracle_with_lora(actors, initial_weights, tiny_model_path, name, agg):
+    """The adapters' update through the system (DeepSpeed ZeRO-2 over the PEFT model) is the oracle's."""
+    _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, agg, LORA_CASES.index((name, agg)), "tis",
+                              lora=LORA, settings_of=_lora_settings)

@@ -31,14 +31,17 @@ _ADAPTER = "default"  # PEFT's name for the one adapter a model gets
 _PEFT_PREFIX = "base_model.model."
 
 
-def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+def apply_lora(model: nn.Module, settings: LoraSettings, seed: int) -> nn.Module:
     """`model` (an HF causal LM) with trainable LoRA adapters on `settings.target_modules`, the rest
-    frozen. B starts at zero (PEFT's init), so the wrapped model computes exactly what the base does."""
+    frozen. B starts at zero (PEFT's init), so the wrapped model computes exactly what the base does;
+    A's random init is drawn from `seed` alone, so every data-parallel rank (and the oracle) starts
+    from the same adapters."""
     from peft import LoraConfig, get_peft_model
-
     from peft.tuners.lora import LoraLayer
 
-    peft_model = get_peft_model(model, LoraConfig(**settings.peft_kwargs()))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, LoraConfig(**settings.peft_kwargs()))
     not_linear = [n for n, m in peft_model.named_modules() if isinstance(m, LoraLayer) and _ADAPTER not in m.lora_A]
     if not_linear:  # an embedding's adapter: neither merged nor sent here
         raise ValueError(f"model.lora.target_modules={settings.target_modules!r} adapts non-linear layers {not_linear[:2]}: target linear layers")

@@ -225,6 +225,13 @@ class _Worker(ExperienceInbox):
         with source.gathered([m.name for m in source.metas()]) as full:
             return {n: t.detach().to("cpu", copy=True) for n, t in full.items()} if self.rank == 0 else None
 
+    @torch.no_grad()
+    def adapter_weights(self) -> dict[str, torch.Tensor] | None:
+        """The policy's LoRA adapters (model.lora) on CPU under PEFT's names: rank 0 returns them,
+        other ranks None (every rank calls: under ZeRO-3 the gather is collective)."""
+        with self.adapter.gathered([m.name for m in self.adapter.metas()]) as tensors:
+            return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()} if self.rank == 0 else None
+
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str) -> None:
         """DeepSpeed's checkpoint of this role (every rank calls: ZeRO partitions are per rank) and
@@ -283,7 +290,7 @@ class PolicyWorker(_Worker):
             enable_gradient_checkpointing(model)
         lora = self.spec.lora
         if lora is not None:
-            model = apply_lora(model, lora)
+            model = apply_lora(model, lora, self.spec.seed)
         self.engine = self._ds_engine(model, self.spec.lr)
         # `full`: every weight under the checkpoint's names (export, tests); `weights`: what a
         # sync sends -- the same, or the adapter tensors alone (model.lora.sync=adapter).
@@ -615,6 +622,7 @@ class CriticWorker(_Worker):
         if self.spec.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.engine = self._ds_engine(model, self.spec.lr)
+        self.full = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
         self._old_values: dict[int, list[torch.Tensor]] = {}
         return sum(p.numel() for p in model.parameters())
 
