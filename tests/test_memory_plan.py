@@ -297,3 +297,43 @@ def test_zero_model_states_match_deepspeed_s_own_estimators():
         else:
             deepspeed = estimate_zero3_model_states_mem_needs(n, shape.vocab * shape.hidden, 8, 1, cpu_offload=False)[1]
             assert ours == pytest.approx(deepspeed, rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-0.5B-Instruct", "meta-llama/Meta-Llama-3-8B"])
+def test_lora_parameter_counts_match_peft(name):
+    """The plan's adapter size is PEFT's for "all-linear" and for a named subset (meta device: no memory)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(KNOWN_CONFIGS[name])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    shape = ModelShape.from_config(KNOWN_CONFIGS[name])
+    for targets in ("all-linear", ["q_proj", "v_proj"]):
+        with torch.device("meta"):
+            model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=16, target_modules=targets))
+        assert shape.lora_params(16, targets) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_lora_plans_optimizer_states_for_the_adapters_only_and_no_second_base_for_the_reference():
+    shape = ModelShape.from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-Math-7B"])
+    n, a = shape.policy_params, shape.lora_params(16, "all-linear")
+    lora = {t.name: t for t in trainer_terms("actor", n, shape, _workload(zero_stage=2, lora_rank=16), dp=8)}
+    full = {t.name: t for t in trainer_terms("actor", n, shape, _workload(zero_stage=2), dp=8)}
+    assert lora["weights"].bytes == full["weights"].bytes == 2 * n  # the frozen base, whole
+    assert lora["adapters"].bytes == 2 * a and lora["optimizer"].bytes == 8 * a // 8 and lora["master weights"].bytes == 4 * a // 8
+    assert lora["activations"].bytes == full["activations"].bytes  # counted as full fine-tuning's (an upper bound)
+    critic = {t.name: t for t in trainer_terms("critic", n, shape, _workload(zero_stage=2, lora_rank=16), dp=8)}
+    assert "adapters" not in critic and critic["optimizer"].bytes == full["optimizer"].bytes  # the critic trains fully
+    # A whole run on SmolLM2: the actor loses the base's gradients and Adam states; the hosted reference
+    # (the policy's own base) holds no weights; the engine holds the adapter's LoRA slots.
+    runs = {lora: verdict(["model=smollm2_135m", "algo=ppo", *lora]).plan for lora in ((), ("model.lora.rank=16",))}
+    proc = {k: {p.role: p for p in plan.processes} for k, plan in runs.items()}
+    names = lambda p: {t.name: t.bytes for t in p.terms}  # noqa: E731
+    off, on = proc[()], proc[("model.lora.rank=16",)]
+    smol = runs[()].shape
+    assert names(off["actor"])["optimizer"] == 8 * smol.policy_params and names(on["actor"])["optimizer"] == 8 * smol.lora_params(16, "all-linear")
+    assert "weights" in names(off["reference"]) and "weights" not in names(on["reference"])
+    assert on["reference"].note.endswith("(the policy's base: model.lora)")
+    assert "lora slots" in names(on["engine"]) and "lora slots" not in names(off["engine"])
+    merged = verdict(["model=smollm2_135m", "algo=ppo", "model.lora.rank=16", "model.lora.sync=merged"]).plan
+    assert "lora slots" not in names({p.role: p for p in merged.processes}["engine"])

@@ -187,6 +187,10 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         entropy=a.entropy_coef > 0,
         engines_overlap_training=_pipeline_says(typed, "engines_awake_in_training", False),
         engines_sleep=_pipeline_says(typed, "sleeps_engines", True),
+        lora_rank=typed.model.lora.rank,
+        lora_targets=typed.model.lora.target_modules,
+        # (auto: planned as adapter, what vLLM does for the architectures it serves with LoRA)
+        engines_serve_adapter=typed.model.lora.rank > 0 and typed.model.lora.sync != "merged",
     )
 
 
@@ -243,9 +247,11 @@ def plan_memory(
         proc = ProcessMemory(slot.role, slot.rank)
         proc.terms, proc.note = role_terms[slot.role](max(plan.num_ranks(slot.role), 1))
         if slot.role == "reference" and plan.reference_in_actor:
-            # Inside the policy rank's process: its model and forward, not a second runtime.
-            proc.terms = [t for t in proc.terms if t.name not in RUNTIME_TERM_NAMES]
-            proc.note = f"inside actor{slot.rank}'s process"
+            # Inside the policy rank's process: its model and forward, not a second runtime; under
+            # model.lora not a second model either (the reference is the policy's frozen base).
+            lora = wl.lora_rank > 0
+            proc.terms = [t for t in proc.terms if t.name not in RUNTIME_TERM_NAMES and not (lora and t.name in ("weights", "checkpoint load"))]
+            proc.note = f"inside actor{slot.rank}'s process" + (" (the policy's base: model.lora)" if lora else "")
         processes[(slot.role, slot.rank)] = proc
 
     loads: list[DeviceLoad] = []

@@ -109,6 +109,20 @@ class ModelShape:
     def reward_params(self) -> int:
         return self.backbone_params + self.hidden  # a sequence-classification score head
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each linear projection of one layer, by the name HF's Llama/Qwen2 give it."""
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (q_out, h), "k_proj": (kv_out, h), "v_proj": (kv_out, h), "o_proj": (h, q_out),
+                "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+    def lora_params(self, rank: int, targets: Any) -> int:
+        """Parameters of rank-`rank` LoRA adapters on the targeted projections of every layer
+        ("all-linear": all seven; A is rank x in, B is out x rank)."""
+        shapes = self.linear_shapes()
+        names = shapes if isinstance(targets, str) else [t for t in targets if t in shapes]
+        return self.layers * sum(rank * sum(shapes[n]) for n in names)
+
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """KV cache of one token over all layers (keys and values)."""
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_element

@@ -35,7 +35,9 @@ ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
+
+from rlhf_orch.models.lora import VLLM_MAX_LORA_RANKS
 
 from rlhf_orch.memory.shapes import ModelShape
 
@@ -103,6 +105,11 @@ class Workload:
     # awake then, so its weights and KV cache count in the training phase too.
     engines_overlap_training: bool = False
     engines_sleep: bool = True  # the pipeline puts idle engines to sleep (async never does)
+    # model.lora: the policy trains adapters of this rank on these targets (0: every weight trains);
+    # engines serving the adapter (sync adapter or auto) hold its LoRA slots.
+    lora_rank: int = 0
+    lora_targets: Any = "all-linear"
+    engines_serve_adapter: bool = False
 
     @property
     def w(self) -> int:
@@ -175,23 +182,30 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
     shard = lambda nbytes, from_stage: nbytes // dp if z >= from_stage else nbytes  # noqa: E731
     offload = wl.offload_optimizer and wl.on_gpu
     terms = [Term("weights", shard(params * w, 3))]
+    trained = params  # what gets gradients, master weights and optimizer states
+    if role == "actor" and wl.lora_rank:
+        # model.lora: the base is frozen -- gradients, master weights and optimizer states are the
+        # adapters' only. (Activations stay counted as full fine-tuning's, an upper bound: a frozen
+        # layer's input is kept only where an adapter needs it.)
+        trained = shape.lora_params(wl.lora_rank, wl.lora_targets)
+        terms.append(Term("adapters", shard(trained * w, 3)))
     if z == 0:
-        terms.append(Term("gradients", params * w))
+        terms.append(Term("gradients", trained * w))
         if w < 4:  # mixed precision without ZeRO: DeepSpeed's bf16 optimizer keeps fp32 gradients and master weights
-            terms += [Term("fp32 gradients", params * 4, on_host=offload), Term("master weights", params * 4, on_host=offload)]
+            terms += [Term("fp32 gradients", trained * 4, on_host=offload), Term("master weights", trained * 4, on_host=offload)]
     else:
-        model_grads = params * w if z == 1 else min(params, REDUCE_BUCKET_ELEMENTS) * w
+        model_grads = trained * w if z == 1 else min(trained, REDUCE_BUCKET_ELEMENTS) * w
         if z == 2:
             # ZeRO-2 reduces each gradient into this rank's partition in the model's dtype before the
             # fp32 copy (DeepSpeed's estimator counts it: its "2_grads_16bit").
-            terms.append(Term("gradient partition", params * w // dp))
+            terms.append(Term("gradient partition", trained * w // dp))
         terms += [
             Term("gradients", model_grads),
-            Term("fp32 gradients", params * 4 // dp, on_host=offload),
-            Term("master weights", params * 4 // dp, on_host=offload),
+            Term("fp32 gradients", trained * 4 // dp, on_host=offload),
+            Term("master weights", trained * 4 // dp, on_host=offload),
         ]
     if wl.optimizer == "adamw":
-        terms.append(Term("optimizer", shard(params * 8, 1), on_host=offload))
+        terms.append(Term("optimizer", shard(trained * 8, 1), on_host=offload))
     if z == 3:  # parameters gathered for the forward/backward stay alive up to DeepSpeed's limit
         terms.append(Term("gathered weights", min(params, ZERO3_LIVE_PARAMETERS) * w, TRAIN))
     terms.append(Term("activations", activation_bytes(shape, wl), TRAIN))
@@ -214,6 +228,11 @@ def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload) 
     return terms
 
 
+def _vllm_rank(rank: int) -> int:
+    """The LoRA rank vLLM allocates for an adapter of `rank` (its kernels come in fixed ranks)."""
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), rank)
+
+
 def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     """One engine process (one GPU of it when tensor-parallel), and a note when its KV cache is short."""
     tp = wl.engine_tp
@@ -223,13 +242,16 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     batched_tokens = min(wl.sequences_per_engine * wl.max_seq_len, 8192)
     workspace = batched_tokens * (2 * shape.hidden + shape.intermediate) * 4 // tp + min(wl.sequences_per_engine, 256) * shape.vocab * 4
     graphs = GPU_ENGINE_GRAPHS_BYTES if wl.on_gpu and not wl.enforce_eager else 0
+    # model.lora served as an adapter: vLLM's LoRA buffers (one adapter slot at its max rank, A and B
+    # of every adapted projection; counted as the adapter's own size at the rank vLLM rounds up to).
+    lora_slots = shape.lora_params(_vllm_rank(wl.lora_rank), wl.lora_targets) * wl.w // tp if wl.engines_serve_adapter else 0
     wanted_kv = wl.sequences_per_engine * wl.max_seq_len * shape.kv_bytes_per_token(wl.w) // tp
     one_sequence_kv = wl.max_seq_len * shape.kv_bytes_per_token(wl.w) // tp
     if wl.kv_cache_gb is not None:
         kv = int(wl.kv_cache_gb * GiB)
     elif wl.on_gpu:
         # vLLM takes gpu_memory_utilization of the GPU and gives the KV cache what the rest leaves.
-        kv = int(wl.gpu_memory_utilization * wl.gpu_memory_bytes) - weights - workspace - graphs - GPU_RUNTIME_BYTES["engine"]
+        kv = int(wl.gpu_memory_utilization * wl.gpu_memory_bytes) - weights - workspace - graphs - lora_slots - GPU_RUNTIME_BYTES["engine"]
     else:
         kv = 1 * GiB  # VLLM_CPU_KVCACHE_SPACE's default here (rlhf_orch.engines.launch)
     note = ""
@@ -251,12 +273,16 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     ]
     if graphs:
         terms.append(Term("cuda graphs", graphs, phase))
+    if lora_slots:
+        terms.append(Term("lora slots", lora_slots, phase))
     if not wl.on_gpu:
         # vLLM's CPU backend keeps a re-packed copy of every linear weight for its GEMM kernels, and
         # holds the weight-sync receive buffers (two buckets in flight).
         terms.append(Term("cpu weight packing", shape.linear_params * wl.w // tp))
         # A bucket never exceeds the weights; tensor-by-tensor syncs receive the largest tensor (the embedding).
-        bucket = min(wl.sync_bucket_bytes or shape.vocab * shape.hidden * wl.w, shape.policy_params * wl.w)
+        # (An adapter update carries the adapter only.)
+        sent = shape.lora_params(wl.lora_rank, wl.lora_targets) if wl.engines_serve_adapter else shape.policy_params
+        bucket = min(wl.sync_bucket_bytes or shape.vocab * shape.hidden * wl.w, sent * wl.w)
         terms.append(Term("sync buffers", 2 * bucket))
         terms += checkpoint_load_term(shape.policy_params // tp, shape, wl)
     if asleep and wl.sleep_level == 1:
