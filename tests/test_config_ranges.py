@@ -290,6 +290,7 @@ def test_every_range_row_names_a_schema_key():
                                                      ("eval", schema.EvalConfig), ("checkpoint", schema.CheckpointConfig),
                                                      ("fault", schema.FaultConfig)) for f in fields(node)}
     known |= {f.name for f in fields(schema.RootConfig)}
+    known |= {f"model.lora.{f.name}" for f in fields(schema.LoraConfig)}  # a node every model option has
     assert [r.key for r in RANGES if r.key not in known] == []
 
 
@@ -440,3 +441,27 @@ def test_one_seed_sets_the_data_order_the_engines_and_the_trainers():
     assert typed.seed == typed.data.seed == typed.trainer.seed == 7
     pinned = OmegaConf.to_object(_fast_config(["seed=7", "data.seed=3"]))  # one part pinned alone
     assert (pinned.data.seed, pinned.trainer.seed) == (3, 7)
+
+
+COLOCATED = ["placement=colocated", "placement.gpus_per_node=2", "launcher.logical_gpus=2", "placement.engines=1"]  # sleep needs GPUs
+
+
+def test_lora_keys_are_checked_and_do_nothing_at_rank_zero():
+    typed, _ = _check(["model.lora.rank=16"])
+    assert typed.model.lora.alpha is None  # null: 4 x rank
+    for overrides, key in ((["model.lora.alpha=32"], "model.lora.alpha"), (["model.lora.sync=merged"], "model.lora.sync"),
+                           (["model.lora.target_modules=[q_proj]"], "model.lora.target_modules"),
+                           (["model.lora.rank=-1"], "model.lora.rank"), (["model.lora.rank=600"], "model.lora.rank"),
+                           (["model.lora.rank=8", "model.lora.dropout=1.0"], "model.lora.dropout"),
+                           (["model.lora.rank=8", "model.lora.alpha=0"], "model.lora.alpha"),
+                           (["model.lora.rank=8", "model.lora.sync=both"], "model.lora.sync"),
+                           (["model.lora.rank=8", "model.lora.target_modules=[]"], "model.lora.target_modules"),
+                           (["model.lora.rank=8", "model.lora.target_modules=[embed_tokens,q_proj]"], "model.lora.target_modules"),
+                           (["model.lora.rank=8", "model.lora.target_modules=[lm_head,q_proj]", "model.lora.sync=adapter"], "model.lora.sync"),
+                           (["model.lora.rank=8", "engine.sleep_level=2", *COLOCATED], "engine.sleep_level")):
+        with pytest.raises(ConfigError) as err:
+            _check(overrides)
+        assert key in {p.key for p in err.value.problems}, (overrides, err.value)
+    # merged weights restore what sleep level 2 drops; a head adapter can be merged
+    _check(["model.lora.rank=8", "model.lora.sync=merged", "engine.sleep_level=2", *COLOCATED])
+    _check(["model.lora.rank=8", "model.lora.target_modules=[lm_head,q_proj]", "model.lora.sync=merged"])
