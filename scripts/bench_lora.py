@@ -43,23 +43,29 @@ def variants(rank: int, model: str) -> dict[str, list[str]]:
     return {"full": [], "adapter": [*lora, "model.lora.sync=adapter"], "merged": [*lora, "model.lora.sync=merged"]}
 
 
-def run(overrides: list[str], run_dir: Path) -> dict:
+def run(overrides: list[str], run_dir: Path, reuse: bool = False) -> dict:
     import subprocess
 
-    cmd = [sys.executable, str(ROOT / "run.py"), *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    poller = Poller(proc.pid)
-    poller.start()
-    out, _ = proc.communicate()
-    poller.done = True
-    poller.join()
-    if proc.returncode != 0:
-        print(out[-3000:], file=sys.stderr)
-        raise SystemExit(f"run failed ({proc.returncode}): {' '.join(overrides)}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = run_dir / "summary.json"
+    if reuse and summary.is_file() and json.loads(summary.read_text()).get("status") == "completed":
+        out, peak = (run_dir / "run.log").read_text(), None  # an earlier run of this variant: no memory figure
+    else:
+        cmd = [sys.executable, str(ROOT / "run.py"), *overrides, f"hydra.run.dir={run_dir}"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        poller = Poller(proc.pid)
+        poller.start()
+        out, _ = proc.communicate()
+        poller.done = True
+        poller.join()
+        if proc.returncode != 0:
+            print(out[-3000:], file=sys.stderr)
+            raise SystemExit(f"run failed ({proc.returncode}): {' '.join(overrides)}")
+        peak = poller.by_role().get("actor0", 0) / 1e9
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in logged if "reward/mean" in r]  # (a step-0 row holds the evaluation before training)
     later = rows[1:] or rows  # the first step pays one-time costs (first sync, kernel warm-up)
     med = lambda key: statistics.median(r[key] for r in later if key in r)  # noqa: E731
-    evals = [(r["step"], v) for r in rows for k, v in r.items() if k.startswith("eval/") and k.endswith("mean@4")]
+    evals = [(r["step"], v) for r in logged for k, v in r.items() if k.startswith("eval/") and k.endswith("mean@4")]
     lora_line = next((line for line in out.splitlines() if line.startswith("lora:")), "")
     return {
         "overrides": overrides,
@@ -68,7 +74,8 @@ def run(overrides: list[str], run_dir: Path) -> dict:
         "sync_s": med("time/sync"),
         "step_s": med("time/step"),
         **{f"{p}_s": med(f"time/{p}") for p in PHASES},
-        "policy_peak_gb": poller.by_role().get("actor0", 0) / 1e9,
+        "policy_peak_gb": peak,
+        "wall_s": json.loads(summary.read_text()).get("wall_s"),
         "reward": [r["reward/mean"] for r in rows],
         "eval": evals,
         "lora_line": lora_line,
@@ -107,6 +114,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="algo.num_steps (default: the recipe's)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--variants", default="full,adapter,merged")
+    parser.add_argument("--reuse", action="store_true", help="take a variant's completed run in --work-dir instead of running it again")
     parser.add_argument("--work-dir", default=os.environ.get("RLHF_ORCH_BENCH_DIR", str(Path(tempfile.gettempdir()) / "rlhf_orch_bench_lora")))
     args = parser.parse_args()
     work = Path(args.work_dir) / args.model
@@ -117,7 +125,7 @@ def main() -> None:
     results = {}
     for name, extra in chosen.items():
         print(f"running {name}: {' '.join(base + extra)}", flush=True)
-        results[name] = run(base + extra, work / name)
+        results[name] = run(base + extra, work / name, args.reuse)
         if results[name]["lora_line"]:
             print("  " + results[name]["lora_line"], flush=True)
     header = f"{'variant':8s} {'bytes/sync':>12s} {'sync s':>8s} {'step s':>8s} " + " ".join(f"{p + ' s':>11s}" for p in PHASES)
@@ -125,8 +133,9 @@ def main() -> None:
     for name, r in results.items():
         rw = r["reward"]
         first, last = statistics.mean(rw[:5]), statistics.mean(rw[-5:])
+        peak = f"{r['policy_peak_gb']:10.2f}" if r["policy_peak_gb"] is not None else f"{'-':>10s}"
         print(f"{name:8s} {r['bytes_per_sync'] / 1e6:10.2f}MB {r['sync_s']:8.3f} {r['step_s']:8.2f} "
-              + " ".join(f"{r[p + '_s']:11.3f}" for p in PHASES) + f" {r['policy_peak_gb']:10.2f} {first:10.3f} -> {last:.3f}"
+              + " ".join(f"{r[p + '_s']:11.3f}" for p in PHASES) + f" {peak} {first:10.3f} -> {last:.3f}"
               + (f"   held-out {r['eval'][0][1]:.3f} -> {r['eval'][-1][1]:.3f}" if r["eval"] else ""))
     plot_path = work / "reward_curves.png"
     plot(results, plot_path, f"{args.model}: full vs LoRA rank {args.rank}")
@@ -140,7 +149,8 @@ def main() -> None:
             "goal_bytes_ratio": 25 if args.model == "smollm2_135m" else None,
             "sync_time_ratio_full_over_adapter": round(full["sync_s"] / adapter["sync_s"], 2),
             "step_time_ratio_adapter_over_full": round(adapter["step_s"] / full["step_s"], 3),
-            "policy_memory_ratio_adapter_over_full": round(adapter["policy_peak_gb"] / full["policy_peak_gb"], 3) if full["policy_peak_gb"] else None,
+            "policy_memory_ratio_adapter_over_full": (round(adapter["policy_peak_gb"] / full["policy_peak_gb"], 3)
+                                                      if full["policy_peak_gb"] and adapter["policy_peak_gb"] else None),
         })
     if "merged" in results and "adapter" in results:
         out["sync_time_ratio_merged_over_adapter"] = round(results["merged"]["sync_s"] / results["adapter"]["sync_s"], 2)

@@ -457,11 +457,11 @@ def test_lora_keys_are_checked_and_do_nothing_at_rank_zero():
                            (["model.lora.rank=8", "model.lora.sync=both"], "model.lora.sync"),
                            (["model.lora.rank=8", "model.lora.target_modules=[]"], "model.lora.target_modules"),
                            (["model.lora.rank=8", "model.lora.target_modules=[embed_tokens,q_proj]"], "model.lora.target_modules"),
-                           (["model.lora.rank=8", "model.lora.target_modules=[lm_head,q_proj]", "model.lora.sync=adapter"], "model.lora.sync"),
+                           (["model.lora.rank=8", "model.lora.target_modules=[lm_head,q_proj]", "model.lora.sync=merged"], "model.lora.target_modules"),
+                           (["model.lora.rank=8", "model.lora.target_modules=q_proj"], "model.lora.target_modules"),  # a PEFT regex
                            (["model.lora.rank=8", "engine.sleep_level=2", *COLOCATED], "engine.sleep_level")):
         with pytest.raises(ConfigError) as err:
             _check(overrides)
         assert key in {p.key for p in err.value.problems}, (overrides, err.value)
-    # merged weights restore what sleep level 2 drops; a head adapter can be merged
+    # merged weights restore what sleep level 2 drops
     _check(["model.lora.rank=8", "model.lora.sync=merged", "engine.sleep_level=2", *COLOCATED])
-    _check(["model.lora.rank=8", "model.lora.target_modules=[lm_head,q_proj]", "model.lora.sync=merged"])

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from rlhf_orch.models.lora import LoraSettings, adapter_bytes, lora_settings
+from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.trainer.lora import (
     AdapterWeights,
     MergedLoraWeights,
@@ -63,6 +63,7 @@ def test_merged_view_is_peft_merge_under_the_base_names(tiny_model_path, targets
     assert len(changed) == expected
 
 
+@pytest.mark.integration  # imports vLLM (~5 s): not in the fast tier
 def test_adapter_view_carries_peft_names_that_vllm_parses_to_base_layers(tiny_model_path):
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
@@ -81,9 +82,9 @@ def test_adapter_view_carries_peft_names_that_vllm_parses_to_base_layers(tiny_mo
     assert set(peft_saved) == set(tensors)
     for name, tensor in tensors.items():
         assert torch.equal(tensor, peft_saved[name])
-    # The byte count the memory plan and the start-up line use is what travels.
+    # The byte count (start-up line, sync reports) is rank x (in + out) float32 numbers per adapted layer.
     shapes = [tuple(layer.weight.shape) for layer in adapted_layers(model).values()]
-    assert sum(m.nbytes for m in adapter.metas()) == adapter_bytes(8, shapes, 4)
+    assert sum(m.nbytes for m in adapter.metas()) == sum(8 * (out + inp) for out, inp in shapes) * 4
 
 
 def test_frozen_base_is_the_base_model(tiny_model_path):
@@ -117,6 +118,29 @@ def test_lora_on_an_embedding_is_refused(tiny_model_path):
         apply_lora(_load(tiny_model_path), LoraSettings(rank=4, target_modules=["no_such_proj"]), seed=0)
 
 
+def test_a_head_adapter_on_a_tied_embedding_cannot_be_merged_silently(tiny_model_path):
+    """The tiny model ties its head to the embedding: the head's adapter would be left out of the
+    merged weights (the config check refuses the target; the view refuses it too)."""
+    model = apply_lora(_load(tiny_model_path), LoraSettings(rank=4, target_modules=["lm_head", "q_proj"]), seed=0)
+    with pytest.raises(ValueError, match="lm_head"):
+        MergedLoraWeights(model, zero_stage=0)
+
+
+def test_the_merged_view_merges_only_what_is_read(tiny_model_path, monkeypatch):
+    """A rank that only takes part in a gather (ZeRO-3: every rank gathers, one writes) merges nothing."""
+    import rlhf_orch.trainer.lora as lora
+
+    model = _trained(tiny_model_path, LoraSettings(rank=8, alpha=16))
+    view = MergedLoraWeights(model, zero_stage=0)
+    merges = []
+    monkeypatch.setattr(lora, "merged", lambda layer: merges.append(layer.name) or layer.weight.data)
+    names = [m.name for m in view.metas()]
+    with view.gathered(names) as tensors:
+        assert len(tensors) == len(names) and merges == []
+        tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert merges == ["model.layers.0.self_attn.q_proj.weight"]
+
+
 def test_exported_adapter_loads_in_peft_as_the_trained_policy(tiny_model_path, tmp_path):
     from peft import PeftModel
 
@@ -132,6 +156,7 @@ def test_exported_adapter_loads_in_peft_as_the_trained_policy(tiny_model_path, t
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.integration  # SmolLM2's 0.5 GB, twice: not in the fast tier
 def test_real_layout_smollm2_merged_and_adapter_views(smollm2_path):
     """SmolLM2's layout: grouped KV heads (k/v 192 x 576), tied embeddings, 30 layers."""
     settings = LoraSettings(rank=16, alpha=32)
@@ -153,11 +178,47 @@ def test_real_layout_smollm2_merged_and_adapter_views(smollm2_path):
         torch.testing.assert_close(got[name], reference[name], rtol=0, atol=1e-6)
 
 
-def test_settings_from_config_nodes():
-    assert lora_settings(None) is None
-    assert lora_settings(LoraSettings(rank=0)) is None
-    s = lora_settings(LoraSettings(rank=16, alpha=32, target_modules=["q_proj"], sync="auto"))
-    assert s.scaling == 2.0 and s.engine_max_rank() == 16
+def test_the_model_option_builds_the_settings_the_roles_get():
+    """`model.lora` as the composed config gives it: the model option holds the settings (None at rank 0)."""
+    from hydra.utils import instantiate
+
+    from tests.conftest import compose_config
+
+    assert instantiate(compose_config([]).model).lora is None
+    settings = instantiate(compose_config(["model.lora.rank=16", "model.lora.target_modules=[q_proj,v_proj]"]).model).lora
+    assert settings == LoraSettings(rank=16, alpha=64.0, target_modules=("q_proj", "v_proj"))  # alpha null: 4 x rank
+    assert settings.scaling == 4.0 and settings.engine_max_rank() == 16 and settings.peft_kwargs()["target_modules"] == ["q_proj", "v_proj"]
     assert LoraSettings(rank=17).engine_max_rank() == 32  # vLLM's kernels come in fixed ranks
-    assert LoraSettings(rank=8, target_modules=["lm_head", "q_proj"]).unservable_targets() == ["lm_head"]
-    assert LoraSettings(rank=8, target_modules=["embed_tokens"]).embedding_targets() == ["embed_tokens"]
+    assert LoraSettings(rank=8, target_modules=["lm_head", "q_proj", "embed_tokens"]).refused_targets() == ["lm_head", "embed_tokens"]
+
+
+@pytest.mark.integration  # imports vLLM
+def test_the_cpu_lora_ops_compute_what_vllm_s_compute_without_the_per_token_copy():
+    """`cpu_lora_ops` against vLLM's own torch ops: one adapter for every token (the fast path), and
+    tokens naming two adapters (vLLM's path)."""
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    from rlhf_orch.engines import cpu_lora_ops
+
+    names = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
+    cpu_lora_ops.install()
+    patched = {n: getattr(lora_ops, n) for n in names}
+    original = {n: patched[n].__wrapped_vllm_op__ for n in names}
+    cpu_lora_ops.install()  # idempotent: wraps vLLM's op, not the wrapper
+    assert all(getattr(lora_ops, n).__wrapped_vllm_op__ is original[n] for n in names)
+    gen = torch.Generator().manual_seed(0)
+    tokens, rank, d_in, d_out = 300, 16, 64, 96
+    x = torch.randn(tokens, d_in, generator=gen)
+    a, b = torch.randn(2, 1, rank, d_in, generator=gen), torch.randn(2, 1, d_out, rank, generator=gen)
+    for indices in (torch.zeros(tokens, dtype=torch.long), torch.ones(tokens, dtype=torch.long), torch.randint(0, 2, (tokens,), generator=gen)):
+        out = {}
+        for label, ops in (("vllm", original), ("ours", patched)):
+            shrunk = torch.zeros(tokens, rank)
+            ops["bgmv_shrink"](x, a, shrunk, indices, 0.5)
+            expanded = torch.ones(tokens, d_out)
+            ops["bgmv_expand"](shrunk, b, expanded, indices, True)
+            sliced = torch.ones(tokens, d_out + 10)
+            ops["bgmv_expand_slice"](shrunk, b, sliced, indices, 5, d_out, True)
+            out[label] = (shrunk, expanded, sliced)
+        for ours, theirs in zip(out["ours"], out["vllm"]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)

@@ -81,7 +81,7 @@ def cluster(tiny_model_path):
                                lora=LoraSettings(rank=8, alpha=16, sync="merged"))
     engines = [VLLMEngineActor.options(num_cpus=1, runtime_env=ENV).remote(spec, i) for i, spec in enumerate((adapter_engine, merged_engine))]
     policies = LoraPolicies(tiny_model_path)
-    assert ray.get([e.lora_sync.remote() for e in engines]) == ["adapter", "merged"]
+    assert ray.get([e.lora_sync_mode.remote() for e in engines]) == ["adapter", "merged"]
     yield engines, policies
     ray.shutdown()
 
@@ -121,8 +121,6 @@ def test_adapter_sync_engine_logprobs_equal_trainer(cluster, strategy, zero_stag
 def test_merged_sync_serves_what_the_adapter_engine_serves(cluster):
     """The same trained policy: as an adapter to the adapter engine, as merged weights to the merged
     engine. Log-probs within float tolerance of each other and of the trainer; greedy tokens equal."""
-    from vllm import SamplingParams  # noqa: F401  (the engines' own; imported here to fail early if absent)
-
     engines, policies = cluster
     policy = policies[(2, 1)]
     ray.get([p.perturb_weights.remote(0.2, seed=7) for p in policy])

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from rlhf_orch.config.problems import ConfigError, Problem
-from rlhf_orch.models.lora import SYNC_MODES, VLLM_MAX_LORA_RANKS
 from rlhf_orch.config.schema import (
     ColocatedPlacementConfig,
     CpuLocalPlacementConfig,
@@ -22,6 +21,7 @@ from rlhf_orch.config.schema import (
     SplitPlacementConfig,
     WandbLoggerConfig,
 )
+from rlhf_orch.models.lora import ALL_LINEAR, SYNC_MODES, VLLM_MAX_LORA_RANKS
 
 _ABSENT = object()
 
@@ -95,8 +95,8 @@ def text(key: str, why: str = "", **kw: Any) -> Range:
 
 
 def _lora_targets_ok(v: Any) -> bool:
-    if isinstance(v, str):
-        return v.strip() != ""
+    if isinstance(v, str):  # any other string would be a PEFT regex the engines and the plan cannot follow
+        return v == ALL_LINEAR
     return isinstance(v, (list, tuple)) and len(v) > 0 and all(isinstance(m, str) and m.strip() for m in v)
 
 
@@ -226,7 +226,7 @@ RANGES: tuple[Range, ...] = (
     reals("model.lora.alpha", 0, lo_open=True, why="the adapter's update is alpha / rank * B @ A; null = 4 x rank", nullable=True),
     reals("model.lora.dropout", 0, 1, hi_open=True, why="dropout on the adapters' input while training"),
     choice("model.lora.sync", SYNC_MODES),
-    Range("model.lora.target_modules", _lora_targets_ok, 'give "all-linear" or a non-empty list of module names (q_proj, v_proj, ...)'),
+    Range("model.lora.target_modules", _lora_targets_ok, f'give "{ALL_LINEAR}" or a non-empty list of module names (q_proj, v_proj, ...)'),
     choice("model.dtype", ("float32", "bfloat16", "float16"), "use float32 (CPU), bfloat16 or float16"),
     ints("model.hidden_size", 1),
     ints("model.num_layers", 1),

@@ -685,16 +685,14 @@ def _lora(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
                 for key in ("alpha", "dropout", "target_modules", "sync") if getattr(lora, key) != getattr(defaults, key)]
     problems = []
     if lora.sync != "merged" and cfg.engine.sleep_level == 2:
+        # (auto too: it takes the adapter wherever vLLM serves one, which is known only in the engine)
         problems.append(Problem("engine.sleep_level", 2, "level 2 drops the engines' base weights and an adapter update "
                                 "does not bring them back: use engine.sleep_level=1, or model.lora.sync=merged"))
     targets = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)
-    settings = LoraSettings(rank=lora.rank, target_modules=targets)
-    if settings.embedding_targets():
-        problems.append(Problem("model.lora.target_modules", targets, f"LoRA on embeddings ({settings.embedding_targets()}) "
-                                "is not supported: target linear layers (q_proj, ..., or all-linear)"))
-    if lora.sync == "adapter" and settings.unservable_targets():
-        problems.append(Problem("model.lora.sync", "adapter", f"vLLM serves no adapter on {settings.unservable_targets()}: "
-                                "drop the head from model.lora.target_modules, or set model.lora.sync=merged"))
+    refused = LoraSettings(rank=lora.rank, target_modules=targets).refused_targets()
+    if refused:
+        problems.append(Problem("model.lora.target_modules", targets, f"no adapter on the embedding or the output head "
+                                f"({refused}): target the decoder's linear layers (q_proj, ..., or all-linear)"))
     return problems
 
 

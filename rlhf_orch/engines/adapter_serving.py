@@ -14,8 +14,11 @@ from typing import Any, Iterable
 
 import torch
 
-from rlhf_orch.models.lora import ADAPTER_ID, ADAPTER_NAME, LoraSettings
+from rlhf_orch.models.lora import LoraSettings
 
+#: The adapter's name and id in every engine: one adapter, replaced in place at each update.
+ADAPTER_NAME = "policy"
+ADAPTER_ID = 1
 #: Never read: the adapter is resident before any request names it (vLLM's request type needs a path).
 IN_MEMORY_PATH = "/in-memory/rlhf_orch/policy-adapter"
 
@@ -31,16 +34,26 @@ def serves_adapter(settings: LoraSettings, model_path: str) -> bool:
     if settings.sync == "merged":
         return False
     arch = _architecture(model_path)
-    why_not = None
-    if settings.unservable_targets():
-        why_not = f"vLLM adapts no {settings.unservable_targets()} layer"
-    elif not _vllm_supports_lora(arch):
-        why_not = f"vLLM's {arch} takes no LoRA adapter"
-    if why_not is None:
+    if _vllm_supports_lora(arch):
+        _check_lora_interfaces()
         return True
     if settings.sync == "adapter":
-        raise AdapterNotServable(f"model.lora.sync=adapter: {why_not}; set model.lora.sync=merged (or auto)")
+        raise AdapterNotServable(f"model.lora.sync=adapter: vLLM's {arch} takes no LoRA adapter; set model.lora.sync=merged (or auto)")
     return False
+
+
+def _check_lora_interfaces() -> None:
+    """What serving an adapter from memory uses of vLLM beyond its public API, checked at start
+    instead of failing at the first update (`SUPPORTED_VLLM` is the range it was written against)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.model_manager import LoRAModelManager
+
+    missing = [name for owner, name in ((LoRAModel, "from_lora_tensors"), (LoRAModelManager, "create_dummy_lora"),
+                                        (LoRAModelManager, "add_adapter"), (LoRAModelManager, "activate_adapter"))
+               if not hasattr(owner, name)]
+    if missing:
+        raise AdapterNotServable(f"this vLLM lacks {missing} (adapters are served from memory through them): "
+                                 "set model.lora.sync=merged")
 
 
 def _architecture(model_path: str) -> str:
@@ -56,7 +69,11 @@ def _architecture(model_path: str) -> str:
 def _vllm_supports_lora(arch: str) -> bool:
     from vllm.model_executor.models import ModelRegistry, supports_lora
 
-    model_cls = ModelRegistry._try_load_model_cls(arch)  # imports that one model module
+    # (vLLM's registry has no public per-architecture LoRA query; this imports that one model module.)
+    if not hasattr(ModelRegistry, "_try_load_model_cls"):
+        raise AdapterNotServable("this vLLM has no ModelRegistry._try_load_model_cls: model.lora.sync=auto cannot ask it; "
+                                 "set model.lora.sync=adapter or merged")
+    model_cls = ModelRegistry._try_load_model_cls(arch)
     return model_cls is not None and supports_lora(model_cls)
 
 
@@ -76,7 +93,6 @@ def adapter_target_names(settings: LoraSettings, model_path: str) -> list[str]:
     targets = settings.targets()
     if not isinstance(targets, str):
         return sorted(set(targets))
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rlhf_orch.models.hub import resolve_local_checkpoint
@@ -95,19 +111,15 @@ def peft_helper_dict(settings: LoraSettings) -> dict[str, Any]:
 
 
 class AdapterServingLLM:
-    """A `vllm.LLM` whose generate / enqueue calls carry the served adapter once one arrived.
-
-    Before the first update nothing is named: the adapter's B starts at zero, so the base is the
-    policy (and vLLM would otherwise look for the adapter on disk).
-    """
+    """A `vllm.LLM` whose generate / enqueue calls all name the served adapter. From the start: the
+    worker registers a zero adapter (B = 0: the base exactly, as the trainer's adapters start) before
+    any request, so a request in flight when an update lands switches to the new adapter with the
+    rest, as under full weights -- none stays on the bare base."""
 
     def __init__(self, llm: Any):
-        self._llm = llm
-        self.adapter_request: Any = None
-
-    def adapter_arrived(self) -> None:
         from vllm.lora.request import LoRARequest
 
+        self._llm = llm
         self.adapter_request = LoRARequest(ADAPTER_NAME, ADAPTER_ID, IN_MEMORY_PATH)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -145,9 +157,12 @@ class AdapterUpdate:
         manager = lora_manager._adapter_manager
         helper = PEFTHelper.from_dict(dict(self.peft_helper, vllm_max_position_embeddings=lora_manager.max_position_embeddings))
         helper.validate_legal(lora_manager.lora_config)
+        # The names mapped and skipped as vLLM's own loader does (`WorkerLoRAManager._load_adapter`).
+        mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
         adapter = LoRAModel.from_lora_tensors(
             ADAPTER_ID, self.tensors, helper, device="cpu", dtype=lora_manager.lora_config.lora_dtype,
-            model_vocab_size=lora_manager.vocab_size,
+            model_vocab_size=lora_manager.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(manager.model, "lora_skip_prefixes", None),
         )
         manager.remove_adapter(ADAPTER_ID)
         manager.add_adapter(adapter)  # fuses q/k/v and gate/up adapters as vLLM fuses those layers
@@ -157,3 +172,12 @@ class AdapterUpdate:
             raise RuntimeError(f"the adapter names layers the engine's model does not have: {unknown[:3]}")
         manager.activate_adapter(ADAPTER_ID)
         return len(adapter.loras)
+
+
+def serve_zero_adapter(lora_manager: Any, rank: int) -> None:
+    """(vLLM worker.) Register and activate the served adapter with every A and B zero: what the
+    trainer's adapters compute before their first update (B = 0), the base exactly."""
+    manager = lora_manager._adapter_manager
+    manager.remove_adapter(ADAPTER_ID)
+    manager.add_adapter(manager.create_dummy_lora(ADAPTER_ID, rank, lora_manager.embedding_modules))  # zeros
+    manager.activate_adapter(ADAPTER_ID)

@@ -357,8 +357,6 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
             self._refuse_in_flight()
             self._awake()
             self.llm.collective_rpc("rlhf_reset")
-            if self.serves_adapter:
-                self.llm.adapter_request = None  # the base until the first update of the next run
             self.llm.reset_prefix_cache()
             self.llm.llm_engine.set_weight_version("0")
 
@@ -484,8 +482,6 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         # (vLLM's thread.) Cached prefixes were computed with the old weights: drop them, then
         # publish the version. Requests in flight go on with the new weights (pipeline=async).
         self.llm.reset_prefix_cache()
-        if self.serves_adapter and loaded:
-            self.llm.adapter_arrived()  # from now on every request names the adapter
         self.weight_version = version
         self.llm.llm_engine.set_weight_version(str(version))
         self._weights_dropped = self._weights_dropped and not loaded  # every sync sends every weight
@@ -495,7 +491,7 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
             self._cond.notify_all()
         return {"engine": self.index, "version": version, "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
-    def lora_sync(self) -> str | None:
+    def lora_sync_mode(self) -> str | None:
         """What a weight update must carry to this engine under model.lora: "adapter" (its tensors
         only) or "merged" (every weight); None without LoRA."""
         if self.spec.lora is None:

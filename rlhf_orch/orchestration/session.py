@@ -17,7 +17,7 @@ from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.engines.launch import memory_utilization, sleep_level
 from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.logging.rollout_dump import RolloutDump
-from rlhf_orch.models.lora import lora_settings
+from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.one_line import named
 from rlhf_orch.orchestration import warm_actors
 from rlhf_orch.orchestration.actors import ActorStartError, RoleActors, StartupStopped, lost_processes, start_role_actors
@@ -33,8 +33,9 @@ from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.trainer.workers import TrainerSpec
 
 
-def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id: int) -> dict[str, TrainerSpec]:
-    """Per trainer role, what its processes need (roles the algorithm has no use for get none)."""
+def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id: int, lora: LoraSettings | None = None) -> dict[str, TrainerSpec]:
+    """Per trainer role, what its processes need (roles the algorithm has no use for get none).
+    `lora`: the model option's adapters (model.lora), trained by the policy only."""
     a, t = cfg.algo, cfg.trainer
 
     def spec(role: str, lr: float) -> TrainerSpec:
@@ -60,7 +61,7 @@ def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id:
         )
 
     # model.lora trains the policy's adapters only; the critic and the reference are full models.
-    specs = {"actor": replace(spec("actor", a.actor_lr), lora=lora_settings(cfg.model.lora))}
+    specs = {"actor": replace(spec("actor", a.actor_lr), lora=lora)}
     if a.needs_critic:
         specs["critic"] = spec("critic", a.critic_lr)
     if a.needs_reference:
@@ -88,7 +89,7 @@ class RunFailed(RuntimeError):
     """Training stopped on a runtime failure; the message names the cause and how to resume."""
 
 
-def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipeline: Any = None) -> EngineSpec:
+def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipeline: Any = None, lora: LoraSettings | None = None) -> EngineSpec:
     """What every vLLM engine process needs (its slot's rank is given at start). The pipeline's
     `rollouts_at_once`: rollouts an engine generates together; with more than one, a weight update
     lands while requests are in flight and vLLM cannot drop their cached prefixes, which later
@@ -107,7 +108,7 @@ def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipelin
         enforce_eager=typed.engine.enforce_eager,
         max_concurrency=rollouts_at_once,
         finish_before_update=not getattr(pipeline, "partial_rollout", True),
-        lora=lora_settings(typed.model.lora),
+        lora=lora,
     )
 
 
@@ -203,8 +204,8 @@ def processes_lost(error: BaseException, actors: Any, timeout_s: float = 10.0) -
 
 def use_lora_sync(actors: RoleActors, timeout_s: float) -> str:
     """model.lora: ask the engines what an update must carry (the adapter, or merged weights where
-    vLLM cannot serve the adapter: `VLLMEngine.lora_sync`), tell every policy rank; the start-up line."""
-    modes = set(ray.get([e.lora_sync.remote() for e in actors.engines], timeout=timeout_s))
+    vLLM cannot serve the adapter: `VLLMEngine.lora_sync_mode`), tell every policy rank; the start-up line."""
+    modes = set(ray.get([e.lora_sync_mode.remote() for e in actors.engines], timeout=timeout_s))
     if len(modes) != 1:
         raise RuntimeError(f"the engines disagree on what a LoRA update carries: {sorted(modes)}")
     mode = modes.pop()
@@ -364,14 +365,14 @@ def run_training(
     record = RunRecord(run_dir, typed, config_dict, instantiate(cfg.logger), inputs.task, resume)
     for line in inputs.notes:
         print(line, flush=True)
-    specs = trainer_specs(typed, plan, inputs.model_path, inputs.tokenizer.pad_token_id)
+    specs = trainer_specs(typed, plan, inputs.model_path, inputs.tokenizer.pad_token_id, inputs.model.lora)
     reward_spec = None
     if inputs.reward_model_path:
         reward_spec = replace(
             specs["actor"], lr=0.0, model_path=inputs.reward_model_path, micro_batch_size=inputs.reward.model.micro_batch_size
         )
     stop = StopRequest("stopping after this step" + (", with a checkpoint" if ck.on_signal else ""))
-    run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline)), stop,
+    run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora), stop,
                callbacks, run_dir, time.perf_counter())
     run.warm_key = warm_actors.warm_key(plan, run.engines, typed.engine.kv_cache_gb, [*specs, *(["reward"] if reward_spec else [])])
     outcome: dict[str, Any] = {"status": "failed"}

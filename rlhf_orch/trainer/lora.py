@@ -18,6 +18,7 @@ one forward), so no second copy of the base is loaded.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -43,10 +44,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings, seed: int) -> nn.Module
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, LoraConfig(**settings.peft_kwargs()))
     not_linear = [n for n, m in peft_model.named_modules() if isinstance(m, LoraLayer) and _ADAPTER not in m.lora_A]
-    if not_linear:  # an embedding's adapter: neither merged nor sent here
+    if not_linear:  # an embedding's adapter: neither merged nor sent here (the config check refuses the names)
         raise ValueError(f"model.lora.target_modules={settings.target_modules!r} adapts non-linear layers {not_linear[:2]}: target linear layers")
-    if not adapted_layers(peft_model):
-        raise ValueError(f"model.lora.target_modules={settings.target_modules!r} matched no layer of the model")
     return peft_model
 
 
@@ -110,6 +109,11 @@ class MergedLoraWeights:
             _checkpoint_name(n): p for n, p in module.named_parameters() if ".lora_" not in n and _checkpoint_name(n) not in self._layers
         }
         self._order = [_checkpoint_name(n) for n, _ in module.named_parameters() if ".lora_" not in n]
+        # An adapted layer whose weight is shared with another (a head tied to the embedding) is
+        # listed once, under the other's name: its adapter would silently be left out.
+        hidden = sorted(set(self._layers) - set(self._order))
+        if hidden:
+            raise ValueError(f"adapted layers share their weight with another layer and cannot be merged: {hidden}")
 
     def metas(self) -> list[TensorMeta]:
         metas = []
@@ -131,7 +135,25 @@ class MergedLoraWeights:
             else:
                 params.append(self._plain[n])
         with _gathered_params(params, self.zero_stage):
-            yield {n: merged(self._layers[n]) if n in self._layers else self._plain[n].data for n in names}
+            # Merged on access: a rank that only takes part in the gather (ZeRO-3) computes nothing.
+            yield _MergedOnAccess({n: self._layers.get(n) for n in names}, self._plain)
+
+
+class _MergedOnAccess(Mapping):
+    """name -> tensor: a plain parameter's data, or an adapted layer merged when it is read."""
+
+    def __init__(self, layers: dict[str, AdaptedLayer | None], plain: dict[str, nn.Parameter]):
+        self._layers, self._plain = layers, plain
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        layer = self._layers[name]
+        return merged(layer) if layer is not None else self._plain[name].data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
 
 
 @torch.no_grad()

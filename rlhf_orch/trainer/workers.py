@@ -221,7 +221,7 @@ class _Worker(ExperienceInbox):
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """Every weight of the role's model, on CPU: rank 0 returns them, other ranks None (every
         rank calls: under ZeRO-3 the gather is collective)."""
-        source = self.full
+        source = self.checkpoint_weights
         with source.gathered([m.name for m in source.metas()]) as full:
             return {n: t.detach().to("cpu", copy=True) for n, t in full.items()} if self.rank == 0 else None
 
@@ -244,7 +244,9 @@ class _Worker(ExperienceInbox):
     def load_checkpoint(self, directory: str) -> None:
         path, _ = self.engine.load_checkpoint(
             directory, tag="state", load_optimizer_states=True, load_lr_scheduler_states=True,
-            load_module_strict=self.spec.lora is None,  # (the adapters' checkpoint has no base weights)
+            # (the adapters' checkpoint has no base weights; a checkpoint of another model.lora is
+            # refused before any actor starts: `model` keys are breaking, orchestration/checkpoint.py)
+            load_module_strict=self.spec.lora is None,
         )
         if path is None:
             raise RuntimeError(f"no DeepSpeed checkpoint of the {self.role} in {directory}")
@@ -292,14 +294,16 @@ class PolicyWorker(_Worker):
         if lora is not None:
             model = apply_lora(model, lora, self.spec.seed)
         self.engine = self._ds_engine(model, self.spec.lr)
-        # `full`: every weight under the checkpoint's names (export, tests); `weights`: what a
-        # sync sends -- the same, or the adapter tensors alone (model.lora.sync=adapter).
+        # `checkpoint_weights`: every weight under the checkpoint's names (export, tests); `weights`:
+        # what a sync sends -- the same, or the adapter tensors alone (model.lora.sync=adapter).
         if lora is None:
-            self.full = self.weights = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
+            self.checkpoint_weights = self.weights = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
         else:
-            self.full = MergedLoraWeights(self.engine.module, self.spec.zero_stage)
+            self.checkpoint_weights = MergedLoraWeights(self.engine.module, self.spec.zero_stage)
             self.adapter = AdapterWeights(self.engine.module, self.spec.zero_stage)
-            self.weights = self.adapter if lora.sync == "adapter" else self.full  # auto: told by `use_lora_sync`
+            self._lora_views = {"adapter": self.adapter, "merged": self.checkpoint_weights}
+            # (auto: merged until the engines say what they take, `use_lora_sync`)
+            self.weights = self._lora_views.get(lora.sync, self.checkpoint_weights)
         if lora is not None:
             self.reference = None  # the frozen base under the adapters is the reference (`frozen_base`)
         elif self.spec.host_reference and getattr(self, "reference", None) is None:
@@ -309,11 +313,11 @@ class PolicyWorker(_Worker):
         return sum(p.numel() for p in model.parameters())
 
     def use_lora_sync(self, mode: str) -> None:
-        """What each weight sync sends under model.lora, as the engines take it (`VLLMEngine.lora_sync`):
+        """What each weight sync sends under model.lora, as the engines take it (`VLLMEngine.lora_sync_mode`):
         "adapter" the adapter tensors only, "merged" every weight with the adapters merged in."""
-        if mode not in ("adapter", "merged"):
-            raise ValueError(f"lora sync mode {mode!r}: adapter or merged")
-        self.weights = self.adapter if mode == "adapter" else self.full
+        if mode not in self._lora_views:
+            raise ValueError(f"lora sync mode {mode!r}: one of {sorted(self._lora_views)}")
+        self.weights = self._lora_views[mode]
 
     def lora_summary(self) -> dict[str, Any]:
         """What model.lora trains and what a sync moves (the start-up line)."""
@@ -323,7 +327,8 @@ class PolicyWorker(_Worker):
         return {
             "rank": lora.rank, "alpha": lora.alpha, "sync": lora.sync, "layers": len(self.adapter.metas()) // 2,
             "trainable": sum(numel(p) for p in params if p.requires_grad), "total": sum(numel(p) for p in params),
-            "adapter_bytes": sum(m.nbytes for m in self.adapter.metas()), "full_bytes": sum(m.nbytes for m in self.full.metas()),
+            "adapter_bytes": sum(m.nbytes for m in self.adapter.metas()),
+            "full_bytes": sum(m.nbytes for m in self.checkpoint_weights.metas()),
         }
 
     # ---------------------------------------------------------------- the hosted reference
@@ -572,8 +577,8 @@ class PolicyWorker(_Worker):
     def export_hf(self, directory: str) -> None:
         """The policy in Hugging Face format (safetensors + config + tokenizer), loadable as is by
         vLLM and transformers. Every rank calls (ZeRO-3 gathers are collective); rank 0 writes."""
-        names = [m.name for m in self.full.metas()]
-        with self.full.gathered(names) as full:
+        names = [m.name for m in self.checkpoint_weights.metas()]
+        with self.checkpoint_weights.gathered(names) as full:
             if self.rank == 0:
                 state = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in full.items()}
                 base = self.engine.module if self.spec.lora is None else self.engine.module.get_base_model()
@@ -622,7 +627,7 @@ class CriticWorker(_Worker):
         if self.spec.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         self.engine = self._ds_engine(model, self.spec.lr)
-        self.full = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
+        self.checkpoint_weights = ModuleWeightSource(self.engine.module, self.spec.zero_stage)
         self._old_values: dict[int, list[torch.Tensor]] = {}
         return sum(p.numel() for p in model.parameters())
 
