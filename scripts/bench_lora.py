@@ -89,6 +89,7 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     has_eval = any(r["eval"] for r in results.values())
+    window = 1
     fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(11 if has_eval else 6, 4), squeeze=False)
     for name, r in results.items():
         window = max(1, len(r["reward"]) // 10)
@@ -98,7 +99,7 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
         axes[0][0].plot(range(1, len(smooth) + 1), smooth, label=name, **style)
         if has_eval and r["eval"]:
             axes[0][1].plot(*zip(*r["eval"]), marker="o", label=name, **style)
-    axes[0][0].set(xlabel="step", ylabel="training reward (running mean)", title=title)
+    axes[0][0].set(xlabel="step", ylabel=f"training reward (mean of the last {window} steps)" if window > 1 else "training reward", title=title)
     axes[0][0].legend()
     if has_eval:
         axes[0][1].set(xlabel="step", ylabel="held-out mean@4", title="held-out score")
