@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -50,6 +51,7 @@ def run(overrides: list[str], run_dir: Path, reuse: bool = False) -> dict:
     if reuse and summary.is_file() and json.loads(summary.read_text()).get("status") == "completed":
         out, peak = (run_dir / "run.log").read_text(), None  # an earlier run of this variant: no memory figure
     else:
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run dir's metrics.jsonl is appended to, not replaced
         cmd = [sys.executable, str(ROOT / "run.py"), *overrides, f"hydra.run.dir={run_dir}"]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         poller = Poller(proc.pid)
