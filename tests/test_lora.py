@@ -193,19 +193,28 @@ def test_the_model_option_builds_the_settings_the_roles_get():
 
 
 @pytest.mark.integration  # imports vLLM
-def test_the_cpu_lora_ops_compute_what_vllm_s_compute_without_the_per_token_copy():
-    """`cpu_lora_ops` against vLLM's own torch ops: one adapter for every token (the fast path), and
-    tokens naming two adapters (vLLM's path)."""
+def test_the_cpu_lora_ops_compute_what_vllm_s_compute_without_the_per_token_copy(monkeypatch):
+    """`cpu_lora_ops` against vLLM's own torch ops: one adapter for every token (the fast path: no
+    call of vLLM's op), and tokens naming two adapters (vLLM's path)."""
     from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
 
     from rlhf_orch.engines import cpu_lora_ops
 
     names = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
-    cpu_lora_ops.install()
+    for module in (lora_ops, punica_cpu):  # vLLM's ops back after the test
+        for n in names:
+            monkeypatch.setattr(module, n, getattr(module, n))
+    vllm_ops = {n: getattr(lora_ops, n) for n in names}
+    calls: list[str] = []
+    for n in names:  # count the fallbacks to vLLM's op
+        monkeypatch.setattr(lora_ops, n, lambda *a, _n=n, **k: calls.append(_n) or vllm_ops[_n](*a, **k))
+    assert cpu_lora_ops.install()
     patched = {n: getattr(lora_ops, n) for n in names}
-    original = {n: patched[n].__wrapped_vllm_op__ for n in names}
-    cpu_lora_ops.install()  # idempotent: wraps vLLM's op, not the wrapper
-    assert all(getattr(lora_ops, n).__wrapped_vllm_op__ is original[n] for n in names)
+    assert all(getattr(punica_cpu, n) is patched[n] for n in names)  # the CPU wrapper calls them by name
+    cpu_lora_ops.install()  # idempotent: wraps the op it wrapped before, not the wrapper
+    assert all(getattr(lora_ops, n).__wrapped_vllm_op__ is patched[n].__wrapped_vllm_op__ for n in names)
+    original = vllm_ops
     gen = torch.Generator().manual_seed(0)
     tokens, rank, d_in, d_out = 300, 16, 64, 96
     x = torch.randn(tokens, d_in, generator=gen)
@@ -222,3 +231,6 @@ def test_the_cpu_lora_ops_compute_what_vllm_s_compute_without_the_per_token_copy
             out[label] = (shrunk, expanded, sliced)
         for ours, theirs in zip(out["ours"], out["vllm"]):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+        shared = bool((indices == indices[0]).all())
+        assert calls == ([] if shared else list(names)), (shared, calls)  # the fast path where it applies
+        calls.clear()

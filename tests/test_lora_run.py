@@ -61,6 +61,15 @@ def test_each_sync_carries_the_adapter_only_and_the_engine_agrees_with_the_train
     assert size("policy") < size("critic") / 3
 
 
+def test_a_fresh_run_on_the_kept_actors_is_the_first_run_bit_for_bit(lora_run, tmp_path):
+    """launcher.keep_actors: the next run resets the engine (the base reloaded, the zero adapter served
+    again) and the trainers; with nothing synced before its first rollout, it must draw from the zero
+    adapter exactly as a new engine does."""
+    again = tmp_path / "again"
+    assert train_in_process(RUN, again)["status"] == "completed"
+    assert _comparable(_metrics(again)) == _comparable(_metrics(lora_run))
+
+
 def test_resumed_from_a_checkpoint_it_is_the_uninterrupted_run_bit_for_bit(lora_run, tmp_path):
     cut = tmp_path / "cut"
     shutil.copytree(lora_run / "checkpoints" / "step_00000001", cut / "checkpoints" / "step_00000001")
@@ -111,6 +120,8 @@ def test_a_lora_run_killed_with_sigkill_resumes_to_the_uninterrupted_run_bit_for
     _wait_for(lambda: any(c.step == 1 for c in complete_checkpoints(cut / "checkpoints")), proc)
     os.killpg(proc.pid, signal.SIGKILL)  # driver and Ray at once: nothing cleans up
     proc.wait()
+    # The kill landed mid-run: no summary, the last complete checkpoint before the last step.
+    assert not (cut / "summary.json").exists() and max(c.step for c in complete_checkpoints(cut / "checkpoints")) < 4
     rc, out = _finish(start(cut, f"resume={cut}"))
     assert rc == 0, out[-3000:]
     assert _comparable(_metrics(cut)) == _comparable(_metrics(whole))

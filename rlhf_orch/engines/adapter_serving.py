@@ -30,30 +30,38 @@ class AdapterNotServable(ValueError):
 def serves_adapter(settings: LoraSettings, model_path: str) -> bool:
     """(Engine process, before `vllm.LLM` starts.) Whether this engine takes the policy's adapter:
     `model.lora.sync` resolved -- `auto` is `adapter` where vLLM's model class for the checkpoint's
-    architecture supports LoRA and every targeted layer is one vLLM can adapt, else `merged`."""
+    architecture supports LoRA (and this vLLM has what serving from memory uses), else `merged`."""
     if settings.sync == "merged":
         return False
     arch = _architecture(model_path)
-    if _vllm_supports_lora(arch):
-        _check_lora_interfaces()
+    why_not = _why_not_served(arch)
+    if why_not is None:
         return True
     if settings.sync == "adapter":
-        raise AdapterNotServable(f"model.lora.sync=adapter: vLLM's {arch} takes no LoRA adapter; set model.lora.sync=merged (or auto)")
+        raise AdapterNotServable(f"model.lora.sync=adapter: {why_not}; set model.lora.sync=merged (or auto)")
     return False
 
 
-def _check_lora_interfaces() -> None:
-    """What serving an adapter from memory uses of vLLM beyond its public API, checked at start
-    instead of failing at the first update (`SUPPORTED_VLLM` is the range it was written against)."""
+def _why_not_served(arch: str) -> str | None:
+    """Why this engine cannot serve the adapter (None: it can): vLLM's model class for `arch` takes
+    no LoRA, or this vLLM lacks what serving from memory uses beyond its public API (checked here,
+    at start, instead of failing at the first update; `SUPPORTED_VLLM` is the range it was written
+    against)."""
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.model_manager import LoRAModelManager
+    from vllm.model_executor.models import ModelRegistry, supports_lora
 
     missing = [name for owner, name in ((LoRAModel, "from_lora_tensors"), (LoRAModelManager, "create_dummy_lora"),
-                                        (LoRAModelManager, "add_adapter"), (LoRAModelManager, "activate_adapter"))
+                                        (LoRAModelManager, "add_adapter"), (LoRAModelManager, "activate_adapter"),
+                                        (ModelRegistry, "_try_load_model_cls"))
                if not hasattr(owner, name)]
     if missing:
-        raise AdapterNotServable(f"this vLLM lacks {missing} (adapters are served from memory through them): "
-                                 "set model.lora.sync=merged")
+        return f"this vLLM lacks {missing}, which serving an adapter from memory uses"
+    # (vLLM's registry has no public per-architecture LoRA query; this imports that one model module.)
+    model_cls = ModelRegistry._try_load_model_cls(arch)
+    if model_cls is None or not supports_lora(model_cls):
+        return f"vLLM's {arch} takes no LoRA adapter"
+    return None
 
 
 def _architecture(model_path: str) -> str:
@@ -66,22 +74,11 @@ def _architecture(model_path: str) -> str:
         return (json.load(f).get("architectures") or ["?"])[0]
 
 
-def _vllm_supports_lora(arch: str) -> bool:
-    from vllm.model_executor.models import ModelRegistry, supports_lora
-
-    # (vLLM's registry has no public per-architecture LoRA query; this imports that one model module.)
-    if not hasattr(ModelRegistry, "_try_load_model_cls"):
-        raise AdapterNotServable("this vLLM has no ModelRegistry._try_load_model_cls: model.lora.sync=auto cannot ask it; "
-                                 "set model.lora.sync=adapter or merged")
-    model_cls = ModelRegistry._try_load_model_cls(arch)
-    return model_cls is not None and supports_lora(model_cls)
-
-
 def vllm_lora_args(settings: LoraSettings, model_path: str) -> dict[str, Any]:
     """`vllm.LLM(...)` arguments for an engine serving one adapter of `settings.rank` on the layers
-    it targets. Naming them keeps vLLM from wrapping the rest -- the head above all: its LoRA
-    logits path computes a [tokens, vocab] product per step for an adapter that has no head part,
-    and on the CPU it breaks prompt log-probs (it expects one row per request)."""
+    it targets. Naming them keeps vLLM from wrapping the rest -- the output head above all, which
+    no adapter here has: its LoRA logits path costs a [tokens, vocab] product per step, and on the
+    CPU it breaks prompt log-probs (it expects one row per request)."""
     return {"enable_lora": True, "max_lora_rank": settings.engine_max_rank(), "max_loras": 1,
             "lora_target_modules": adapter_target_names(settings, model_path)}
 

@@ -81,14 +81,15 @@ class WeightSyncWorkerExtension:
         self._rlhf_session = None  # a layer-wise reload an update left open
         self._rlhf_raw_buffer = None
         self._rlhf_adapter_update = None
-        config = getattr(self, "_rlhf_adapter_config", None)
-        if config is not None:
-            serve_zero_adapter(self.model_runner.lora_manager, config["r"])  # the base again, as at start
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the dropped receive buffers, as a new engine would not hold them
         self.model_runner.reload_weights(is_checkpoint_format=True)
         refresh_tied_layers(self.model_runner.get_model())  # as after every update: the head tied to the embedding
+        config = getattr(self, "_rlhf_adapter_config", None)
+        if config is not None:
+            # After the reload: vLLM's reload_weights ends by removing every adapter (reset_lora_state).
+            serve_zero_adapter(self.model_runner.lora_manager, config["r"])  # the base again, as at start
         set_random_seed(self.model_config.seed)
 
     def rlhf_reseed(self, seed: int) -> None:
