@@ -27,6 +27,7 @@ from torch import nn
 
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.sync.buckets import TensorMeta, dtype_name
+from rlhf_orch.trainer.weight_source import ModuleWeightSource
 
 _ADAPTER = "default"  # PEFT's name for the one adapter a model gets
 _PEFT_PREFIX = "base_model.model."
@@ -163,8 +164,9 @@ def merged(layer: AdaptedLayer) -> torch.Tensor:
     return (layer.weight.data.float() + layer.scaling * delta).to(layer.weight.dtype)
 
 
-class AdapterWeights:
-    """The adapter tensors only, under the names PEFT saves them with (and vLLM loads them by)."""
+class AdapterWeights(ModuleWeightSource):
+    """The adapter tensors only, under the names PEFT saves them with (and vLLM loads them by);
+    `metas()` / `gathered()` as `ModuleWeightSource` gives them for the whole model."""
 
     def __init__(self, module: nn.Module, zero_stage: int):
         self.module = module
@@ -174,20 +176,6 @@ class AdapterWeights:
             stem = _PEFT_PREFIX + layer.name[: -len(".weight")]
             self._params[f"{stem}.lora_A.weight"] = layer.lora_a
             self._params[f"{stem}.lora_B.weight"] = layer.lora_b
-
-    def metas(self) -> list[TensorMeta]:
-        return [TensorMeta(n, dtype_name(p.dtype), _shape(p)) for n, p in self._params.items()]
-
-    @contextlib.contextmanager
-    def gathered(self, names: list[str], modifier_rank: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
-        params = [self._params[n] for n in names]
-        if self.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
-                yield {n: p.data for n, p in zip(names, params)}
-        else:
-            yield {n: p.data for n, p in zip(names, params)}
 
 
 @contextlib.contextmanager
