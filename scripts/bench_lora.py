@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_memory import Poller  # noqa: E402
+from bench_memory import run_polled  # noqa: E402
 
 # Per model: the recipe each variant runs, and the LoRA learning rate (adapters need a larger step than
 # full fine-tuning; the tiny model's default actor_lr serves both).
@@ -45,23 +45,14 @@ def variants(rank: int, model: str) -> dict[str, list[str]]:
 
 
 def run(overrides: list[str], run_dir: Path, reuse: bool = False) -> dict:
-    import subprocess
-
     summary = run_dir / "summary.json"
     if reuse and summary.is_file() and json.loads(summary.read_text()).get("status") == "completed":
         out, peak = (run_dir / "run.log").read_text(), None  # an earlier run of this variant: no memory figure
     else:
         shutil.rmtree(run_dir, ignore_errors=True)  # a run dir's metrics.jsonl is appended to, not replaced
-        cmd = [sys.executable, str(ROOT / "run.py"), *overrides, f"hydra.run.dir={run_dir}"]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        poller = Poller(proc.pid)
-        poller.start()
-        out, _ = proc.communicate()
-        poller.done = True
-        poller.join()
-        if proc.returncode != 0:
-            print(out[-3000:], file=sys.stderr)
-            raise SystemExit(f"run failed ({proc.returncode}): {' '.join(overrides)}")
+        poller, returncode, out = run_polled(overrides, run_dir)
+        if returncode != 0:
+            raise SystemExit(f"run failed ({returncode}): {' '.join(overrides)}")
         peak = poller.by_role().get("actor0", 0) / 1e9
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in logged if "reward/mean" in r]  # (a step-0 row holds the evaluation before training)

@@ -171,8 +171,10 @@ class Poller(threading.Thread):
         return measured
 
 
-def measure(overrides: list[str], run_dir: Path) -> tuple[dict[str, float], int, int]:
-    cmd = [sys.executable, str(ROOT / "run.py"), *overrides, *SHORT_RUN, f"hydra.run.dir={run_dir}"]
+def run_polled(overrides: list[str], run_dir: Path) -> tuple[Poller, int, str]:
+    """`run.py` with `overrides` into `run_dir`, its process tree polled while it runs: the poller,
+    the exit code and the console output (its tail printed to stderr when the run failed)."""
+    cmd = [sys.executable, str(ROOT / "run.py"), *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     poller = Poller(proc.pid)
     poller.start()
@@ -181,7 +183,12 @@ def measure(overrides: list[str], run_dir: Path) -> tuple[dict[str, float], int,
     poller.join()
     if proc.returncode != 0:
         print(out[-3000:], file=sys.stderr)
-    return poller.by_role(), proc.returncode, poller.peak_used
+    return poller, proc.returncode, out
+
+
+def measure(overrides: list[str], run_dir: Path) -> tuple[dict[str, float], int, int]:
+    poller, returncode, _ = run_polled([*overrides, *SHORT_RUN], run_dir)
+    return poller.by_role(), returncode, poller.peak_used
 
 
 def main() -> None:

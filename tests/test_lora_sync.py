@@ -21,16 +21,14 @@ from rlhf_orch.sync.bucketed import BucketedBroadcastSync
 from rlhf_orch.sync.multi_sender import MultiSenderBroadcastSync
 from rlhf_orch.sync.object_store import ObjectStoreSync
 from rlhf_orch.sync.per_tensor import PerTensorBroadcastSync
-from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec
+from rlhf_orch.trainer.workers import TrainerSpec
 from rlhf_orch.transfer.engine_side import RolloutJob
 from rlhf_orch.transfer.plan import whole_prompt_requests
-from tests.conftest import start_trainer_ranks
+# the full-weight sync tests' policy groups, sequences, tolerance (float32, nats) and Ray environment
+from tests.test_sync_integration import ENV, SEQUENCES, TOLERANCE, Policies, _max_diff, _trainer_logprobs
 
 pytestmark = pytest.mark.integration
 
-TOLERANCE = 1e-4  # nats, float32 on both sides
-SEQUENCES = [[1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 20, 21, 4, 5], [1, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]]
-ENV = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
 LORA = LoraSettings(rank=8, alpha=16, target_modules="all-linear", sync="adapter")
 
 STRATEGIES = {
@@ -50,29 +48,6 @@ def _spec(model_path: str, zero_stage: int, ranks: int) -> TrainerSpec:
     )
 
 
-class LoraPolicies:
-    """LoRA policy ranks by (ZeRO stage, ranks): one group per size, rebuilt in place for another stage."""
-
-    def __init__(self, model_path: str):
-        self.model_path = model_path
-        self.groups: dict[int, list] = {}
-        self.stage: dict[int, int | None] = {}
-        for ranks in (1, 2):
-            workers = start_trainer_ranks(PolicyWorker, _spec(model_path, 3, ranks), ranks, ENV)
-            ray.get([w.build.remote() for w in workers])
-            self.groups[ranks], self.stage[ranks] = workers, 3
-
-    def __getitem__(self, key: tuple[int, int]) -> list:
-        zero_stage, ranks = key
-        workers = self.groups[ranks]
-        if self.stage[ranks] != zero_stage:
-            self.stage[ranks] = None
-            ray.get([w.reset.remote(_spec(self.model_path, zero_stage, ranks)) for w in workers])
-            ray.get([w.build.remote() for w in workers])
-            self.stage[ranks] = zero_stage
-        return workers
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model_path):
     ray.init(address="local", num_cpus=16, num_gpus=0, include_dashboard=False, runtime_env=ENV)
@@ -80,18 +55,10 @@ def cluster(tiny_model_path):
     merged_engine = EngineSpec(model_path=tiny_model_path, dtype="float32", max_model_len=256,
                                lora=LoraSettings(rank=8, alpha=16, sync="merged"))
     engines = [VLLMEngineActor.options(num_cpus=1, runtime_env=ENV).remote(spec, i) for i, spec in enumerate((adapter_engine, merged_engine))]
-    policies = LoraPolicies(tiny_model_path)
+    policies = Policies(tiny_model_path, spec=_spec)  # LoRA policy ranks by (ZeRO stage, ranks)
     assert ray.get([e.lora_sync_mode.remote() for e in engines]) == ["adapter", "merged"]
     yield engines, policies
     ray.shutdown()
-
-
-def _max_diff(a, b):
-    return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
-
-
-def _trainer_logprobs(policy_ranks: list) -> list[list[float]]:
-    return ray.get([p.logprobs_of.remote(SEQUENCES) for p in policy_ranks])[0]  # (collective under ZeRO-3)
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))

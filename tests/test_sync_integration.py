@@ -46,12 +46,13 @@ class Policies:
     kept actors are (`PolicyWorker.reset` then `build`). They start at ZeRO-3 (what a new process
     must get right; the cases run stage 3 first), and switch to ZeRO-2 once."""
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, spec=None):
         self.model_path = model_path
+        self.spec = spec or _spec  # (model_path, zero_stage, ranks) -> TrainerSpec
         self.groups: dict[int, list] = {}
         self.stage: dict[int, int | None] = {}
         for ranks in (1, 2):
-            workers = start_trainer_ranks(PolicyWorker, _spec(model_path, 3, ranks), ranks, ENV)
+            workers = start_trainer_ranks(PolicyWorker, self.spec(model_path, 3, ranks), ranks, ENV)
             ray.get([w.build.remote() for w in workers])
             self.groups[ranks], self.stage[ranks] = workers, 3
 
@@ -60,7 +61,7 @@ class Policies:
         workers = self.groups[ranks]
         if self.stage[ranks] != zero_stage:
             self.stage[ranks] = None  # a rebuild that fails half-way leaves no stage to reuse
-            spec = _spec(self.model_path, zero_stage, ranks)
+            spec = self.spec(self.model_path, zero_stage, ranks)
             ray.get([w.reset.remote(spec) for w in workers])
             ray.get([w.build.remote() for w in workers])  # every rank at once: ZeRO partitions collectively
             self.stage[ranks] = zero_stage

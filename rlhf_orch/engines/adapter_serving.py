@@ -102,9 +102,9 @@ def adapter_target_names(settings: LoraSettings, model_path: str) -> list[str]:
 
 
 def peft_helper_dict(settings: LoraSettings) -> dict[str, Any]:
-    """What vLLM's `PEFTHelper` needs of the adapter (its adapter_config.json fields)."""
-    targets = settings.targets()
-    return {"r": settings.rank, "lora_alpha": settings.alpha, "target_modules": targets if isinstance(targets, str) else list(targets)}
+    """What vLLM's `PEFTHelper` needs of the adapter: the fields of the PEFT config it was trained with."""
+    peft = settings.peft_kwargs()
+    return {key: peft[key] for key in ("r", "lora_alpha", "target_modules")}
 
 
 class AdapterServingLLM:

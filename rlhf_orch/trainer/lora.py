@@ -27,7 +27,7 @@ from torch import nn
 
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.sync.buckets import TensorMeta, dtype_name
-from rlhf_orch.trainer.weight_source import ModuleWeightSource
+from rlhf_orch.trainer.weight_source import ModuleWeightSource, gathered_parameters
 
 _ADAPTER = "default"  # PEFT's name for the one adapter a model gets
 _PEFT_PREFIX = "base_model.model."
@@ -86,17 +86,6 @@ def _shape(p: nn.Parameter) -> tuple[int, ...]:
     return tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the full shape here
 
 
-@contextlib.contextmanager
-def _gathered_params(params: list[nn.Parameter], zero_stage: int) -> Iterator[None]:
-    if zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params):
-            yield
-    else:
-        yield
-
-
 class MergedLoraWeights:
     """The policy as full weights under the base's names: adapted layers merged on the fly."""
 
@@ -135,7 +124,7 @@ class MergedLoraWeights:
                 params += [layer.weight, layer.lora_a, layer.lora_b]
             else:
                 params.append(self._plain[n])
-        with _gathered_params(params, self.zero_stage):
+        with gathered_parameters(params, self.zero_stage):
             # Merged on access: a rank that only takes part in the gather (ZeRO-3) computes nothing.
             yield _MergedOnAccess({n: self._layers.get(n) for n in names}, self._plain)
 

@@ -39,10 +39,18 @@ class ModuleWeightSource:
         `modifier_rank`: under ZeRO-3, the rank whose in-place changes are kept (None: read only).
         """
         params = [self._params[n] for n in names]
-        if self.zero_stage == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
-                yield {n: p.data for n, p in zip(names, params)}
-        else:
+        with gathered_parameters(params, self.zero_stage, modifier_rank):
             yield {n: p.data for n, p in zip(names, params)}
+
+
+@contextlib.contextmanager
+def gathered_parameters(params: list[nn.Parameter], zero_stage: int, modifier_rank: int | None = None) -> Iterator[None]:
+    """`params` whole for the duration of the block: all-gathered under ZeRO-3 (collective: every
+    rank enters), as they are otherwise. `modifier_rank` as `ModuleWeightSource.gathered` takes it."""
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+            yield
+    else:
+        yield

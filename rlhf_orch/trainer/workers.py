@@ -221,15 +221,17 @@ class _Worker(ExperienceInbox):
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """Every weight of the role's model, on CPU: rank 0 returns them, other ranks None (every
         rank calls: under ZeRO-3 the gather is collective)."""
-        source = self.checkpoint_weights
-        with source.gathered([m.name for m in source.metas()]) as full:
-            return {n: t.detach().to("cpu", copy=True) for n, t in full.items()} if self.rank == 0 else None
+        return self._on_cpu(self.checkpoint_weights)
 
     @torch.no_grad()
     def adapter_weights(self) -> dict[str, torch.Tensor] | None:
         """The policy's LoRA adapters (model.lora) on CPU under PEFT's names: rank 0 returns them,
         other ranks None (every rank calls: under ZeRO-3 the gather is collective)."""
-        with self.adapter.gathered([m.name for m in self.adapter.metas()]) as tensors:
+        return self._on_cpu(self.adapter)
+
+    def _on_cpu(self, source) -> dict[str, torch.Tensor] | None:
+        """Every tensor of a weight view, copied to CPU on rank 0 (None on the others, which gather too)."""
+        with source.gathered([m.name for m in source.metas()]) as tensors:
             return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()} if self.rank == 0 else None
 
     # ---------------------------------------------------------------- checkpoints
@@ -304,9 +306,8 @@ class PolicyWorker(_Worker):
             self._lora_views = {"adapter": self.adapter, "merged": self.checkpoint_weights}
             # (auto: merged until the engines say what they take, `use_lora_sync`)
             self.weights = self._lora_views.get(lora.sync, self.checkpoint_weights)
-        if lora is not None:
             self.reference = None  # the frozen base under the adapters is the reference (`frozen_base`)
-        elif self.spec.host_reference and getattr(self, "reference", None) is None:
+        if lora is None and self.spec.host_reference and getattr(self, "reference", None) is None:
             # The frozen initial policy, as a ReferenceWorker would load it (a rebuild keeps it:
             # it never changes); not sharded by ZeRO, like the reference process's copy.
             self.reference = _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
