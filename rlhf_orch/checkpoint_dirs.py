@@ -38,6 +38,11 @@ _PREFIX = "step_"
 _TMP = ".tmp-"
 
 
+# resume=run_dir: this run's own directory (hydra.run.dir, set by the caller: a requeued Slurm job)
+# -- its newest checkpoint, or a fresh start there when it has none yet.
+OWN_RUN_DIR = "run_dir"
+
+
 class ResumeError(ValueError):
     """`resume=` cannot be honoured (nothing to resume, a config change breaks the checkpoint)."""
 
@@ -171,7 +176,7 @@ def run_dir_of(resume: Optional[str], default: str, experiment_name: Optional[st
     Registered as the `rlhf_run_dir` resolver of `hydra.run.dir`; anything unresolvable falls back to
     `default` and `find_checkpoint` reports it properly once the app runs.
     """
-    if not resume:
+    if not resume or resume == OWN_RUN_DIR:
         return default
     try:
         root = Path(default).parent if resume == "auto" else Path(resume)

@@ -205,3 +205,47 @@ def test_driver_state_loads_data_and_rollouts_only(tmp_path):
     torch.save({"step": 1, "payload": _RunsCodeOnLoad()}, tmp_path / "hostile.pt")
     with pytest.raises(ResumeError, match=r"holds more than data \(it would import posix.system"):
         load_driver_state(tmp_path / "hostile.pt")
+
+
+def test_resume_run_dir_takes_the_run_dir_s_own_checkpoint_or_starts_fresh_there(tmp_path, capsys):
+    """resume=run_dir (a requeued Slurm job, hydra.run.dir fixed per job): the run dir's newest
+    checkpoint -- never another job's of the same experiment, even a newer one (what resume=auto
+    would take) -- or, when the first attempt made none, a fresh start in it."""
+    from omegaconf import OmegaConf
+
+    from rlhf_orch.orchestration.session import load_resume_point
+    from tests.conftest import compose_config
+
+    experiment = tmp_path / "outputs" / "quick"
+    mine, other = experiment / "slurm-101", experiment / "slurm-102"
+    cfg = compose_config(["experiment=quick", "algo.num_steps=10", "resume=run_dir", f"hydra.run.dir={mine}"])
+    typed = OmegaConf.to_object(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    class Task:  # the data sampler's position is all load_resume_point touches
+        drawn = 0
+
+        def state_dict(self) -> dict:
+            return {"drawn": self.drawn}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.drawn = state["drawn"]
+
+    task = Task()
+
+    mine.mkdir(parents=True)
+    assert load_resume_point(typed, mine, config, task) is None  # no checkpoint yet: fresh
+    assert "resume=run_dir: no complete checkpoint of" in capsys.readouterr().out
+
+    def commit(run_dir: Path, step: int) -> Path:
+        tmp = CheckpointStore(run_dir / "checkpoints", 3).begin(step)
+        torch.save({"step": step, "config": config, "metrics": [], "data": {"drawn": step}, "rng": rng_state(),
+                    "weight_version": step}, tmp / DRIVER_STATE)
+        return CheckpointStore(run_dir / "checkpoints", 3).commit(tmp, step, {"run_dir": str(run_dir), "experiment_name": "quick"})
+
+    ours = commit(mine, 3)
+    time.sleep(0.01)
+    commit(other, 5)  # another job of the same experiment, written later
+    assert find_checkpoint("auto", experiment, None, "quick").step == 5
+    assert run_dir_of("run_dir", str(mine)) == str(mine)
+    resumed = load_resume_point(typed, mine, config, task)
+    assert resumed is not None and resumed.info.path == ours and resumed.step == 3 and task.drawn == 3

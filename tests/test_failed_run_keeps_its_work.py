@@ -282,6 +282,39 @@ def test_a_generation_making_tokens_is_never_timed_out_and_a_stuck_engine_is_fou
     assert all_resources_free()
 
 
+# slow (~60 s): two generations several sync timeouts long.
+@pytest.mark.extended
+@pytest.mark.slow
+def test_with_partial_rollout_false_a_push_waits_for_a_generation_longer_than_the_sync_timeout(tmp_path, capsys):
+    """pipeline=async, max_staleness=1, partial_rollout=false, sync.timeout_s=6. After step 1 every
+    engine step takes 1 s longer: the rollout generated ahead (16 tokens per response: ~17 s) is
+    still in flight when the trainers push the next version. The engines finish its requests with
+    the weights they started with before taking the update; the driver waits for that by their
+    progress, so the push (bounded by sync.timeout_s) never waits behind it: the run completes with
+    no restart and no sequence interrupted. (Before, the trainers' push gave up after 6 s.)"""
+    slowed = []
+
+    def slow_engine(step: int, loop) -> None:
+        if step == 1 and not slowed:
+            slowed.append(step)
+            ray.get(loop.actors.engines[0].__ray_call__.remote(_slow_engine_steps, 1.0))
+
+    run_dir = tmp_path / "run"
+    try:
+        summary = _train(run_dir, "algo.num_steps=3", "pipeline=async", "pipeline.max_staleness=1", "pipeline.partial_rollout=false",
+                         "algo.decoupled_is_cap=5", "fault.step_timeout_s=6", "sync.timeout_s=6", "reward.timeout_s=4",
+                         "algo.min_response_len=16", callbacks=[slow_engine])
+    finally:
+        warm_actors.release()  # the slowed engine is never kept for another test's run
+    assert slowed == [1]
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 0
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["rollout/interrupted"] == 0 for r in rows)
+    assert max(r["time/update_wait"] for r in rows[1:]) > 6  # waited longer than sync.timeout_s for the requests
+    assert "restarting" not in capsys.readouterr().out
+    assert all_resources_free()
+
+
 # slow (~10 s): one more run beside the module's uninterrupted one.
 @pytest.mark.extended
 @pytest.mark.slow

@@ -879,7 +879,9 @@ class RootConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
-    # Continue a run: a run dir, a checkpoint dir, or "auto" (the latest checkpoint of this experiment_name).
+    # Continue a run: a run dir, a checkpoint dir, "auto" (the latest checkpoint of this
+    # experiment_name) or "run_dir" (the run's own hydra.run.dir: its newest checkpoint, or a fresh
+    # start there if it has none -- what a requeued Slurm job runs with).
     resume: Optional[str] = None
     # The one seed of a run: the engines' sampling (per step and engine), the data order (data.seed)
     # and the trainers' RNG (trainer.seed) follow it; set those two to pin one part alone.

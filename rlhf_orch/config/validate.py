@@ -47,6 +47,7 @@ from rlhf_orch.config.schema import (
     SplitPlacementConfig,
     TinyModelConfig,
 )
+from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR
 from rlhf_orch.config.problems import ConfigError, Problem
 from rlhf_orch.config.ranges import is_int, is_real, lookup, range_problems
 from rlhf_orch.models.lora import LoraSettings
@@ -744,9 +745,10 @@ def _default_logical_cpus() -> Optional[int]:
 def _paths(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     problems = []
     resume = lookup(cfg, "resume")
-    if isinstance(resume, str) and resume != "auto" and not Path(resume).expanduser().exists():
+    if isinstance(resume, str) and resume not in ("auto", OWN_RUN_DIR) and not Path(resume).expanduser().exists():
         problems.append(Problem("resume", resume, "no such run or checkpoint directory; give an existing one, "
-                                "'auto' (the latest checkpoint of this experiment_name) or null"))
+                                f"'auto' (the latest checkpoint of this experiment_name), '{OWN_RUN_DIR}' (this run's own "
+                                "hydra.run.dir, if it has a checkpoint) or null"))
     ckpt = lookup(cfg, "checkpoint.dir")
     if isinstance(ckpt, str) and ckpt.strip() and Path(ckpt).expanduser().exists() and not Path(ckpt).expanduser().is_dir():
         problems.append(Problem("checkpoint.dir", ckpt, "is a file, not a directory; give a directory shared by every "

@@ -434,6 +434,13 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         report["wire_wait_s"] = max(w["wait_s"] for w in per_worker)
         return report
 
+    def close_for_update(self) -> None:
+        """(pipeline.partial_rollout=false, before a weight push.) No new request starts; returns
+        once the requests in flight finished with the weights they started with. The driver waits
+        for it by the engine's progress (`Route.on_engines`), so the push that follows -- bounded by
+        sync.timeout_s on the trainers' side -- never waits behind a long generation."""
+        self._finish_in_flight()
+
     def begin_update(self, buckets: list[Bucket] | None = None) -> None:
         self._finish_in_flight()
         with self._cond:

@@ -327,17 +327,24 @@ class TrainLoop:
             self._get([e.sleep.remote() for e in self.actors.engines], "putting the engines to sleep", engine_call=True)
 
     def sync_engines(self, timings: dict[str, float]) -> None:
-        """Push the trainers' weights to every engine if the engines are behind (timed as `sync`)."""
+        """Push the trainers' weights to every engine if the engines are behind (timed as `sync`;
+        the wait for the requests in flight before it, pipeline.partial_rollout=false, as `update_wait`)."""
         with self._pushing:
             if self.version == self.trained:
                 return
             t = time.perf_counter()
-            self._push(self.trained)
-            timings["sync"] = time.perf_counter() - t
+            waited = self._push(self.trained)
+            timings["sync"] = time.perf_counter() - t - waited
+            if self.pipeline.finishes_requests_before_update:
+                timings["update_wait"] = waited
 
-    def _push(self, version: int) -> None:
+    def _push(self, version: int) -> float:
+        """Push `version` to every engine (engines lost meanwhile replaced, `_replace_after_sync`);
+        the seconds spent letting the requests in flight finish first."""
         with self._pushing:
+            waited = 0.0
             try:
+                waited = self._let_requests_finish(version)
                 self.last_sync = self.sync.push(version)
                 self.sync.verify(version)
             except WeightSyncError:
@@ -346,6 +353,22 @@ class TrainLoop:
                     raise  # every engine answers: not a lost process (a bug, a timeout elsewhere)
                 self._replace_after_sync(lost, version)
             self.version = version
+            return waited
+
+    def _let_requests_finish(self, version: int) -> float:
+        """pipeline.partial_rollout=false: the engines stop taking requests and finish the ones in
+        flight before the push (waited for by their progress, however long the generation), so the
+        push itself -- bounded by sync.timeout_s -- starts only when every engine can take it."""
+        if not self.pipeline.finishes_requests_before_update:
+            return 0.0
+        t = time.perf_counter()
+        route = self.route()
+        what = f"letting the requests in flight finish before weight version {version} (pipeline.partial_rollout=false)"
+        try:
+            route.on_engines(lambda e, engine: engine.close_for_update.remote(), range(len(route.engines)), what)
+        except ActorDiedError as e:  # (the push's failure path finds the lost engines)
+            raise WeightSyncError(one_line(e)) from e
+        return time.perf_counter() - t
 
     def _replace_after_sync(self, lost: list[int], version: int) -> None:
         """Engines lost while receiving weights: new ones in their bundles, every weight group
@@ -424,6 +447,16 @@ class TrainLoop:
         # During a one-step-off overlap the trainers may be training: wait, so the replacement
         # (and every other engine, the group being re-formed) gets whole, labelled weights.
         with self._training, self._pushing:
+            if self.trained != self.version and self.pipeline.one_version_per_rollout:
+                # one_step_off: the rollout was drawn with the engines' version while the trainers
+                # made the next one; that version is gone from the trainers, and a share drawn with
+                # newer weights would not be the run's. The checkpoint carried the rollout ahead:
+                # a restart from it repeats the uninterrupted run (ActorDiedError is a lost process).
+                raise EngineDiedError(
+                    f"vLLM engine {e} died making step {step}'s rollout while the trainers updated: the weights it drew with "
+                    f"(v{self.version}) are gone from the trainers (now v{self.trained}), so a replacement would draw its "
+                    "share with other weights than the rest of the rollout"
+                )
             engine = self.actors.restart_engine(e)
             self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)
             self._push(self.trained)

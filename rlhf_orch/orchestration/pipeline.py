@@ -73,6 +73,12 @@ class RolloutPipeline:
     sleeps_engines: ClassVar[bool] = True
     # Rollouts an engine generates at once (its Ray max_concurrency; > 1: continuous batching across them).
     rollouts_at_once: int = 1
+    # Every sample of a rollout is drawn by one weight version (the loop's exactness under faults:
+    # an engine replaced mid-rollout must get that version, or the run restarts from its checkpoint).
+    one_version_per_rollout: ClassVar[bool] = True
+    # A weight update waits until the requests in flight finish (the engines hold it back; the
+    # driver waits for that before it pushes: `TrainLoop._push`).
+    finishes_requests_before_update: bool = False
 
     def rollout(self, loop: PipelineHost, step: int, timings: dict[str, float]) -> Delivery:
         """Step `step`'s rollout, staged on the trainer ranks."""
@@ -237,12 +243,14 @@ class AsyncPipeline(RolloutPipeline):
     needs_held_rollouts: ClassVar[bool] = True
     engines_awake_in_training: ClassVar[bool] = True  # never idle (engines_idle does nothing), never asleep
     sleeps_engines: ClassVar[bool] = False
+    one_version_per_rollout: ClassVar[bool] = False  # each new version reaches the rollouts in flight
 
     def __init__(self, max_staleness: int = 1, partial_rollout: bool = True) -> None:
         if max_staleness < 0:
             raise ValueError(f"pipeline.max_staleness={max_staleness} must be >= 0")
         self.max_staleness = max_staleness  # the class's bound for this instance (the loop reads it)
         self.partial_rollout = partial_rollout
+        self.finishes_requests_before_update = not partial_rollout
         self.rollouts_at_once = max_staleness + 1
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_staleness + 1, thread_name_prefix="rollout")
         self._in_flight: dict[int, concurrent.futures.Future] = {}  # step -> its generation

@@ -22,7 +22,7 @@ from rlhf_orch.one_line import named
 from rlhf_orch.orchestration import warm_actors
 from rlhf_orch.orchestration.actors import ActorStartError, RoleActors, StartupStopped, lost_processes, start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
-from rlhf_orch.checkpoint_dirs import ResumeError
+from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR, ResumeError, find_checkpoint
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
 from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
 from rlhf_orch.orchestration.loop import ActorDiedError, ActorTimeoutError, EngineRestartBudgetError, LoopSettings, TrainLoop, non_finite
@@ -107,7 +107,7 @@ def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipelin
         enable_prefix_caching=typed.engine.enable_prefix_caching and rollouts_at_once == 1,
         enforce_eager=typed.engine.enforce_eager,
         max_concurrency=rollouts_at_once,
-        finish_before_update=not getattr(pipeline, "partial_rollout", True),
+        finish_before_update=getattr(pipeline, "finishes_requests_before_update", False),
         lora=lora,
     )
 
@@ -137,7 +137,16 @@ def load_resume_point(typed: RootConfig, run_dir: Path, config_dict: dict, task:
     if not typed.resume:
         return None
     ck = typed.checkpoint
-    resume = load_resume(typed.resume, run_dir.parent, ck.dir, config_dict, typed.algo.num_steps, typed.experiment_name)
+    wanted = typed.resume
+    if wanted == OWN_RUN_DIR:  # (a requeued Slurm job: its own run dir, never another job's)
+        try:
+            find_checkpoint(str(run_dir), run_dir.parent, ck.dir)
+        except ResumeError:
+            print(f"resume={OWN_RUN_DIR}: no complete checkpoint of {run_dir} yet: starting fresh there "
+                  "(the records of an earlier attempt stay in metrics.jsonl, marked superseded)", flush=True)
+            return None
+        wanted = str(run_dir)
+    resume = load_resume(wanted, run_dir.parent, ck.dir, config_dict, typed.algo.num_steps, typed.experiment_name)
     task.load_state_dict(resume.state["data"])
     set_rng_state(resume.state["rng"])
     which = f" (resume=auto: the newest checkpoint of experiment {typed.experiment_name!r})" if typed.resume == "auto" else ""

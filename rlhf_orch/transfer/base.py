@@ -164,6 +164,7 @@ class Route:
                 results[e] = ray.get(ref)
             except ray.exceptions.RayActorError:
                 if self.replace_engine is None:
+                    self.get([ref], what, engine_call=True)  # the loop's one-line error for it (EngineDiedError)
                     raise
                 self.engines[e] = self.replace_engine(e, dead=self.engines[e])
                 pending[submit(e, self.engines[e])] = e
