@@ -256,3 +256,33 @@ def test_layout_with_engines_matches_the_plain_layout_sample_for_sample():
     for shards in (PackedTransfer(token_budget=150).layout(samples, 2, 4, 0, held_by_engine=held),):
         back = sorted((s.index, s.response_ids.tolist()) for shard in shards for mb in shard for s in mb.to_samples() if s.index >= 0)
         assert back == sorted((s.index, torch.as_tensor(s.response_ids).tolist()) for s in samples)
+
+
+class _UpdatedMidway(SyntheticEngine):
+    """pipeline=async: every sequence started with v3; an update to v4 reached the odd ones while
+    they generated (the engine holds v4 when the rollout is made up)."""
+
+    def _complete(self, requests, job):
+        self.weight_version = 4
+        for done in super()._complete(requests, job):
+            for c in done:
+                c.weight_version, c.interrupted = 3, bool(c.index % 2)
+                c.token_version_mean = 3.5 if c.interrupted else 3.0
+            yield done
+
+
+def test_every_transfer_labels_a_sample_with_the_version_it_started_with_and_counts_the_interrupted(tmp_path):
+    """The padded and micro-batched paths (samples made up on the engine, `rollout_meta`) label
+    each sample as the packed one does: the version that drew its first token, not the engine's
+    version when the rollout was made up; interrupted sequences and per-token versions counted."""
+    from rlhf_orch.transfer.engine_side import rollout_meta
+
+    prompt_ids = synthetic_prompts(PROMPTS, 40, 100)
+    requests, job = whole_prompt_requests(range(PROMPTS), SPP), _job(range(PROMPTS), prompt_ids)
+    samples, _ = _UpdatedMidway(LengthModel(mean=25, max_len=70), vocab_size=100).produce_samples(requests, job)
+    padded = rollout_meta(samples)
+    packed = _UpdatedMidway(LengthModel(mean=25, max_len=70), vocab_size=100).produce_and_hold(requests, job)
+    n = PROMPTS * SPP
+    for meta in (padded, packed):
+        assert meta.weight_versions == [3] * n and meta.interrupted == n // 2
+        assert meta.token_version_means == [3.5 if i % 2 else 3.0 for i in range(n)]

@@ -174,6 +174,8 @@ def rollout_meta(
         reward_timeouts=scored.timeouts if scored else 0,
         truncated=[s.truncated for s in samples],
         weight_versions=[int(s.weight_version) for s in samples],
+        interrupted=sum(s.interrupted for s in samples),
+        token_version_means=[float(s.weight_version) if s.token_version_mean is None else s.token_version_mean for s in samples],
         env_stats=env_stats,
         env_metrics=[m for m in env_metrics if m],
         model_token_lens=[model_tokens(s.response_ids, s.fields) for s in samples],
@@ -208,10 +210,14 @@ class RolloutProducer(abc.ABC):
                 response_ids=torch.as_tensor(c.response_ids, dtype=torch.long),
                 reward=float("nan"),  # scored below, or elsewhere (the padded baseline's driver)
                 engine_logprobs=torch.as_tensor(c.logprobs, dtype=torch.float32),
-                weight_version=self.weight_version,
+                # the version it started with: an update while it generated (pipeline=async) made
+                # only its later tokens with the engine's version now
+                weight_version=self.weight_version if c.weight_version is None else c.weight_version,
                 index=c.index,
                 fields=c.fields,
                 truncated=c.truncated,
+                interrupted=c.interrupted,
+                token_version_mean=c.token_version_mean,
             )
             for c in completions
         ]
