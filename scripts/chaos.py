@@ -183,13 +183,10 @@ def _train(overrides: list[str], run_dir: Path, callbacks=()) -> tuple[list[dict
     return rows, summary, wall
 
 
-def _rerun(fault: Fault, every: int) -> int:
-    """Steps trained twice because of `fault`: a restart goes back to the last checkpoint (an
-    evaluation fault loses its own step too, trained before the evaluation); an engine replaced in
-    place costs no step."""
-    last_checkpoint = (fault.step - 1) // every * every
-    lost_steps = fault.step - 1 - last_checkpoint
-    return {"evaluation": fault.step - last_checkpoint, "trainer": lost_steps, "update": lost_steps}.get(fault.kind, 0)
+def _steps_rerun(run_dir: Path) -> int:
+    """Steps trained twice, as the run recorded them: each record of metrics.jsonl a restart went
+    back past (marked superseded, kept) is a step trained again."""
+    return len(read_metrics(run_dir, include_superseded=True)) - len(read_metrics(run_dir))
 
 
 def _curve_gap(rows: list[dict], reference: list[dict]) -> float:
@@ -243,6 +240,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work, LocalRayLauncher(logical_gpus=8, reuse_session=True).session():
         clean, _, clean_wall = _train(overrides, Path(work) / "undisturbed")
         chaos, summary, chaos_wall = _train(overrides, Path(work) / "chaos", callbacks=[Injector(faults)])
+        steps_rerun = _steps_rerun(Path(work) / "chaos")
         other = _train([*overrides, "seed=1"], Path(work) / "seed1")[0] if args.seed_spread or not exact else None
     completed = [r["step"] for r in chaos] == list(range(1, args.steps + 1))
     once = completed and all(r["rollout/samples"] == per_step for r in chaos)  # (the loop refuses anything else)
@@ -274,7 +272,7 @@ def main() -> int:
         "passed": passed,
         "engine_restarts": chaos[-1]["fault/engine_restarts"],
         "trainer_restarts": summary["trainer_restarts"],
-        "steps_rerun": sum(_rerun(f, args.checkpoint_every) for f in faults),
+        "steps_rerun": steps_rerun,
         "wall_s_undisturbed": round(clean_wall, 1),
         "wall_s_chaos": round(chaos_wall, 1),
         "chaos_vs_undisturbed": round(chaos_wall / clean_wall, 2),

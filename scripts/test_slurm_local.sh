@@ -6,7 +6,10 @@
 #      and waits until the node is idle;
 #   2. submits launchers/slurm/ray_cluster.sbatch with the quick experiment and checks the job's exit
 #      code, metrics.jsonl (2 steps) and summary.json (completed);
-#   3. runs a 2-job sweep through `hydra/launcher=submitit_slurm` and checks both Slurm jobs and the
+#   3. submits it again with --requeue, requeues the job once it wrote a checkpoint (a newer decoy
+#      checkpoint of the same experiment planted beside it) and checks the second attempt resumed
+#      the job's own run (resume=run_dir) and completed it;
+#   4. runs a 2-job sweep through `hydra/launcher=submitit_slurm` and checks both Slurm jobs and the
 #      sweep's summary.csv (two completed rows).
 #
 #   sudo bash scripts/test_slurm_local.sh            # all of it
@@ -22,7 +25,7 @@ set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${RLHF_ORCH_PYTHON:-$REPO/.venv/bin/python}
-PARTS=${PARTS:-setup sbatch sweep}
+PARTS=${PARTS:-setup sbatch requeue sweep}
 NCPUS=$(nproc)
 RAY_NUM_CPUS=${RAY_NUM_CPUS:-$((NCPUS > 16 ? NCPUS : 16))}
 JOB_TIMEOUT_S=${JOB_TIMEOUT_S:-1500}
@@ -277,6 +280,59 @@ part_sbatch() {
     pass "ray_cluster.sbatch: job $job COMPLETED, ExitCode 0:0, 2 steps, summary completed (${wall} s)"
 }
 
+part_requeue() {
+    # A job requeued mid-run continues its own run: the template gives the job one run dir
+    # (outputs/<experiment>/slurm-<id>) and the requeued attempt resume=run_dir. A decoy -- a newer
+    # checkpoint of the same experiment in another run dir, what resume=auto would take -- is
+    # planted before the requeue; the second attempt must resume the job's own checkpoint.
+    local out="$WORK_DIR/slurm-requeue-%j.out" job run_dir decoy ck state exit_code t0 wall deadline
+    t0=$SECONDS
+    job=$(sbatch --parsable --partition="$PARTITION" --nodes=1 --gpus-per-node=0 --cpus-per-task="$NCPUS" \
+        --exclusive --time=00:20:00 --output="$out" --chdir="$REPO" --requeue --open-mode=append \
+        --export="ALL,RLHF_ORCH_PYTHON=$PYTHON,RLHF_ORCH_REPO=$REPO,RAY_NUM_CPUS=$RAY_NUM_CPUS" \
+        "$REPO/launchers/slurm/ray_cluster.sbatch" \
+        experiment=quick placement=cpu_local algo.num_steps=60 checkpoint.every_n_steps=10 \
+        checkpoint.export_final=false) || fail "sbatch refused the template"
+    job=${job%%;*}
+    out=${out//%j/$job}
+    run_dir="$REPO/outputs/quick/slurm-$job"
+    decoy="$REPO/outputs/quick/slurm-decoy-$job"
+    log "submitted job $job (run dir $run_dir, output $out): waiting for its first checkpoint"
+    deadline=$((SECONDS + JOB_TIMEOUT_S))
+    ck="$run_dir/checkpoints/step_00000010"
+    until [[ -f $ck/manifest.json ]]; do
+        ((SECONDS < deadline)) || { cat "$out"; fail "job $job wrote no checkpoint of step 10"; }
+        sleep 2
+    done
+    # The decoy: that checkpoint copied into another run dir of the experiment, claiming to be a
+    # later step written later (resume=auto would take it).
+    mkdir -p "$decoy/checkpoints"
+    cp -r "$ck" "$decoy/checkpoints/step_00000050"
+    "$PYTHON" - "$decoy/checkpoints/step_00000050/manifest.json" "$decoy" <<'PY'
+import json, sys, time
+path, run_dir = sys.argv[1], sys.argv[2]
+manifest = json.load(open(path))
+manifest.update(step=50, run_dir=run_dir, written_at=time.time() + 3600)
+json.dump(manifest, open(path, "w"))
+PY
+    log "requeueing job $job (a decoy checkpoint of step 50 planted in $decoy)"
+    scontrol requeue "$job" || fail "scontrol requeue $job"
+    sleep 5
+    state=$(wait_job "$job" "$JOB_TIMEOUT_S")
+    wall=$((SECONDS - t0))
+    exit_code=$(job_field "$job" ExitCode)
+    log "job $job: $state, ExitCode=$exit_code, restarts $(job_field "$job" Restarts), ${wall} s from submission to end"
+    if [[ $state != COMPLETED || $exit_code != 0:0 ]] || ! check_run_dir "$run_dir" 60 \
+        || ! grep -q "resuming from step [0-9]*: .*outputs/quick/slurm-$job/checkpoints/" "$out" || grep -q "resuming from step 50" "$out"; then
+        echo "---- $out"
+        cat "$out" 2>/dev/null || echo "(no output file)"
+        fail "requeued job $job did not continue its own run"
+    fi
+    grep "resuming from step" "$out"
+    rm -rf "$run_dir" "$decoy"
+    pass "requeued ray_cluster.sbatch job $job resumed its own checkpoint (not the newer decoy), 60 steps, completed (${wall} s)"
+}
+
 part_sweep() {
     local sweep_dir="$WORK_DIR/sweep_kl_coef" t0 wall rc ids id state exit_code bad=0
     rm -rf "$sweep_dir"
@@ -329,6 +385,9 @@ if want setup; then
 fi
 if want sbatch; then
     part_sbatch
+fi
+if want requeue; then
+    part_requeue
 fi
 if want sweep; then
     part_sweep

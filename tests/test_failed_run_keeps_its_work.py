@@ -282,6 +282,52 @@ def test_a_generation_making_tokens_is_never_timed_out_and_a_stuck_engine_is_fou
     assert all_resources_free()
 
 
+def _slow_greedy_steps(engine, seconds: float) -> None:
+    """(Inside an engine actor.) Every vLLM engine step of a greedy generation (the evaluation's:
+    training samples at temperature 1) takes `seconds` longer."""
+    complete, step = engine._complete, engine.llm.llm_engine.step
+    greedy = []
+
+    def completing(requests, job):
+        greedy.append(job.temperature == 0.0)
+        try:
+            yield from complete(requests, job)
+        finally:
+            greedy.pop()
+
+    def slow():
+        if greedy and greedy[-1]:
+            time.sleep(seconds)
+        return step()
+
+    engine._complete, engine.llm.llm_engine.step = completing, slow
+
+
+# slow (~40 s): an evaluation several step timeouts long.
+@pytest.mark.extended
+@pytest.mark.slow
+def test_an_evaluation_making_tokens_is_never_timed_out(tmp_path, capsys):
+    """fault.step_timeout_s=4 and every engine step of the evaluation 2 s longer: the held-out
+    evaluation after step 2 takes several timeouts, making engine steps all along -- waited for
+    by its progress like a training rollout, no restart. (Before, one wall-clock window: the
+    evaluation was a hung engine and every role restarted, again and again.)"""
+    def slow_evaluations(step: int, loop) -> None:
+        if step == 1:
+            ray.get(loop.actors.engines[0].__ray_call__.remote(_slow_greedy_steps, 2.0))
+
+    run_dir = tmp_path / "run"
+    try:
+        summary = _train(run_dir, "fault.step_timeout_s=4", "sync.timeout_s=4", "reward.timeout_s=2", "eval.every_n_steps=2", "eval.num_prompts=4",
+                         callbacks=[slow_evaluations])
+    finally:
+        warm_actors.release()  # the slowed engine is never kept for another test's run
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 0
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[1]["time/eval"] > 6  # 1.5 step timeouts and more (~8 s)
+    assert "restarting" not in capsys.readouterr().out
+    assert all_resources_free()
+
+
 # slow (~60 s): two generations several sync timeouts long.
 @pytest.mark.extended
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, TrainerSpec
-from rlhf_orch.transfer.base import has_method
+from rlhf_orch.transfer.base import ask_progress, read_progress
 
 # Environment every actor of a run gets: tokenizers threads fight the trainer's on small boxes.
 _ACTOR_ENV = {
@@ -158,20 +158,16 @@ def lost_processes(actors: Sequence[Any], timeout_s: float) -> list[int]:
     starts; one that missed `ping` is asked again after it and counts as busy, not lost, if its
     count moved. Stuck in a broadcast or a hung call, its count stands; an actor without a count (a
     trainer) that misses `ping` is lost. At most `timeout_s` + `PROGRESS_ANSWER_S`."""
-    first_looks = {k: actor.progress.remote() for k, actor in enumerate(actors) if has_method(actor, "progress")}
+    first_looks = ask_progress(dict(enumerate(actors)))
     silent = not_answering(actors, timeout_s)
-    second_looks = {k: actors[k].progress.remote() for k in silent if k in first_looks}
+    second_looks = ask_progress({k: actors[k] for k in silent if k in first_looks})
     if not second_looks:
         return silent
-    refs = [first_looks[k] for k in second_looks] + list(second_looks.values())
-    ray.wait(refs, num_returns=len(refs), timeout=PROGRESS_ANSWER_S)
-    busy = set()
-    for k, second in second_looks.items():
-        try:
-            if ray.get(second, timeout=0) > ray.get(first_looks[k], timeout=0):
-                busy.add(k)
-        except (ray.exceptions.RayError, TimeoutError):
-            pass  # dead since, or not even its monitor thread answers: lost
+    # (one wait for both looks; a look not answered -- dead since, or not even its monitor thread
+    # answers -- leaves the engine lost)
+    counts = read_progress({**{(k, 0): first_looks[k] for k in second_looks}, **{(k, 1): ref for k, ref in second_looks.items()}},
+                           PROGRESS_ANSWER_S)
+    busy = {k for k in second_looks if None not in (counts[k, 0], counts[k, 1]) and counts[k, 1] > counts[k, 0]}
     return [k for k in silent if k not in busy]
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.reward.scoring import RewardSetup
-from rlhf_orch.transfer.base import merge_meta
+from rlhf_orch.transfer.base import Route, merge_meta
 from rlhf_orch.transfer.engine_side import RolloutJob, RolloutMeta
 from rlhf_orch.transfer.plan import pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
 
@@ -74,12 +74,15 @@ class Evaluator:
         n = self.settings.every_n_steps
         return n > 0 and step % n == 0
 
-    def run(self, engines: Sequence[Any], reward_ranks: Sequence[Any]) -> dict[str, float]:
+    def run(self, route: Route, reward_ranks: Sequence[Any]) -> dict[str, float]:
+        """The held-out metrics with the engines' current weights. The engines are waited for by
+        their progress (`Route.on_engines`): an evaluation of long responses that keeps making
+        tokens is never cut by fault.step_timeout_s; a stuck engine is found as in training."""
         s = self.settings
         t = time.perf_counter()
         job_prompts = {i: p for i, p in enumerate(self.prompts)}
-        chunks = [c for c in prompt_chunks(len(self.prompts), len(engines))]
-        used = [(e, c) for e, c in zip(engines, chunks) if len(c)]
+        chunks = [c for c in prompt_chunks(len(self.prompts), len(route.engines))]
+        used = [e for e, c in enumerate(chunks) if len(c)]
 
         def job(chunk) -> RolloutJob:
             return RolloutJob(
@@ -92,27 +95,28 @@ class Evaluator:
                 env=self.env,
             )
 
-        requests = [whole_prompt_requests(c, s.samples_per_prompt) for _, c in used]
-        if self.reward.has_model:
-            meta = self._with_reward_model(used, requests, job, reward_ranks)
-        else:
-            parts = self._get([e.produce_scores.remote(r, job(c)) for (e, c), r in zip(used, requests)], "evaluating", engine_call=True)
-            meta = merge_meta(parts)
+        produce = "produce_and_hold" if self.reward.has_model else "produce_scores"
+        made = route.on_engines(
+            lambda e, engine: getattr(engine, produce).remote(whole_prompt_requests(chunks[e], s.samples_per_prompt), job(chunks[e])),
+            used, "evaluating",
+        )
+        parts = [made[e] for e in used]
+        meta = self._scored_by_reward_model(route, used, parts, reward_ranks) if self.reward.has_model else merge_meta(parts)
         metrics = eval_metrics(self.prompts, meta.trajectories_only().rewards, s.samples_per_prompt, s.pass_threshold)
         metrics["eval/response_mean_len"] = sum(meta.response_lens) / max(len(meta.response_lens), 1)
         metrics["time/eval"] = time.perf_counter() - t
         return metrics
 
-    def _with_reward_model(self, used, requests, job, reward_ranks) -> RolloutMeta:
-        held = self._get([e.produce_and_hold.remote(r, job(c)) for (e, c), r in zip(used, requests)], "evaluating", engine_call=True)
+    def _scored_by_reward_model(self, route: Route, used: list[int], held: list[RolloutMeta], reward_ranks) -> RolloutMeta:
+        """Samples the engines `used` hold (`held`: their metadata), scored by the reward-model ranks."""
         meta = merge_meta(held)
         ranks = len(reward_ranks)
         budget = max(meta.seq_lens) * self.reward.model.micro_batch_size
         plan = plan_packed(meta.indices, meta.seq_lens, budget, ranks)
         cut = pieces_per_engine(plan, [m.indices for m in held])
         pieces = []
-        for (engine, _), members in zip(used, cut):
-            refs = engine.cut_for_ranks.options(num_returns=ranks).remote(members)
+        for e, members in zip(used, cut):
+            refs = route.engines[e].cut_for_ranks.options(num_returns=ranks).remote(members)
             pieces.append([refs] if ranks == 1 else list(refs))
         shard = [_EVAL_SHARD_BASE + r for r in range(ranks)]
         self._get([rm.stage_pieces.remote(shard[r], plan[r], [p[r] for p in pieces]) for r, rm in enumerate(reward_ranks)], "evaluating")

@@ -180,7 +180,7 @@ def evaluate(step: int, evaluator: Evaluator, loop: TrainLoop, actors: Any) -> d
     pipeline = loop.pipeline
     held = pipeline.pending(loop) if evaluator.uses_engine_buffers else pipeline.settle(loop)
     try:
-        return evaluator.run(actors.engines, actors.reward)
+        return evaluator.run(loop.route(), actors.reward)
     finally:
         if evaluator.uses_engine_buffers and held is not None:
             pipeline.restore(loop, held)

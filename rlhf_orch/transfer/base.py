@@ -126,16 +126,8 @@ class Route:
     def _stalled(self, engines: list[int]) -> list[int]:
         """Of `engines`, those with no engine step since the last look (or not answering within
         10 s, or without a step counter); an engine's first look counts as progress."""
-        asks = {e: self.engines[e].progress.remote() for e in engines if has_method(self.engines[e], "progress")}
-        counts: dict[int, int | None] = dict.fromkeys(engines)
-        if asks:
-            done, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=min(10.0, self.timeout_s))
-            for e, ref in asks.items():
-                if ref in done:
-                    try:
-                        counts[e] = ray.get(ref)
-                    except ray.exceptions.RayError:
-                        pass
+        counts = read_progress(ask_progress({e: self.engines[e] for e in engines}), min(10.0, self.timeout_s))
+        counts = {e: counts.get(e) for e in engines}  # (an engine without a step counter: None)
         stalled = [e for e, c in counts.items() if c is None or self._steps_seen.get(e) == (self.engines[e], c)]
         self._steps_seen.update({e: (self.engines[e], c) for e, c in counts.items() if c is not None})
         return stalled
@@ -171,6 +163,27 @@ class Route:
             except ray.exceptions.RayError:
                 self.get([ref], what, engine_call=True)  # the loop's one-line error for it
         return results
+
+
+def ask_progress(engines: dict[Any, Any]) -> dict[Any, ray.ObjectRef]:
+    """Ask every engine (key -> actor) that has a step counter for its engine steps so far
+    (`VLLMEngine.progress`, answered on a thread of its own beside a running generation)."""
+    return {k: engine.progress.remote() for k, engine in engines.items() if has_method(engine, "progress")}
+
+
+def read_progress(asks: dict[Any, ray.ObjectRef], timeout_s: float) -> dict[Any, int | None]:
+    """The answers to `ask_progress` within `timeout_s` (together): None for one that did not
+    answer in time or whose engine died."""
+    counts: dict[Any, int | None] = dict.fromkeys(asks)
+    if asks:
+        done, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=timeout_s)
+        for k, ref in asks.items():
+            if ref in done:
+                try:
+                    counts[k] = ray.get(ref)
+                except ray.exceptions.RayError:
+                    pass
+    return counts
 
 
 def has_method(actor: Any, name: str) -> bool:
