@@ -296,3 +296,30 @@ def test_the_last_finished_step_tells_two_failures_between_steps_apart(tmp_path)
     assert record.last_finished_step() == 4
     record.step_finished(8, loop)
     assert record.last_finished_step() == 8
+
+
+def test_with_partial_rollout_false_an_update_waits_for_the_agent_sessions_in_flight():
+    """env=agent under pipeline.partial_rollout=false: an agent session's model calls reach vLLM
+    through the endpoint (not `_enqueue`), so an update that finishes the requests in flight first
+    must wait for the whole session -- and no session starts while it waits."""
+    import concurrent.futures
+
+    from rlhf_orch.engines.shared_steps import EngineThread, SharedEngineSteps
+
+    steps = SharedEngineSteps()
+    steps.spec, steps._engine_thread = SimpleNamespace(finish_before_update=True), EngineThread()
+    steps._reset_generation_state()
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    steps._agent_session_starts()
+    update = pool.submit(steps._finish_in_flight)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        update.result(timeout=0.3)  # the session is still running
+    second = pool.submit(steps._agent_session_starts)
+    steps._agent_session_ends()
+    update.result(timeout=5)  # the session ended: the update goes
+    with pytest.raises(concurrent.futures.TimeoutError):
+        second.result(timeout=0.3)  # no new session while the update is being made
+    with steps._cond:
+        steps._closed = False  # what _finish_update does
+        steps._cond.notify_all()
+    second.result(timeout=5)

@@ -45,6 +45,7 @@ class SharedEngineSteps:
         self._started_at: dict[str, int] = {}  # request id -> weight version when it was enqueued
         self._interrupted: set[str] = set()  # requests a weight update reached while in flight
         self._env_rollout = threading.Lock()  # one agent rollout at a time (see _complete_env)
+        self._agent_sessions = 0  # agent rollouts started and not ended (an update waits for them: _finish_in_flight)
         self.steps_made = 0  # engine steps made (a plain int: read by the monitor thread, never locked)
 
     def _run(self, fn, *args):
@@ -151,13 +152,28 @@ class SharedEngineSteps:
 
     def _finish_in_flight(self) -> None:
         """Before a weight update (spec.finish_before_update): no new request starts, and the
-        requests in flight finish with the weights they started with."""
+        requests in flight finish with the weights they started with -- an agent session's too
+        (env=agent: its model calls reach vLLM through the endpoint, not `_enqueue`; the update
+        waits for the whole session, and no new one starts)."""
         if not self.spec.finish_before_update or self._engine_thread is None:
             return
         with self._cond:
             self._closed = True
-            while self._started_at:
+            while self._started_at or self._agent_sessions:
                 self._cond.wait()
+
+    def _agent_session_starts(self) -> None:
+        """(A rollout's thread.) An agent rollout begins once no update holds new requests back;
+        counted, so an update that finishes the requests in flight first waits for its end."""
+        with self._cond:
+            while self._updating or self._closed:
+                self._cond.wait()
+            self._agent_sessions += 1
+
+    def _agent_session_ends(self) -> None:
+        with self._cond:
+            self._agent_sessions -= 1
+            self._cond.notify_all()  # an update waiting for the agent sessions may go
 
 
 def mean_version(spans: Any, started: int) -> float:

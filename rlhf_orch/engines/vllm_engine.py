@@ -279,19 +279,24 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
             for item in self._complete_turns(requests, job, seed):
                 yield self._stamped(item, started)
             return
-        with self._env_rollout:
+        self._agent_session_starts()
+        started = self.weight_version  # (an update it waited for is in)
+        try:
+            with self._env_rollout:
 
-            def start():
-                self._weights_present()
-                return self._complete_agents(requests, job, seed)
+                def start():
+                    self._weights_present()
+                    return self._complete_agents(requests, job, seed)
 
-            trajectories = self._run(start)
-            done = object()
-            while True:
-                item = self._run(next, trajectories, done)
-                if item is done:
-                    return
-                yield self._stamped(item, started)
+                trajectories = self._run(start)
+                done = object()
+                while True:
+                    item = self._run(next, trajectories, done)
+                    if item is done:
+                        return
+                    yield self._stamped(item, started)
+        finally:
+            self._agent_session_ends()
 
     def _stamped(self, completions: list[Completion], started: int) -> list[Completion]:
         for c in completions:
