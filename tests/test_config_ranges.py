@@ -123,6 +123,8 @@ MORE_BAD = [
     (["launcher.startup_timeout_s=0"], "launcher.startup_timeout_s=0"),
     (["fault.step_timeout_s=nan"], "fault.step_timeout_s=nan"),
     (["reward.timeout_s=1000"], "reward.timeout_s=1000"),  # beyond the whole step's limit
+    # a tool call makes no engine step: past the step's limit the engine reads as hung
+    (["env=python_tool", "env.allow_weak_sandbox=true", "fault.step_timeout_s=150", "env.tool_timeout_s=40"], "env.tool_timeout_s=40"),
     # fractions
     (["engine.gpu_memory_utilization=0"], "engine.gpu_memory_utilization=0"),
     # sizes and counts

@@ -674,6 +674,15 @@ def _timeouts(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
                 Problem(key, limit, f"one sample's scoring limit exceeds fault.step_timeout_s={step:g}, the longest "
                         "wait without progress (scoring makes no engine step): use less (typical 10)")
             )
+    tool = lookup(cfg, "env.tool_timeout_s")
+    env_class = get_class(cfg.env._target_) if isinstance(getattr(cfg.env, "_target_", None), str) else None
+    if is_real(tool) and hasattr(env_class, "step_wait_s") and env_class.step_wait_s(tool) > step:
+        # While every trajectory on an engine waits in a tool call the engine makes no step: past
+        # fault.step_timeout_s it would be taken for a hung engine and the run restarted.
+        problems.append(
+            Problem("env.tool_timeout_s", tool, f"one environment step may take {env_class.step_wait_s(tool):g}s, more than "
+                    f"fault.step_timeout_s={step:g}, the longest wait without an engine step: use less (or raise fault.step_timeout_s)")
+        )
     return problems
 
 

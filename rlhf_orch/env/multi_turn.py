@@ -176,7 +176,13 @@ class MultiTurnEnv(EnvGroup):
 
     def step_timeout_s(self) -> float:
         """How long one env.step may take before the trajectory ends (counted as env/step_timeouts)."""
-        return self.tool_timeout_s
+        return self.step_wait_s(self.tool_timeout_s)
+
+    @classmethod
+    def step_wait_s(cls, tool_timeout_s: float) -> float:
+        """The longest one env.step may take with `env.tool_timeout_s` (the config check reads it: no
+        engine step is made meanwhile)."""
+        return tool_timeout_s
 
     def option_name(self) -> str:
         return type(self).__name__

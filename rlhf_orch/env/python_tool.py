@@ -154,9 +154,10 @@ class PythonToolEnv(MultiTurnEnv):
         except ValueError as e:
             raise EnvError(f"env: {e}") from e
 
-    def step_timeout_s(self) -> float:
+    @classmethod
+    def step_wait_s(cls, tool_timeout_s: float) -> float:
         # A turn runs up to MAX_CALLS_PER_TURN calls, each within tool_timeout_s (the sandbox kills it).
-        return self.tool_timeout_s * MAX_CALLS_PER_TURN + 5.0
+        return tool_timeout_s * MAX_CALLS_PER_TURN + 5.0
 
     def attach(self, tokenizer: Any) -> None:
         super().attach(tokenizer)
