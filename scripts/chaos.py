@@ -183,10 +183,12 @@ def _train(overrides: list[str], run_dir: Path, callbacks=()) -> tuple[list[dict
     return rows, summary, wall
 
 
-def _steps_rerun(run_dir: Path) -> int:
+def _steps_rerun(run_dir: Path, faults: list[Fault]) -> int:
     """Steps trained twice, as the run recorded them: each record of metrics.jsonl a restart went
-    back past (marked superseded, kept) is a step trained again."""
-    return len(read_metrics(run_dir, include_superseded=True)) - len(read_metrics(run_dir))
+    back past (marked superseded, kept) is a step trained again -- and so is the step of each
+    evaluation fault that fired (trained before its evaluation, logged only after it: never logged)."""
+    superseded = len(read_metrics(run_dir, include_superseded=True)) - len(read_metrics(run_dir))
+    return superseded + sum(f.kind == "evaluation" and f.fired_at is not None for f in faults)
 
 
 def _curve_gap(rows: list[dict], reference: list[dict]) -> float:
@@ -240,7 +242,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work, LocalRayLauncher(logical_gpus=8, reuse_session=True).session():
         clean, _, clean_wall = _train(overrides, Path(work) / "undisturbed")
         chaos, summary, chaos_wall = _train(overrides, Path(work) / "chaos", callbacks=[Injector(faults)])
-        steps_rerun = _steps_rerun(Path(work) / "chaos")
+        steps_rerun = _steps_rerun(Path(work) / "chaos", faults)
         other = _train([*overrides, "seed=1"], Path(work) / "seed1")[0] if args.seed_spread or not exact else None
     completed = [r["step"] for r in chaos] == list(range(1, args.steps + 1))
     once = completed and all(r["rollout/samples"] == per_step for r in chaos)  # (the loop refuses anything else)

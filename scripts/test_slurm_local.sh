@@ -291,7 +291,7 @@ part_requeue() {
         --exclusive --time=00:20:00 --output="$out" --chdir="$REPO" --requeue --open-mode=append \
         --export="ALL,RLHF_ORCH_PYTHON=$PYTHON,RLHF_ORCH_REPO=$REPO,RAY_NUM_CPUS=$RAY_NUM_CPUS" \
         "$REPO/launchers/slurm/ray_cluster.sbatch" \
-        experiment=quick placement=cpu_local algo.num_steps=60 checkpoint.every_n_steps=10 \
+        experiment=quick placement=cpu_local algo.num_steps=100 checkpoint.every_n_steps=10 \
         checkpoint.export_final=false) || fail "sbatch refused the template"
     job=${job%%;*}
     out=${out//%j/$job}
@@ -322,7 +322,7 @@ PY
     wall=$((SECONDS - t0))
     exit_code=$(job_field "$job" ExitCode)
     log "job $job: $state, ExitCode=$exit_code, restarts $(job_field "$job" Restarts), ${wall} s from submission to end"
-    if [[ $state != COMPLETED || $exit_code != 0:0 ]] || ! check_run_dir "$run_dir" 60 \
+    if [[ $state != COMPLETED || $exit_code != 0:0 ]] || ! check_run_dir "$run_dir" 100 \
         || ! grep -q "resuming from step [0-9]*: .*outputs/quick/slurm-$job/checkpoints/" "$out" || grep -q "resuming from step 50" "$out"; then
         echo "---- $out"
         cat "$out" 2>/dev/null || echo "(no output file)"
@@ -330,7 +330,7 @@ PY
     fi
     grep "resuming from step" "$out"
     rm -rf "$run_dir" "$decoy"
-    pass "requeued ray_cluster.sbatch job $job resumed its own checkpoint (not the newer decoy), 60 steps, completed (${wall} s)"
+    pass "requeued ray_cluster.sbatch job $job resumed its own checkpoint (not the newer decoy), 100 steps, completed (${wall} s)"
 }
 
 part_sweep() {

@@ -467,3 +467,11 @@ def test_lora_keys_are_checked_and_do_nothing_at_rank_zero():
         assert key in {p.key for p in err.value.problems}, (overrides, err.value)
     # merged weights restore what sleep level 2 drops
     _check(["model.lora.rank=8", "model.lora.sync=merged", "engine.sleep_level=2", *COLOCATED])
+
+
+def test_a_tool_timeout_whose_step_wait_fits_the_step_timeout_passes():
+    """env.tool_timeout_s=35 under python_tool: one step may take 4 x 35 + 5 = 145 s, within
+    fault.step_timeout_s=150 (40 s would be 165 s: refused, MORE_BAD)."""
+    cfg = _fast_config(["env=python_tool", "env.allow_weak_sandbox=true", "fault.step_timeout_s=150", "env.tool_timeout_s=35"])
+    typed, _ = check(cfg, instantiate(cfg.launcher))
+    assert typed.env.tool_timeout_s == 35

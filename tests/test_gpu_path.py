@@ -235,7 +235,7 @@ def _engine(sleep_level: int):
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.spec = EngineSpec(model_path="x", dtype="float32", max_model_len=8, sleep_level=sleep_level)
     engine.llm, engine.index, engine._asleep, engine._weights_dropped = _FakeLLM(), 0, False, False
-    engine.llm.reset_prefix_cache = lambda: None
+    engine.llm.reset_prefix_cache = lambda reset_running_requests=False: None
     engine.llm.llm_engine = type("Labels", (), {"set_weight_version": lambda self, version: None})()
     engine._start_generation_state(engine.spec)
     return engine

@@ -323,3 +323,25 @@ def test_with_partial_rollout_false_an_update_waits_for_the_agent_sessions_in_fl
         steps._closed = False  # what _finish_update does
         steps._cond.notify_all()
     second.result(timeout=5)
+
+
+def test_an_engine_s_agent_rollout_holds_back_an_update_that_waits_for_the_requests_in_flight():
+    """The engine's agent path (`_complete_env`, env=agent) counts its session: an update under
+    partial_rollout=false waits until the rollout's trajectories are all out, and goes then."""
+    import concurrent.futures
+
+    from rlhf_orch.engines.shared_steps import EngineThread
+    from rlhf_orch.engines.vllm_engine import VLLMEngine
+
+    engine = object.__new__(VLLMEngine)  # no vLLM: the agent session is a stand-in generator
+    engine.spec, engine._engine_thread = SimpleNamespace(finish_before_update=True, seed=0), EngineThread()
+    engine._reset_generation_state()
+    engine.weight_version, engine._weights_present = 0, lambda: None
+    engine._complete_agents = lambda requests, job, seed: iter([[SimpleNamespace(weight_version=None)], [SimpleNamespace(weight_version=None)]])
+    trajectories = engine._complete_env([], SimpleNamespace(env=SimpleNamespace(rollout="agent")))
+    next(trajectories)  # the first trajectory is out, the session goes on
+    update = concurrent.futures.ThreadPoolExecutor(1).submit(engine._finish_in_flight)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        update.result(timeout=0.3)
+    assert len(list(trajectories)) == 1  # the rest of the session
+    update.result(timeout=5)

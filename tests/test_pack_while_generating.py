@@ -272,8 +272,8 @@ class _UpdatedMidway(SyntheticEngine):
 
 
 def test_every_transfer_labels_a_sample_with_the_version_it_started_with_and_counts_the_interrupted(tmp_path):
-    """The padded and micro-batched paths (samples made up on the engine, `rollout_meta`) label
-    each sample as the packed one does: the version that drew its first token, not the engine's
+    """The padded path (samples made up on the engine, `rollout_meta`; micro_batched makes its
+    tickets' metadata the same way, not run here: it needs Ray) labels each sample as the packed one does: the version that drew its first token, not the engine's
     version when the rollout was made up; interrupted sequences and per-token versions counted."""
     from rlhf_orch.transfer.engine_side import rollout_meta
 

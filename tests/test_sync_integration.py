@@ -236,7 +236,9 @@ def _generate_across_an_update(engine, prompt: list[int], recompute: bool):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine.recomputes_in_flight_kv = recompute
+    if not recompute:  # what _finish_update did before: the KV of the requests in flight kept
+        reset = engine.llm.reset_prefix_cache
+        engine.llm.reset_prefix_cache = lambda reset_running_requests=False, **kwargs: reset(False, **kwargs)
     version = engine.weight_version
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, seed=3, detokenize=False)
     outbox: list = []
@@ -252,6 +254,8 @@ def _generate_across_an_update(engine, prompt: list[int], recompute: bool):
     drawn = [lp[t].logprob for lp, t in zip(out.logprobs, tokens)]
     scored = engine.prompt_logprobs([prompt + tokens])[0][len(prompt) - 1:]
     engine._forget(keys)
+    if not recompute:
+        del engine.llm.reset_prefix_cache
     return drawn, scored
 
 

@@ -109,10 +109,6 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
     rollouts generate at once, sharing every engine step (`SharedEngineSteps`).
     """
 
-    # A weight update mid-generation recomputes the KV cache of the requests in flight (class-wide:
-    # a test switches it off to show the difference).
-    recomputes_in_flight_kv = True
-
     def __init__(self, spec: EngineSpec, engine_index: int):
         self._build(spec, engine_index)
 
@@ -499,8 +495,8 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         # publish the version. Requests in flight go on with the new weights (pipeline=async):
         # vLLM preempts them, dropping the keys and values their tokens so far got from the old
         # weights, and recomputes those on their next step (AReaL's recompute) -- every token after
-        # the update is drawn by the new weights alone (`VLLMEngine.recomputes_in_flight_kv`).
-        self.llm.reset_prefix_cache(reset_running_requests=self.recomputes_in_flight_kv)
+        # the update is drawn by the new weights alone.
+        self.llm.reset_prefix_cache(reset_running_requests=True)
         self.weight_version = version
         self.llm.llm_engine.set_weight_version(str(version))
         self._weights_dropped = self._weights_dropped and not loaded  # every sync sends every weight

@@ -165,9 +165,10 @@ def lost_processes(actors: Sequence[Any], timeout_s: float) -> list[int]:
         return silent
     # (one wait for both looks; a look not answered -- dead since, or not even its monitor thread
     # answers -- leaves the engine lost)
-    counts = read_progress({**{(k, 0): first_looks[k] for k in second_looks}, **{(k, 1): ref for k, ref in second_looks.items()}},
+    first, second = "first", "second"
+    counts = read_progress({**{(k, first): first_looks[k] for k in second_looks}, **{(k, second): ref for k, ref in second_looks.items()}},
                            PROGRESS_ANSWER_S)
-    busy = {k for k in second_looks if None not in (counts[k, 0], counts[k, 1]) and counts[k, 1] > counts[k, 0]}
+    busy = {k for k in second_looks if None not in (counts[k, first], counts[k, second]) and counts[k, second] > counts[k, first]}
     return [k for k in silent if k not in busy]
 
 

@@ -438,11 +438,6 @@ class TrainLoop:
 
     def _replace_dead_engine(self, e: int, step: int) -> Any:
         s = self.settings
-        if self.engine_restarts >= s.max_engine_restarts:
-            raise EngineRestartBudgetError(
-                f"vLLM engine {e} died during step {step} and the engine restart budget is used up "
-                f"(fault.max_engine_restarts={s.max_engine_restarts})"
-            )
         t = time.perf_counter()
         # During a one-step-off overlap the trainers may be training: wait, so the replacement
         # (and every other engine, the group being re-formed) gets whole, labelled weights.
@@ -456,6 +451,11 @@ class TrainLoop:
                     f"vLLM engine {e} died making step {step}'s rollout while the trainers updated: the weights it drew with "
                     f"(v{self.version}) are gone from the trainers (now v{self.trained}), so a replacement would draw its "
                     "share with other weights than the rest of the rollout"
+                )
+            if self.engine_restarts >= s.max_engine_restarts:
+                raise EngineRestartBudgetError(
+                    f"vLLM engine {e} died during step {step} and the engine restart budget is used up "
+                    f"(fault.max_engine_restarts={s.max_engine_restarts})"
                 )
             engine = self.actors.restart_engine(e)
             self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)

@@ -42,7 +42,7 @@ class RunRecord:
         # fault.max_engine_restarts stay run-wide (the checkpoint's log knows only the steps before it).
         self.engine_restart_log: dict[int, list[float]] | None = None
         # (resume=run_dir with no checkpoint yet: a fresh start over an earlier attempt's records)
-        self.metrics_file = MetricsFile(run_dir, keep_through_step=resume.step if resume else (0 if typed.resume else None))
+        self.metrics_file = MetricsFile(run_dir, keep_through_step=resume.step if resume else (-1 if typed.resume else None))
         logger.start(str(run_dir), config_dict, typed.experiment_name, resume_id=resume.state.get("logger_run_id") if resume else None)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -81,13 +81,13 @@ class Sample:
     weight_version: int = 0  # policy version the engine generated it with
     index: int = 0  # position in the rollout, so order survives sharding and streaming
     truncated: bool = False  # generation stopped at max_tokens (not carried by the batch layouts)
+    # Further per-response-token values (e.g. a full PPO experience: old/ref logprobs, values,
+    # advantages, returns), one entry per response token; they become `fields[name]` of a batch.
+    fields: dict[str, list[float] | Tensor] = field(default_factory=dict)
     # pipeline=async (not carried by the batch layouts either): a weight update reached it while it
     # generated, and the weight version averaged over its tokens (None: weight_version, its first token's)
     interrupted: bool = False
     token_version_mean: float | None = None
-    # Further per-response-token values (e.g. a full PPO experience: old/ref logprobs, values,
-    # advantages, returns), one entry per response token; they become `fields[name]` of a batch.
-    fields: dict[str, list[float] | Tensor] = field(default_factory=dict)
 
 
 def _as_ids(ids: list[int] | Tensor) -> Tensor:
