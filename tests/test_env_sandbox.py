@@ -310,3 +310,47 @@ def test_a_probe_run_that_times_out_is_retried_and_its_result_probed_again_later
     monkeypatch.setattr(sandbox, "_support", None)
     assert sandbox.sandbox_support() == full and calls == [full, full]  # retried: the uid was not given up
     assert sandbox._probe_timed_out  # so a weaker result would be probed again after _REPROBE_S
+
+
+@HOOK_ON_AND_OFF
+def test_the_code_reads_only_the_system_and_the_interpreter_not_the_checkout_the_home_or_devices(audit_hook):
+    """A minimal read-only tree: a secret planted in the checkout (where the datasets with their
+    ground truth and the run dirs live) and one in the home directory (tokens, caches) are not
+    there; /dev holds the harmless nodes alone (no GPU, disk or /dev/kvm), /run is empty; the
+    interpreter still starts again (its paths are shown)."""
+    _needs(audit_hook, "private_filesystem")
+    secret = _marker()
+    planted = [REPO / f"{secret}.txt", Path.home() / f".{secret}"]
+    for path in planted:
+        path.write_text(secret)
+    try:
+        code = textwrap.dedent(f"""
+            import os, subprocess, sys
+            for path in {[str(p) for p in planted]!r}:
+                try:
+                    print("read", open(path).read())
+                except OSError as e:
+                    print("refused", type(e).__name__)
+            print("dev", sorted(os.listdir("/dev")))
+            print("run", os.listdir("/run") if os.path.isdir("/run") else None)
+            print("null", open("/dev/null", "w").write("x"))
+            print("repo", sorted(os.listdir({str(REPO)!r})) if os.path.isdir({str(REPO)!r}) else [])
+        """)
+        if not audit_hook:
+            code += "print('again', subprocess.run([sys.executable, '-c', 'print(7)'], capture_output=True, text=True).stdout.strip())\n"
+        result = run_python(code, audit_hook=audit_hook)
+    finally:
+        for path in planted:
+            path.unlink()
+    assert secret not in result.output, result.output
+    assert result.output.count("refused FileNotFoundError") == 2, result.output
+    from rlhf_orch.env.sandbox_child import KEPT_DEVICES
+
+    devices = eval(next(line for line in result.output.splitlines() if line.startswith("dev "))[4:])
+    assert set(devices) <= set(KEPT_DEVICES) and "null" in devices, devices
+    assert "run []" in result.output or "run None" in result.output
+    assert "null 1" in result.output  # a kept device node works
+    shown = eval(next(line for line in result.output.splitlines() if line.startswith("repo "))[5:])
+    assert set(shown) <= {".venv"}, shown  # of the checkout, the virtual environment alone
+    if not audit_hook:
+        assert "again 7" in result.output

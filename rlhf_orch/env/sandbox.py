@@ -20,12 +20,15 @@ process and falls back to what works elsewhere):
   with EAGAIN, and a thread cannot start. Running as another uid needs the interpreter to be
   reachable: here it lives under /root (mode 0700), so that needs the private filesystem below.
 * files: `unshare(CLONE_NEWNS)` works as root. In the private mount namespace every mount is
-  remounted read-only and nosuid; /tmp, /var/tmp and /dev/shm are replaced by empty read-only
-  tmpfs (they hold other programs' files and unix sockets, which a network namespace does not
-  isolate); /proc is a new instance with hidepid=2 (no other process's command line); directories
-  on the interpreter's paths that others cannot search (/root) are replaced by a tmpfs holding only
-  the entries Python needs (/root/.pyenv); the working directory is a tmpfs of
-  8 x max_file_bytes + the code, owned by the sandbox uid, the only writable place.
+  remounted read-only, nosuid and nodev; /tmp, /var/tmp and /dev/shm are replaced by empty
+  read-only tmpfs (they hold other programs' files and unix sockets, which a network namespace does
+  not isolate); /proc is a new instance with hidepid=2 (no other process's command line). What the
+  code can read is a minimal tree (`_read_only_tree`): the system directories and the interpreter's
+  own paths; every other directory on the way to those (a checkout with its datasets and run dirs,
+  /root, a temp dir holding a CI clone) is replaced by a read-only tmpfs holding only the entries on
+  that way, every other top-level directory (/home, /run, /mnt, /opt, ...) by an empty one, and
+  /dev by the harmless nodes alone (null, zero, full, random, urandom). The working directory is a
+  tmpfs of 8 x max_file_bytes + the code, owned by the sandbox uid, the only writable place.
 * the whole tree dies: the code runs in a new session; afterwards (exit, timeout or too much
   output) its process group is killed, then every process of the sandbox uid (found in /proc:
   a grandchild that left the group with `setsid` is killed too).
@@ -71,7 +74,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from rlhf_orch.env.sandbox_child import CODE_FILE, MASKED_DIRS, SETUP_FAILED, SETUP_FAILED_EXIT
+from rlhf_orch.env.sandbox_child import CODE_FILE, KEPT_DEVICES, MASKED_DIRS, SETUP_FAILED, SETUP_FAILED_EXIT, SYSTEM_DIRS
 
 logger = logging.getLogger(__name__)
 
@@ -244,9 +247,9 @@ _support: SandboxSupport | None = None
 _support_checked = 0.0  # time.monotonic() of the probe that gave _support
 _probe_timed_out = False  # a run of that probe timed out: the result may be load, not the host
 _hidden_dirs_plan: list[tuple[str, list[str]]] = []
-# Entries of the masked temp dirs the interpreter's paths go through (a virtual environment or a
-# checkout under /tmp, as a CI clone often is): shown read-only inside, like the hidden dirs' entries.
-_masked_plan: list[tuple[str, list[str]]] = []
+# What the code sees of the filesystem beyond the system directories (`_read_only_tree`): the
+# entries on the way to the interpreter's paths, nothing else of checkouts, homes, temp dirs, /dev.
+_read_only_plan: list[tuple[str, list[str]]] = []
 
 
 def sandbox_support() -> SandboxSupport:
@@ -280,13 +283,13 @@ def _full_support() -> SandboxSupport:
 
 
 def _probe_support() -> SandboxSupport:
-    global _hidden_dirs_plan, _masked_plan
+    global _hidden_dirs_plan, _read_only_plan
     root = os.geteuid() == 0
     if root:
         try:
-            paths = _child_sys_path() + [sys.executable]
+            paths = _child_sys_path() + _link_chain(sys.executable)
             _hidden_dirs_plan = _hidden_dirs(paths + [tempfile.gettempdir()])
-            _masked_plan = _masked_entries(paths)
+            _read_only_plan = _read_only_tree(paths)
         except (OSError, subprocess.SubprocessError, ValueError) as e:
             logger.warning("sandbox: could not list the interpreter's paths (%s); the uid probe will tell", e)
     # Imports after the uid changed prove the interpreter is still reachable; "ok" proves setup worked.
@@ -319,6 +322,56 @@ def _child_sys_path() -> list[str]:
         capture_output=True, text=True, timeout=60, check=True, env={"PATH": os.defpath},
     )
     return [p for p in json.loads(out.stdout) if os.path.exists(p)]
+
+
+def _read_only_tree(paths: list[str], top_level: list[str] | None = None) -> list[tuple[str, list[str]]]:
+    """What the code may see of the filesystem: the system directories (SYSTEM_DIRS) and `paths`
+    (the interpreter and what it imports). Every other directory on the way to them -- a checkout
+    holding the datasets and run dirs, a home directory holding tokens and caches, a masked temp
+    dir -- keeps only the entries on that way; every other top-level directory (/home, /root, /run,
+    /mnt, /opt, ...) is emptied; /dev keeps KEPT_DEVICES alone. Shallowest first, as
+    `(directory, entries shown)`: the sandbox puts a read-only tmpfs over each, holding those."""
+    shown: dict[str, set[str]] = {"/dev": set(KEPT_DEVICES)}
+    for directory, names in _masked_entries(paths):
+        shown.setdefault(directory, set()).update(names)
+    whole = {v.rstrip("/") + "/" for p in paths for v in (os.path.abspath(p), os.path.realpath(p))}  # shown entire
+    for path in paths:
+        for variant in {os.path.abspath(path), os.path.realpath(path)}:
+            parts = [p for p in variant.split("/") if p]
+            under_masked = any(variant.startswith(m.rstrip("/") + "/") for m in MASKED_DIRS)
+            if not parts or (parts[0] in SYSTEM_DIRS and not under_masked):
+                continue
+            for depth in range(1, len(parts)):
+                directory = "/" + "/".join(parts[:depth])
+                if any((directory + "/").startswith(w) for w in whole):
+                    break  # inside a path shown entire (the standard library holding lib-dynload)
+                if directory.startswith("/dev") or (parts[0] in SYSTEM_DIRS and not any(
+                        (directory + "/").startswith(m.rstrip("/") + "/") for m in MASKED_DIRS)):
+                    continue
+                shown.setdefault(directory, set()).add(parts[depth])
+    for name in os.listdir("/") if top_level is None else top_level:
+        if name not in SYSTEM_DIRS and os.path.isdir(os.path.join("/", name)) and not os.path.islink(os.path.join("/", name)):
+            shown.setdefault("/" + name, set())
+    return sorted(((d, sorted(names)) for d, names in shown.items()), key=lambda item: (item[0].count("/"), item[0]))
+
+
+def _link_chain(path: str) -> list[str]:
+    """`path` and every hop of the symbolic links it goes through (a venv's bin/python -> python3 ->
+    the base interpreter): each must be reachable for the code to start the interpreter again."""
+    chain = [os.path.abspath(path)]
+    while os.path.islink(chain[-1]) and len(chain) < 40:
+        chain.append(os.path.normpath(os.path.join(os.path.dirname(chain[-1]), os.readlink(chain[-1]))))
+    return chain
+
+
+def _merged(*plans: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """One plan of hidden directories from several: each directory once, with every entry any of
+    them shows, shallowest first (the order the sandbox mounts them in)."""
+    shown: dict[str, set[str]] = {}
+    for plan in plans:
+        for directory, names in plan:
+            shown.setdefault(directory, set()).update(names)
+    return sorted(((d, sorted(names)) for d, names in shown.items()), key=lambda item: (item[0].count("/"), item[0]))
 
 
 def _masked_entries(paths: list[str]) -> list[tuple[str, list[str]]]:
@@ -409,7 +462,7 @@ def _run(code: str, limits: SandboxLimits, support: SandboxSupport, audit_hook: 
             "uid": uid,
             "network_namespace": support.network_namespace,
             "private_filesystem": support.private_filesystem,
-            "hidden_dirs": (_hidden_dirs_plan if uid is not None else []) + (_masked_plan if support.private_filesystem else []),
+            "hidden_dirs": _merged(_hidden_dirs_plan if uid is not None else [], _read_only_plan if support.private_filesystem else []),
             "workdir_bytes": 8 * limits.max_file_bytes + len(source) + 64 * 1024,
             "limits": asdict(limits),
             "audit_hook": audit_hook,

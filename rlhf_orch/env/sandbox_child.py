@@ -16,6 +16,12 @@ import sys
 
 CODE_FILE = "main.py"
 MASKED_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+# Top-level directories the code may read (the system's programs, libraries, configuration); every
+# other one -- home directories, checkouts, datasets, run dirs, /run, /mnt, /opt ... -- is hidden
+# behind an empty read-only tmpfs but for the entries on the way to the interpreter's own paths.
+SYSTEM_DIRS = frozenset({"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "sys", "var", "tmp", "dev"})
+# The device nodes the code keeps: /dev is replaced by these alone (no GPU, disk or /dev/kvm node).
+KEPT_DEVICES = ("null", "zero", "full", "random", "urandom", "fd", "stdin", "stdout", "stderr")
 SETUP_FAILED_EXIT = 125
 SETUP_FAILED = "sandbox setup failed: "
 _BOOTSTRAP = os.path.abspath(__file__)
@@ -98,7 +104,8 @@ def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
             elif os.path.lexists(path):
                 exposed.append((directory, name, os.open(path, os.O_PATH)))
     for path, options in _mount_points():
-        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID
+        # Every mount read-only, no set-uid, no device nodes (the kept ones are bound below).
+        flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
         for option, flag in _MS_KEPT.items():
             if option in options:
                 flags |= flag
@@ -109,28 +116,34 @@ def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
         if os.path.isdir(directory):
             libc.mount("tmpfs", directory, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k,nr_inodes=256")
             new_mounts.append(directory)
-    for directory in dict.fromkeys(d for d, _, _ in exposed):
+    # Shallowest first, each directory emptied and then given back its exposed entries, so that a
+    # deeper hidden directory (an exposed entry of this one) exists when its turn comes.
+    for directory in dict.fromkeys(d for d, _ in config["hidden_dirs"]):
+        if not os.path.isdir(directory):
+            continue
         libc.mount("tmpfs", directory, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k,nr_inodes=256")
         new_mounts.append(directory)
-    for directory, name, entry in exposed:
-        target = os.path.join(directory, name)
-        if isinstance(entry, str):
-            os.symlink(entry, target)
-            continue
-        original = f"/proc/self/fd/{entry}"
-        if os.path.isdir(original):
-            os.mkdir(target)
-        else:
-            open(target, "wb").close()
-        libc.mount(original, target, None, _MS_BIND | _MS_REC)
-        libc.mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID)
-        os.close(entry)
+        for name, entry in [(n, e) for d, n, e in exposed if d == directory]:
+            target = os.path.join(directory, name)
+            if isinstance(entry, str):
+                os.symlink(entry, target)
+                continue
+            original = f"/proc/self/fd/{entry}"
+            if os.path.isdir(original):
+                os.mkdir(target)
+            else:
+                open(target, "wb").close()
+            libc.mount(original, target, None, _MS_BIND | _MS_REC)
+            # (a kept device node stays usable: its bind mount alone lacks nodev)
+            device = directory == "/dev"
+            libc.mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | (0 if device else _MS_NODEV))
+            os.close(entry)
     os.makedirs(workdir, exist_ok=True)  # inside a masked /tmp it is gone
     size = config["workdir_bytes"]
     owner = f",uid={uid},gid={uid}" if uid is not None else ""
     libc.mount("tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=0700,size={size},nr_inodes=1024{owner}")
-    for directory in new_mounts:
-        libc.mount(None, directory, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    for directory in new_mounts:  # (ENOENT: a masked dir under a hidden one, /dev/shm under /dev: gone)
+        libc.mount(None, directory, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, allowed=(errno.ENOENT, errno.EINVAL))
     # A new /proc that shows other users' processes to no one: their command lines may hold secrets.
     libc.mount("proc", "/proc", "proc", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
     code_file = os.path.join(workdir, CODE_FILE)
