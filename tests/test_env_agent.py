@@ -177,7 +177,7 @@ class ScriptedGenerator:
 
 def _session(fn, server, timeout_s=10.0):
     limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
-    runner = AgentRunner(fn, concurrency=4, timeout_s=timeout_s, api_key=server.api_key)
+    runner = AgentRunner(fn, concurrency=4, timeout_s=timeout_s)
     gen = ScriptedGenerator()
     return AgentRolloutSession(server, gen, EchoTokenizer(), runner, limits, 1.0, 7, "hermes", timeout_s), gen
 
@@ -384,7 +384,7 @@ class SlowGenerator(ScriptedGenerator):
 
 def _fan_out_session(server, agent, limits):
     # concurrency 8: the client's connection pool (2 per trajectory at once) lets all 8 calls through
-    runner = AgentRunner(agent, concurrency=8, timeout_s=30.0, api_key=server.api_key)
+    runner = AgentRunner(agent, concurrency=8, timeout_s=30.0)
     gen = SlowGenerator(hold_s=1.0)
     return AgentRolloutSession(server, gen, EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 30.0), gen
 
@@ -464,7 +464,7 @@ def test_the_endpoint_checks_the_key_and_the_length_before_it_reads_a_body(serve
     path = "/trajectories/abc/v1/chat/completions"
     no_key, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES}\r\n\r\n".encode())
     assert no_key.startswith(b"HTTP/1.1 401") and closed  # its 16 MiB never sent: not waited for
-    key = f"Authorization: Bearer {server.api_key}\r\n"
+    key = f"Authorization: Bearer {server.issue_keys(['abc'])['abc']}\r\n"  # (what a rollout hands trajectory abc)
     bad_length, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: ten\r\n\r\n".encode())
     assert bad_length.startswith(b"HTTP/1.1 400") and b"not a number" in bad_length and closed
     too_big, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode())
@@ -494,7 +494,8 @@ def test_the_endpoint_refuses_connections_past_its_limit():
         for sock in held:
             sock.close()
         time.sleep(0.3)  # their threads end and give their places back
-        again, _ = _raw(server, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n\r\n".encode(), timeout_s=2.0)
+        key = server.issue_keys(["t"])["t"]
+        again, _ = _raw(server, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode(), timeout_s=2.0)
         assert again.startswith(b"HTTP/1.1 200")
     finally:
         server.close()
@@ -512,7 +513,7 @@ def test_a_hung_plain_agent_holds_no_thread_the_next_trajectory_waits_for(server
 
     limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
     before = set(threading.enumerate())
-    runner = AgentRunner(agent, concurrency=1, timeout_s=1.0, api_key=server.api_key)
+    runner = AgentRunner(agent, concurrency=1, timeout_s=1.0)
     session = AgentRolloutSession(server, ScriptedGenerator(), EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 5.0)
     results = {r.index: r for r in session.run(_rows(2))}
     assert results[0].outcome.timed_out and results[0].outcome.reward == 0.0
@@ -547,3 +548,36 @@ def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(
     handed["count_step"]()
     handed["count_step"]()
     assert engine.progress() == 2
+
+
+def test_each_trajectory_has_its_own_key_and_cannot_call_as_another(server):
+    """Two trajectories of one rollout: each agent's key works for its own base URL (and the model
+    list), not for the other's -- an agent cannot spend another's call budget or read its
+    conversation -- and no key of a rollout works once the next rollout has its keys."""
+    seen: dict[int, tuple[str, str]] = {}
+    barrier = threading.Barrier(2, timeout=10)
+
+    def agent(row, client, base_url, api_key, **kwargs):
+        index = int(row["prompt"][1:])
+        seen[index] = (base_url, api_key)
+        barrier.wait()  # both trajectories are live
+        other_url, _ = seen[1 - index]
+        try:
+            openai.OpenAI(base_url=other_url, api_key=api_key, max_retries=0).chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "x"}])
+            seen[10 + index] = ("called as the other", "")
+        except openai.AuthenticationError as e:
+            seen[10 + index] = ("refused", str(e.status_code))
+        assert [m.id for m in client.models.list()] == ["policy"]
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        return 1.0 if reply.choices[0].message.content else 0.0
+
+    session, _ = _session(agent, server)
+    results = session.run(_rows(2))
+    assert seen[10] == seen[11] == ("refused", "401")
+    assert seen[0][1] != seen[1][1]
+    assert all(r.outcome.reward == 1.0 for r in results)
+    server.issue_keys(["next"])  # the next rollout
+    late = openai.OpenAI(base_url=seen[0][0], api_key=seen[0][1], max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        late.models.list()

@@ -101,7 +101,8 @@ class AgentRolloutSession:
         self._open = True
         self.server.serve(self.handle)
         try:
-            self.runner.start([(index, row, self.server.base_url(ids[index])) for index, row in items])
+            keys = self.server.issue_keys(list(ids.values()))
+            self.runner.start([(index, row, self.server.base_url(ids[index]), keys[ids[index]]) for index, row in items])
             while not self.runner.done():
                 if self.generator.busy():
                     self._feed()
@@ -224,7 +225,7 @@ def complete_agent_trajectories(llm: Any, server: Any, requests: Sequence[Any], 
     `count_step`: called after each engine step (the engine's liveness count)."""
     env = job.env
     tokenizer = llm.get_tokenizer()
-    runner = AgentRunner(env.load(), env.concurrency, env.timeout_s, server.api_key)
+    runner = AgentRunner(env.load(), env.concurrency, env.timeout_s)
     session = AgentRolloutSession(
         server, VLLMCalls(llm, job.temperature, count_step=count_step), tokenizer, runner, env.limits(job.max_tokens), job.temperature, step_seed,
         env.tool_parser, env.timeout_s, env.reasoning_parser,

@@ -1,6 +1,9 @@
 """The HTTP side of the `env=agent` endpoint: one server per engine, for the engine's lifetime.
 
-Routes (every one needs `Authorization: Bearer <the run's key>`):
+Routes (every one needs `Authorization: Bearer <a trajectory's key>`: each trajectory of the running
+rollout gets a key of its own, good for its own base URL only -- one agent cannot call as another,
+spend its budget or read its conversation -- and for the model list; a new rollout's keys replace
+the last one's):
 
     GET  /v1/models                                    the served model
     GET  /trajectories/<id>/v1/models                  the same, under a trajectory's base URL
@@ -34,6 +37,7 @@ from rlhf_orch.env.chat_api import ChatAPIError, models_body
 
 _CALL = re.compile(r"^/trajectories/([A-Za-z0-9_-]+)/v1/chat/completions/?$")
 _MODELS = re.compile(r"^(/trajectories/[A-Za-z0-9_-]+)?/v1/models/?$")
+_TRAJECTORY = re.compile(r"^/trajectories/([A-Za-z0-9_-]+)/")
 MAX_BODY_BYTES = 16 * 2**20
 # Every trajectory in flight on the engine (env.concurrency, 16 by default) holds one or two
 # keep-alive connections; an agent fanning out holds more: far below this, which bounds the threads.
@@ -52,7 +56,7 @@ class CallHandler(Protocol):
 class ChatServer:
     def __init__(self, host: str, model_name: str, max_connections: int = MAX_CONNECTIONS):
         self.model_name = model_name
-        self.api_key = "rlhf-" + secrets.token_urlsafe(24)
+        self._keys: dict[str, bytes] = {}  # trajectory id -> its key (the last rollout's trajectories)
         self._handler: CallHandler | None = None
         self._lock = threading.Lock()
         self._httpd = _Server((host, 0), _handler_class(self), max_connections=max_connections)
@@ -63,6 +67,20 @@ class ChatServer:
 
     def base_url(self, trajectory_id: str) -> str:
         return f"http://{self.host}:{self.port}/trajectories/{trajectory_id}/v1"
+
+    def issue_keys(self, trajectory_ids: list[str]) -> dict[str, str]:
+        """A key per trajectory of a new rollout (the last rollout's keys stop working)."""
+        keys = {t: "rlhf-" + secrets.token_urlsafe(24) for t in trajectory_ids}
+        with self._lock:
+            self._keys = {t: k.encode() for t, k in keys.items()}
+        return keys
+
+    def authorised(self, token: str, trajectory_id: str | None) -> bool:
+        """Whether `token` is that trajectory's key (no trajectory: any trajectory's, the model list)."""
+        given = token.encode()
+        with self._lock:
+            keys = [self._keys.get(trajectory_id, b"")] if trajectory_id is not None else list(self._keys.values())
+        return any(hmac.compare_digest(given, key) for key in keys if key)
 
     def serve(self, handler: CallHandler | None) -> None:
         """Calls go to `handler` from now on (None: no rollout is running, every call is 410)."""
@@ -152,10 +170,11 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
         def _authorised(self) -> bool:
             given = self.headers.get("Authorization", "")
             token = given[7:] if given.startswith("Bearer ") else ""
-            if hmac.compare_digest(token.encode(), server.api_key.encode()):
+            trajectory = _TRAJECTORY.match(self.path)
+            if server.authorised(token, trajectory.group(1) if trajectory else None):
                 return True
-            self._refuse(401, ChatAPIError(401, "missing or wrong API key: use the api_key the run passed to the agent",
-                                           kind="authentication_error"))
+            self._refuse(401, ChatAPIError(401, "missing or wrong API key: use the api_key the run passed to this agent "
+                                           "(each trajectory has its own)", kind="authentication_error"))
             return False
 
         def _refuse(self, status: int, error: ChatAPIError) -> None:

@@ -66,20 +66,19 @@ def accepted_keywords(fn: Callable) -> tuple[str, ...]:
 class AgentRunner:
     """Start every trajectory's function; `wait` for them; `outcomes` once done."""
 
-    def __init__(self, fn: Callable, concurrency: int, timeout_s: float, api_key: str):
+    def __init__(self, fn: Callable, concurrency: int, timeout_s: float):
         self.fn = fn
         self.is_async = inspect.iscoroutinefunction(fn)
         self.keywords = accepted_keywords(fn)
         self.concurrency = max(1, int(concurrency))
         self.timeout_s = float(timeout_s)
-        self.api_key = api_key
         self.outcomes: dict[int, AgentOutcome] = {}
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._crash: BaseException | None = None
 
-    def start(self, items: Sequence[tuple[int, Any, str]]) -> None:
-        """items: (trajectory index, row, base_url)."""
+    def start(self, items: Sequence[tuple[int, Any, str, str]]) -> None:
+        """items: (trajectory index, row, base_url, api_key): each trajectory's own URL and key."""
         self._thread = threading.Thread(target=self._main, args=(list(items),), name="agents", daemon=True)
         self._thread.start()
 
@@ -93,7 +92,7 @@ class AgentRunner:
         return finished
 
     # ------------------------------------------------------------------ the loop's thread
-    def _main(self, items: list[tuple[int, Any, str]]) -> None:
+    def _main(self, items: list[tuple[int, Any, str, str]]) -> None:
         loop = asyncio.new_event_loop()
         try:
             loop.run_until_complete(self._all(items))
@@ -104,7 +103,7 @@ class AgentRunner:
             loop.close()
             self._done.set()
 
-    async def _all(self, items: list[tuple[int, Any, str]]) -> None:
+    async def _all(self, items: list[tuple[int, Any, str, str]]) -> None:
         import httpx
 
         # One connection pool for every trajectory's client: an `openai` client builds its own
@@ -114,21 +113,21 @@ class AgentRunner:
         self._http = httpx.AsyncClient(limits=limits, timeout=timeout) if self.is_async else httpx.Client(limits=limits, timeout=timeout)
         gate = asyncio.Semaphore(self.concurrency)
         try:
-            await asyncio.gather(*(self._one(gate, index, row, url) for index, row, url in items))
+            await asyncio.gather(*(self._one(gate, index, row, url, key) for index, row, url, key in items))
         finally:
             if self.is_async:
                 await self._http.aclose()
             else:
                 self._http.close()  # a timed-out function still calling gets an error: its rollout is over
 
-    async def _one(self, gate: asyncio.Semaphore, index: int, row: Any, base_url: str) -> None:
+    async def _one(self, gate: asyncio.Semaphore, index: int, row: Any, base_url: str, api_key: str) -> None:
         async with gate:
             out = AgentOutcome(index)
             t = time.perf_counter()
             client = None
             try:
-                client = self._client(base_url)
-                kwargs = {k: v for k, v in (("client", client), ("base_url", base_url), ("api_key", self.api_key)) if k in self.keywords}
+                client = self._client(base_url, api_key)
+                kwargs = {k: v for k, v in (("client", client), ("base_url", base_url), ("api_key", api_key)) if k in self.keywords}
                 if self.is_async:
                     result = await asyncio.wait_for(self.fn(row, **kwargs), self.timeout_s)
                 else:
@@ -149,9 +148,9 @@ class AgentRunner:
                 out.seconds = time.perf_counter() - t
             self.outcomes[index] = out
 
-    def _client(self, base_url: str) -> Any:
+    def _client(self, base_url: str, api_key: str) -> Any:
         import openai
 
         # No retries: a refused call is the agent's to handle, and a retry would be a second call.
         cls = openai.AsyncOpenAI if self.is_async else openai.OpenAI
-        return cls(base_url=base_url, api_key=self.api_key, max_retries=0, timeout=self.timeout_s, http_client=self._http)
+        return cls(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.timeout_s, http_client=self._http)
