@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from rlhf_orch.engines.agent_rollout import AgentRolloutSession, CallOutput, trajectory_completions
-from rlhf_orch.engines.chat_server import ChatServer
+from rlhf_orch.env.chat_server import ChatServer
 from rlhf_orch.env.agent import AgentEnv, agent_row
 from rlhf_orch.env.agent_record import AgentLimits, AgentRecord, CallRefused
 from rlhf_orch.env.agent_runner import AgentRunner, accepted_keywords, reward_of
@@ -459,7 +459,7 @@ def test_the_endpoint_checks_the_key_and_the_length_before_it_reads_a_body(serve
     """Answered at once and the connection closed, the body never read: a request without the key
     (however large it says its body is), a Content-Length that is not a number, a body over
     MAX_BODY_BYTES. Only then an authorised request's body is read."""
-    from rlhf_orch.engines.chat_server import MAX_BODY_BYTES
+    from rlhf_orch.env.chat_server import MAX_BODY_BYTES
 
     path = "/trajectories/abc/v1/chat/completions"
     no_key, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES}\r\n\r\n".encode())

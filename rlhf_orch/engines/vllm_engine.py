@@ -315,9 +315,9 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         """The engine's `env=agent` endpoint, started at its first agent rollout, closed with the engine."""
         server = getattr(self, "_server", None)
         if server is None:
-            from rlhf_orch.engines.chat_server import ChatServer
+            from rlhf_orch.env.chat_server import ChatServer
 
-            from rlhf_orch.engines.chat_server import MAX_CONNECTIONS
+            from rlhf_orch.env.chat_server import MAX_CONNECTIONS
 
             # each agent running at once may hold a few connections (its client's pool, calls fanned out)
             limit = max(MAX_CONNECTIONS, 4 * env.concurrency)

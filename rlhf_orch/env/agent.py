@@ -2,7 +2,7 @@
 OpenAI-compatible chat-completions API.
 
 During each rollout every engine serves `/v1/chat/completions` and `/v1/models` (the
-`rlhf_orch.engines.chat_server`) and runs the agent function once per trajectory
+`rlhf_orch.env.chat_server`) and runs the agent function once per trajectory
 (`rlhf_orch.env.agent_runner`) with a client bound to that trajectory's base URL. Every call's
 tokens and log-probs are recorded under the trajectory (`rlhf_orch.env.agent_record`) and the
 trajectory trains like any `env` trajectory; its reward is what the function returns.
