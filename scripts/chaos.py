@@ -30,9 +30,9 @@ no farther than the farthest of them on both.
     .venv/bin/python scripts/chaos.py pipeline=one_step_off   # any overrides, for both runs
     .venv/bin/python scripts/chaos.py pipeline=async pipeline.max_staleness=2 algo.decoupled_is_cap=5
 
-Prints the schedule, what each fault cost, and a JSON line: `steps_completed`, `metrics_equal`
-(the verdict), `engine_restarts`, `trainer_restarts`, `steps_rerun`, `wall_s_undisturbed`,
-`wall_s_chaos`, `reward_within_seed_spread`. Exit 0 only when every fault fired and every step
+Prints the schedule, what each fault cost, and a JSON line: `passed` (the verdict),
+`steps_completed`, `metrics_equal`, `every_sample_once`, `engine_restarts`, `trainer_restarts`,
+`steps_rerun`, `wall_s_undisturbed`, `wall_s_chaos`, `reward_within_seed_spread`. Exit 0 only when every fault fired and every step
 completed with equal metrics (async: every sample once and the reward within the seed spread).
 """
 
@@ -216,6 +216,8 @@ def main() -> int:
                              "(default 3 under async with max_staleness > 0, else 0)")
     parser.add_argument("overrides", nargs="*", help="more config overrides for both runs, e.g. pipeline=one_step_off")
     args = parser.parse_args()
+    if args.spread_seeds is not None and args.spread_seeds < 0:
+        parser.error(f"--spread-seeds {args.spread_seeds}: give 0 or more undisturbed seeds")
 
     from launchers.local import LocalRayLauncher
 
@@ -247,6 +249,8 @@ def main() -> int:
         chaos, summary, chaos_wall = _train(overrides, Path(work) / "chaos", callbacks=[Injector(faults)])
         steps_rerun = _steps_rerun(Path(work) / "chaos", faults)
         spread_seeds = args.spread_seeds if args.spread_seeds is not None else (0 if exact else 3)
+        if not exact and spread_seeds < 1:
+            sys.exit("chaos.py: under async the verdict needs the seed spread: --spread-seeds >= 1 (default 3)")
         others = [_train([*overrides, f"seed={k}"], Path(work) / f"seed{k}")[0] for k in range(1, spread_seeds + 1)]
     completed = [r["step"] for r in chaos] == list(range(1, args.steps + 1))
     once = completed and all(r["rollout/samples"] == per_step for r in chaos)  # (the loop refuses anything else)

@@ -13,7 +13,7 @@
 #      sweep's summary.csv (two completed rows).
 #
 #   sudo bash scripts/test_slurm_local.sh            # all of it
-#   PARTS=setup bash scripts/test_slurm_local.sh     # only the Slurm installation (also: sbatch, sweep)
+#   PARTS=setup bash scripts/test_slurm_local.sh     # only the Slurm installation (also: sbatch, requeue, sweep)
 #
 # Idempotent: installed packages, an unchanged slurm.conf and running daemons are left as they are
 # (a changed slurm.conf restarts slurmctld and slurmd). Exits non-zero on the first failing part.

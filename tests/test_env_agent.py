@@ -569,6 +569,8 @@ def test_each_trajectory_has_its_own_key_and_cannot_call_as_another(server):
         except openai.AuthenticationError as e:
             seen[10 + index] = ("refused", str(e.status_code))
         assert [m.id for m in client.models.list()] == ["policy"]
+        root = base_url.split("/trajectories/")[0] + "/v1"  # the model list outside any trajectory: any live key
+        assert [m.id for m in openai.OpenAI(base_url=root, api_key=api_key, max_retries=0).models.list()] == ["policy"]
         reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
         return 1.0 if reply.choices[0].message.content else 0.0
 

@@ -318,7 +318,8 @@ def test_the_code_reads_only_the_system_and_the_interpreter_not_the_checkout_the
     ground truth and the run dirs live) and one in the home directory (tokens, caches) are not
     there; /dev holds the harmless nodes alone (no GPU, disk or /dev/kvm), /run is empty; the
     interpreter still starts again (its paths are shown)."""
-    _needs(audit_hook, "private_filesystem")
+    if not sandbox_support().private_filesystem:  # (the audit hook checks writes only: it hides nothing)
+        pytest.skip("the read-only tree needs the private filesystem (root with namespaces)")
     secret = _marker()
     planted = [REPO / f"{secret}.txt", Path.home() / f".{secret}"]
     for path in planted:
@@ -354,3 +355,29 @@ def test_the_code_reads_only_the_system_and_the_interpreter_not_the_checkout_the
     assert set(shown) <= {".venv"}, shown  # of the checkout, the virtual environment alone
     if not audit_hook:
         assert "again 7" in result.output
+
+
+def test_the_read_only_tree_hides_checkouts_wherever_they_are_and_what_top_level_links_point_to():
+    """`_read_only_tree` on a made-up host: a checkout under a system dir (/usr/src/app, the usual
+    Docker WORKDIR) with its venv, the checkout's root on sys.path (a compat editable install), a
+    home reached through a top-level link (/home -> var/home), a secrets mount under /var: each
+    hidden but for the entries on the way to the interpreter; the standard library shown whole."""
+    from rlhf_orch.env.sandbox import _read_only_tree
+
+    paths = ["/usr/src/app/.venv/lib/python3.11/site-packages", "/usr/src/app", "/opt/py/lib/python3.11",
+             "/opt/py/lib/python3.11/lib-dynload", "/usr/src/app/.venv/bin/python"]
+    links = {"/home": "/var/home"}
+    plan = dict(_read_only_tree(
+        paths, private=["/usr/src/app", "/var/home/me"], top_level=["usr", "opt", "home", "data", "etc"],
+        is_dir=lambda p: p != "/usr/src/app/.venv/bin/python", realpath=lambda p: links.get(p, p),
+        mounts=["/var/run/secrets/kubernetes.io/serviceaccount", "/etc/hosts", "/usr"],
+    ))
+    assert plan["/usr/src/app"] == [".venv"]  # the checkout: its venv alone, though under /usr and on sys.path
+    assert plan["/usr/src/app/.venv"] == ["bin", "lib"] and plan["/usr/src/app/.venv/bin"] == ["python"]
+    assert plan["/opt"] == ["py"] and plan["/opt/py/lib"] == ["python3.11"]
+    assert "/opt/py/lib/python3.11" not in plan  # the standard library: whole
+    assert plan["/var/home"] == [] and plan["/data"] == [] and plan["/var/home/me"] == []
+    assert plan["/var/run/secrets/kubernetes.io/serviceaccount"] == []
+    assert "/usr" not in plan and "/etc" not in plan and "/usr/src" not in plan
+    order = [d for d in dict(_read_only_tree(paths, private=["/usr/src/app"], top_level=[], is_dir=lambda p: True))]
+    assert order == sorted(order, key=lambda d: d.count("/"))  # shallowest first: a parent's tmpfs before its child's

@@ -99,9 +99,9 @@ class AgentRolloutSession:
         ids = {index: secrets.token_hex(8) for index, _ in items}
         self.records = {ids[index]: AgentRecord(index, self.limits) for index, _ in items}
         self._open = True
+        keys = self.server.issue_keys(list(ids.values()))
         self.server.serve(self.handle)
         try:
-            keys = self.server.issue_keys(list(ids.values()))
             self.runner.start([(index, row, self.server.base_url(ids[index]), keys[ids[index]]) for index, row in items])
             while not self.runner.done():
                 if self.generator.busy():

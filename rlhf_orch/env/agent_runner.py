@@ -2,7 +2,7 @@
 
 Each trajectory calls `fn(row, client=..., base_url=..., api_key=...)`: the data row, an `openai`
 client bound to the trajectory's own base URL (`AsyncOpenAI` for an `async def`, `OpenAI` for a
-plain function), that URL and the run's key (for code that makes its own client). Only the keywords
+plain function), that URL and the trajectory's own key (for code that makes its own client). Only the keywords
 the function accepts are passed (all of them to `**kwargs`). At most `concurrency` trajectories run
 at once; each has `timeout_s`. The function returns the reward: a number, or a mapping with
 `score` (its other numeric entries are summed as metrics). An exception or a timeout scores 0 and is

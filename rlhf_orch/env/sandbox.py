@@ -20,14 +20,17 @@ process and falls back to what works elsewhere):
   with EAGAIN, and a thread cannot start. Running as another uid needs the interpreter to be
   reachable: here it lives under /root (mode 0700), so that needs the private filesystem below.
 * files: `unshare(CLONE_NEWNS)` works as root. In the private mount namespace every mount is
-  remounted read-only, nosuid and nodev; /tmp, /var/tmp and /dev/shm are replaced by empty
-  read-only tmpfs (they hold other programs' files and unix sockets, which a network namespace does
-  not isolate); /proc is a new instance with hidepid=2 (no other process's command line). What the
+  remounted read-only, nosuid and nodev; /tmp and /var/tmp are replaced by empty read-only tmpfs
+  (they hold other programs' files and unix sockets, which a network namespace does not isolate;
+  /dev/shm goes with /dev, below); /proc is a new instance with hidepid=2 (no other process's command line). What the
   code can read is a minimal tree (`_read_only_tree`): the system directories and the interpreter's
   own paths; every other directory on the way to those (a checkout with its datasets and run dirs,
   /root, a temp dir holding a CI clone) is replaced by a read-only tmpfs holding only the entries on
-  that way, every other top-level directory (/home, /run, /mnt, /opt, ...) by an empty one, and
-  /dev by the harmless nodes alone (null, zero, full, random, urandom). The working directory is a
+  that way, and so is this project's checkout, the working directory and the home directory wherever
+  they are (/usr/src/app); every other top-level directory (/home, /run, /mnt, /opt, ...) and every
+  directory mounted under /etc or /var (a Kubernetes token) by an empty one; /dev by the harmless
+  nodes alone (null, zero, full, random, urandom and the fd/std* links). If the tree cannot be
+  worked out, the private filesystem counts as unavailable (fail closed). The working directory is a
   tmpfs of 8 x max_file_bytes + the code, owned by the sandbox uid, the only writable place.
 * the whole tree dies: the code runs in a new session; afterwards (exit, timeout or too much
   output) its process group is killed, then every process of the sandbox uid (found in /proc:
@@ -74,7 +77,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from rlhf_orch.env.sandbox_child import CODE_FILE, KEPT_DEVICES, MASKED_DIRS, SETUP_FAILED, SETUP_FAILED_EXIT, SYSTEM_DIRS
+from rlhf_orch.env.sandbox_child import CODE_FILE, KEPT_DEVICES, MASKED_DIRS, SETUP_FAILED, SETUP_FAILED_EXIT, SYSTEM_DIRS, mount_points
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +252,7 @@ _probe_timed_out = False  # a run of that probe timed out: the result may be loa
 _hidden_dirs_plan: list[tuple[str, list[str]]] = []
 # What the code sees of the filesystem beyond the system directories (`_read_only_tree`): the
 # entries on the way to the interpreter's paths, nothing else of checkouts, homes, temp dirs, /dev.
-_read_only_plan: list[tuple[str, list[str]]] = []
+_read_only_plan: list[tuple[str, list[str]]] | None = []  # None: could not be made (no private filesystem)
 
 
 def sandbox_support() -> SandboxSupport:
@@ -287,11 +290,13 @@ def _probe_support() -> SandboxSupport:
     root = os.geteuid() == 0
     if root:
         try:
-            paths = _child_sys_path() + _link_chain(sys.executable)
+            paths = _interpreter_paths()
             _hidden_dirs_plan = _hidden_dirs(paths + [tempfile.gettempdir()])
-            _read_only_plan = _read_only_tree(paths)
+            _read_only_plan = _read_only_tree(paths, _private_locations(), mounts=[m for m, _ in mount_points()])
         except (OSError, subprocess.SubprocessError, ValueError) as e:
-            logger.warning("sandbox: could not list the interpreter's paths (%s); the uid probe will tell", e)
+            # Fail closed: without the tree the private filesystem would show everything.
+            _read_only_plan = None
+            logger.warning("sandbox: could not list the interpreter's paths (%s): no private filesystem", e)
     # Imports after the uid changed prove the interpreter is still reachable; "ok" proves setup worked.
     probe_code = "import decimal, fractions, json\nprint('ok')\n"
 
@@ -307,10 +312,10 @@ def _probe_support() -> SandboxSupport:
         return False
 
     full = _full_support()
-    if works(full):
+    if _read_only_plan is not None and works(full):
         return full
     network = works(SandboxSupport(True, False, False))
-    filesystem = root and works(SandboxSupport(network, True, False))
+    filesystem = root and _read_only_plan is not None and works(SandboxSupport(network, True, False))
     uid = root and works(SandboxSupport(network, filesystem, True))
     return SandboxSupport(network, filesystem, uid)
 
@@ -324,34 +329,69 @@ def _child_sys_path() -> list[str]:
     return [p for p in json.loads(out.stdout) if os.path.exists(p)]
 
 
-def _read_only_tree(paths: list[str], top_level: list[str] | None = None) -> list[tuple[str, list[str]]]:
+def _private_locations() -> list[str]:
+    """Directories hidden wherever they are, a system directory included (a checkout under /usr/src,
+    a workspace under /var/lib): this project's checkout (its datasets, run dirs, checkpoints), the
+    working directory runs are started from (outputs/), the home directory (tokens, caches)."""
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return sorted({os.path.realpath(p) for p in (checkout, os.getcwd(), os.path.expanduser("~")) if p and p != "/"})
+
+
+def _interpreter_paths() -> list[str]:
+    """What the code must reach to run Python and start it again: the isolated interpreter's
+    sys.path, every hop of the executable's symlink chain, the base installation's lib directory
+    (its shared libraries: libpython, a conda prefix's libssl/libffi) and the venv's pyvenv.cfg."""
+    import sysconfig
+
+    paths = _child_sys_path() + _link_chain(sys.executable)
+    for extra in (sysconfig.get_config_var("LIBDIR"), os.path.join(sys.base_prefix, "lib"), os.path.join(sys.prefix, "pyvenv.cfg")):
+        if extra and os.path.exists(extra):
+            paths.append(extra)
+    return paths
+
+
+def _read_only_tree(paths: list[str], private: list[str] = (), top_level: list[str] | None = None,
+                    is_dir=os.path.isdir, realpath=os.path.realpath, mounts: list[str] = ()) -> list[tuple[str, list[str]]]:
     """What the code may see of the filesystem: the system directories (SYSTEM_DIRS) and `paths`
     (the interpreter and what it imports). Every other directory on the way to them -- a checkout
     holding the datasets and run dirs, a home directory holding tokens and caches, a masked temp
-    dir -- keeps only the entries on that way; every other top-level directory (/home, /root, /run,
-    /mnt, /opt, ...) is emptied; /dev keeps KEPT_DEVICES alone. Shallowest first, as
-    `(directory, entries shown)`: the sandbox puts a read-only tmpfs over each, holding those."""
-    shown: dict[str, set[str]] = {"/dev": set(KEPT_DEVICES)}
-    for directory, names in _masked_entries(paths):
-        shown.setdefault(directory, set()).update(names)
-    whole = {v.rstrip("/") + "/" for p in paths for v in (os.path.abspath(p), os.path.realpath(p))}  # shown entire
-    for path in paths:
-        for variant in {os.path.abspath(path), os.path.realpath(path)}:
-            parts = [p for p in variant.split("/") if p]
-            under_masked = any(variant.startswith(m.rstrip("/") + "/") for m in MASKED_DIRS)
-            if not parts or (parts[0] in SYSTEM_DIRS and not under_masked):
-                continue
-            for depth in range(1, len(parts)):
-                directory = "/" + "/".join(parts[:depth])
-                if any((directory + "/").startswith(w) for w in whole):
-                    break  # inside a path shown entire (the standard library holding lib-dynload)
-                if directory.startswith("/dev") or (parts[0] in SYSTEM_DIRS and not any(
-                        (directory + "/").startswith(m.rstrip("/") + "/") for m in MASKED_DIRS)):
-                    continue
+    dir -- keeps only the entries on that way, and so does every `private` location wherever it is
+    (a checkout under /usr/src); every other top-level directory (/home, /root, /run, /mnt, /opt,
+    ... and what a top-level symlink such as /home -> var/home points to) is emptied, and so is
+    every directory mounted under /etc or /var (`mounts`: a Kubernetes token under
+    /var/run/secrets, an application's secrets under /etc); /dev keeps KEPT_DEVICES alone. A path that holds a private location (a checkout root on sys.path) is not
+    shown entire. Shallowest first, as `(directory, entries shown)`: the sandbox puts a read-only
+    tmpfs over each, holding those."""
+    private = [p.rstrip("/") for p in private]
+
+    def inside(directory: str, roots) -> bool:
+        return any(directory == r or directory.startswith(r + "/") for r in roots)
+
+    masked = [m.rstrip("/") for m in MASKED_DIRS]
+    variants = {v for p in paths for v in (os.path.abspath(p), realpath(p))}
+    variants = {v for v in variants if not any(pr == v or pr.startswith(v.rstrip("/") + "/") for pr in private)}
+    whole = {v.rstrip("/") for v in variants}
+    shown: dict[str, set[str]] = {"/dev": set(KEPT_DEVICES), **{p: set() for p in private}}
+    for variant in variants:
+        parts = [p for p in variant.split("/") if p]
+        for depth in range(1, len(parts)):
+            directory = "/" + "/".join(parts[:depth])
+            if inside(directory, whole):
+                break  # inside a path shown entire (the standard library holding lib-dynload)
+            hidden = parts[0] not in SYSTEM_DIRS or inside(directory, masked) or inside(directory, private)
+            if hidden and not inside(directory, ["/dev"]):
                 shown.setdefault(directory, set()).add(parts[depth])
     for name in os.listdir("/") if top_level is None else top_level:
-        if name not in SYSTEM_DIRS and os.path.isdir(os.path.join("/", name)) and not os.path.islink(os.path.join("/", name)):
-            shown.setdefault("/" + name, set())
+        path = "/" + name
+        if name in SYSTEM_DIRS or not is_dir(path):
+            continue
+        target = realpath(path)
+        if target != path and inside(target, whole):
+            continue  # a link to where the interpreter lives: its own entries are planned above
+        shown.setdefault(target, set())
+    for mount in mounts:
+        if inside(mount, ["/etc", "/var"]) and not inside(mount, whole) and is_dir(mount):
+            shown.setdefault(mount, set())
     return sorted(((d, sorted(names)) for d, names in shown.items()), key=lambda item: (item[0].count("/"), item[0]))
 
 

@@ -76,7 +76,7 @@ class _Libc:
         self._check(self._libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
 
 
-def _mount_points() -> list[tuple[str, set[str]]]:
+def mount_points() -> list[tuple[str, set[str]]]:
     """(mount point, its per-mount options) for every mount this process sees."""
     points = []
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
@@ -103,7 +103,7 @@ def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
                 exposed.append((directory, name, os.readlink(path)))
             elif os.path.lexists(path):
                 exposed.append((directory, name, os.open(path, os.O_PATH)))
-    for path, options in _mount_points():
+    for path, options in mount_points():
         # Every mount read-only, no set-uid, no device nodes (the kept ones are bound below).
         flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
         for option, flag in _MS_KEPT.items():
@@ -120,7 +120,7 @@ def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
     # deeper hidden directory (an exposed entry of this one) exists when its turn comes.
     for directory in dict.fromkeys(d for d, _ in config["hidden_dirs"]):
         if not os.path.isdir(directory):
-            continue
+            continue  # (its entries' descriptors are closed below: none reaches the code)
         libc.mount("tmpfs", directory, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=64k,nr_inodes=256")
         new_mounts.append(directory)
         for name, entry in [(n, e) for d, n, e in exposed if d == directory]:
@@ -137,6 +137,8 @@ def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
             # (a kept device node stays usable: its bind mount alone lacks nodev)
             device = directory == "/dev"
             libc.mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | (0 if device else _MS_NODEV))
+    for _, _, entry in exposed:  # every O_PATH descriptor of the originals, bound or not: the code runs in this process
+        if not isinstance(entry, str):
             os.close(entry)
     os.makedirs(workdir, exist_ok=True)  # inside a masked /tmp it is gone
     size = config["workdir_bytes"]
