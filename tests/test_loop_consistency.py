@@ -338,7 +338,7 @@ def test_an_engine_s_agent_rollout_holds_back_an_update_that_waits_for_the_reque
     engine._reset_generation_state()
     engine.weight_version, engine._weights_present = 0, lambda: None
     engine._complete_agents = lambda requests, job, seed: iter([[SimpleNamespace(weight_version=None)], [SimpleNamespace(weight_version=None)]])
-    trajectories = engine._complete_env([], SimpleNamespace(env=SimpleNamespace(rollout="agent")))
+    trajectories = engine._complete_env([], SimpleNamespace(env=SimpleNamespace(calls_through_endpoint=True)))
     next(trajectories)  # the first trajectory is out, the session goes on
     update = concurrent.futures.ThreadPoolExecutor(1).submit(engine._finish_in_flight)
     with pytest.raises(concurrent.futures.TimeoutError):

@@ -270,7 +270,7 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         self._wait_for_update(new_requests=True)
         seed = getattr(self, "_step_seed", self.spec.seed)
         started = self.weight_version
-        if job.env.rollout == "turns":
+        if not job.env.calls_through_endpoint:
             self._run(self._weights_present)
             for item in self._complete_turns(requests, job, seed):
                 yield self._stamped(item, started)

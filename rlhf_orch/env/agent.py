@@ -56,7 +56,7 @@ class AgentEnv(EnvGroup):
     prompt_max_len: int = 0  # data.prompt_max_len, taken in `bind` (a sequence's first prompt)
 
     multi_turn = True  # trajectories: the engines drive them
-    rollout = "agent"  # what the engine runs for it (rlhf_orch.engines.agent_rollout)
+    calls_through_endpoint = True  # the engine serves the agent's calls (rlhf_orch.engines.agent_rollout)
 
     def __post_init__(self) -> None:
         if not self.path or not self.name:

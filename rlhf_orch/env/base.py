@@ -109,7 +109,10 @@ class EnvGroup(abc.ABC):
     """What `env=<option>` builds (picklable: shipped to every engine with each rollout job)."""
 
     multi_turn: bool = False
-    rollout: str = "turns"  # what an engine runs for a multi-turn option (rlhf_orch.engines.vllm_engine)
+    # The model is called from outside through the engine's OpenAI-compatible endpoint (env=agent):
+    # the engine runs the whole session on vLLM's thread (`agent_rollout`). Otherwise the engine
+    # drives the turns itself, sharing its steps with the other rollouts (`turns`).
+    calls_through_endpoint: bool = False
 
     def bind(self, task: Any) -> None:
         """On the driver, once the data is loaded: take what the option needs of it."""
