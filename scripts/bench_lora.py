@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_memory import run_polled  # noqa: E402
+from rlhf_orch.logging.base import read_metrics  # noqa: E402
 
 # Per model: the recipe each variant runs, and the LoRA learning rate (adapters need a larger step than
 # full fine-tuning; the tiny model's default actor_lr serves both).
@@ -54,7 +55,7 @@ def run(overrides: list[str], run_dir: Path, reuse: bool = False) -> dict:
         if returncode != 0:
             raise SystemExit(f"run failed ({returncode}): {' '.join(overrides)}")
         peak = poller.by_role().get("actor0", 0) / 1e9
-    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = read_metrics(run_dir)
     rows = [r for r in logged if "reward/mean" in r]  # (a step-0 row holds the evaluation before training)
     later = rows[1:] or rows  # the first step pays one-time costs (first sync, kernel warm-up)
     med = lambda key: statistics.median(r[key] for r in later if key in r)  # noqa: E731

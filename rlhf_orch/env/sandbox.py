@@ -359,8 +359,8 @@ def _read_only_tree(paths: list[str], private: list[str] = (), top_level: list[s
     (a checkout under /usr/src); every other top-level directory (/home, /root, /run, /mnt, /opt,
     ... and what a top-level symlink such as /home -> var/home points to) is emptied, and so is
     every directory mounted under /etc or /var (`mounts`: a Kubernetes token under
-    /var/run/secrets, an application's secrets under /etc); /dev keeps KEPT_DEVICES alone. A path that holds a private location (a checkout root on sys.path) is not
-    shown entire. Shallowest first, as `(directory, entries shown)`: the sandbox puts a read-only
+    /var/run/secrets, an application's secrets under /etc); /dev keeps KEPT_DEVICES alone. A path
+    that holds a private location (a checkout root on sys.path) is not shown entire. Shallowest first, as `(directory, entries shown)`: the sandbox puts a read-only
     tmpfs over each, holding those."""
     private = [p.rstrip("/") for p in private]
 
@@ -392,7 +392,7 @@ def _read_only_tree(paths: list[str], private: list[str] = (), top_level: list[s
     for mount in mounts:
         if inside(mount, ["/etc", "/var"]) and not inside(mount, whole) and is_dir(mount):
             shown.setdefault(mount, set())
-    return sorted(((d, sorted(names)) for d, names in shown.items()), key=lambda item: (item[0].count("/"), item[0]))
+    return _merged(list(shown.items()))
 
 
 def _link_chain(path: str) -> list[str]:
@@ -412,17 +412,6 @@ def _merged(*plans: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
         for directory, names in plan:
             shown.setdefault(directory, set()).update(names)
     return sorted(((d, sorted(names)) for d, names in shown.items()), key=lambda item: (item[0].count("/"), item[0]))
-
-
-def _masked_entries(paths: list[str]) -> list[tuple[str, list[str]]]:
-    """Per masked temp dir (MASKED_DIRS), the entries right under it that `paths` go through."""
-    entries: dict[str, set[str]] = {}
-    for path in paths:
-        for variant in {os.path.abspath(path), os.path.realpath(path)}:
-            for masked in MASKED_DIRS:
-                if variant.startswith(masked.rstrip("/") + "/"):
-                    entries.setdefault(masked, set()).add(variant[len(masked.rstrip("/")) + 1 :].split("/")[0])
-    return sorted((d, sorted(names)) for d, names in entries.items())
 
 
 def _hidden_dirs(paths: list[str]) -> list[tuple[str, list[str]]]:

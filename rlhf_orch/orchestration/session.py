@@ -140,12 +140,11 @@ def load_resume_point(typed: RootConfig, run_dir: Path, config_dict: dict, task:
     wanted = typed.resume
     if wanted == OWN_RUN_DIR:  # (a requeued Slurm job: its own run dir, never another job's)
         try:
-            find_checkpoint(str(run_dir), run_dir.parent, ck.dir)
+            wanted = str(find_checkpoint(str(run_dir), run_dir.parent, ck.dir).path)  # (load_resume reads it by its manifest)
         except ResumeError:
             print(f"resume={OWN_RUN_DIR}: no complete checkpoint of {run_dir} yet: starting fresh there "
                   "(the records of an earlier attempt stay in metrics.jsonl, marked superseded)", flush=True)
             return None
-        wanted = str(run_dir)
     resume = load_resume(wanted, run_dir.parent, ck.dir, config_dict, typed.algo.num_steps, typed.experiment_name)
     task.load_state_dict(resume.state["data"])
     set_rng_state(resume.state["rng"])
