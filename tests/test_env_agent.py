@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
-import threading
 import time
 
 import openai
@@ -22,6 +22,41 @@ from rlhf_orch.env.base import EnvError
 from rlhf_orch.env.chat_api import ChatAPIError, parse_request, parse_tool_calls
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.transfer.plan import extra_sequence_index
+
+
+class Seen:
+    """What agent functions report to the test: they run in processes of their own (the runner's
+    host forks one per trajectory), so a dict in the test would stay empty. One JSON file per key."""
+
+    def __init__(self, directory):
+        self.directory = str(directory)
+
+    def __setitem__(self, key, value) -> None:
+        path = os.path.join(self.directory, f"{key}.json")
+        with open(f"{path}.{os.getpid()}", "w") as f:
+            json.dump(value, f)
+        os.replace(f"{path}.{os.getpid()}", path)  # a reader never sees half a value
+
+    def __getitem__(self, key):
+        try:
+            with open(os.path.join(self.directory, f"{key}.json")) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def get(self, key, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def wait_for(self, key, timeout_s: float = 10.0):
+        deadline = time.monotonic() + timeout_s
+        while (value := self.get(key)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {key!r} reported")
+            time.sleep(0.02)
+        return value
 
 LIMITS = AgentLimits(max_prompt_tokens=8, max_response_tokens=20, max_tokens_per_call=5, max_calls=4)
 
@@ -241,8 +276,8 @@ def test_an_async_agent_and_its_failures_are_counted_and_scored_zero(server):
     assert results[2].outcome.timed_out and results[2].outcome.reward == 0.0
 
 
-def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server):
-    seen = {}
+def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server, tmp_path):
+    seen = Seen(tmp_path)
 
     def agent(row, client, base_url, api_key, **kwargs):
         def error(**kw):
@@ -389,9 +424,9 @@ def _fan_out_session(server, agent, limits):
     return AgentRolloutSession(server, gen, EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 30.0), gen
 
 
-def test_calls_made_at_once_count_against_max_calls_while_in_flight(server):
+def test_calls_made_at_once_count_against_max_calls_while_in_flight(server, tmp_path):
     """env.max_calls=4 and an agent that fans out 8 calls at once: 4 answers, 4 refusals."""
-    seen = []
+    seen = Seen(tmp_path)
 
     async def fan_out(row, client, **kwargs):
         async def one(k):
@@ -402,21 +437,21 @@ def test_calls_made_at_once_count_against_max_calls_while_in_flight(server):
                 assert "env.max_calls" in str(e)
                 return "refused"
 
-        seen.extend(await asyncio.gather(*(one(k) for k in range(8))))
+        seen["replies"] = await asyncio.gather(*(one(k) for k in range(8)))
         return 1.0
 
     limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
     session, gen = _fan_out_session(server, fan_out, limits)
     (result,) = session.run(_rows(1))
-    assert sorted(seen) == ["answer"] * 4 + ["refused"] * 4
+    assert sorted(seen["replies"]) == ["answer"] * 4 + ["refused"] * 4, result.outcome
     assert len(gen.submitted) == 4 and result.record.counts.calls == 4 and result.record.counts.refused_calls == 4
 
 
-def test_a_conversation_takes_one_call_at_a_time(server):
+def test_a_conversation_takes_one_call_at_a_time(server, tmp_path):
     """Two calls at once that both extend one conversation: the second is refused (recorded after
     the first, its prompt would no longer extend the conversation and would start a sequence past
     data.prompt_max_len); calls on other conversations go on."""
-    seen = {}
+    seen = Seen(tmp_path)
 
     async def two_at_once(row, client, **kwargs):
         history = [{"role": "user", "content": "q" * 30}]
@@ -501,27 +536,61 @@ def test_the_endpoint_refuses_connections_past_its_limit():
         server.close()
 
 
-def test_a_hung_plain_agent_holds_no_thread_the_next_trajectory_waits_for(server):
-    """env.concurrency=1, a plain agent function: trajectory 0's spins past env.timeout_s and is
-    given up (its thread stopped); trajectory 1's then runs with its whole timeout and scores."""
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def test_a_hung_agent_is_killed_at_its_deadline_and_the_next_trajectory_gets_its_whole_time(server):
+    """env.concurrency=1, a plain agent function: trajectory 0's spins past env.timeout_s and its
+    process is killed; trajectory 1's then runs with its whole timeout (counted from its own start,
+    not from the rollout's) and scores. No trajectory's process is left, the host stays for the next rollout."""
     def agent(row, client, **kwargs):
         if row["prompt"] == "q0":
             while True:
                 pass
+        time.sleep(1.2)  # more than what trajectory 0 left of a deadline counted from the rollout's start
         reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
         return 1.0 if reply.choices[0].message.content else 0.0
 
     limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
-    before = set(threading.enumerate())
-    runner = AgentRunner(agent, concurrency=1, timeout_s=1.0)
+    runner = AgentRunner(agent, concurrency=1, timeout_s=2.0)
     session = AgentRolloutSession(server, ScriptedGenerator(), EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 5.0)
-    results = {r.index: r for r in session.run(_rows(2))}
-    assert results[0].outcome.timed_out and results[0].outcome.reward == 0.0
-    assert not results[1].outcome.timed_out and results[1].outcome.reward == 1.0
-    deadline = time.monotonic() + 5
-    while (left := [t for t in threading.enumerate() if t not in before and t.name.startswith("agent")]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left  # the spinning function's thread ended
+    try:
+        results = {r.index: r for r in session.run(_rows(2))}
+        assert results[0].outcome.timed_out and results[0].outcome.reward == 0.0
+        assert not results[1].outcome.timed_out and results[1].outcome.reward == 1.0, results[1].outcome
+        assert runner._host.poll() is None and _children(runner._host.pid) == []
+    finally:
+        runner.close()
+
+
+def test_an_agent_that_exits_or_crashes_its_process_scores_zero_and_the_rest_go_on(server):
+    """`os._exit(1)` in one trajectory's agent and a segfault in another's (a C extension
+    crashing): those score 0 with the cause counted as an error; the other trajectories score, and
+    the same runner serves the next rollout (the engine, were this inside it, is untouched)."""
+    def agent(row, client, **kwargs):
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        if row["prompt"] == "q0":
+            os._exit(1)
+        if row["prompt"] == "q1":
+            import ctypes
+
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
+        return 1.0 if reply.choices[0].message.content else 0.0
+
+    session, _ = _session(agent, server)
+    try:
+        for _ in range(2):
+            results = {r.index: r.outcome for r in session.run(_rows(3))}
+            assert results[0].reward == 0.0 and "exited with code 1" in results[0].error
+            assert results[1].reward == 0.0 and "SIGSEGV" in results[1].error
+            assert results[2].reward == 1.0 and results[2].error is None
+    finally:
+        session.runner.close()
 
 
 def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(monkeypatch):
@@ -541,7 +610,7 @@ def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(
     assert len(counted) == 3
     # The engine hands the session its own count, the one `progress` answers.
     engine = object.__new__(VLLMEngine)  # no vLLM: only what an agent rollout's start needs
-    engine.llm, engine.steps_made, engine._chat_server = None, 0, lambda env: None
+    engine.llm, engine.steps_made, engine._chat_server, engine._agent_runner = None, 0, lambda env: None, lambda env: None
     handed = {}
     monkeypatch.setattr(agent_rollout, "complete_agent_trajectories", lambda *args: handed.setdefault("count_step", args[-1]))
     engine._complete_agents([], SimpleNamespace(env=None), step_seed=0)
@@ -550,18 +619,16 @@ def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(
     assert engine.progress() == 2
 
 
-def test_each_trajectory_has_its_own_key_and_cannot_call_as_another(server):
+def test_each_trajectory_has_its_own_key_and_cannot_call_as_another(server, tmp_path):
     """Two trajectories of one rollout: each agent's key works for its own base URL (and the model
     list), not for the other's -- an agent cannot spend another's call budget or read its
     conversation -- and no key of a rollout works once the next rollout has its keys."""
-    seen: dict[int, tuple[str, str]] = {}
-    barrier = threading.Barrier(2, timeout=10)
+    seen = Seen(tmp_path)
 
     def agent(row, client, base_url, api_key, **kwargs):
         index = int(row["prompt"][1:])
         seen[index] = (base_url, api_key)
-        barrier.wait()  # both trajectories are live
-        other_url, _ = seen[1 - index]
+        other_url, _ = seen.wait_for(1 - index)  # both trajectories are live
         try:
             openai.OpenAI(base_url=other_url, api_key=api_key, max_retries=0).chat.completions.create(
                 model="policy", messages=[{"role": "user", "content": "x"}])
@@ -576,7 +643,7 @@ def test_each_trajectory_has_its_own_key_and_cannot_call_as_another(server):
 
     session, _ = _session(agent, server)
     results = session.run(_rows(2))
-    assert seen[10] == seen[11] == ("refused", "401")
+    assert seen[10] == seen[11] == ["refused", "401"]
     assert seen[0][1] != seen[1][1]
     assert all(r.outcome.reward == 1.0 for r in results)
     server.issue_keys(["next"])  # the next rollout

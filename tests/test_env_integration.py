@@ -392,6 +392,39 @@ def answer_then_retry_afresh(row, client, **kwargs):
 '''
 
 
+EXITING_AGENT = '''
+import os
+import sys
+sys.path.insert(0, {examples!r})
+import openai_agent
+
+
+def answer_or_exit(row, client, **kwargs):
+    """Answers; on a question whose answer starts with an odd digit, ends its own process
+    (`os._exit(1)`) right after."""
+    reply = client.chat.completions.create(model="policy", messages=list(row["messages"]), max_tokens=8)
+    if int(row["ground_truth"].split()[0]) % 2:
+        os._exit(1)
+    return openai_agent.digit_score(row["ground_truth"], reply.choices[0].message.content)
+'''
+
+
+def test_an_agent_that_ends_its_process_scores_zero_and_the_step_completes(tmp_path):
+    """Agents that call `os._exit(1)` mid-trajectory inside a whole run: each such trajectory
+    scores 0 and is counted in env/agent_errors; no engine is lost (the agents run out of its
+    process), every step completes and trains."""
+    path = tmp_path / "agent.py"
+    path.write_text(EXITING_AGENT.format(examples=str(Path(EXAMPLE_AGENT).parent)))
+    rows = _run(["experiment=quick", "algo.num_steps=2", "checkpoint.export_final=false", "env=agent", f"env.path={path}",
+                 "env.name=answer_or_exit", "env.max_tokens_per_turn=8", "data.response_max_len=16", *AGENT_PLAN],
+                tmp_path / "run")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/samples"] == 16 and r["fault/engine_restarts"] == 0
+        assert 0 < r["env/agent_errors"] < 16 and r["env/calls_mean"] == 1.0
+    assert rows[-1]["loss/policy"] != 0
+
+
 @pytest.mark.parametrize("transfer", ["packed", "micro_batched"])
 def test_every_conversation_of_an_agent_trains_on_every_rank_layout(tmp_path, transfer):
     """An agent whose trajectories hold two conversations (the second extends nothing): both train,

@@ -218,14 +218,14 @@ def trajectory_completions(
             }
 
 
-def complete_agent_trajectories(llm: Any, server: Any, requests: Sequence[Any], job: Any, step_seed: int,
+def complete_agent_trajectories(llm: Any, server: Any, runner: AgentRunner, requests: Sequence[Any], job: Any, step_seed: int,
                                 count_step: Callable[[], None] | None = None) -> Iterator[list[Any]]:
     """Every requested sample as an agent trajectory; yields each request's completions (every
     sequence of all its samples) in request order once every agent function has returned.
-    `count_step`: called after each engine step (the engine's liveness count)."""
+    `runner`: the engine's, for job.env (its host process outlives the rollout). `count_step`:
+    called after each engine step (the engine's liveness count)."""
     env = job.env
     tokenizer = llm.get_tokenizer()
-    runner = AgentRunner(env.load(), env.concurrency, env.timeout_s)
     session = AgentRolloutSession(
         server, VLLMCalls(llm, job.temperature, count_step=count_step), tokenizer, runner, env.limits(job.max_tokens), job.temperature, step_seed,
         env.tool_parser, env.timeout_s, env.reasoning_parser,

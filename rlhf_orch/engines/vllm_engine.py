@@ -309,7 +309,22 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
     def _complete_agents(self, requests, job: RolloutJob, step_seed: int):
         from rlhf_orch.engines.agent_rollout import complete_agent_trajectories
 
-        return complete_agent_trajectories(self.llm, self._chat_server(job.env), requests, job, step_seed, self._count_step)
+        return complete_agent_trajectories(self.llm, self._chat_server(job.env), self._agent_runner(job.env), requests, job, step_seed,
+                                           self._count_step)
+
+    def _agent_runner(self, env: Any) -> Any:
+        """The agent functions' runner for `env`: its host process is started once and kept for
+        the next rollouts (importing `openai` and the function there costs ~1 s)."""
+        runner, made_for = getattr(self, "_agents", (None, None))
+        wanted = (env.path, env.name, env.concurrency, env.timeout_s)
+        if runner is None or made_for != wanted:
+            from rlhf_orch.env.agent_runner import AgentRunner
+
+            if runner is not None:
+                runner.close()
+            runner = AgentRunner(env.load(), env.concurrency, env.timeout_s)
+            self._agents = (runner, wanted)
+        return runner
 
     def _chat_server(self, env: Any) -> Any:
         """The engine's `env=agent` endpoint, started at its first agent rollout, closed with the engine."""
@@ -330,7 +345,11 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         return None if server is None else {"host": server.host, "port": server.port}
 
     def close_chat_endpoint(self) -> None:
-        """Stop serving agents (the port is free when this returns); the run is ending."""
+        """Stop serving agents (the port is free when this returns) and their host process; the run is ending."""
+        runner, _ = getattr(self, "_agents", (None, None))
+        if runner is not None:
+            runner.close()
+            self._agents = (None, None)
         server = getattr(self, "_server", None)
         if server is not None:
             server.close()
@@ -541,8 +560,8 @@ def _min_response_len(prompt: Any) -> int:
 
 
 def _serving_host(host: str) -> str:
-    """env.host: the loopback interface (`auto`, `loopback`: every agent runs inside this engine's
-    process, on any cluster), or this node's address (`node`: for agents that call from elsewhere)."""
+    """env.host: the loopback interface (`auto`, `loopback`: every agent runs in a process this
+    engine starts on its node, on any cluster), or this node's address (`node`: for agents that call from elsewhere)."""
     if host in ("auto", "loopback"):
         return "127.0.0.1"
     return ray.util.get_node_ip_address()

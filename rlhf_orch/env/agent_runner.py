@@ -4,25 +4,27 @@ Each trajectory calls `fn(row, client=..., base_url=..., api_key=...)`: the data
 client bound to the trajectory's own base URL (`AsyncOpenAI` for an `async def`, `OpenAI` for a
 plain function), that URL and the trajectory's own key (for code that makes its own client). Only the keywords
 the function accepts are passed (all of them to `**kwargs`). At most `concurrency` trajectories run
-at once; each has `timeout_s`. The function returns the reward: a number, or a mapping with
-`score` (its other numeric entries are summed as metrics). An exception or a timeout scores 0 and is
-counted; the rollout still completes.
+at once; each has `timeout_s`, counted from its start. The function returns the reward: a number, or
+a mapping with `score` (its other numeric entries are summed as metrics). An exception, a timeout or
+a process that dies (`os._exit`, a segfault) scores 0 and is counted; the rollout still completes.
 
-The functions run on an event loop in a thread of their own (a plain function in the loop's thread
-pool), so the caller's thread stays free to drive the engine that answers their calls.
+The functions run out of the caller's process, one process per trajectory forked from a host
+process the runner starts once (rlhf_orch.env.agent_host): what an agent does to its process cannot
+stop the engine that answers its calls, and a trajectory past its deadline is killed, not waited for.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
+import os
+import subprocess
+import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from rlhf_orch.env import abandonable
+from rlhf_orch.env.agent_host import read_message, write_message
 
 CLIENT_KEYWORDS = ("client", "base_url", "api_key")
 
@@ -63,24 +65,46 @@ def accepted_keywords(fn: Callable) -> tuple[str, ...]:
     return tuple(k for k in CLIENT_KEYWORDS if k in names)
 
 
+class AgentHostError(RuntimeError):
+    """The host process could not load the function (raised from `wait`)."""
+
+
 class AgentRunner:
-    """Start every trajectory's function; `wait` for them; `outcomes` once done."""
+    """Start every trajectory's function; `wait` for them; `outcomes` once done; `close` at the end.
+    One host process serves every `start` until `close` (one that died is started again)."""
+
+    _HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_host.py")
 
     def __init__(self, fn: Callable, concurrency: int, timeout_s: float):
         self.fn = fn
-        self.is_async = inspect.iscoroutinefunction(fn)
         self.keywords = accepted_keywords(fn)
         self.concurrency = max(1, int(concurrency))
         self.timeout_s = float(timeout_s)
         self.outcomes: dict[int, AgentOutcome] = {}
-        self._thread: threading.Thread | None = None
+        self._pickled = _pickled(fn)
+        self._host: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._pending: set[int] = set()
         self._done = threading.Event()
+        self._done.set()
         self._crash: BaseException | None = None
 
     def start(self, items: Sequence[tuple[int, Any, str, str]]) -> None:
         """items: (trajectory index, row, base_url, api_key): each trajectory's own URL and key."""
-        self._thread = threading.Thread(target=self._main, args=(list(items),), name="agents", daemon=True)
-        self._thread.start()
+        items = list(items)
+        with self._lock:
+            self.outcomes = {}
+            self._pending = {index for index, *_ in items}
+            self._crash = None
+            self._done.clear()
+        if not items:
+            self._done.set()
+            return
+        try:
+            host = self._running_host()
+            write_message(host.stdin, ("run", items))
+        except (OSError, EOFError, AgentHostError) as e:
+            self._fail_pending(e if isinstance(e, AgentHostError) else None)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -91,66 +115,69 @@ class AgentRunner:
             raise self._crash
         return finished
 
-    # ------------------------------------------------------------------ the loop's thread
-    def _main(self, items: list[tuple[int, Any, str, str]]) -> None:
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(self._all(items))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            self._crash = e
-        finally:
-            loop.close()
+    def close(self) -> None:
+        """Stop the host; trajectories still running are killed with it."""
+        host, self._host = self._host, None
+        if host is not None:
+            try:
+                host.stdin.close()  # the host kills its trajectories and exits
+                host.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                host.kill()
+                host.wait()
+        self._fail_pending(None)
+
+    def __del__(self) -> None:
+        host = getattr(self, "_host", None)
+        if host is not None and host.poll() is None:
+            host.kill()
+
+    # ------------------------------------------------------------------ the host process
+    def _running_host(self) -> subprocess.Popen:
+        if self._host is not None and self._host.poll() is None:
+            return self._host
+        # -I: no PYTHON* variables, no user site; the caller's sys.path comes with "init" instead
+        host = subprocess.Popen([sys.executable, "-I", "-B", self._HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        write_message(host.stdin, ("init", list(sys.path), self._pickled, self.concurrency, self.timeout_s))
+        reply = read_message(host.stdout)
+        if reply[0] != "ready":
+            host.kill()
+            host.wait()
+            raise AgentHostError(f"the agent function could not be loaded in its process: {reply[1]}")
+        self._host = host
+        threading.Thread(target=self._read_outcomes, args=(host,), name="agent-outcomes", daemon=True).start()
+        return host
+
+    def _read_outcomes(self, host: subprocess.Popen) -> None:
+        while True:
+            try:
+                _, fields = read_message(host.stdout)
+            except (EOFError, OSError, ValueError):
+                break
+            with self._lock:
+                if fields["index"] in self._pending:  # (not one of a rollout given up before)
+                    self.outcomes[fields["index"]] = AgentOutcome(**fields)
+                    self._pending.discard(fields["index"])
+                    if not self._pending:
+                        self._done.set()
+        if self._host is host:
+            self._fail_pending(None)  # the host died: what it was running has no outcome
+
+    def _fail_pending(self, crash: BaseException | None) -> None:
+        with self._lock:
+            for index in self._pending:
+                self.outcomes[index] = AgentOutcome(index, error="AgentProcessDied: the agents' host process ended")
+            self._pending = set()
+            self._crash = crash
             self._done.set()
 
-    async def _all(self, items: list[tuple[int, Any, str, str]]) -> None:
-        import httpx
 
-        # One connection pool for every trajectory's client: an `openai` client builds its own
-        # otherwise, with an SSL context (~17 ms each, more than a call to the tiny model costs).
-        limits = httpx.Limits(max_connections=self.concurrency * 2, max_keepalive_connections=self.concurrency * 2)
-        timeout = httpx.Timeout(self.timeout_s)
-        self._http = httpx.AsyncClient(limits=limits, timeout=timeout) if self.is_async else httpx.Client(limits=limits, timeout=timeout)
-        gate = asyncio.Semaphore(self.concurrency)
-        try:
-            await asyncio.gather(*(self._one(gate, index, row, url, key) for index, row, url, key in items))
-        finally:
-            if self.is_async:
-                await self._http.aclose()
-            else:
-                self._http.close()  # a timed-out function still calling gets an error: its rollout is over
+def _pickled(fn: Callable) -> bytes:
+    """The function as the host can load it: with its module's code by value (a file loaded from
+    env.path cannot be imported by name there; a test module could, at the cost of its imports)."""
+    import cloudpickle
 
-    async def _one(self, gate: asyncio.Semaphore, index: int, row: Any, base_url: str, api_key: str) -> None:
-        async with gate:
-            out = AgentOutcome(index)
-            t = time.perf_counter()
-            client = None
-            try:
-                client = self._client(base_url, api_key)
-                kwargs = {k: v for k, v in (("client", client), ("base_url", base_url), ("api_key", api_key)) if k in self.keywords}
-                if self.is_async:
-                    result = await asyncio.wait_for(self.fn(row, **kwargs), self.timeout_s)
-                else:
-                    # A plain function blocks a thread of its own (not a pool's: one that hangs would
-                    # hold a worker the next trajectory waits for); past env.timeout_s it is abandoned.
-                    call = abandonable.start(self.fn, row, name="agent", **kwargs)
-                    try:
-                        result = await asyncio.wait_for(asyncio.wrap_future(call), self.timeout_s)
-                    except asyncio.TimeoutError:
-                        abandonable.abandon(call)
-                        raise
-                out.reward, out.metrics = reward_of(result)
-            except asyncio.TimeoutError:
-                out.timed_out = True
-            except Exception as e:  # noqa: BLE001 - the agent's bug or its model's output: counted, scored 0
-                out.error = f"{type(e).__name__}: {e}"
-            finally:
-                out.seconds = time.perf_counter() - t
-            self.outcomes[index] = out
-
-    def _client(self, base_url: str, api_key: str) -> Any:
-        import openai
-
-        # No retries: a refused call is the agent's to handle, and a retry would be a second call.
-        cls = openai.AsyncOpenAI if self.is_async else openai.OpenAI
-        return cls(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.timeout_s, http_client=self._http)
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is not None and module.__name__ != "__main__":
+        cloudpickle.register_pickle_by_value(module)
+    return cloudpickle.dumps(fn)

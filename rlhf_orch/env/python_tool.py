@@ -65,9 +65,10 @@ def _weak_sandbox(support: SandboxSupport) -> str | None:
     if not support.missing:
         return None
     return (
-        f"the sandbox has no {', no '.join(support.missing)} (not root, or a container without namespaces): model-written "
-        "code could read and write what the engine can (checkpoints, data with its answers, /proc/<pid>/environ) and reach "
-        "the network; run as root on a host with namespaces, or set env.allow_weak_sandbox=true to run it anyway"
+        f"the sandbox has no {', no '.join(support.missing)} (no namespaces: a container without them, or unprivileged "
+        "user namespaces turned off): model-written code could read and write what the engine can (checkpoints, data with "
+        "its answers, /proc/<pid>/environ) and reach the network; run where namespaces work (as root, or any uid with "
+        "user namespaces), or set env.allow_weak_sandbox=true to run it anyway"
     )
 
 

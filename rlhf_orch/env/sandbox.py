@@ -43,12 +43,17 @@ process and falls back to what works elsewhere):
   outside the working directory, signalling other processes, and ctypes look-ups of libc calls
   that would do the same.
 
-Where a feature does not work (not root; no namespaces, as in a default Docker container), the
-code runs with what does. Measured as uid 65534 here: the network namespace comes with a user
-namespace, inside which RLIMIT_NPROC counts only that namespace's processes (max_processes=1: one
-fork, then EAGAIN); without one it counts all the caller's processes (no fork at all). There is
-then no private filesystem and no uid to sweep: the code can write where the caller can, and a
-grandchild that calls `setsid` outlives the group kill; only the audit hook stands in the way.
+Not root (a Slurm or Kubernetes job): the same boundaries come from a user namespace of the code's
+own (`SandboxSupport.user_namespace`; the mode bubblewrap uses). The bootstrap unshares user, mount,
+network and pid namespaces, maps its uid to the namespace's 0, forks (the child is pid 1 of the new
+pid namespace), builds the same private read-only tree and then drops every capability (bounding
+set included) before the code runs. The pid namespace stands in for the separate uid: the code
+sees, signals and traces no process of the host (no /proc/<pid>/environ of the caller), RLIMIT_NPROC
+counts the namespace's processes alone, and every process it starts dies with it. Measured as uid
+65534 here (tests/test_sandbox_hostile_corpus.py: the same 22 hostile programs as root, all held).
+Where unprivileged user namespaces are off (a default Docker container), the code runs with what
+works: a network namespace at most, no private filesystem, and only the audit hook in the way of
+writes -- `env=python_tool` is then refused unless env.allow_weak_sandbox=true.
 As root, though, the code never runs as root (which no hidepid, read-only mount or rlimit stops: it
 reads /proc/<any pid>/environ, the caller's secrets included): where no separate uid works, as root,
 `run_python` refuses to run it. A probe run that fails is retried (_PROBE_ATTEMPTS) before a boundary
@@ -227,6 +232,10 @@ class SandboxSupport:
     network_namespace: bool  # the code has no network (CLONE_NEWNET)
     private_filesystem: bool  # read-only mounts, masked /tmp, a tmpfs work dir (CLONE_NEWNS)
     separate_uid: bool  # the code runs as its own unprivileged uid: RLIMIT_NPROC holds
+    # Not root: the three above come from a user namespace of the code's own, with a pid namespace
+    # standing in for the separate uid (it sees, signals and traces no process of the host; every
+    # process it starts dies with it; RLIMIT_NPROC counts the namespace's processes alone).
+    user_namespace: bool = False
 
     @property
     def missing(self) -> list[str]:
@@ -239,9 +248,10 @@ class SandboxSupport:
         def word(ok: bool) -> str:
             return "yes" if ok else "no"
 
+        how = " (a user and a pid namespace of its own, not root)" if self.user_namespace else ""
         return (
             f"sandbox: network namespace {word(self.network_namespace)}, private read-only filesystem "
-            f"{word(self.private_filesystem)}, separate uid {word(self.separate_uid)}"
+            f"{word(self.private_filesystem)}, separate uid {word(self.separate_uid)}{how}"
         )
 
 
@@ -281,22 +291,21 @@ def _note_timeout(timed_out: bool) -> None:
 
 
 def _full_support() -> SandboxSupport:
-    root = os.geteuid() == 0
-    return SandboxSupport(network_namespace=True, private_filesystem=root, separate_uid=root)
+    return SandboxSupport(network_namespace=True, private_filesystem=True, separate_uid=True, user_namespace=os.geteuid() != 0)
 
 
 def _probe_support() -> SandboxSupport:
     global _hidden_dirs_plan, _read_only_plan
     root = os.geteuid() == 0
-    if root:
-        try:
-            paths = _interpreter_paths()
+    try:
+        paths = _interpreter_paths()
+        if root:  # (the code's own uid must reach the interpreter; in a user namespace it is the caller's)
             _hidden_dirs_plan = _hidden_dirs(paths + [tempfile.gettempdir()])
-            _read_only_plan = _read_only_tree(paths, _private_locations(), mounts=[m for m, _ in mount_points()])
-        except (OSError, subprocess.SubprocessError, ValueError) as e:
-            # Fail closed: without the tree the private filesystem would show everything.
-            _read_only_plan = None
-            logger.warning("sandbox: could not list the interpreter's paths (%s): no private filesystem", e)
+        _read_only_plan = _read_only_tree(paths, _private_locations(), mounts=[m for m, _ in mount_points()])
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        # Fail closed: without the tree the private filesystem would show everything.
+        _read_only_plan = None
+        logger.warning("sandbox: could not list the interpreter's paths (%s): no private filesystem", e)
     # Imports after the uid changed prove the interpreter is still reachable; "ok" proves setup worked.
     probe_code = "import decimal, fractions, json\nprint('ok')\n"
 
@@ -477,7 +486,8 @@ def _child_env(workdir: str) -> dict[str, str]:
 
 def _run(code: str, limits: SandboxLimits, support: SandboxSupport, audit_hook: bool) -> ToolResult:
     source = code.encode("utf-8", "replace")
-    uid = _SANDBOX_UID_BASE + secrets.randbelow(_SANDBOX_UID_SPAN) if support.separate_uid else None
+    own_uid = support.separate_uid and not support.user_namespace  # (in a user namespace: the caller's)
+    uid = _SANDBOX_UID_BASE + secrets.randbelow(_SANDBOX_UID_SPAN) if own_uid else None
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="rlhf_orch_sandbox_"))
     started = time.monotonic()
     try:
@@ -490,6 +500,7 @@ def _run(code: str, limits: SandboxLimits, support: SandboxSupport, audit_hook: 
             "workdir": workdir,
             "uid": uid,
             "network_namespace": support.network_namespace,
+            "user_namespace": support.user_namespace,
             "private_filesystem": support.private_filesystem,
             "hidden_dirs": _merged(_hidden_dirs_plan if uid is not None else [], _read_only_plan if support.private_filesystem else []),
             "workdir_bytes": 8 * limits.max_file_bytes + len(source) + 64 * 1024,

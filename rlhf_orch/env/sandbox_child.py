@@ -1,7 +1,7 @@
 """The child side of the sandbox: `python -I -B sandbox_child.py CONFIG`, run by
-`rlhf_orch.env.sandbox.run_python` in the code's working directory. It sets up the boundaries as
-root (namespaces, private filesystem, rlimits), drops to the sandbox uid, installs the audit hook and
-runs `main.py`. It is started in isolated mode, so it imports nothing of the project: everything it
+`rlhf_orch.env.sandbox.run_python` in the code's working directory. It sets up the boundaries
+(namespaces, private filesystem, rlimits) as root and drops to the sandbox uid, or, not root, in a
+user namespace of its own and then drops every capability; installs the audit hook and runs `main.py`. It is started in isolated mode, so it imports nothing of the project: everything it
 needs is in this file (the parent imports the constants below from it).
 """
 
@@ -33,11 +33,14 @@ _BOOTSTRAP = os.path.abspath(__file__)
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWPID = 0x20000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _MS_KEPT = {"nodev": _MS_NODEV, "noexec": _MS_NOEXEC, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_CAPBSET_DROP = 24
+_CAPABILITY_VERSION_3 = 0x20080522
 
 
 class _SetupError(Exception):
@@ -74,6 +77,28 @@ class _Libc:
 
     def prctl(self, option: int, value: int) -> None:
         self._check(self._libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
+
+    def drop_capabilities(self) -> None:
+        """No capability left, none to regain: the bounding set emptied (an exec, even as the
+        namespace's uid 0, gets none back), then the effective, permitted and inheritable sets."""
+        ctypes = self._ctypes
+        cap = 0
+        while self._libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:
+            cap += 1
+        if cap == 0:
+            raise _SetupError(f"prctl(PR_CAPBSET_DROP): {os.strerror(ctypes.get_errno())}")
+
+        class Header(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+        class Data(ctypes.Structure):
+            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+        self._check(self._libc.capset(ctypes.byref(Header(_CAPABILITY_VERSION_3, 0)), (Data * 2)()), "capset")
+        with open("/proc/self/status") as f:
+            held = [line.split()[1] for line in f if line.startswith(("CapEff:", "CapPrm:", "CapBnd:", "CapAmb:"))]
+        if len(held) != 4 or any(int(mask, 16) for mask in held):
+            raise _SetupError(f"capabilities still held: {held}")
 
 
 def mount_points() -> list[tuple[str, set[str]]]:
@@ -155,14 +180,36 @@ def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
         os.chown(code_file, uid, uid)
 
 
-def _limit_resources(limits: dict) -> None:
+def _enter_user_namespace(libc: _Libc) -> None:
+    """Not root: a user namespace of the code's own (its uid 0 is the caller's uid, with
+    capabilities only over what the namespace owns), with mount, network and pid namespaces. Returns
+    in a forked child, pid 1 of the new pid namespace: the code sees no process of the host (no
+    /proc/<pid>/environ, nothing to signal or trace), and every process it starts dies with it. This
+    process waits and exits as the child did."""
+    uid, gid = os.geteuid(), os.getegid()
+    libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    pid = os.fork()
+    if pid == 0:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        return
+    _, status = os.waitpid(pid, 0)
+    sys.stdout.flush()
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def _limit_resources(limits: dict, processes_before: int = 1) -> None:
+    """`processes_before`: the processes RLIMIT_NPROC already counts when the code starts (the code;
+    in a user namespace also the process waiting for it)."""
     def limit(which: int, soft: int, hard: int | None = None) -> None:
         resource.setrlimit(which, (soft, soft if hard is None else hard))
 
     limit(resource.RLIMIT_CPU, limits["cpu_s"], limits["cpu_s"] + 1)  # SIGXCPU first, SIGKILL a second later
     limit(resource.RLIMIT_AS, limits["memory_mb"] * 1024 * 1024)
     limit(resource.RLIMIT_FSIZE, limits["max_file_bytes"])
-    limit(resource.RLIMIT_NPROC, 1 + limits["max_processes"])
+    limit(resource.RLIMIT_NPROC, processes_before + limits["max_processes"])
     limit(resource.RLIMIT_CORE, 0)
 
 
@@ -187,15 +234,20 @@ def _child_main(config_json: str) -> None:
         with open(os.path.join(workdir, CODE_FILE), "rb") as f:
             source = f.read()
         libc = _Libc()
-        if config["network_namespace"]:
+        user_namespace = config["user_namespace"]
+        if user_namespace:
+            _enter_user_namespace(libc)  # (with the network namespace)
+        elif config["network_namespace"]:
             libc.unshare(_CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET)
         if config["private_filesystem"]:
             _private_filesystem(libc, config, source)
         os.chdir(workdir)  # the tmpfs now mounted there, not the directory under it
         libc.prctl(_PR_SET_NO_NEW_PRIVS, 1)
-        _limit_resources(config["limits"])
+        _limit_resources(config["limits"], processes_before=2 if user_namespace else 1)
         if config["uid"] is not None:
             _drop_privileges(config["uid"])
+        if user_namespace:
+            libc.drop_capabilities()
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
         del libc
     except Exception as e:  # fail closed: the code never runs with a boundary half set up

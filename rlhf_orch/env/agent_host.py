@@ -1,0 +1,277 @@
+"""The process the agent functions run in, out of the engine's (`env=agent`), run as a script.
+
+`AgentRunner` (rlhf_orch.env.agent_runner) starts `python -I -B agent_host.py` once per engine and
+talks to it over its stdin and a second pipe (its stdout at start; what the functions print goes to
+stderr, the engine's log). The host imports `openai` and the function once, then forks one process
+per trajectory: an agent that calls `os._exit`, crashes natively (a segfault in a C extension) or
+hangs takes down or holds only its own process, which scores 0; the engine and the other
+trajectories go on. The host itself is single-threaded, so forking it is safe (forking the engine,
+with vLLM's threads, is not).
+
+Each trajectory's process runs in a process group of its own, which is killed when the function
+returns, when its deadline (env.timeout_s, counted from the process's start) passes, or when the
+host ends; it also dies with the host (PR_SET_PDEATHSIG), and the host with the engine. At most
+`concurrency` run at once; the rest wait in the host, their deadlines not yet started.
+
+Messages both ways are length-prefixed pickles (`write_message`, `read_message`):
+  to the host:   ("init", sys_path, pickled function, concurrency, timeout_s), then ("run", [(index, row, base_url, api_key), ...])
+  from the host: ("ready",) or ("init_failed", text), then ("done", outcome fields) per trajectory
+The function travels as a cloudpickle (a function defined in a user's file or inside a test is
+pickled by value); the rows are plain data.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+    # Run as a script: this directory is sys.path[0], where its modules (agent.py, tools.py, ...)
+    # would shadow the standard library's and the user's; the caller's path comes with "init".
+    sys.path.pop(0)
+
+import pickle
+import selectors
+import signal
+import struct
+import time
+from typing import Any, BinaryIO
+
+_HEADER = struct.Struct("!I")
+_PR_SET_PDEATHSIG = 1
+
+
+def write_message(stream: BinaryIO, message: Any) -> None:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(body)) + body)
+    stream.flush()
+
+
+def read_message(stream: BinaryIO) -> Any:
+    """The next message; EOFError when the other side has gone. `stream` may be unbuffered (the
+    host's: a buffered reader would hold messages its selector cannot see), so reads may come short."""
+    (size,) = _HEADER.unpack(_read_exactly(stream, _HEADER.size))
+    return pickle.loads(_read_exactly(stream, size))
+
+
+def _read_exactly(stream: BinaryIO, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = stream.read(size - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return bytes(data)
+
+
+def die_with_parent() -> None:
+    """The kernel kills this process when its parent ends (Linux); a no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+
+
+def exit_text(status: int) -> str:
+    """What ended a process without an outcome, from its wait status."""
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = str(number)
+        return f"AgentProcessDied: the agent's process was killed by {name}"
+    return f"AgentProcessDied: the agent's process exited with code {os.waitstatus_to_exitcode(status)} before returning"
+
+
+class _Trajectory:
+    def __init__(self, index: int, pid: int, result_fd: int, timeout_s: float):
+        self.index, self.pid, self.result_fd = index, pid, result_fd
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
+        self.data = bytearray()
+        self.timed_out = False
+
+
+class Host:
+    def __init__(self, commands: BinaryIO, replies: BinaryIO):
+        self.commands, self.replies = commands, replies
+        self.fn: Any = None
+        self.concurrency, self.timeout_s = 1, 1.0
+        self.queued: list[tuple[int, Any, str, str]] = []
+        self.running: dict[int, _Trajectory] = {}  # by result fd
+        self.selector = selectors.DefaultSelector()
+
+    # ------------------------------------------------------------------ the host's loop
+    def serve(self) -> None:
+        if not self._init(read_message(self.commands)):
+            return
+        self.selector.register(self.commands.fileno(), selectors.EVENT_READ, None)
+        try:
+            while True:
+                self._start_queued()
+                for key, _ in self.selector.select(self._wait_s()):
+                    if key.data is None:
+                        try:
+                            message = read_message(self.commands)
+                        except EOFError:
+                            return  # the engine is gone or closed the runner
+                        self.queued.extend(message[1])
+                    else:
+                        self._read_result(key.data)
+                self._stop_overdue()
+        finally:
+            for t in list(self.running.values()):
+                self._kill(t)
+                os.waitpid(t.pid, 0)
+
+    def _init(self, message: Any) -> bool:
+        try:
+            _, sys_path, pickled, concurrency, timeout_s = message
+            sys.path[:] = sys_path
+            # imported once here, not in every trajectory's process
+            import asyncio  # noqa: F401
+            import ssl
+
+            import cloudpickle  # noqa: F401 - what unpickles a function pickled by value
+            import httpx  # noqa: F401
+            import openai  # noqa: F401
+
+            from rlhf_orch.env.agent_runner import accepted_keywords
+
+            self.fn = pickle.loads(pickled)
+            self.keywords = accepted_keywords(self.fn)
+            self.concurrency, self.timeout_s = int(concurrency), float(timeout_s)
+            # built once, inherited by every fork: a client otherwise loads the CA bundle (~40 ms)
+            self.ssl_context = ssl.create_default_context()
+        except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it there
+            write_message(self.replies, ("init_failed", f"{type(e).__name__}: {e}"))
+            return False
+        write_message(self.replies, ("ready",))
+        return True
+
+    def _wait_s(self) -> float | None:
+        if not self.running:
+            return None
+        return max(0.0, min(t.deadline for t in self.running.values()) - time.monotonic())
+
+    def _start_queued(self) -> None:
+        while self.queued and len(self.running) < self.concurrency:
+            index, row, base_url, api_key = self.queued.pop(0)
+            read_fd, write_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the trajectory's process: never returns
+                os.close(read_fd)
+                _run_trajectory(self, write_fd, row, base_url, api_key)
+            os.close(write_fd)
+            t = _Trajectory(index, pid, read_fd, self.timeout_s)
+            self.running[read_fd] = t
+            self.selector.register(read_fd, selectors.EVENT_READ, t)
+
+    def _read_result(self, t: _Trajectory) -> None:
+        chunk = os.read(t.result_fd, 1 << 16)
+        if chunk:
+            t.data += chunk
+            return
+        self._finish(t)
+
+    def _stop_overdue(self) -> None:
+        now = time.monotonic()
+        for t in list(self.running.values()):
+            if now >= t.deadline:
+                t.timed_out = True
+                self._finish(t)
+
+    def _kill(self, t: _Trajectory) -> None:
+        try:
+            os.killpg(t.pid, signal.SIGKILL)  # the function's own children too
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            os.kill(t.pid, signal.SIGKILL)
+
+    def _finish(self, t: _Trajectory) -> None:
+        """The trajectory's process has closed its result pipe (returned, or died) or is overdue:
+        its group is killed and reaped, and its outcome goes to the engine."""
+        self._kill(t)
+        _, status = os.waitpid(t.pid, 0)
+        self.selector.unregister(t.result_fd)
+        os.close(t.result_fd)
+        del self.running[t.result_fd]
+        seconds = time.monotonic() - t.started
+        outcome: dict[str, Any] = {"index": t.index, "seconds": seconds}
+        if t.timed_out:
+            outcome["timed_out"] = True
+        else:
+            try:
+                outcome.update(pickle.loads(bytes(t.data)))
+            except Exception:  # noqa: BLE001 - nothing, or half a result: the process died first
+                outcome["error"] = exit_text(status)
+        write_message(self.replies, ("done", outcome))
+
+
+def _run_trajectory(host: Host, result_fd: int, row: Any, base_url: str, api_key: str) -> None:
+    """In the forked process: run the function once, write its outcome, exit without cleanup."""
+    code = 0
+    try:
+        os.setpgid(0, 0)
+        die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when this process ends
+        host.selector.close()
+        for fd in (host.commands.fileno(), host.replies.fileno(), *[t.result_fd for t in host.running.values()]):
+            os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        outcome = _call(host, row, base_url, api_key)
+        with os.fdopen(result_fd, "wb") as out:
+            out.write(pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
+    except BaseException:  # noqa: BLE001 - the host reports a process that wrote no outcome
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _call(host: Host, row: Any, base_url: str, api_key: str) -> dict[str, Any]:
+    import asyncio
+    import inspect
+
+    import httpx
+    import openai
+
+    from rlhf_orch.env.agent_runner import reward_of
+
+    fn, timeout_s = host.fn, host.timeout_s
+    is_async = inspect.iscoroutinefunction(fn)
+    try:
+        # No retries: a refused call is the agent's to handle, and a retry would be a second call.
+        if is_async:
+            client: Any = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
+                                             http_client=httpx.AsyncClient(verify=host.ssl_context, timeout=timeout_s))
+        else:
+            client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
+                                   http_client=httpx.Client(verify=host.ssl_context, timeout=timeout_s))
+        given = {"client": client, "base_url": base_url, "api_key": api_key}
+        kwargs = {k: given[k] for k in host.keywords}
+        result = asyncio.run(fn(row, **kwargs)) if is_async else fn(row, **kwargs)
+        reward, metrics = reward_of(result)
+        return {"reward": reward, "metrics": metrics}
+    except Exception as e:  # noqa: BLE001 - the agent's bug or its model's output: counted, scored 0
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def main() -> None:
+    die_with_parent()
+    # The protocol's pipe is the stdout the host was started with; anything printed from here on
+    # (the functions' own output) goes to stderr.
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the engine, which closes this
+    Host(os.fdopen(0, "rb", buffering=0), replies).serve()
+
+
+if __name__ == "__main__":
+    main()
