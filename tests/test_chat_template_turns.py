@@ -12,8 +12,8 @@ import pytest
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.observations import ObservationRenderer
-from rlhf_orch.env.runner import MultiTurnRunner, TokenizationMismatch
-from rlhf_orch.env.trajectory import TrajectoryLimits
+from rlhf_orch.env.turn_driver.runner import MultiTurnRunner, TokenizationMismatch
+from rlhf_orch.env.turn_driver.trajectory import TrajectoryLimits
 from tests.test_env_runner import ScriptedGenerator
 
 pytestmark = pytest.mark.real_model

@@ -14,12 +14,12 @@ import openai
 import pytest
 
 from rlhf_orch.engines.agent_rollout import AgentRolloutSession, CallOutput, trajectory_completions
-from rlhf_orch.env.chat_server import ChatServer
+from rlhf_orch.env.agent_driver.chat_server import ChatServer
 from rlhf_orch.env.agent import AgentEnv, agent_row
-from rlhf_orch.env.agent_record import AgentLimits, AgentRecord, CallRefused
-from rlhf_orch.env.agent_runner import AgentRunner, accepted_keywords, reward_of
+from rlhf_orch.env.agent_driver.record import AgentLimits, AgentRecord, CallRefused
+from rlhf_orch.env.agent_driver.runner import AgentRunner, accepted_keywords, reward_of
 from rlhf_orch.env.base import EnvError
-from rlhf_orch.env.chat_api import ChatAPIError, parse_request, parse_tool_calls
+from rlhf_orch.env.agent_driver.chat_api import ChatAPIError, parse_request, parse_tool_calls
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.transfer.plan import extra_sequence_index
 
@@ -386,7 +386,7 @@ def test_the_endpoint_separates_reasoning_with_vllm_s_parsers(smollm2_tokenizer)
     tool calls are read from the rest."""
     import copy
 
-    from rlhf_orch.env.chat_api import completion_body
+    from rlhf_orch.env.agent_driver.chat_api import completion_body
 
     tok = copy.deepcopy(smollm2_tokenizer)
     tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
@@ -494,7 +494,7 @@ def test_the_endpoint_checks_the_key_and_the_length_before_it_reads_a_body(serve
     """Answered at once and the connection closed, the body never read: a request without the key
     (however large it says its body is), a Content-Length that is not a number, a body over
     MAX_BODY_BYTES. Only then an authorised request's body is read."""
-    from rlhf_orch.env.chat_server import MAX_BODY_BYTES
+    from rlhf_orch.env.agent_driver.chat_server import MAX_BODY_BYTES
 
     path = "/trajectories/abc/v1/chat/completions"
     no_key, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES}\r\n\r\n".encode())
@@ -599,7 +599,7 @@ def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(
     from types import SimpleNamespace
 
     from rlhf_orch.engines import agent_rollout
-    from rlhf_orch.engines.turns import VLLMCalls
+    from rlhf_orch.engines.request_steps import VLLMCalls
     from rlhf_orch.engines.vllm_engine import VLLMEngine
 
     vllm_engine = SimpleNamespace(step=lambda: [SimpleNamespace(finished=False)], has_unfinished_requests=lambda: True)

@@ -16,9 +16,9 @@ from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, prompt_messages, row_extras
 from rlhf_orch.env.custom import CustomEnv
 from rlhf_orch.env.observations import ObservationRenderer
-from rlhf_orch.env.runner import MultiTurnRunner
+from rlhf_orch.env.turn_driver.runner import MultiTurnRunner
 from rlhf_orch.env.single_turn import SingleTurn
-from rlhf_orch.env.trajectory import TrajectoryLimits
+from rlhf_orch.env.turn_driver.trajectory import TrajectoryLimits
 from rlhf_orch.transfer.batch import LOSS_MASK, PackedBatch, PaddedBatch, Sample, apply_loss_mask
 from tests.conftest import compose_config
 from tests.test_env_runner import OneTokenPerMessage, ScriptedGenerator

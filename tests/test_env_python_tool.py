@@ -116,7 +116,7 @@ def test_a_tool_format_whose_marker_is_a_special_token_reads_the_turn_with_it(sm
     call runs in the sandbox and the final answer still scores."""
     import copy
 
-    from rlhf_orch.env.runner import MultiTurnRunner
+    from rlhf_orch.env.turn_driver.runner import MultiTurnRunner
     from tests.test_env_runner import ScriptedGenerator
 
     tok = copy.deepcopy(smollm2_tokenizer)

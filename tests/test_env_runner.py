@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from rlhf_orch.data.base import Prompt
-from rlhf_orch.env.runner import EnvRuntimeError, MultiTurnRunner, TurnOutput
-from rlhf_orch.env.trajectory import Trajectory, TrajectoryLimits
+from rlhf_orch.env.turn_driver.runner import EnvRuntimeError, MultiTurnRunner, TurnOutput
+from rlhf_orch.env.turn_driver.trajectory import Trajectory, TrajectoryLimits
 
 
 class ScriptedGenerator:
@@ -347,7 +347,7 @@ def test_turn_rewards_are_placed_on_each_turn_s_last_model_token():
     """env.reward=per_turn's field: step k's reward on turn k's last token, after an environment
     shortened the turn (skyrl-gym's postprocessed_action) on the new last token, and a turn with no
     token of its own on the model token before it."""
-    from rlhf_orch.env.trajectory import Trajectory
+    from rlhf_orch.env.turn_driver.trajectory import Trajectory
 
     t = Trajectory(0, [1, 2], limits())
     t.add_turn([10, 11, 12], [0.0] * 3, hit_length=False)

@@ -14,7 +14,7 @@ import pytest
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError
-from rlhf_orch.env.runner import MultiTurnRunner
+from rlhf_orch.env.turn_driver.runner import MultiTurnRunner
 from tests.test_env_runner import ScriptedGenerator
 
 pytestmark = pytest.mark.real_model

@@ -9,7 +9,7 @@ trajectory's record, queued, answered once the engine finished it, and recorded
 (`AgentRecord.add`). Each call samples with its own seed from (step seed, trajectory, call
 number), so a trajectory draws the same tokens whatever the other trajectories do.
 
-The engine side is a `CallGenerator` (`rlhf_orch.engines.turns.VLLMCalls`, which the multi-turn
+The engine side is a `CallGenerator` (`rlhf_orch.engines.request_steps.VLLMCalls`, which the multi-turn
 runner's turns use too; tests a scripted one), so the session runs without vLLM.
 """
 
@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
-from rlhf_orch.engines.turns import CallOutput, VLLMCalls, generation_eos_ids, turn_seed
-from rlhf_orch.env.agent_record import AGENT_METRIC_PREFIX, AgentLimits, AgentRecord, CallRefused
-from rlhf_orch.env.agent_runner import AgentOutcome, AgentRunner
-from rlhf_orch.env.chat_api import TOOL_PARSERS, ChatAPIError, completion_body, parse_request
+from rlhf_orch.engines.request_steps import CallOutput, VLLMCalls, generation_eos_ids, turn_seed
+from rlhf_orch.env.agent_driver.record import AGENT_METRIC_PREFIX, AgentLimits, AgentRecord, CallRefused
+from rlhf_orch.env.agent_driver.runner import AgentOutcome, AgentRunner
+from rlhf_orch.env.agent_driver.chat_api import TOOL_PARSERS, ChatAPIError, completion_body, parse_request
 from rlhf_orch.env.observations import token_ids
 from rlhf_orch.env.reasoning_parsers import reasoning_parser as reasoning_parser_of
 from rlhf_orch.env.tool_parsers import ensure_tool_parser

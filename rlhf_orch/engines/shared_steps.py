@@ -135,7 +135,7 @@ class SharedEngineSteps:
     def _stepping(self) -> Any:
         """This engine's steps, shared by every rollout it generates, for a multi-turn driver
         running on the caller's thread (a turn is a new request, like a rollout's)."""
-        from rlhf_orch.engines.turns import SharedStepping
+        from rlhf_orch.engines.request_steps import SharedStepping
 
         return SharedStepping(
             enqueue=self._submit, step=self._advance, take=lambda outbox: self._take_versioned(outbox)[0], abort=self._abort,

@@ -318,7 +318,7 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         runner, made_for = getattr(self, "_agents", (None, None))
         wanted = (env.path, env.name, env.concurrency, env.timeout_s)
         if runner is None or made_for != wanted:
-            from rlhf_orch.env.agent_runner import AgentRunner
+            from rlhf_orch.env.agent_driver.runner import AgentRunner
 
             if runner is not None:
                 runner.close()
@@ -330,9 +330,9 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         """The engine's `env=agent` endpoint, started at its first agent rollout, closed with the engine."""
         server = getattr(self, "_server", None)
         if server is None:
-            from rlhf_orch.env.chat_server import ChatServer
+            from rlhf_orch.env.agent_driver.chat_server import ChatServer
 
-            from rlhf_orch.env.chat_server import MAX_CONNECTIONS
+            from rlhf_orch.env.agent_driver.chat_server import MAX_CONNECTIONS
 
             # each agent running at once may hold a few connections (its client's pool, calls fanned out)
             limit = max(MAX_CONNECTIONS, 4 * env.concurrency)

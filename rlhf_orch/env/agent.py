@@ -2,9 +2,9 @@
 OpenAI-compatible chat-completions API.
 
 During each rollout every engine serves `/v1/chat/completions` and `/v1/models` (the
-`rlhf_orch.env.chat_server`) and runs the agent function once per trajectory
-(`rlhf_orch.env.agent_runner`) with a client bound to that trajectory's base URL. Every call's
-tokens and log-probs are recorded under the trajectory (`rlhf_orch.env.agent_record`) and the
+`rlhf_orch.env.agent_driver.chat_server`) and runs the agent function once per trajectory
+(`rlhf_orch.env.agent_driver.runner`) with a client bound to that trajectory's base URL. Every call's
+tokens and log-probs are recorded under the trajectory (`rlhf_orch.env.agent_driver.record`) and the
 trajectory trains like any `env` trajectory; its reward is what the function returns.
 docs/environments.md ("Agent programs").
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rlhf_orch.data.base import Prompt
-from rlhf_orch.env.agent_record import AGENT_METRIC_PREFIX, AgentLimits
+from rlhf_orch.env.agent_driver.record import AGENT_METRIC_PREFIX, AgentLimits
 from rlhf_orch.env.base import EnvError, EnvGroup, prompt_messages, row_extras
-from rlhf_orch.env.chat_api import TOOL_PARSERS
+from rlhf_orch.env.agent_driver.chat_api import TOOL_PARSERS
 from rlhf_orch.env.reasoning_parsers import check_reasoning_parser
 from rlhf_orch.env.tool_parsers import check_tool_parser
 from rlhf_orch.env.custom import load_user_module

@@ -10,7 +10,7 @@ and a user's class needs no import of it:
     env.close()
 
 `EnvGroup` is what `env=<option>` instantiates: `multi_turn` says whether rollouts are trajectories
-(the engines then drive `rlhf_orch.env.runner`), `make(prompt)` builds one trajectory's environment.
+(the engines then drive `rlhf_orch.env.turn_driver.runner`), `make(prompt)` builds one trajectory's environment.
 """
 
 from __future__ import annotations

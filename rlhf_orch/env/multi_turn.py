@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, EnvGroup, call_env, prompt_messages
 from rlhf_orch.env.observations import CHECK_MODES, FORMATS, TRUNCATE_SIDES, ObservationRenderer
-from rlhf_orch.env.trajectory import Trajectory, TrajectoryLimits
+from rlhf_orch.env.turn_driver.trajectory import Trajectory, TrajectoryLimits
 
 REWARDS = ("last", "sum", "per_turn")
 

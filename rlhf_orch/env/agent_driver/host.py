@@ -1,6 +1,6 @@
 """The process the agent functions run in, out of the engine's (`env=agent`), run as a script.
 
-`AgentRunner` (rlhf_orch.env.agent_runner) starts `python -I -B agent_host.py` once per engine and
+`AgentRunner` (rlhf_orch.env.agent_driver.runner) starts `python -I -B host.py` once per engine and
 talks to it over its stdin and a second pipe (its stdout at start; what the functions print goes to
 stderr, the engine's log). The host imports `openai` and the function once, then forks one process
 per trajectory: an agent that calls `os._exit`, crashes natively (a segfault in a C extension) or
@@ -26,19 +26,48 @@ import os
 import sys
 
 if __name__ == "__main__":
-    # Run as a script: this directory is sys.path[0], where its modules (agent.py, tools.py, ...)
+    # Run as a script: this directory is sys.path[0], where its modules (runner.py, record.py, ...)
     # would shadow the standard library's and the user's; the caller's path comes with "init".
     sys.path.pop(0)
 
+import inspect
+import math
 import pickle
 import selectors
 import signal
 import struct
 import time
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable, Mapping
 
+CLIENT_KEYWORDS = ("client", "base_url", "api_key")
 _HEADER = struct.Struct("!I")
 _PR_SET_PDEATHSIG = 1
+
+
+def reward_of(result: Any) -> tuple[float, dict[str, float]]:
+    """The function's return value as (reward, extra metrics); TypeError when it is neither."""
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            raise TypeError(f"an agent's dict result needs a 'score' key, got keys {sorted(result)}")
+        extra = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return _finite(result["score"]), extra
+    return _finite(result), {}
+
+
+def _finite(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"an agent must return its reward as a number or a dict with 'score', got {type(value).__name__}")
+    if not math.isfinite(float(value)):
+        raise TypeError(f"an agent returned a non-finite reward {value}")
+    return float(value)
+
+
+def accepted_keywords(fn: Callable) -> tuple[str, ...]:
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return CLIENT_KEYWORDS
+    names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    return tuple(k for k in CLIENT_KEYWORDS if k in names)
 
 
 def write_message(stream: BinaryIO, message: Any) -> None:
@@ -139,8 +168,6 @@ class Host:
             import httpx  # noqa: F401
             import openai  # noqa: F401
 
-            from rlhf_orch.env.agent_runner import accepted_keywords
-
             self.fn = pickle.loads(pickled)
             self.keywords = accepted_keywords(self.fn)
             self.concurrency, self.timeout_s = int(concurrency), float(timeout_s)
@@ -237,12 +264,9 @@ def _run_trajectory(host: Host, result_fd: int, row: Any, base_url: str, api_key
 
 def _call(host: Host, row: Any, base_url: str, api_key: str) -> dict[str, Any]:
     import asyncio
-    import inspect
 
     import httpx
     import openai
-
-    from rlhf_orch.env.agent_runner import reward_of
 
     fn, timeout_s = host.fn, host.timeout_s
     is_async = inspect.iscoroutinefunction(fn)

@@ -1,7 +1,7 @@
 """Drive many multi-turn trajectories through one engine at once.
 
 Trajectories progress independently: while one waits for its environment (a step running on a
-thread of its own, given up past `env.tool_timeout_s`: `rlhf_orch.env.abandonable`), the engine
+thread of its own, given up past `env.tool_timeout_s`: `rlhf_orch.env.turn_driver.abandonable`), the engine
 keeps generating the others' turns; a batch ends when every trajectory is
 done or hit a limit. At most `concurrency` trajectories are in flight; the rest wait to start.
 
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from rlhf_orch.data.base import Prompt
-from rlhf_orch.env import abandonable
+from rlhf_orch.env.turn_driver import abandonable
 from rlhf_orch.env.base import StepResult, TextEnv, call_env, env_class_key, is_async, prompt_messages
 from rlhf_orch.env.observations import CHECK_MODES
-from rlhf_orch.env.trajectory import Trajectory, TrajectoryLimits
+from rlhf_orch.env.turn_driver.trajectory import Trajectory, TrajectoryLimits
 
 logger = logging.getLogger(__name__)
 

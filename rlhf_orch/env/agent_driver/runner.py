@@ -9,24 +9,21 @@ a mapping with `score` (its other numeric entries are summed as metrics). An exc
 a process that dies (`os._exit`, a segfault) scores 0 and is counted; the rollout still completes.
 
 The functions run out of the caller's process, one process per trajectory forked from a host
-process the runner starts once (rlhf_orch.env.agent_host): what an agent does to its process cannot
+process the runner starts once (rlhf_orch.env.agent_driver.host): what an agent does to its process cannot
 stop the engine that answers its calls, and a trajectory past its deadline is killed, not waited for.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 import os
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
-from rlhf_orch.env.agent_host import read_message, write_message
+from rlhf_orch.env.agent_driver.host import accepted_keywords, read_message, reward_of, write_message  # noqa: F401 - reward_of: the runner's API too
 
-CLIENT_KEYWORDS = ("client", "base_url", "api_key")
 
 
 @dataclass
@@ -39,32 +36,6 @@ class AgentOutcome:
     seconds: float = 0.0
 
 
-def reward_of(result: Any) -> tuple[float, dict[str, float]]:
-    """The function's return value as (reward, extra metrics); TypeError when it is neither."""
-    if isinstance(result, Mapping):
-        if "score" not in result:
-            raise TypeError(f"an agent's dict result needs a 'score' key, got keys {sorted(result)}")
-        extra = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-        return _finite(result["score"]), extra
-    return _finite(result), {}
-
-
-def _finite(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"an agent must return its reward as a number or a dict with 'score', got {type(value).__name__}")
-    if not math.isfinite(float(value)):
-        raise TypeError(f"an agent returned a non-finite reward {value}")
-    return float(value)
-
-
-def accepted_keywords(fn: Callable) -> tuple[str, ...]:
-    params = inspect.signature(fn).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return CLIENT_KEYWORDS
-    names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
-    return tuple(k for k in CLIENT_KEYWORDS if k in names)
-
-
 class AgentHostError(RuntimeError):
     """The host process could not load the function (raised from `wait`)."""
 
@@ -73,7 +44,7 @@ class AgentRunner:
     """Start every trajectory's function; `wait` for them; `outcomes` once done; `close` at the end.
     One host process serves every `start` until `close` (one that died is started again)."""
 
-    _HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_host.py")
+    _HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host.py")
 
     def __init__(self, fn: Callable, concurrency: int, timeout_s: float):
         self.fn = fn
