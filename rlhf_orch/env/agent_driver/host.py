@@ -30,6 +30,7 @@ if __name__ == "__main__":
     # would shadow the standard library's and the user's; the caller's path comes with "init".
     sys.path.pop(0)
 
+import gc
 import inspect
 import math
 import pickle
@@ -173,6 +174,10 @@ class Host:
             self.concurrency, self.timeout_s = int(concurrency), float(timeout_s)
             # built once, inherited by every fork: a client otherwise loads the CA bundle (~40 ms)
             self.ssl_context = ssl.create_default_context()
+            _warm_up(self.ssl_context)
+            # What exists now is shared with every fork: keep the collector from touching (and so
+            # copying) its pages in each trajectory's process.
+            gc.freeze()
         except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it there
             write_message(self.replies, ("init_failed", f"{type(e).__name__}: {e}"))
             return False
@@ -262,22 +267,73 @@ def _run_trajectory(host: Host, result_fd: int, row: Any, base_url: str, api_key
         os._exit(code)
 
 
-def _call(host: Host, row: Any, base_url: str, api_key: str) -> dict[str, Any]:
-    import asyncio
-
+def _client(is_async: bool, base_url: str, api_key: str, timeout_s: float, ssl_context: Any) -> Any:
     import httpx
     import openai
+
+    # No retries: a refused call is the agent's to handle, and a retry would be a second call.
+    if is_async:
+        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
+                                  http_client=httpx.AsyncClient(verify=ssl_context, timeout=timeout_s))
+    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
+                         http_client=httpx.Client(verify=ssl_context, timeout=timeout_s))
+
+
+_STUB_REPLY = (b'{"id": "warm-up", "object": "chat.completion", "created": 0, "model": "warm-up", "choices": '
+               b'[{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}')
+
+
+def _warm_up(ssl_context: Any) -> None:
+    """One call through each kind of client to a stub server in this process, before any fork:
+    what `openai` and `httpx` import and build at first use (resources, response models, transports,
+    the event loop's machinery) is then done once here, not in every trajectory's process (measured
+    by scripts/bench_agent.py: ~35 ms a trajectory without this). The stub's thread ends before
+    anything forks."""
+    import asyncio
+    import http.server
+    import threading
+
+    class Stub(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the handler's API
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(_STUB_REPLY)))
+            self.end_headers()
+            self.wfile.write(_STUB_REPLY)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    serving.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        request = {"model": "warm-up", "messages": [{"role": "user", "content": "x"}]}
+        _client(False, url, "warm-up", 10.0, ssl_context).chat.completions.create(**request)
+
+        async def call() -> None:
+            client = _client(True, url, "warm-up", 10.0, ssl_context)
+            await client.chat.completions.create(**request)
+            await client.close()
+
+        asyncio.run(call())
+    except Exception:  # noqa: BLE001 - only a cost: every trajectory then pays it itself
+        pass
+    finally:
+        server.shutdown()
+        server.server_close()
+        serving.join()
+
+
+def _call(host: Host, row: Any, base_url: str, api_key: str) -> dict[str, Any]:
+    import asyncio
 
     fn, timeout_s = host.fn, host.timeout_s
     is_async = inspect.iscoroutinefunction(fn)
     try:
-        # No retries: a refused call is the agent's to handle, and a retry would be a second call.
-        if is_async:
-            client: Any = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
-                                             http_client=httpx.AsyncClient(verify=host.ssl_context, timeout=timeout_s))
-        else:
-            client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
-                                   http_client=httpx.Client(verify=host.ssl_context, timeout=timeout_s))
+        client = _client(is_async, base_url, api_key, timeout_s, host.ssl_context)
         given = {"client": client, "base_url": base_url, "api_key": api_key}
         kwargs = {k: given[k] for k in host.keywords}
         result = asyncio.run(fn(row, **kwargs)) if is_async else fn(row, **kwargs)
