@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TIMEOUT_S = 3.0
-SANDBOX_UID_BASE, SANDBOX_UID_SPAN = 2_000_000_000, 2**24
+_SAY_WORKDIR = "import os as _corpus_os\nprint('corpus workdir', _corpus_os.getcwd(), flush=True)\n"
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ CORPUS = [
                                " True, True, -1, None, None, None, -1, None, *extra)\n        print('started', pid)\n        break\n"
                                "    except TypeError:\n        continue\n    except OSError as e:\n        print('refused', e)\n        break\n"
                                "import time\ntime.sleep(1)\n"),
-    Snippet("ctypes_system", "import ctypes\nprint(ctypes.CDLL(None).system(b'for d in {write_dirs_sh}; do echo x > $d/by_system; done'))\n"),
+    Snippet("ctypes_system", "import ctypes\nprint(ctypes.CDLL(None).system(b'for d in {write_dirs_sh}; do echo x > $d/by_system; done # {marker}'))\n"),
     Snippet("ctypes_open", "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nfor d in {write_dirs!r}:\n"
                            "    fd = libc.open((d + '/by_ctypes').encode(), os.O_CREAT | os.O_WRONLY, 0o644)\n"
                            "    print(d, fd, ctypes.get_errno())\n"),
@@ -188,7 +189,10 @@ def run_corpus(repo: str, token: str, planted_dirs: list[str], audit_hook: bool 
                 secret_files=[str(d / "secret.txt") for d in planted], write_dirs=write_dirs, write_dirs_sh=" ".join(write_dirs),
                 helper_pid=helper.pid, port=listeners.port, unix_name=listeners.unix_name, repo=repo, marker=marker,
             )
-            result = run_python(code, limits, audit_hook=audit_hook)
+            # Its working directory names its processes (a forked copy of the bootstrap shows it in its
+            # command line; what it execs carries the marker): other sandboxes may run at once (xdist).
+            result = run_python(_SAY_WORKDIR + code, limits, audit_hook=audit_hook)
+            workdir = re.search(r"^corpus workdir (\S+)$", result.output, re.M)
             problems = []
             if token in result.output:
                 problems.append("the secret is in the output")
@@ -207,9 +211,9 @@ def run_corpus(repo: str, token: str, planted_dirs: list[str], audit_hook: bool 
             if helper.poll() is not None:
                 problems.append("the helper process was killed")
             time.sleep(0.05)  # (a process killed a moment ago leaves /proc)
+            ours = [marker] + ([workdir.group(1)] if workdir else [])
             left = {pid: cmd for pid, (uid, cmd) in _processes().items()
-                    if pid not in before and (marker in cmd or SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + SANDBOX_UID_SPAN
-                                              or (uid == me and me != 0))}
+                    if pid not in before and (any(tag in cmd for tag in ours) or (uid == me and me != 0))}
             if left:
                 problems.append(f"processes left: {left}")
             results[snippet.name] = "; ".join(problems) + f" (output: {result.output[-300:]!r})" if problems else None
