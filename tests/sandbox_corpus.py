@@ -30,8 +30,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 TIMEOUT_S = 3.0
+MAX_PROCESSES = 4
 _SAY_WORKDIR = "import os as _corpus_os\nprint('corpus workdir', _corpus_os.getcwd(), flush=True)\n"
 
 
@@ -40,6 +42,18 @@ class Snippet:
     name: str
     code: str  # formatted with the planted things: {secret_files}, {write_dirs}, {helper_pid}, {port}, {unix_name}, {repo}
     expect_error: bool = False  # the run must end as an error (refused, killed or timed out)
+    check: Callable[[Any], str | None] | None = None  # the ToolResult -> what is wrong with it
+
+
+def _forks_within_the_limit(result: Any) -> str | None:
+    found = re.search(r"^forked (\d+)$", result.output, re.M)
+    if found is None:
+        return "no fork count printed"
+    return None if int(found.group(1)) <= MAX_PROCESSES else f"{found.group(1)} processes started (max_processes={MAX_PROCESSES})"
+
+
+def _ended_by_its_signal(result: Any) -> str | None:
+    return None if result.exit_code == -15 else f"exit code {result.exit_code}, not -15 (SIGTERM)"
 
 
 CORPUS = [
@@ -48,6 +62,13 @@ CORPUS = [
     Snippet("allocate_10_gb", "x = bytearray(10 * 1024 ** 3)\nprint(len(x))\n", True),
     Snippet("huge_output", "while True:\n    print('x' * 10000)\n", True),
     Snippet("fill_the_disk", "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * 1_000_000)\n", True),
+    Snippet("count_forks", "import os, time\nn = 0\nfor _ in range(50):\n    try:\n        if os.fork() == 0:\n"
+                           "            time.sleep(5)\n            os._exit(0)\n    except OSError:\n        break\n    n += 1\n"
+                           "print('forked', n, flush=True)\n", check=_forks_within_the_limit),
+    Snippet("signal_itself", "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n", True, check=_ended_by_its_signal),
+    Snippet("escape_the_kill", "import ctypes, os, time\ntry:\n    os.setsid()\nexcept OSError as e:\n    print('setsid', e)\n"
+                               "print('prctl', ctypes.CDLL(None).prctl(1, 0, 0, 0, 0))  # no parent-death signal\n"
+                               "print('detached', flush=True)\ntime.sleep(60)\n", True),
     Snippet("threads", "import threading, time\nts = [threading.Thread(target=time.sleep, args=(30,)) for _ in range(200)]\n"
                        "[t.start() for t in ts]\n", True),
     Snippet("write_outside", "for d in {write_dirs!r}:\n    try:\n        open(d + '/written_by_code', 'w').write('x')\n"
@@ -175,7 +196,8 @@ def run_corpus(repo: str, token: str, planted_dirs: list[str], audit_hook: bool 
     me = os.getuid()
     before = set(_processes())
     results: dict[str, str | None] = {}
-    limits = SandboxLimits(timeout_s=TIMEOUT_S, cpu_s=2, memory_mb=256, max_processes=4, max_output_bytes=4000, max_file_bytes=1_000_000)
+    limits = SandboxLimits(timeout_s=TIMEOUT_S, cpu_s=2, memory_mb=256, max_processes=MAX_PROCESSES, max_output_bytes=4000,
+                           max_file_bytes=1_000_000)
     try:
         deadline = time.monotonic() + 10
         while token.encode() not in Path(f"/proc/{helper.pid}/environ").read_bytes() and time.monotonic() < deadline:
@@ -200,6 +222,8 @@ def run_corpus(repo: str, token: str, planted_dirs: list[str], audit_hook: bool 
                 problems.append(f"took {result.seconds:.1f}s")
             if snippet.expect_error and not result.error:
                 problems.append("ended without an error")
+            if snippet.check is not None and (problem := snippet.check(result)):
+                problems.append(problem)
             if result.output.startswith("sandbox unavailable") or result.exit_code == 125:
                 problems.append("the sandbox did not start")
             written = sorted(str(p) for d in planted for p in d.iterdir() if p.name != "secret.txt")

@@ -43,17 +43,22 @@ process and falls back to what works elsewhere):
   outside the working directory, signalling other processes, and ctypes look-ups of libc calls
   that would do the same.
 
-Not root (a Slurm or Kubernetes job): the same boundaries come from a user namespace of the code's
-own (`SandboxSupport.user_namespace`; the mode bubblewrap uses). The bootstrap unshares user, mount,
-network and pid namespaces, maps its uid to the namespace's 0, forks (the child is pid 1 of the new
-pid namespace), builds the same private read-only tree and then drops every capability (bounding
-set included) before the code runs. The pid namespace stands in for the separate uid: the code
-sees, signals and traces no process of the host (no /proc/<pid>/environ of the caller), RLIMIT_NPROC
-counts the namespace's processes alone, and every process it starts dies with it. Measured as uid
-65534 here (tests/test_sandbox_hostile_corpus.py: the same 22 hostile programs as root, all held).
-Where unprivileged user namespaces are off (a default Docker container), the code runs with what
-works: a network namespace at most, no private filesystem, and only the audit hook in the way of
-writes -- `env=python_tool` is then refused unless env.allow_weak_sandbox=true.
+Not root (a Slurm or Kubernetes job that allows unprivileged user namespaces): the same boundaries
+come from a user namespace of the code's own (`SandboxSupport.user_namespace`; the mode bubblewrap
+uses). The bootstrap unshares user, mount, network and pid namespaces, maps its uid to the
+namespace's 0 and forks pid 1 of the new pid namespace, which builds the same private read-only tree
+and forks the code's process (pid 2: a namespace's init ignores signals it has no handler for,
+SIGXCPU included); that process leaves the caller's session and drops every capability (bounding
+set included) before the code runs. pid 1 reports the code's wait status and exits when the code's
+process ends, which kills everything left in the namespace; the bootstrap ends as the code did.
+The pid namespace stands in for the separate uid: the code sees, signals and traces no process of
+the host (no /proc/<pid>/environ of the caller), RLIMIT_NPROC counts the namespace's processes
+alone (the bootstrap, pid 1 and the code count: 3 + max_processes), and every process it starts
+dies with it. Measured as uid 65534 here via `setpriv` (tests/test_sandbox_hostile_corpus.py: the
+same 25 hostile programs as root, all held); a container whose seccomp profile refuses `unshare` or
+the new /proc falls back to what works. Where unprivileged user namespaces are off (a default Docker
+container) the code runs with a network namespace at most, no private filesystem, and only the
+audit hook in the way of writes -- `env=python_tool` is then refused unless env.allow_weak_sandbox=true.
 As root, though, the code never runs as root (which no hidepid, read-only mount or rlimit stops: it
 reads /proc/<any pid>/environ, the caller's secrets included): where no separate uid works, as root,
 `run_python` refuses to run it. A probe run that fails is retried (_PROBE_ATTEMPTS) before a boundary

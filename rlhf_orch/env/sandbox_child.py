@@ -180,29 +180,66 @@ def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
         os.chown(code_file, uid, uid)
 
 
-def _enter_user_namespace(libc: _Libc) -> None:
+def _enter_user_namespace(libc: _Libc) -> int:
     """Not root: a user namespace of the code's own (its uid 0 is the caller's uid, with
     capabilities only over what the namespace owns), with mount, network and pid namespaces. Returns
-    in a forked child, pid 1 of the new pid namespace: the code sees no process of the host (no
-    /proc/<pid>/environ, nothing to signal or trace), and every process it starts dies with it. This
-    process waits and exits as the child did."""
+    in a forked child, pid 1 of the new pid namespace (`_reap_for_the_code` then forks the code as
+    pid 2), with the pipe on which it reports the code's wait status: the code sees no process of
+    the host (no /proc/<pid>/environ, nothing to signal or trace), and every process it starts dies
+    with pid 1. This process waits and ends as the code did (`_exit_as`)."""
     uid, gid = os.geteuid(), os.getegid()
     libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID)
     for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
+    read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.close(read_fd)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        return
+        return write_fd
+    os.close(write_fd)
     _, status = os.waitpid(pid, 0)
+    reported = os.read(read_fd, 32)  # pid 1 has exited: the whole report, or nothing (it failed first)
+    _exit_as(int(reported) if reported else status)
+
+
+def _reap_for_the_code(status_fd: int) -> None:
+    """pid 1 of the code's pid namespace: fork the code's process (pid 2) and return in it. pid 1
+    reaps what the code leaves behind until the code's own process ends, reports its wait status and
+    exits, which kills every process left in the namespace. The code does not run as pid 1: a
+    namespace's init ignores every signal it has no handler for (RLIMIT_CPU's SIGXCPU included) and
+    its exit would not say which signal ended it."""
+    pid = os.fork()
+    if pid == 0:
+        os.close(status_fd)
+        os.setsid()  # out of the caller's process group: kill(0, ...) reaches nothing of the host
+        return
+    while True:
+        try:
+            done, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(0)
+        if done == pid:
+            os.write(status_fd, str(status).encode())
+            os._exit(0)
+
+
+def _exit_as(status: int) -> None:
+    """End this process as one with wait status `status` ended: with its exit code, or killed by
+    its signal (raised again here, without a core)."""
     sys.stdout.flush()
-    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+        os._exit(128 + number)  # (a signal whose default is not to end a process)
+    os._exit(os.waitstatus_to_exitcode(status))
 
 
 def _limit_resources(limits: dict, processes_before: int = 1) -> None:
-    """`processes_before`: the processes RLIMIT_NPROC already counts when the code starts (the code;
-    in a user namespace also the process waiting for it)."""
+    """`processes_before`: the processes RLIMIT_NPROC already counts when the code starts."""
     def limit(which: int, soft: int, hard: int | None = None) -> None:
         resource.setrlimit(which, (soft, soft if hard is None else hard))
 
@@ -236,14 +273,17 @@ def _child_main(config_json: str) -> None:
         libc = _Libc()
         user_namespace = config["user_namespace"]
         if user_namespace:
-            _enter_user_namespace(libc)  # (with the network namespace)
+            status_fd = _enter_user_namespace(libc)  # (with the network namespace)
         elif config["network_namespace"]:
             libc.unshare(_CLONE_NEWNET if os.geteuid() == 0 else _CLONE_NEWUSER | _CLONE_NEWNET)
         if config["private_filesystem"]:
             _private_filesystem(libc, config, source)
+        if user_namespace:
+            _reap_for_the_code(status_fd)  # returns in the code's own process, pid 2
         os.chdir(workdir)  # the tmpfs now mounted there, not the directory under it
         libc.prctl(_PR_SET_NO_NEW_PRIVS, 1)
-        _limit_resources(config["limits"], processes_before=2 if user_namespace else 1)
+        # (in a user namespace RLIMIT_NPROC also counts the bootstrap waiting outside and pid 1)
+        _limit_resources(config["limits"], processes_before=3 if user_namespace else 1)
         if config["uid"] is not None:
             _drop_privileges(config["uid"])
         if user_namespace:
