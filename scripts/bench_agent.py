@@ -7,7 +7,9 @@ tool-use task's rollouts (`data=lookup`) three ways, on the same prompts and ste
                 (no HTTP, no client): the limit.
   agent_async   `env=agent` with `lookup_agent` (scripts/examples/openai_agent.py): an `async def`
                 calling the endpoint with `openai.AsyncOpenAI`, the same conversations.
-  agent_sync    the same agent as a plain function with `openai.OpenAI` (runs in threads).
+  agent_sync    the same agent as a plain function with `openai.OpenAI`.
+
+(Either runs in a process of its own per trajectory, forked from the engine's agent host.)
 
 Each at `--concurrency` trajectories in flight per engine (the `env.concurrency` default, and
 more). Per mode: rollout wall time, model calls and calls/s, tokens generated, and the overhead

@@ -172,6 +172,18 @@ def test_agent_option_refuses_what_it_cannot_call(tmp_path):
         AgentEnv(path=str(f), name="x", tool_parser="xml")
 
 
+def test_agent_option_refuses_a_function_that_cannot_reach_its_process(tmp_path):
+    """Before Ray: a function holding what cannot be pickled (a module-level lock) is refused in
+    the config check, naming the file, not at the first rollout on an engine."""
+    f = tmp_path / "locked.py"
+    f.write_text("import threading\nLOCK = threading.Lock()\n\ndef agent(row, client):\n    with LOCK:\n        return 0.0\n")
+    env = AgentEnv(path=str(f), name="agent")
+    with pytest.raises(EnvError, match="locked.py cannot be sent to the process agents run in"):
+        env.check(Prompt(text="q", label="1"), None)
+    (tmp_path / "fine.py").write_text("def agent(row, client):\n    return 0.0\n")
+    AgentEnv(path=str(tmp_path / "fine.py"), name="agent").check(Prompt(text="q", label="1"), None)
+
+
 # --------------------------------------------------------------------------- a whole session over HTTP
 class EchoTokenizer:
     """Token ids are characters' code points (0 is EOS); the chat template writes `r:content|` per
@@ -591,6 +603,83 @@ def test_an_agent_that_exits_or_crashes_its_process_scores_zero_and_the_rest_go_
             assert results[2].reward == 1.0 and results[2].error is None
     finally:
         session.runner.close()
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                if "\nState:\tZ" in f.read():
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_process_an_agent_leaves_behind_neither_holds_its_outcome_nor_outlives_it(tmp_path):
+    """The agent forks a child that leaves its session and sleeps, holding every descriptor the
+    agent had: the trajectory still ends when the agent returns (its outcome, not a timeout), and the
+    left-behind child is killed (the host is its subreaper)."""
+    seen = Seen(tmp_path)
+
+    def agent(row, **kwargs):
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            time.sleep(60)
+            os._exit(0)
+        seen["child"] = pid
+        return 1.0
+
+    runner = AgentRunner(agent, concurrency=2, timeout_s=20.0)
+    try:
+        runner.start([(0, {}, "http://127.0.0.1:9/v1", "k")])
+        assert runner.wait(10)
+        outcome = runner.outcomes[0]
+        assert outcome.reward == 1.0 and not outcome.timed_out and outcome.seconds < 5, outcome
+        assert _gone(seen["child"]), "the agent's detached child outlived its trajectory"
+    finally:
+        runner.close()
+
+
+def test_an_outcome_of_a_rollout_given_up_is_not_taken_for_the_next_one(tmp_path):
+    """concurrency 1: rollout 1's trajectory 0 (slow, scores 5) is given up; rollout 2's
+    trajectory 0 (fast, scores 1) queues behind it. Rollout 2 gets its own outcome, not the slow one's."""
+    def agent(row, **kwargs):
+        if row["kind"] == "slow":
+            time.sleep(1.0)
+            return 5.0
+        return 1.0
+
+    runner = AgentRunner(agent, concurrency=1, timeout_s=20.0)
+    try:
+        runner.start([(0, {"kind": "slow"}, "http://127.0.0.1:9/v1", "k")])
+        time.sleep(0.3)  # running in the host
+        runner.start([(0, {"kind": "fast"}, "http://127.0.0.1:9/v1", "k")])
+        assert runner.wait(10)
+        assert runner.outcomes[0].reward == 1.0, runner.outcomes[0]
+    finally:
+        runner.close()
+
+
+def test_a_host_that_dies_fails_its_rollout_and_the_next_rollout_starts_another(tmp_path):
+    def agent(row, **kwargs):
+        time.sleep(row["sleep"])
+        return 1.0
+
+    runner = AgentRunner(agent, concurrency=2, timeout_s=20.0)
+    try:
+        runner.start([(0, {"sleep": 30}, "http://127.0.0.1:9/v1", "k"), (1, {"sleep": 30}, "http://127.0.0.1:9/v1", "k")])
+        time.sleep(0.3)
+        os.kill(runner._host.pid, 9)
+        assert runner.wait(10)
+        assert all("host process ended" in runner.outcomes[i].error for i in (0, 1))
+        runner.start([(0, {"sleep": 0}, "http://127.0.0.1:9/v1", "k")])
+        assert runner.wait(20) and runner.outcomes[0].reward == 1.0, runner.outcomes
+    finally:
+        runner.close()
 
 
 def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(monkeypatch):

@@ -480,7 +480,7 @@ class PythonToolEnvConfig(MultiTurnEnvConfig):
     tool_cpu_s: int = 5
     tool_max_output_bytes: int = 2000
     # Run model-written code where the sandbox lacks a boundary (network namespace, private read-only
-    # filesystem, separate uid: not root, or a container without namespaces); refused otherwise.
+    # filesystem, separate uid: a host without namespaces, e.g. a default Docker container); refused otherwise.
     allow_weak_sandbox: bool = False
 
     rewards_each_turn: ClassVar[bool] = False  # a tool call scores 0; the final answer is scored
@@ -497,7 +497,7 @@ class AgentEnvConfig(EnvConfig):
     max_calls: int = 16  # chat-completions calls per trajectory; later ones are refused (HTTP 400)
     concurrency: int = 16  # agent functions running at once per engine
     timeout_s: float = 120.0  # one agent function, calls included; past it: reward 0, counted
-    host: str = "auto"  # where the endpoint listens: auto / loopback (127.0.0.1: the agents run in the engine's process), node
+    host: str = "auto"  # where the endpoint listens: auto / loopback (127.0.0.1: the agents run in processes the engine starts), node
     served_model_name: str = "policy"  # the model name agents must ask for (GET /v1/models)
     tool_parser: str = "hermes"  # "hermes": <tool_call>{json}</tool_call> -> tool_calls; "none"; or a vLLM tool parser
     reasoning_parser: str = "none"  # a vLLM reasoning parser (qwen3, deepseek_r1): <think> -> reasoning_content

@@ -111,6 +111,8 @@ class AgentRolloutSession:
                     self._feed(wait_s=0.02)
             self.runner.wait(0)  # re-raises a crash of the runner's own loop
         finally:
+            if not self.runner.done():
+                self.runner.close()  # a rollout given up: its agents must not run on into the next one
             self._close()
         by_index = {r.index: r for r in self.records.values()}
         return [TrajectoryResult(i, by_index[i], self.runner.outcomes.get(i, AgentOutcome(i, error="no outcome"))) for i, _ in items]

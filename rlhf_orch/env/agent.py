@@ -93,8 +93,18 @@ class AgentEnv(EnvGroup):
         return agent_row(prompt)
 
     def check(self, prompt: Prompt, tokenizer: Any) -> None:
-        """Before Ray: the function loads and a row for it can be built."""
-        self.load()
+        """Before Ray: the function loads, can travel to the process it runs in (pickled with its
+        module by value), and a row for it can be built."""
+        from rlhf_orch.env.agent_driver.runner import pickled_function
+
+        fn = self.load()
+        try:
+            pickled_function(fn)
+        except Exception as e:  # noqa: BLE001 - what cloudpickle refuses: a lock, a client, a loaded model
+            raise EnvError(
+                f"env.name={self.name!r} in {self.path} cannot be sent to the process agents run in ({type(e).__name__}: {e}): "
+                "create clients, locks and models inside the function (or lazily), not at module level"
+            ) from e
         self.row(prompt)
 
     def metrics(self, stats: dict[str, float]) -> dict[str, float]:

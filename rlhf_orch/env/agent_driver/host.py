@@ -8,14 +8,17 @@ hangs takes down or holds only its own process, which scores 0; the engine and t
 trajectories go on. The host itself is single-threaded, so forking it is safe (forking the engine,
 with vLLM's threads, is not).
 
-Each trajectory's process runs in a process group of its own, which is killed when the function
-returns, when its deadline (env.timeout_s, counted from the process's start) passes, or when the
-host ends; it also dies with the host (PR_SET_PDEATHSIG), and the host with the engine. At most
-`concurrency` run at once; the rest wait in the host, their deadlines not yet started.
+Each trajectory's process runs in a process group of its own, which is killed when the process
+exits (seen on a pidfd, not on its result pipe, which a process it started may hold open), when its
+deadline (env.timeout_s, counted from the process's start) passes, or when the host ends; it also
+dies with the host (PR_SET_PDEATHSIG). What it started out of its group (`setsid`) is reparented to
+the host, a subreaper, which kills it. The host dies with the thread of the engine that started it
+(PR_SET_PDEATHSIG: the engine's long-lived rollout thread). At most `concurrency` run at once; the
+rest wait in the host, their deadlines not yet started.
 
 Messages both ways are length-prefixed pickles (`write_message`, `read_message`):
-  to the host:   ("init", sys_path, pickled function, concurrency, timeout_s), then ("run", [(index, row, base_url, api_key), ...])
-  from the host: ("ready",) or ("init_failed", text), then ("done", outcome fields) per trajectory
+  to the host:   ("init", sys_path, pickled function, concurrency, timeout_s), then ("run", batch, [(index, row, base_url, api_key), ...])
+  from the host: ("ready",) or ("init_failed", text), then ("done", outcome fields with the batch) per trajectory
 The function travels as a cloudpickle (a function defined in a user's file or inside a test is
 pickled by value); the rows are plain data.
 """
@@ -43,6 +46,7 @@ from typing import Any, BinaryIO, Callable, Mapping
 CLIENT_KEYWORDS = ("client", "base_url", "api_key")
 _HEADER = struct.Struct("!I")
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def reward_of(result: Any) -> tuple[float, dict[str, float]]:
@@ -104,6 +108,17 @@ def die_with_parent() -> None:
         return
 
 
+def _become_subreaper() -> None:
+    """What a trajectory's process leaves behind when it exits is reparented to the host (Linux),
+    which kills it (`Host._kill_orphans`)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+
+
 def exit_text(status: int) -> str:
     """What ended a process without an outcome, from its wait status."""
     if os.WIFSIGNALED(status):
@@ -117,8 +132,9 @@ def exit_text(status: int) -> str:
 
 
 class _Trajectory:
-    def __init__(self, index: int, pid: int, result_fd: int, timeout_s: float):
-        self.index, self.pid, self.result_fd = index, pid, result_fd
+    def __init__(self, batch: int, index: int, pid: int, result_fd: int, exit_fd: int, timeout_s: float):
+        self.batch, self.index, self.pid = batch, index, pid
+        self.result_fd, self.exit_fd = result_fd, exit_fd  # its outcome's pipe; a pidfd, readable once it exits
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
         self.data = bytearray()
@@ -130,8 +146,8 @@ class Host:
         self.commands, self.replies = commands, replies
         self.fn: Any = None
         self.concurrency, self.timeout_s = 1, 1.0
-        self.queued: list[tuple[int, Any, str, str]] = []
-        self.running: dict[int, _Trajectory] = {}  # by result fd
+        self.queued: list[tuple[int, int, Any, str, str]] = []  # (batch, index, row, base_url, api_key)
+        self.running: dict[int, _Trajectory] = {}  # by pid
         self.selector = selectors.DefaultSelector()
 
     # ------------------------------------------------------------------ the host's loop
@@ -145,17 +161,26 @@ class Host:
                 for key, _ in self.selector.select(self._wait_s()):
                     if key.data is None:
                         try:
-                            message = read_message(self.commands)
+                            _, batch, items = read_message(self.commands)
                         except EOFError:
                             return  # the engine is gone or closed the runner
-                        self.queued.extend(message[1])
+                        self.queued.extend((batch, *item) for item in items)
+                    elif self.running.get(key.data.pid) is not key.data:
+                        continue  # finished by an earlier event of this round: its descriptors are closed
+                    elif key.fd == key.data.exit_fd:
+                        self._finish(key.data)
                     else:
                         self._read_result(key.data)
                 self._stop_overdue()
+                self._kill_orphans()
         finally:
             for t in list(self.running.values()):
                 self._kill(t)
-                os.waitpid(t.pid, 0)
+                try:
+                    os.waitpid(t.pid, 0)
+                except ChildProcessError:
+                    pass
+            self._kill_orphans()
 
     def _init(self, message: Any) -> bool:
         try:
@@ -191,23 +216,37 @@ class Host:
 
     def _start_queued(self) -> None:
         while self.queued and len(self.running) < self.concurrency:
-            index, row, base_url, api_key = self.queued.pop(0)
+            batch, index, row, base_url, api_key = self.queued.pop(0)
             read_fd, write_fd = os.pipe()
+            sys.stdout.flush()  # (nothing buffered here is printed again by the child)
+            sys.stderr.flush()
             pid = os.fork()
             if pid == 0:  # the trajectory's process: never returns
                 os.close(read_fd)
                 _run_trajectory(self, write_fd, row, base_url, api_key)
             os.close(write_fd)
-            t = _Trajectory(index, pid, read_fd, self.timeout_s)
-            self.running[read_fd] = t
+            try:
+                os.setpgid(pid, pid)  # (the child does it too: a kill must find the group whichever runs first)
+            except OSError:
+                pass
+            os.set_blocking(read_fd, False)
+            t = _Trajectory(batch, index, pid, read_fd, os.pidfd_open(pid), self.timeout_s)
+            self.running[pid] = t
             self.selector.register(read_fd, selectors.EVENT_READ, t)
+            self.selector.register(t.exit_fd, selectors.EVENT_READ, t)
 
     def _read_result(self, t: _Trajectory) -> None:
-        chunk = os.read(t.result_fd, 1 << 16)
-        if chunk:
+        """Read what the outcome's pipe holds. Its end is not the trajectory's end: a process the
+        agent started may hold the pipe open after the agent returned (the pidfd says when it exits)."""
+        while True:
+            try:
+                chunk = os.read(t.result_fd, 1 << 16)
+            except BlockingIOError:
+                return
+            if not chunk:
+                self.selector.unregister(t.result_fd)
+                return
             t.data += chunk
-            return
-        self._finish(t)
 
     def _stop_overdue(self) -> None:
         now = time.monotonic()
@@ -219,21 +258,44 @@ class Host:
     def _kill(self, t: _Trajectory) -> None:
         try:
             os.killpg(t.pid, signal.SIGKILL)  # the function's own children too
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            os.kill(t.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(t.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _kill_orphans(self) -> None:
+        """Kill and reap every child of the host that is no trajectory: what an agent started and
+        left behind, out of its process group (`setsid`), reparented here (a subreaper)."""
+        try:
+            with open(f"/proc/self/task/{os.getpid()}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            return
+        for pid in children:
+            if pid in self.running:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, os.WNOHANG)  # (one still dying is reaped on a later pass)
+            except (ProcessLookupError, ChildProcessError):
+                pass
 
     def _finish(self, t: _Trajectory) -> None:
-        """The trajectory's process has closed its result pipe (returned, or died) or is overdue:
-        its group is killed and reaped, and its outcome goes to the engine."""
+        """The trajectory's process has exited (returned, or died) or is overdue: its group is
+        killed and reaped, and its outcome goes to the engine."""
         self._kill(t)
         _, status = os.waitpid(t.pid, 0)
-        self.selector.unregister(t.result_fd)
+        if t.result_fd in self.selector.get_map():
+            self._read_result(t)  # (what it wrote before exiting; unregisters the pipe at its end)
+        if t.result_fd in self.selector.get_map():
+            self.selector.unregister(t.result_fd)
+        self.selector.unregister(t.exit_fd)
         os.close(t.result_fd)
-        del self.running[t.result_fd]
+        os.close(t.exit_fd)
+        del self.running[t.pid]
         seconds = time.monotonic() - t.started
-        outcome: dict[str, Any] = {"index": t.index, "seconds": seconds}
+        outcome: dict[str, Any] = {"batch": t.batch, "index": t.index, "seconds": seconds}
         if t.timed_out:
             outcome["timed_out"] = True
         else:
@@ -252,11 +314,16 @@ def _run_trajectory(host: Host, result_fd: int, row: Any, base_url: str, api_key
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when this process ends
         host.selector.close()
-        for fd in (host.commands.fileno(), host.replies.fileno(), *[t.result_fd for t in host.running.values()]):
+        fds = [host.commands.fileno(), host.replies.fileno()]
+        for t in host.running.values():
+            fds += [t.result_fd, t.exit_fd]
+        for fd in fds:
             os.close(fd)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         outcome = _call(host, row, base_url, api_key)
+        sys.stdout.flush()  # before the outcome: the host kills this process's group once it is in
+        sys.stderr.flush()
         with os.fdopen(result_fd, "wb") as out:
             out.write(pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
     except BaseException:  # noqa: BLE001 - the host reports a process that wrote no outcome
@@ -286,9 +353,9 @@ _STUB_REPLY = (b'{"id": "warm-up", "object": "chat.completion", "created": 0, "m
 def _warm_up(ssl_context: Any) -> None:
     """One call through each kind of client to a stub server in this process, before any fork:
     what `openai` and `httpx` import and build at first use (resources, response models, transports,
-    the event loop's machinery) is then done once here, not in every trajectory's process (measured
-    by scripts/bench_agent.py: ~35 ms a trajectory without this). The stub's thread ends before
-    anything forks."""
+    the event loop's machinery) is then done once here, not in every trajectory's process
+    (scripts/bench_agent.py: 39 ms per call over direct without this, 11 with). The stub's thread
+    ends before anything forks."""
     import asyncio
     import http.server
     import threading
@@ -345,6 +412,7 @@ def _call(host: Host, row: Any, base_url: str, api_key: str) -> dict[str, Any]:
 
 def main() -> None:
     die_with_parent()
+    _become_subreaper()
     # The protocol's pipe is the stdout the host was started with; anything printed from here on
     # (the functions' own output) goes to stderr.
     replies = os.fdopen(os.dup(1), "wb")

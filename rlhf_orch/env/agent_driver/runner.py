@@ -19,10 +19,11 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rlhf_orch.env.agent_driver.host import accepted_keywords, read_message, reward_of, write_message  # noqa: F401 - reward_of: the runner's API too
+from rlhf_orch.env.agent_driver.host import accepted_keywords, read_message, reward_of, write_message  # noqa: F401 - the runner's API too
 
 
 
@@ -42,19 +43,20 @@ class AgentHostError(RuntimeError):
 
 class AgentRunner:
     """Start every trajectory's function; `wait` for them; `outcomes` once done; `close` at the end.
-    One host process serves every `start` until `close` (one that died is started again)."""
+    One host process serves every `start` until `close` (one that died is started again). Each
+    `start` is a batch of its own: an outcome of an earlier batch (a rollout given up) is dropped."""
 
     _HOST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host.py")
 
     def __init__(self, fn: Callable, concurrency: int, timeout_s: float):
-        self.fn = fn
-        self.keywords = accepted_keywords(fn)
         self.concurrency = max(1, int(concurrency))
         self.timeout_s = float(timeout_s)
         self.outcomes: dict[int, AgentOutcome] = {}
-        self._pickled = _pickled(fn)
+        self._pickled = pickled_function(fn)
         self._host: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self._batch = 0
+        self._batch_host: subprocess.Popen | None = None  # the host the current batch went to
         self._pending: set[int] = set()
         self._done = threading.Event()
         self._done.set()
@@ -64,18 +66,25 @@ class AgentRunner:
         """items: (trajectory index, row, base_url, api_key): each trajectory's own URL and key."""
         items = list(items)
         with self._lock:
+            self._batch += 1
+            batch = self._batch
             self.outcomes = {}
             self._pending = {index for index, *_ in items}
             self._crash = None
+            self._batch_host = None
             self._done.clear()
         if not items:
             self._done.set()
             return
         try:
             host = self._running_host()
-            write_message(host.stdin, ("run", items))
-        except (OSError, EOFError, AgentHostError) as e:
-            self._fail_pending(e if isinstance(e, AgentHostError) else None)
+            with self._lock:
+                self._batch_host = host  # (before the message: a host dying at once fails this batch)
+            write_message(host.stdin, ("run", batch, items))
+        except (OSError, EOFError) as e:
+            self._fail_pending(batch, None if isinstance(e, (BrokenPipeError, EOFError)) else e)
+        except AgentHostError as e:
+            self._fail_pending(batch, e)
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -96,7 +105,7 @@ class AgentRunner:
             except (OSError, subprocess.TimeoutExpired):
                 host.kill()
                 host.wait()
-        self._fail_pending(None)
+        self._fail_pending(self._batch, None)
 
     def __del__(self) -> None:
         host = getattr(self, "_host", None)
@@ -107,35 +116,43 @@ class AgentRunner:
     def _running_host(self) -> subprocess.Popen:
         if self._host is not None and self._host.poll() is None:
             return self._host
+        if self._host is not None:
+            self._host.wait()
         # -I: no PYTHON* variables, no user site; the caller's sys.path comes with "init" instead
         host = subprocess.Popen([sys.executable, "-I", "-B", self._HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        write_message(host.stdin, ("init", list(sys.path), self._pickled, self.concurrency, self.timeout_s))
-        reply = read_message(host.stdout)
+        try:
+            write_message(host.stdin, ("init", list(sys.path), self._pickled, self.concurrency, self.timeout_s))
+            reply = read_message(host.stdout)
+        except (OSError, EOFError):
+            reply = ("init_failed", f"the host process ended at start (exit code {host.wait()})")
         if reply[0] != "ready":
             host.kill()
             host.wait()
             raise AgentHostError(f"the agent function could not be loaded in its process: {reply[1]}")
         self._host = host
-        threading.Thread(target=self._read_outcomes, args=(host,), name="agent-outcomes", daemon=True).start()
+        # (a weak reference: a runner nobody closed is collected, and its __del__ ends the host)
+        threading.Thread(target=_read_outcomes, args=(weakref.ref(self), host), name="agent-outcomes", daemon=True).start()
         return host
 
-    def _read_outcomes(self, host: subprocess.Popen) -> None:
-        while True:
-            try:
-                _, fields = read_message(host.stdout)
-            except (EOFError, OSError, ValueError):
-                break
-            with self._lock:
-                if fields["index"] in self._pending:  # (not one of a rollout given up before)
-                    self.outcomes[fields["index"]] = AgentOutcome(**fields)
-                    self._pending.discard(fields["index"])
-                    if not self._pending:
-                        self._done.set()
-        if self._host is host:
-            self._fail_pending(None)  # the host died: what it was running has no outcome
-
-    def _fail_pending(self, crash: BaseException | None) -> None:
+    def _take(self, fields: dict[str, Any]) -> None:
+        batch = fields.pop("batch")
         with self._lock:
+            if batch == self._batch and fields["index"] in self._pending:
+                self.outcomes[fields["index"]] = AgentOutcome(**fields)
+                self._pending.discard(fields["index"])
+                if not self._pending:
+                    self._done.set()
+
+    def _host_ended(self, host: subprocess.Popen, crash: BaseException | None) -> None:
+        with self._lock:
+            if self._batch_host is not host:
+                return  # (a host replaced before: the current batch is another's)
+        self._fail_pending(self._batch, crash)
+
+    def _fail_pending(self, batch: int, crash: BaseException | None) -> None:
+        with self._lock:
+            if batch != self._batch:
+                return
             for index in self._pending:
                 self.outcomes[index] = AgentOutcome(index, error="AgentProcessDied: the agents' host process ended")
             self._pending = set()
@@ -143,7 +160,32 @@ class AgentRunner:
             self._done.set()
 
 
-def _pickled(fn: Callable) -> bytes:
+def _read_outcomes(runner_ref: weakref.ref, host: subprocess.Popen) -> None:
+    """The reader thread of one host: every outcome to its runner, then the host's end."""
+    crash: BaseException | None = None
+    while True:
+        try:
+            _, fields = read_message(host.stdout)
+        except (EOFError, OSError):
+            break
+        except BaseException as e:  # noqa: BLE001 - a message it cannot read: the rollout must not wait for ever
+            crash = RuntimeError(f"the agents' host sent what could not be read: {type(e).__name__}: {e}")
+            break
+        runner = runner_ref()
+        if runner is None:
+            return
+        try:
+            runner._take(fields)
+        except BaseException as e:  # noqa: BLE001
+            crash = RuntimeError(f"an agent outcome could not be taken: {type(e).__name__}: {e}")
+            break
+        del runner
+    runner = runner_ref()
+    if runner is not None:
+        runner._host_ended(host, crash)
+
+
+def pickled_function(fn: Callable) -> bytes:
     """The function as the host can load it: with its module's code by value (a file loaded from
     env.path cannot be imported by name there; a test module could, at the cost of its imports)."""
     import cloudpickle

@@ -1,5 +1,5 @@
-"""Work on a thread of its own that can be given up: an environment step (`env.tool_timeout_s`) and
-a plain (not `async def`) agent function (`env.timeout_s`) run on one each.
+"""Work on a thread of its own that can be given up: an environment step (`env.tool_timeout_s`) runs
+on one each. (Agent functions run in processes of their own: rlhf_orch.env.agent_driver.host.)
 
 A pool of a fixed number of threads would not do: a step that hangs keeps its worker for ever, so
 the steps queued behind it time out without having started, and score 0. Here every call gets a
