@@ -11,6 +11,7 @@ one_step_off with the held multi-turn rollout carried in the checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -351,7 +352,7 @@ AGENT_PLAN = ["placement.engines=2", "placement.actor_ranks=2", "placement.refer
 def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
     """`env=agent` with the example agent in a whole run: every trajectory's calls merge (none
     unmerged, no agent errors), the policy trains on them, and once the run has ended nothing
-    listens where the engines served the agents."""
+    listens where the engines served the agents, and no agent host process is left."""
     import socket
 
     cfg = compose_config(["experiment=quick", "algo.num_steps=2", "checkpoint.export_final=false", "env=agent",
@@ -361,8 +362,11 @@ def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
     typed, plan = check(cfg, launcher)
     endpoints = []
 
+    engine_pids = set()
+
     def where(step: int, loop) -> None:
         endpoints.extend(e for e in ray.get([engine.chat_endpoint.remote() for engine in loop.actors.engines]) if e)
+        engine_pids.update(ray.get([engine.__ray_call__.remote(lambda self: os.getpid()) for engine in loop.actors.engines]))
 
     summary = run_training(cfg, typed, plan, launcher, tmp_path, callbacks=[where])
     assert summary["status"] == "completed"
@@ -375,6 +379,17 @@ def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
     for e in endpoints:
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((e["host"], e["port"]), timeout=2)
+    # nor is any agent host of these engines left (each engine's, closed with its endpoint; the
+    # engines themselves live on for the next test: launcher.keep_actors)
+    hosts = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            if b"agent_driver/host.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                hosts.append((pid, int(status.split("\nPPid:")[1].split()[0])))
+        except OSError:
+            pass
+    assert len(engine_pids) == 2 and [h for h in hosts if h[1] in engine_pids] == []
 
 
 TWO_CONVERSATIONS = '''
