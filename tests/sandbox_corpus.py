@@ -56,6 +56,10 @@ def _ended_by_its_signal(result: Any) -> str | None:
     return None if result.exit_code == -15 else f"exit code {result.exit_code}, not -15 (SIGTERM)"
 
 
+def _ended_by_sigkill(result: Any) -> str | None:
+    return None if result.exit_code == -9 else f"exit code {result.exit_code}, not -9 (SIGKILL): {result.output[-200:]!r}"
+
+
 CORPUS = [
     Snippet("fork_bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", True),
     Snippet("busy_loop", "while True:\n    pass\n", True),
@@ -66,6 +70,11 @@ CORPUS = [
                            "            time.sleep(5)\n            os._exit(0)\n    except OSError:\n        break\n    n += 1\n"
                            "print('forked', n, flush=True)\n", check=_forks_within_the_limit),
     Snippet("signal_itself", "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n", True, check=_ended_by_its_signal),
+    Snippet("sigkill_itself", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", True, check=_ended_by_sigkill),
+    Snippet("interrupt_its_init", "import os, signal\nfor pid in (1, os.getppid()):\n    try:\n        os.kill(pid, signal.SIGINT)\n"
+                                  "    except OSError as e:\n        print('refused', pid, e)\nimport time\ntime.sleep(0.5)\nprint('still here')\n",
+            check=lambda result: None if "still here" in result.output and result.exit_code == 0 else
+            f"ended early: exit {result.exit_code}, {result.output[-200:]!r}"),
     Snippet("escape_the_kill", "import ctypes, os, time\ntry:\n    os.setsid()\nexcept OSError as e:\n    print('setsid', e)\n"
                                "print('prctl', ctypes.CDLL(None).prctl(1, 0, 0, 0, 0))  # no parent-death signal\n"
                                "print('detached', flush=True)\ntime.sleep(60)\n", True),

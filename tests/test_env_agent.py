@@ -630,6 +630,8 @@ def test_a_process_an_agent_leaves_behind_neither_holds_its_outcome_nor_outlives
             os.setsid()
             time.sleep(60)
             os._exit(0)
+        while os.getpgid(pid) != pid:  # out of the agent's group before the agent returns
+            time.sleep(0.01)
         seen["child"] = pid
         return 1.0
 
@@ -674,6 +676,7 @@ def test_a_host_that_dies_fails_its_rollout_and_the_next_rollout_starts_another(
         runner.start([(0, {"sleep": 30}, "http://127.0.0.1:9/v1", "k"), (1, {"sleep": 30}, "http://127.0.0.1:9/v1", "k")])
         time.sleep(0.3)
         os.kill(runner._host.pid, 9)
+        runner._host.wait()  # (dead before the next start looks at it)
         assert runner.wait(10)
         assert all("host process ended" in runner.outcomes[i].error for i in (0, 1))
         runner.start([(0, {"sleep": 0}, "http://127.0.0.1:9/v1", "k")])

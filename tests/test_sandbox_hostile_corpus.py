@@ -1,4 +1,4 @@
-"""The hostile corpus (tests/sandbox_corpus.py, 25 programs) in every mode this machine gives: as
+"""The hostile corpus (tests/sandbox_corpus.py, 27 programs) in every mode this machine gives: as
 root (a separate uid, namespaces), with the audit hook off (the OS boundaries alone) and on; and as
 a non-root uid (`setpriv` to 65534: a user and a pid namespace of the code's own), hook off. Each
 program must end bounded or refused, leak nothing and leave no process."""

@@ -53,9 +53,11 @@ set included) before the code runs. pid 1 reports the code's wait status and exi
 process ends, which kills everything left in the namespace; the bootstrap ends as the code did.
 The pid namespace stands in for the separate uid: the code sees, signals and traces no process of
 the host (no /proc/<pid>/environ of the caller), RLIMIT_NPROC counts the namespace's processes
-alone (the bootstrap, pid 1 and the code count: 3 + max_processes), and every process it starts
+alone on Linux >= 5.14 (per user namespace; older kernels count every process of the caller's
+uid, the engine's threads included, so the code could start none: measured here on 6.18 only) --
+the bootstrap, pid 1 and the code count: 3 + max_processes -- and every process it starts
 dies with it. Measured as uid 65534 here via `setpriv` (tests/test_sandbox_hostile_corpus.py: the
-same 25 hostile programs as root, all held); a container whose seccomp profile refuses `unshare` or
+same 27 hostile programs as root, all held); a container whose seccomp profile refuses `unshare` or
 the new /proc falls back to what works. Where unprivileged user namespaces are off (a default Docker
 container) the code runs with a network namespace at most, no private filesystem, and only the
 audit hook in the way of writes -- `env=python_tool` is then refused unless env.allow_weak_sandbox=true.

@@ -215,6 +215,9 @@ def _reap_for_the_code(status_fd: int) -> None:
         os.close(status_fd)
         os.setsid()  # out of the caller's process group: kill(0, ...) reaches nothing of the host
         return
+    # A namespace's init gets only the signals it handles: with Python's SIGINT handler gone, the
+    # code cannot end pid 1 early (and with it fake its own exit status).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     while True:
         try:
             done, status = os.waitpid(-1, 0)
@@ -228,14 +231,17 @@ def _reap_for_the_code(status_fd: int) -> None:
 def _exit_as(status: int) -> None:
     """End this process as one with wait status `status` ended: with its exit code, or killed by
     its signal (raised again here, without a core)."""
-    sys.stdout.flush()
-    if os.WIFSIGNALED(status):
-        number = os.WTERMSIG(status)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        signal.signal(number, signal.SIG_DFL)
-        os.kill(os.getpid(), number)
-        os._exit(128 + number)  # (a signal whose default is not to end a process)
-    os._exit(os.waitstatus_to_exitcode(status))
+    try:
+        sys.stdout.flush()
+        if os.WIFSIGNALED(status):
+            number = os.WTERMSIG(status)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            if number not in (signal.SIGKILL, signal.SIGSTOP):  # (their handlers cannot be set)
+                signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+            os._exit(128 + number)  # (a signal whose default is not to end a process)
+    finally:
+        os._exit(os.waitstatus_to_exitcode(status))
 
 
 def _limit_resources(limits: dict, processes_before: int = 1) -> None:

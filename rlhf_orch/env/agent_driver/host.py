@@ -217,10 +217,20 @@ class Host:
     def _start_queued(self) -> None:
         while self.queued and len(self.running) < self.concurrency:
             batch, index, row, base_url, api_key = self.queued.pop(0)
-            read_fd, write_fd = os.pipe()
             sys.stdout.flush()  # (nothing buffered here is printed again by the child)
             sys.stderr.flush()
-            pid = os.fork()
+            try:
+                read_fd, write_fd = os.pipe()
+            except OSError as e:
+                self._could_not_start(batch, index, e)
+                continue
+            try:
+                pid = os.fork()
+            except OSError as e:  # (out of processes or memory: this trajectory fails, not the host)
+                os.close(read_fd)
+                os.close(write_fd)
+                self._could_not_start(batch, index, e)
+                continue
             if pid == 0:  # the trajectory's process: never returns
                 os.close(read_fd)
                 _run_trajectory(self, write_fd, row, base_url, api_key)
@@ -234,6 +244,10 @@ class Host:
             self.running[pid] = t
             self.selector.register(read_fd, selectors.EVENT_READ, t)
             self.selector.register(t.exit_fd, selectors.EVENT_READ, t)
+
+    def _could_not_start(self, batch: int, index: int, error: OSError) -> None:
+        outcome = {"batch": batch, "index": index, "seconds": 0.0, "error": f"AgentProcessDied: could not start: {error}"}
+        write_message(self.replies, ("done", outcome))
 
     def _read_result(self, t: _Trajectory) -> None:
         """Read what the outcome's pipe holds. Its end is not the trajectory's end: a process the
@@ -278,7 +292,7 @@ class Host:
             try:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, os.WNOHANG)  # (one still dying is reaped on a later pass)
-            except (ProcessLookupError, ChildProcessError):
+            except OSError:  # (gone, reaped, or no longer ours to signal)
                 pass
 
     def _finish(self, t: _Trajectory) -> None:
@@ -312,6 +326,9 @@ def _run_trajectory(host: Host, result_fd: int, row: Any, base_url: str, api_key
     try:
         os.setpgid(0, 0)
         die_with_parent()
+        # What the agent starts and leaves stays under this process while it runs (the host's
+        # subreaping is not inherited) and reaches the host, to be killed, when it ends.
+        _become_subreaper()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when this process ends
         host.selector.close()
         fds = [host.commands.fileno(), host.replies.fileno()]

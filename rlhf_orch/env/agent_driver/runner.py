@@ -144,10 +144,16 @@ class AgentRunner:
                     self._done.set()
 
     def _host_ended(self, host: subprocess.Popen, crash: BaseException | None) -> None:
+        """The reader of `host` stopped: the host ended, or sent what could not be taken (it is then
+        killed: nobody would read its outcomes again). Fails the batch it was running."""
+        if crash is not None and host.poll() is None:
+            host.kill()
+            host.wait()
         with self._lock:
             if self._batch_host is not host:
                 return  # (a host replaced before: the current batch is another's)
-        self._fail_pending(self._batch, crash)
+            batch = self._batch
+        self._fail_pending(batch, crash)
 
     def _fail_pending(self, batch: int, crash: BaseException | None) -> None:
         with self._lock:
