@@ -17,7 +17,7 @@ from rlhf_orch.engines.agent_rollout import AgentRolloutSession, CallOutput, tra
 from rlhf_orch.env.agent_driver.chat_server import ChatServer
 from rlhf_orch.env.agent import AgentEnv, agent_row
 from rlhf_orch.env.agent_driver.record import AgentLimits, AgentRecord, CallRefused
-from rlhf_orch.env.agent_driver.runner import AgentRunner, accepted_keywords, reward_of
+from rlhf_orch.env.agent_driver.runner import AgentHostError, AgentRunner, accepted_keywords, reward_of
 from rlhf_orch.env.base import EnvError
 from rlhf_orch.env.agent_driver.chat_api import ChatAPIError, parse_request, parse_tool_calls
 from rlhf_orch.data.base import Prompt
@@ -606,13 +606,10 @@ def test_an_agent_that_exits_or_crashes_its_process_scores_zero_and_the_rest_go_
 
 
 def _gone(pid: int, within_s: float = 5.0) -> bool:
+    """The process has ended and been reaped (no zombie left in the host either)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                if "\nState:\tZ" in f.read():
-                    return True
-        except FileNotFoundError:
+        if not os.path.exists(f"/proc/{pid}"):
             return True
         time.sleep(0.05)
     return False
@@ -641,7 +638,7 @@ def test_a_process_an_agent_leaves_behind_neither_holds_its_outcome_nor_outlives
         assert runner.wait(10)
         outcome = runner.outcomes[0]
         assert outcome.reward == 1.0 and not outcome.timed_out and outcome.seconds < 5, outcome
-        assert _gone(seen["child"]), "the agent's detached child outlived its trajectory"
+        assert _gone(seen["child"]), "the agent's detached child outlived its trajectory (or was left a zombie)"
     finally:
         runner.close()
 
@@ -662,6 +659,30 @@ def test_an_outcome_of_a_rollout_given_up_is_not_taken_for_the_next_one(tmp_path
         runner.start([(0, {"kind": "fast"}, "http://127.0.0.1:9/v1", "k")])
         assert runner.wait(10)
         assert runner.outcomes[0].reward == 1.0, runner.outcomes[0]
+    finally:
+        runner.close()
+
+
+class _LoadsNowhereElse:
+    """Pickles, but raises when unpickled (in the agents' host)."""
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+def _refuse_to_load():
+    raise RuntimeError("this function cannot be loaded here")
+
+
+def test_a_function_the_host_cannot_load_fails_the_rollout_with_the_reason():
+    def agent(row, marker=_LoadsNowhereElse(), **kwargs):
+        return 1.0
+
+    runner = AgentRunner(agent, concurrency=1, timeout_s=5.0)
+    try:
+        runner.start([(0, {}, "http://127.0.0.1:9/v1", "k")])
+        with pytest.raises(AgentHostError, match="could not be loaded in its process: RuntimeError: this function cannot be loaded here"):
+            runner.wait(10)
     finally:
         runner.close()
 

@@ -148,6 +148,7 @@ class Host:
         self.concurrency, self.timeout_s = 1, 1.0
         self.queued: list[tuple[int, int, Any, str, str]] = []  # (batch, index, row, base_url, api_key)
         self.running: dict[int, _Trajectory] = {}  # by pid
+        self.dying: set[int] = set()  # orphans killed, not yet reaped
         self.selector = selectors.DefaultSelector()
 
     # ------------------------------------------------------------------ the host's loop
@@ -210,6 +211,8 @@ class Host:
         return True
 
     def _wait_s(self) -> float | None:
+        if self.dying:
+            return 0.05  # (to reap them soon, not at the next command)
         if not self.running:
             return None
         return max(0.0, min(t.deadline for t in self.running.values()) - time.monotonic())
@@ -291,9 +294,16 @@ class Host:
                 continue
             try:
                 os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, os.WNOHANG)  # (one still dying is reaped on a later pass)
-            except OSError:  # (gone, reaped, or no longer ours to signal)
+            except OSError:  # (gone, or no longer ours to signal)
                 pass
+            self.dying.add(pid)
+        for pid in list(self.dying):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done == pid:
+                self.dying.discard(pid)
 
     def _finish(self, t: _Trajectory) -> None:
         """The trajectory's process has exited (returned, or died) or is overdue: its group is
