@@ -52,8 +52,10 @@ def test_tags_format_wraps_the_output_for_models_without_a_tool_role():
 
 
 def test_hostile_and_broken_calls_give_error_observations_and_counts():
-    # 5 s: time for a sandboxed process to start and raise on a loaded machine (1 s was not, in the suite)
-    env = _env(tool_timeout_s=5.0).make(Prompt(text="q", label="1"))
+    # 5 s: time for a sandboxed process to start and raise on a loaded machine (1 s was not, in the suite);
+    # the CPU limit well above it, so that the wall clock, not RLIMIT_CPU (5 s by default: a race
+    # on an idle moment, seen once in CI), is what stops the loop
+    env = _env(tool_timeout_s=5.0, tool_cpu_s=30).make(Prompt(text="q", label="1"))
     t0 = time.monotonic()
     out = env.step(_call("while True: pass") + _call("raise ValueError('no')") + "<tool_call>{oops}</tool_call>")
     assert time.monotonic() - t0 < 30
