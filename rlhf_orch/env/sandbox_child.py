@@ -1,7 +1,8 @@
 """The child side of the sandbox: `python -I -B sandbox_child.py CONFIG`, run by
 `rlhf_orch.env.sandbox.run_python` in the code's working directory. It sets up the boundaries
 (namespaces, private filesystem, rlimits) as root and drops to the sandbox uid, or, not root, in a
-user namespace of its own and then drops every capability; installs the audit hook and runs `main.py`. It is started in isolated mode, so it imports nothing of the project: everything it
+user namespace of its own and then drops every capability; installs the audit hook and runs
+`main.py`. It is started in isolated mode, so it imports nothing of the project: everything it
 needs is in this file (the parent imports the constants below from it).
 """
 

@@ -98,23 +98,14 @@ def _read_exactly(stream: BinaryIO, size: int) -> bytes:
     return bytes(data)
 
 
-def die_with_parent() -> None:
-    """The kernel kills this process when its parent ends (Linux); a no-op elsewhere."""
+def _prctl(option: int, value: int) -> None:
+    """prctl(2) on Linux; a no-op elsewhere. Used for PR_SET_PDEATHSIG (the kernel kills this
+    process when its parent ends) and PR_SET_CHILD_SUBREAPER (what a process under this one leaves
+    behind is reparented here, to be killed: `Host._kill_orphans`)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-
-
-def _become_subreaper() -> None:
-    """What a trajectory's process leaves behind when it exits is reparented to the host (Linux),
-    which kills it (`Host._kill_orphans`)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
         return
 
@@ -197,6 +188,7 @@ class Host:
 
             self.fn = pickle.loads(pickled)
             self.keywords = accepted_keywords(self.fn)
+            self.is_async = inspect.iscoroutinefunction(self.fn)
             self.concurrency, self.timeout_s = int(concurrency), float(timeout_s)
             # built once, inherited by every fork: a client otherwise loads the CA bundle (~40 ms)
             self.ssl_context = ssl.create_default_context()
@@ -335,10 +327,10 @@ def _run_trajectory(host: Host, result_fd: int, row: Any, base_url: str, api_key
     code = 0
     try:
         os.setpgid(0, 0)
-        die_with_parent()
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         # What the agent starts and leaves stays under this process while it runs (the host's
         # subreaping is not inherited) and reaches the host, to be killed, when it ends.
-        _become_subreaper()
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the host decides when this process ends
         host.selector.close()
         fds = [host.commands.fileno(), host.replies.fileno()]
@@ -424,8 +416,7 @@ def _warm_up(ssl_context: Any) -> None:
 def _call(host: Host, row: Any, base_url: str, api_key: str) -> dict[str, Any]:
     import asyncio
 
-    fn, timeout_s = host.fn, host.timeout_s
-    is_async = inspect.iscoroutinefunction(fn)
+    fn, timeout_s, is_async = host.fn, host.timeout_s, host.is_async
     try:
         client = _client(is_async, base_url, api_key, timeout_s, host.ssl_context)
         given = {"client": client, "base_url": base_url, "api_key": api_key}
@@ -438,8 +429,8 @@ def _call(host: Host, row: Any, base_url: str, api_key: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    die_with_parent()
-    _become_subreaper()
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     # The protocol's pipe is the stdout the host was started with; anything printed from here on
     # (the functions' own output) goes to stderr.
     replies = os.fdopen(os.dup(1), "wb")

@@ -26,7 +26,6 @@ from typing import Any, Callable, Sequence
 from rlhf_orch.env.agent_driver.host import accepted_keywords, read_message, reward_of, write_message  # noqa: F401 - the runner's API too
 
 
-
 @dataclass
 class AgentOutcome:
     index: int
