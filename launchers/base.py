@@ -42,6 +42,7 @@ class RayLauncher(ABC):
         reuse_session: bool = False,
         memory_check: str = "refuse",
         keep_actors: bool = False,
+        memory_margin: float = 0.05,
     ) -> None:
         if logical_gpus < 0:
             raise ValueError(f"launcher.logical_gpus={logical_gpus} must be >= 0")
@@ -59,6 +60,7 @@ class RayLauncher(ABC):
         self.startup_timeout_s = startup_timeout_s
         self.reuse_session = reuse_session
         self.memory_check = memory_check  # read by the app's memory check (rlhf_orch.memory.check)
+        self.memory_margin = memory_margin  # (the plan reads it from the config: launcher.memory_margin)
         self._output = LibraryOutput(None)  # replaced by each session()
         self._early: Optional[_EarlyConnection] = None  # connect_early() until session() takes it
 

@@ -38,6 +38,7 @@ class ClusterRayLauncher(RayLauncher):
         reuse_session: bool = False,
         memory_check: str = "refuse",
         keep_actors: bool = False,
+        memory_margin: float = 0.05,
     ) -> None:
         if logical_gpus:
             raise ValueError(
@@ -49,7 +50,8 @@ class ClusterRayLauncher(RayLauncher):
                 f"launcher.num_cpus={num_cpus} cannot be applied to a running cluster: "
                 "give `ray start --num-cpus=N` on each node instead, or use launcher=local"
             )
-        super().__init__(dry_run, logical_gpus, num_cpus, address or "auto", startup_timeout_s, reuse_session, memory_check, keep_actors)
+        super().__init__(dry_run, logical_gpus, num_cpus, address or "auto", startup_timeout_s, reuse_session, memory_check, keep_actors,
+                         memory_margin)
         self._asked: Optional[list[dict[str, float]]] = None  # the nodes' resources, read outside a session
 
     def gpus_present(self) -> int:

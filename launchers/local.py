@@ -39,13 +39,15 @@ class LocalRayLauncher(RayLauncher):
         reuse_session: bool = False,
         memory_check: str = "refuse",
         keep_actors: bool = False,
+        memory_margin: float = 0.05,
     ) -> None:
         if address not in (None, "local"):
             raise ValueError(
                 f"launcher.address={address!r} joins an existing cluster, which launcher=local never does: "
                 "use launcher=cluster launcher.address=... or leave address null"
             )
-        super().__init__(dry_run, logical_gpus, num_cpus, address, startup_timeout_s, reuse_session, memory_check, keep_actors)
+        super().__init__(dry_run, logical_gpus, num_cpus, address, startup_timeout_s, reuse_session, memory_check, keep_actors,
+                         memory_margin)
 
     def gpus_present(self) -> int:
         cuda_gpus = cuda_device_count()

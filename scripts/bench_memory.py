@@ -106,7 +106,7 @@ def predicted(overrides: list[str]) -> tuple[dict[str, float], float, float]:
     for p in load.processes:
         # A reference inside the policy rank's process (placement.reference_in_actor) is measured in it.
         name = "driver" if p.role == "driver" else f"actor{p.rank}" if p.role == "reference" and plan.reference_in_actor else f"{p.role}{p.rank}"
-        totals[name] = totals.get(name, 0) + p.total()
+        totals[name] = totals.get(name, 0) + p.peak()
     return totals, load.need, load.device.capacity
 
 

@@ -253,7 +253,7 @@ def test_a_pipeline_that_generates_during_training_keeps_the_colocated_engine_aw
     from rlhf_orch.app import check
 
     base = ["model=qwen2_5_math_7b", "placement=colocated", "placement.gpus_per_node=8", "trainer.zero_stage=3",
-            "placement.gpu_memory_gb=80", "algo.micro_batch_size=8", "launcher.dry_run=true"]
+            "trainer.reference_memory=sharded", "placement.gpu_memory_gb=80", "algo.micro_batch_size=8", "launcher.dry_run=true"]
 
     def gpu0(pipeline: list[str]):
         cfg = compose_config([*base, *pipeline])
@@ -267,11 +267,13 @@ def test_a_pipeline_that_generates_during_training_keeps_the_colocated_engine_aw
     awake = sum(t.bytes for t in engine.terms if t.phase == "generate" and not t.on_host)
     generating = sum(p.total(("always", "generate")) for p in sync_gpu.processes)
     training = sum(p.total(("always", "train")) for p in sync_gpu.processes)
-    assert sync_gpu.need == max(generating, training) and training + awake > sync.plan.loads[0].device.capacity
+    experience = sum(p.total(("always", "experience")) for p in sync_gpu.processes)
+    device = sync.plan.loads[0].device
+    assert sync_gpu.need == max(generating, training, experience) and training + awake > device.capacity - device.margin
     for pipeline in (["pipeline=one_step_off"], ["pipeline=async"], ["pipeline=async", "pipeline.max_staleness=0"]):
         v, gpu = gpu0(pipeline)
         assert not v.fits and (v.fixes or v.chain), pipeline
-        assert gpu.need == max(generating, training + awake), pipeline  # training now holds the awake engine
+        assert gpu.need == max(generating, training + awake, experience + awake), pipeline  # training now holds the awake engine
 
 
 def test_zero_model_states_match_deepspeed_s_own_estimators():

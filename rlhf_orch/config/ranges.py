@@ -271,6 +271,8 @@ RANGES: tuple[Range, ...] = (
     reals("eval.pass_threshold", why="a sample passes when its score reaches it"),
     # ---- trainer
     choice("trainer.zero_stage", (0, 1, 2, 3), "DeepSpeed ZeRO stages are 0, 1, 2 or 3"),
+    choice("trainer.reference_memory", ("full", "sharded", "offloaded"),
+           "use full (a whole copy per reference rank), sharded (ZeRO-3 over the reference ranks) or offloaded (sharded, in host memory)"),
     reals("trainer.weight_decay", 0, why="weight decay, typically 0-0.1"),
     choice("trainer.optimizer", ("adamw", "sgd"), "use 'adamw' (the default) or 'sgd' (plain, no momentum)"),
     ints("trainer.seed", 0, _SEED_WHY, hi=_SEED_MAX),
@@ -352,6 +354,8 @@ RANGES: tuple[Range, ...] = (
     ints("launcher.logical_gpus", 0, "0 = only real GPUs"),
     choice("launcher.memory_check", ("refuse", "warn"),
            "'refuse' (a plan that does not fit exits 2 before Ray starts) or 'warn' (say so and run)"),
+    reals("launcher.memory_margin", 0, 0.5, hi_open=True, why="the fraction of each device the memory plan keeps free "
+          "(0.05: what the plan was measured short by, with room); 0 plans to the last byte"),
     reals("placement.gpu_memory_gb", 0, lo_open=True, why="memory of one GPU as sold (80 for an A100/H100 80GB: 85.0e9 bytes, GiB less the driver's 1 %); null = this machine's",
           nullable=True),
     reals("placement.host_memory_gb", 0, lo_open=True, why="RAM of one node as sold, in GiB (offloaded optimizer states and "

@@ -735,6 +735,11 @@ class TrainerConfig:
     # Recompute each layer's activations in the backward pass instead of keeping them (HF's
     # gradient checkpointing): activation memory ~1/layers for ~30 % more trainer compute.
     gradient_checkpointing: bool = False
+    # How each rank holds the KL reference: "full" (a whole copy per reference rank), "sharded"
+    # (DeepSpeed ZeRO-3 over the reference ranks -- the policy ranks when it lives in their
+    # processes: 1/ranks of the weights each, a layer gathered at a time), "offloaded" (sharded, the
+    # shards in host memory; GPU layouts). What a policy too large for a whole reference per GPU needs.
+    reference_memory: str = "full"
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # "adamw" (betas 0.9, 0.95) or "sgd" (plain: the update is lr x gradient)
     # Torch threads of each trainer process (actor, critic, reference, reward model). On CPU, Ray gives
@@ -833,6 +838,10 @@ class LauncherConfig:
     dry_run: bool = False  # print the placement plan and the memory plan, and exit without starting actors
     # A run whose memory plan does not fit: "refuse" (exit 2, before Ray starts) or "warn" (say so, run).
     memory_check: str = "refuse"
+    # Fraction of each device (GPU, host) the memory plan keeps free for what it does not model:
+    # a trainer on an H100 held up to 1.4 % more than planned (allocator reserve with expandable
+    # segments, scripts/bench_memory.py --gpu); vLLM on a GPU and NCCL are stated, not measured.
+    memory_margin: float = 0.05
     # Ray logical GPUs to declare when the machine has none (CPU testing of GPU layouts).
     logical_gpus: int = 0
     num_cpus: Optional[int] = None

@@ -714,6 +714,28 @@ def _offload(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem
     return []
 
 
+def _reference_memory(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    """trainer.reference_memory: refused where it does nothing or cannot be done."""
+    how = cfg.trainer.reference_memory
+    if how == "full":
+        return []
+    ranks = plan.num_ranks("reference")
+    if ranks == 0:
+        why = "the algorithm has no KL reference" if not cfg.algo.needs_reference else "no reference rank is planned"
+        return [Problem("trainer.reference_memory", how, f"does nothing: {why}; drop the key")]
+    if cfg.model.lora.rank > 0 and plan.reference_in_actor:
+        return [Problem("trainer.reference_memory", how, "does nothing: under model.lora the policy ranks' reference is "
+                        "the policy's own frozen base (no second copy); drop the key")]
+    if how == "offloaded" and not hw.cuda:
+        return [Problem("trainer.reference_memory", how, "offloading keeps the reference's shards in host memory instead "
+                        "of GPU memory; without CUDA GPUs it is in host memory already: use full or sharded")]
+    if how == "sharded" and ranks == 1:
+        return [Problem("trainer.reference_memory", how, "sharding over one reference rank keeps the whole model: plan more "
+                        "reference ranks (placement.reference_ranks, or the policy's ranks with "
+                        "placement.reference_in_actor), or use offloaded (GPU layouts)")]
+    return []
+
+
 def _launcher(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     lc = cfg.launcher
     problems = []
@@ -786,6 +808,7 @@ CHECKS: tuple[Callable[[RootConfig, PlacementPlan, Hardware], list[Problem]], ..
     _launcher,
     _paths,
     _offload,
+    _reference_memory,
     _lora,
 )
 

@@ -39,6 +39,7 @@ def _candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, R
     trainer_dp = max((sum(1 for p in plan.processes if p.role == role) for role in ("actor", "critic")), default=1)
     if t.zero_stage < 3 and trainer_dp > 1:
         yield "trainer.zero_stage=3", "weights and gradients sharded too (more communication)", _with(cfg, "trainer", zero_stage=3)
+    yield from _reference_candidates(cfg, plan)
     if wl.on_gpu and not t.offload_optimizer:
         yield ("trainer.offload_optimizer=true", "optimizer states in host memory (slower optimizer steps)",
                _with(cfg, "trainer", offload_optimizer=True))
@@ -55,6 +56,23 @@ def _candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, R
     yield from _engine_candidates(cfg, plan)
     yield from _more_gpu_candidates(cfg, plan)
     yield from _algorithm_candidates(cfg, plan)
+
+
+def _reference_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, RootConfig]]:
+    """A whole KL reference per rank: shard it over the reference ranks (ZeRO-3), or keep the
+    shards in host memory (GPU layouts)."""
+    references = sum(1 for p in plan.processes if p.role == "reference")
+    if not references or cfg.trainer.reference_memory != "full":
+        if references and cfg.trainer.reference_memory == "sharded" and plan.workload.on_gpu:
+            yield ("trainer.reference_memory=offloaded", "the reference's shards in host memory (slower experience phase)",
+                   _with(cfg, "trainer", reference_memory="offloaded"))
+        return
+    if references > 1:
+        yield ("trainer.reference_memory=sharded", "the reference sharded over its ranks by ZeRO-3 (gathers in the experience phase)",
+               _with(cfg, "trainer", reference_memory="sharded"))
+    if plan.workload.on_gpu:
+        yield ("trainer.reference_memory=offloaded", "the reference's shards in host memory (slower experience phase)",
+               _with(cfg, "trainer", reference_memory="offloaded"))
 
 
 def _algorithm_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, RootConfig]]:

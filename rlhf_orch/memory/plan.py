@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from omegaconf import OmegaConf
+
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, memory_utilization, sleep_level
 from rlhf_orch.memory.shapes import ModelShape
@@ -39,6 +41,7 @@ class Device:
     name: str  # "gpu n0/b3" or "host"
     capacity: int  # bytes the processes on it may use
     capacity_source: str  # where the capacity was read
+    margin: int = 0  # bytes kept free for what the plan does not model (launcher.memory_margin x capacity)
 
 
 @dataclass
@@ -50,19 +53,20 @@ class DeviceLoad:
     @property
     def need(self) -> int:
         if not self.sums_phases:
-            # The host: every process's anonymous memory, plus the page cache the processes share
+            # The host: every process's anonymous memory at its peak, plus the page cache the processes share
             # (the shared libraries, the checkpoint file) once -- the largest of each kind.
             shared: dict[str, int] = {}
             for p in self.processes:
                 for t in p.terms:
                     if t.reclaimable:
                         shared[t.name] = max(shared.get(t.name, 0), t.bytes)
-            return sum(p.total(resident=False) + p.total(on_host=True, resident=False) for p in self.processes) + sum(shared.values())
+            return sum(p.peak(resident=False) + p.peak(on_host=True, resident=False) for p in self.processes) + sum(shared.values())
         return max(sum(p.total((ALWAYS, phase)) for p in self.processes) for phase in PHASES)
 
     @property
     def headroom(self) -> int:
-        return self.device.capacity - self.need
+        """What is left after the need and the margin (negative: does not fit)."""
+        return self.device.capacity - self.device.margin - self.need
 
     @property
     def fits(self) -> bool:
@@ -136,7 +140,7 @@ def node_host_loads(
             for key, p in processes.items() if key in on_node and any(t.on_host for t in p.terms)
         ]
         if views and capacity is not None:
-            loads.append(DeviceLoad(Device(f"host n{node_index}", *capacity), views, sums_phases=False))
+            loads.append(DeviceLoad(Device(f"host n{node_index}", *capacity, margin=margin_bytes(typed, capacity[0])), views, sums_phases=False))
     return loads
 
 
@@ -154,6 +158,11 @@ def node_host_memory(typed: RootConfig) -> Optional[tuple[int, str]]:
         return None
     capacity, source = host_memory()
     return capacity, f"{source}, this machine (set placement.host_memory_gb)"
+
+
+def margin_bytes(typed: RootConfig, capacity: int) -> int:
+    """launcher.memory_margin of a device's capacity, kept free (`DEFAULT_MEMORY_MARGIN` says why)."""
+    return int(typed.launcher.memory_margin * capacity)
 
 
 def ray_memory_threshold() -> float:
@@ -184,14 +193,30 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         sleep_level=level, enforce_eager=e.enforce_eager,
         sequences_per_engine=-(-a.rollout_batch_size * a.samples_per_prompt // engines),
         sync_bucket_bytes=int(getattr(typed.sync, "bucket_mb", 0) * 2**20),
+        **(_sync_on_gpu(typed, plan) if on_gpu else {}),
         entropy=a.entropy_coef > 0,
         engines_overlap_training=_pipeline_says(typed, "engines_awake_in_training", False),
         engines_sleep=_pipeline_says(typed, "sleeps_engines", True),
+        reference_memory=t.reference_memory,
         lora_rank=typed.model.lora.rank,
         lora_targets=typed.model.lora.target_modules,
         # (auto: planned as adapter, what vLLM does for the architectures it serves with LoRA)
         engines_serve_adapter=typed.model.lora.rank > 0 and typed.model.lora.sync != "merged",
     )
+
+
+def _sync_on_gpu(typed: RootConfig, plan: PlacementPlan) -> dict[str, Any]:
+    """What the chosen weight sync holds on GPUs, as its strategy object says: each sender's
+    buffers in flight, the ranks in an NCCL group with the engines, whether the trainers keep
+    torch's default allocator (CUDA memory handed to engines)."""
+    from hydra.utils import instantiate
+
+    sync = instantiate(OmegaConf.structured(typed.sync))
+    sync.use_plan(plan)
+    ranks, engines = max(plan.num_ranks("actor"), 1), max(plan.num_ranks("engine"), 1)
+    return {"sync_send_buffers": tuple(sorted(sync.send_buffers_on_gpu(ranks, engines).items())),
+            "sync_nccl_senders": frozenset(sync.nccl_senders(ranks, engines)),
+            "trainers_default_allocator": bool(sync.shares_cuda_memory)}
 
 
 def _pipeline_says(typed: RootConfig, attribute: str, default: bool) -> bool:
@@ -236,16 +261,16 @@ def plan_memory(
     wl = workload(typed, plan, on_gpu, gpu_bytes)
     # Each role's process: what it holds, by the kind of model it runs.
     role_terms = {
-        "actor": lambda dp: (trainer_terms("actor", shape.policy_params, shape, wl, dp), ""),
-        "critic": lambda dp: (trainer_terms("critic", shape.critic_params, shape, wl, dp), ""),
-        "reference": lambda dp: (forward_only_terms("reference", shape.policy_params, shape, wl), ""),
-        "reward": lambda dp: (forward_only_terms("reward", shape.reward_params, shape, wl), ""),
-        "engine": lambda dp: engine_terms(shape, wl),
+        "actor": lambda dp, rank: (trainer_terms("actor", shape.policy_params, shape, wl, dp, rank), ""),
+        "critic": lambda dp, rank: (trainer_terms("critic", shape.critic_params, shape, wl, dp, rank), ""),
+        "reference": lambda dp, rank: (forward_only_terms("reference", shape.policy_params, shape, wl, dp), ""),
+        "reward": lambda dp, rank: (forward_only_terms("reward", shape.reward_params, shape, wl), ""),
+        "engine": lambda dp, rank: engine_terms(shape, wl),
     }
     processes: dict[tuple[str, int], ProcessMemory] = {}
     for slot in plan.slots:
         proc = ProcessMemory(slot.role, slot.rank)
-        proc.terms, proc.note = role_terms[slot.role](max(plan.num_ranks(slot.role), 1))
+        proc.terms, proc.note = role_terms[slot.role](max(plan.num_ranks(slot.role), 1), slot.rank)
         if slot.role == "reference" and plan.reference_in_actor:
             # Inside the policy rank's process: its model and forward, not a second runtime; under
             # model.lora not a second model either (the reference is the policy's frozen base).
@@ -261,7 +286,7 @@ def plan_memory(
                 if not resources.get("GPU"):
                     continue
                 claims = plan.claims_on(node_index, bundle_index)
-                device = Device(f"gpu n{node_index}/b{bundle_index}", gpu_bytes, gpu_source)
+                device = Device(f"gpu n{node_index}/b{bundle_index}", gpu_bytes, gpu_source, margin_bytes(typed, gpu_bytes))
                 loads.append(DeviceLoad(device, [processes[(c.role, c.rank)] for c in claims]))
         loads += node_host_loads(typed, plan, processes, wl.engine_tp)
     else:
@@ -273,6 +298,6 @@ def plan_memory(
                 # A CPU engine's TP workers are processes of their own, each with its shard, its own
                 # KV space (VLLM_CPU_KVCACHE_SPACE is per worker) and its runtime: tp times one GPU's terms.
                 proc.terms = [Term(t.name, t.bytes * wl.engine_tp, t.phase, t.on_host) for t in proc.terms]
-        loads.append(DeviceLoad(Device("host", host_bytes, host_source), every, sums_phases=False))
+        loads.append(DeviceLoad(Device("host", host_bytes, host_source, margin_bytes(typed, host_bytes)), every, sums_phases=False))
     ordered = [processes[(s.role, s.rank)] for role in plan.roles for s in plan.slots_for(role)]
     return MemoryPlan(model_source, shape, wl, ordered, loads, batch_quantities(typed, plan, wl))

@@ -13,9 +13,10 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "weights": ("weights", "gathered weights"),
     "grads": ("gradients", "gradient partition", "fp32 gradients"),
     "optimizer": ("master weights", "optimizer"),
-    "activations": ("activations", "logits", "entropy"),
+    "activations": ("activations", "logits", "entropy", "old log-probs", "forward activations"),
     "kv cache": ("kv cache",),
-    "other": ("workspace", "cuda graphs", "cpu weight packing", "sync buffers", "checkpoint load", "runtime", "shared libraries"),
+    "other": ("workspace", "cuda graphs", "lora slots", "cpu weight packing", "sync buffers", "sync send buffers", "nccl buffers",
+              "allocator reserve", "checkpoint load", "runtime", "shared libraries"),
 }
 
 
@@ -28,8 +29,8 @@ def _row(proc: ProcessMemory, devices: str) -> list[str]:
     for names in COLUMNS.values():
         amount = sum(t.bytes for t in proc.terms if t.name in names and not t.on_host)
         cells.append(_gb(amount) if amount else "-")
-    cells.append(_gb(proc.total()))
-    host = proc.total(on_host=True)
+    cells.append(_gb(proc.peak()))
+    host = proc.peak(on_host=True)
     cells.append(_gb(host) if host else "-")
     return cells
 
@@ -65,9 +66,9 @@ def describe(plan: MemoryPlan) -> str:
         rows.append(_row(proc, devices[0] + (f" +{len(devices) - 1}" if len(devices) > 1 else "")))
     lines += _table(rows)
     lines.append("")
-    device_rows = [["device", "need", "capacity", "headroom", "", "capacity from"]]
+    device_rows = [["device", "need", "capacity", "margin", "headroom", "", "capacity from"]]
     for load in plan.loads:
-        device_rows.append([load.device.name, _gb(load.need), _gb(load.device.capacity), _gb(load.headroom),
+        device_rows.append([load.device.name, _gb(load.need), _gb(load.device.capacity), _gb(load.device.margin), _gb(load.headroom),
                             "ok" if load.fits else "DOES NOT FIT", load.device.capacity_source])
     lines += _table(device_rows)
     if not wl.on_gpu:
@@ -91,7 +92,8 @@ def refusal(plan: MemoryPlan, fixes: list[Fix], chain: list[Fix] = ()) -> str:
     if not worst.fits:
         terms = ", ".join(f"{name} {_gb(nbytes)}" for name, nbytes in worst.largest_terms())
         lines.append(f"memory: {worst.device.name} needs {_gb(worst.need)} GB of {_gb(worst.device.capacity)} GB "
-                     f"({worst.device.capacity_source}); largest terms (GB): {terms}")
+                     f"({worst.device.capacity_source}; {_gb(worst.device.margin)} GB kept free: launcher.memory_margin); "
+                     f"largest terms (GB): {terms}")
     lines += [f"memory: {problem}" for problem in plan.engine_problems]
     if fixes:
         lines.append("fixes, cheapest first (each one override to paste):")

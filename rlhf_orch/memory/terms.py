@@ -23,6 +23,14 @@ ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I 
     gradients (old and reference logprobs)
   * entropy        T*V*17 in training when algo.entropy_coef > 0: the float32 copies (and a mask)
     `losses.entropy_from_logits` keeps for backward (`ENTROPY_SAVED_BYTES_PER_ELEMENT`)
+  * old log-probs  the actor's own forward without gradients in the experience phase: T*V*w logits
+    and one layer's transient tensors (as the reference's forward)
+  * sync buffers   on a GPU, the sending policy rank's bucketed weight sync packs two buckets of
+    sync.bucket_mb in flight (every policy rank under a multi-sender sync), in the generate phase
+  * nccl buffers   on a GPU, NCCL's channel buffers per communicator a process belongs to (the
+    trainers' data-parallel world, the weight-sync group, a tensor-parallel engine's group)
+  * allocator      on a GPU, what torch's caching allocator reserves above its peak when a trainer
+    keeps the default allocator (cuda_ipc senders): 17 % of its peak's tensors (measured)
   * engine         weights N*w/tp, KV cache (engine.kv_cache_gb, or what gpu_memory_utilization
     leaves), a forward workspace, CUDA graphs unless enforce_eager; on CPU also vLLM's re-packed
     copy of the linear weights and the sync's two receive buffers
@@ -63,6 +71,15 @@ CPU_RUNTIME_BYTES = {"trainer": (int(0.52e9), int(0.16e9)), "forward": (int(0.42
 GPU_RUNTIME_BYTES = {"trainer": int(1.39e9), "forward": int(1.0 * GiB), "engine": int(1.0 * GiB)}
 GPU_ZERO3_RUNTIME_BYTES = int(0.41e9)
 GPU_ENGINE_GRAPHS_BYTES = int(0.5 * GiB)  # vLLM's CUDA graphs when engine.enforce_eager=false
+# One NCCL communicator's buffers on a GPU: NCCL_BUFFSIZE (4 MiB) for each of its protocols' send and
+# receive buffers, over up to 32 channels on NVLink (stated from NCCL's defaults; not measured here).
+NCCL_COMMUNICATOR_BYTES = int(0.5 * GiB)
+# A trainer keeping torch's default caching allocator on an H100 (scripts/bench_memory.py --gpu,
+# 2026-11-27) reserved 13-31 % of its peak's tensors above that peak, while the plan over-counts
+# the tensors by 8-26 % (gradients planned as always resident): the process held up to 16.5 % more
+# than planned. Planned as 17 % of the peak phase's tensors. With expandable segments (the trainers'
+# default on GPUs) it held at most 1.4 % more, which the margin covers (launcher.memory_margin).
+DEFAULT_ALLOCATOR_RESERVE = 0.17
 
 
 @dataclass(frozen=True)
@@ -99,6 +116,13 @@ class Workload:
     enforce_eager: bool = True
     sequences_per_engine: int = 1  # sequences one engine generates per step
     sync_bucket_bytes: int = 0  # sync.bucket_mb of the bucketed syncs; 0 = tensor by tensor
+    # GPU layouts, from the sync strategy: (policy rank, bytes of its send buffers on the GPU), and
+    # the policy ranks that share an NCCL communicator with the engines (whose every worker joins it).
+    sync_send_buffers: tuple[tuple[int, int], ...] = ()
+    sync_nccl_senders: frozenset = frozenset()
+    # The trainers keep torch's default CUDA allocator (a sync that hands engines its CUDA memory):
+    # its reserve above the peak is planned (expandable segments otherwise).
+    trainers_default_allocator: bool = False
     entropy: bool = False  # the actor computes the entropy bonus (algo.entropy_coef > 0)
     # The pipeline generates while the trainers train (one_step_off, async): a colocated engine is
     # awake then, so its weights and KV cache count in the training phase too.
@@ -106,6 +130,7 @@ class Workload:
     engines_sleep: bool = True  # the pipeline puts idle engines to sleep (async never does)
     # model.lora: the policy trains adapters of this rank on these targets (0: every weight trains);
     # engines serving the adapter (sync adapter or auto) hold its LoRA slots.
+    reference_memory: str = "full"  # trainer.reference_memory: full, sharded (ZeRO-3) or offloaded
     lora_rank: int = 0
     lora_targets: Any = "all-linear"
     engines_serve_adapter: bool = False
@@ -127,6 +152,12 @@ class ProcessMemory:
     def total(self, phases: tuple[str, ...] = (ALWAYS, *PHASES), on_host: bool = False, resident: bool = True) -> int:
         """Bytes of the terms in `phases`; `resident=False` leaves out reclaimable page cache."""
         return sum(t.bytes for t in self.terms if t.phase in phases and t.on_host == on_host and (resident or not t.reclaimable))
+
+    def peak(self, on_host: bool = False, resident: bool = True) -> int:
+        """The process's high-water mark: what it always holds plus its largest phase (a step's
+        phases follow one another in one process: the old log-probs' logits are freed before the
+        update's activations exist)."""
+        return max(self.total((ALWAYS, phase), on_host, resident) for phase in PHASES)
 
 
 #: The terms of a process's own runtime (what a role hosted in another's process does not add).
@@ -170,7 +201,7 @@ def checkpoint_load_term(params: int, shape: ModelShape, wl: Workload) -> list[T
     return [] if wl.on_gpu else [Term("checkpoint load", params * shape.checkpoint_bytes_per_param, reclaimable=True)]
 
 
-def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: int) -> list[Term]:
+def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: int, rank: int = 0) -> list[Term]:
     """Actor or critic rank under DeepSpeed ZeRO, as DeepSpeed allocates it.
 
     From ZeRO-1 DeepSpeed keeps an fp32 partition of the weights (the optimizer's master copy) even
@@ -212,17 +243,52 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
         terms.append(Term("logits", wl.tokens_per_micro_batch * shape.vocab * (2 * w + 4), TRAIN))
         if wl.entropy:
             terms.append(Term("entropy", wl.tokens_per_micro_batch * shape.vocab * ENTROPY_SAVED_BYTES_PER_ELEMENT, TRAIN))
+        terms += forward_pass_terms(shape, wl, "old log-probs")
     terms += checkpoint_load_term(params, shape, wl)
+    if wl.on_gpu:
+        terms += gpu_trainer_terms(role, rank, terms, wl, dp)
     terms += runtime_terms("trainer", wl.on_gpu, GPU_ZERO3_RUNTIME_BYTES if z == 3 else 0)
     return terms
 
 
-def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload) -> list[Term]:
-    """Reference or reward model: weights, and one forward's transient tensors."""
-    terms = [Term("weights", params * wl.w), *checkpoint_load_term(params, shape, wl)]
-    if role == "reference":
-        terms.append(Term("logits", wl.tokens_per_micro_batch * shape.vocab * wl.w, EXPERIENCE))
-    terms.append(Term("activations", wl.tokens_per_micro_batch * (2 * shape.hidden + shape.intermediate) * 4, EXPERIENCE))
+def forward_pass_terms(shape: ModelShape, wl: Workload, logits_name: str = "logits") -> list[Term]:
+    """One forward without gradients over a micro-batch (old or reference log-probs): the logits in
+    the model's dtype and one layer's transient tensors, in the experience phase."""
+    return [Term(logits_name, wl.tokens_per_micro_batch * shape.vocab * wl.w, EXPERIENCE),
+            Term("forward activations", wl.tokens_per_micro_batch * (2 * shape.hidden + shape.intermediate) * 4, EXPERIENCE)]
+
+
+def gpu_trainer_terms(role: str, rank: int, terms: list[Term], wl: Workload, dp: int) -> list[Term]:
+    """What a trainer rank holds on a GPU besides its tensors' model states and activations: the
+    weight sync's send buffers (a sending policy rank), NCCL's buffers, the default allocator's
+    reserve (planned on the peak phase's tensors)."""
+    extra = []
+    policy = role == "actor"
+    send_buffers = dict(wl.sync_send_buffers).get(rank, 0) if policy else 0
+    if send_buffers:
+        extra.append(Term("sync send buffers", send_buffers, GENERATE))
+    communicators = int(dp > 1) + int(policy and rank in wl.sync_nccl_senders)
+    if communicators:
+        extra.append(Term("nccl buffers", communicators * NCCL_COMMUNICATOR_BYTES))
+    if wl.trainers_default_allocator:
+        peak = max(sum(t.bytes for t in terms if t.phase in (ALWAYS, phase) and not t.on_host) for phase in PHASES)
+        extra.append(Term("allocator reserve", int(DEFAULT_ALLOCATOR_RESERVE * peak)))
+    return extra
+
+
+def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: int = 1) -> list[Term]:
+    """Reference or reward model: weights, and one forward's transient tensors. A reference held
+    by ZeRO-3 (trainer.reference_memory) keeps 1/dp of its weights -- in host memory when offloaded
+    -- and gathers up to DeepSpeed's live-parameter limit for its forward."""
+    sharded = role == "reference" and wl.reference_memory != "full"
+    if sharded:
+        terms = [Term("weights", params * wl.w // dp, on_host=wl.reference_memory == "offloaded" and wl.on_gpu),
+                 Term("gathered weights", min(params, ZERO3_LIVE_PARAMETERS) * wl.w, EXPERIENCE)]
+    else:
+        terms = [Term("weights", params * wl.w)]
+    terms += checkpoint_load_term(params, shape, wl)
+    forward = forward_pass_terms(shape, wl)
+    terms += forward if role == "reference" else [t for t in forward if t.name != "logits"]  # a reward model scores, no [T, V]
     terms += runtime_terms("forward", wl.on_gpu)  # no DeepSpeed engine, no optimizer
     return terms
 
@@ -240,13 +306,16 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     # of every adapted projection; counted as the adapter's own size at the rank vLLM rounds up to).
     served_rank = LoraSettings(rank=wl.lora_rank).engine_max_rank() if wl.engines_serve_adapter else 0
     lora_slots = shape.lora_params(served_rank, wl.lora_targets) * wl.w // tp
+    communicators = int(tp > 1) + int(bool(wl.sync_nccl_senders))  # vLLM's tensor-parallel group, the weight sync's
+    nccl = communicators * NCCL_COMMUNICATOR_BYTES if wl.on_gpu else 0
     wanted_kv = wl.sequences_per_engine * wl.max_seq_len * shape.kv_bytes_per_token(wl.w) // tp
     one_sequence_kv = wl.max_seq_len * shape.kv_bytes_per_token(wl.w) // tp
     if wl.kv_cache_gb is not None:
         kv = int(wl.kv_cache_gb * GiB)
     elif wl.on_gpu:
         # vLLM takes gpu_memory_utilization of the GPU and gives the KV cache what the rest leaves.
-        kv = int(wl.gpu_memory_utilization * wl.gpu_memory_bytes) - weights - workspace - graphs - lora_slots - GPU_RUNTIME_BYTES["engine"]
+        # (NCCL's buffers too: vLLM's profile counts memory outside torch against the budget)
+        kv = int(wl.gpu_memory_utilization * wl.gpu_memory_bytes) - weights - workspace - graphs - lora_slots - nccl - GPU_RUNTIME_BYTES["engine"]
     else:
         kv = 1 * GiB  # VLLM_CPU_KVCACHE_SPACE's default here (rlhf_orch.engines.launch)
     note = ""
@@ -284,5 +353,7 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
         # Parked in host memory while asleep (one_step_off sleeps once its generation is done, which
         # may be mid-training).
         terms.append(Term("weights (asleep)", weights, TRAIN, on_host=True))  # host: not in GPU sums
+    if nccl:
+        terms.append(Term("nccl buffers", nccl))
     terms += runtime_terms("engine", wl.on_gpu)
     return terms, note

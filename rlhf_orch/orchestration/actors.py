@@ -265,14 +265,17 @@ def start_role_actors(
                 getattr(actors, name).append(_remote(cls, placement, slot, trainer_env).remote(spec, slot.rank, len(slots)))
 
     try:
-        if warm is None:
-            # DeepSpeed needs each role's ranks in one torch.distributed world (rank 0 hosts it);
-            # warm ranks already form theirs.
-            inits = []
-            for group in (g for g in (actors.policy, actors.critic) if g):
-                host, port = wait_starting([group[0].rendezvous_address.remote()], timeout_s, stopped)[0]
-                inits += [a.init_distributed.remote(host, port) for a in group]
-            wait_starting(inits, timeout_s, stopped)
+        # DeepSpeed needs each role's ranks in one torch.distributed world (rank 0 hosts it): the
+        # trainers', and a reference sharded over its own ranks. Warm ranks keep theirs (a warm
+        # reference that had none forms it now: `init_distributed` keeps a world it has).
+        groups = [] if warm is not None else [actors.policy, actors.critic]
+        if reference_spec is not None and reference_spec.reference_memory != "full":
+            groups.append(actors.reference)
+        inits = []
+        for group in (g for g in groups if g):
+            host, port = wait_starting([group[0].rendezvous_address.remote()], timeout_s, stopped)[0]
+            inits += [a.init_distributed.remote(host, port) for a in group]
+        wait_starting(inits, timeout_s, stopped)
         wait_starting([a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference, *actors.reward)], timeout_s, stopped)
         if plan.reference_in_actor:
             actors.reference = [HostedReference(p) for p in actors.policy]

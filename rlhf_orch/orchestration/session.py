@@ -58,6 +58,7 @@ def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id:
             offload_optimizer=t.offload_optimizer,
             gradient_checkpointing=t.gradient_checkpointing,
             torch_threads=t.torch_threads,
+            reference_memory=t.reference_memory,
         )
 
     # model.lora trains the policy's adapters only; the critic and the reference are full models.

@@ -78,6 +78,16 @@ class WeightSync(abc.ABC):
         """Groups to form once; default: policy rank 0 broadcasts to every engine."""
         return [GroupSpec(DEFAULT_GROUP, 0, tuple(range(engines)))]
 
+    # ------------------------------------------------------------------ what the memory plan asks
+    def send_buffers_on_gpu(self, policy_ranks: int, engines: int) -> dict[int, int]:
+        """Bytes of GPU memory each sending policy rank holds for buckets in flight on a GPU
+        layout (`rlhf_orch.memory`); none for a strategy that sends the parameters themselves."""
+        return {}
+
+    def nccl_senders(self, policy_ranks: int, engines: int) -> set[int]:
+        """The policy ranks that join an NCCL communicator with the engines (every engine worker joins it too)."""
+        return {spec.sender for spec in self.group_specs(policy_ranks, engines)} if self.backend == "nccl" else set()
+
     def prepare(self, policy_ranks: list[Any], engines: list[Any], engine_tp: int) -> None:
         """Form every group once; each sender hosts its group's rendezvous store."""
         self._policy, self._engines = list(policy_ranks), list(engines)

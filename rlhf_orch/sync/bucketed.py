@@ -31,6 +31,13 @@ class BucketedBroadcastSync(WeightSync):
         super().__init__(backend, timeout_s)
         self.bucket_mb = bucket_mb
 
+    def send_buffers_on_gpu(self, policy_ranks: int, engines: int) -> dict[int, int]:
+        # NCCL broadcasts from CUDA buffers: each sender packs `_SEND_BUFFERS` buckets in flight
+        # (gloo packs in host memory).
+        if self.backend != "nccl":
+            return {}
+        return {spec.sender: _SEND_BUFFERS * int(self.bucket_mb * 2**20) for spec in self.group_specs(policy_ranks, engines)}
+
     # ------------------------------------------------------------------ routing (overridden by multi-sender)
     def plan(self, weights) -> list[Bucket]:
         return plan_buckets(weights.metas(), int(self.bucket_mb * 2**20))

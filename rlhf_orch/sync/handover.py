@@ -62,6 +62,13 @@ class HandoverSync(WeightSync):
     def group_specs(self, policy_ranks: int, engines: int) -> list[GroupSpec]:
         return []  # nothing to form: buckets travel as Ray call arguments
 
+    def send_buffers_on_gpu(self, policy_ranks: int, engines: int) -> dict[int, int]:
+        """Each publishing rank packs `_SEND_BUFFERS` buckets in flight where it publishes CUDA memory."""
+        if not self.shares_cuda_memory:
+            return {}
+        feeders = set(self.feeds.values()) if self.feeds else {0}
+        return {rank: _SEND_BUFFERS * int(self.bucket_mb * 2**20) for rank in feeders}
+
     def prepare(self, policy_ranks: list[Any], engines: list[Any], engine_tp: int) -> None:
         super().prepare(policy_ranks, engines, engine_tp)
         if self.feeds is not None:

@@ -40,3 +40,26 @@ def deepspeed_config(
         # Gather-on-demand is what makes ZeRO-3 useful; keep prefetch modest for small models.
         config["zero_optimization"].update({"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e4})
     return config
+
+
+def frozen_model_config(*, dtype: str, data_parallel_size: int, offload_params: bool) -> dict[str, Any]:
+    """DeepSpeed's config for a forward-only model sharded by ZeRO-3 (trainer.reference_memory):
+    each rank keeps 1/data_parallel_size of the weights and gathers a layer's parameters for its
+    forward; `offload_params` keeps the shards in pinned host memory (GPU layouts only). No
+    optimizer: the batch keys only satisfy DeepSpeed's checks."""
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 1e4, "stage3_prefetch_bucket_size": 5e7}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_batch_size": data_parallel_size,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == "bfloat16":
+        config["bf16"] = {"enabled": True}
+    elif dtype == "float16":
+        config["fp16"] = {"enabled": True}
+    return config

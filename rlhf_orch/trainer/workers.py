@@ -29,7 +29,7 @@ from rlhf_orch.algo.losses import (
 from rlhf_orch.algo.ppo_math import LOGPROB_DIFF_THRESHOLD, masked_mean
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.rng import rng_state, set_rng_state
-from rlhf_orch.trainer.deepspeed_config import deepspeed_config
+from rlhf_orch.trainer.deepspeed_config import deepspeed_config, frozen_model_config
 from rlhf_orch.trainer.deepspeed_startup import skip_muon_import, skip_shm_comm_op
 from rlhf_orch.trainer.forward import (
     enable_gradient_checkpointing,
@@ -78,6 +78,7 @@ class TrainerSpec:
     offload_optimizer: bool = False  # trainer.offload_optimizer (ZeRO-Offload; GPU layouts)
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
     host_reference: bool = False  # the policy rank also holds the reference (plan.reference_in_actor)
+    reference_memory: str = "full"  # trainer.reference_memory: full, sharded (ZeRO-3) or offloaded
     # model.lora (its sync resolved to adapter or merged): the policy trains adapters on a frozen
     # base (rlhf_orch.trainer.lora); None: every weight trains.
     lora: LoraSettings | None = None
@@ -143,6 +144,8 @@ class _Worker(ExperienceInbox):
 
         from rlhf_orch.sync.group import bind_interfaces_towards, tcp_store
 
+        if dist.is_initialized():  # a kept (warm) process: its world is this plan's
+            return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         os.environ.update(
             {
@@ -204,6 +207,24 @@ class _Worker(ExperienceInbox):
         """A forward-only model (reference, reward model): eval mode, no gradients; returns its size."""
         self.model = _frozen(loader(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
         return sum(p.numel() for p in self.model.parameters())
+
+    def _reference_model(self) -> torch.nn.Module:
+        """The frozen initial policy as `trainer.reference_memory` says to hold it: whole on this
+        rank, or sharded by ZeRO-3 over this process's torch.distributed world (the reference
+        ranks, or the policy ranks hosting it), its shards in host memory when offloaded. A sharded
+        forward is collective: every rank of the world runs the same micro-batches' forwards (the
+        transfers give each rank as many, empty stand-ins included)."""
+        model = _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
+        if self.spec.reference_memory == "full":
+            return model
+        import deepspeed
+
+        skip_muon_import()
+        config = frozen_model_config(dtype=self.spec.dtype, data_parallel_size=self.world_size,
+                                     offload_params=self.spec.reference_memory == "offloaded")
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
 
     def _respec(self, spec: TrainerSpec | None) -> None:
         if spec is None:
@@ -309,8 +330,8 @@ class PolicyWorker(_Worker):
             self.reference = None  # the frozen base under the adapters is the reference (`frozen_base`)
         if lora is None and self.spec.host_reference and getattr(self, "reference", None) is None:
             # The frozen initial policy, as a ReferenceWorker would load it (a rebuild keeps it:
-            # it never changes); not sharded by ZeRO, like the reference process's copy.
-            self.reference = _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
+            # it never changes), sharded over the policy ranks under trainer.reference_memory.
+            self.reference = self._reference_model()
         return sum(p.numel() for p in model.parameters())
 
     def use_lora_sync(self, mode: str) -> None:
@@ -676,7 +697,8 @@ class ReferenceWorker(_Worker):
     role = "reference"
 
     def build(self) -> int:
-        return self._load_frozen(load_policy)
+        self.model = self._reference_model()
+        return sum(int(getattr(p, "ds_numel", p.numel())) for p in self.model.parameters())
 
     @torch.no_grad()
     def logprobs(self, shard: int) -> list[torch.Tensor]:

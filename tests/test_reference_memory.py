@@ -1,0 +1,48 @@
+"""trainer.reference_memory: the KL reference sharded by DeepSpeed ZeRO-3 over its ranks (in
+processes of its own, or inside the policy ranks' processes) computes the reference it names, and
+settings that do nothing or cannot hold are refused before any actor starts."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.utils import instantiate
+
+from rlhf_orch.app import check
+from rlhf_orch.config.problems import ConfigError
+from rlhf_orch.logging.base import read_metrics
+from tests.conftest import compose_config, train_in_process
+
+# GRPO with its KL term on two policy ranks and two reference ranks.
+TWO_RANKS = ["experiment=quick", "algo=grpo", "algo.kl_coef=0.1", "placement.actor_ranks=2", "placement.reference_ranks=2"]
+
+
+@pytest.mark.parametrize("hosted", ["false", "true"])
+def test_a_sharded_reference_is_the_initial_policy(tmp_path, hosted, shared_ray):
+    """Step 1 trains from the reference's own weights: the KL between the policy's old log-probs and
+    the sharded reference's is zero only if every rank's forward gathered the whole model. Step 2's
+    policy has moved: the KL is positive."""
+    overrides = [*TWO_RANKS, f"placement.reference_in_actor={hosted}", "trainer.reference_memory=sharded", *shared_ray]
+    cfg = compose_config(overrides)
+    _, plan = check(cfg, instantiate(cfg.launcher))
+    assert plan.reference_in_actor == (hosted == "true")
+    train_in_process(overrides, tmp_path)
+    kl = [row["kl"] for row in read_metrics(tmp_path)]
+    assert len(kl) == 2 and abs(kl[0]) < 1e-6 and abs(kl[1]) > 1e-6, kl
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["algo=dapo", "trainer.reference_memory=sharded"], "does nothing: the algorithm has no KL reference"),
+        (["trainer.reference_memory=sharded"], "sharding over one reference rank keeps the whole model"),
+        ([*TWO_RANKS, "trainer.reference_memory=offloaded"], "without CUDA GPUs it is in host memory already"),
+        ([*TWO_RANKS, "placement.reference_in_actor=true", "model.lora.rank=4", "trainer.reference_memory=sharded"],
+         "the policy's own frozen base"),
+        (["trainer.reference_memory=zero3"], "use full"),
+    ],
+)
+def test_a_reference_memory_setting_that_does_nothing_or_cannot_hold_is_refused(overrides, fragment):
+    cfg = compose_config(overrides)
+    with pytest.raises(ConfigError, match="trainer.reference_memory") as refused:
+        check(cfg, instantiate(cfg.launcher))
+    assert fragment in str(refused.value)
