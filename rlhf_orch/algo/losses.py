@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from rlhf_orch.algo.ppo_math import masked_mean
+from rlhf_orch.algo.vocab_reductions import entropy as vocab_entropy
 from rlhf_orch.config.schema import KL_DIVERGENCE_ESTIMATORS, LOSS_AGGREGATIONS
 
 
@@ -367,25 +368,17 @@ def decoupled_is_weights(
 
 
 # --------------------------------------------------------------------------- entropy
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dimension, `[..., V]` -> `[...]` (>= float32).
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits / temperature) over the last dimension, `[..., V]` -> float32 `[...]`.
 
         H = logsumexp(z) - sum_v softmax(z)_v * z_v
 
-    (= -sum p log p without forming log p; veRL's formula, here after shifting the row's max
-    logit to 0.) Logits of
-    -inf (masked vocabulary) contribute 0 and no NaN gradient. bf16/fp16 logits are upcast, so
-    this materialises a float32 `[..., V]` copy: call it per micro-batch.
+    (= -sum p log p without forming log p; veRL's formula, after shifting the row's max logit to
+    0.) Logits of -inf (masked vocabulary) contribute 0 and no NaN gradient. Chunked over rows in
+    float32; the backward keeps only the logits and two floats per row
+    (`vocab_reductions.entropy`), not float32 `[..., V]` copies.
     """
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    # H is shift-invariant; shifting the max to 0 keeps logsumexp and sum(p * z) small, so their
-    # difference loses no digits when the logits are large (1e4 in float32 would lose ~4e-4).
-    top = logits.amax(dim=-1, keepdim=True).detach()
-    logits = logits - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    probs = torch.softmax(logits, dim=-1)
-    finite_logits = torch.where(probs > 0, logits, torch.zeros_like(logits))
-    return torch.logsumexp(logits, dim=-1) - (probs * finite_logits).sum(dim=-1)
+    return vocab_entropy(logits, temperature)
 
 
 __all__ = [

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from rlhf_orch.algo.vocab_reductions import token_logprobs
 
 # |engine log-prob - trainer log-prob| above which a token counts in rollout/logprob_diff_over_frac:
 # a 10 % disagreement on the token's probability (float32 kernels stay far below it; bfloat16's
@@ -118,27 +119,14 @@ def logprobs_from_logits(
     Works for padded (`[B, L, V]`, `[B, L]`) and packed (`[N, V]`, `[N]`) layouts; the caller does
     the next-token shift. Computed as `logit[token] - logsumexp(logits)` in float32 over chunks of
     rows, so no full `[..., V]` log-softmax (nor a full float32 copy of bf16 logits) is ever
-    materialised at once -- the peak extra memory is one chunk of `max_chunk_elements` floats.
-    (Under autograd each chunk's float32 copy is kept for backward; the saving is largest in the
-    no-grad reference / old-log-prob passes.) `temperature` must match the sampling temperature
-    for these to be comparable with the engine's log-probs.
+    materialised at once -- the peak extra memory is one chunk of `max_chunk_elements` floats, and
+    the backward keeps only the logits and one float per row (`vocab_reductions.token_logprobs`).
+    `temperature` must match the sampling temperature for these to be comparable with the engine's
+    log-probs.
     """
     if tokens.shape != logits.shape[:-1]:
         raise ValueError(
             f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree: "
             "tokens must match logits without the vocabulary dimension"
         )
-    vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab)
-    flat_tokens = tokens.reshape(-1, 1).long()
-    rows_per_chunk = max(1, max_chunk_elements // vocab)
-    chunks = []
-    for start in range(0, flat_logits.shape[0], rows_per_chunk):
-        chunk = flat_logits[start : start + rows_per_chunk].float()
-        if temperature != 1.0:
-            chunk = chunk / temperature
-        picked = chunk.gather(-1, flat_tokens[start : start + rows_per_chunk]).squeeze(-1)
-        chunks.append(picked - torch.logsumexp(chunk, dim=-1))
-    if not chunks:  # zero positions
-        return flat_logits.new_zeros(tokens.shape, dtype=torch.float32)
-    return torch.cat(chunks).reshape(tokens.shape)
+    return token_logprobs(logits, tokens, temperature, max_chunk_elements)

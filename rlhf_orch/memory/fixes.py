@@ -1,6 +1,6 @@
 """Fixes for a memory plan that does not fit: one pasteable override each, in the order that costs
-the run least (ZeRO-3, optimizer offload, gradient checkpointing, a smaller micro-batch, a smaller
-engine budget, more GPUs). Every candidate is re-planned (and re-checked by the caller's `replan`);
+the run least (ZeRO-3, a sharded or offloaded reference, optimizer offload, gradient checkpointing,
+a smaller micro-batch, a smaller engine budget, wider engines, more GPUs). Every candidate is re-planned (and re-checked by the caller's `replan`);
 only those that lower the worst device's need are offered, with what they leave it at.
 """
 
@@ -54,6 +54,7 @@ def _candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, R
         half = a.micro_batch_size // 2
         yield f"algo.micro_batch_size={half}", "smaller micro-batches (more of them, same optimizer step)", _with(cfg, "algo", micro_batch_size=half)
     yield from _engine_candidates(cfg, plan)
+    yield from _engine_tp_candidates(cfg, plan)
     yield from _more_gpu_candidates(cfg, plan)
     yield from _algorithm_candidates(cfg, plan)
 
@@ -122,9 +123,26 @@ def _fitting_micro_batch(cfg: RootConfig, ranks: int) -> tuple[str, AlgoConfig]:
     return f" algo.micro_batch_size={mbs}", dataclasses.replace(a, micro_batch_size=mbs)
 
 
+def _engine_tp_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, RootConfig]]:
+    """When the engines' weights are the problem: twice the engines' tensor parallelism on the same
+    GPUs (before more GPUs: it costs none)."""
+    p = cfg.placement
+    engine = next((proc for proc in plan.processes if proc.role == "engine"), None)
+    if engine is None or not plan.workload.on_gpu:
+        return
+    weights = next(t.bytes for t in engine.terms if t.name == "weights")
+    if weights > 0.5 * plan.worst_gpu().device.capacity or plan.engine_problems:
+        tp = p.engine_tp * 2
+        override, changes = f"placement.engine_tp={tp}", {"engine_tp": tp}
+        if getattr(p, "engines", None):  # layouts given engine counts: as many GPUs, half the engines
+            changes["engines"] = max(1, p.engines // 2)
+            override += f" placement.engines={changes['engines']}"
+        yield (override, "each engine's weights split over twice the GPUs (fewer engines)",
+               dataclasses.replace(cfg, placement=dataclasses.replace(p, **changes)))
+
+
 def _more_gpu_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, RootConfig]]:
-    """Twice the GPUs for the trainers (sharded by ZeRO-3) or, when the engines' weights are the
-    problem, twice the engines' tensor parallelism."""
+    """Twice the GPUs for the trainers (sharded by ZeRO-3)."""
     p, wl = cfg.placement, plan.workload
     if not wl.on_gpu:
         return
@@ -156,17 +174,6 @@ def _more_gpu_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[st
         mbs, algo = _fitting_micro_batch(cfg, max(moved.actor_ranks, moved.critic_ranks))
         yield (override + zero + mbs, f"{nodes * per_node - p.nodes * p.gpus_per_node} more GPUs, every role sharded over them",
                dataclasses.replace(cfg, placement=moved, trainer=trainer, algo=algo))
-    engine = next((proc for proc in plan.processes if proc.role == "engine"), None)
-    if engine is not None:
-        weights = next(t.bytes for t in engine.terms if t.name == "weights")
-        if weights > 0.5 * plan.worst_gpu().device.capacity or plan.engine_problems:
-            tp = p.engine_tp * 2
-            override, changes = f"placement.engine_tp={tp}", {"engine_tp": tp}
-            if getattr(p, "engines", None):  # layouts given engine counts: as many GPUs, half the engines
-                changes["engines"] = max(1, p.engines // 2)
-                override += f" placement.engines={changes['engines']}"
-            yield (override, "each engine's weights split over twice the GPUs (fewer engines)",
-                   dataclasses.replace(cfg, placement=dataclasses.replace(p, **changes)))
 
 
 def suggest_fixes(cfg: RootConfig, plan: MemoryPlan, replan: Replan) -> list[Fix]:

@@ -72,6 +72,12 @@ class DeviceLoad:
     def fits(self) -> bool:
         return self.headroom >= 0
 
+    def peak_phase(self) -> str:
+        """The phase of a step in which this device's need peaks (`always` on the host, which sums every process's peak)."""
+        if not self.sums_phases:
+            return ALWAYS
+        return max(PHASES, key=lambda phase: sum(p.total((ALWAYS, phase)) for p in self.processes))
+
     def largest_terms(self, n: int = 3) -> list[tuple[str, int]]:
         terms = [(f"{p.role}{p.rank} {t.name}", t.bytes) for p in self.processes for t in p.terms if not t.on_host]
         return sorted(terms, key=lambda item: -item[1])[:n]
@@ -186,7 +192,9 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         level = 1 if on_gpu else 0  # vLLM's sleep mode needs CUDA (rlhf_orch.engines.vllm_engine)
     return Workload(
         dtype=typed.model.dtype, max_seq_len=max_seq, micro_batch_size=a.micro_batch_size,
-        tokens_per_micro_batch=tokens, padded=padded, zero_stage=t.zero_stage, optimizer=t.optimizer,
+        tokens_per_micro_batch=tokens, padded=padded, token_bound=int(getattr(typed.transfer, "token_budget", 0) or 0),
+        sequences_per_rank_step=a.train_batch_size // max(plan.num_ranks("actor"), 1),
+        zero_stage=t.zero_stage, optimizer=t.optimizer,
         offload_optimizer=t.offload_optimizer, gradient_checkpointing=t.gradient_checkpointing, on_gpu=on_gpu,
         engine_tp=plan.engine_tp, kv_cache_gb=e.kv_cache_gb,
         gpu_memory_utilization=memory_utilization(e.gpu_memory_utilization, plan), gpu_memory_bytes=gpu_bytes,

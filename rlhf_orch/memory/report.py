@@ -78,11 +78,50 @@ def describe(plan: MemoryPlan) -> str:
         lines.append("need = the worse of generation (engines awake) and training (activations; sleeping engines "
                      "freed unless the pipeline generates during training); 'host' = held in host memory (offloaded "
                      "states, a sleeping engine's weights)")
+    lines.append(worst_case(plan))
     notes = sorted({p.note for p in plan.processes if p.note and p.role == "engine"})
     lines += [f"engine: {note}" for note in notes]
     lines.append("")
     lines.append("batch: " + "  ".join(f"{k}={v}" for k, v in plan.batch.items()))
     return "\n".join(lines)
+
+
+#: Terms that grow with the tokens of a micro-batch (the rest are held from the start).
+TOKEN_TERMS = ("activations", "logits", "entropy", "old log-probs", "forward activations")
+
+
+def worst_case(plan: MemoryPlan) -> str:
+    """Which term makes the worst device's need, and how likely a step is to reach it: held from the
+    start (certain), or sized by the largest micro-batch -- which a token bound is reached by as soon
+    as the sequences are long enough on average, and a count of sequences only when every one of
+    them is at its limit. The device's largest token-sized term follows when another term leads."""
+    worst = plan.worst()
+    phase = worst.peak_phase()
+    on_device = [(f"{p.role}{p.rank} {t.name}", t) for p in worst.processes for t in p.terms if not t.on_host]
+    name, term = max(((n, t) for n, t in on_device if t.phase in ("always", phase)), key=lambda item: item[1].bytes)
+    where = f"worst case: {worst.device.name}" + ("" if phase == "always" else f" in the {phase} phase")
+    sized = [(n, t) for n, t in on_device if t.name in TOKEN_TERMS]
+    if term.name in TOKEN_TERMS:
+        return f"{where}, largest term {name} {_gb(term.bytes)} GB, {_how_likely(plan)}"
+    line = f"{where}, largest term {name} {_gb(term.bytes)} GB: held from the start (certain)"
+    if sized:
+        name, term = max(sized, key=lambda item: item[1].bytes)
+        line += f"; its largest term sized by tokens, {name} {_gb(term.bytes)} GB ({term.phase}), {_how_likely(plan)}"
+    return line
+
+
+def _how_likely(plan: MemoryPlan) -> str:
+    wl = plan.workload
+    sized = f"sized by {wl.tokens_per_micro_batch} tokens per micro-batch"
+    if wl.token_bound:
+        average = -(-wl.token_bound // max(wl.sequences_per_rank_step, 1))
+        if average > wl.max_seq_len:
+            return (f"{sized}: never full (a rank's {wl.sequences_per_rank_step} sequences per optimizer step hold at most "
+                    f"{wl.sequences_per_rank_step * wl.max_seq_len} tokens)")
+        return (f"{sized}: likely (a rank's {wl.sequences_per_rank_step} sequences per optimizer step fill "
+                f"transfer.token_budget={wl.token_bound} once they average {average} of their {wl.max_seq_len} tokens)")
+    return (f"{sized}: only when all {wl.micro_batch_size} sequences of a micro-batch are {wl.max_seq_len} tokens long "
+            "(prompt and response at their limits; transfer.token_budget bounds it in tokens)")
 
 
 def refusal(plan: MemoryPlan, fixes: list[Fix], chain: list[Fix] = ()) -> str:
@@ -105,6 +144,11 @@ def refusal(plan: MemoryPlan, fixes: list[Fix], chain: list[Fix] = ()) -> str:
         # Later fixes of the same key (a micro-batch halved twice) replace earlier ones: Hydra takes one value per key.
         merged = {item.split("=")[0]: item for fix in chain for item in fix.override.split()}
         together = " ".join(merged.values())
-        verdict = "fits" if last.fits else f"still short by {-last.worst().headroom / GB:.1f} GB: a device with more memory, or a smaller model"
+        if last.fits:
+            verdict = "fits"
+        elif last.worst().headroom < 0:
+            verdict = f"still short by {-last.worst().headroom / GB:.1f} GB: a device with more memory, or a smaller model"
+        else:
+            verdict = f"still refused: {'; '.join(last.engine_problems)}"
         lines.append(f"no single override fits; together: {together}   # {verdict}")
     return "\n".join(lines)

@@ -18,11 +18,11 @@ ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I 
   * activations    T * per-token-per-layer * L saved for backward; with gradient checkpointing only
     each layer's input (T*h*w*L) plus one layer's full activations; padded batches on CPU add the
     attention scores sdpa's math kernel materialises (sequences * heads * s^2 * 4 per layer)
-  * logits         T*V*(2w + 4) in training: the logits, the fp32 chunks of the log-softmax kept for
-    backward, the logits' gradient (`ppo_math.logprobs_from_logits`); T*V*w in a forward without
-    gradients (old and reference logprobs)
-  * entropy        T*V*17 in training when algo.entropy_coef > 0: the float32 copies (and a mask)
-    `losses.entropy_from_logits` keeps for backward (`ENTROPY_SAVED_BYTES_PER_ELEMENT`)
+  * logits         T*V*2w in training: the logits (the log-probs' backward keeps them and one float
+    per row: `algo.vocab_reductions`) and their gradient; T*V*w in a forward without gradients
+    (old and reference logprobs)
+  * entropy        T*V*w in training when algo.entropy_coef > 0: the entropy's gradient of the
+    logits until autograd adds it to the log-probs' (its backward keeps no [T, V] copy either)
   * old log-probs  the actor's own forward without gradients in the experience phase: T*V*w logits
     and one layer's transient tensors (as the reference's forward)
   * sync buffers   on a GPU, the sending policy rank's bucketed weight sync packs two buckets of
@@ -49,10 +49,10 @@ from rlhf_orch.memory.shapes import ModelShape
 from rlhf_orch.models.lora import LoraSettings
 
 GiB = 2**30
-# What `losses.entropy_from_logits` keeps for backward per logit, bf16 or fp32 logits alike: four
-# float32 [T, V] tensors (the shifted logits, softmax, the finite logits, the logsumexp input) and a
-# bool mask -- measured with torch's saved-tensors hooks (tests/test_memory_plan.py measures it again).
-ENTROPY_SAVED_BYTES_PER_ELEMENT = 17
+# Bytes per logit that the log-probs' and the entropy's backward keep beyond the logits themselves:
+# one float per row only (`algo.vocab_reductions`; tests/test_memory_plan.py measures it with torch's
+# saved-tensors hooks). Written plainly with autograd they kept 4 and 17.
+VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT = 0
 ALWAYS, TRAIN, EXPERIENCE, GENERATE = "always", "train", "experience", "generate"
 PHASES = (TRAIN, EXPERIENCE, GENERATE)
 
@@ -107,6 +107,9 @@ class Workload:
     offload_optimizer: bool
     gradient_checkpointing: bool
     on_gpu: bool
+    # transfer.token_budget when set: micro-batches are packed up to this many tokens (0: counted in sequences)
+    token_bound: int = 0
+    sequences_per_rank_step: int = 0  # sequences one policy rank trains on per optimizer step
     # engines
     engine_tp: int = 1
     kv_cache_gb: Optional[float] = None
@@ -240,9 +243,10 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
         terms.append(Term("gathered weights", min(params, ZERO3_LIVE_PARAMETERS) * w, TRAIN))
     terms.append(Term("activations", activation_bytes(shape, wl), TRAIN))
     if role == "actor":
-        terms.append(Term("logits", wl.tokens_per_micro_batch * shape.vocab * (2 * w + 4), TRAIN))
+        logit_elements = wl.tokens_per_micro_batch * shape.vocab
+        terms.append(Term("logits", logit_elements * (2 * w + VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT), TRAIN))
         if wl.entropy:
-            terms.append(Term("entropy", wl.tokens_per_micro_batch * shape.vocab * ENTROPY_SAVED_BYTES_PER_ELEMENT, TRAIN))
+            terms.append(Term("entropy", logit_elements * (w + VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT), TRAIN))
         terms += forward_pass_terms(shape, wl, "old log-probs")
     terms += checkpoint_load_term(params, shape, wl)
     if wl.on_gpu:

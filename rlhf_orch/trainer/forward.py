@@ -170,7 +170,7 @@ def sequence_logprobs_and_entropy(
     if isinstance(mb, PaddedBatch):
         logits = logits[:, :-1]
     logprobs = logprobs_from_logits(logits, _shifted_tokens(mb), temperature=temperature)
-    ent = entropy_from_logits(logits / temperature if temperature != 1.0 else logits) if entropy else None
+    ent = entropy_from_logits(logits, temperature) if entropy else None
     if isinstance(mb, PaddedBatch):
         return logprobs, ent
     return _next_token_aligned(mb, logprobs), (_next_token_aligned(mb, ent) if entropy else None)
