@@ -12,6 +12,8 @@ from rlhf_orch.config.problems import ConfigError
 from rlhf_orch.logging.base import read_metrics
 from tests.conftest import compose_config, train_in_process
 
+pytestmark = pytest.mark.integration  # its runs share the module's Ray session, on one xdist worker
+
 # GRPO with its KL term on two policy ranks and two reference ranks.
 TWO_RANKS = ["experiment=quick", "algo=grpo", "algo.kl_coef=0.1", "placement.actor_ranks=2", "placement.reference_ranks=2"]
 

@@ -110,6 +110,9 @@ def scale_to_cpu(cfg: DictConfig, steps: int, data_files: dict[str, str]) -> Sca
     if cfg.trainer.get("offload_optimizer"):
         o.append("trainer.offload_optimizer=false")
         why.append("trainer.offload_optimizer: true -> false (it saves GPU memory; on CPU the states are in host memory already)")
+    if cfg.trainer.get("reference_memory", "full") != "full":
+        o.append("trainer.reference_memory=full")
+        why.append(f"trainer.reference_memory: {cfg.trainer.reference_memory} -> full (one reference rank here: nothing to shard it over)")
     return out
 
 

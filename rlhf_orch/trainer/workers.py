@@ -214,10 +214,13 @@ class _Worker(ExperienceInbox):
         ranks, or the policy ranks hosting it), its shards in host memory when offloaded. A sharded
         forward is collective: every rank of the world runs the same micro-batches' forwards (the
         transfers give each rank as many, empty stand-ins included)."""
-        model = _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
         if self.spec.reference_memory == "full":
-            return model
+            return _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
         import deepspeed
+
+        # Loaded whole in host memory, then partitioned parameter by parameter onto this rank's
+        # device: a GPU never holds the whole model (each rank's host memory does, once, at start).
+        model = _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device))  # (the device picks the attention kernel)
 
         skip_muon_import()
         config = frozen_model_config(dtype=self.spec.dtype, data_parallel_size=self.world_size,
