@@ -62,7 +62,9 @@ def configurations(qwen_dir: str) -> dict[str, list[str]]:
         "tiny_zero2_split": ["placement=split", "placement.gpus_per_node=4", "placement.actor_gpus=2", "placement.critic_gpus=1",
                              "placement.vllm_gpus=1", "launcher.logical_gpus=4"],
         "tiny_long_context": ["experiment=long8k_packed"],
-        "qwen05b_zero2": [*qwen, "algo=grpo", "trainer.zero_stage=2"],
+        # No KL reference (DAPO): with GRPO's reference the plan needs 24.2 GB of this 24.0 GB host
+        # and Ray's memory monitor killed the policy in one run of two -- no figure to compare.
+        "qwen05b_zero2": [*qwen, "algo=dapo", "algo.dynamic_sampling=false", "trainer.zero_stage=2"],
         # ZeRO-3 without the reference (DAPO has no KL term) and with plain SGD: with AdamW's moments this
         # machine runs out of memory (measured: Ray killed the policy at 17 GB; the plan refuses it).
         "qwen05b_zero3_sgd": [*qwen, "algo=dapo", "algo.dynamic_sampling=false", "trainer.zero_stage=3", "trainer.optimizer=sgd"],
@@ -126,6 +128,7 @@ class Poller(threading.Thread):
     def __init__(self, root_pid: int):
         super().__init__(daemon=True)
         self.root_pid, self.peaks, self.titles, self.done = root_pid, {}, {}, False
+        self.parents: dict[int, int] = {}  # pid -> parent pid, as seen while polling
         # The host's used memory (total - available, what Ray's memory monitor watches), above what
         # was used before the run started.
         self.baseline_used = self._used()
@@ -144,6 +147,10 @@ class Poller(threading.Thread):
                 break
             self.peak_used = max(self.peak_used, self._used() - self.baseline_used)
             for proc in procs:
+                try:
+                    self.parents.setdefault(proc.pid, proc.ppid())
+                except psutil.Error:
+                    pass
                 hwm = _hwm_bytes(proc.pid)
                 if hwm:
                     self.peaks[proc.pid] = max(self.peaks.get(proc.pid, 0), hwm)
@@ -156,18 +163,39 @@ class Poller(threading.Thread):
                         self.titles[proc.pid] = title
             time.sleep(0.2)
 
+    def _role(self, pid: int) -> str | None:
+        match = re.match(r"ray::(\w+)", self.titles.get(pid, ""))
+        return ROLE_OF_ACTOR_CLASS.get(match.group(1)) if match else None
+
+    def _role_ancestor(self, pid: int) -> int | None:
+        """The role actor process `pid` descends from, if any."""
+        seen = set()
+        while pid in self.parents and pid not in seen:
+            seen.add(pid)
+            pid = self.parents[pid]
+            if self._role(pid):
+                return pid
+        return None
+
     def by_role(self) -> dict[str, float]:
-        """role+index -> peak bytes; everything that is not a role actor adds up under 'driver'."""
-        measured, counts = {"driver": 0}, {}
+        """role+index -> peak bytes of that actor's own process; '<role><index> helpers' -> the summed
+        peaks of the short-lived processes it starts (torch inductor's compile and ISA checks under a
+        CPU vLLM engine: how many the poller catches alive depends on the machine's load, so they are
+        reported apart, not planned); 'driver' -> everything else (run.py and Ray's own daemons)."""
+        measured, counts, names = {"driver": 0}, {}, {}
         for pid in sorted(self.peaks):
-            match = re.match(r"ray::(\w+)", self.titles.get(pid, ""))
-            role = ROLE_OF_ACTOR_CLASS.get(match.group(1)) if match else None
-            if role is None:
-                measured["driver"] += self.peaks[pid]
+            role = self._role(pid)
+            if role is not None:
+                index = counts.get(role, 0)
+                counts[role] = index + 1
+                names[pid] = f"{role}{index}"
+                measured[names[pid]] = self.peaks[pid]
+        for pid in sorted(self.peaks):
+            if self._role(pid) is not None:
                 continue
-            index = counts.get(role, 0)
-            counts[role] = index + 1
-            measured[f"{role}{index}"] = self.peaks[pid]
+            owner = self._role_ancestor(pid)
+            key = f"{names[owner]} helpers" if owner in names else "driver"
+            measured[key] = measured.get(key, 0) + self.peaks[pid]
         return measured
 
 
@@ -208,7 +236,7 @@ def main() -> None:
     chosen = [c for c in args.only.split(",") if c] or list(configs)
     if any(name.startswith("qwen") for name in chosen):
         build_qwen_shape(qwen_dir)
-    rows, errors, role_errors, hosts = [], [], [], []
+    rows, errors, role_errors, hosts, helpers = [], [], [], [], []
     for name in chosen:
         pred, need, capacity = predicted(configs[name])
         meas, rc, used = measure(configs[name], work / "runs" / name)
@@ -228,6 +256,9 @@ def main() -> None:
                     role_errors.append(abs(err))
             rows.append((name, proc, pred[proc] / GB, m / GB, err, rc))
             print(f"{name:22s} {proc:11s} predicted {pred[proc] / GB:6.2f} GB  measured {m / GB:6.2f} GB  error {err:+.1%}  (exit {rc})", flush=True)
+        for proc in sorted(k for k in meas if k.endswith(" helpers")):
+            print(f"{name:22s} {proc:11s} (not planned: short-lived) measured {meas[proc] / GB:6.2f} GB", flush=True)
+            helpers.append({"config": name, "process": proc, "measured_gb": round(meas[proc] / GB, 3)})
     print()
     print(f"{'configuration':22s} {'process':11s} {'predicted GB':>12s} {'measured GB':>12s} {'error':>8s}")
     for name, proc, p, m, err, rc in rows:
@@ -242,6 +273,7 @@ def main() -> None:
         "max_abs_error_fraction_roles": round(max(role_errors), 3) if role_errors else None,
         "goal_max_abs_error_fraction": 0.2,
         "hosts": hosts,
+        "helpers": helpers,
         "rows": [{"config": n, "process": pr, "predicted_gb": round(p, 3), "measured_gb": round(m, 3), "exit": rc} for n, pr, p, m, _, rc in rows],
     }
     print(json.dumps(result))

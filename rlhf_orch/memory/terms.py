@@ -228,9 +228,10 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
             terms += [Term("fp32 gradients", trained * 4, on_host=offload), Term("master weights", trained * 4, on_host=offload)]
     else:
         model_grads = trained * w if z == 1 else min(trained, REDUCE_BUCKET_ELEMENTS) * w
-        if z == 2:
+        if z == 2 and w < 4:
             # ZeRO-2 reduces each gradient into this rank's partition in the model's dtype before the
-            # fp32 copy (DeepSpeed's estimator counts it: its "2_grads_16bit").
+            # fp32 copy (DeepSpeed's estimator counts it: its "2_grads_16bit"); a float32 model's
+            # partition is that fp32 copy.
             terms.append(Term("gradient partition", trained * w // dp))
         terms += [
             Term("gradients", model_grads),
