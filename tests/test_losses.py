@@ -297,3 +297,64 @@ def test_entropy_from_logits():
     h.sum().backward()
     assert torch.isfinite(logits.grad).all()
     assert entropy_from_logits(torch.zeros(3, 5, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1 << 24, 120, 1])
+def test_log_probs_and_entropy_gradients_match_plain_autograd(temperature, chunk):
+    """`vocab_reductions` recomputes softmax by chunks in its backward instead of keeping it: the
+    values and gradients of a weighted sum of log-probs and entropies equal float64 autograd on the
+    plain formulas -- masked (-inf) vocabulary, logits near 1e4, one row per chunk or all at once."""
+    from rlhf_orch.algo.vocab_reductions import entropy, token_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 13, 40) * 3
+    logits[0, 2, 5:9] = float("-inf")
+    logits[1] += 1e4
+    tokens = torch.randint(0, 5, (3, 13))
+    w_lp, w_h = torch.randn(3, 13), torch.randn(3, 13)
+    ours = logits.clone().requires_grad_()
+    lp, h = token_logprobs(ours, tokens, temperature, chunk), entropy(ours, temperature, chunk)
+    ((lp * w_lp).sum() + (h * w_h).sum()).backward()
+    plain = logits.double().requires_grad_()
+    scaled = plain / temperature
+    log_p = torch.log_softmax(scaled, -1)
+    ref_lp = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    ref_h = -(log_p.exp() * torch.where(torch.isfinite(log_p), log_p, torch.zeros_like(log_p))).sum(-1)
+    ((ref_lp * w_lp.double()).sum() + (ref_h * w_h.double()).sum()).backward()
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(h.double(), ref_h.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.grad.double(), plain.grad, atol=2e-6, rtol=1e-4)
+    assert plain.grad.abs().max() > 0.1  # gradients that are not trivially zero
+
+
+def test_the_trainer_s_forward_keeps_no_copy_of_the_logits_for_its_backward():
+    """Padded micro-batches too: their `[:, :-1]` view of the logits is not contiguous, and
+    flattening it would copy it -- the reductions run on the whole logits instead. Saved-tensor
+    hooks see nothing of [T, V] size but the model's own logits."""
+    from rlhf_orch.trainer.forward import sequence_logprobs_and_entropy
+    from rlhf_orch.transfer.batch import PaddedBatch, Sample
+
+    vocab = 300
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, vocab)
+
+        def forward(self, input_ids, **_):
+            return type("Out", (), {"logits": self.embed(input_ids)})()
+
+    mb = PaddedBatch.from_samples([Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7], reward=0.0),
+                                   Sample(prompt_ids=[1, 2], response_ids=[4, 5], reward=0.0)], 0)
+    big: list[int] = []
+
+    def keep(t):
+        if t.dim() >= 2 and t.shape[-1] == vocab and t.numel() >= 2 * 6 * vocab:
+            big.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        lp, h = sequence_logprobs_and_entropy(Head(), mb, temperature=0.7)
+    assert lp.shape == h.shape == (2, mb.input_ids.shape[1] - 1)
+    assert len(set(big)) == 1, f"{len(set(big))} [T, V] tensors kept for the backward"

@@ -102,6 +102,25 @@ def test_packed_micro_batches_respect_budget_and_balance_ranks():
     assert max(loads) - min(loads) <= max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 
 
+@pytest.mark.parametrize("length", [20, 150, 600])
+def test_a_token_budget_never_packs_a_rank_into_fewer_micro_batches_than_optimizer_steps(length):
+    """TinyZero's shape: 256 sequences over 2 ranks, 64 per optimizer step (4 steps), a 16384-token
+    budget. Short sequences would pack a rank's 128 into 1-3 micro-batches and the trainers would
+    take that many optimizer steps; the budget is lowered so every rank has at least 4, and the
+    optimizer-step plan then has the algorithm's 4 steps. Long sequences keep the budget as it is."""
+    from rlhf_orch.trainer.token_weighting import plan_optimizer_steps
+
+    samples = [Sample(prompt_ids=[1] * (length // 2), response_ids=[2] * (length - length // 2), reward=0.0, index=i) for i in range(256)]
+    shards = PackedTransfer(token_budget=16384).layout(samples, 2, 8, PAD, train_batch_size=64)
+    for shard in shards:
+        assert len(shard) >= 4 and all(mb.num_tokens <= 16384 for mb in shard)
+        assert plan_optimizer_steps(shard, train_batch_size=64 // 2, world_size=1).num_steps == 4
+    unfloored = PackedTransfer(token_budget=16384).layout(samples, 2, 8, PAD)
+    assert len(unfloored[0]) == max(1, -(-128 * length // 16384))  # what the trainers took as steps before
+    if length == 600:
+        assert [mb.num_tokens for mb in shards[0]] == [mb.num_tokens for mb in unfloored[0]]
+
+
 def test_micro_batched_pads_per_micro_batch_padded_to_global_max():
     samples = _samples()
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)

@@ -5,8 +5,8 @@ Written plainly with autograd, `log_softmax(z)[token]` keeps a float32 copy of e
 and the entropy `logsumexp(z) - sum softmax(z) * z` keeps four (17 bytes per logit with its mask):
 at 16k tokens and a 152k vocabulary that is 10 and 42 GB per micro-batch. Both are reductions over
 the vocabulary whose gradients need only the logits and one float per row, so these autograd
-functions keep exactly that -- the logits tensor the model already holds, the row's logsumexp (and,
-for the entropy, the row's expected logit) -- and recompute softmax chunk by chunk in the backward.
+functions keep exactly that -- the logits tensor the model already holds, the row's max and logsumexp
+(and, for the entropy, the row's expected logit) -- and recompute softmax chunk by chunk in the backward.
 The peak extra memory either way is one chunk of `max_chunk_elements` floats. (What fused kernels
 such as flash-attn's cross-entropy do, in plain PyTorch.)
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 #: float32 elements of the largest chunk of rows processed at once (forward and backward).
 CHUNK_ELEMENTS = 1 << 24
@@ -28,32 +29,41 @@ def _rows(vocab: int, max_chunk_elements: int) -> int:
     return max(1, max_chunk_elements // vocab)
 
 
-def _scaled(chunk: Tensor, temperature: float) -> Tensor:
-    chunk = chunk.float()
-    return chunk / temperature if temperature != 1.0 else chunk
+def _relative(chunk: Tensor, temperature: float, shift: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(z, shift): the chunk's rows in float32 relative to their max logit (or `shift`), divided by
+    the temperature -- shifted first, so large logits lose no digits to the division or to a
+    difference of two large logsumexps. Rows of -inf only are left unshifted."""
+    x = chunk.float()
+    if shift is None:
+        top = x.amax(dim=-1)
+        shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    z = x - shift.unsqueeze(-1)
+    return (z / temperature if temperature != 1.0 else z), shift
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, max_chunk_elements: int) -> Tensor:
         rows = _rows(logits.shape[-1], max_chunk_elements)
-        picked, lse = [], []
+        out, shifts, lse = [], [], []
         for start in range(0, logits.shape[0], rows):
-            z = _scaled(logits[start : start + rows], temperature)
-            lse.append(torch.logsumexp(z, dim=-1))
-            picked.append(z.gather(-1, tokens[start : start + rows].unsqueeze(-1)).squeeze(-1))
-        lse_all = torch.cat(lse)
-        ctx.save_for_backward(logits, tokens, lse_all)
+            z, shift = _relative(logits[start : start + rows], temperature)
+            row_lse = torch.logsumexp(z, dim=-1)
+            out.append(z.gather(-1, tokens[start : start + rows].unsqueeze(-1)).squeeze(-1) - row_lse)
+            shifts.append(shift)
+            lse.append(row_lse)
+        ctx.save_for_backward(logits, tokens, torch.cat(shifts), torch.cat(lse))
         ctx.temperature, ctx.rows = temperature, rows
-        return torch.cat(picked) - lse_all
+        return torch.cat(out)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: Tensor):
-        logits, tokens, lse = ctx.saved_tensors
+        logits, tokens, shift, lse = ctx.saved_tensors
         out = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.rows):
             stop = start + ctx.rows
-            z = _scaled(logits[start:stop], ctx.temperature)
+            z, _ = _relative(logits[start:stop], ctx.temperature, shift[start:stop])
             g = -torch.exp(z - lse[start:stop].unsqueeze(-1))  # -p
             g.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), torch.ones_like(lse[start:stop]).unsqueeze(-1))
             g.mul_((grad[start:stop] / ctx.temperature).unsqueeze(-1))
@@ -65,32 +75,30 @@ class _Entropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, temperature: float, max_chunk_elements: int) -> Tensor:
         rows = _rows(logits.shape[-1], max_chunk_elements)
-        entropies, lse, mean_logit = [], [], []
+        entropies, shifts, lse, mean_logit = [], [], [], []
         for start in range(0, logits.shape[0], rows):
-            z = _scaled(logits[start : start + rows], temperature)
-            # H is shift-invariant: the row's max moved to 0 keeps logsumexp and E_p[z] small, so
-            # their difference loses no digits when logits are large.
-            top = z.amax(dim=-1, keepdim=True)
-            z = z - torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+            # H is shift-invariant: relative to the row's max, logsumexp and E_p[z] stay small, so
+            # their difference loses no digits when logits are large (the backward works relative too).
+            z, shift = _relative(logits[start : start + rows], temperature)
             row_lse = torch.logsumexp(z, dim=-1, keepdim=True)
             p = torch.exp(z - row_lse)
             expected = (p * torch.where(p > 0, z, torch.zeros_like(z))).sum(dim=-1, keepdim=True)  # -inf logits add 0
             entropies.append((row_lse - expected).squeeze(-1))
-            # kept in unshifted units for the backward
-            shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-            lse.append((row_lse + shift).squeeze(-1))
-            mean_logit.append((expected + shift).squeeze(-1))
-        ctx.save_for_backward(logits, torch.cat(lse), torch.cat(mean_logit))
+            shifts.append(shift)
+            lse.append(row_lse.squeeze(-1))
+            mean_logit.append(expected.squeeze(-1))
+        ctx.save_for_backward(logits, torch.cat(shifts), torch.cat(lse), torch.cat(mean_logit))
         ctx.temperature, ctx.rows = temperature, rows
         return torch.cat(entropies)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: Tensor):
-        logits, lse, mean_logit = ctx.saved_tensors
+        logits, shift, lse, mean_logit = ctx.saved_tensors
         out = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.rows):
             stop = start + ctx.rows
-            z = _scaled(logits[start:stop], ctx.temperature)
+            z, _ = _relative(logits[start:stop], ctx.temperature, shift[start:stop])
             p = torch.exp(z - lse[start:stop].unsqueeze(-1))
             centred = torch.where(p > 0, z - mean_logit[start:stop].unsqueeze(-1), torch.zeros_like(z))
             g = p.mul_(centred).mul_((-grad[start:stop] / ctx.temperature).unsqueeze(-1))

@@ -76,6 +76,7 @@ class LoopSettings:
     engine_tp: int = 1
     engines_sleep: bool = False  # engine.sleep_level > 0: idle engines release their GPU memory
     min_response_len: int = 0  # algo.min_response_len
+    train_batch_size: int = 0  # algo.train_batch_size: sequences per optimizer step (0: no floor on micro-batches)
 
 
 # Quantities that must stay finite; a NaN or inf in any of them stops the run (`non_finite`).
@@ -509,6 +510,7 @@ class TrainLoop:
             scorer=self.reward.rule,
             num_shards=len(self.actors.policy),
             micro_batch_size=s.micro_batch_size,
+            train_batch_size=s.train_batch_size,
             pad_id=tokenizer.pad_token_id,
             max_seq_len=s.max_seq_len or max(map(len, prompt_ids)) + s.response_max_len,
             decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),

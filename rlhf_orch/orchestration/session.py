@@ -120,6 +120,7 @@ def loop_settings(typed: RootConfig, plan: PlacementPlan, engines: EngineSpec) -
         rollout_batch_size=a.rollout_batch_size,
         samples_per_prompt=a.samples_per_prompt,
         micro_batch_size=a.micro_batch_size,
+        train_batch_size=a.train_batch_size,
         response_max_len=typed.data.response_max_len,
         min_response_len=a.min_response_len,
         max_seq_len=typed.data.prompt_max_len + typed.data.response_max_len,

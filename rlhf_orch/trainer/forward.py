@@ -146,11 +146,9 @@ def _predicts_next(mb: PackedBatch) -> Tensor:
     return keep
 
 
-def _shifted_tokens(mb: PaddedBatch | PackedBatch) -> Tensor:
-    """Per position t, token t+1 (packed: the last token's "next" is itself, masked anyway)."""
+def _shifted_tokens(mb: PackedBatch) -> Tensor:
+    """Per position t of the packed row, token t+1 (the last token's "next" is itself, masked anyway)."""
     ids = mb.input_ids
-    if isinstance(mb, PaddedBatch):
-        return ids[:, 1:]
     return torch.cat([ids[1:], ids[-1:]]).unsqueeze(0)
 
 
@@ -168,11 +166,15 @@ def sequence_logprobs_and_entropy(
 
     logits = model(**model_inputs(mb), use_cache=False).logits
     if isinstance(mb, PaddedBatch):
-        logits = logits[:, :-1]
+        # On the whole [b, L, V] logits (a [:, :-1] slice is not contiguous: flattening it would copy
+        # it, and each reduction keep its copy for the backward), the last position's outputs dropped.
+        ids = mb.input_ids
+        next_tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+        logprobs = logprobs_from_logits(logits, next_tokens, temperature=temperature)[:, :-1]
+        ent = entropy_from_logits(logits, temperature)[:, :-1] if entropy else None
+        return logprobs, ent
     logprobs = logprobs_from_logits(logits, _shifted_tokens(mb), temperature=temperature)
     ent = entropy_from_logits(logits, temperature) if entropy else None
-    if isinstance(mb, PaddedBatch):
-        return logprobs, ent
     return _next_token_aligned(mb, logprobs), (_next_token_aligned(mb, ent) if entropy else None)
 
 

@@ -67,6 +67,9 @@ class RolloutRequest:
     # Where the engines hold this rollout until its hand-over: several may be held at once
     # (pipeline=async); 0 when one at most is.
     slot: int = 0
+    # Sequences per optimizer step (algo.train_batch_size): a token budget is lowered so every rank
+    # gets at least one micro-batch per optimizer step (0: no floor).
+    train_batch_size: int = 0
 
     def job(self, prompt_indices: Sequence[int], scorer: Scorer | None) -> RolloutJob:
         return RolloutJob(
@@ -265,6 +268,7 @@ class HeldRollout:
     rounds: int = 1
     step: int = 0  # the training step it was generated for (set by the loop)
     slot: int = 0  # where the engines hold it (RolloutRequest.slot)
+    train_batch_size: int = 0  # RolloutRequest.train_batch_size
     ready_at: float = field(default_factory=time.time)  # wall clock when `generate` returned
 
     def waited(self) -> float:

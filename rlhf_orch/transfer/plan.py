@@ -175,6 +175,22 @@ def pieces_per_engine(
     return cut
 
 
+def budget_for_steps(token_budget: int, seq_lens: Sequence[int], num_ranks: int, train_batch_size: int) -> int:
+    """The token budget, lowered where needed so each rank's share of the rollout makes at least one
+    micro-batch per optimizer step: the trainers group micro-batches into the rollout's
+    sequences / train_batch_size optimizer steps (`plan_optimizer_steps`), at most one step per
+    micro-batch -- a budget that packed a rank's share into fewer would train fewer steps than the
+    algorithm names (veRL cuts mini-batches first, then packs each). Never below the longest
+    sequence; `train_batch_size` 0: the budget as it is."""
+    if train_batch_size <= 0 or not seq_lens:
+        return token_budget
+    steps = len(seq_lens) // train_batch_size
+    if steps <= 1:
+        return token_budget
+    per_rank = sum(seq_lens) // max(num_ranks, 1)  # (the rank holding the most tokens holds at least this)
+    return max(max(seq_lens), min(token_budget, per_rank // steps))
+
+
 def derive_token_budget(token_budget: int, micro_batch_size: int, max_seq_len: int) -> int:
     """`transfer.token_budget`, or `micro_batch_size x max_seq_len` when it is 0 ("derive")."""
     if token_budget < 0:
