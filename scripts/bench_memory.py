@@ -43,6 +43,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from rlhf_orch.config.schema import register_configs  # noqa: E402
 from rlhf_orch.memory.check import check_memory  # noqa: E402
 from rlhf_orch.memory.shapes import KNOWN_CONFIGS  # noqa: E402
+from rlhf_orch.memory.terms import ProcessMemory  # noqa: E402
 
 GB = 1e9
 QWEN05B = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -104,11 +105,13 @@ def predicted(overrides: list[str]) -> tuple[dict[str, float], float, float]:
     plan = instantiate(cfg.placement).plan(reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference)
     verdict = check_memory(typed, plan, on_gpu=False, reward_model=False)
     load = verdict.plan.loads[0]
-    totals: dict[str, float] = {}
+    by_process: dict[str, list] = {}
     for p in load.processes:
-        # A reference inside the policy rank's process (placement.reference_in_actor) is measured in it.
+        # A reference inside the policy rank's process (placement.reference_in_actor) is measured in
+        # it: one process, whose peak is its largest phase of both roles' terms together.
         name = "driver" if p.role == "driver" else f"actor{p.rank}" if p.role == "reference" and plan.reference_in_actor else f"{p.role}{p.rank}"
-        totals[name] = totals.get(name, 0) + p.peak()
+        by_process.setdefault(name, []).extend(p.terms)
+    totals = {name: ProcessMemory(name, 0, terms).peak() for name, terms in by_process.items()}
     return totals, load.need, load.device.capacity
 
 

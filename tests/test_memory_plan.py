@@ -134,7 +134,7 @@ def test_a_70b_policy_with_a_kl_reference_on_eight_80gb_gpus_gets_a_fix_that_fit
     reference = next(p for p in v.plan.processes if p.role == "reference")
     assert reference.peak() > v.plan.worst().device.capacity  # a whole reference fits no GPU
     offered = [fix.override for fix in v.fixes]
-    assert offered[:2] == ["trainer.reference_memory=sharded", "trainer.reference_memory=offloaded"], offered
+    assert offered[0] == "trainer.reference_memory=sharded" and "trainer.reference_memory=offloaded" in offered, offered
     together = v.refusal().split("together: ")[1].split("   #")[0]
     assert "trainer.reference_memory=offloaded" in together
     assert v.chain[-1].plan.fits and v.chain[-1].plan.loads[0].device.capacity == v.plan.loads[0].device.capacity

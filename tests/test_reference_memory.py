@@ -5,6 +5,7 @@ settings that do nothing or cannot hold are refused before any actor starts."""
 from __future__ import annotations
 
 import pytest
+import ray
 from hydra.utils import instantiate
 
 from rlhf_orch.app import check
@@ -27,9 +28,26 @@ def test_a_sharded_reference_is_the_initial_policy(tmp_path, hosted, shared_ray)
     cfg = compose_config(overrides)
     _, plan = check(cfg, instantiate(cfg.launcher))
     assert plan.reference_in_actor == (hosted == "true")
-    train_in_process(overrides, tmp_path)
+    held: list[tuple[int, int]] = []
+
+    def shards(step: int, loop) -> None:  # what each rank's reference holds of its parameters
+        if step == 1:
+            ranks = loop.actors.policy if hosted == "true" else loop.actors.reference
+            held.extend(ray.get([rank.__ray_call__.remote(_held_of_reference) for rank in ranks]))
+
+    train_in_process(overrides, tmp_path, callbacks=[shards])
     kl = [row["kl"] for row in read_metrics(tmp_path)]
     assert len(kl) == 2 and abs(kl[0]) < 1e-6 and abs(kl[1]) > 1e-6, kl
+    # ZeRO-3 over 2 ranks: each keeps about half of every parameter (partitions are padded to the ranks)
+    assert len(held) == 2 and all(local < 0.55 * whole for local, whole in held), held
+
+
+def _held_of_reference(worker) -> tuple[int, int]:
+    """(elements this rank keeps, elements of the whole model) of the rank's reference."""
+    model = worker.reference if hasattr(worker, "reference") else worker.model
+    params = list(model.parameters())
+    return (sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params),
+            sum(getattr(p, "ds_numel", p.numel()) for p in params))
 
 
 @pytest.mark.parametrize(

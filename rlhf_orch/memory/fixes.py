@@ -26,7 +26,12 @@ class Fix:
 
     def describe(self) -> str:
         worst = self.plan.worst()
-        verdict = "fits" if self.plan.fits else f"{worst.device.name} still short by {-worst.headroom / GB:.1f} GB"
+        if self.plan.fits:
+            verdict = "fits"
+        elif worst.headroom < 0:
+            verdict = f"{worst.device.name} still short by {-worst.headroom / GB:.1f} GB"
+        else:
+            verdict = f"still refused: {'; '.join(self.plan.engine_problems)}"
         return f"{self.override}   # {self.what}; then {worst.device.name} needs {worst.need / GB:.1f} GB: {verdict}"
 
 
@@ -39,13 +44,14 @@ def _candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, R
     trainer_dp = max((sum(1 for p in plan.processes if p.role == role) for role in ("actor", "critic")), default=1)
     if t.zero_stage < 3 and trainer_dp > 1:
         yield "trainer.zero_stage=3", "weights and gradients sharded too (more communication)", _with(cfg, "trainer", zero_stage=3)
-    yield from _reference_candidates(cfg, plan)
+    yield from _reference_candidates(cfg, plan, offload=False)
     if wl.on_gpu and not t.offload_optimizer:
         yield ("trainer.offload_optimizer=true", "optimizer states in host memory (slower optimizer steps)",
                _with(cfg, "trainer", offload_optimizer=True))
     if not t.gradient_checkpointing:
         yield ("trainer.gradient_checkpointing=true", "activations recomputed in the backward (~30 % more trainer compute)",
                _with(cfg, "trainer", gradient_checkpointing=True))
+    yield from _reference_candidates(cfg, plan, offload=True)
     budget = getattr(cfg.transfer, "token_budget", 0)
     if budget and budget // 2 >= wl.max_seq_len:
         yield (f"transfer.token_budget={budget // 2}", "smaller packed micro-batches (more of them)",
@@ -59,21 +65,20 @@ def _candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, R
     yield from _algorithm_candidates(cfg, plan)
 
 
-def _reference_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, RootConfig]]:
-    """A whole KL reference per rank: shard it over the reference ranks (ZeRO-3), or keep the
-    shards in host memory (GPU layouts)."""
+def _reference_candidates(cfg: RootConfig, plan: MemoryPlan, offload: bool) -> Iterator[tuple[str, str, RootConfig]]:
+    """A whole KL reference per rank: shard it over the reference ranks (ZeRO-3: an all-gather per
+    layer in the experience phase), or -- later, it costs more -- keep its shards in host memory
+    (GPU layouts: every experience forward copies the model to the GPU again)."""
     references = sum(1 for p in plan.processes if p.role == "reference")
-    if not references or cfg.trainer.reference_memory != "full":
-        if references and cfg.trainer.reference_memory == "sharded" and plan.workload.on_gpu:
-            yield ("trainer.reference_memory=offloaded", "the reference's shards in host memory (slower experience phase)",
-                   _with(cfg, "trainer", reference_memory="offloaded"))
+    now = cfg.trainer.reference_memory
+    if not references or now == "offloaded":
         return
-    if references > 1:
-        yield ("trainer.reference_memory=sharded", "the reference sharded over its ranks by ZeRO-3 (gathers in the experience phase)",
-               _with(cfg, "trainer", reference_memory="sharded"))
-    if plan.workload.on_gpu:
-        yield ("trainer.reference_memory=offloaded", "the reference's shards in host memory (slower experience phase)",
-               _with(cfg, "trainer", reference_memory="offloaded"))
+    if not offload and now == "full" and references > 1:
+        yield ("trainer.reference_memory=sharded", "the reference sharded over its ranks by ZeRO-3 (an all-gather per layer "
+               "in the experience phase)", _with(cfg, "trainer", reference_memory="sharded"))
+    if offload and plan.workload.on_gpu:
+        yield ("trainer.reference_memory=offloaded", "the reference's shards in host memory (each experience forward copies "
+               "them to the GPU)", _with(cfg, "trainer", reference_memory="offloaded"))
 
 
 def _algorithm_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, RootConfig]]:
@@ -125,7 +130,7 @@ def _fitting_micro_batch(cfg: RootConfig, ranks: int) -> tuple[str, AlgoConfig]:
 
 def _engine_tp_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, RootConfig]]:
     """When the engines' weights are the problem: twice the engines' tensor parallelism on the same
-    GPUs (before more GPUs: it costs none)."""
+    GPUs (before more GPUs: it asks for none, though half the engines generate less at once)."""
     p = cfg.placement
     engine = next((proc for proc in plan.processes if proc.role == "engine"), None)
     if engine is None or not plan.workload.on_gpu:
@@ -137,7 +142,7 @@ def _engine_tp_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[s
         if getattr(p, "engines", None):  # layouts given engine counts: as many GPUs, half the engines
             changes["engines"] = max(1, p.engines // 2)
             override += f" placement.engines={changes['engines']}"
-        yield (override, "each engine's weights split over twice the GPUs (fewer engines)",
+        yield (override, "each engine's weights split over twice the GPUs: half the engines (less generation in parallel)",
                dataclasses.replace(cfg, placement=dataclasses.replace(p, **changes)))
 
 

@@ -20,7 +20,7 @@ from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, memory_utilization, 
 from rlhf_orch.memory.shapes import ModelShape
 from rlhf_orch.memory.terms import (
     ALWAYS, PHASES, RUNTIME_TERM_NAMES, GiB, ProcessMemory, Term, Workload, engine_terms, forward_only_terms, runtime_terms,
-    trainer_terms,
+    tokenizer_terms, trainer_terms,
 )
 from rlhf_orch.topology.plan import PlacementPlan
 
@@ -192,8 +192,8 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         level = 1 if on_gpu else 0  # vLLM's sleep mode needs CUDA (rlhf_orch.engines.vllm_engine)
     return Workload(
         dtype=typed.model.dtype, max_seq_len=max_seq, micro_batch_size=a.micro_batch_size,
-        tokens_per_micro_batch=tokens, padded=padded, token_bound=int(getattr(typed.transfer, "token_budget", 0) or 0),
-        sequences_per_rank_step=a.train_batch_size // max(plan.num_ranks("actor"), 1),
+        tokens_per_micro_batch=tokens, padded=padded, token_bound=0 if padded else tokens,
+        sequences_per_rank=a.rollout_batch_size * a.samples_per_prompt // max(plan.num_ranks("actor"), 1),
         zero_stage=t.zero_stage, optimizer=t.optimizer,
         offload_optimizer=t.offload_optimizer, gradient_checkpointing=t.gradient_checkpointing, on_gpu=on_gpu,
         engine_tp=plan.engine_tp, kv_cache_gb=e.kv_cache_gb,
@@ -299,7 +299,8 @@ def plan_memory(
         loads += node_host_loads(typed, plan, processes, wl.engine_tp)
     else:
         host_bytes, host_source = host or host_memory()
-        driver = ProcessMemory("driver", 0, runtime_terms("driver", on_gpu=False), "run.py, Ray's raylet/GCS/workers")
+        driver = ProcessMemory("driver", 0, [*tokenizer_terms(shape, on_gpu=False), *runtime_terms("driver", on_gpu=False)],
+                               "run.py, Ray's raylet/GCS/workers")
         every = [driver, *processes.values()]
         for proc in every:
             if proc.role == "engine" and wl.engine_tp > 1:

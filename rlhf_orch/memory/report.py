@@ -13,10 +13,10 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "weights": ("weights", "gathered weights"),
     "grads": ("gradients", "gradient partition", "fp32 gradients"),
     "optimizer": ("master weights", "optimizer"),
-    "activations": ("activations", "logits", "entropy", "old log-probs", "forward activations"),
+    "activations": ("activations", "backward workspace", "logits", "entropy", "old log-probs", "forward activations"),
     "kv cache": ("kv cache",),
     "other": ("workspace", "cuda graphs", "lora slots", "cpu weight packing", "sync buffers", "sync send buffers", "nccl buffers",
-              "allocator reserve", "checkpoint load", "runtime", "shared libraries"),
+              "allocator reserve", "tokenizer", "checkpoint load", "runtime", "shared libraries"),
 }
 
 
@@ -87,7 +87,7 @@ def describe(plan: MemoryPlan) -> str:
 
 
 #: Terms that grow with the tokens of a micro-batch (the rest are held from the start).
-TOKEN_TERMS = ("activations", "logits", "entropy", "old log-probs", "forward activations")
+TOKEN_TERMS = ("activations", "backward workspace", "logits", "entropy", "old log-probs", "forward activations")
 
 
 def worst_case(plan: MemoryPlan) -> str:
@@ -114,12 +114,12 @@ def _how_likely(plan: MemoryPlan) -> str:
     wl = plan.workload
     sized = f"sized by {wl.tokens_per_micro_batch} tokens per micro-batch"
     if wl.token_bound:
-        average = -(-wl.token_bound // max(wl.sequences_per_rank_step, 1))
+        average = -(-wl.token_bound // max(wl.sequences_per_rank, 1))
         if average > wl.max_seq_len:
-            return (f"{sized}: never full (a rank's {wl.sequences_per_rank_step} sequences per optimizer step hold at most "
-                    f"{wl.sequences_per_rank_step * wl.max_seq_len} tokens)")
-        return (f"{sized}: likely (a rank's {wl.sequences_per_rank_step} sequences per optimizer step fill "
-                f"transfer.token_budget={wl.token_bound} once they average {average} of their {wl.max_seq_len} tokens)")
+            return (f"{sized}: never full (a rank's {wl.sequences_per_rank} sequences of a rollout hold at most "
+                    f"{wl.sequences_per_rank * wl.max_seq_len} tokens)")
+        return (f"{sized}: likely (packed micro-batches of up to {wl.token_bound} tokens fill once a rank's "
+                f"{wl.sequences_per_rank} sequences of a rollout average {average} of their {wl.max_seq_len} tokens)")
     return (f"{sized}: only when all {wl.micro_batch_size} sequences of a micro-batch are {wl.max_seq_len} tokens long "
             "(prompt and response at their limits; transfer.token_budget bounds it in tokens)")
 

@@ -9,7 +9,7 @@ from a laptop) falls back to `KNOWN_CONFIGS`: the `config.json` fields of the mo
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -60,6 +60,7 @@ class ModelShape:
     tied_embeddings: bool
     qkv_bias: bool = False
     checkpoint_bytes_per_param: int = 2  # the dtype the weights are stored in (config.json's torch_dtype)
+    tokenizer_file_bytes: int = 0  # size of the checkpoint's tokenizer files, where they are on this machine
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "ModelShape":
@@ -147,7 +148,7 @@ def shape_of(model_cfg: Any) -> tuple[Optional[ModelShape], str]:
 
         built = Path(model_cfg.cache_dir).expanduser() / gguf_model_id(model_cfg.distribution, model_cfg.version, gguf_file)
         if (built / "config.json").is_file():
-            return ModelShape.from_config(_text_config(json.loads((built / "config.json").read_text()))), str(built / "config.json")
+            return _local_shape(built / "config.json"), str(built / "config.json")
         known = KNOWN_CONFIGS.get(Path(gguf_file).name)
         return (ModelShape.from_config(known), f"published config of {Path(gguf_file).name}") if known else (None, f"{gguf_file} is not built yet")
     name = getattr(model_cfg, "name_or_path", None)
@@ -161,12 +162,23 @@ def checkpoint_shape(name_or_path: str) -> tuple[Optional[ModelShape], str]:
 
     try:
         local = Path(resolve_local_checkpoint(name_or_path, "model.name_or_path")) / "config.json"
-        return ModelShape.from_config(_text_config(json.loads(local.read_text()))), str(local)
+        return _local_shape(local), str(local)
     except (ModelSourceError, OSError, KeyError, ValueError):
         pass
     if name_or_path in KNOWN_CONFIGS:
         return ModelShape.from_config(KNOWN_CONFIGS[name_or_path]), f"published config.json of {name_or_path}"
     return None, f"no config.json for model.name_or_path={name_or_path!r} on this machine"
+
+
+#: The files a tokenizer is loaded from (fast tokenizers' tokenizer.json, slow ones' vocabulary and merges).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _local_shape(config_json: Path) -> ModelShape:
+    """The shape of a checkpoint on this machine, with the size of its tokenizer files."""
+    shape = ModelShape.from_config(_text_config(json.loads(config_json.read_text())))
+    files = [config_json.parent / name for name in TOKENIZER_FILES]
+    return replace(shape, tokenizer_file_bytes=sum(f.stat().st_size for f in files if f.is_file()))
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -62,14 +62,20 @@ BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 # measured as the RSS high-water mark of tiny-model runs on this machine's CPU (scripts/bench_memory.py):
 # (anonymous memory, file-backed pages of the shared libraries). The driver row is run.py plus Ray's
 # raylet, GCS, dashboard and idle workers.
-CPU_RUNTIME_BYTES = {"trainer": (int(0.52e9), int(0.16e9)), "forward": (int(0.42e9), int(0.16e9)),
-                     "engine": (int(0.63e9), int(0.24e9)), "driver": (int(1.1e9), int(0.4e9))}
+# Re-measured 2026-11-27 (vLLM 0.32, torch 2.13, Ray 2.60): the trainer, engine and driver rows had
+# grown by 0.08, 0.17 and 0.15 GB since the first calibration (2026-11-25: 0.52, 0.63, 1.1).
+CPU_RUNTIME_BYTES = {"trainer": (int(0.60e9), int(0.16e9)), "forward": (int(0.42e9), int(0.16e9)),
+                     "engine": (int(0.80e9), int(0.24e9)), "driver": (int(1.25e9), int(0.4e9))}
 # On a GPU: the CUDA context, cuBLAS/NCCL workspaces and what DeepSpeed allocates outside torch's
 # caching allocator, per process (nvidia-smi's figure less torch's reserve). The trainer's were measured
 # on an H100 (scripts/bench_gpu.py, 2026-11-27: 1.39 GB at ZeRO-0..2, 0.41 GB more at ZeRO-3); the
 # forward-only and engine rows are not measured yet (the lent GPU machine had no vLLM; docs/memory.md).
 GPU_RUNTIME_BYTES = {"trainer": int(1.39e9), "forward": int(1.0 * GiB), "engine": int(1.0 * GiB)}
 GPU_ZERO3_RUNTIME_BYTES = int(0.41e9)
+# A loaded tokenizer's resident memory per byte of its files: 12.6 for a 28 MB tokenizer.json
+# (151,936 tokens), 17.6 for SmolLM2's 3.5 MB one (measured 2026-11-27: RSS before and after
+# AutoTokenizer.from_pretrained). run.py and each engine load one; the trainers do not.
+TOKENIZER_BYTES_PER_FILE_BYTE = 13
 GPU_ENGINE_GRAPHS_BYTES = int(0.5 * GiB)  # vLLM's CUDA graphs when engine.enforce_eager=false
 # One NCCL communicator's buffers on a GPU: NCCL_BUFFSIZE (4 MiB) for each of its protocols' send and
 # receive buffers, over up to 32 channels on NVLink (stated from NCCL's defaults; not measured here).
@@ -107,9 +113,10 @@ class Workload:
     offload_optimizer: bool
     gradient_checkpointing: bool
     on_gpu: bool
-    # transfer.token_budget when set: micro-batches are packed up to this many tokens (0: counted in sequences)
+    # Packed transfers: the token budget micro-batches are packed up to, transfer.token_budget or
+    # the one it derives (0: padded, counted in sequences)
     token_bound: int = 0
-    sequences_per_rank_step: int = 0  # sequences one policy rank trains on per optimizer step
+    sequences_per_rank: int = 0  # sequences of one rollout one policy rank holds (what it packs)
     # engines
     engine_tp: int = 1
     kv_cache_gb: Optional[float] = None
@@ -164,7 +171,13 @@ class ProcessMemory:
 
 
 #: The terms of a process's own runtime (what a role hosted in another's process does not add).
-RUNTIME_TERM_NAMES = ("runtime", "shared libraries")
+RUNTIME_TERM_NAMES = ("runtime", "shared libraries", "nccl buffers")  # (its host's world is the one it uses)
+
+
+def tokenizer_terms(shape: ModelShape, on_gpu: bool) -> list[Term]:
+    """The tokenizer a driver or engine process loads (in host memory: planned on CPU layouts)."""
+    nbytes = shape.tokenizer_file_bytes * TOKENIZER_BYTES_PER_FILE_BYTE
+    return [Term("tokenizer", nbytes)] if nbytes and not on_gpu else []
 
 
 def runtime_terms(kind: str, on_gpu: bool, gpu_extra: int = 0) -> list[Term]:
@@ -174,8 +187,9 @@ def runtime_terms(kind: str, on_gpu: bool, gpu_extra: int = 0) -> list[Term]:
     return [Term("runtime", anonymous), Term("shared libraries", libraries, reclaimable=True)]
 
 
-def activation_bytes(shape: ModelShape, wl: Workload) -> int:
-    """Saved-for-backward activations of one micro-batch through all layers."""
+def layer_activation_bytes(shape: ModelShape, wl: Workload) -> int:
+    """What one layer keeps for its backward over one micro-batch (and, transiently, the gradients
+    of those tensors while the backward passes through it)."""
     tokens, w = wl.tokens_per_micro_batch, wl.w
     q_out, kv_out = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     # Per token and layer: the two RMSNorm inputs in fp32, their outputs, q/k/v and the rotated q/k,
@@ -186,7 +200,13 @@ def activation_bytes(shape: ModelShape, wl: Workload) -> int:
         scores = wl.micro_batch_size * shape.heads * wl.max_seq_len**2 * 4
     else:
         scores = 0  # flash / memory-efficient kernels keep no s^2 tensor
-    one_layer = tokens * per_token_layer + scores
+    return tokens * per_token_layer + scores
+
+
+def activation_bytes(shape: ModelShape, wl: Workload) -> int:
+    """Saved-for-backward activations of one micro-batch through all layers."""
+    tokens, w = wl.tokens_per_micro_batch, wl.w
+    one_layer = layer_activation_bytes(shape, wl)
     if wl.gradient_checkpointing:
         return shape.layers * tokens * shape.hidden * w + one_layer
     return shape.layers * one_layer
@@ -243,6 +263,8 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
     if z == 3:  # parameters gathered for the forward/backward stay alive up to DeepSpeed's limit
         terms.append(Term("gathered weights", min(params, ZERO3_LIVE_PARAMETERS) * w, TRAIN))
     terms.append(Term("activations", activation_bytes(shape, wl), TRAIN))
+    # The backward holds the gradients of one layer's saved tensors while it passes through it.
+    terms.append(Term("backward workspace", layer_activation_bytes(shape, wl), TRAIN))
     if role == "actor":
         logit_elements = wl.tokens_per_micro_batch * shape.vocab
         terms.append(Term("logits", logit_elements * (2 * w + VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT), TRAIN))
@@ -294,18 +316,42 @@ def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload, 
     terms += checkpoint_load_term(params, shape, wl)
     forward = forward_pass_terms(shape, wl)
     terms += forward if role == "reference" else [t for t in forward if t.name != "logits"]  # a reward model scores, no [T, V]
-    terms += runtime_terms("forward", wl.on_gpu)  # no DeepSpeed engine, no optimizer
+    if wl.on_gpu:
+        if sharded and dp > 1:
+            terms.append(Term("nccl buffers", NCCL_COMMUNICATOR_BYTES))  # its ranks' world
+        if wl.trainers_default_allocator:  # (forward-only processes get the trainers' allocator setting)
+            terms.append(Term("allocator reserve", int(DEFAULT_ALLOCATOR_RESERVE * max(
+                sum(t.bytes for t in terms if t.phase in (ALWAYS, phase) and not t.on_host) for phase in PHASES))))
+    # no optimizer; a DeepSpeed engine (and its ZeRO-3 buffers) only when sharded
+    terms += runtime_terms("forward", wl.on_gpu, GPU_ZERO3_RUNTIME_BYTES if sharded else 0)
     return terms
+
+
+# vLLM's sampler warm-up per logit of its max_num_seqs x vocabulary rows: the float32 logits and
+# probabilities, and the top-k/top-p sort's values and int64 indices.
+SAMPLER_BYTES_PER_LOGIT = 24
+
+
+def vllm_profile_sizes(wl: Workload) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM profiles with: its defaults for the offline
+    engine, which this project does not override (vllm/engine/arg_utils.py: CPU 4096 and 256 per
+    tensor-parallel worker; GPUs of 70 GiB or more 16384 and 1024; smaller ones 8192 and 256)."""
+    if not wl.on_gpu:
+        return 4096 * wl.engine_tp, 256 * wl.engine_tp
+    if wl.gpu_memory_bytes >= 70 * GiB:
+        return 16384, 1024
+    return 8192, 256
 
 
 def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     """One engine process (one GPU of it when tensor-parallel), and a note when its KV cache is short."""
     tp = wl.engine_tp
     weights = shape.policy_params * wl.w // tp
-    # vLLM profiles a forward over its batched-token budget (prefill chunk): the hidden states, the
-    # MLP's intermediate and the sampler's fp32 logits over the sequences in flight.
-    batched_tokens = min(wl.sequences_per_engine * wl.max_seq_len, 8192)
-    workspace = batched_tokens * (2 * shape.hidden + shape.intermediate) * 4 // tp + min(wl.sequences_per_engine, 256) * shape.vocab * 4
+    # vLLM profiles a forward over its whole batched-token budget (the hidden states and the MLP's
+    # intermediate) and warms its sampler up over max_num_seqs rows of logits, whatever this run
+    # asks of it (`vllm_profile_sizes`).
+    batched_tokens, max_seqs = vllm_profile_sizes(wl)
+    workspace = batched_tokens * (2 * shape.hidden + shape.intermediate) * 4 // tp + max_seqs * shape.vocab * SAMPLER_BYTES_PER_LOGIT
     graphs = GPU_ENGINE_GRAPHS_BYTES if wl.on_gpu and not wl.enforce_eager else 0
     # model.lora served as an adapter: vLLM's LoRA buffers (one adapter slot at its max rank, A and B
     # of every adapted projection; counted as the adapter's own size at the rank vLLM rounds up to).
@@ -360,5 +406,6 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
         terms.append(Term("weights (asleep)", weights, TRAIN, on_host=True))  # host: not in GPU sums
     if nccl:
         terms.append(Term("nccl buffers", nccl))
+    terms += tokenizer_terms(shape, wl.on_gpu)
     terms += runtime_terms("engine", wl.on_gpu)
     return terms, note

@@ -144,7 +144,10 @@ class _Worker(ExperienceInbox):
 
         from rlhf_orch.sync.group import bind_interfaces_towards, tcp_store
 
-        if dist.is_initialized():  # a kept (warm) process: its world is this plan's
+        if dist.is_initialized():  # a kept (warm) process: its world must be this plan's
+            if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
+                raise RuntimeError(f"a kept {self.role} process is rank {dist.get_rank()} of {dist.get_world_size()}, "
+                                   f"not {self.rank} of {self.world_size}")
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         os.environ.update(
@@ -200,8 +203,19 @@ class _Worker(ExperienceInbox):
         return stats
 
     def _logprobs_of(self, model: torch.nn.Module, shard: int) -> list[torch.Tensor]:
-        """A frozen model's log-probs of the shard's sequences, on CPU (the reference's, hosted or not)."""
-        return [sequence_logprobs(model, mb, self.spec.temperature).float().cpu() for mb in self._micro_batches(shard)]
+        """A frozen model's log-probs of the shard's sequences, on CPU (the reference's, hosted or not).
+        A sharded model's forwards are collective: the ranks first agree on how many they run, so a
+        rank short of micro-batches fails every rank at once instead of leaving the others waiting."""
+        mbs = self._micro_batches(shard)
+        if self.spec.reference_memory != "full" and self.world_size > 1:
+            import torch.distributed as dist
+
+            counts = [None] * self.world_size
+            dist.all_gather_object(counts, len(mbs))
+            if len(set(counts)) > 1:
+                raise RuntimeError(f"shard {shard}: the sharded reference's ranks hold {counts} micro-batches; "
+                                   "its forwards are collective and need as many on every rank")
+        return [sequence_logprobs(model, mb, self.spec.temperature).float().cpu() for mb in mbs]
 
     def _load_frozen(self, loader) -> int:
         """A forward-only model (reference, reward model): eval mode, no gradients; returns its size."""
@@ -218,13 +232,14 @@ class _Worker(ExperienceInbox):
             return _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
         import deepspeed
 
-        # Loaded whole in host memory, then partitioned parameter by parameter onto this rank's
-        # device: a GPU never holds the whole model (each rank's host memory does, once, at start).
+        # Loaded whole in host memory (each rank's, once, at start), then partitioned parameter by
+        # parameter by zero.Init onto this rank's device -- or its host memory when offloaded -- so a
+        # GPU never holds the whole model (deepspeed.initialize alone would move it there first).
         model = _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device))  # (the device picks the attention kernel)
-
         skip_muon_import()
-        config = frozen_model_config(dtype=self.spec.dtype, data_parallel_size=self.world_size,
-                                     offload_params=self.spec.reference_memory == "offloaded")
+        offload = self.spec.reference_memory == "offloaded"
+        config = frozen_model_config(dtype=self.spec.dtype, data_parallel_size=self.world_size, offload_params=offload)
+        deepspeed.zero.Init(module=model, config_dict_or_path=config, remote_device="cpu" if offload else None, pin_memory=offload)
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.eval()
         return engine
