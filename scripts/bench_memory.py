@@ -63,7 +63,7 @@ def configurations(qwen_dir: str) -> dict[str, list[str]]:
         "tiny_zero2_split": ["placement=split", "placement.gpus_per_node=4", "placement.actor_gpus=2", "placement.critic_gpus=1",
                              "placement.vllm_gpus=1", "launcher.logical_gpus=4"],
         "tiny_long_context": ["experiment=long8k_packed"],
-        # No KL reference (DAPO): with GRPO's reference the plan needs 24.2 GB of this 24.0 GB host
+        # No KL reference (DAPO): with GRPO's reference (~2.5 GB more) this host ran out of memory
         # and Ray's memory monitor killed the policy in one run of two -- no figure to compare.
         "qwen05b_zero2": [*qwen, "algo=dapo", "algo.dynamic_sampling=false", "trainer.zero_stage=2"],
         # ZeRO-3 without the reference (DAPO has no KL term) and with plain SGD: with AdamW's moments this

@@ -374,7 +374,7 @@ def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
     for r in rows:
         assert r["env/calls_mean"] > 2.5 and r["env/unmerged_calls"] == 0 and r["env/agent_errors"] == 0
         assert r["env/tries_mean"] == r["env/calls_mean"] and r["rollout/samples"] == 16
-    assert rows[-1]["loss/policy"] != 0
+    assert rows[-1]["policy/grad_norm"] > 0  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)
     assert len({(e["host"], e["port"]) for e in endpoints}) == 2  # one server per engine, for the engine's life
     for e in endpoints:
         with pytest.raises(ConnectionRefusedError):
@@ -437,7 +437,7 @@ def test_an_agent_that_ends_its_process_scores_zero_and_the_step_completes(tmp_p
     for r in rows:
         assert r["rollout/samples"] == 16 and r["fault/engine_restarts"] == 0
         assert 0 < r["env/agent_errors"] < 16 and r["env/calls_mean"] == 1.0
-    assert rows[-1]["loss/policy"] != 0
+    assert rows[-1]["policy/grad_norm"] > 0  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)
 
 
 @pytest.mark.parametrize("transfer", ["packed", "micro_batched"])
@@ -455,4 +455,4 @@ def test_every_conversation_of_an_agent_trains_on_every_rank_layout(tmp_path, tr
         assert r["rollout/samples"] == 16 and r["rollout/sequences"] == 32
         assert r["env/calls_mean"] == 2.0 and r["env/unmerged_calls"] == 16 and r["env/agent_errors"] == 0
         assert r["rollout/logprob_diff_max"] < TOLERANCE
-    assert rows[-1]["loss/policy"] != 0
+    assert rows[-1]["policy/grad_norm"] > 0  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)

@@ -98,7 +98,7 @@ def test_verl_parquet_evaluated_before_training_trains_dr_grpo_packed(digit_file
     assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the evaluation before training
     assert "eval/digit_reverse/pass@1" in rows[0] and "reward/mean" not in rows[0]
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows[1:])
-    assert rows[1]["loss/policy"] != 0.0
+    assert rows[1]["policy/grad_norm"] > 0  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)
 
 
 # 0: inline on the engine -- off the main thread (the engine's liveness check has a thread of its

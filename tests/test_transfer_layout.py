@@ -102,23 +102,38 @@ def test_packed_micro_batches_respect_budget_and_balance_ranks():
     assert max(loads) - min(loads) <= max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 
 
-@pytest.mark.parametrize("length", [20, 150, 600])
-def test_a_token_budget_never_packs_a_rank_into_fewer_micro_batches_than_optimizer_steps(length):
+@pytest.mark.parametrize("lengths", ["uniform_short", "ragged", "one_long"])
+def test_each_optimizer_step_packs_its_own_sequences_under_a_token_budget(lengths):
     """TinyZero's shape: 256 sequences over 2 ranks, 64 per optimizer step (4 steps), a 16384-token
-    budget. Short sequences would pack a rank's 128 into 1-3 micro-batches and the trainers would
-    take that many optimizer steps; the budget is lowered so every rank has at least 4, and the
-    optimizer-step plan then has the algorithm's 4 steps. Long sequences keep the budget as it is."""
-    from rlhf_orch.trainer.token_weighting import plan_optimizer_steps
+    budget. Each rank's sequences are cut into 4 runs of 32 by count first (veRL's mini-batches),
+    each packed on its own to the same number of micro-batches, so the trainers' step plan takes
+    exactly those runs as its 4 steps -- packed over the whole rank, short sequences made 1-3
+    micro-batches (that many optimizer steps), and steps followed the packer's length order. A
+    sequence far longer than the others keeps every rank at 4 steps too (stand-ins where a run is
+    empty)."""
+    import random as random_lengths
 
-    samples = [Sample(prompt_ids=[1] * (length // 2), response_ids=[2] * (length - length // 2), reward=0.0, index=i) for i in range(256)]
-    shards = PackedTransfer(token_budget=16384).layout(samples, 2, 8, PAD, train_batch_size=64)
+    from rlhf_orch.trainer.token_weighting import plan_optimizer_steps
+    from rlhf_orch.transfer.micro_batches import near_equal_ranges
+
+    rng = random_lengths.Random(0)
+    n, tbs, budget = 256, 64, 16384
+    length_of = {"uniform_short": lambda i: 150, "ragged": lambda i: rng.randint(200, 550),
+                 "one_long": lambda i: 9000 if i == 7 else 50}[lengths]
+    samples = [Sample(prompt_ids=[1] * 10, response_ids=[2] * (length_of(i) - 10), reward=0.0, index=i) for i in range(n)]
+    shards = PackedTransfer(token_budget=budget).layout(samples, 2, 8, PAD, train_batch_size=tbs)
+    assert len({len(shard) for shard in shards}) == 1 and len(shards[0]) % 4 == 0
+    steps = []
     for shard in shards:
-        assert len(shard) >= 4 and all(mb.num_tokens <= 16384 for mb in shard)
-        assert plan_optimizer_steps(shard, train_batch_size=64 // 2, world_size=1).num_steps == 4
-    unfloored = PackedTransfer(token_budget=16384).layout(samples, 2, 8, PAD)
-    assert len(unfloored[0]) == max(1, -(-128 * length // 16384))  # what the trainers took as steps before
-    if length == 600:
-        assert [mb.num_tokens for mb in shards[0]] == [mb.num_tokens for mb in unfloored[0]]
+        held = sorted(i for mb in shard for i in mb.indices.tolist() if i >= 0)
+        # (the ranks' all-reduced count makes the rollout's 4 steps; one rank alone: its share / 4)
+        plan = plan_optimizer_steps(shard, train_batch_size=len(held) // 4, world_size=1)
+        steps.append(plan)
+        assert plan.num_steps == 4 and all(mb.num_tokens <= budget for mb in shard)
+        runs = [[held[k] for k in part] for part in near_equal_ranges(len(held), 4)]  # near-equal runs by count
+        assert [sorted(members) for members in plan.members] == runs
+    if lengths != "one_long":
+        assert all(len(members) == 32 for plan in steps for members in plan.members)
 
 
 def test_micro_batched_pads_per_micro_batch_padded_to_global_max():
@@ -229,3 +244,29 @@ def test_engine_pieces_reassemble_the_planned_micro_batches():
         ]
         mbs = assemble_packed(pieces, plan[rank], PAD)
         assert [mb.indices.tolist() for mb in mbs] == plan[rank]
+
+
+def test_the_rollout_request_carries_the_optimizer_step_size_to_the_packing():
+    """algo.train_batch_size reaches the packed hand-over: loop settings -> the rollout request
+    (-> the held rollout, `PackedTransfer.generate`) -> `optimizer_steps` in `hand_over`."""
+    import types
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from rlhf_orch.orchestration.loop import TrainLoop
+    from rlhf_orch.orchestration.session import loop_settings
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["algo.train_batch_size=8", "algo.micro_batch_size=4"])
+    typed = OmegaConf.to_object(cfg)
+    plan = instantiate(cfg.placement).plan(reward_model=False, critic=True, reference=True)
+    settings = loop_settings(typed, plan, types.SimpleNamespace(sleep_level=0))
+    assert settings.train_batch_size == 8
+    loop = TrainLoop.__new__(TrainLoop)
+    loop.settings, loop.env = settings, None
+    loop.tokenizer = types.SimpleNamespace(pad_token_id=0, batch_decode=lambda ids, **_: [])
+    loop.reward = types.SimpleNamespace(rule=None)
+    loop.actors = types.SimpleNamespace(policy=[object()])
+    loop.algo = types.SimpleNamespace(uses_dynamic_sampling=False)
+    assert loop._rollout_request([]).train_batch_size == 8

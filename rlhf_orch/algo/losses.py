@@ -375,7 +375,7 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
     (= -sum p log p without forming log p; veRL's formula, after shifting the row's max logit to
     0.) Logits of -inf (masked vocabulary) contribute 0 and no NaN gradient. Chunked over rows in
-    float32; the backward keeps only the logits and two floats per row
+    float32; the backward keeps only the logits and three floats per row
     (`vocab_reductions.entropy`), not float32 `[..., V]` copies.
     """
     return vocab_entropy(logits, temperature)

@@ -120,7 +120,7 @@ def logprobs_from_logits(
     the next-token shift. Computed as `logit[token] - logsumexp(logits)` in float32 over chunks of
     rows, so no full `[..., V]` log-softmax (nor a full float32 copy of bf16 logits) is ever
     materialised at once -- the peak extra memory is one chunk of `max_chunk_elements` floats, and
-    the backward keeps only the logits and one float per row (`vocab_reductions.token_logprobs`).
+    the backward keeps only the logits and two floats per row (`vocab_reductions.token_logprobs`).
     `temperature` must match the sampling temperature for these to be comparable with the engine's
     log-probs.
     """

@@ -4,7 +4,7 @@ for the backward pass.
 Written plainly with autograd, `log_softmax(z)[token]` keeps a float32 copy of every chunk of logits
 and the entropy `logsumexp(z) - sum softmax(z) * z` keeps four (17 bytes per logit with its mask):
 at 16k tokens and a 152k vocabulary that is 10 and 42 GB per micro-batch. Both are reductions over
-the vocabulary whose gradients need only the logits and one float per row, so these autograd
+the vocabulary whose gradients need only the logits and a few floats per row, so these autograd
 functions keep exactly that -- the logits tensor the model already holds, the row's max and logsumexp
 (and, for the entropy, the row's expected logit) -- and recompute softmax chunk by chunk in the backward.
 The peak extra memory either way is one chunk of `max_chunk_elements` floats. (What fused kernels

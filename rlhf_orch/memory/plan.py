@@ -193,7 +193,8 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
     return Workload(
         dtype=typed.model.dtype, max_seq_len=max_seq, micro_batch_size=a.micro_batch_size,
         tokens_per_micro_batch=tokens, padded=padded, token_bound=0 if padded else tokens,
-        sequences_per_rank=a.rollout_batch_size * a.samples_per_prompt // max(plan.num_ranks("actor"), 1),
+        # (each optimizer step's sequences are packed on their own: `plan_token_budget_micro_batches`)
+        sequences_per_rank_step=a.train_batch_size // max(plan.num_ranks("actor"), 1),
         zero_stage=t.zero_stage, optimizer=t.optimizer,
         offload_optimizer=t.offload_optimizer, gradient_checkpointing=t.gradient_checkpointing, on_gpu=on_gpu,
         engine_tp=plan.engine_tp, kv_cache_gb=e.kv_cache_gb,

@@ -16,7 +16,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "activations": ("activations", "backward workspace", "logits", "entropy", "old log-probs", "forward activations"),
     "kv cache": ("kv cache",),
     "other": ("workspace", "cuda graphs", "lora slots", "cpu weight packing", "sync buffers", "sync send buffers", "nccl buffers",
-              "allocator reserve", "tokenizer", "checkpoint load", "runtime", "shared libraries"),
+              "allocator reserve", "tokenizer", "checkpoint load", "zero-3 runtime", "runtime", "shared libraries"),
 }
 
 
@@ -114,12 +114,13 @@ def _how_likely(plan: MemoryPlan) -> str:
     wl = plan.workload
     sized = f"sized by {wl.tokens_per_micro_batch} tokens per micro-batch"
     if wl.token_bound:
-        average = -(-wl.token_bound // max(wl.sequences_per_rank, 1))
+        per_step = max(wl.sequences_per_rank_step, 1)
+        average = -(-wl.token_bound // per_step)
         if average > wl.max_seq_len:
-            return (f"{sized}: never full (a rank's {wl.sequences_per_rank} sequences of a rollout hold at most "
-                    f"{wl.sequences_per_rank * wl.max_seq_len} tokens)")
+            return (f"{sized}: never full (a rank's {per_step} sequences of an optimizer step hold at most "
+                    f"{per_step * wl.max_seq_len} tokens)")
         return (f"{sized}: likely (packed micro-batches of up to {wl.token_bound} tokens fill once a rank's "
-                f"{wl.sequences_per_rank} sequences of a rollout average {average} of their {wl.max_seq_len} tokens)")
+                f"{per_step} sequences of an optimizer step average {average} of their {wl.max_seq_len} tokens)")
     return (f"{sized}: only when all {wl.micro_batch_size} sequences of a micro-batch are {wl.max_seq_len} tokens long "
             "(prompt and response at their limits; transfer.token_budget bounds it in tokens)")
 

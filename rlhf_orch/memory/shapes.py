@@ -177,7 +177,8 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.mode
 def _local_shape(config_json: Path) -> ModelShape:
     """The shape of a checkpoint on this machine, with the size of its tokenizer files."""
     shape = ModelShape.from_config(_text_config(json.loads(config_json.read_text())))
-    files = [config_json.parent / name for name in TOKENIZER_FILES]
+    fast = config_json.parent / "tokenizer.json"  # what a fast tokenizer loads, where it exists
+    files = [fast] if fast.is_file() else [config_json.parent / name for name in TOKENIZER_FILES]
     return replace(shape, tokenizer_file_bytes=sum(f.stat().st_size for f in files if f.is_file()))
 
 

@@ -50,7 +50,7 @@ from rlhf_orch.models.lora import LoraSettings
 
 GiB = 2**30
 # Bytes per logit that the log-probs' and the entropy's backward keep beyond the logits themselves:
-# one float per row only (`algo.vocab_reductions`; tests/test_memory_plan.py measures it with torch's
+# a few floats per row only (`algo.vocab_reductions`; tests/test_memory_plan.py measures it with torch's
 # saved-tensors hooks). Written plainly with autograd they kept 4 and 17.
 VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT = 0
 ALWAYS, TRAIN, EXPERIENCE, GENERATE = "always", "train", "experience", "generate"
@@ -116,7 +116,7 @@ class Workload:
     # Packed transfers: the token budget micro-batches are packed up to, transfer.token_budget or
     # the one it derives (0: padded, counted in sequences)
     token_bound: int = 0
-    sequences_per_rank: int = 0  # sequences of one rollout one policy rank holds (what it packs)
+    sequences_per_rank_step: int = 0  # sequences one policy rank packs for one optimizer step
     # engines
     engine_tp: int = 1
     kv_cache_gb: Optional[float] = None
@@ -322,8 +322,9 @@ def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload, 
         if wl.trainers_default_allocator:  # (forward-only processes get the trainers' allocator setting)
             terms.append(Term("allocator reserve", int(DEFAULT_ALLOCATOR_RESERVE * max(
                 sum(t.bytes for t in terms if t.phase in (ALWAYS, phase) and not t.on_host) for phase in PHASES))))
-    # no optimizer; a DeepSpeed engine (and its ZeRO-3 buffers) only when sharded
-    terms += runtime_terms("forward", wl.on_gpu, GPU_ZERO3_RUNTIME_BYTES if sharded else 0)
+    if sharded and wl.on_gpu:  # a DeepSpeed engine's ZeRO-3 buffers (kept where the reference lives in the policy's process)
+        terms.append(Term("zero-3 runtime", GPU_ZERO3_RUNTIME_BYTES))
+    terms += runtime_terms("forward", wl.on_gpu)  # no optimizer
     return terms
 
 
@@ -335,9 +336,10 @@ SAMPLER_BYTES_PER_LOGIT = 24
 def vllm_profile_sizes(wl: Workload) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) vLLM profiles with: its defaults for the offline
     engine, which this project does not override (vllm/engine/arg_utils.py: CPU 4096 and 256 per
-    tensor-parallel worker; GPUs of 70 GiB or more 16384 and 1024; smaller ones 8192 and 256)."""
+    tensor-parallel worker -- a CPU engine's terms are per worker; GPUs of 70 GiB or more 16384 and
+    1024, A100s and smaller GPUs 8192 and 256: an 80 GB A100 is planned as the larger)."""
     if not wl.on_gpu:
-        return 4096 * wl.engine_tp, 256 * wl.engine_tp
+        return 4096, 256
     if wl.gpu_memory_bytes >= 70 * GiB:
         return 16384, 1024
     return 8192, 256
@@ -351,7 +353,8 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     # intermediate) and warms its sampler up over max_num_seqs rows of logits, whatever this run
     # asks of it (`vllm_profile_sizes`).
     batched_tokens, max_seqs = vllm_profile_sizes(wl)
-    workspace = batched_tokens * (2 * shape.hidden + shape.intermediate) * 4 // tp + max_seqs * shape.vocab * SAMPLER_BYTES_PER_LOGIT
+    # (one after the other: the larger counts)
+    workspace = max(batched_tokens * (2 * shape.hidden + shape.intermediate) * 4 // tp, max_seqs * shape.vocab * SAMPLER_BYTES_PER_LOGIT)
     graphs = GPU_ENGINE_GRAPHS_BYTES if wl.on_gpu and not wl.enforce_eager else 0
     # model.lora served as an adapter: vLLM's LoRA buffers (one adapter slot at its max rank, A and B
     # of every adapted projection; counted as the adapter's own size at the rank vLLM rounds up to).

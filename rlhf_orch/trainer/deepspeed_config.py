@@ -47,7 +47,10 @@ def frozen_model_config(*, dtype: str, data_parallel_size: int, offload_params: 
     each rank keeps 1/data_parallel_size of the weights and gathers a layer's parameters for its
     forward; `offload_params` keeps the shards in pinned host memory (GPU layouts only). No
     optimizer: the batch keys only satisfy DeepSpeed's checks."""
-    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 1e4, "stage3_prefetch_bucket_size": 5e7}
+    # memory_efficient_linear off: it replaces torch's linear for the whole process (a hosted
+    # reference would change the policy's own training kernels).
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 1e4, "stage3_prefetch_bucket_size": 5e7,
+                            "memory_efficient_linear": False}
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config: dict[str, Any] = {

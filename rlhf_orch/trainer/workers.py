@@ -144,10 +144,7 @@ class _Worker(ExperienceInbox):
 
         from rlhf_orch.sync.group import bind_interfaces_towards, tcp_store
 
-        if dist.is_initialized():  # a kept (warm) process: its world must be this plan's
-            if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.world_size):
-                raise RuntimeError(f"a kept {self.role} process is rank {dist.get_rank()} of {dist.get_world_size()}, "
-                                   f"not {self.rank} of {self.world_size}")
+        if dist.is_initialized():  # a kept (warm) process keeps its world (`reset` refuses another size)
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         os.environ.update(
@@ -206,15 +203,22 @@ class _Worker(ExperienceInbox):
         """A frozen model's log-probs of the shard's sequences, on CPU (the reference's, hosted or not).
         A sharded model's forwards are collective: the ranks first agree on how many they run, so a
         rank short of micro-batches fails every rank at once instead of leaving the others waiting."""
-        mbs = self._micro_batches(shard)
         if self.spec.reference_memory != "full" and self.world_size > 1:
             import torch.distributed as dist
 
+            try:
+                mbs, failure = self._micro_batches(shard), None
+            except Exception as e:  # noqa: BLE001 - told to every rank below, then raised here
+                mbs, failure = [], e
             counts = [None] * self.world_size
-            dist.all_gather_object(counts, len(mbs))
+            dist.all_gather_object(counts, -1 if failure else len(mbs))
+            if failure is not None:
+                raise failure
             if len(set(counts)) > 1:
-                raise RuntimeError(f"shard {shard}: the sharded reference's ranks hold {counts} micro-batches; "
+                raise RuntimeError(f"shard {shard}: the sharded reference's ranks hold {counts} micro-batches (-1: failed); "
                                    "its forwards are collective and need as many on every rank")
+        else:
+            mbs = self._micro_batches(shard)
         return [sequence_logprobs(model, mb, self.spec.temperature).float().cpu() for mb in mbs]
 
     def _load_frozen(self, loader) -> int:
@@ -239,7 +243,10 @@ class _Worker(ExperienceInbox):
         skip_muon_import()
         offload = self.spec.reference_memory == "offloaded"
         config = frozen_model_config(dtype=self.spec.dtype, data_parallel_size=self.world_size, offload_params=offload)
-        deepspeed.zero.Init(module=model, config_dict_or_path=config, remote_device="cpu" if offload else None, pin_memory=offload)
+        deepspeed.zero.Init(module=model, config_dict_or_path=config, remote_device="cpu" if offload else None, pin_memory=offload,
+                            mem_efficient_linear=False)
+        for buffer in model.buffers():  # (zero.Init moves parameters only; initialize no longer moves the model)
+            buffer.data = buffer.data.to(self.device)
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine.eval()
         return engine

@@ -51,7 +51,7 @@ def shard_for_ranks(n: int, num_ranks: int) -> list[range]:
 
 
 def plan_token_budget_micro_batches(
-    lengths: Sequence[int], token_budget: int, num_ranks: int, groups: Sequence[int] | None = None
+    lengths: Sequence[int], token_budget: int, num_ranks: int, groups: Sequence[int] | None = None, steps: int = 1
 ) -> list[list[list[int]]]:
     """Plan token-budgeted micro-batches: `plan[rank][micro_batch] = [sequence indices]`.
 
@@ -72,6 +72,13 @@ def plan_token_budget_micro_batches(
        at the end of its list: the caller must still run a zero-loss forward/backward for them
        (`ppo_math` reductions over no tokens are 0) so the collectives line up.
     Within a micro-batch, indices are ascending.
+
+    `steps` (the rollout's optimizer steps per epoch): each rank's sequences are first cut, in index
+    order, into `steps` near-equal runs by count -- one per optimizer step, as veRL cuts mini-batches
+    before packing them -- and steps 2-3 pack and equalise each run on its own, to the same count
+    for every run of every rank. The trainers' step plan (`plan_optimizer_steps`: `steps` near-equal
+    runs of consecutive micro-batches) then finds each step's micro-batches exactly, whatever the
+    budget: a budget larger than a step's tokens can no longer merge steps.
 
     `groups` (optional, per sequence: e.g. the engine holding it) keeps micro-batches within one
     group: step 2 packs each group of a rank on its own, then dissolves the lightest micro-batches
@@ -105,14 +112,19 @@ def plan_token_budget_micro_batches(
     members = _balance_over_ranks(longest_first, lengths, num_ranks)
     if groups is not None and len(groups) != len(lengths):
         raise ValueError(f"{len(groups)} groups for {len(lengths)} sequences")
-    per_rank = [
-        _first_fit_decreasing(m, lengths, token_budget)
-        if groups is None
-        else _grouped_or_plain(m, lengths, token_budget, groups)
-        for m in members
-    ]
-    target = max((len(mbs) for mbs in per_rank), default=0)
-    return [_equalise(mbs, lengths, target) for mbs in per_rank]
+    if steps < 1:
+        raise ValueError(f"optimizer steps must be >= 1, got {steps}")
+
+    def pack(run: list[int]) -> list[list[int]]:
+        if not run:
+            return []
+        return _first_fit_decreasing(run, lengths, token_budget) if groups is None else _grouped_or_plain(run, lengths, token_budget, groups)
+
+    ordered = [sorted(m) for m in members]
+    runs = [[[m[k] for k in part] for part in near_equal_ranges(len(m), steps)] for m in ordered]
+    per_run = [[pack(run) for run in rank_runs] for rank_runs in runs]
+    target = max((len(mbs) for rank_runs in per_run for mbs in rank_runs), default=0)
+    return [[mb for mbs in rank_runs for mb in _equalise(mbs, lengths, target)] for rank_runs in per_run]
 
 
 def _balance_over_ranks(order: list[int], lengths: Sequence[int], num_ranks: int) -> list[list[int]]:

@@ -24,7 +24,7 @@ from rlhf_orch.transfer.base import Delivery, HeldRollout, MicroBatch, RolloutRe
 from rlhf_orch.transfer.batch import PackedBatch, Sample
 from rlhf_orch.transfer.engine_side import RolloutMeta
 from rlhf_orch.transfer.inbox import assemble_packed
-from rlhf_orch.transfer.plan import budget_for_steps, derive_token_budget, group_ids, group_of, pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
+from rlhf_orch.transfer.plan import derive_token_budget, optimizer_steps, group_ids, group_of, pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
 
 
 class PackedTransfer(RolloutTransfer):
@@ -49,8 +49,9 @@ class PackedTransfer(RolloutTransfer):
         plans for a rollout held that way; without it, as if one engine held everything."""
         ordered = sorted(samples, key=lambda s: s.index)
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in ordered]
-        budget = budget_for_steps(self.budget(micro_batch_size, max(lengths)), lengths, num_shards, train_batch_size)
-        plan = _engine_ordered(plan_packed([s.index for s in ordered], lengths, budget, num_shards, held_by_engine), held_by_engine)
+        budget = self.budget(micro_batch_size, max(lengths))
+        steps = optimizer_steps(len(lengths), train_batch_size)
+        plan = _engine_ordered(plan_packed([s.index for s in ordered], lengths, budget, num_shards, held_by_engine, steps), held_by_engine)
         whole = PackedBatch.from_samples(ordered)
         position = {s.index: k for k, s in enumerate(ordered)}
         shards = []
@@ -89,11 +90,11 @@ class PackedTransfer(RolloutTransfer):
         meta = held.meta
         waited = held.waited()  # a held rollout waits for the trainers by design: not transfer
         timings["metadata_to_driver"] = time.time() - meta.generated_at - waited
-        budget = budget_for_steps(self.budget(held.micro_batch_size, held.max_seq_len), meta.seq_lens, held.num_shards,
-                                  held.train_batch_size)
+        budget = self.budget(held.micro_batch_size, held.max_seq_len)
+        steps = optimizer_steps(len(meta.seq_lens), held.train_batch_size)
         # Micro-batches within one engine's sequences where that costs nothing (the trainer then
         # uses its part of that engine's piece as it is).
-        plan = _engine_ordered(plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards, held.held), held.held)
+        plan = _engine_ordered(plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards, held.held, steps), held.held)
         cut = pieces_per_engine(plan, held.held)
         timings["plan"] = time.perf_counter() - t
         pieces = []  # pieces[engine][rank]: object refs, owned here, data in the engine's store

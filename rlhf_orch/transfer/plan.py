@@ -131,8 +131,10 @@ def plan_packed(
     token_budget: int,
     num_ranks: int,
     held_by_engine: Sequence[Sequence[int]] | None = None,
+    steps: int = 1,
 ) -> list[list[list[int]]]:
-    """Token-budget micro-batches balanced over ranks, in GLOBAL sample indices.
+    """Token-budget micro-batches balanced over ranks, in GLOBAL sample indices; with `steps`,
+    each optimizer step's sequences packed on their own (`plan_token_budget_micro_batches`).
 
     `plan[rank][micro_batch]` lists global indices (ascending); empty micro-batches are explicit
     (see `plan_token_budget_micro_batches`). Also refuses a rollout that does not divide over ranks
@@ -151,7 +153,7 @@ def plan_packed(
     if held_by_engine is not None:
         owner = {i: e for e, held in enumerate(held_by_engine) for i in held}
         groups = [owner.get(i, -1) for i in ordered_idx]
-    plan = plan_token_budget_micro_batches(ordered_len, token_budget, num_ranks, groups)
+    plan = plan_token_budget_micro_batches(ordered_len, token_budget, num_ranks, groups, steps)
     return [[[ordered_idx[k] for k in mb] for mb in rank] for rank in plan]
 
 
@@ -175,20 +177,10 @@ def pieces_per_engine(
     return cut
 
 
-def budget_for_steps(token_budget: int, seq_lens: Sequence[int], num_ranks: int, train_batch_size: int) -> int:
-    """The token budget, lowered where needed so each rank's share of the rollout makes at least one
-    micro-batch per optimizer step: the trainers group micro-batches into the rollout's
-    sequences / train_batch_size optimizer steps (`plan_optimizer_steps`), at most one step per
-    micro-batch -- a budget that packed a rank's share into fewer would train fewer steps than the
-    algorithm names (veRL cuts mini-batches first, then packs each). Never below the longest
-    sequence; `train_batch_size` 0: the budget as it is."""
-    if train_batch_size <= 0 or not seq_lens:
-        return token_budget
-    steps = len(seq_lens) // train_batch_size
-    if steps <= 1:
-        return token_budget
-    per_rank = sum(seq_lens) // max(num_ranks, 1)  # (the rank holding the most tokens holds at least this)
-    return max(max(seq_lens), min(token_budget, per_rank // steps))
+def optimizer_steps(num_sequences: int, train_batch_size: int) -> int:
+    """Optimizer steps per epoch over a rollout of `num_sequences` (`plan_optimizer_steps`' count;
+    `train_batch_size` 0: one)."""
+    return max(1, num_sequences // train_batch_size) if train_batch_size > 0 else 1
 
 
 def derive_token_budget(token_budget: int, micro_batch_size: int, max_seq_len: int) -> int:
