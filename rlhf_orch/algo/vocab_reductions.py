@@ -17,6 +17,8 @@ With z = logits / T, p = softmax(z), H = logsumexp(z) - E_p[z]:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -41,6 +43,21 @@ def _relative(chunk: Tensor, temperature: float, shift: Tensor | None = None) ->
     return (z / temperature if temperature != 1.0 else z), shift
 
 
+def _chunked_gradient(logits: Tensor, shift: Tensor, lse: Tensor, grad: Tensor, temperature: float, rows: int,
+                      local: Callable[[Tensor, Tensor, slice], Tensor]) -> Tensor:
+    """The gradient of a per-row reduction w.r.t. the logits, chunk by chunk: softmax recomputed from
+    the saved shift and logsumexp, `local(p, z, rows)` the reduction's derivative w.r.t. z (it may
+    overwrite p), times the incoming gradient / T (z = logits / T), cast to the logits' dtype."""
+    out = torch.empty_like(logits)
+    for start in range(0, logits.shape[0], rows):
+        chunk = slice(start, start + rows)
+        z, _ = _relative(logits[chunk], temperature, shift[chunk])
+        p = torch.exp(z - lse[chunk].unsqueeze(-1))
+        g = local(p, z, chunk).mul_((grad[chunk] / temperature).unsqueeze(-1))
+        out[chunk] = g.to(out.dtype)
+    return out
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, max_chunk_elements: int) -> Tensor:
@@ -60,15 +77,12 @@ class _TokenLogprobs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         logits, tokens, shift, lse = ctx.saved_tensors
-        out = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.rows):
-            stop = start + ctx.rows
-            z, _ = _relative(logits[start:stop], ctx.temperature, shift[start:stop])
-            g = -torch.exp(z - lse[start:stop].unsqueeze(-1))  # -p
-            g.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), torch.ones_like(lse[start:stop]).unsqueeze(-1))
-            g.mul_((grad[start:stop] / ctx.temperature).unsqueeze(-1))
-            out[start:stop] = g.to(out.dtype)
-        return out, None, None, None
+
+        def onehot_minus_p(p: Tensor, z: Tensor, chunk: slice) -> Tensor:
+            picked = tokens[chunk].unsqueeze(-1)
+            return p.neg_().scatter_add_(-1, picked, torch.ones_like(picked, dtype=p.dtype))
+
+        return _chunked_gradient(logits, shift, lse, grad, ctx.temperature, ctx.rows, onehot_minus_p), None, None, None
 
 
 class _Entropy(torch.autograd.Function):
@@ -95,15 +109,12 @@ class _Entropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         logits, shift, lse, mean_logit = ctx.saved_tensors
-        out = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], ctx.rows):
-            stop = start + ctx.rows
-            z, _ = _relative(logits[start:stop], ctx.temperature, shift[start:stop])
-            p = torch.exp(z - lse[start:stop].unsqueeze(-1))
-            centred = torch.where(p > 0, z - mean_logit[start:stop].unsqueeze(-1), torch.zeros_like(z))
-            g = p.mul_(centred).mul_((-grad[start:stop] / ctx.temperature).unsqueeze(-1))
-            out[start:stop] = g.to(out.dtype)
-        return out, None, None
+
+        def minus_p_times_centred(p: Tensor, z: Tensor, chunk: slice) -> Tensor:
+            centred = torch.where(p > 0, z - mean_logit[chunk].unsqueeze(-1), torch.zeros_like(z))  # -inf logits: 0
+            return p.mul_(centred).neg_()
+
+        return _chunked_gradient(logits, shift, lse, grad, ctx.temperature, ctx.rows, minus_p_times_centred), None, None
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:

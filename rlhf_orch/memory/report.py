@@ -86,8 +86,8 @@ def describe(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-#: Terms that grow with the tokens of a micro-batch (the rest are held from the start).
-TOKEN_TERMS = ("activations", "backward workspace", "logits", "entropy", "old log-probs", "forward activations")
+#: Terms that grow with the tokens of a micro-batch, the table's activations column (the rest are held from the start).
+TOKEN_TERMS = COLUMNS["activations"]
 
 
 def worst_case(plan: MemoryPlan) -> str:

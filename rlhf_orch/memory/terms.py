@@ -298,9 +298,13 @@ def gpu_trainer_terms(role: str, rank: int, terms: list[Term], wl: Workload, dp:
     if communicators:
         extra.append(Term("nccl buffers", communicators * NCCL_COMMUNICATOR_BYTES))
     if wl.trainers_default_allocator:
-        peak = max(sum(t.bytes for t in terms if t.phase in (ALWAYS, phase) and not t.on_host) for phase in PHASES)
-        extra.append(Term("allocator reserve", int(DEFAULT_ALLOCATOR_RESERVE * peak)))
+        extra.append(allocator_reserve(terms))
     return extra
+
+
+def allocator_reserve(terms: list[Term]) -> Term:
+    """torch's default allocator's reserve above a process's peak phase (`DEFAULT_ALLOCATOR_RESERVE`)."""
+    return Term("allocator reserve", int(DEFAULT_ALLOCATOR_RESERVE * ProcessMemory("", 0, terms).peak()))
 
 
 def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: int = 1) -> list[Term]:
@@ -320,8 +324,7 @@ def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload, 
         if sharded and dp > 1:
             terms.append(Term("nccl buffers", NCCL_COMMUNICATOR_BYTES))  # its ranks' world
         if wl.trainers_default_allocator:  # (forward-only processes get the trainers' allocator setting)
-            terms.append(Term("allocator reserve", int(DEFAULT_ALLOCATOR_RESERVE * max(
-                sum(t.bytes for t in terms if t.phase in (ALWAYS, phase) and not t.on_host) for phase in PHASES))))
+            terms.append(allocator_reserve(terms))
     if sharded and wl.on_gpu:  # a DeepSpeed engine's ZeRO-3 buffers (kept where the reference lives in the policy's process)
         terms.append(Term("zero-3 runtime", GPU_ZERO3_RUNTIME_BYTES))
     terms += runtime_terms("forward", wl.on_gpu)  # no optimizer
