@@ -107,3 +107,22 @@ def test_gradients_match(models, tiny_model_path):
         (lp * mb.action_mask).sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-4, rtol=1e-4)
+
+
+def test_only_positions_that_predict_a_model_token_reach_the_lm_head(models):
+    """The LM head (and the vocabulary reductions after it) runs on the action positions alone in
+    the packed layout, and on the columns from the first action on in the padded one -- a prompt's
+    positions cost the head's V x hidden products for outputs every consumer masks away."""
+    policy, _ = models
+    packed = PackedBatch.from_samples(_samples([(9, 3), (12, 2), (7, 4)]))
+    padded = packed.to_padded(PAD)
+    rows: list[int] = []
+    handle = policy.lm_head.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0] * args[0].shape[1]))
+    try:
+        with torch.no_grad():
+            sequence_logprobs(policy, packed, 1.0)
+            sequence_logprobs(policy, padded, 1.0)
+    finally:
+        handle.remove()
+    assert rows[0] == int(packed.action_mask.sum()) == 9
+    assert rows[1] == 3 * (padded.input_ids.shape[1] - 1 - 6)  # columns 6.. (the shortest prompt's last position on)

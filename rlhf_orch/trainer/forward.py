@@ -146,12 +146,6 @@ def _predicts_next(mb: PackedBatch) -> Tensor:
     return keep
 
 
-def _shifted_tokens(mb: PackedBatch) -> Tensor:
-    """Per position t of the packed row, token t+1 (the last token's "next" is itself, masked anyway)."""
-    ids = mb.input_ids
-    return torch.cat([ids[1:], ids[-1:]]).unsqueeze(0)
-
-
 # --------------------------------------------------------------------------- public forwards
 def sequence_logprobs(model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float) -> Tensor:
     """Logprob of token t+1 given tokens <= t, aligned with `mb.action_mask` ([b, L-1] or [N])."""
@@ -161,21 +155,62 @@ def sequence_logprobs(model: nn.Module, mb: PaddedBatch | PackedBatch, temperatu
 def sequence_logprobs_and_entropy(
     model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float, entropy: bool = True
 ) -> tuple[Tensor, Tensor | None]:
-    """`sequence_logprobs` and, when asked, the entropy of each next-token distribution (same layout)."""
+    """`sequence_logprobs` and, when asked, the entropy of each next-token distribution (same layout).
+
+    Only the positions that predict a model token get logits (`logits_to_keep`): the prompt's
+    positions would each cost the LM head's V x hidden multiply-adds forward and twice that
+    backward, plus a pass of the vocabulary reductions, for outputs every consumer masks away (on
+    SmolLM2's ~150-token few-shot prompts and 16-token answers, ~90 % of the positions). Every
+    position that predicts no model token reads 0, as padding does, in both layouts.
+    """
     from rlhf_orch.algo.losses import entropy_from_logits
 
-    logits = model(**model_inputs(mb), use_cache=False).logits
-    if isinstance(mb, PaddedBatch):
-        # On the whole [b, L, V] logits (a [:, :-1] slice is not contiguous: flattening it would copy
-        # it, and each reduction keep its copy for the backward), the last position's outputs dropped.
-        ids = mb.input_ids
-        next_tokens = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
-        logprobs = logprobs_from_logits(logits, next_tokens, temperature=temperature)[:, :-1]
-        ent = entropy_from_logits(logits, temperature)[:, :-1] if entropy else None
-        return logprobs, ent
-    logprobs = logprobs_from_logits(logits, _shifted_tokens(mb), temperature=temperature)
+    keep, next_tokens = _positions_to_score(mb)
+    logits = model(**model_inputs(mb), use_cache=False, logits_to_keep=keep).logits
+    logprobs = logprobs_from_logits(logits, next_tokens, temperature=temperature)
     ent = entropy_from_logits(logits, temperature) if entropy else None
-    return _next_token_aligned(mb, logprobs), (_next_token_aligned(mb, ent) if entropy else None)
+    return _in_layout(mb, keep, logprobs), (_in_layout(mb, keep, ent) if entropy else None)
+
+
+@singledispatch
+def _positions_to_score(mb: Any) -> tuple[Tensor, Tensor]:
+    raise TypeError(type(mb).__name__)
+
+
+@_positions_to_score.register
+def _(mb: PaddedBatch) -> tuple[Tensor, Tensor]:
+    # One set of columns for all rows: from the first column any row predicts a model token at,
+    # to the last (right-padded rows; a row's prompt columns after that start read as padding).
+    # An empty micro-batch action mask keeps one column so shapes stay valid.
+    columns = mb.action_mask.bool().any(dim=0).nonzero()
+    first = int(columns[0]) if columns.numel() else mb.input_ids.shape[1] - 2
+    keep = torch.arange(max(first, 0), mb.input_ids.shape[1] - 1, device=mb.input_ids.device)
+    return keep, mb.input_ids[:, keep + 1]
+
+
+@_positions_to_score.register
+def _(mb: PackedBatch) -> tuple[Tensor, Tensor]:
+    keep = mb.action_mask.bool().nonzero().flatten().to(mb.input_ids.device)
+    return keep, mb.input_ids[keep + 1].unsqueeze(0)  # keep + 1 <= N - 1: a sequence's last position is never an action
+
+
+@singledispatch
+def _in_layout(mb: Any, keep: Tensor, scored: Tensor) -> Tensor:
+    raise TypeError(type(mb).__name__)
+
+
+@_in_layout.register
+def _(mb: PaddedBatch, keep: Tensor, scored: Tensor) -> Tensor:
+    # [b, K] -> [b, L-1]: the columns before the first scored one are 0 (a cat, not an in-place
+    # write, so the backward is a slice), and so is every other position that predicts no model
+    # token (a longer prompt's columns): the same values as the packed layout's.
+    before = scored.new_zeros(scored.shape[0], mb.input_ids.shape[1] - 1 - scored.shape[1])
+    return torch.cat([before, scored], dim=1) * mb.action_mask.to(scored.dtype)
+
+
+@_in_layout.register
+def _(mb: PackedBatch, keep: Tensor, scored: Tensor) -> Tensor:
+    return scored.new_zeros(mb.num_tokens).scatter(0, keep, scored[0])  # [1, K] -> [N]
 
 
 def sequence_values(critic: nn.Module, mb: PaddedBatch | PackedBatch) -> Tensor:
