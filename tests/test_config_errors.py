@@ -95,7 +95,7 @@ BAD = [
     (["algo.ppo_epochs=0"], "algo.ppo_epochs=0", "must be >= 1"),
     # Hydra appends `+key=value` to a structured node; nothing would read a key the option lacks.
     (["transfer=padded", "+transfer.token_budget=4096"], "transfer.token_budget=4096", "transfer (PaddedTransfer) has no such key"),
-    (["+engine.kv_cache_space=2"], "engine.kv_cache_space=2", "(it takes: enable_prefix_caching, enforce_eager"),
+    (["+engine.kv_cache_space=2"], "engine.kv_cache_space=2", "(it takes: block_size, enable_prefix_caching, enforce_eager"),
 ]
 
 

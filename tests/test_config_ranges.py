@@ -130,6 +130,8 @@ MORE_BAD = [
     # sizes and counts
     (["model.num_heads=3"], "model.num_heads=3"),  # 128 is not divisible by 3
     (["engine.kv_cache_gb=0.5"], "engine.kv_cache_gb=0.5"),  # CPU engines take whole GiB
+    (["engine.block_size=48"], "engine.block_size=48"),  # vLLM's CPU attention takes multiples of 32
+    (["engine.block_size=0"], "engine.block_size=0"),
     (["model.vocab_size=32"], "model.vocab_size=32"),
     (["model.num_layers=0"], "model.num_layers=0"),
     (["sync.bucket_mb=-1"], "sync.bucket_mb=-1"),

@@ -380,3 +380,11 @@ def test_a_cuda_ipc_handle_opens_only_on_the_gpu_it_came_from():
     assert local_index_of("GPU-b", ["GPU-a", "GPU-b"]) == 1  # indices differ between processes, UUIDs do not
     with pytest.raises(RuntimeError, match="cannot see that GPU"):
         local_index_of("GPU-c", ["GPU-a", "GPU-b"])
+
+
+def test_the_kv_block_size_is_the_configured_one_or_32_on_cpu_and_vllms_on_gpus():
+    from rlhf_orch.engines.launch import kv_block_size
+
+    assert kv_block_size(None, is_cpu=True) == 32
+    assert kv_block_size(None, is_cpu=False) is None  # vLLM's own default (16 on CUDA)
+    assert kv_block_size(64, is_cpu=True) == 64 and kv_block_size(16, is_cpu=False) == 16

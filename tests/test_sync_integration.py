@@ -274,3 +274,11 @@ def test_a_weight_update_mid_generation_recomputes_the_kv_of_the_requests_in_fli
     kept_drawn, kept_scored = ray.get(engine.__ray_call__.remote(_generate_across_an_update, prompt, False))
     ray.kill(engine)
     assert max(abs(a - b) for a, b in zip(kept_drawn[4:], kept_scored[4:])) > 1e-2
+
+
+def test_a_cpu_engine_caches_prompts_in_blocks_of_32_tokens(cluster):
+    """engine.block_size null: 32 on CPU (vLLM's 128 is longer than most prompts, and prefix
+    caching shares whole blocks only: a GRPO group's samples would each recompute the prompt)."""
+    engines, _ = cluster
+    sizes = ray.get([e.__ray_call__.remote(lambda self: self.llm.llm_engine.vllm_config.cache_config.block_size) for e in engines])
+    assert sizes == [32, 32]

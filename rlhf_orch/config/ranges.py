@@ -286,6 +286,12 @@ RANGES: tuple[Range, ...] = (
     reals("engine.gpu_memory_utilization", 0, 1, lo_open=True, why="the fraction of each GPU's memory vLLM may take",
           nullable=True),
     ints("engine.sleep_level", 0, "vLLM's sleep levels: 0 off, 1 weights to CPU, 2 weights dropped", hi=2, nullable=True),
+    Range("engine.block_size", lambda v: is_int(v) and 16 <= v <= 1024 and v % 16 == 0,
+          "must be a multiple of 16 in [16, 1024] (tokens per KV-cache block), or null for 32 on CPU / vLLM's default on GPUs",
+          when=_gpu_layout, nullable=True),
+    Range("engine.block_size", lambda v: is_int(v) and 32 <= v <= 1024 and v % 32 == 0,
+          "must be a multiple of 32 in [32, 1024] (vLLM's CPU attention takes multiples of 32), or null for 32",
+          when=lambda c: not _gpu_layout(c), nullable=True),
     choice("model.warm_start", ("digit_reverse", "lookup_tool"),
            "'digit_reverse' (the digit task) or 'lookup_tool' (the tool-use task, experiment=tool_use)"),
     # ---- env (multi-turn options; single_turn has none of these keys)

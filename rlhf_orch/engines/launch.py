@@ -77,6 +77,21 @@ def skips_torch_compile(is_cpu: bool, enforce_eager: bool) -> bool:
 TORCH_COMPILE_OFF_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 
 
+#: Tokens per KV-cache block of a CPU engine when engine.block_size is null. vLLM's CPU backend
+#: takes multiples of 32 and defaults to 128; prefix caching shares whole blocks only, so at 128 the
+#: samples of a GRPO group recompute any prompt shorter than 128 tokens (and the last partial block
+#: of longer ones). At 32 SmolLM2's 102-token prompts x 8 samples generated 2.5x faster (3.84 ->
+#: 1.51 s a rollout) and 256-token answers 13 % faster (30.8 -> 26.8 s): docs/benchmarks.md.
+CPU_BLOCK_SIZE_DEFAULT = 32
+
+
+def kv_block_size(configured: Optional[int], is_cpu: bool) -> Optional[int]:
+    """`vllm.LLM(block_size=...)`: engine.block_size, or (null) 32 on CPU, vLLM's own default on GPUs."""
+    if configured is not None:
+        return int(configured)
+    return CPU_BLOCK_SIZE_DEFAULT if is_cpu else None
+
+
 def gpu_kv_cache_args(kv_cache_gb: Optional[float]) -> dict[str, int]:
     """`vllm.LLM` arguments for a GPU engine: a given size becomes `kv_cache_memory_bytes` (per GPU;
     vLLM then ignores gpu_memory_utilization), null leaves the sizing to gpu_memory_utilization."""

@@ -16,6 +16,7 @@ from rlhf_orch.engines.launch import (
     TORCH_COMPILE_OFF_ENV,
     cpu_kv_cache_env,
     gpu_kv_cache_args,
+    kv_block_size,
     skips_torch_compile,
 )
 from rlhf_orch.engines.shared_steps import SharedEngineSteps, mean_version
@@ -38,6 +39,7 @@ class EngineSpec:
     kv_cache_gb: float | None = None  # engine.kv_cache_gb (rlhf_orch.engines.launch)
     gpu_memory_utilization: float = 0.5
     enable_prefix_caching: bool = True
+    block_size: int | None = None  # engine.block_size (rlhf_orch.engines.launch.kv_block_size)
     enforce_eager: bool = True
     # vLLM's executor for tensor-parallel workers: "ray" on GPUs (workers in the engine's planned
     # bundles, see rlhf_orch.engines.launch), "mp" on CPU (worker processes); None at TP 1.
@@ -141,6 +143,9 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
 
         if not current_platform.is_cpu():  # the CPU backend reads VLLM_CPU_KVCACHE_SPACE (set above)
             extra.update(gpu_kv_cache_args(spec.kv_cache_gb))
+        block_size = kv_block_size(spec.block_size, current_platform.is_cpu())
+        if block_size is not None:
+            extra["block_size"] = block_size
         if skips_torch_compile(current_platform.is_cpu(), spec.enforce_eager):
             import torch
 

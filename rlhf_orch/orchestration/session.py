@@ -106,6 +106,7 @@ def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipelin
         gpu_memory_utilization=memory_utilization(typed.engine.gpu_memory_utilization, plan),
         sleep_level=sleep_level(typed.engine.sleep_level, plan),
         enable_prefix_caching=typed.engine.enable_prefix_caching and rollouts_at_once == 1,
+        block_size=typed.engine.block_size,
         enforce_eager=typed.engine.enforce_eager,
         max_concurrency=rollouts_at_once,
         finish_before_update=getattr(pipeline, "finishes_requests_before_update", False),
