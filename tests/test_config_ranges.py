@@ -132,6 +132,7 @@ MORE_BAD = [
     (["engine.kv_cache_gb=0.5"], "engine.kv_cache_gb=0.5"),  # CPU engines take whole GiB
     (["engine.block_size=48"], "engine.block_size=48"),  # vLLM's CPU attention takes multiples of 32
     (["engine.block_size=0"], "engine.block_size=0"),
+    (["transfer=padded", "trainer.share_prompts=true"], "trainer.share_prompts=True"),
     (["model.vocab_size=32"], "model.vocab_size=32"),
     (["model.num_layers=0"], "model.num_layers=0"),
     (["sync.bucket_mb=-1"], "sync.bucket_mb=-1"),

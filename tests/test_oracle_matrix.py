@@ -78,8 +78,11 @@ HOLED = (2, 5, 11, 14)  # samples whose responses hold an observation (loss mask
 def _rollout() -> list[Sample]:
     rng = random.Random(5)
     samples = []
+    # The samples of a prompt share it, as the engines return them: packed micro-batches then hold
+    # each prompt once (trainer.share_prompts, on in these specs).
+    prompts = [[1] + [rng.randint(29, 38) for _ in range(rng.randint(2, 6))] for _ in range(16 // SAMPLES_PER_PROMPT)]
     for i in range(16):
-        prompt = [1] + [rng.randint(29, 38) for _ in range(rng.randint(2, 6))]
+        prompt = list(prompts[i // SAMPLES_PER_PROMPT])
         length = 0 if i == 9 else rng.randint(1, 9)
         response = [rng.randint(29, 38) for _ in range(length)]
         samples.append(
@@ -156,6 +159,7 @@ def _spec(model_path: str, ranks: int, cut: str, optimizer: str, epochs: int, cr
         model_path=model_path, dtype="float32", zero_stage=2, micro_batch_size=micro, train_batch_size=train_batch,
         data_parallel_size=ranks, pad_id=0, temperature=1.0, lr=LR[optimizer] * (4 if critic else 1), weight_decay=0.0,
         grad_clip=1.0, clip_eps=0.2, ppo_epochs=epochs, seed=SEED, optimizer=optimizer, lora=None if critic else lora,
+        share_prompts=True,  # the run's default: packed micro-batches run a shared prompt once (padded ones cannot)
     )
 
 

@@ -740,6 +740,10 @@ class TrainerConfig:
     # processes: 1/ranks of the weights each, a layer gathered at a time), "offloaded" (sharded, the
     # shards in host memory; GPU layouts). What a policy too large for a whole reference per GPU needs.
     reference_memory: str = "full"
+    # A packed micro-batch's samples of one prompt (GRPO's group) run it once: each response attends
+    # to the one copy (rlhf_orch.trainer.shared_prompts; same log-probs, values and gradients).
+    # null = on with transfer=packed (padded micro-batches keep a row per sequence); false = off.
+    share_prompts: Optional[bool] = None
     weight_decay: float = 0.0
     optimizer: str = "adamw"  # "adamw" (betas 0.9, 0.95) or "sgd" (plain: the update is lr x gradient)
     # Torch threads of each trainer process (actor, critic, reference, reward model). On CPU, Ray gives

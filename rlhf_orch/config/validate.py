@@ -320,9 +320,12 @@ def _roles(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
 
 
 def _transfer(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
-    """The packed token budget vs sequence length."""
+    """The packed token budget vs sequence length; prompt sharing needs packed micro-batches."""
     t, d, a = cfg.transfer, cfg.data, cfg.algo
     if not isinstance(t, PackedTransferConfig):
+        if cfg.trainer.share_prompts:
+            return [Problem("trainer.share_prompts", True, "a shared prompt needs packed micro-batches (padded ones keep a row "
+                            "per sequence): use transfer=packed, or leave trainer.share_prompts null")]
         return []
     longest = d.prompt_max_len + d.response_max_len
     if t.token_budget < 0:

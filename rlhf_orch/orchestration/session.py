@@ -59,6 +59,7 @@ def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id:
             gradient_checkpointing=t.gradient_checkpointing,
             torch_threads=t.torch_threads,
             reference_memory=t.reference_memory,
+            share_prompts=t.share_prompts is not False,  # only packed micro-batches can (validated)
         )
 
     # model.lora trains the policy's adapters only; the critic and the reference are full models.

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhf_orch.algo.ppo_math import logprobs_from_logits
+from rlhf_orch.trainer.shared_prompts import Segment, SharedPromptLayout, shared_prompt_attention, shared_prompt_layout
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch
 
 VARLEN_SDPA = "varlen_sdpa"
@@ -41,11 +42,18 @@ def varlen_sdpa_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: Tensor | None = None,
+    shared_prompt_segments: tuple[Segment, ...] | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """HF attention interface. `query/key/value`: `[1, heads, N, head_dim]` when packed."""
+    """HF attention interface. `query/key/value`: `[1, heads, N, head_dim]` when packed (a
+    shared-prompt row: `shared_prompt_segments`, rlhf_orch.trainer.shared_prompts)."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    if shared_prompt_segments is not None:
+        groups = getattr(module, "num_key_value_groups", 1)
+        out = shared_prompt_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), shared_prompt_segments,
+                                      scaling, dropout if module.training else 0.0)
+        return out.transpose(1, 2).contiguous(), None
     if cu_seq_lens_q is None:  # padded (or single unpadded) batch: HF's own sdpa path
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if query.shape[0] != 1:
@@ -122,6 +130,17 @@ def _(mb: PackedBatch) -> dict[str, Tensor | int]:
     }
 
 
+@model_inputs.register
+def _(layout: SharedPromptLayout) -> dict[str, Any]:
+    return {"input_ids": layout.input_ids.unsqueeze(0), "position_ids": layout.position_ids.unsqueeze(0),
+            "shared_prompt_segments": layout.segments}
+
+
+def _forward_layout(mb: PaddedBatch | PackedBatch, share_prompts: bool) -> SharedPromptLayout | None:
+    """The shared-prompt row of a packed micro-batch when asked for and some prompt repeats."""
+    return shared_prompt_layout(mb) if share_prompts and isinstance(mb, PackedBatch) else None
+
+
 @singledispatch
 def _next_token_aligned(mb: Any, per_position: Tensor) -> Tensor:
     raise TypeError(type(mb).__name__)
@@ -147,13 +166,13 @@ def _predicts_next(mb: PackedBatch) -> Tensor:
 
 
 # --------------------------------------------------------------------------- public forwards
-def sequence_logprobs(model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float) -> Tensor:
+def sequence_logprobs(model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float, share_prompts: bool = False) -> Tensor:
     """Logprob of token t+1 given tokens <= t, aligned with `mb.action_mask` ([b, L-1] or [N])."""
-    return sequence_logprobs_and_entropy(model, mb, temperature, entropy=False)[0]
+    return sequence_logprobs_and_entropy(model, mb, temperature, entropy=False, share_prompts=share_prompts)[0]
 
 
 def sequence_logprobs_and_entropy(
-    model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float, entropy: bool = True
+    model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float, entropy: bool = True, share_prompts: bool = False
 ) -> tuple[Tensor, Tensor | None]:
     """`sequence_logprobs` and, when asked, the entropy of each next-token distribution (same layout).
 
@@ -162,11 +181,18 @@ def sequence_logprobs_and_entropy(
     backward, plus a pass of the vocabulary reductions, for outputs every consumer masks away (on
     SmolLM2's ~150-token few-shot prompts and 16-token answers, ~90 % of the positions). Every
     position that predicts no model token reads 0, as padding does, in both layouts.
+
+    `share_prompts` (trainer.share_prompts): a packed micro-batch's repeated prompts run once
+    (rlhf_orch.trainer.shared_prompts); the model's attention must be `varlen_sdpa`.
     """
     from rlhf_orch.algo.losses import entropy_from_logits
 
     keep, next_tokens = _positions_to_score(mb)
-    logits = model(**model_inputs(mb), use_cache=False, logits_to_keep=keep).logits
+    layout = _forward_layout(mb, share_prompts)
+    if layout is None:
+        logits = model(**model_inputs(mb), use_cache=False, logits_to_keep=keep).logits
+    else:
+        logits = model(**model_inputs(layout), use_cache=False, logits_to_keep=layout.model_position[keep]).logits
     logprobs = logprobs_from_logits(logits, next_tokens, temperature=temperature)
     ent = entropy_from_logits(logits, temperature) if entropy else None
     return _in_layout(mb, keep, logprobs), (_in_layout(mb, keep, ent) if entropy else None)
@@ -191,7 +217,10 @@ def _(mb: PaddedBatch) -> tuple[Tensor, Tensor]:
 @_positions_to_score.register
 def _(mb: PackedBatch) -> tuple[Tensor, Tensor]:
     keep = mb.action_mask.bool().nonzero().flatten().to(mb.input_ids.device)
-    return keep, mb.input_ids[keep + 1].unsqueeze(0)  # keep + 1 <= N - 1: a sequence's last position is never an action
+    if not keep.numel():  # no model token (an empty response alone): one position, masked, so the loss keeps its graph
+        keep = torch.zeros(1, dtype=torch.long, device=mb.input_ids.device)
+    # keep + 1 <= N - 1 (a sequence's last position is never an action; the stand-in above may be the only token).
+    return keep, mb.input_ids[(keep + 1).clamp(max=mb.num_tokens - 1)].unsqueeze(0)
 
 
 @singledispatch
@@ -210,12 +239,16 @@ def _(mb: PaddedBatch, keep: Tensor, scored: Tensor) -> Tensor:
 
 @_in_layout.register
 def _(mb: PackedBatch, keep: Tensor, scored: Tensor) -> Tensor:
-    return scored.new_zeros(mb.num_tokens).scatter(0, keep, scored[0])  # [1, K] -> [N]
+    # [1, K] -> [N]; masked like the padded layout (the stand-in position of a batch without actions)
+    return scored.new_zeros(mb.num_tokens).scatter(0, keep, scored[0]) * mb.action_mask.to(scored.dtype)
 
 
-def sequence_values(critic: nn.Module, mb: PaddedBatch | PackedBatch) -> Tensor:
+def sequence_values(critic: nn.Module, mb: PaddedBatch | PackedBatch, share_prompts: bool = False) -> Tensor:
     """Value of the state after token t, aligned with `mb.action_mask` ([b, L-1] or [N])."""
-    return _next_token_aligned(mb, critic(**model_inputs(mb)))
+    layout = _forward_layout(mb, share_prompts)
+    if layout is None:
+        return _next_token_aligned(mb, critic(**model_inputs(mb)))
+    return _next_token_aligned(mb, critic(**model_inputs(layout))[:, layout.model_position])
 
 
 class CriticModel(nn.Module):

@@ -32,10 +32,12 @@ from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config, frozen_model_config
 from rlhf_orch.trainer.deepspeed_startup import skip_muon_import, skip_shm_comm_op
 from rlhf_orch.trainer.forward import (
+    VARLEN_SDPA,
     enable_gradient_checkpointing,
     load_critic,
     load_policy,
     load_reward_model,
+    packed_attention_impl,
     sequence_logprobs,
     sequence_logprobs_and_entropy,
     sequence_scores,
@@ -79,6 +81,7 @@ class TrainerSpec:
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
     host_reference: bool = False  # the policy rank also holds the reference (plan.reference_in_actor)
     reference_memory: str = "full"  # trainer.reference_memory: full, sharded (ZeRO-3) or offloaded
+    share_prompts: bool = False  # trainer.share_prompts: packed micro-batches run a repeated prompt once
     # model.lora (its sync resolved to adapter or merged): the policy trains adapters on a frozen
     # base (rlhf_orch.trainer.lora); None: every weight trains.
     lora: LoraSettings | None = None
@@ -88,6 +91,13 @@ class _Worker(ExperienceInbox):
     """Process set-up shared by all trainer roles; receiving experience comes from `ExperienceInbox`."""
 
     role = "worker"
+
+    @property
+    def share_prompts(self) -> bool:
+        """trainer.share_prompts where it can hold: the shared-prompt row needs this project's
+        attention (varlen_sdpa); flash-attention's varlen kernels, where a CUDA machine has them,
+        take whole sequences only."""
+        return self.spec.share_prompts and packed_attention_impl(self.device) == VARLEN_SDPA
 
     def __init__(self, spec: TrainerSpec, rank: int, world_size: int):
         self.spec = spec
@@ -219,7 +229,7 @@ class _Worker(ExperienceInbox):
                                    "its forwards are collective and need as many on every rank")
         else:
             mbs = self._micro_batches(shard)
-        return [sequence_logprobs(model, mb, self.spec.temperature).float().cpu() for mb in mbs]
+        return [sequence_logprobs(model, mb, self.spec.temperature, self.share_prompts).float().cpu() for mb in mbs]
 
     def _load_frozen(self, loader) -> int:
         """A forward-only model (reference, reward model): eval mode, no gradients; returns its size."""
@@ -413,7 +423,7 @@ class PolicyWorker(_Worker):
         """
         self.engine.eval()
         mbs = self._micro_batches(shard)
-        old = [sequence_logprobs(self.engine, mb, self.spec.temperature).float() for mb in mbs]
+        old = [sequence_logprobs(self.engine, mb, self.spec.temperature, self.share_prompts).float() for mb in mbs]
         ref = [r.to(self.device) for r in ref_logprobs] if ref_logprobs is not None else None
         vals = [v.to(self.device) for v in values] if values is not None else None
         # Targets run along each sequence: on [b, L-1] rows (packed micro-batches are unpacked
@@ -554,7 +564,9 @@ class PolicyWorker(_Worker):
 
     def _policy_token_loss(self, mb: PaddedBatch | PackedBatch, algo: Algorithm) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The per-token policy loss of one micro-batch and its token-mean statistics."""
-        logprobs, entropy = sequence_logprobs_and_entropy(self.engine, mb, self.spec.temperature, entropy=algo.entropy_coef > 0)
+        logprobs, entropy = sequence_logprobs_and_entropy(
+            self.engine, mb, self.spec.temperature, entropy=algo.entropy_coef > 0, share_prompts=self.share_prompts
+        )
         mask = mb.action_mask
         old_logprobs = mb.fields["old_logprobs"]
         # The engine's log-probs are the behaviour policy (stale under one_step_off); old_logprobs
@@ -681,7 +693,7 @@ class CriticWorker(_Worker):
     @torch.no_grad()
     def values(self, shard: int) -> list[torch.Tensor]:
         self.engine.eval()
-        vals = [sequence_values(self.engine, mb).float() for mb in self._micro_batches(shard)]
+        vals = [sequence_values(self.engine, mb, self.share_prompts).float() for mb in self._micro_batches(shard)]
         self._old_values[shard] = vals
         return [v.cpu() for v in vals]
 
@@ -703,7 +715,7 @@ class CriticWorker(_Worker):
         total, clip = 0.0, 0.0
         for _ in range(self.spec.ppo_epochs):
             for position, (mb, old_v, ret) in enumerate(work):
-                values = sequence_values(self.engine, mb)
+                values = sequence_values(self.engine, mb, self.share_prompts)
                 loss_mat, stats = clipped_value_loss(values, old_v, ret.to(self.device), mb.action_mask, self.spec.clip_eps)
                 tokens = float(mb.action_mask.sum())
                 loss = aggregate_loss(loss_mat, mb.action_mask, "token-mean")

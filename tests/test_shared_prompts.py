@@ -1,0 +1,95 @@
+"""trainer.share_prompts: a packed micro-batch's repeated prompts run once, and every log-prob,
+value and gradient equals the plain packed forward's (float32 rounding: the two rows run the same
+products in different orders).
+
+On the tiny model (GQA: 4 query heads over 2 key/value heads, so the repeated keys are exercised)
+and on SmolLM2-135M-Instruct with its own chat template's prompts (the real model: 30 layers, RoPE
+over the positions that continue after a shared prompt).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_orch.trainer.forward import enable_gradient_checkpointing, load_critic, load_policy, sequence_logprobs, sequence_values
+from rlhf_orch.trainer.shared_prompts import shared_prompt_layout
+from rlhf_orch.transfer.batch import PackedBatch, Sample
+
+
+def _samples(groups: list[tuple[int, list[int]]], vocab: int = 40, seed: int = 0) -> list[Sample]:
+    """Per group: a prompt of the given length and one sample per response length, interleaved
+    with the next group's (sharing must not depend on the order)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_group = []
+    for prompt_len, responses in groups:
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=gen)
+        per_group.append([(prompt, torch.randint(3, vocab, (r,), generator=gen)) for r in responses])
+    order = [g[i] for i in range(max(len(g) for g in per_group)) for g in per_group if i < len(g)]
+    return [Sample(prompt_ids=p, response_ids=r, reward=0.0, index=i) for i, (p, r) in enumerate(order)]
+
+
+GROUPS = [(9, [4, 1, 6, 3]), (5, [2, 7]), (6, [5]), (3, [0])]  # shared by 4 and 2; a lone one; no response
+
+
+def test_the_row_holds_each_prompt_once_and_every_token_where_the_plain_row_has_it():
+    mb = PackedBatch.from_samples(_samples(GROUPS))
+    layout = shared_prompt_layout(mb)
+    assert layout.num_tokens == (9 + 14) + (5 + 9) + 11 + 3 < mb.num_tokens == 4 * 9 + 14 + 2 * 5 + 9 + 11 + 3
+    assert torch.equal(layout.input_ids[layout.model_position], mb.input_ids)
+    assert torch.equal(layout.position_ids[layout.model_position], mb.position_ids)
+    assert [len(s.branches) for s in layout.segments] == [4, 2, 0, 0]
+
+
+def test_no_shared_prompt_means_no_other_row():
+    assert shared_prompt_layout(PackedBatch.from_samples(_samples([(4, [2]), (5, [3])]))) is None
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    torch.manual_seed(0)
+    critic = load_critic(tiny_model_path, "float32").eval()
+    with torch.no_grad():
+        critic.value_head.weight.normal_(0, 0.1)
+    return load_policy(tiny_model_path, "float32"), critic
+
+
+def _logprobs_and_grads(policy, mb, share: bool):
+    policy.zero_grad()
+    lp = sequence_logprobs(policy, mb, 0.7, share_prompts=share)
+    (lp * torch.linspace(0.5, 1.5, lp.numel()) * mb.action_mask).sum().backward()
+    return lp.detach(), torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_shared_prompts_give_the_plain_forward_s_logprobs_values_and_gradients(tiny, tiny_model_path, checkpointing):
+    policy, critic = tiny
+    if checkpointing:  # the layout's kwargs must reach the attention through the recomputation
+        policy = load_policy(tiny_model_path, "float32")
+        enable_gradient_checkpointing(policy)
+    policy.train()
+    mb = PackedBatch.from_samples(_samples(GROUPS))
+    lp_plain, grad_plain = _logprobs_and_grads(policy, mb, share=False)
+    lp_shared, grad_shared = _logprobs_and_grads(policy, mb, share=True)
+    assert (lp_plain[mb.action_mask] < 0).all()
+    torch.testing.assert_close(lp_shared, lp_plain, atol=2e-5, rtol=0)
+    torch.testing.assert_close(grad_shared, grad_plain, atol=2e-5, rtol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_values(critic, mb, share_prompts=True), sequence_values(critic, mb), atol=2e-5, rtol=0)
+
+
+def test_on_smollm2_with_its_chat_template(smollm2_path, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    policy = load_policy(smollm2_path, "float32").train()
+    questions = ["What is 3 + 4? Answer inside <answer></answer>.", "What is 9 + 1? Answer inside <answer></answer>."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+               for q in questions]
+    answers = ["<answer>7</answer>", "The sum is <answer>7</answer>", "<answer>10</answer>", "9 + 1 = <answer>10</answer>"]
+    samples = [Sample(prompt_ids=prompts[i // 2], response_ids=tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id],
+                      reward=0.0, index=i) for i, a in enumerate(answers)]
+    mb = PackedBatch.from_samples(samples)
+    assert shared_prompt_layout(mb).num_tokens < mb.num_tokens * 0.6
+    lp_plain, grad_plain = _logprobs_and_grads(policy, mb, share=False)
+    lp_shared, grad_shared = _logprobs_and_grads(policy, mb, share=True)
+    torch.testing.assert_close(lp_shared, lp_plain, atol=1e-4, rtol=0)
+    torch.testing.assert_close(grad_shared, grad_plain, atol=1e-4, rtol=1e-3)
