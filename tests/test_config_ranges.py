@@ -129,7 +129,7 @@ MORE_BAD = [
     (["engine.gpu_memory_utilization=0"], "engine.gpu_memory_utilization=0"),
     # sizes and counts
     (["model.num_heads=3"], "model.num_heads=3"),  # 128 is not divisible by 3
-    (["engine.kv_cache_gb=0.5"], "engine.kv_cache_gb=0.5"),  # CPU engines take whole GiB
+    (["engine.kv_cache_gb=0"], "engine.kv_cache_gb=0"),
     (["engine.block_size=48"], "engine.block_size=48"),  # vLLM's CPU attention takes multiples of 32
     (["engine.block_size=0"], "engine.block_size=0"),
     (["transfer=padded", "trainer.share_prompts=true"], "trainer.share_prompts=True"),

@@ -311,17 +311,22 @@ def test_gpu_extra_pins_the_supported_vllm():
     assert all("<" in pins[p] for p in ("torch", "vllm", "transformers"))  # a tested upper bound each
 
 
-def test_kv_cache_gb_reaches_vllm_on_gpus_and_the_cpu_backend_on_cpus():
-    """engine.kv_cache_gb: vLLM's kv_cache_memory_bytes on a GPU engine (null: vLLM sizes the cache
-    from gpu_memory_utilization), VLLM_CPU_KVCACHE_SPACE on a CPU engine (null: 1 GiB)."""
+def test_the_kv_cache_is_the_configured_size_or_on_cpu_what_the_engine_holds_at_once():
+    """engine.kv_cache_gb: vLLM's kv_cache_memory_bytes (per GPU, per CPU worker); null: vLLM sizes
+    it from gpu_memory_utilization on GPUs, and on CPU it is every sequence an engine holds at once
+    at full length (a rollout's share, rollouts generated together, an evaluation) with headroom."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from rlhf_orch.engines.launch import cpu_kv_cache_env, gpu_kv_cache_args
+    from rlhf_orch.engines.launch import CPU_KV_CACHE_MIN_BYTES, cpu_kv_cache_bytes, kv_cache_args, kv_sequences_per_engine
 
-    assert gpu_kv_cache_args(6.5) == {"kv_cache_memory_bytes": int(6.5 * 2**30)}
-    assert gpu_kv_cache_args(None) == {}
-    assert set(gpu_kv_cache_args(1.0)) <= set(EngineArgs.__dataclass_fields__)  # a vLLM argument, by that name
-    assert cpu_kv_cache_env(3.0) == {"VLLM_CPU_KVCACHE_SPACE": "3"} and cpu_kv_cache_env(None) == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert kv_cache_args(int(6.5 * 2**30)) == {"kv_cache_memory_bytes": int(6.5 * 2**30)} and kv_cache_args(None) == {}
+    assert set(kv_cache_args(1)) <= set(EngineArgs.__dataclass_fields__)  # a vLLM argument, by that name
+    assert kv_sequences_per_engine(128, 1, 0, 1) == 128 and kv_sequences_per_engine(128, 2, 0, 2) == 128
+    assert kv_sequences_per_engine(32, 1, 256, 1) == 256  # an evaluation of 64 prompts x 4
+    # SmolLM2 (30 layers x 3 KV heads x 64 x 2 x 4 bytes = 46080 B a token), 32 sequences of 208 -> 224 tokens
+    assert cpu_kv_cache_bytes(32, 208, 46080, 1, 32) == int(32 * 224 * 46080 * 1.25)
+    assert cpu_kv_cache_bytes(32, 208, 46080, 2, 32) == int(32 * 224 * 46080 * 1.25) // 2
+    assert cpu_kv_cache_bytes(4, 16, 64, 1, 32) == CPU_KV_CACHE_MIN_BYTES
 
 
 def test_an_eager_cpu_engine_runs_vllms_compiled_helpers_eagerly_and_its_tp_workers_too():

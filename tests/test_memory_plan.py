@@ -170,7 +170,7 @@ def test_dry_run_prints_the_memory_table_and_a_plan_that_does_not_fit_exits_2(tm
 def test_a_run_whose_plan_does_not_fit_is_refused_before_ray_starts(tmp_path, capsys, monkeypatch):
     import rlhf_orch.memory.check as check
 
-    monkeypatch.setattr(check, "host_memory", lambda: (int(4 * GiB), "4 GiB (test)"))
+    monkeypatch.setattr(check, "host_memory", lambda: (int(3 * GiB), "3 GiB (test)"))  # the default run plans ~3.8 GB
     code, summary = main(compose_config([f"hydra.run.dir={tmp_path}"]))
     err = capsys.readouterr().err
     assert code == 2 and summary is None
@@ -384,3 +384,32 @@ def test_lora_plans_optimizer_states_for_the_adapters_only_and_no_second_base_fo
     assert "lora slots" in names(on["engine"]) and "lora slots" not in names(off["engine"])
     merged = verdict(["model=smollm2_135m", "algo=ppo", "model.lora.rank=16", "model.lora.sync=merged"]).plan
     assert "lora slots" not in names({p.role: p for p in merged.processes}["engine"])
+
+
+SMOLLM2_NO_EVAL = ["experiment=smollm2_arith", "eval.every_n_steps=0", "eval.before_train=false"]
+
+
+@pytest.mark.parametrize("overrides,sequences", [
+    ([], 128),  # the tiny model: a few MB, the floor
+    (SMOLLM2_NO_EVAL, 32),
+    ([*SMOLLM2_NO_EVAL, "pipeline=async"], 64),  # two rollouts generated together
+    (["experiment=smollm2_arith"], 256),  # its evaluation: 64 prompts x 4 answers
+], ids=["tiny", "smollm2", "smollm2_async", "smollm2_with_evaluation"])
+def test_a_cpu_engine_gets_the_kv_cache_its_plan_counts(overrides, sequences):
+    """engine.kv_cache_gb null on CPU: the engine is given every sequence it holds at once at full
+    length, and the memory plan counts exactly those bytes -- no longer a fixed GiB resident for
+    a few MB of keys and values."""
+    from rlhf_orch.orchestration.session import engine_spec
+
+    cfg = compose_config(overrides)
+    typed = OmegaConf.to_object(cfg)
+    plan = instantiate(cfg.placement).plan(reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference)
+    memory = verdict(overrides).plan
+    planned = next(t.bytes for p in memory.processes if p.role == "engine" for t in p.terms if t.name == "kv cache")
+    evaluation = 64 if typed.eval.every_n_steps or typed.eval.before_train else 0
+    given = engine_spec(typed, plan, "unused", instantiate(cfg.pipeline), None, evaluation).kv_cache_bytes
+    assert given == planned
+    max_len = typed.data.prompt_max_len + typed.data.response_max_len
+    expected = int(sequences * -(-max_len // 32) * 32 * memory.shape.kv_bytes_per_token(4) * 1.25)
+    assert given == max(expected, 64 * 2**20)
+    assert (expected > 64 * 2**20) == bool(overrides)

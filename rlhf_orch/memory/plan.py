@@ -16,7 +16,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from rlhf_orch.config.schema import RootConfig
-from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, memory_utilization, sleep_level
+from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, kv_block_size, kv_sequences_per_engine, memory_utilization, sleep_level
 from rlhf_orch.memory.shapes import ModelShape
 from rlhf_orch.memory.terms import (
     ALWAYS, PHASES, RUNTIME_TERM_NAMES, GiB, ProcessMemory, Term, Workload, engine_terms, forward_only_terms, runtime_terms,
@@ -201,6 +201,10 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         gpu_memory_utilization=memory_utilization(e.gpu_memory_utilization, plan), gpu_memory_bytes=gpu_bytes,
         sleep_level=level, enforce_eager=e.enforce_eager,
         sequences_per_engine=-(-a.rollout_batch_size * a.samples_per_prompt // engines),
+        kv_sequences=kv_sequences_per_engine(
+            a.rollout_batch_size * a.samples_per_prompt, getattr(typed.pipeline, "max_staleness", 0) + 1,
+            _eval_sequences(typed), engines),
+        kv_block_size=kv_block_size(e.block_size, is_cpu=True) or 32,
         sync_bucket_bytes=int(getattr(typed.sync, "bucket_mb", 0) * 2**20),
         **(_sync_on_gpu(typed, plan) if on_gpu else {}),
         entropy=a.entropy_coef > 0,
@@ -226,6 +230,15 @@ def _sync_on_gpu(typed: RootConfig, plan: PlacementPlan) -> dict[str, Any]:
     return {"sync_send_buffers": tuple(sorted(sync.send_buffers_on_gpu(ranks, engines).items())),
             "sync_nccl_senders": frozenset(sync.nccl_senders(ranks, engines)),
             "trainers_default_allocator": bool(sync.shares_cuda_memory)}
+
+
+def _eval_sequences(typed: RootConfig) -> int:
+    """Sequences a held-out evaluation generates at once (eval.num_prompts, or the task's held-out
+    set: data.eval_size where the task has one)."""
+    v = typed.eval
+    if not (v.every_n_steps > 0 or v.before_train):
+        return 0
+    return (v.num_prompts or getattr(typed.data, "eval_size", 0) or 0) * v.samples_per_prompt
 
 
 def _pipeline_says(typed: RootConfig, attribute: str, default: bool) -> bool:

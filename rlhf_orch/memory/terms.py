@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from rlhf_orch.engines.launch import cpu_kv_cache_bytes
 from rlhf_orch.memory.shapes import ModelShape
 from rlhf_orch.models.lora import LoraSettings
 
@@ -125,6 +126,10 @@ class Workload:
     sleep_level: int = 0
     enforce_eager: bool = True
     sequences_per_engine: int = 1  # sequences one engine generates per step
+    # CPU engines with engine.kv_cache_gb null: the sequences one holds at once (rollouts generated
+    # together, an evaluation) and its KV block size, which size its cache (engines.launch).
+    kv_sequences: int = 1
+    kv_block_size: int = 32
     sync_bucket_bytes: int = 0  # sync.bucket_mb of the bucketed syncs; 0 = tensor by tensor
     # GPU layouts, from the sync strategy: (policy rank, bytes of its send buffers on the GPU), and
     # the policy ranks that share an NCCL communicator with the engines (whose every worker joins it).
@@ -373,8 +378,8 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
         # vLLM takes gpu_memory_utilization of the GPU and gives the KV cache what the rest leaves.
         # (NCCL's buffers too: vLLM's profile counts memory outside torch against the budget)
         kv = int(wl.gpu_memory_utilization * wl.gpu_memory_bytes) - weights - workspace - graphs - lora_slots - nccl - GPU_RUNTIME_BYTES["engine"]
-    else:
-        kv = 1 * GiB  # VLLM_CPU_KVCACHE_SPACE's default here (rlhf_orch.engines.launch)
+    else:  # what the engine is given (rlhf_orch.orchestration.session.engine_kv_cache_bytes)
+        kv = cpu_kv_cache_bytes(wl.kv_sequences, wl.max_seq_len, shape.kv_bytes_per_token(wl.w), tp, wl.kv_block_size)
     note = ""
     if kv < one_sequence_kv:
         left = "nothing" if kv <= 0 else f"{kv / GiB:.2f} GiB"

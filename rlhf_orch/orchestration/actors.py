@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from rlhf_orch.engines.launch import cpu_kv_cache_env, engine_launch
+from rlhf_orch.engines.launch import engine_launch
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
@@ -212,7 +212,6 @@ def start_role_actors(
     critic_spec: TrainerSpec | None,
     reference_spec: TrainerSpec | None,
     timeout_s: float,
-    kv_cache_gb: float | None,
     reward_spec: TrainerSpec | None = None,
     warm: RoleActors | None = None,
     shares_cuda_memory: bool = False,
@@ -222,7 +221,7 @@ def start_role_actors(
     run on the same plan (`rlhf_orch.orchestration.warm_actors`), reset to what new ones start as
     and then built the same way; their torch.distributed groups, which the plan fixes, are kept.
     `stopped`: a stop request (a signal) -- once true, the actors are killed and StartupStopped raised."""
-    env = {**_ACTOR_ENV, **cpu_kv_cache_env(kv_cache_gb)}
+    env = dict(_ACTOR_ENV)
     engine_slots = plan.slots_for("engine")
     if plan.reference_in_actor:  # each policy rank loads the reference too; no reference process starts
         policy_spec, reference_spec = replace(policy_spec, host_reference=True), None

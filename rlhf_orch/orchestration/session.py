@@ -91,11 +91,13 @@ class RunFailed(RuntimeError):
     """Training stopped on a runtime failure; the message names the cause and how to resume."""
 
 
-def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipeline: Any = None, lora: LoraSettings | None = None) -> EngineSpec:
+def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipeline: Any = None, lora: LoraSettings | None = None,
+                eval_prompts: int = 0) -> EngineSpec:
     """What every vLLM engine process needs (its slot's rank is given at start). The pipeline's
     `rollouts_at_once`: rollouts an engine generates together; with more than one, a weight update
     lands while requests are in flight and vLLM cannot drop their cached prefixes, which later
-    requests would reuse with the old weights' keys and values: prefix caching is off then."""
+    requests would reuse with the old weights' keys and values: prefix caching is off then.
+    `eval_prompts`: the held-out prompts an evaluation generates for (a CPU KV cache holds them)."""
     rollouts_at_once = getattr(pipeline, "rollouts_at_once", 1)
     return EngineSpec(
         model_path=model_path,
@@ -103,7 +105,7 @@ def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipelin
         max_model_len=typed.data.prompt_max_len + typed.data.response_max_len,
         tensor_parallel_size=plan.engine_tp,
         seed=typed.seed,
-        kv_cache_gb=typed.engine.kv_cache_gb,
+        kv_cache_bytes=engine_kv_cache_bytes(typed, plan, rollouts_at_once, eval_prompts),
         gpu_memory_utilization=memory_utilization(typed.engine.gpu_memory_utilization, plan),
         sleep_level=sleep_level(typed.engine.sleep_level, plan),
         enable_prefix_caching=typed.engine.enable_prefix_caching and rollouts_at_once == 1,
@@ -113,6 +115,29 @@ def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipelin
         finish_before_update=getattr(pipeline, "finishes_requests_before_update", False),
         lora=lora,
     )
+
+
+def engine_kv_cache_bytes(typed: RootConfig, plan: PlacementPlan, rollouts_at_once: int, eval_prompts: int) -> int | None:
+    """engine.kv_cache_gb in bytes; null: on GPUs None (vLLM sizes it from gpu_memory_utilization),
+    on CPU what the engine holds at once (`cpu_kv_cache_bytes`; 1 GiB for a model of unknown shape)."""
+    e = typed.engine
+    if e.kv_cache_gb is not None:
+        return int(e.kv_cache_gb * 2**30)
+    if plan.total_gpus > 0:
+        return None
+    from rlhf_orch.engines.launch import cpu_kv_cache_bytes, kv_block_size, kv_sequences_per_engine
+    from rlhf_orch.memory.shapes import shape_of
+    from rlhf_orch.memory.terms import BYTES_PER_ELEMENT
+
+    shape, _ = shape_of(typed.model)
+    if shape is None:
+        return None  # the engine's CPU_KV_CACHE_UNSIZED_BYTES
+    a, v = typed.algo, typed.eval
+    evaluating = v.every_n_steps > 0 or v.before_train
+    sequences = kv_sequences_per_engine(a.rollout_batch_size * a.samples_per_prompt, rollouts_at_once,
+                                        eval_prompts * v.samples_per_prompt if evaluating else 0, plan.num_ranks("engine"))
+    return cpu_kv_cache_bytes(sequences, typed.data.prompt_max_len + typed.data.response_max_len,
+                              shape.kv_bytes_per_token(BYTES_PER_ELEMENT[typed.model.dtype]), plan.engine_tp, kv_block_size(e.block_size, True))
 
 
 def loop_settings(typed: RootConfig, plan: PlacementPlan, engines: EngineSpec) -> LoopSettings:
@@ -265,7 +290,7 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
     try:
         actors = start_role_actors(
             run.plan, placement, run.engines, run.specs["actor"], run.specs.get("critic"), run.specs.get("reference"),
-            typed.launcher.startup_timeout_s, typed.engine.kv_cache_gb, run.reward_spec, warm=warm,
+            typed.launcher.startup_timeout_s, run.reward_spec, warm=warm,
             shares_cuda_memory=sync.shares_cuda_memory, stopped=lambda: run.stop.requested,
         )
     except StartupStopped:  # nothing ran, nothing to keep: the actors were killed mid-start
@@ -384,7 +409,7 @@ def run_training(
             specs["actor"], lr=0.0, model_path=inputs.reward_model_path, micro_batch_size=inputs.reward.model.micro_batch_size
         )
     stop = StopRequest("stopping after this step" + (", with a checkpoint" if ck.on_signal else ""))
-    run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora), stop,
+    run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora, len(inputs.eval_prompts)), stop,
                callbacks, run_dir, time.perf_counter())
     run.warm_key = warm_actors.warm_key(plan, run.engines, typed.engine.kv_cache_gb, [*specs, *(["reward"] if reward_spec else [])])
     outcome: dict[str, Any] = {"status": "failed"}
