@@ -218,7 +218,8 @@ def run_ours(name: str, overrides: list[str], steps: int, seed: int, out: Path, 
     cmd = [sys.executable, "run.py", *overrides, f"seed={seed}", f"algo.num_steps={steps}",
            "checkpoint.at_end=false", "checkpoint.export_final=false", "logger.plot_every_n_steps=0",
            f"hydra.run.dir={run_dir}"]
-    m = measure(cmd, lambda line: line.startswith("step "), out / f"{name}_seed{seed}.log")
+    # (a training step's console line; "step    0/N" is the evaluation before training)
+    m = measure(cmd, lambda line: line.startswith("step ") and not line.split()[1].startswith("0/"), out / f"{name}_seed{seed}.log")
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("step", 0) >= 1]
     startup_in_run = train[0]["time/startup"]
@@ -340,6 +341,8 @@ def search(args, model: dict, out: Path) -> None:
     for name in args.settings:
         setting = model["settings"][name]
         for label, extra in SEARCH.items():
+            if args.search_configs and label not in args.search_configs:
+                continue
             overrides = [*model["base"], *setting["overrides"], *extra, "eval.before_train=false", "eval.every_n_steps=0"]
             tag = f"search_{name}_{label.split(',')[0].split(' ')[0]}_{extra[1].split('=')[1]}t"
             try:
@@ -366,6 +369,7 @@ def main() -> None:
     ap.add_argument("--parts-steps", type=int, default=4, help="steps the bare parts are timed over (tiny model; the first is warm-up)")
     ap.add_argument("--search", action="store_true", help="time our SEARCH configurations instead of the comparison")
     ap.add_argument("--search-steps", type=int, default=3)
+    ap.add_argument("--search-configs", nargs="+", default=None, help="which SEARCH entries (default: all)")
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "bench_peers" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     args = ap.parse_args()
     model = MODELS[args.model]
@@ -379,6 +383,10 @@ def main() -> None:
     import trl
 
     skip = args.skip if args.skip is not None else (2 if args.model == "tiny" else 1)
+    too_short = [name for name in args.settings if (args.steps or model["settings"][name]["steps"]) <= skip]
+    if too_short:
+        print(f"error: --steps must be more than the {skip} warm-up steps left out (--skip)", file=sys.stderr)
+        raise SystemExit(2)
     results: dict[str, dict[str, dict[int, dict]]] = {}
     parts: dict[str, dict[str, float]] = {}
     for name in args.settings:
@@ -428,8 +436,10 @@ def main() -> None:
                   f"{ph['train']:7.3f}{ph['sync']:7.3f}{other:7.3f}")
     overhead = {}
     if parts:
-        print("\nrlhf_orch (identical: pipeline=sync) against its parts alone (median s)")
+        print("\nrlhf_orch (identical: pipeline=sync) against its parts alone (median s; bare vLLM with our block size 32)")
         for name in parts:
+            if "ours_identical" not in results[name]:
+                continue
             ours, p = results[name]["ours_identical"][args.seeds[0]], parts[name]
             overhead[name] = ours["wall_per_step_s"] / (p["gen_s"] + p["train_s"])
             print(f"{name:17s} step {ours['wall_per_step_s']:.3f} | bare gen {p['gen_s']:.3f} bare train {p['train_s']:.3f} | overhead {overhead[name]:.2f}")

@@ -319,7 +319,7 @@ def main() -> None:
         sizes[shape] = ray.get([t.build.remote() for t in trainers])[0]
         tensors[shape] = ray.get(trainers[0].tensor_count.remote())
         memcpy = memcpy or ray.get(trainers[0].memcpy_gbps.remote())
-        spec = EngineSpec(model_path=path, dtype="bfloat16", max_model_len=256, kv_cache_gb=1.0)
+        spec = EngineSpec(model_path=path, dtype="bfloat16", max_model_len=256, kv_cache_bytes=2**30)
         engines: list = []
         for count in engine_counts:
             try:

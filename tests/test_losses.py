@@ -350,7 +350,7 @@ def test_the_trainer_s_forward_keeps_no_copy_of_the_logits_for_its_backward():
     big: list[int] = []
 
     def keep(t):
-        if t.dim() >= 2 and t.shape[-1] == vocab and t.numel() >= 2 * 4 * vocab:  # the 4 scored columns (2..5) of 2 rows
+        if t.dim() >= 2 and t.shape[-1] == vocab and t.numel() >= 2 * 4 * vocab:  # the scored columns (1..5) of 2 rows
             big.append(t.untyped_storage().data_ptr())
         return t
 

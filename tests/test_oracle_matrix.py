@@ -412,3 +412,15 @@ def test_trainer_matches_the_oracle_with_lora(actors, initial_weights, tiny_mode
     """The adapters' update through the system (DeepSpeed ZeRO-2 over the PEFT model) is the oracle's."""
     _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, agg, LORA_CASES.index((name, agg)), "tis",
                               lora=LORA, settings_of=_lora_settings)
+
+
+def test_the_packed_cases_run_shared_prompts():
+    """The packed cases above exercise trainer.share_prompts: with the one-step cut, on 1 and 2 ranks,
+    some micro-batches hold a prompt once (else sharing could break unseen). (The two-step cut's
+    24-token budget packs 2-3 sequences of different lengths together: no two samples of a prompt.)"""
+    from rlhf_orch.trainer.shared_prompts import shared_prompt_layout
+
+    for cut, (micro, _, budget) in [("one_step", CUTS["one_step"])]:
+        for ranks in (1, 2):
+            mbs = [mb for shard in _transfer("packed", budget).layout(SAMPLES, ranks, micro, 0) for mb in shard]
+            assert any(shared_prompt_layout(mb) is not None for mb in mbs), (cut, ranks)

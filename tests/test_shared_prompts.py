@@ -2,9 +2,10 @@
 value and gradient equals the plain packed forward's (float32 rounding: the two rows run the same
 products in different orders).
 
-On the tiny model (GQA: 4 query heads over 2 key/value heads, so the repeated keys are exercised)
-and on SmolLM2-135M-Instruct with its own chat template's prompts (the real model: 30 layers, RoPE
-over the positions that continue after a shared prompt).
+On the tiny model (log-probs, values, gradients; with and without gradient checkpointing) and on
+SmolLM2-135M-Instruct with its own chat template's prompts (log-probs and gradients; the real
+model: 30 layers, grouped-query attention -- 9 query heads over 3 key/value heads, so the repeated
+keys are exercised -- and RoPE over the positions that continue after a shared prompt).
 """
 
 from __future__ import annotations

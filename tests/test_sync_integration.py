@@ -68,6 +68,9 @@ class Policies:
         return workers
 
 
+BLOCK_SIZES: list[int] = []  # the module's engines' KV block size, as vLLM took it
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_path):
     ray.init(address="local", num_cpus=16, num_gpus=0, include_dashboard=False, runtime_env=ENV)
@@ -75,6 +78,9 @@ def cluster(tiny_model_path):
     engines = [VLLMEngineActor.options(num_cpus=1, runtime_env=ENV).remote(spec, i) for i in range(2)]
     policies = Policies(tiny_model_path)
     ray.get([e.ping.remote() for e in engines])
+    # Read now: later tests of this module kill and replace engines.
+    BLOCK_SIZES[:] = ray.get([e.__ray_call__.remote(lambda self: self.llm.llm_engine.vllm_config.cache_config.block_size)
+                              for e in engines])
     yield engines, policies
     ray.shutdown()
 
@@ -279,6 +285,4 @@ def test_a_weight_update_mid_generation_recomputes_the_kv_of_the_requests_in_fli
 def test_a_cpu_engine_caches_prompts_in_blocks_of_32_tokens(cluster):
     """engine.block_size null: 32 on CPU (vLLM's 128 is longer than most prompts, and prefix
     caching shares whole blocks only: a GRPO group's samples would each recompute the prompt)."""
-    engines, _ = cluster
-    sizes = ray.get([e.__ray_call__.remote(lambda self: self.llm.llm_engine.vllm_config.cache_config.block_size) for e in engines])
-    assert sizes == [32, 32]
+    assert BLOCK_SIZES == [32, 32]

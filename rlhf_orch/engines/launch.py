@@ -68,17 +68,25 @@ CPU_KV_CACHE_MIN_BYTES = 64 * 2**20
 CPU_KV_CACHE_UNSIZED_BYTES = 2**30
 
 
+#: vLLM's max_num_seqs on CPU: an engine never runs more sequences at once.
+CPU_MAX_SEQUENCES = 256
+
+
 def kv_sequences_per_engine(rollout_sequences: int, rollouts_at_once: int, eval_sequences: int, engines: int) -> int:
     """Sequences one engine holds at once at most: its share of the rollouts generated together, or
-    of a held-out evaluation (more arrive later in waves; a smaller cache only makes them wait)."""
+    of a held-out evaluation, up to vLLM's max_num_seqs (more arrive later in waves; a smaller
+    cache only makes them wait)."""
     engines = max(engines, 1)
-    return max(-(-rollout_sequences * rollouts_at_once // engines), -(-eval_sequences // engines), 1)
+    wanted = max(-(-rollout_sequences * rollouts_at_once // engines), -(-eval_sequences // engines), 1)
+    return min(wanted, CPU_MAX_SEQUENCES)
 
 
 def cpu_kv_cache_bytes(sequences: int, max_seq_len: int, kv_bytes_per_token: int, tp: int, block_size: int) -> int:
-    """Bytes of KV cache per CPU engine worker (each of `tp` holds its share of the heads)."""
-    tokens = sequences * -(-max_seq_len // block_size) * block_size
-    return max(int(tokens * kv_bytes_per_token * CPU_KV_HEADROOM) // max(tp, 1), CPU_KV_CACHE_MIN_BYTES)
+    """Bytes of KV cache per CPU engine worker (each of `tp` holds its share of the heads; at least
+    one whole sequence, which vLLM needs to start, and the floor)."""
+    rounded = -(-max_seq_len // block_size) * block_size
+    need = int(sequences * rounded * kv_bytes_per_token * CPU_KV_HEADROOM) // max(tp, 1)
+    return max(need, rounded * kv_bytes_per_token, CPU_KV_CACHE_MIN_BYTES)
 
 
 def kv_cache_args(kv_cache_bytes: Optional[int]) -> dict[str, int]:

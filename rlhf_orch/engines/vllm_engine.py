@@ -141,6 +141,8 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
 
         extra.update(kv_cache_args(spec.kv_cache_bytes if spec.kv_cache_bytes is not None or not current_platform.is_cpu()
                                    else CPU_KV_CACHE_UNSIZED_BYTES))
+        # vLLM's legacy CPU variable would replace the size given (and planned): engine.kv_cache_gb sets it.
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         block_size = kv_block_size(spec.block_size, current_platform.is_cpu())
         if block_size is not None:
             extra["block_size"] = block_size

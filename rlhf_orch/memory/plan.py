@@ -16,7 +16,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from rlhf_orch.config.schema import RootConfig
-from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, kv_block_size, kv_sequences_per_engine, memory_utilization, sleep_level
+from rlhf_orch.engines.launch import CPU_MAX_SEQUENCES, SLEEP_WHERE_AVAILABLE, kv_block_size, kv_sequences_per_engine, memory_utilization, sleep_level
 from rlhf_orch.memory.shapes import ModelShape
 from rlhf_orch.memory.terms import (
     ALWAYS, PHASES, RUNTIME_TERM_NAMES, GiB, ProcessMemory, Term, Workload, engine_terms, forward_only_terms, runtime_terms,
@@ -233,12 +233,13 @@ def _sync_on_gpu(typed: RootConfig, plan: PlacementPlan) -> dict[str, Any]:
 
 
 def _eval_sequences(typed: RootConfig) -> int:
-    """Sequences a held-out evaluation generates at once (eval.num_prompts, or the task's held-out
-    set: data.eval_size where the task has one)."""
+    """Sequences a held-out evaluation generates (eval.num_prompts, or the task's held-out set:
+    data.eval_size where the task has one; a held-out file's size is unknown here: as many as an
+    engine runs at once, the most its cache is given)."""
     v = typed.eval
     if not (v.every_n_steps > 0 or v.before_train):
         return 0
-    return (v.num_prompts or getattr(typed.data, "eval_size", 0) or 0) * v.samples_per_prompt
+    return (v.num_prompts or getattr(typed.data, "eval_size", 0) or CPU_MAX_SEQUENCES) * v.samples_per_prompt
 
 
 def _pipeline_says(typed: RootConfig, attribute: str, default: bool) -> bool:
@@ -319,7 +320,7 @@ def plan_memory(
         for proc in every:
             if proc.role == "engine" and wl.engine_tp > 1:
                 # A CPU engine's TP workers are processes of their own, each with its shard, its own
-                # KV space (VLLM_CPU_KVCACHE_SPACE is per worker) and its runtime: tp times one GPU's terms.
+                # KV space (kv_cache_memory_bytes is per worker) and its runtime: tp times one GPU's terms.
                 proc.terms = [Term(t.name, t.bytes * wl.engine_tp, t.phase, t.on_host) for t in proc.terms]
         loads.append(DeviceLoad(Device("host", host_bytes, host_source, margin_bytes(typed, host_bytes)), every, sums_phases=False))
     ordered = [processes[(s.role, s.rank)] for role in plan.roles for s in plan.slots_for(role)]

@@ -39,7 +39,7 @@ def generate(spec: dict, sequences_path: str) -> None:
     n_prompts, n_samples = s["rollout_batch_size"], s["samples_per_prompt"]
     llm = LLM(
         model=spec["model_path"], dtype="float32", max_model_len=s["max_model_len"], seed=spec["seed"], enforce_eager=True,
-        enable_prefix_caching=True, gpu_memory_utilization=0.5,
+        enable_prefix_caching=True, gpu_memory_utilization=0.5, block_size=32,  # rlhf_orch's CPU engines' block size
     )
     params = SamplingParams(
         n=n_samples, max_tokens=s["response_max_len"], min_tokens=s["min_response_len"], temperature=s["temperature"],

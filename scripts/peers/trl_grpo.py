@@ -159,6 +159,7 @@ def main(spec_path: str) -> None:
 
         def __init__(self) -> None:
             self.logs: list[dict] = []
+            self.printed = -1  # the optimizer step whose rollout line is out
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if evaluation["before_train"]:
@@ -166,12 +167,15 @@ def main(spec_path: str) -> None:
             print(json.dumps({"train_begin": time.perf_counter() - T_PROCESS}), flush=True)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                self.logs.append(logs)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step % optimizer_steps_per_rollout:
+            # transformers logs a step after its on_step_end: a rollout's line is printed once the
+            # log of its last optimizer step is in (one step per rollout would lag a rollout otherwise).
+            if not logs or "loss" not in logs and "reward" not in logs:
                 return
+            if "reward" in logs:
+                self.logs.append(logs)
+            if state.global_step % optimizer_steps_per_rollout or state.global_step == self.printed:
+                return
+            self.printed = state.global_step
             step_logs, self.logs = self.logs, []  # the generation's log (one per rollout step)
             mean_len = sum(l.get("completions/mean_length", 0.0) for l in step_logs) / max(len(step_logs), 1)
             line = {
