@@ -57,35 +57,37 @@ sys.path.insert(0, str(REPO))
 
 from rlhf_orch.logging.base import read_metrics  # noqa: E402
 
-_HELD_OUT = ["eval.before_train=true", "eval.samples_per_prompt=4", "eval.temperature=1.0"]
+_HELD_OUT = ["eval.before_train=true", "eval.temperature=1.0"]
 # Per model: its base overrides, the JSON keys' infix, and per setting the steps and the held-out
 # evaluation (prompts; before training, every `eval_every` steps and after the last).
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": {
         "base": ["algo=grpo"], "key": "", "label": "tiny model, digit task",
         "settings": {
-            "default": {"overrides": [], "steps": 30, "eval_every": 10, "eval": ["eval.num_prompts=64"]},
+            "default": {"overrides": [], "steps": 30, "eval_every": 10, "eval": ["eval.num_prompts=64", "eval.samples_per_prompt=4"]},
             "generation_heavy": {"overrides": ["algo.min_response_len=256", "data.response_max_len=256"], "steps": 8,
-                                 "eval_every": 8, "eval": ["eval.num_prompts=32"]},
+                                 "eval_every": 8, "eval": ["eval.num_prompts=32", "eval.samples_per_prompt=4"]},
         },
     },
     "smollm2_135m": {
         "base": ["experiment=smollm2_arith"], "key": "real_", "label": "SmolLM2-135M-Instruct, reasoning-gym sums",
         "settings": {
             # The experiment's own evaluation: 64 held-out prompts x 4 samples, every 7 steps.
-            "default": {"overrides": [], "steps": 14, "eval_every": 7, "eval": []},
+            "default": {"overrides": [], "steps": 14, "eval_every": 7, "eval": ["eval.samples_per_prompt=4"]},
             # Micro-batches of 8 (TRL: per-device batch 8, 4 accumulation steps): 16 x 448 tokens
             # do not fit this 24 GB host's memory plan beside the engine.
             "generation_heavy": {"overrides": ["algo.min_response_len=256", "data.response_max_len=256", "algo.micro_batch_size=8"],
-                                 "steps": 3, "eval_every": 3, "eval": ["eval.num_prompts=32"]},
+                                 "steps": 3, "eval_every": 3, "eval": ["eval.num_prompts=32", "eval.samples_per_prompt=2"]},
         },
     },
 }
 # Our fastest configuration per model and setting on this machine (2 cores), from `--search`
 # (docs/benchmarks.md has the search's figures); `identical` is always pipeline=sync.
 OURS_BEST: dict[str, dict[str, list[str]]] = {
-    "tiny": {"default": ["pipeline=sync"], "generation_heavy": ["pipeline=sync"]},
-    "smollm2_135m": {"default": ["pipeline=sync"], "generation_heavy": ["pipeline=sync"]},
+    "tiny": {"default": ["pipeline=async", "trainer.torch_threads=1", "algo.tis_cap=2.0"],
+             "generation_heavy": ["pipeline=one_step_off", "trainer.torch_threads=1", "algo.tis_cap=2.0"]},
+    "smollm2_135m": {"default": ["pipeline=sync", "trainer.torch_threads=2"],
+                     "generation_heavy": ["pipeline=one_step_off", "trainer.torch_threads=2", "algo.tis_cap=2.0"]},
 }
 # What --search tries (each for --search-steps steps, one seed).
 SEARCH: dict[str, list[str]] = {  # (trainer threads: Ray gives each actor one core; sync leaves the engine's idle)
