@@ -336,6 +336,11 @@ def gain_per_wall_s(r: dict) -> float | None:
     return (evals[-1]["score"] - evals[0]["score"]) / evals[-1]["wall_s"]
 
 
+def _keep(out: Path, name: str, result: dict) -> None:
+    """Each run's figures as soon as it ends (a benchmark cut short keeps what it measured)."""
+    (out / f"{name}.result.json").write_text(json.dumps(result, indent=1))
+
+
 def search(args, model: dict, out: Path) -> None:
     """Each SEARCH configuration for --search-steps steps, one seed: wall per step after one warm-up."""
     print(f"searching our configurations ({args.search_steps} steps each, seed {args.seeds[0]}; per-step wall after 1 warm-up step)")
@@ -406,9 +411,11 @@ def main() -> None:
             for variant, overrides in variants.items():
                 t = time.perf_counter()
                 results[name][variant][seed] = run_ours(f"{variant}_{name}", overrides, steps, seed, args.out, skip)
+                _keep(args.out, f"{variant}_{name}_seed{seed}", results[name][variant][seed])
                 print(f"  {name:17s} {variant:15s} seed {seed}: {steps} steps in {time.perf_counter() - t:.0f}s", flush=True)
             t = time.perf_counter()
             results[name]["trl"][seed] = run_trl({**spec, "steps": steps}, f"trl_{name}", seed, args.out, skip, args.trl_generation)
+            _keep(args.out, f"trl_{name}_seed{seed}", results[name]["trl"][seed])
             print(f"  {name:17s} {'trl':15s} seed {seed}: {steps} steps in {time.perf_counter() - t:.0f}s", flush=True)
             if args.model == "tiny" and seed == args.seeds[0]:
                 parts[name] = run_parts(spec, name, args.out, args.parts_steps, 1)
