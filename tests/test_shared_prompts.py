@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rlhf_orch.trainer.forward import enable_gradient_checkpointing, load_critic, load_policy, sequence_logprobs, sequence_values
-from rlhf_orch.trainer.shared_prompts import shared_prompt_layout
+from rlhf_orch.trainer import shared_prompts
+from rlhf_orch.trainer.shared_prompts import BatchedBlockAttention, BranchLoopAttention, shared_prompt_layout
 from rlhf_orch.transfer.batch import PackedBatch, Sample
 
 
@@ -42,6 +43,15 @@ def test_the_row_holds_each_prompt_once_and_every_token_where_the_plain_row_has_
     assert [len(s.branches) for s in layout.segments] == [4, 2, 0, 0]
 
 
+def test_a_small_saving_runs_the_plain_row_where_the_attention_is_batched(monkeypatch):
+    # 4 samples of a 6-token prompt with long answers: 18 of 82 tokens saved (22 %)
+    mb = PackedBatch.from_samples(_samples([(6, [14, 15, 16, 13])]))
+    assert shared_prompt_layout(mb).num_tokens == mb.num_tokens - 18  # the loop: any saving
+    monkeypatch.setitem(shared_prompts.ATTENTION_BY_DEVICE, "cpu", BatchedBlockAttention)
+    assert shared_prompt_layout(mb) is None  # under BatchedBlockAttention.min_token_saving
+    assert shared_prompt_layout(PackedBatch.from_samples(_samples(GROUPS))) is not None
+
+
 def test_no_shared_prompt_means_no_other_row():
     assert shared_prompt_layout(PackedBatch.from_samples(_samples([(4, [2]), (5, [3])]))) is None
 
@@ -62,8 +72,15 @@ def _logprobs_and_grads(policy, mb, share: bool):
     return lp.detach(), torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
 
 
+@pytest.fixture(params=[BranchLoopAttention, BatchedBlockAttention], ids=["branch_loop", "batched_blocks"])
+def attention(request, monkeypatch):
+    """Both implementations of the row's attention (CPU runs the loop, CUDA the batched blocks)."""
+    monkeypatch.setitem(shared_prompts.ATTENTION_BY_DEVICE, "cpu", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
-def test_shared_prompts_give_the_plain_forward_s_logprobs_values_and_gradients(tiny, tiny_model_path, checkpointing):
+def test_shared_prompts_give_the_plain_forward_s_logprobs_values_and_gradients(tiny, tiny_model_path, checkpointing, attention):
     policy, critic = tiny
     if checkpointing:  # the layout's kwargs must reach the attention through the recomputation
         policy = load_policy(tiny_model_path, "float32")
@@ -79,7 +96,7 @@ def test_shared_prompts_give_the_plain_forward_s_logprobs_values_and_gradients(t
         torch.testing.assert_close(sequence_values(critic, mb, share_prompts=True), sequence_values(critic, mb), atol=2e-5, rtol=0)
 
 
-def test_on_smollm2_with_its_chat_template(smollm2_path, smollm2_tokenizer):
+def test_on_smollm2_with_its_chat_template(smollm2_path, smollm2_tokenizer, attention):
     tok = smollm2_tokenizer
     policy = load_policy(smollm2_path, "float32").train()
     questions = ["What is 3 + 4? Answer inside <answer></answer>.", "What is 9 + 1? Answer inside <answer></answer>."]

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhf_orch.algo.ppo_math import logprobs_from_logits
-from rlhf_orch.trainer.shared_prompts import Segment, SharedPromptLayout, shared_prompt_attention, shared_prompt_layout
+from rlhf_orch.trainer.shared_prompts import (
+    BatchedBlockAttention, BranchLoopAttention, SharedPromptLayout, attention_for, shared_prompt_layout,
+)
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch
 
 VARLEN_SDPA = "varlen_sdpa"
@@ -42,17 +44,17 @@ def varlen_sdpa_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: Tensor | None = None,
-    shared_prompt_segments: tuple[Segment, ...] | None = None,
+    shared_prompt_attention: BranchLoopAttention | BatchedBlockAttention | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """HF attention interface. `query/key/value`: `[1, heads, N, head_dim]` when packed (a
-    shared-prompt row: `shared_prompt_segments`, rlhf_orch.trainer.shared_prompts)."""
+    shared-prompt row: `shared_prompt_attention`, rlhf_orch.trainer.shared_prompts)."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-    if shared_prompt_segments is not None:
+    if shared_prompt_attention is not None:
         groups = getattr(module, "num_key_value_groups", 1)
-        out = shared_prompt_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), shared_prompt_segments,
-                                      scaling, dropout if module.training else 0.0)
+        out = shared_prompt_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), scaling,
+                                      dropout if module.training else 0.0)
         return out.transpose(1, 2).contiguous(), None
     if cu_seq_lens_q is None:  # padded (or single unpadded) batch: HF's own sdpa path
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -133,7 +135,7 @@ def _(mb: PackedBatch) -> dict[str, Tensor | int]:
 @model_inputs.register
 def _(layout: SharedPromptLayout) -> dict[str, Any]:
     return {"input_ids": layout.input_ids.unsqueeze(0), "position_ids": layout.position_ids.unsqueeze(0),
-            "shared_prompt_segments": layout.segments}
+            "shared_prompt_attention": attention_for(layout)}
 
 
 def _forward_layout(mb: PaddedBatch | PackedBatch, share_prompts: bool) -> SharedPromptLayout | None:

@@ -54,8 +54,9 @@ class SharedPromptLayout:
 
 def shared_prompt_layout(mb: PackedBatch) -> SharedPromptLayout | None:
     """The shared-prompt row of `mb`, or None when no two of its sequences share a prompt (the
-    plain packed row is then as short). Sequences share when the tokens up to the one predicting
-    their first model token are identical, wherever they sit in the micro-batch."""
+    plain packed row is then as short) or the row saves less than the device's attention needs to
+    pay (`min_token_saving`). Sequences share when the tokens up to the one predicting their first
+    model token are identical, wherever they sit in the micro-batch."""
     bounds = mb.cu_seqlens.tolist()
     ids = mb.input_ids.tolist()
     first_action = _first_action_offsets(mb)
@@ -90,6 +91,8 @@ def shared_prompt_layout(mb: PackedBatch) -> SharedPromptLayout | None:
                 branches.append(length)
         segments.append(Segment(start, prefix, tuple(branches)))
     device = mb.input_ids.device
+    if len(row) > (1.0 - _attention_class(device).min_token_saving) * len(ids):
+        return None
     return SharedPromptLayout(
         input_ids=torch.tensor(row, dtype=mb.input_ids.dtype, device=device),
         position_ids=torch.tensor(positions, dtype=torch.long, device=device),
@@ -110,6 +113,107 @@ def _first_action_offsets(mb: PackedBatch) -> list[int | None]:
         if out[b] is None:
             out[b] = t - bounds[b]
     return out
+
+
+class BranchLoopAttention:
+    """Attention over a shared-prompt row, one SDPA call per prefix and per branch: no padding, so
+    the least arithmetic -- the choice where each call's overhead is small next to its work (CPU)."""
+
+    # Any shorter row pays on CPU: 2.0-2.7x per update at 60-70 % fewer tokens (docs/benchmarks.md).
+    min_token_saving = 0.0
+
+    def __init__(self, segments: tuple[Segment, ...]):
+        self.segments = segments
+
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, dropout_p: float) -> Tensor:
+        return shared_prompt_attention(query, key, value, self.segments, scale, dropout_p)
+
+
+class BatchedBlockAttention:
+    """The same attention in two SDPA calls per layer: every prefix (and unshared sequence) padded
+    into one batch, every branch with its prefix's keys in another, with per-row masks. On a GPU one
+    call per branch is launch-bound: at 4 prompts x 8 samples x 30 layers the loop costs more than
+    the prompt's recomputation saves (docs/benchmarks.md "GPU runs"); padding wastes only
+    arithmetic the GPU has to spare. The gathers' indices and masks are built once per micro-batch."""
+
+    # The masked kernel is slower per score than the plain row's causal one and pads every branch to
+    # the longest: measured on an H200, 19 % fewer tokens (long answers) ran 0.65x, 29-68 % fewer
+    # 1.21-1.39x (docs/benchmarks.md "GPU runs"). Below a quarter saved, the plain row runs.
+    min_token_saving = 0.25
+
+    def __init__(self, segments: tuple[Segment, ...], num_tokens: int, device: torch.device):
+        prefixes = [(0, 0, seg.start, seg.prefix) for seg in segments]
+        branches = []
+        for seg in segments:
+            b0 = seg.start + seg.prefix
+            for length in seg.branches:
+                if length:
+                    branches.append((seg.start, seg.prefix, b0, length))
+                b0 += length
+        self.batches = [_BlockBatch.of(blocks, device) for blocks in (prefixes, branches) if blocks]
+        order = torch.cat([b.query_positions for b in self.batches])
+        self.inverse = torch.empty_like(order)
+        self.inverse[order] = torch.arange(order.numel(), device=device)
+        assert order.numel() == num_tokens, (order.numel(), num_tokens)
+
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, dropout_p: float) -> Tensor:
+        q, k, v = query[0], key[0], value[0]  # [heads, M, head_dim]
+        outs = []
+        for batch in self.batches:
+            out = F.scaled_dot_product_attention(
+                q[:, batch.query_index].transpose(0, 1), k[:, batch.key_index].transpose(0, 1),
+                v[:, batch.key_index].transpose(0, 1), attn_mask=batch.mask, dropout_p=dropout_p, scale=scale)
+            outs.append(out.transpose(0, 1)[:, batch.query_valid])  # [heads, valid queries, head_dim]
+        return torch.cat(outs, dim=1)[:, self.inverse].unsqueeze(0)
+
+
+@dataclass
+class _BlockBatch:
+    """Blocks (context start, context length, own start, own length) padded into one batch: block b's
+    queries are its own tokens, its keys its context then its own tokens, causal to the lower right."""
+
+    query_index: Tensor  # [B, Q] row positions (padding: 0)
+    key_index: Tensor  # [B, K]
+    mask: Tensor  # [B, 1, Q, K] bool: may attend
+    query_valid: Tensor  # [B, Q] bool
+    query_positions: Tensor  # [valid queries] row positions, in query_valid's order
+
+    @classmethod
+    def of(cls, blocks: list[tuple[int, int, int, int]], device: torch.device) -> "_BlockBatch":
+        ctx_start, ctx_len, own_start, own_len = (torch.tensor(col).view(-1, 1) for col in zip(*blocks))
+        # Multiples of 16 keep SDPA's fused GPU kernels usable with a mask.
+        q_len = _round_up(int(own_len.max()), 16)
+        k_len = _round_up(int((ctx_len + own_len).max()), 16)
+        i = torch.arange(q_len).view(1, -1)
+        j = torch.arange(k_len).view(1, -1)
+        query_valid = i < own_len
+        query_index = torch.where(query_valid, own_start + i, 0)
+        key_index = torch.where(j < ctx_len, ctx_start + j, torch.where(j < ctx_len + own_len, own_start + j - ctx_len, 0))
+        mask = (j.unsqueeze(1) <= ctx_len.unsqueeze(2) + i.unsqueeze(2))  # causal, lower right
+        mask &= (j < ctx_len + own_len).unsqueeze(1)
+        # A padded query row keeps one key, so SDPA's softmax has no all-masked row (its output is dropped).
+        mask |= (~query_valid).unsqueeze(2) & (j == 0).unsqueeze(1)
+        return cls(query_index.to(device), key_index.to(device), mask.unsqueeze(1).to(device), query_valid.to(device),
+                   query_index[query_valid].to(device))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# Per device type, the attention a shared-prompt row runs with (others: BranchLoopAttention).
+ATTENTION_BY_DEVICE: dict[str, type] = {"cuda": BatchedBlockAttention}
+
+
+def _attention_class(device: torch.device) -> type:
+    return ATTENTION_BY_DEVICE.get(device.type, BranchLoopAttention)
+
+
+def attention_for(layout: "SharedPromptLayout") -> BranchLoopAttention | BatchedBlockAttention:
+    device = layout.input_ids.device
+    if _attention_class(device) is BatchedBlockAttention:
+        return BatchedBlockAttention(layout.segments, layout.num_tokens, device)
+    return BranchLoopAttention(layout.segments)
 
 
 def shared_prompt_attention(query: Tensor, key: Tensor, value: Tensor, segments: tuple[Segment, ...],
