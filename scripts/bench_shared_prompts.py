@@ -30,10 +30,9 @@ from rlhf_orch.memory.shapes import KNOWN_CONFIGS  # noqa: E402
 from rlhf_orch.trainer.forward import packed_attention_impl, sequence_logprobs  # noqa: E402
 from rlhf_orch.trainer import shared_prompts  # noqa: E402
 from rlhf_orch.trainer.shared_prompts import BatchedBlockAttention, BranchLoopAttention, shared_prompt_layout  # noqa: E402
-
-MODES = {"loop": BranchLoopAttention, "batched": BatchedBlockAttention}
 from rlhf_orch.transfer.batch import PackedBatch, Sample  # noqa: E402
 
+MODES = {"loop": BranchLoopAttention, "batched": BatchedBlockAttention}
 GPU_CASES = "4x8x512x256,2x16x1024x512,8x4x256x1024,16x2x128x128"
 CPU_CASES = "2x4x96x32,1x8x192x64"
 

@@ -52,6 +52,15 @@ def test_a_small_saving_runs_the_plain_row_where_the_attention_is_batched(monkey
     assert shared_prompt_layout(PackedBatch.from_samples(_samples(GROUPS))) is not None
 
 
+def test_a_shared_row_is_refused_on_another_attention(tiny_model_path):
+    # HF's own sdpa would ignore the row's attention and let the branches see each other, silently
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="trainer.share_prompts needs the 'varlen_sdpa' attention, the model has 'sdpa'"):
+        sequence_logprobs(model, PackedBatch.from_samples(_samples(GROUPS)), 1.0, share_prompts=True)
+
+
 def test_no_shared_prompt_means_no_other_row():
     assert shared_prompt_layout(PackedBatch.from_samples(_samples([(4, [2]), (5, [3])]))) is None
 

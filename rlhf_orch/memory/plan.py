@@ -204,7 +204,7 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         kv_sequences=kv_sequences_per_engine(
             a.rollout_batch_size * a.samples_per_prompt, getattr(typed.pipeline, "max_staleness", 0) + 1,
             _eval_sequences(typed), engines),
-        kv_block_size=kv_block_size(e.block_size, is_cpu=True),
+        kv_block_size=kv_block_size(e.block_size, is_cpu=True),  # read by the CPU engine's KV term only
         sync_bucket_bytes=int(getattr(typed.sync, "bucket_mb", 0) * 2**20),
         **(_sync_on_gpu(typed, plan) if on_gpu else {}),
         entropy=a.entropy_coef > 0,

@@ -138,9 +138,24 @@ def _(layout: SharedPromptLayout) -> dict[str, Any]:
             "shared_prompt_attention": attention_for(layout)}
 
 
-def _forward_layout(mb: PaddedBatch | PackedBatch, share_prompts: bool) -> SharedPromptLayout | None:
+def _forward_layout(model: nn.Module, mb: PaddedBatch | PackedBatch, share_prompts: bool) -> SharedPromptLayout | None:
     """The shared-prompt row of a packed micro-batch when asked for and some prompt repeats."""
-    return shared_prompt_layout(mb) if share_prompts and isinstance(mb, PackedBatch) else None
+    if not (share_prompts and isinstance(mb, PackedBatch)):
+        return None
+    impl = attention_implementation(model)
+    if impl is not None and impl != VARLEN_SDPA:
+        # Any other attention would drop the row's attention and mix its branches, silently.
+        raise ValueError(f"trainer.share_prompts needs the {VARLEN_SDPA!r} attention, the model has {impl!r}: "
+                         "load it with packed_attention_impl() off flash_attn, or set trainer.share_prompts=false")
+    return shared_prompt_layout(mb)
+
+
+def attention_implementation(model: nn.Module) -> str | None:
+    """The HF attention a (DeepSpeed-wrapped, critic-wrapped) model was loaded with; None if unknown."""
+    inner = getattr(model, "module", model)  # a DeepSpeed engine
+    inner = getattr(inner, "backbone", inner)  # CriticModel
+    config = getattr(inner, "config", None)
+    return getattr(config, "_attn_implementation", None) if config is not None else None
 
 
 @singledispatch
@@ -181,7 +196,7 @@ def sequence_logprobs_and_entropy(
     Only the positions that predict a model token get logits (`logits_to_keep`): the prompt's
     positions would each cost the LM head's V x hidden multiply-adds forward and twice that
     backward, plus a pass of the vocabulary reductions, for outputs every consumer masks away (on
-    SmolLM2's ~150-token few-shot prompts and 16-token answers, ~90 % of the positions). Every
+    SmolLM2's ~102-token few-shot prompts and ~10-token answers, ~90 % of the positions). Every
     position that predicts no model token reads 0, as padding does, in both layouts.
 
     `share_prompts` (trainer.share_prompts): a packed micro-batch's repeated prompts run once
@@ -190,7 +205,7 @@ def sequence_logprobs_and_entropy(
     from rlhf_orch.algo.losses import entropy_from_logits
 
     keep, next_tokens = _positions_to_score(mb)
-    layout = _forward_layout(mb, share_prompts)
+    layout = _forward_layout(model, mb, share_prompts)
     if layout is None:
         logits = model(**model_inputs(mb), use_cache=False, logits_to_keep=keep).logits
     else:
@@ -209,7 +224,7 @@ def _positions_to_score(mb: Any) -> tuple[Tensor, Tensor]:
 def _(mb: PaddedBatch) -> tuple[Tensor, Tensor]:
     # One set of columns for all rows: from the first column any row predicts a model token at,
     # to the last (right-padded rows; a row's prompt columns after that start read as padding).
-    # An empty micro-batch action mask keeps one column so shapes stay valid.
+    # An empty micro-batch action mask keeps the last column (none when rows are 1 token long).
     columns = mb.action_mask.bool().any(dim=0).nonzero()
     first = int(columns[0]) if columns.numel() else mb.input_ids.shape[1] - 2
     keep = torch.arange(max(first, 0), mb.input_ids.shape[1] - 1, device=mb.input_ids.device)
@@ -247,7 +262,7 @@ def _(mb: PackedBatch, keep: Tensor, scored: Tensor) -> Tensor:
 
 def sequence_values(critic: nn.Module, mb: PaddedBatch | PackedBatch, share_prompts: bool = False) -> Tensor:
     """Value of the state after token t, aligned with `mb.action_mask` ([b, L-1] or [N])."""
-    layout = _forward_layout(mb, share_prompts)
+    layout = _forward_layout(critic, mb, share_prompts)
     if layout is None:
         return _next_token_aligned(mb, critic(**model_inputs(mb)))
     return _next_token_aligned(mb, critic(**model_inputs(layout))[:, layout.model_position])

@@ -119,7 +119,8 @@ class BranchLoopAttention:
     """Attention over a shared-prompt row, one SDPA call per prefix and per branch: no padding, so
     the least arithmetic -- the choice where each call's overhead is small next to its work (CPU)."""
 
-    # Any shorter row pays on CPU: 2.0-2.7x per update at 60-70 % fewer tokens (docs/benchmarks.md).
+    # Any shorter row pays on CPU: 2.0-2.7x per update at 60-70 % fewer tokens, 1.1x at 19 %
+    # (scripts/bench_shared_prompts.py on SmolLM2's shape, docs/benchmarks.md "GPU runs").
     min_token_saving = 0.0
 
     def __init__(self, segments: tuple[Segment, ...]):
@@ -132,7 +133,7 @@ class BranchLoopAttention:
 class BatchedBlockAttention:
     """The same attention in two SDPA calls per layer: every prefix (and unshared sequence) padded
     into one batch, every branch with its prefix's keys in another, with per-row masks. On a GPU one
-    call per branch is launch-bound: at 4 prompts x 8 samples x 30 layers the loop costs more than
+    call per branch is launch-bound: at 4 prompts x 8 samples x 24 layers the loop costs more than
     the prompt's recomputation saves (docs/benchmarks.md "GPU runs"); padding wastes only
     arithmetic the GPU has to spare. The gathers' indices and masks are built once per micro-batch."""
 
@@ -146,15 +147,15 @@ class BatchedBlockAttention:
         branches = []
         for seg in segments:
             b0 = seg.start + seg.prefix
-            for length in seg.branches:
-                if length:
-                    branches.append((seg.start, seg.prefix, b0, length))
+            for length in seg.branches:  # >= 1 token each: a sequence without model tokens shares nothing
+                branches.append((seg.start, seg.prefix, b0, length))
                 b0 += length
         self.batches = [_BlockBatch.of(blocks, device) for blocks in (prefixes, branches) if blocks]
         order = torch.cat([b.query_positions for b in self.batches])
+        if order.numel() != num_tokens:
+            raise ValueError(f"shared-prompt blocks cover {order.numel()} of the row's {num_tokens} positions")
         self.inverse = torch.empty_like(order)
         self.inverse[order] = torch.arange(order.numel(), device=device)
-        assert order.numel() == num_tokens, (order.numel(), num_tokens)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, dropout_p: float) -> Tensor:
         q, k, v = query[0], key[0], value[0]  # [heads, M, head_dim]
