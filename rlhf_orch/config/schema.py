@@ -722,6 +722,12 @@ class EvalConfig:
     temperature: float = 0.0  # 0 = greedy
     pass_threshold: float = 1.0  # a sample "passes" when its score reaches this
 
+    # Derived (not a key): whether the run evaluates at all (the driver, the engines' KV cache and
+    # the memory plan all ask).
+    @property
+    def enabled(self) -> bool:
+        return self.every_n_steps > 0 or self.before_train
+
 
 # --------------------------------------------------------------------------- trainer
 @dataclass

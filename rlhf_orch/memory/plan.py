@@ -237,7 +237,7 @@ def _eval_sequences(typed: RootConfig) -> int:
     data.eval_size where the task has one; a held-out file's size is unknown here: as many as an
     engine runs at once, the most its cache is given)."""
     v = typed.eval
-    if not (v.every_n_steps > 0 or v.before_train):
+    if not v.enabled:
         return 0
     return (v.num_prompts or getattr(typed.data, "eval_size", 0) or CPU_MAX_SEQUENCES) * v.samples_per_prompt
 

@@ -84,7 +84,7 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
     if uses_reward_group:
         notes.append(f"reward: {reward.describe()}")
 
-    evaluating = bool(typed.eval.every_n_steps or typed.eval.before_train)
+    evaluating = typed.eval.enabled
     eval_prompts = task.eval_prompts(typed.eval.num_prompts) if evaluating else []
     if evaluating and not eval_prompts:
         raise InputError(

@@ -133,7 +133,7 @@ def engine_kv_cache_bytes(typed: RootConfig, plan: PlacementPlan, rollouts_at_on
     if shape is None:
         return None  # the engine's CPU_KV_CACHE_UNSIZED_BYTES
     a, v = typed.algo, typed.eval
-    evaluating = v.every_n_steps > 0 or v.before_train
+    evaluating = v.enabled
     sequences = kv_sequences_per_engine(a.rollout_batch_size * a.samples_per_prompt, rollouts_at_once,
                                         eval_prompts * v.samples_per_prompt if evaluating else 0, plan.num_ranks("engine"))
     return cpu_kv_cache_bytes(sequences, typed.data.prompt_max_len + typed.data.response_max_len,
