@@ -441,8 +441,10 @@ def main() -> None:
                 continue
             ph = runs[args.seeds[0]]["phases"]
             other = ph["step"] - ph["generate"] - ph["hand_over"] - ph["experience"] - ph["train"] - ph["sync"]
+            # Under one_step_off / async the next rollout generates while this step trains: no remainder to show.
+            other_text = f"{other:7.3f}" if other >= 0 else f"{'overlap':>8s}"
             print(f"{name:17s}{system:15s}{ph['step']:7.3f}{ph['generate']:7.3f}{ph['hand_over']:9.3f}{ph['experience']:7.3f}"
-                  f"{ph['train']:7.3f}{ph['sync']:7.3f}{other:7.3f}")
+                  f"{ph['train']:7.3f}{ph['sync']:7.3f}{other_text}")
     overhead = {}
     if parts:
         print("\nrlhf_orch (identical: pipeline=sync) against its parts alone (median s; bare vLLM with our block size 32)")
