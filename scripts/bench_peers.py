@@ -2,7 +2,7 @@
 
     pip install -e '.[peers]'                                  # TRL (not a runtime dependency)
     .venv/bin/python scripts/bench_peers.py                    # the tiny model: both settings, 2 seeds (~15 min here)
-    .venv/bin/python scripts/bench_peers.py --model smollm2_135m   # SmolLM2-135M-Instruct (~60 min here)
+    .venv/bin/python scripts/bench_peers.py --model smollm2_135m   # SmolLM2-135M-Instruct (~75 min here)
     .venv/bin/python scripts/bench_peers.py --settings default --seeds 0 --steps 10
     .venv/bin/python scripts/bench_peers.py --model smollm2_135m --search   # which of our configurations is fastest
 
