@@ -16,6 +16,7 @@ Usage: python scripts/bench_shared_prompts.py [--device cuda|cpu] [--model KEY] 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -58,14 +59,27 @@ def micro_batch(vocab: int, prompts: int, group: int, prompt_len: int, response_
     ]).to(device)
 
 
-def shared_prompt_layout_tokens(mb: PackedBatch) -> int:
-    """The shared row's length whatever the device's threshold (the loop's is 0)."""
-    default = shared_prompts.ATTENTION_BY_DEVICE.pop(mb.input_ids.device.type, None)
+@contextlib.contextmanager
+def forced(device_type: str, attention: type):
+    """Shared-prompt rows on `device_type` run `attention`, at any saving (its threshold off);
+    the registry and the threshold as they were afterwards."""
+    registry = shared_prompts.ATTENTION_BY_DEVICE
+    had, before, saving = device_type in registry, registry.get(device_type), attention.min_token_saving
+    registry[device_type], attention.min_token_saving = attention, 0.0
     try:
-        layout = shared_prompt_layout(mb)
+        yield
     finally:
-        if default is not None:
-            shared_prompts.ATTENTION_BY_DEVICE[mb.input_ids.device.type] = default
+        attention.min_token_saving = saving
+        if had:
+            registry[device_type] = before
+        else:
+            registry.pop(device_type)
+
+
+def shared_prompt_layout_tokens(mb: PackedBatch) -> int:
+    """The shared row's length whatever the device's threshold."""
+    with forced(mb.input_ids.device.type, BranchLoopAttention):
+        layout = shared_prompt_layout(mb)
     return layout.num_tokens if layout is not None else mb.num_tokens
 
 
@@ -139,21 +153,13 @@ def main() -> None:
         default = shared_prompts.ATTENTION_BY_DEVICE.get(device_type, BranchLoopAttention)
         row["default"] = next((m for m, a in MODES.items() if a is default), "?") if layout is not None else "plain"
         for mode, attention in MODES.items():  # each measured even where the default runs the plain row
-            shared_prompts.ATTENTION_BY_DEVICE[device_type] = attention
-            saving, attention.min_token_saving = attention.min_token_saving, 0.0
-            try:
+            with forced(device_type, attention):
                 shared = measure(model, mb, True, args.device, args.reps)
-            finally:
-                attention.min_token_saving = saving
             row[f"{mode}_step_s"] = round(shared["step_s"], 4)
             row[f"speedup_{mode}"] = round(plain["step_s"] / shared["step_s"], 3)
             row[f"{mode}_peak_gb"] = None if shared["peak_gb"] is None else round(shared["peak_gb"], 3)
             diff = (plain["logprobs"][scored].float() - shared["logprobs"][scored].float()).abs().max().item()
             row["max_abs_logprob_diff"] = max(row["max_abs_logprob_diff"], diff)
-        if default is BranchLoopAttention:
-            shared_prompts.ATTENTION_BY_DEVICE.pop(device_type, None)
-        else:
-            shared_prompts.ATTENTION_BY_DEVICE[device_type] = default
         rows.append(row)
         gb = (lambda v, w: f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}")
         print(f"{row['case']:<44}{row['tokens']:>8}{row['shared_tokens']:>8}{row['plain_step_s']:>9.3f}{row['loop_step_s']:>9.3f}"

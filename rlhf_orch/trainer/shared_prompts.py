@@ -126,6 +126,10 @@ class BranchLoopAttention:
     def __init__(self, segments: tuple[Segment, ...]):
         self.segments = segments
 
+    @classmethod
+    def of(cls, layout: SharedPromptLayout) -> "BranchLoopAttention":
+        return cls(layout.segments)
+
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, dropout_p: float) -> Tensor:
         return shared_prompt_attention(query, key, value, self.segments, scale, dropout_p)
 
@@ -156,6 +160,10 @@ class BatchedBlockAttention:
             raise ValueError(f"shared-prompt blocks cover {order.numel()} of the row's {num_tokens} positions")
         self.inverse = torch.empty_like(order)
         self.inverse[order] = torch.arange(order.numel(), device=device)
+
+    @classmethod
+    def of(cls, layout: SharedPromptLayout) -> "BatchedBlockAttention":
+        return cls(layout.segments, layout.num_tokens, layout.input_ids.device)
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, scale: float | None, dropout_p: float) -> Tensor:
         q, k, v = query[0], key[0], value[0]  # [heads, M, head_dim]
@@ -210,11 +218,8 @@ def _attention_class(device: torch.device) -> type:
     return ATTENTION_BY_DEVICE.get(device.type, BranchLoopAttention)
 
 
-def attention_for(layout: "SharedPromptLayout") -> BranchLoopAttention | BatchedBlockAttention:
-    device = layout.input_ids.device
-    if _attention_class(device) is BatchedBlockAttention:
-        return BatchedBlockAttention(layout.segments, layout.num_tokens, device)
-    return BranchLoopAttention(layout.segments)
+def attention_for(layout: SharedPromptLayout) -> BranchLoopAttention | BatchedBlockAttention:
+    return _attention_class(layout.input_ids.device).of(layout)
 
 
 def shared_prompt_attention(query: Tensor, key: Tensor, value: Tensor, segments: tuple[Segment, ...],
