@@ -284,5 +284,5 @@ def test_every_transfer_labels_a_sample_with_the_version_it_started_with_and_cou
     packed = _UpdatedMidway(LengthModel(mean=25, max_len=70), vocab_size=100).produce_and_hold(requests, job)
     n = PROMPTS * SPP
     for meta in (padded, packed):
-        assert meta.weight_versions == [3] * n and meta.interrupted == n // 2
+        assert meta.weight_versions == [3] * n and meta.interrupted == [bool(i % 2) for i in range(n)] and meta.interrupted_count == n // 2
         assert meta.token_version_means == [3.5 if i % 2 else 3.0 for i in range(n)]

@@ -93,10 +93,12 @@ def load_driver_state(path: Path) -> dict[str, Any]:
     (any other pickled global) is refused, naming what it holds."""
     from rlhf_orch.transfer.base import HeldRollout
     from rlhf_orch.transfer.batch import Sample
-    from rlhf_orch.transfer.engine_side import RolloutMeta
+    from rlhf_orch.transfer.rollout_meta import RolloutMeta
 
     try:
-        with torch.serialization.safe_globals([HeldRollout, RolloutMeta, Sample]):
+        # (RolloutMeta under its earlier module too: checkpoints written before it moved hold that name)
+        earlier = (RolloutMeta, "rlhf_orch.transfer.engine_side.RolloutMeta")
+        with torch.serialization.safe_globals([HeldRollout, RolloutMeta, earlier, Sample]):
             return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))) or str(e).splitlines()[0]

@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.transfer.base import Route, merge_meta
-from rlhf_orch.transfer.engine_side import RolloutJob, RolloutMeta
+from rlhf_orch.transfer.engine_side import RolloutJob
+from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.plan import pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
 
 # Shard ids the reward model stages evaluation pieces under (training shards are 0..ranks-1).

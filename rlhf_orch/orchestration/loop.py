@@ -37,7 +37,7 @@ from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.sync.base import SyncReport, WeightSync, WeightSyncError
 from rlhf_orch.trainer.metrics import trainer_metrics
 from rlhf_orch.transfer.base import Delivery, GroupFilter, HeldRollout, RolloutRequest, RolloutTransfer, Route
-from rlhf_orch.transfer.engine_side import RolloutMeta
+from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.plan import group_ids, trajectory_of
 
 
@@ -98,14 +98,21 @@ def sample_values_by_index(
 ) -> tuple[dict[int, float], dict[str, float]]:
     """The algorithm's per-sample value (`sample_values`) of every sequence, by index. Computed
     over trajectories: a trajectory's further sequences (env=agent) would otherwise weigh it
-    several times in its group's mean and spread; each takes its trajectory's value."""
+    several times in its group's mean and spread; each takes its trajectory's value. A masked
+    trajectory (`env.mask_failed` / `env.mask_truncated`: it trains nothing) is left out of its
+    group's statistics and gets 0, as veRL and SkyRL leave such samples out: an infrastructure
+    failure's score would otherwise move its siblings' baseline."""
     trajectories = meta.trajectories_only()
-    scores = torch.tensor(trajectories.rewards, dtype=torch.float32)
-    groups = torch.tensor(group_ids(trajectories.indices, samples_per_prompt), dtype=torch.long)
-    # the policy's own tokens (a multi-turn response's observations do not count towards overlong)
-    lengths = torch.tensor(trajectories.model_token_lens or trajectories.response_lens, dtype=torch.long)
-    values, stats = algo.sample_values(scores, groups, lengths, response_max_len)
-    of_trajectory = dict(zip(trajectories.indices, values.tolist()))
+    counted = trajectories.select([r for r, masked in enumerate(trajectories.masked) if not masked])
+    of_trajectory = dict.fromkeys(trajectories.indices, 0.0)
+    stats: dict[str, float] = {}
+    if counted.indices:
+        scores = torch.tensor(counted.rewards, dtype=torch.float32)
+        groups = torch.tensor(group_ids(counted.indices, samples_per_prompt), dtype=torch.long)
+        # the policy's own tokens (a multi-turn response's observations do not count towards overlong)
+        lengths = torch.tensor(counted.model_token_lens, dtype=torch.long)
+        values, stats = algo.sample_values(scores, groups, lengths, response_max_len)
+        of_trajectory.update(zip(counted.indices, values.tolist()))
     return {i: of_trajectory[trajectory_of(i)] for i in meta.indices}, stats
 
 
@@ -619,10 +626,11 @@ class TrainLoop:
         if delivery.dropped_groups is not None:
             metrics["sampling/dropped_groups"] = delivery.dropped_groups
             metrics["sampling/rounds"] = delivery.rounds
-        if delivery.meta.env_stats and self.env is not None:
-            metrics.update(self.env.metrics(delivery.meta.env_stats))
-        if delivery.meta.env_metrics and self.env is not None:
-            metrics.update(self.env.aggregate(delivery.meta.env_metrics))
+        env_stats, env_metrics = delivery.meta.env_stats_total(), delivery.meta.env_metrics_list()
+        if env_stats and self.env is not None:
+            metrics.update(self.env.metrics(env_stats))
+        if env_metrics and self.env is not None:
+            metrics.update(self.env.aggregate(env_metrics))
         if delivery.meta.model_rewards is not None:
             metrics["reward/model"] = sum(trajectories.model_rewards) / len(rewards)
         if delivery.meta.rule_rewards is not None:

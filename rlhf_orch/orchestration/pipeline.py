@@ -338,7 +338,7 @@ class AsyncPipeline(RolloutPipeline):
         meta = delivery.meta
         metrics = {
             "async/buffer_ready": self._buffer_ready,  # rollouts finished ahead when this one was taken
-            "rollout/interrupted": meta.interrupted,
+            "rollout/interrupted": meta.interrupted_count,
         }
         if self.partial_rollout and self.max_staleness and meta.token_version_means:
             # Per token (a sequence a weight update reached mid-way is partly newer): the tokens'

@@ -27,7 +27,8 @@ import ray
 
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 from rlhf_orch.transfer.micro_batches import near_equal_ranges, shard_for_ranks, split_by_count
-from rlhf_orch.transfer.engine_side import RolloutJob, RolloutMeta, Scorer, sum_env_stats
+from rlhf_orch.transfer.engine_side import RolloutJob, Scorer
+from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.plan import check_trajectories_divide
 
 MicroBatch = PaddedBatch | PackedBatch
@@ -215,37 +216,8 @@ class Delivery:
 
 
 def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
-    rows = sorted(
-        (i, s, r, w, t, v, tv, g)
-        for m in parts
-        for i, s, r, w, t, v, tv, g in zip(
-            m.indices,
-            m.seq_lens,
-            m.response_lens,
-            m.rewards,
-            m.truncated or [False] * len(m.indices),
-            m.weight_versions or [0] * len(m.indices),
-            m.token_version_means or [float(v) for v in (m.weight_versions or [0] * len(m.indices))],
-            m.model_token_lens or m.response_lens,
-        )
-    )
-    return RolloutMeta(
-        indices=[row[0] for row in rows],
-        seq_lens=[row[1] for row in rows],
-        response_lens=[row[2] for row in rows],
-        rewards=[row[3] for row in rows],
-        score_s=max((m.score_s for m in parts), default=0.0),
-        generated_at=max((m.generated_at for m in parts), default=0.0),
-        reward_errors=sum(m.reward_errors for m in parts),
-        reward_timeouts=sum(m.reward_timeouts for m in parts),
-        truncated=[row[4] for row in rows],
-        weight_versions=[row[5] for row in rows],
-        env_stats=sum_env_stats([m.env_stats for m in parts]),
-        env_metrics=[e for m in parts for e in m.env_metrics],
-        interrupted=sum(m.interrupted for m in parts),
-        token_version_means=[row[6] for row in rows],
-        model_token_lens=[row[7] for row in rows],
-    )
+    """Several engines' (or rounds') records as one, by index (`RolloutMeta.merge`)."""
+    return RolloutMeta.merge(parts)
 
 
 @dataclass

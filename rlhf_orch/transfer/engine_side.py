@@ -19,7 +19,6 @@ as soon as each finishes) and `_decode` (token ids -> text, for rule rewards) --
 from __future__ import annotations
 
 import abc
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -31,7 +30,8 @@ from rlhf_orch.reward.base import Response
 from rlhf_orch.reward.execution import ScoredBatch
 from rlhf_orch.transfer.batch import LOSS_MASK, PaddedBatch, Sample
 from rlhf_orch.transfer.packed_buffer import PackedBuffer
-from rlhf_orch.transfer.plan import CompletionRequest, MicroBatchWork, group_of, is_extra_sequence, trajectory_of
+from rlhf_orch.transfer.plan import CompletionRequest, MicroBatchWork, group_of, is_extra_sequence
+from rlhf_orch.transfer.rollout_meta import RolloutMeta
 
 # (prompts, responses) -> ScoredBatch: scores one batch where the samples are (rlhf_orch.reward.scoring).
 Scorer = Callable[[Sequence[Any], Sequence[Response]], ScoredBatch]
@@ -58,55 +58,6 @@ class Completion:
     weight_version: int | None = None
     interrupted: bool = False
     token_version_mean: float | None = None  # the weight version averaged over its tokens (None: weight_version)
-
-
-@dataclass
-class RolloutMeta:
-    """The small facts the driver keeps about sequences (never their tokens)."""
-
-    indices: list[int]
-    seq_lens: list[int]
-    response_lens: list[int]
-    rewards: list[float]
-    score_s: float = 0.0
-    generated_at: float = 0.0  # wall clock (time.time) when the engine's last sequence finished
-    reward_errors: int = 0  # samples whose reward function raised (scored 0)
-    reward_timeouts: int = 0  # samples whose reward function ran past reward.timeout_s (scored 0)
-    truncated: list[bool] = field(default_factory=list)  # per sample: hit max_tokens
-    weight_versions: list[int] = field(default_factory=list)  # per sample: the engine weights that sampled it
-    model_rewards: list[float] | None = None  # reward-model scores (before weighting), by index
-    rule_rewards: list[float] | None = None  # the weighted rule term, when a reward model adds to it
-    env_stats: dict[str, float] | None = None  # multi-turn rollouts: env counters summed over the samples
-    env_metrics: list[tuple[str, dict]] = field(default_factory=list)  # each trajectory's get_metrics()
-    interrupted: int = 0  # sequences a weight update reached while they were generating (pipeline=async)
-    token_version_means: list[float] = field(default_factory=list)  # per sample: its tokens' mean weight version
-    # Per sample: the tokens the policy generated (a multi-turn response without its observations:
-    # what DAPO's overlong penalty counts); empty = response_lens.
-    model_token_lens: list[int] = field(default_factory=list)
-
-    def __setstate__(self, state: dict) -> None:
-        # a rollout held in a checkpoint written before a field existed gets the field's default
-        defaults = {f.name: f.default_factory() for f in dataclasses.fields(self) if f.default_factory is not dataclasses.MISSING}
-        self.__dict__.update({**defaults, **state})
-
-    def trajectories_only(self) -> "RolloutMeta":
-        """The first sequence of every trajectory (a trajectory may train as several:
-        `plan.extra_sequence_index`): what rewards, groups and evaluation count."""
-        rows = [k for k, i in enumerate(self.indices) if not is_extra_sequence(i)]
-        if len(rows) == len(self.indices):
-            return self
-        pick = lambda values: [values[k] for k in rows] if values else values  # noqa: E731
-        return dataclasses.replace(
-            self, indices=pick(self.indices), seq_lens=pick(self.seq_lens), response_lens=pick(self.response_lens),
-            rewards=pick(self.rewards), truncated=pick(self.truncated), weight_versions=pick(self.weight_versions),
-            token_version_means=pick(self.token_version_means), model_token_lens=pick(self.model_token_lens),
-            model_rewards=pick(self.model_rewards), rule_rewards=pick(self.rule_rewards),
-        )
-
-    def share_trajectory_rewards(self) -> None:
-        """Every further sequence takes its trajectory's reward (a reward model scored each alone)."""
-        first = {i: r for i, r in zip(self.indices, self.rewards) if not is_extra_sequence(i)}
-        self.rewards = [first[trajectory_of(i)] for i in self.indices]
 
 
 @dataclass
@@ -143,26 +94,15 @@ def model_tokens(response_ids: Any, fields: dict[str, Any]) -> int:
     return int(torch.as_tensor(mask).sum()) if mask is not None else len(response_ids)
 
 
-def sum_env_stats(per_sample: Sequence[dict[str, float] | None]) -> dict[str, float] | None:
-    """Env counters of several samples (or metas) added up; None when none has any."""
-    present = [s for s in per_sample if s]
-    if not present:
-        return None
-    total: dict[str, float] = {}
-    for stats in present:
-        for k, v in stats.items():
-            total[k] = total.get(k, 0.0) + float(v)
-    return total
-
-
 def rollout_meta(
     samples: Sequence[Sample],
     score_s: float = 0.0,
     generated_at: float = 0.0,
     scored: ScoredBatch | None = None,
-    env_stats: dict[str, float] | None = None,
+    env_stats: Sequence[dict[str, float] | None] = (),
     env_metrics: Sequence[tuple[str, dict] | None] = (),
 ) -> RolloutMeta:
+    """The record of `samples` (in their order); `env_stats` / `env_metrics`: per sample, in the same order."""
     return RolloutMeta(
         indices=[s.index for s in samples],
         seq_lens=[len(s.prompt_ids) + len(s.response_ids) for s in samples],
@@ -174,10 +114,10 @@ def rollout_meta(
         reward_timeouts=scored.timeouts if scored else 0,
         truncated=[s.truncated for s in samples],
         weight_versions=[int(s.weight_version) for s in samples],
-        interrupted=sum(s.interrupted for s in samples),
+        interrupted=[bool(s.interrupted) for s in samples],
         token_version_means=[float(s.weight_version) if s.token_version_mean is None else s.token_version_mean for s in samples],
-        env_stats=env_stats,
-        env_metrics=[m for m in env_metrics if m],
+        env_stats=list(env_stats),
+        env_metrics=list(env_metrics),
         model_token_lens=[model_tokens(s.response_ids, s.fields) for s in samples],
     )
 
@@ -261,7 +201,7 @@ class RolloutProducer(abc.ABC):
                 num_slots=work.num_slots,
                 batch=ray.put(batch),
                 meta=rollout_meta(
-                    samples, score_s, scored=scored, env_stats=sum_env_stats([c.env_stats for c in finished]),
+                    samples, score_s, scored=scored, env_stats=[c.env_stats for c in finished],
                     env_metrics=[c.env_metrics for c in finished],
                 ),
                 nbytes=batch.nbytes,
@@ -293,11 +233,11 @@ class RolloutProducer(abc.ABC):
         texts_of: list[Any] = []  # response ids, as the engine gave them (what `_decode` reads)
         env_rewards: list[float | None] = []
         env_stats: list[dict[str, float] | None] = []
-        env_metrics: list[tuple[str, dict]] = []
+        env_metrics: list[tuple[str, dict] | None] = []
         generated: list[int] = []  # model tokens per completion
         versions: list[int] = []
         token_versions: list[float] = []
-        interrupted = 0
+        interrupted: list[bool] = []
         last_prompt: tuple[Any, Any] = (None, None)  # the samples of one prompt share its ids
         for done in self._complete(requests, job):
             for c in done:
@@ -312,13 +252,12 @@ class RolloutProducer(abc.ABC):
                 )
                 versions.append(version)
                 token_versions.append(float(version) if c.token_version_mean is None else c.token_version_mean)
-                interrupted += c.interrupted
+                interrupted.append(bool(c.interrupted))
                 texts_of.append(c.response_ids)
                 env_rewards.append(c.env_reward)
                 env_stats.append(c.env_stats)
+                env_metrics.append(c.env_metrics)
                 generated.append(model_tokens(c.response_ids, c.fields))
-                if c.env_metrics:
-                    env_metrics.append(c.env_metrics)
         t = time.perf_counter()
         info = held.scalars(rows)
         order = sorted(range(len(rows)), key=info["index"].__getitem__)
@@ -351,9 +290,9 @@ class RolloutProducer(abc.ABC):
             reward_timeouts=scored.timeouts if scored else 0,
             truncated=truncated,
             weight_versions=versions,
-            env_stats=sum_env_stats(env_stats),
-            env_metrics=env_metrics,
-            interrupted=interrupted,
+            env_stats=[env_stats[k] for k in order],
+            env_metrics=[env_metrics[k] for k in order],
+            interrupted=[interrupted[k] for k in order],
             token_version_means=token_versions,
             model_token_lens=[generated[k] for k in order],
         )
@@ -379,11 +318,9 @@ class RolloutProducer(abc.ABC):
     def produce_scores(self, requests: Sequence[CompletionRequest], job: RolloutJob) -> RolloutMeta:
         """Generate and score, keep nothing: lengths and rewards only (evaluation)."""
         completions = [c for done in self._complete(requests, job) for c in done]
-        samples, score_s, scored = self._samples(sorted(completions, key=lambda c: c.index), job)
-        return rollout_meta(
-            samples, score_s, time.time(), scored, sum_env_stats([c.env_stats for c in completions]),
-            [c.env_metrics for c in completions],
-        )
+        completions = sorted(completions, key=lambda c: c.index)
+        samples, score_s, scored = self._samples(completions, job)
+        return rollout_meta(samples, score_s, time.time(), scored, [c.env_stats for c in completions], [c.env_metrics for c in completions])
 
     def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]], slot: int = 0) -> Any:
         """One packed piece per rank (None where this engine holds nothing for it).

@@ -22,7 +22,7 @@ import torch
 
 from rlhf_orch.transfer.base import Delivery, HeldRollout, MicroBatch, RolloutRequest, RolloutTransfer, Route, merge_meta
 from rlhf_orch.transfer.batch import PackedBatch, Sample
-from rlhf_orch.transfer.engine_side import RolloutMeta
+from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.inbox import assemble_packed
 from rlhf_orch.transfer.plan import derive_token_budget, optimizer_steps, group_ids, group_of, pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
 
@@ -155,7 +155,9 @@ class PackedTransfer(RolloutTransfer):
         rounds = 1
 
         def informative() -> list[int]:
-            meta = merge_meta([m for parts in held for m in parts])
+            # (a masked trajectory trains nothing and counts in no group's statistics: nor here)
+            meta = merge_meta([m for parts in held for m in parts]).trajectories_only()
+            meta = meta.select([r for r, masked in enumerate(meta.masked) if not masked])
             keep = f.keep(torch.tensor(meta.rewards), torch.tensor(group_ids(meta.indices, spp))).tolist()
             return sorted({group_of(i, spp) for i, k in zip(meta.indices, keep) if k})
 
@@ -194,15 +196,5 @@ def _engine_ordered(plan: list[list[list[int]]], held_by_engine: Sequence[Sequen
 
 
 def _select(meta: RolloutMeta, groups: set[int], samples_per_prompt: int) -> RolloutMeta:
-    rows = [k for k, i in enumerate(meta.indices) if group_of(i, samples_per_prompt) in groups]
-    pick = lambda values: [values[k] for k in rows]  # noqa: E731
-    return dataclasses.replace(
-        meta,
-        indices=pick(meta.indices),
-        seq_lens=pick(meta.seq_lens),
-        response_lens=pick(meta.response_lens),
-        rewards=pick(meta.rewards),
-        truncated=pick(meta.truncated) if meta.truncated else [],
-        weight_versions=pick(meta.weight_versions) if meta.weight_versions else [],
-        token_version_means=pick(meta.token_version_means) if meta.token_version_means else [],
-    )
+    """The samples of the chosen prompt groups (every per-sample field: `RolloutMeta.where`)."""
+    return meta.where(lambda i: group_of(i, samples_per_prompt) in groups)
