@@ -36,6 +36,7 @@ MANIFEST = "manifest.json"
 DRIVER_STATE = "driver.pt"
 _PREFIX = "step_"
 _TMP = ".tmp-"
+SUPERSEDED = "superseded"  # checkpoints of a timeline a resume went back past (kept, never resumed by default)
 
 
 # resume=run_dir: this run's own directory (hydra.run.dir, set by the caller: a requeued Slurm job)
@@ -106,6 +107,21 @@ class CheckpointStore:
         done = self.complete()
         return done[-1] if done else None
 
+    def set_aside_after(self, step: int) -> list[Path]:
+        """Move the complete checkpoints of steps after `step` into `superseded/` (kept, never
+        taken as the latest, never rotated): a run resumed from step `step` continues another
+        timeline than theirs, and left in place they would be the "newest" a later `resume=` of
+        this run dir (or a requeued job) goes back to, and would rotate away the continuation's
+        own checkpoints. Returns where they went."""
+        moved = []
+        for info in self.complete():
+            if info.step > step:
+                target = self.root / SUPERSEDED / f"{info.path.name}-{int(time.time())}"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(info.path, target)
+                moved.append(target)
+        return moved
+
     def _rotate(self) -> None:
         for info in self.complete()[: -self.keep_last]:
             shutil.rmtree(info.path, ignore_errors=True)
@@ -168,6 +184,26 @@ def find_checkpoint(
         f"resume={resume!r}: no complete checkpoint there (a checkpoint dir has {MANIFEST}; a run dir has "
         "checkpoints/step_*); a run killed before its first checkpoint cannot be resumed"
     )
+
+
+def continuation_of(
+    resume: str, experiments_root: Path, checkpoint_dir: Optional[str] = None, experiment_name: Optional[str] = None
+) -> str:
+    """What a requeued job given `resume=<resume>` by hand resumes: the newest checkpoint its earlier
+    attempts wrote after that one (they continued it, into its run dir; a checkpoint of another
+    timeline there was set aside when they resumed: `CheckpointStore.set_aside_after`), else
+    `resume` itself. Without this a requeue would go back to the hand-given checkpoint every time.
+    A hand-given checkpoint dir that is gone was rotated away by the newer ones written beside it
+    (checkpoint.keep_last): the newest of those."""
+    given = Path(resume).expanduser()
+    if not given.exists() and given.name.startswith(_PREFIX) and complete_checkpoints(given.parent):
+        return str(complete_checkpoints(given.parent)[-1].path)
+    info = find_checkpoint(resume, experiments_root, checkpoint_dir, experiment_name)
+    run_dir = info.manifest.get("run_dir")
+    if not run_dir:
+        return resume
+    later = [c for c in complete_checkpoints(run_checkpoint_root(Path(run_dir), checkpoint_dir)) if c.step > info.step]
+    return str(later[-1].path) if later else resume
 
 
 def run_dir_of(resume: Optional[str], default: str, experiment_name: Optional[str] = None, checkpoint_dir: Optional[str] = None) -> str:

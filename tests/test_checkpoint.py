@@ -249,3 +249,44 @@ def test_resume_run_dir_takes_the_run_dir_s_own_checkpoint_or_starts_fresh_there
     assert run_dir_of("run_dir", str(mine)) == str(mine)
     resumed = load_resume_point(typed, mine, config, task)
     assert resumed is not None and resumed.info.path == ours and resumed.step == 3 and task.drawn == 3
+
+
+def test_a_requeued_job_given_a_checkpoint_by_hand_continues_from_what_it_wrote_after_it(tmp_path, capsys):
+    """A job given resume=<step 20 of run D> by hand (D went on to step 40 before). The resume sets
+    D's steps 30 and 40 aside (another timeline: kept, never the newest), so the job's own steps 25
+    and 30 are D's newest -- not rotated away by the old ones -- and its requeued attempt continues
+    from its step 30, not from the hand-given step 20 again (rotated away by then: keep_last=2)."""
+    import sys
+
+    from rlhf_orch.orchestration.run_record import RunRecord
+    from tests.conftest import compose_config
+    from tests.test_loop_consistency import _Logger, _Task
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from launchers.slurm.requeue_resume import requeue_resume
+
+    outputs = tmp_path / "outputs"
+    run = outputs / "quick" / "D"
+    store = CheckpointStore(run / "checkpoints", keep_last=3)
+    step_20 = _commit(store, 20, run)
+    for step in (30, 40):
+        _commit(store, step, run)
+
+    cfg = compose_config(["experiment=quick", "checkpoint.keep_last=2", f"resume={step_20}"])
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from rlhf_orch.app import check
+
+    typed, _ = check(cfg, instantiate(cfg.launcher))
+    resume = load_resume(str(step_20), outputs, None, CONFIG, num_steps=50)
+    record = RunRecord(run, typed, OmegaConf.to_container(cfg, resolve=True), _Logger(), _Task(), resume)
+    assert [c.step for c in record.store.complete()] == [20]
+    kept = sorted(p.name.rsplit("-", 1)[0] for p in (run / "checkpoints" / "superseded").iterdir())
+    assert kept == ["step_00000030", "step_00000040"]  # nothing produced is lost
+    assert "is of a timeline this run goes back past" in capsys.readouterr().out
+    for step in (25, 30):  # the resumed run's own checkpoints
+        _commit(record.store, step, run)
+    assert [c.step for c in record.store.complete()] == [25, 30]  # (the hand-given step 20 rotated away)
+    assert requeue_resume(["experiment=quick", f"resume={step_20}"], outputs) == str(run / "checkpoints" / "step_00000030")
+    assert requeue_resume(["experiment=quick"], outputs) == "run_dir"  # not given by hand: the job's own run dir

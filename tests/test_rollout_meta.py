@@ -165,3 +165,51 @@ def test_a_masked_trajectory_counts_in_no_group_statistics():
     assert [values[0], values[2]] == pytest.approx(alone.tolist())
     rest, _ = algo.sample_values(torch.tensor(rewards[3:]), torch.tensor([1, 1, 1]), torch.tensor([3, 3, 3]), 16)
     assert [values[3], values[4], values[5]] == pytest.approx(rest.tolist())
+
+
+def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_and_the_pipeline_decides(monkeypatch):
+    """DAPO: engine 1 dies in round 2 and is replaced (its round-2 share re-issued there); its
+    round-1 samples died with it. The held rollout says so (`shares`): under pipeline=sync the loop
+    treats it as a lost process (EngineDiedError: the run restarts from its checkpoint, which
+    repeats the uninterrupted run) -- it was a plain RuntimeError that ended the run; under async
+    the lost share is drawn again on the replacement."""
+    from types import SimpleNamespace
+
+    from rlhf_orch.orchestration.loop import EngineDiedError, TrainLoop
+    from rlhf_orch.orchestration.pipeline import AsyncPipeline, SyncPipeline
+
+    spp, engines = 4, 2
+    scripted = _ScriptedEngines(spp, 64, engines)
+    rounds = []
+
+    def generate(request, route, prompts):
+        rounds.append(prompts)
+        if len(rounds) == 2:
+            route.engines[1] = object()  # engine 1 died in round 2 and was replaced (on_engines)
+        return scripted.generate(request, route, prompts)
+
+    algo = instantiate(compose_config(["algo=dapo"]).algo)
+    drawn = iter(range(10**6))
+    more = lambda n: [dataclasses.make_dataclass("P", ["prompt_ids", "i"])([1, 2], next(drawn)) for _ in range(n)]  # noqa: E731
+    request = RolloutRequest(
+        prompts=more(6), prompt_ids=[[1, 2]] * 6, samples_per_prompt=spp, max_tokens=64, temperature=1.0, scorer=None,
+        num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=70,
+        group_filter=GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4),
+    )
+    monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
+    route = SimpleNamespace(engines=list(scripted.engines))
+    held = PackedTransfer().generate(request, route)
+    assert held.rounds == 2 and held.shares[1][0].engine is scripted.engines[1]  # round 1's share: the dead process
+    assert held.shares[1][-1].engine is route.engines[1]
+
+    redrawn = []
+    transfer = SimpleNamespace(redraw=lambda held, route, lost: redrawn.append(lost) or 0)
+    for pipeline in (SyncPipeline(), AsyncPipeline(max_staleness=1)):
+        loop = SimpleNamespace(pipeline=pipeline, transfer=transfer, _restart_s={}, _redrawn={}, _replace_engine=lambda e, step, dead=None: None)
+        if not pipeline.redraws_lost_shares:
+            with pytest.raises(EngineDiedError, match="vLLM engine 1 lost after making its share of step 0's rollout"):
+                TrainLoop.redraw_lost_shares(loop, held, route)
+        else:
+            TrainLoop.redraw_lost_shares(loop, held, route)
+        pipeline.close(None)
+    assert redrawn == [[1]]

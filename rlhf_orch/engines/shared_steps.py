@@ -45,7 +45,10 @@ class SharedEngineSteps:
         self._started_at: dict[str, int] = {}  # request id -> weight version when it was enqueued
         self._interrupted: set[str] = set()  # requests a weight update reached while in flight
         self._env_rollout = threading.Lock()  # one agent rollout at a time (see _complete_env)
-        self._agent_sessions = 0  # agent rollouts started and not ended (an update waits for them: _finish_in_flight)
+        # Multi-turn rollouts (agent or turn-driven) started and not ended: under
+        # finish_before_update an update waits for them (`_finish_in_flight`), so no trajectory
+        # takes an update between two of its turns.
+        self._sessions = 0
         self.steps_made = 0  # engine steps made (a plain int: read by the monitor thread, never locked)
 
     def _run(self, fn, *args):
@@ -123,6 +126,12 @@ class SharedEngineSteps:
         self._wait_for_update(new_requests=True)
         return self._run(self._enqueue, prompts, params, outbox)
 
+    def _submit_in_session(self, prompts, params, outbox: list[Any]) -> list[str]:
+        """(A multi-turn rollout's thread, inside its session.) A trajectory's next turn: an
+        update waiting for the sessions in flight does not hold it back (it waits for this one)."""
+        self._wait_for_update()
+        return self._run(self._enqueue, prompts, params, outbox)
+
     def _advance(self) -> bool:
         """(A rollout's thread.) One engine step, once no update is open (`_step`)."""
         self._wait_for_update()
@@ -134,11 +143,12 @@ class SharedEngineSteps:
 
     def _stepping(self) -> Any:
         """This engine's steps, shared by every rollout it generates, for a multi-turn driver
-        running on the caller's thread (a turn is a new request, like a rollout's)."""
+        running on the caller's thread inside its session (`_session_starts`): a turn is a new
+        request, like a rollout's, that an update waiting for the sessions does not hold back."""
         from rlhf_orch.engines.request_steps import SharedStepping
 
         return SharedStepping(
-            enqueue=self._submit, step=self._advance, take=lambda outbox: self._take_versioned(outbox)[0], abort=self._abort,
+            enqueue=self._submit_in_session, step=self._advance, take=lambda outbox: self._take_versioned(outbox)[0], abort=self._abort,
         )
 
     def _wait_for_update(self, new_requests: bool = False) -> None:
@@ -152,27 +162,30 @@ class SharedEngineSteps:
 
     def _finish_in_flight(self) -> None:
         """Before a weight update (spec.finish_before_update): no new request starts, and the
-        requests in flight finish with the weights they started with -- an agent session's too
-        (env=agent: its model calls reach vLLM through the endpoint, not `_enqueue`; the update
-        waits for the whole session, and no new one starts)."""
+        requests in flight finish with the weights they started with -- and so does every
+        multi-turn rollout in flight, whole (env=agent: its model calls reach vLLM through the
+        endpoint, not `_enqueue`; turn-driven: between two turns no request is in flight). The
+        update waits for the sessions, and no new one starts."""
         if not self.spec.finish_before_update or self._engine_thread is None:
             return
         with self._cond:
             self._closed = True
-            while self._started_at or self._agent_sessions:
+            while self._started_at or self._sessions:
                 self._cond.wait()
 
-    def _agent_session_starts(self) -> None:
-        """(A rollout's thread.) An agent rollout begins once no update holds new requests back;
-        counted, so an update that finishes the requests in flight first waits for its end."""
+    def _session_starts(self) -> None:
+        """(A rollout's thread.) A multi-turn rollout begins once no update holds new requests
+        back; counted, so an update that finishes the requests in flight first waits for its end."""
         with self._cond:
             while self._updating or self._closed:
                 self._cond.wait()
-            self._agent_sessions += 1
+            self._sessions += 1
 
-    def _agent_session_ends(self) -> None:
+    def _session_ends(self) -> None:
         with self._cond:
-            self._agent_sessions -= 1
+            self._sessions -= 1
+            if not self._sessions:
+                self._cond.notify_all()  # an update waiting for the sessions may go
             self._cond.notify_all()  # an update waiting for the agent sessions may go
 
 

@@ -272,17 +272,15 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         endpoint takes every output vLLM gives, so it runs on vLLM's thread, one rollout at a
         time on this engine. A weight update may land between two steps; a trajectory's staleness
         counts from the version it started with."""
-        self._wait_for_update(new_requests=True)
         seed = getattr(self, "_step_seed", self.spec.seed)
+        self._session_starts()  # (after any update it had to wait for)
         started = self.weight_version
-        if not job.env.calls_through_endpoint:
-            self._run(self._weights_present)
-            for item in self._complete_turns(requests, job, seed):
-                yield self._stamped(item, started)
-            return
-        self._agent_session_starts()
-        started = self.weight_version  # (an update it waited for is in)
         try:
+            if not job.env.calls_through_endpoint:
+                self._run(self._weights_present)
+                for item in self._complete_turns(requests, job, seed):
+                    yield self._stamped(item, started)
+                return
             with self._env_rollout:
 
                 def start():
@@ -297,7 +295,7 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
                         return
                     yield self._stamped(item, started)
         finally:
-            self._agent_session_ends()
+            self._session_ends()
 
     def _stamped(self, completions: list[Completion], started: int) -> list[Completion]:
         for c in completions:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -77,6 +78,10 @@ def wait_starting(refs: list, timeout_s: float, stopped: Callable[[], bool] | No
     return ray.get(refs)
 
 
+class RunEnding(RuntimeError):
+    """The run's actors were killed (its attempt ended): no engine is started for it any more."""
+
+
 @dataclass
 class RoleActors:
     engines: list[Any] = field(default_factory=list)
@@ -87,14 +92,25 @@ class RoleActors:
     # start_engine(e) -> a new engine e in its own bundle (the replacement of one that died).
     start_engine: Callable[[int], Any] | None = None
     startup_timeout_s: float = 600.0
+    # `kill` and `restart_engine` take turns: a rollout thread still replacing an engine when the
+    # attempt ends (its Ray call blocked meanwhile) must not leave a new engine in a bundle the
+    # next attempt needs. Every engine started here is killed with the others.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _killed: bool = False
+    _started: list[Any] = field(default_factory=list, repr=False)
 
     def restart_engine(self, e: int) -> Any:
-        """Replace engine `e` (dead) by a fresh one in the same bundle; it holds the initial weights."""
-        try:
-            ray.kill(self.engines[e])
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        engine = self.start_engine(e)
+        """Replace engine `e` (dead) by a fresh one in the same bundle; it holds the initial
+        weights. RunEnding once the actors were killed (before or while it starts)."""
+        with self._lock:
+            if self._killed:
+                raise RunEnding(f"the run's actors were removed: engine {e} is not replaced")
+            try:
+                ray.kill(self.engines[e])
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            engine = self.start_engine(e)
+            self._started.append(engine)
         try:
             ray.get(engine.ping.remote(), timeout=self.startup_timeout_s)
         except ray.exceptions.GetTimeoutError as err:
@@ -103,8 +119,13 @@ class RoleActors:
                 "no node has room for its bundle (a node lost?) or it ran out of memory"
             ) from err
         except ray.exceptions.RayActorError as err:
+            if self._killed:
+                raise RunEnding(f"the run's actors were removed while engine {e}'s replacement started") from err
             raise ActorStartError(f"the replacement of engine {e} died while starting: {err}") from err
-        self.engines[e] = engine
+        with self._lock:
+            if self._killed:  # (kill() took it down with the others)
+                raise RunEnding(f"the run's actors were removed while engine {e}'s replacement started")
+            self.engines[e] = engine
         return engine
 
     def all(self) -> list[Any]:
@@ -125,7 +146,10 @@ class RoleActors:
 
     def kill(self) -> None:
         self.close_endpoints()  # first: ray.kill returns before the process is gone
-        for actor in self.all():
+        with self._lock:  # (no replacement starts after this, and one starting now goes too)
+            self._killed = True
+            actors = [*self.all(), *self._started]
+        for actor in actors:
             try:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001 - already gone is fine when tearing down

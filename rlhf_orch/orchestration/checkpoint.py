@@ -7,7 +7,7 @@ Where checkpoints are on disk and which one `resume=` names: rlhf_orch.checkpoin
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -81,6 +81,7 @@ class ResumePoint:
     info: CheckpointInfo
     state: dict[str, Any]  # driver.pt
     changed: list[str]  # config keys changed since the checkpoint (none of them breaking)
+    notes: list[str] = field(default_factory=list)  # what resuming does differently from the checkpoint (one line each)
 
     @property
     def step(self) -> int:
@@ -139,12 +140,46 @@ def load_resume(
                 f"held by {held_by}; resume with the same "
                 f"{' and '.join(k.split('.')[0] for k in moved)} (change it at a checkpoint of a run that holds no rollout)"
             )
+    notes = _within_the_staleness_bound(resume, info, state, config)
     if info.step >= num_steps:
         raise ResumeError(
             f"resume={resume}: the checkpoint is at step {info.step} and algo.num_steps={num_steps} leaves nothing to run; "
             f"raise algo.num_steps (e.g. algo.num_steps={info.step + max(num_steps, 1)})"
         )
-    return ResumePoint(info, state, other + harmless)
+    return ResumePoint(info, state, other + harmless, notes)
+
+
+def _within_the_staleness_bound(resume: str, info: CheckpointInfo, state: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    """Carried rollouts that would train above the resumed run's `pipeline.max_staleness` (lowered
+    since the checkpoint) are not trained: the first such rollout and every later one are dropped
+    and the sampler goes back to before the first one's prompts were drawn, so the resumed run
+    draws them again, each within the bound (none is skipped, none trained twice). A checkpoint
+    without the sampler positions (written before they were kept) is refused instead."""
+    pending = state.get("pending_rollout")
+    bound = _at(config, "pipeline.max_staleness")
+    if not pending or bound is None:
+        return []
+    rollouts = sorted(pending if isinstance(pending, list) else [pending], key=lambda h: h.step)
+    # Step j trains with the trainers at version j - 1: a sample drawn by version v is j - 1 - v behind.
+    behind = [max(h.step - 1 - v for v in h.meta.weight_versions) if h.meta.weight_versions else 0 for h in rollouts]
+    first = next((k for k, b in enumerate(behind) if b > bound), None)
+    if first is None:
+        return []
+    step = rollouts[first].step
+    before = (state.get("data_before_pending") or {}).get(step)
+    if before is None:
+        raise ResumeError(
+            f"resume={resume}: the checkpoint {info.path} carries the rollout of step {step} drawn {behind[first]} versions behind, "
+            f"more than pipeline.max_staleness={bound}, and not the sampler's position before it (an older checkpoint); "
+            f"resume with pipeline.max_staleness={max(behind)} and lower it at a later checkpoint"
+        )
+    kept = rollouts[:first]
+    state["pending_rollout"] = (kept if isinstance(pending, list) else kept[0]) if kept else None
+    state["data"] = before
+    dropped = [h.step for h in rollouts[first:]]
+    return [f"resume: the carried rollout{'s' if len(dropped) > 1 else ''} of step{'s' if len(dropped) > 1 else ''} "
+            f"{', '.join(map(str, dropped))} (up to {max(behind[first:])} versions behind) exceed pipeline.max_staleness={bound}: "
+            "drawn again (the sampler goes back to before their prompts)"]
 
 
 def save_checkpoint(

@@ -20,7 +20,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 
@@ -30,7 +30,7 @@ from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import ROLES, dead_actor, one_line
-from rlhf_orch.orchestration.actors import RoleActors, not_answering
+from rlhf_orch.orchestration.actors import RoleActors, lost_processes, not_answering
 from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
 from rlhf_orch.reward.scoring import RewardSetup
@@ -161,12 +161,13 @@ class TrainLoop:
         # Per step whose rollout lost an engine, the seconds each replacement took (restored on
         # resume). Keyed by the rollout's step: under one_step_off it is made during the step before.
         self.restart_log: dict[int, list[float]] = {}
+        self.engine_restarts_before = 0  # replacements the run made before this invocation (a resumed run's)
         self._restart_s: dict[int, float] = {}  # per step, the seconds this process spent replacing engines (time/engine_restart)
+        self._redrawn: dict[int, int] = {}  # per step, samples of its rollout drawn again after their engine was lost (fault/redrawn_samples)
         self.rollout_dump = rollout_dump  # logger.rollouts: what the model wrote, for people
         # Each step's prompt objects by prompt index (the rollout dump's data sources); a list the
         # dynamic sampling extends in place. Kept for the steps in flight only.
         self._prompts_of_step: dict[int, list[Any]] = {}
-        self._made_by: dict[int, list[Any]] = {}  # per rollout made and not handed over, the engines holding it
         self._drawing = threading.Lock()  # a rollout thread draws a step's prompts (one_step_off) while the main thread asks
         self._data_before: dict[int, dict[str, Any]] = {}  # per step drawn, the sampler's position before (data_state_before)
         self.updating = False  # an update of the trainers is in progress (or failed half-way): see _update
@@ -254,6 +255,8 @@ class TrainLoop:
         metrics["fault/engine_restarts"] = sum(len(v) for k, v in self.restart_log.items() if k <= step)
         if step in self._restart_s:  # this attempt's replacements (the log also holds a lost attempt's)
             metrics["time/engine_restart"] = self._restart_s[step]
+        if step in self._redrawn:
+            metrics["fault/redrawn_samples"] = self._redrawn.pop(step)
         return metrics
 
     def _update(self, policy_calls: list[ray.ObjectRef], critic_calls: list[ray.ObjectRef]) -> tuple[list[Any], list[Any]]:
@@ -280,6 +283,12 @@ class TrainLoop:
         """Engines replaced so far in this run (resumed runs included)."""
         return sum(len(v) for v in self.restart_log.values())
 
+    @property
+    def engine_restarts_used(self) -> int:
+        """Engines replaced by this invocation (what fault.max_engine_restarts bounds: a resumed
+        run starts with the budget whole)."""
+        return self.engine_restarts - self.engine_restarts_before
+
     # ------------------------------------------------------------------ what the pipeline calls
     def rollout_request(self, step: int) -> RolloutRequest:
         """Step `step`'s prompts, after seeding every engine for that step: a resumed run or a
@@ -303,30 +312,73 @@ class TrainLoop:
 
     def generate(self, step: int) -> HeldRollout:
         """Step `step`'s rollout generated and scored, held where the transfer holds it."""
-        route = self.route(step)
-        held = self.transfer.generate(self.rollout_request(step), route)
+        held = self.transfer.generate(self.rollout_request(step), self.route(step))
         held.step = step
-        self.note_producers(step, route)
         return held
 
-    def note_producers(self, step: int, route: Route) -> None:
-        """Step `step`'s rollout is made: the engines that made it hold their shares until the
-        hand-over (`check_producers`)."""
-        self._made_by[step] = list(route.engines)
+    def hand_over(self, held: HeldRollout) -> Delivery:
+        """Stage a held rollout on the trainers. Its shares lost with an engine (replaced since
+        they were made, or found dead by the hand-over itself) are drawn again on the replacement
+        first, where the pipeline allows it (`redraw_lost_shares`)."""
+        return self._with_lost_shares_redrawn(held, lambda route: self.transfer.hand_over(held, route))
 
-    def check_producers(self, step: int, forget: bool = True, route: Route | None = None) -> None:
-        """Before step `step`'s rollout is handed over (or read into a checkpoint): every engine
-        that made a share of it still holds it. One lost after making its share and replaced for
-        another rollout in flight (pipeline=async: several rollouts on every engine) took the
-        share with it -- a lost process (EngineDiedError): the run restarts from its checkpoint."""
-        made_by = self._made_by.pop(step, None) if forget else self._made_by.get(step)
-        current = route.engines if route is not None else self.actors.engines  # (the engines the hand-over will ask)
-        lost = [e for e, engine in enumerate(made_by or []) if engine is not current[e]]
-        if lost:
+    def export_held(self, held: HeldRollout) -> HeldRollout:
+        """A held rollout with its samples, for a checkpoint (lost shares drawn again first)."""
+        return self._with_lost_shares_redrawn(held, lambda route: self.transfer.export_held(held, route))
+
+    def _with_lost_shares_redrawn(self, held: HeldRollout, action: Callable[[Route], Any]) -> Any:
+        """`action(route)` on the engines that hold every share of `held`. An engine found dead by
+        it is replaced (fault.max_engine_restarts), its share drawn again, and the action repeated
+        -- where the pipeline redraws lost shares; elsewhere the failure stands (a lost process)."""
+        while True:
+            route = self.route()
+            self.redraw_lost_shares(held, route)
+            try:
+                return action(route)
+            except (ActorDiedError, StepFailedError):
+                dead = self._dead_engines(held) if self.pipeline.redraws_lost_shares else []
+                if not dead:
+                    raise
+                for e, engine in dead:
+                    self._replace_engine(e, held.step, dead=engine)
+
+    def _dead_engines(self, held: HeldRollout) -> list[tuple[int, Any]]:
+        """(index, handle) of the engines holding shares of `held` that are dead or hung."""
+        if not held.shares:
+            return []
+        engines = list(self.actors.engines)
+        return [(e, engines[e]) for e in lost_processes(engines, timeout_s=10.0)]
+
+    def redraw_lost_shares(self, held: HeldRollout, route: Route) -> None:
+        """Before a held rollout is handed over (or read into a checkpoint): every engine process
+        that made a share of it still holds it. One replaced since (lost while generating another
+        rollout, receiving weights, or found dead holding this one) took its share along: under a
+        pipeline that redraws lost shares (async) the share is drawn again on the replacement --
+        the same prompts, new samples, the replacement's weights -- or, for a rollout restored from
+        a checkpoint, held again from the checkpoint's samples; elsewhere it is a lost process
+        (EngineDiedError) and the run restarts from its checkpoint, which repeats the
+        uninterrupted run bit for bit."""
+        if not held.shares:
+            return
+        lost = [e for e, shares in enumerate(held.shares) if any(s.engine is not route.engines[e] for s in shares)]
+        if not lost:
+            return
+        what = f"vLLM engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
+        if not self.pipeline.redraws_lost_shares or (held.request is None and held.samples is None):
             raise EngineDiedError(
-                f"vLLM engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost after making {'their shares' if len(lost) > 1 else 'its share'} "
-                f"of step {step}'s rollout (replaced for another rollout in flight): the share went with it"
+                f"{what} lost after making {'their shares' if len(lost) > 1 else 'its share'} of step {held.step}'s rollout "
+                "(replaced since): the share went with it"
             )
+        t = time.perf_counter()
+        route.replace_engine = functools.partial(self._replace_engine, step=held.step)
+        redrawn = self.transfer.redraw(held, route, lost)
+        held.ready_at = time.time()  # (ready again now: what it waited for the trainers counts from here)
+        took = time.perf_counter() - t
+        self._restart_s[held.step] = self._restart_s.get(held.step, 0.0) + took
+        self._redrawn[held.step] = self._redrawn.get(held.step, 0) + redrawn
+        print(f"{what}: {'their shares' if len(lost) > 1 else 'its share'} of step {held.step}'s rollout, lost with "
+              f"{'them' if len(lost) > 1 else 'it'}, {'held again' if held.samples is not None else 'drawn again'} on the "
+              f"replacement ({took:.1f}s)", flush=True)
 
     def sleep_engines(self) -> None:
         """The engines are idle until the next sync: they release their GPU memory (at sleep level
@@ -383,14 +435,15 @@ class TrainLoop:
         re-formed, the same version pushed again (bounded by the engine restart budget). The next
         rollout seeds every engine for its step, so it draws what it would have."""
         s = self.settings
-        if self.pipeline.holds_rollout():
+        if self.pipeline.holds_rollout() and not self.pipeline.redraws_lost_shares:
             # Its share of the rollout generated ahead went with it: the run restarts from its
-            # last checkpoint instead (ActorDiedError is a lost process).
+            # last checkpoint instead (ActorDiedError is a lost process). Under async it is drawn
+            # again before its hand-over, and a generation in flight on it goes on on the replacement.
             raise EngineDiedError(
                 f"vLLM engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost receiving weight version "
                 f"{version} while the rollout generated ahead for the next step was held"
             )
-        allowed = s.max_engine_restarts - self.engine_restarts
+        allowed = s.max_engine_restarts - self.engine_restarts_used
         if len(lost) > allowed:
             raise EngineRestartBudgetError(
                 f"vLLM engine {lost[max(allowed, 0)]} was lost receiving weight version {version} and the engine restart "
@@ -408,7 +461,7 @@ class TrainLoop:
         print(
             f"engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost receiving weight version {version}: "
             f"replaced in {'their bundles' if len(lost) > 1 else 'its bundle'}, the version pushed again "
-            f"({took:.1f}s; restart {self.engine_restarts}/{s.max_engine_restarts})",
+            f"({took:.1f}s; restart {self.engine_restarts_used}/{s.max_engine_restarts})",
             flush=True,
         )
 
@@ -438,9 +491,10 @@ class TrainLoop:
         with self._replacing:
             if dead is not None and self.actors.engines[e] is not dead:
                 return self.actors.engines[e]
-            if self.pipeline.holds_finished_rollouts():
+            if self.pipeline.holds_finished_rollouts() and not self.pipeline.redraws_lost_shares:
                 # Its share of a rollout finished for a later step went with it: the run restarts
-                # from its last checkpoint instead (ActorDiedError is a lost process).
+                # from its last checkpoint instead (ActorDiedError is a lost process). Under async
+                # the share is drawn again before that rollout's hand-over (redraw_lost_shares).
                 raise EngineDiedError(f"vLLM engine {e} died holding rollouts finished ahead for later steps")
             return self._replace_dead_engine(e, step)
 
@@ -460,7 +514,7 @@ class TrainLoop:
                     f"(v{self.version}) are gone from the trainers (now v{self.trained}), so a replacement would draw its "
                     "share with other weights than the rest of the rollout"
                 )
-            if self.engine_restarts >= s.max_engine_restarts:
+            if self.engine_restarts_used >= s.max_engine_restarts:
                 raise EngineRestartBudgetError(
                     f"vLLM engine {e} died during step {step} and the engine restart budget is used up "
                     f"(fault.max_engine_restarts={s.max_engine_restarts})"
@@ -474,7 +528,7 @@ class TrainLoop:
         self._restart_s[step] = self._restart_s.get(step, 0.0) + took
         print(
             f"engine {e} died making step {step}'s rollout: replaced in its bundle, weights v{self.version} pushed, "
-            f"its prompts re-issued ({took:.1f}s; restart {self.engine_restarts}/{s.max_engine_restarts})",
+            f"its prompts re-issued ({took:.1f}s; restart {self.engine_restarts_used}/{s.max_engine_restarts})",
             flush=True,
         )
         return engine

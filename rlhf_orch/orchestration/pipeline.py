@@ -56,8 +56,8 @@ class PipelineHost(Protocol):
     def rollout_request(self, step: int) -> Any: ...
     def route(self, step: int | None = None) -> Route: ...
     def generate(self, step: int) -> HeldRollout: ...
-    def note_producers(self, step: int, route: Route) -> None: ...
-    def check_producers(self, step: int, forget: bool = True, route: Route | None = None) -> None: ...
+    def hand_over(self, held: HeldRollout) -> Delivery: ...
+    def export_held(self, held: HeldRollout) -> HeldRollout: ...
     def sync_engines(self, timings: dict[str, float]) -> None: ...
     def sleep_engines(self) -> None: ...
 
@@ -79,9 +79,15 @@ class RolloutPipeline:
     # A weight update waits until the requests in flight finish (the engines hold it back; the
     # driver waits for that before it pushes: `TrainLoop._push`).
     finishes_requests_before_update: bool = False
+    # A share of a held rollout lost with its engine is drawn again on the replacement (the same
+    # prompts, new samples) instead of restarting the run from its checkpoint, which would repeat
+    # the uninterrupted run exactly: for pipelines whose sampling depends on timing anyway (async).
+    redraws_lost_shares: ClassVar[bool] = False
 
     def rollout(self, loop: PipelineHost, step: int, timings: dict[str, float]) -> Delivery:
         """Step `step`'s rollout, staged on the trainer ranks."""
+        if loop.transfer.holds_rollouts:  # (checked between the two: every share still held)
+            return loop.hand_over(loop.generate(step))
         return loop.transfer.deliver(loop.rollout_request(step), loop.route(step))
 
     def engines_idle(self, loop: PipelineHost) -> None:
@@ -159,9 +165,7 @@ class OneStepOffPipeline(RolloutPipeline):
         t = time.perf_counter()
         held = self._take(loop, step)
         timings["rollout_wait"] = time.perf_counter() - t  # generation the trainers could not hide
-        route = loop.route()
-        loop.check_producers(step, route=route)
-        delivery = loop.transfer.hand_over(held, route)
+        delivery = loop.hand_over(held)
         # The engines are idle now: give them the trainers' newest weights, then start the next
         # rollout, which runs while the trainers train on this one.
         loop.sync_engines(timings)
@@ -193,8 +197,7 @@ class OneStepOffPipeline(RolloutPipeline):
         held = self.settle(loop)
         if held is None:
             return None
-        loop.check_producers(held.step, forget=False)
-        return loop.transfer.export_held(held, loop.route())
+        return loop.export_held(held)
 
     def holds_rollout(self) -> bool:
         return self._held is not None or self._next is not None
@@ -244,6 +247,7 @@ class AsyncPipeline(RolloutPipeline):
     engines_awake_in_training: ClassVar[bool] = True  # never idle (engines_idle does nothing), never asleep
     sleeps_engines: ClassVar[bool] = False
     one_version_per_rollout: ClassVar[bool] = False  # each new version reaches the rollouts in flight
+    redraws_lost_shares: ClassVar[bool] = True  # an engine lost costs its shares, not the run (sampling is timing-dependent anyway)
 
     def __init__(self, max_staleness: int = 1, partial_rollout: bool = True) -> None:
         if max_staleness < 0:
@@ -269,10 +273,8 @@ class AsyncPipeline(RolloutPipeline):
         held = self._take(step)
         timings["rollout_wait"] = time.perf_counter() - t  # the trainers idle, waiting for this rollout
         self._buffer_ready = sum(f.done() for f in self._in_flight.values()) + len(self._ready)
-        route = loop.route()  # (an engine replaced after this is asked at its old handle: a lost process, not a stray sample)
-        loop.check_producers(step, route=route)
         try:
-            return loop.transfer.hand_over(held, route)
+            return loop.hand_over(held)
         finally:
             with self._lock:
                 self._handing = None
@@ -307,9 +309,7 @@ class AsyncPipeline(RolloutPipeline):
         held = self.settle(loop)
         if not held:
             return None
-        for h in held:
-            loop.check_producers(h.step, forget=False)
-        return [loop.transfer.export_held(h, loop.route()) for h in held]
+        return [loop.export_held(h) for h in held]
 
     def holds_rollout(self) -> bool:
         with self._lock:  # (asked from rollout threads too)
@@ -381,7 +381,6 @@ class AsyncPipeline(RolloutPipeline):
                     self._busy[-1][1] = time.perf_counter()
                     self._busy = self._busy[-64:]  # the spans a step can still ask about
         held.step = step
-        loop.note_producers(step, route)
         return held
 
     def _take(self, step: int) -> HeldRollout:

@@ -29,6 +29,9 @@ class RunRecord:
         self.run_dir, self.typed, self.config_dict, self.logger, self.task = run_dir, typed, config_dict, logger, task
         # Under a shared checkpoint.dir, this run's own directory: other runs' saves and rotations never touch it.
         self.store = CheckpointStore(run_checkpoint_root(run_dir, ck.dir), ck.keep_last)
+        if resume is not None:
+            for moved in self.store.set_aside_after(resume.step):
+                print(f"resume: {moved.name.rsplit('-', 1)[0]} is of a timeline this run goes back past: kept in {moved.parent}", flush=True)
         self.history: list[dict[str, Any]] = list(resume.state["metrics"]) if resume else []
         self.last_checkpoint: Path | None = resume.info.path if resume else None
         self._resumed_from: Path | None = resume.info.path if resume else None
@@ -37,6 +40,10 @@ class RunRecord:
         self._finished: dict[str, Any] | None = None
         self._initial: dict[str, Any] | None = None  # the driver's state before step 1 (a fresh run)
         self.trainer_restarts = int(resume.state.get("trainer_restarts", 0)) if resume else 0
+        # The fault budgets are this invocation's (a resumed run -- by hand, or a requeued job --
+        # starts with them whole); the counters logged stay the run's.
+        self.trainer_restarts_at_start = self.trainer_restarts
+        self.engine_restarts_at_start = int(resume.state.get("engine_restarts", 0)) if resume else 0
         # Every engine replacement of the run, by the step whose rollout lost it (None: none yet in
         # this process): a whole-run restart carries it into the new attempt, so the counters and
         # fault.max_engine_restarts stay run-wide (the checkpoint's log knows only the steps before it).
@@ -44,6 +51,11 @@ class RunRecord:
         # (resume=run_dir with no checkpoint yet: a fresh start over an earlier attempt's records)
         self.metrics_file = MetricsFile(run_dir, keep_through_step=resume.step if resume else (-1 if typed.resume else None))
         logger.start(str(run_dir), config_dict, typed.experiment_name, resume_id=resume.state.get("logger_run_id") if resume else None)
+
+    @property
+    def trainer_restarts_used(self) -> int:
+        """Whole-run restarts this invocation made (what fault.max_trainer_restarts bounds)."""
+        return self.trainer_restarts - self.trainer_restarts_at_start
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.metrics_file.write(metrics)
@@ -83,7 +95,11 @@ class RunRecord:
         # The rollouts in flight first: settling them may draw more prompts (dynamic sampling's
         # extra rounds), and the sampler's position saved must be the one after every draw they made.
         pending = loop.pipeline.pending(loop)
-        self._write(step, loop, actors, {**self._driver_state(step, loop), "pending_rollout": pending})
+        # Where the sampler was before each carried rollout's prompts: a resumed run with a lower
+        # pipeline.max_staleness draws those it may not train again (checkpoint._within_the_staleness_bound).
+        carried = pending if isinstance(pending, list) else [pending] if pending is not None else []
+        before = {h.step: loop.data_state_before(h.step) for h in carried}
+        self._write(step, loop, actors, {**self._driver_state(step, loop), "pending_rollout": pending, "data_before_pending": before})
 
     def final_checkpoint(self, loop: Any, actors: Any, exact_only: bool = False) -> str:
         """After a failure, while the trainers may still be alive: a checkpoint of the last

@@ -184,6 +184,8 @@ def load_resume_point(typed: RootConfig, run_dir: Path, config_dict: dict, task:
               "again with the checkpoint's weights (the uninterrupted run drew it one version earlier)", flush=True)
     if resume.changed:
         print(f"resume: changed since the checkpoint (allowed): {', '.join(resume.changed)}", flush=True)
+    for note in resume.notes:
+        print(note, flush=True)
     return resume
 
 
@@ -311,6 +313,7 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
             resume_loop(loop, resume, actors, ck.timeout_s)
         if record.engine_restart_log is not None:  # a restart: the engine replacements of every attempt count
             loop.restart_log = copy.deepcopy(record.engine_restart_log)
+        loop.engine_restarts_before = record.engine_restarts_at_start  # (the budget is this invocation's)
         evaluator = Evaluator(eval_settings(typed), run.inputs.eval_prompts, run.inputs.reward, loop._get, loop.env)
         startup_s = time.perf_counter() - run.t_start
 
@@ -355,7 +358,7 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
         failure = (record.last_finished_step(), run.in_step, failure_signature(e))
         run.crash_loop = run.lost and failure in run.failures
         run.failures.append(failure)
-        restart = run.lost and not run.crash_loop and record.trainer_restarts < typed.fault.max_trainer_restarts
+        restart = run.lost and not run.crash_loop and record.trainer_restarts_used < typed.fault.max_trainer_restarts
         # (A replacement that did not start is no stuck actor: the trainers may still answer.)
         run.final_note = ("no final checkpoint: an actor stopped answering" if _stuck(e) and not isinstance(e, ActorStartError)
                           else record.final_checkpoint(loop, actors, exact_only=restart))
@@ -427,19 +430,19 @@ def run_training(
                 except SignalAbort:
                     raise
                 except Exception as e:
-                    if not run.lost or record.trainer_restarts >= typed.fault.max_trainer_restarts:
+                    if not run.lost or record.trainer_restarts_used >= typed.fault.max_trainer_restarts:
                         raise
                     failed_at = run.in_step
                     if run.crash_loop:
                         raise CrashLoopError(
                             f"the same failure twice{f' at step {failed_at}' if failed_at is not None else ''}, "
                             f"so a restart would repeat it: {named(e)} -- not restarting "
-                            f"({record.trainer_restarts}/{typed.fault.max_trainer_restarts} restarts used)"
+                            f"({record.trainer_restarts_used}/{typed.fault.max_trainer_restarts} restarts used)"
                         ) from e
                     resume, restarted, warm = _restart_point(run, e), True, None
                     print(f"{_where(failed_at)}{named(e)} -- restarting every role from "
                           f"{f'the checkpoint of step {resume.step}' if resume else 'the initial weights (no checkpoint yet)'} "
-                          f"(restart {record.trainer_restarts}/{typed.fault.max_trainer_restarts})", flush=True)
+                          f"(restart {record.trainer_restarts_used}/{typed.fault.max_trainer_restarts})", flush=True)
     except SignalAbort as e:
         outcome = {"status": "aborted", "signal": e.name}
         raise

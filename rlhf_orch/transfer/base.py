@@ -19,6 +19,7 @@ pipeline generates the next rollout while the trainers train on this one. `expor
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -221,12 +222,26 @@ def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
 
 
 @dataclass
+class EngineShare:
+    """What one engine process made of a held rollout: the prompts (indices into the request's
+    prompts) whose samples it holds. The handle says which process: one replaced since took them
+    along (`TrainLoop.redraw_lost_shares`)."""
+
+    engine: Any
+    prompts: list[int]
+
+
+@dataclass
 class HeldRollout:
     """A generated and scored rollout that no trainer holds yet (`generate` -> `hand_over`).
 
     `meta` is by global sample index; `held` is what the strategy keeps where it keeps it (per
     engine, the indices it holds for packed; the samples themselves for the padded baseline).
     Everything the hand-over needs besides the route travels here, so a checkpoint can carry it.
+    The driver also keeps, never in a checkpoint, where each share was made (`shares`, per engine)
+    and how to make it again: the `request` (its prompts), or for a rollout restored from a
+    checkpoint its `samples` (per engine) -- an engine lost while holding its share (pipeline=async)
+    has it drawn again, or held again, on its replacement.
     """
 
     meta: RolloutMeta
@@ -242,6 +257,17 @@ class HeldRollout:
     slot: int = 0  # where the engines hold it (RolloutRequest.slot)
     train_batch_size: int = 0  # RolloutRequest.train_batch_size
     ready_at: float = field(default_factory=time.time)  # wall clock when `generate` returned
+    request: Any = None  # the RolloutRequest it was made for (driver only)
+    shares: list[list[EngineShare]] | None = None  # per engine, what each of its processes made (driver only)
+    samples: list[list[Sample]] | None = None  # a restored rollout's samples, per engine (driver only)
+
+    def __setstate__(self, state: dict) -> None:
+        # (a checkpoint written before the driver-only fields existed)
+        self.__dict__.update({"request": None, "shares": None, "samples": None, **state})
+
+    def for_checkpoint(self, held: Any) -> "HeldRollout":
+        """A copy that carries `held` (the samples) and nothing of the driver's."""
+        return dataclasses.replace(self, held=held, request=None, shares=None, samples=None)
 
     def waited(self) -> float:
         """Seconds between `generate` returning and now (a one-step-off rollout waits for the trainers)."""
@@ -281,6 +307,12 @@ class RolloutTransfer(abc.ABC):
     def import_held(self, held: HeldRollout, route: Route) -> HeldRollout:
         """Put an exported rollout back where `hand_over` expects it (after a resume)."""
         return held
+
+    def redraw(self, held: HeldRollout, route: Route, engines: Sequence[int]) -> int:
+        """Make the shares of `engines` (their processes replaced since they made them) again on
+        their current processes, in place (only strategies that hold rollouts on the engines);
+        the samples made or held again."""
+        raise NotImplementedError(f"{type(self).__name__} holds no rollout on the engines")
 
     # ------------------------------------------------------------------ shared helper
     @staticmethod

@@ -322,25 +322,32 @@ class RolloutProducer(abc.ABC):
         samples, score_s, scored = self._samples(completions, job)
         return rollout_meta(samples, score_s, time.time(), scored, [c.env_stats for c in completions], [c.env_metrics for c in completions])
 
-    def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]], slot: int = 0) -> Any:
+    def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]], slot: int = 0, release: bool = True) -> Any:
         """One packed piece per rank (None where this engine holds nothing for it).
 
         `members_per_rank[rank][micro_batch]`: the sequences this engine holds for that
         micro-batch. A piece lists them micro-batch after micro-batch, so the trainer cuts each
         micro-batch's part as a view. Called with `num_returns=len(members_per_rank)`: each piece
-        is its own object and a trainer fetches only its own. Everything `slot` held is released.
+        is its own object and a trainer fetches only its own. Everything `slot` held is released --
+        or, `release=False`, kept until `release_held` (a hand-over that may be cut again: another
+        engine died during it, and the plan changes with that engine's share drawn again).
         """
         # The sequences are already packed (as they finished): each piece is gathered from the
         # flat buffers by index ranges, one copy per field and run of adjacent sequences.
         start = time.time()
         held = self._held_buffer(slot)
         pieces = held.cut([held.rows(i for mb in micro_batches for i in mb) for micro_batches in members_per_rank])
-        held.clear()
-        if slot:  # a step's slot is not used again (slot 0 keeps its pages for the next rollout)
-            del self._held[slot]
+        if release:
+            self.release_held(slot)
         # Ray writes the pieces into the object store after this returns (not timed here).
         self._last_cut = {"start": start, "gathered": time.time(), "nbytes": sum(p.nbytes for p in pieces if p is not None)}
         return pieces[0] if len(pieces) == 1 else tuple(pieces)
+
+    def release_held(self, slot: int = 0) -> None:
+        """Let go of everything `slot` holds (its rollout is on the trainers)."""
+        self._held_buffer(slot).clear()
+        if slot:  # a step's slot is not used again (slot 0 keeps its pages for the next rollout)
+            del self._held[slot]
 
     def last_cut_timing(self) -> dict[str, float]:
         """Wall-clock stamps of the last `cut_for_ranks` (a profile of the hand-over)."""

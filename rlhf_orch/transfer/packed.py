@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
+import ray
 import torch
 
-from rlhf_orch.transfer.base import Delivery, HeldRollout, MicroBatch, RolloutRequest, RolloutTransfer, Route, merge_meta
+from rlhf_orch.transfer.base import Delivery, EngineShare, HeldRollout, MicroBatch, RolloutRequest, RolloutTransfer, Route, merge_meta
 from rlhf_orch.transfer.batch import PackedBatch, Sample
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.inbox import assemble_packed
@@ -64,15 +65,18 @@ class PackedTransfer(RolloutTransfer):
     def generate(self, request: RolloutRequest, route: Route) -> HeldRollout:
         timings: dict[str, float] = {}
         t = time.perf_counter()
-        held = self._generate(request, route, range(len(request.prompts)))
+        shares: list[list[EngineShare]] = [[] for _ in route.engines]
+        held = self._generate_noting(request, route, range(len(request.prompts)), shares)
         rounds, dropped = 1, None
         if request.group_filter is not None:
-            held, rounds, dropped = self._fill_with_informative_groups(request, route, held)
+            held, rounds, dropped = self._fill_with_informative_groups(request, route, held, shares)
         self._timed(timings, "generate", t)
         timings["reward"] = 0.0  # scored on the engines, inside generation
         return HeldRollout(
             meta=merge_meta([m for parts in held for m in parts]),
             held=[[i for m in parts for i in m.indices] for parts in held],  # per engine: what it holds
+            request=request,
+            shares=shares,
             num_shards=request.num_shards,
             micro_batch_size=request.micro_batch_size,
             pad_id=request.pad_id,
@@ -99,12 +103,15 @@ class PackedTransfer(RolloutTransfer):
         timings["plan"] = time.perf_counter() - t
         pieces = []  # pieces[engine][rank]: object refs, owned here, data in the engine's store
         for engine, members in zip(route.engines, cut):  # (a replaced engine holds its re-issued share)
-            refs = engine.cut_for_ranks.options(num_returns=held.num_shards).remote(members, held.slot)
+            # Kept on the engines until every trainer staged its part: an engine lost meanwhile
+            # (pipeline=async) has its share drawn again and the hand-over planned and cut anew.
+            refs = engine.cut_for_ranks.options(num_returns=held.num_shards).remote(members, held.slot, release=False)
             pieces.append([refs] if held.num_shards == 1 else list(refs))
         calls = self._stage_all(
             route, lambda shard, actor: actor.stage_pieces.remote(shard, plan[shard], [p[shard] for p in pieces])
         )
         received = route.get(calls, "handing experience to the trainers")
+        release_held(route.engines, held.slot, route.timeout_s)
         self._timed(timings, "hand_over", t)
         # From "generation finished" on the engines (their clock) to "every trainer holds its data".
         timings["transfer"] = timings["transfer_after_generate"] = time.time() - meta.generated_at - waited
@@ -120,11 +127,36 @@ class PackedTransfer(RolloutTransfer):
 
     def export_held(self, held: HeldRollout, route: Route) -> HeldRollout:
         samples = route.get([engine.held_samples.remote(held.slot) for engine in route.engines], "reading the held rollout", engine_call=True)
-        return dataclasses.replace(held, held=samples)
+        return held.for_checkpoint(samples)
 
     def import_held(self, held: HeldRollout, route: Route) -> HeldRollout:
         route.get([engine.hold_samples.remote(s, held.slot) for engine, s in zip(route.engines, held.held)], "restoring the held rollout", engine_call=True)
-        return dataclasses.replace(held, held=[[s.index for s in samples] for samples in held.held])
+        return dataclasses.replace(
+            held, held=[[s.index for s in samples] for samples in held.held], samples=held.held,
+            shares=[[EngineShare(engine, [])] for engine in route.engines],  # (held again from `samples` if lost)
+        )
+
+    def redraw(self, held: HeldRollout, route: Route, engines: Sequence[int]) -> int:
+        """Make the shares of `engines` (replaced since they made them) again on their current
+        processes: from the request's prompts (drawn anew: not the samples that were lost), or a
+        restored rollout's samples held again as they were. Their rows of `held.meta` are
+        replaced. Returns the samples made or held again."""
+        if held.samples is not None:
+            route.on_engines(lambda e, engine: engine.hold_samples.remote(held.samples[e], held.slot), engines, "holding a lost engine's samples again")
+            redrawn = {s.index for e in engines for s in held.samples[e]}
+        else:
+            request = held.request
+            spp = request.samples_per_prompt
+            prompts = {e: sorted({p for share in held.shares[e] for p in share.prompts}) for e in engines}
+            made = route.on_engines(
+                lambda e, engine: engine.produce_and_hold.remote(whole_prompt_requests(prompts[e], spp), request.job(prompts[e], request.scorer), held.slot),
+                engines, "drawing a lost engine's share again",
+            )
+            redrawn = {i for m in made.values() for i in m.indices}
+            held.meta = merge_meta([held.meta.where(lambda i: i not in redrawn), *made.values()])
+        for e in engines:
+            held.shares[e] = [EngineShare(route.engines[e], sorted({p for share in held.shares[e] for p in share.prompts}))]
+        return len(redrawn)
 
     @staticmethod
     def _generate(request: RolloutRequest, route: Route, prompts: range) -> list[list[RolloutMeta]]:
@@ -142,14 +174,27 @@ class PackedTransfer(RolloutTransfer):
         metas = route.on_engines(submit, list(chunks), "generating")
         return [[metas[e]] if e in metas else [] for e in range(len(route.engines))]
 
+    @classmethod
+    def _generate_noting(cls, request: RolloutRequest, route: Route, prompts: range, shares: list[list[EngineShare]]) -> list[list[RolloutMeta]]:
+        """`_generate`, noting in `shares` which engine process made which prompts' samples (the
+        process that answered: a replacement, when one died on the way, holds its re-issued share)."""
+        made = cls._generate(request, route, prompts)
+        spp = request.samples_per_prompt
+        for e, parts in enumerate(made):
+            if parts:
+                shares[e].append(EngineShare(route.engines[e], sorted({group_of(i, spp) for m in parts for i in m.indices})))
+        return made
+
     def _fill_with_informative_groups(
-        self, request: RolloutRequest, route: Route, held: list[list[RolloutMeta]]
+        self, request: RolloutRequest, route: Route, held: list[list[RolloutMeta]], shares: list[list[EngineShare]]
     ) -> tuple[list[list[RolloutMeta]], int, int]:
         """DAPO's dynamic sampling: drop groups whose samples all scored the same, generate more
         prompts (the same number again) until `len(request.prompts)` informative groups are held or
         `max_rounds` rounds ran; then keep exactly that many groups -- topping up with dropped
         groups (zero advantage) if the rounds ran out -- so every step trains on the same shape.
-        Engines keep only what is planned (`cut_for_ranks` releases the rest)."""
+        Engines keep only what is planned (`cut_for_ranks` releases the rest). An engine replaced
+        in a later round took its earlier rounds' samples along: `shares` says so, and the caller
+        decides (`TrainLoop.redraw_lost_shares`)."""
         f, spp = request.group_filter, request.samples_per_prompt
         need = len(request.prompts)
         rounds = 1
@@ -167,14 +212,7 @@ class PackedTransfer(RolloutTransfer):
             more = f.more_prompts(need)
             request.prompts.extend(more)
             request.prompt_ids.extend(list(p.prompt_ids) for p in more)
-            before = list(route.engines)
-            for e, parts in enumerate(self._generate(request, route, range(start, start + len(more)))):
-                if route.engines[e] is not before[e] and held[e]:
-                    # Its earlier rounds' samples died with it (re-generating them would redraw
-                    # the groups already chosen): the step fails and the run can resume.
-                    raise RuntimeError(
-                        f"vLLM engine {e} died in dynamic-sampling round {rounds + 1} holding samples of earlier rounds"
-                    )
+            for e, parts in enumerate(self._generate_noting(request, route, range(start, start + len(more)), shares)):
                 held[e].extend(parts)
             rounds += 1
             groups = informative()
@@ -183,7 +221,21 @@ class PackedTransfer(RolloutTransfer):
         if len(chosen) < need:  # rounds ran out: fill with uninformative groups (advantage 0)
             chosen |= set(sorted(set(range(generated)) - chosen)[: need - len(chosen)])
         kept = [[_select(m, chosen, spp) for m in parts] for parts in held]
+        for engine_shares in shares:
+            engine_shares[:] = [dataclasses.replace(s, prompts=[p for p in s.prompts if p in chosen]) for s in engine_shares]
         return kept, rounds, generated - len(set(groups[:need]))
+
+
+def release_held(engines: Sequence[Any], slot: int, timeout_s: float) -> None:
+    """Every engine lets go of `slot` (its rollout is on the trainers). One lost meanwhile held
+    nothing the run still needs: its failure is found by the next call that needs it."""
+    refs = [engine.release_held.remote(slot) for engine in engines]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError:
+            pass
 
 
 def _engine_ordered(plan: list[list[list[int]]], held_by_engine: Sequence[Sequence[int]] | None) -> list[list[list[int]]]:

@@ -121,7 +121,7 @@ def prompt_chunks(num_prompts: int, num_engines: int) -> list[range]:
     return near_equal_ranges(num_prompts, num_engines)
 
 
-def whole_prompt_requests(prompts: range, samples_per_prompt: int) -> list[CompletionRequest]:
+def whole_prompt_requests(prompts: Sequence[int], samples_per_prompt: int) -> list[CompletionRequest]:
     return [CompletionRequest(p, 0, samples_per_prompt) for p in prompts]
 
 
