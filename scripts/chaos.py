@@ -25,10 +25,18 @@ sample once and the reward within the seed-to-seed spread: undisturbed runs with
 one (run-mean reward, and the mean per-step distance of the reward curve); the chaos run must lie
 no farther than the farthest of them on both.
 
+With `--outside engine:3,trainer:1` the faults come instead from outside the run, at random wall-clock
+times (seeded, within 5-80 % of the undisturbed run's training time, counted from the first step), as an operator's `kill` or a
+node's OOM killer would: each kills the current attempt's engine or policy rank whatever it is
+doing -- generating, training, receiving weights, handing over. `--default-budgets` leaves
+fault.max_engine_restarts / max_trainer_restarts at their defaults (3 / 2) instead of one per fault.
+
     .venv/bin/python scripts/chaos.py                      # 40 steps, seed 0, 6 faults
     .venv/bin/python scripts/chaos.py --steps 20 --faults 4 --seed 3
     .venv/bin/python scripts/chaos.py pipeline=one_step_off   # any overrides, for both runs
     .venv/bin/python scripts/chaos.py pipeline=async pipeline.max_staleness=2 algo.decoupled_is_cap=5
+    .venv/bin/python scripts/chaos.py --steps 30 --outside engine:3,trainer:1 --default-budgets \
+        pipeline=async pipeline.max_staleness=2 algo.decoupled_is_cap=5
 
 Prints the schedule, what each fault cost, and a JSON line: `passed` (the verdict),
 `steps_completed`, `metrics_equal`, `every_sample_once`, `engine_restarts`, `trainer_restarts`,
@@ -156,6 +164,69 @@ class Injector:
             loop.step = step_then_lose_an_engine
 
 
+class OutsideKiller:
+    """Kills from outside the run at seeded times: `(seconds after the first step, role, index)`,
+    each on the actors of whichever attempt is running then (a callback keeps the latest loop). A
+    kill waits for a live target: one whose process an earlier kill took down counts once it was
+    replaced (a kill of a dead process would kill nothing)."""
+
+    def __init__(self, kills: list[tuple[float, str, int]]):
+        self.kills = sorted(kills)
+        self.loop: Any = None
+        self.fired: list[tuple[float, str, int]] = []
+        self._dead: list[Any] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0: float | None = None
+
+    def __call__(self, step: int, loop: Any) -> None:
+        self.loop = loop
+        if self._t0 is None:  # the clock starts with training (start-up is no target)
+            self._t0 = time.perf_counter()
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _target(self, role: str, index: int) -> Any:
+        actors = self.loop.actors.engines if role == "engine" else self.loop.actors.policy
+        actor = actors[index]
+        return None if any(actor is dead for dead in self._dead) else actor
+
+    def _run(self) -> None:
+        import ray
+
+        for at, role, index in self.kills:
+            while not self._stop.wait(0.05):
+                if time.perf_counter() - self._t0 >= at and self._target(role, index) is not None:
+                    break
+            if self._stop.is_set():
+                return
+            actor = self._target(role, index)
+            self._dead.append(actor)
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - an attempt ending just now: the next kill goes on
+                pass
+            self.fired.append((round(time.perf_counter() - self._t0, 1), role, index))
+
+
+def outside_schedule(spec: str, seed: int, train_s: float, engines: int, policy_ranks: int) -> list[tuple[float, str, int]]:
+    """`engine:3,trainer:1` -> that many kills at seeded times within 5-80 % of `train_s` (the
+    undisturbed run's training time, from its first step's end to its last)."""
+    rng = random.Random(seed)
+    kills = []
+    for part in spec.split(","):
+        role, count = part.split(":")
+        if role not in ("engine", "trainer"):
+            raise SystemExit(f"chaos.py: --outside {spec!r}: roles are engine and trainer")
+        for _ in range(int(count)):
+            kills.append((rng.uniform(0.05, 0.80) * train_s, role, rng.randrange(engines if role == "engine" else policy_ranks)))
+    return sorted(kills)
+
+
 def _wait_until_dead(actor, timeout_s: float = 30.0) -> None:
     import ray
 
@@ -193,6 +264,19 @@ def _steps_rerun(run_dir: Path, faults: list[Fault]) -> int:
     return superseded + sum(f.kind == "evaluation" and f.fired_at is not None for f in faults)
 
 
+def _dumps_whole(run_dir: Path, steps: int, per_step: int) -> bool:
+    """Each step's rollout dump holds every index of the step once (when the dump covers it)."""
+    dumps = run_dir / "rollouts"
+    for step in range(1, steps + 1):
+        path = dumps / f"step_{step:06d}.jsonl"
+        if not path.exists():
+            return False
+        indices = sorted(json.loads(line)["index"] for line in path.read_text().splitlines())
+        if len(indices) >= per_step and indices != list(range(per_step)):
+            return False
+    return True
+
+
 def _curve_gap(rows: list[dict], reference: list[dict]) -> float:
     """Mean over the steps both have of |reward/mean - the reference's|."""
     ref = {r["step"]: r["reward/mean"] for r in reference}
@@ -214,6 +298,9 @@ def main() -> int:
     parser.add_argument("--spread-seeds", type=int, default=None,
                         help="undisturbed runs with seeds 1..K beside the chaos run, the spread its reward must stay in "
                              "(default 3 under async with max_staleness > 0, else 0)")
+    parser.add_argument("--outside", default=None, help="kills from outside at random times instead of the step-bound faults, "
+                        "e.g. engine:3,trainer:1")
+    parser.add_argument("--default-budgets", action="store_true", help="keep fault.max_engine_restarts / max_trainer_restarts at their defaults")
     parser.add_argument("overrides", nargs="*", help="more config overrides for both runs, e.g. pipeline=one_step_off")
     args = parser.parse_args()
     if args.spread_seeds is not None and args.spread_seeds < 0:
@@ -226,11 +313,12 @@ def main() -> int:
     # Budgets for every fault either way: an engine killed "while generating" may die only after
     # its rollout was delivered (while handing it over), which restarts every role instead.
     engine_faults = restart_faults = len(faults)
+    budgets = [] if args.default_budgets else [f"fault.max_engine_restarts={engine_faults}", f"fault.max_trainer_restarts={restart_faults}"]
     overrides = [
         "experiment=quick", f"algo.num_steps={args.steps}", f"placement.engines={engines}",
         f"placement.actor_ranks={policy_ranks}", f"checkpoint.every_n_steps={args.checkpoint_every}",
         f"eval.every_n_steps={args.eval_every}", "eval.num_prompts=16", "checkpoint.export_final=false",
-        f"fault.max_engine_restarts={engine_faults}", f"fault.max_trainer_restarts={restart_faults}", *args.overrides,
+        *budgets, *args.overrides,
     ]
     from tests.conftest import compose_config
 
@@ -239,21 +327,38 @@ def main() -> int:
     # steps): judged by completion and the seed-to-seed spread, not step-for-step equality.
     exact = not (composed.pipeline._target_.endswith("AsyncPipeline") and composed.pipeline.max_staleness > 0)
     per_step = composed.algo.rollout_batch_size * composed.algo.samples_per_prompt
-    print("schedule (seed %d):" % args.seed)
+    if args.outside:
+        faults = []
+    else:
+        print("schedule (seed %d):" % args.seed)
     for f in faults:
         extra = f" {f.delay_s * 1000:.0f} ms into the rollout" if f.kind == "generation" else ""
         who = f"policy rank {f.target}" if f.kind in ("trainer", "update") else f"engine {f.target}"
         print(f"  step {f.step:>3}  {f.kind:<11} {who}{extra}")
+    outside: OutsideKiller | None = None
     with tempfile.TemporaryDirectory() as work, LocalRayLauncher(logical_gpus=8, reuse_session=True).session():
         clean, _, clean_wall = _train(overrides, Path(work) / "undisturbed")
-        chaos, summary, chaos_wall = _train(overrides, Path(work) / "chaos", callbacks=[Injector(faults)])
+        if args.outside:
+            train_s = clean[-1]["time/elapsed"] - clean[0]["time/elapsed"]
+            outside = OutsideKiller(outside_schedule(args.outside, args.seed, train_s, engines, policy_ranks))
+            print(f"kills from outside (seed {args.seed}; seconds after the first step): "
+                  + ", ".join(f"{who} {i} at {at:.1f}s" for at, who, i in outside.kills))
+        try:
+            chaos, summary, chaos_wall = _train(overrides, Path(work) / "chaos", callbacks=[outside or Injector(faults)])
+        finally:
+            if outside is not None:
+                outside.stop()
         steps_rerun = _steps_rerun(Path(work) / "chaos", faults)
+        dumps_whole = _dumps_whole(Path(work) / "chaos", args.steps, composed.algo.rollout_batch_size * composed.algo.samples_per_prompt)
         spread_seeds = args.spread_seeds if args.spread_seeds is not None else (0 if exact else 3)
         if not exact and spread_seeds < 1:
             sys.exit("chaos.py: under async the verdict needs the seed spread: --spread-seeds >= 1 (default 3)")
         others = [_train([*overrides, f"seed={k}"], Path(work) / f"seed{k}")[0] for k in range(1, spread_seeds + 1)]
     completed = [r["step"] for r in chaos] == list(range(1, args.steps + 1))
-    once = completed and all(r["rollout/samples"] == per_step for r in chaos)  # (the loop refuses anything else)
+    # Every sample of every step once: the loop refuses a delivery with a sample missing or twice,
+    # and each step's rollout dump (logger.rollouts, every sequence when rollouts_per_step covers
+    # the step) lists each index once, with no step logged twice.
+    once = completed and all(r["rollout/samples"] == per_step for r in chaos) and dumps_whole
     equal = completed and _comparable(chaos) == _comparable(clean)
     unequal = [a["step"] for a, b in zip(_comparable(chaos), _comparable(clean)) if a != b]
     runs = [("undisturbed", clean), ("chaos", chaos), *((f"seed{k}", rows) for k, rows in enumerate(others, 1))]
@@ -267,13 +372,16 @@ def main() -> int:
         "curve": gap["chaos"] <= max(gap[s] for s in seeds),
     } if seeds else None
     verdict = equal if exact else once and within is not None and all(within.values())
-    passed = verdict and sum(f.fired_at is not None for f in faults) == len(faults)
+    fired = len(outside.fired) if outside is not None else sum(f.fired_at is not None for f in faults)
+    planned = len(outside.kills) if outside is not None else len(faults)
+    passed = verdict and fired == planned
     result = {
         "pipeline": composed.pipeline._target_.rsplit(".", 1)[-1],
         "exact_expected": exact,
         "steps": args.steps,
-        "faults": {k: sum(f.kind == k for f in faults) for k in KINDS},
-        "faults_fired": sum(f.fired_at is not None for f in faults),
+        "faults": {k: sum(f.kind == k for f in faults) for k in KINDS} if outside is None else {"outside": args.outside},
+        "faults_fired": fired,
+        "kills_from_outside": outside.fired if outside is not None else None,
         "steps_completed": len(chaos),
         "every_sample_once": once,
         "metrics_equal": equal,

@@ -209,8 +209,11 @@ def evaluate(step: int, evaluator: Evaluator, loop: TrainLoop, actors: Any) -> d
         return {}
     pipeline = loop.pipeline
     held = pipeline.pending(loop) if evaluator.uses_engine_buffers else pipeline.settle(loop)
+    # An engine lost during the evaluation: replaced in place where the pipeline redraws what it
+    # held (async); elsewhere a lost process (the restart repeats the uninterrupted run exactly).
+    route = loop.route(step if pipeline.redraws_lost_shares else None)
     try:
-        return evaluator.run(loop.route(), actors.reward)
+        return evaluator.run(route, actors.reward)
     finally:
         if evaluator.uses_engine_buffers and held is not None:
             pipeline.restore(loop, held)
