@@ -875,3 +875,63 @@ def test_agents_reach_the_endpoint_past_a_proxy_set_in_the_environment(server, t
     finally:
         session.runner.close()
     assert seen["q0"] == {"given": "1", "own": "2", "urllib": "policy"}
+
+
+class EmptyFirstReply(ScriptedGenerator):
+    """The first call's completion is the end-of-turn token alone (an empty reply); later calls as
+    ScriptedGenerator's."""
+
+    def submit(self, key, prompt_ids, max_tokens, seed, stop):
+        super().submit(key, prompt_ids, max_tokens, seed, stop)
+        if len(self.submitted) == 1:
+            self.pending[-1] = CallOutput(key, [0], [-0.5], "stop")
+
+
+def test_an_empty_reply_reaches_the_agent_as_the_empty_string_it_trains_as(server, tmp_path):
+    """A completion with no text and no tool call: the agent gets content "" (as OpenAI returns an
+    empty text completion), not None, and the tokens trained for that call decode to the same "";
+    the agent sends it back as the assistant turn and its next call extends the conversation."""
+    seen = Seen(tmp_path)
+
+    def agent(row, client, **kwargs):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        replies = []
+        for _ in range(2):
+            reply = client.chat.completions.create(model="policy", messages=messages)
+            replies.append(reply.choices[0].message.content)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "again"}]
+        seen["replies"] = replies
+        return 1.0
+
+    limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
+    runner = AgentRunner(agent, concurrency=1, timeout_s=10.0)
+    session = AgentRolloutSession(server, EmptyFirstReply(), EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 10.0)
+    try:
+        (result,) = session.run(_rows(1))
+    finally:
+        runner.close()
+    assert result.outcome.error is None, result.outcome
+    (seq,) = result.record.sequences
+    spans, span = [], []
+    for t, m in zip(seq.response_ids, seq.loss_mask):
+        if m:
+            span.append(t)
+        elif span:
+            spans.append(span)
+            span = []
+    spans.append(span)
+    trained = [EchoTokenizer().decode(s) for s in spans]
+    assert seen["replies"] == trained == ["", "2"]
+    assert result.record.counts.unmerged_calls == 0
+
+
+def test_content_is_empty_text_without_tool_calls_and_null_beside_them():
+    from rlhf_orch.env.agent_driver.chat_api import completion_body
+
+    def message(text):
+        return completion_body("policy", text, "stop", 3, 1, "hermes")["choices"][0]["message"]
+
+    assert message("")["content"] == "" and "tool_calls" not in message("")
+    call_only = message('<tool_call>{"name": "lookup", "arguments": {"record": "3"}}</tool_call>')
+    assert call_only["content"] is None and call_only["tool_calls"][0]["function"]["name"] == "lookup"
+    assert message("hi")["content"] == "hi"
