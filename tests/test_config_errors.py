@@ -231,6 +231,41 @@ def test_cli_dry_run_prints_split_plan():
         assert word in out
 
 
+def _skyrl_rows(path: Path, env_classes: list[str]) -> str:
+    import pandas as pd
+
+    pd.DataFrame([{"prompt": [{"role": "user", "content": "Add the two numbers."}], "env_class": c,
+                   "reward_spec": {"method": "rule", "ground_truth": "[]"}} for c in env_classes]).to_parquet(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("chosen_by", ["env_class", "rows"])
+def test_skyrl_environments_that_run_the_model_s_code_are_refused_in_a_dry_run(chosen_by, tmp_path):
+    """skyrl-gym's lcb runs the model's code in the engine's process, outside the sandbox: chosen by
+    env.env_class or by one row of the data's env_class column, a dry run refuses it (exit 2,
+    nothing started, no traceback) in one problem line naming the key that allows it."""
+    if chosen_by == "env_class":
+        overrides = ["env.env_class=lcb"]
+        where = "env.env_class"
+    else:
+        rows = _skyrl_rows(tmp_path / "train.parquet", ["gsm8k", "lcb", "gsm8k"])
+        overrides = ["data=files", f"data.train_files=[{rows}]", "data.label_key=reward_spec.ground_truth"]
+        where = "the env_class column of data.train_files[0]"
+    proc = _run("env=skyrl", *overrides, "launcher.dry_run=true")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if "env.allow_unsandboxed_code" in line]
+    assert line.strip().startswith("- env.allow_unsandboxed_code=False: skyrl-gym's lcb")
+    assert where in line and "outside rlhf_orch's sandbox" in line and "set env.allow_unsandboxed_code=true" in line
+
+
+def test_skyrl_environments_that_run_the_model_s_code_run_when_allowed(tmp_path):
+    rows = _skyrl_rows(tmp_path / "train.parquet", ["lcb"])
+    proc = _run("env=skyrl", "env.env_class=lcb", "data=files", f"data.train_files=[{rows}]",
+                "data.label_key=reward_spec.ground_truth", "env.allow_unsandboxed_code=true", "launcher.dry_run=true")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_cli_cfg_job_prints_composed_config():
     proc = subprocess.run([sys.executable, "run.py", "--cfg", "job", "sync=gloo_per_tensor"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0

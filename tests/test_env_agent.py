@@ -763,3 +763,175 @@ def test_each_trajectory_has_its_own_key_and_cannot_call_as_another(server, tmp_
     late = openai.OpenAI(base_url=seen[0][0], api_key=seen[0][1], max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         late.models.list()
+
+
+def _key_shaped_strings_in_own_memory() -> tuple[int, set[bytes]]:
+    """(regions read, what was found): every readable region of this process's memory
+    (/proc/self/maps, /proc/self/mem), its environment and command line included (they sit on its
+    stack), searched for anything shaped like a trajectory's key (`rlhf-` and 32 URL-safe
+    characters) or base URL (`/trajectories/<16 hex>/`). For agents (it runs in their processes)."""
+    import re
+
+    # (two patterns with a literal prefix each: searched ~5x faster than one with both)
+    patterns = [re.compile(rb"rlhf-[A-Za-z0-9_-]{32}"), re.compile(rb"/trajectories/[0-9a-f]{16}/")]
+    found: set[bytes] = set()
+    chunk, overlap = 1 << 24, 64
+    with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", buffering=0) as mem:
+        regions = [line.split() for line in maps]
+        for fields in regions:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if not fields[1].startswith("r") or fields[-1] in ("[vvar]", "[vvar_vclock]", "[vsyscall]"):
+                continue
+            for at in range(start, end, chunk):
+                try:
+                    mem.seek(at)
+                    data = mem.read(min(chunk + overlap, end - at))
+                except (OSError, ValueError, OverflowError):
+                    break
+                for pattern in patterns:
+                    found.update(pattern.findall(data))
+    return len(regions), found
+
+
+def test_an_agent_s_process_holds_its_own_key_and_no_other_trajectory_s(server, tmp_path):
+    """16 trajectories, 4 at a time: each agent reads all of its own process's memory and finds its
+    own key and base URL there, and no other trajectory's of the batch (with the batch's list
+    forked into every process, the first agent found all 16 of each)."""
+    issued: dict[str, str] = {}
+    issue_keys = server.issue_keys
+
+    def recording(ids):
+        issued.update(keys := issue_keys(ids))
+        return keys
+
+    server.issue_keys = recording
+    seen = Seen(tmp_path)
+
+    def agent(row, client, base_url, api_key, **kwargs):
+        regions, found = _key_shaped_strings_in_own_memory()
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        seen[row["prompt"]] = {
+            "key": api_key, "url": base_url, "regions": regions,
+            "keys": sorted(f.decode() for f in found if f.startswith(b"rlhf-")),
+            "urls": sorted(f.decode() for f in found if f.startswith(b"/trajectories/")),
+        }
+        return 1.0 if reply.choices[0].message.content else 0.0
+
+    limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
+    runner = AgentRunner(agent, concurrency=4, timeout_s=60.0)
+    session = AgentRolloutSession(server, ScriptedGenerator(), EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 60.0)
+    try:
+        results = session.run(_rows(16))
+    finally:
+        runner.close()
+    assert all(r.outcome.reward == 1.0 for r in results), [r.outcome for r in results]
+    assert len(issued) == 16
+    urls = {server.base_url(t) for t in issued}
+    for i in range(16):
+        report = seen[f"q{i}"]
+        assert report["key"] in issued.values() and report["url"] in urls
+        assert report["keys"] == [report["key"]], f"trajectory {i} holds {len(report['keys']) - 1} other trajectories' keys"
+        own_path = report["url"][report["url"].index("/trajectories/"):-len("v1")]
+        assert report["urls"] == [own_path], f"trajectory {i} holds {len(report['urls']) - 1} other trajectories' URLs"
+
+
+def test_agents_reach_the_endpoint_past_a_proxy_set_in_the_environment(server, tmp_path, monkeypatch):
+    """HTTP(S)_PROXY and ALL_PROXY name a dead proxy (a cluster's job environment often sets one):
+    the client handed to the agent, a client the agent builds from `base_url` (`openai`, httpx's
+    default: proxies from the environment) and the standard library's urllib all still reach the
+    engine's loopback endpoint, not the proxy."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.setenv(name, dead)
+        monkeypatch.setenv(name.lower(), dead)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    seen = Seen(tmp_path)
+
+    def agent(row, client, base_url, api_key, **kwargs):
+        import urllib.request
+
+        def reached(call):
+            try:
+                return call()
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                return f"{type(e).__name__}: {e}"
+
+        request = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}
+        own = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        plain = urllib.request.Request(f"{base_url}/models", headers={"Authorization": f"Bearer {api_key}"})
+        seen[row["prompt"]] = {
+            "given": reached(lambda: client.chat.completions.create(**request).choices[0].message.content),
+            "own": reached(lambda: own.chat.completions.create(**request).choices[0].message.content),
+            "urllib": reached(lambda: json.load(urllib.request.urlopen(plain, timeout=5))["data"][0]["id"]),
+        }
+        return 1.0
+
+    session, _ = _session(agent, server)
+    try:
+        session.run(_rows(1))
+    finally:
+        session.runner.close()
+    assert seen["q0"] == {"given": "1", "own": "2", "urllib": "policy"}
+
+
+class EmptyFirstReply(ScriptedGenerator):
+    """The first call's completion is the end-of-turn token alone (an empty reply); later calls as
+    ScriptedGenerator's."""
+
+    def submit(self, key, prompt_ids, max_tokens, seed, stop):
+        super().submit(key, prompt_ids, max_tokens, seed, stop)
+        if len(self.submitted) == 1:
+            self.pending[-1] = CallOutput(key, [0], [-0.5], "stop")
+
+
+def test_an_empty_reply_reaches_the_agent_as_the_empty_string_it_trains_as(server, tmp_path):
+    """A completion with no text and no tool call: the agent gets content "" (as OpenAI returns an
+    empty text completion), not None, and the tokens trained for that call decode to the same "";
+    the agent sends it back as the assistant turn and its next call extends the conversation."""
+    seen = Seen(tmp_path)
+
+    def agent(row, client, **kwargs):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        replies = []
+        for _ in range(2):
+            reply = client.chat.completions.create(model="policy", messages=messages)
+            replies.append(reply.choices[0].message.content)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "again"}]
+        seen["replies"] = replies
+        return 1.0
+
+    limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
+    runner = AgentRunner(agent, concurrency=1, timeout_s=10.0)
+    session = AgentRolloutSession(server, EmptyFirstReply(), EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 10.0)
+    try:
+        (result,) = session.run(_rows(1))
+    finally:
+        runner.close()
+    assert result.outcome.error is None, result.outcome
+    (seq,) = result.record.sequences
+    spans, span = [], []
+    for t, m in zip(seq.response_ids, seq.loss_mask):
+        if m:
+            span.append(t)
+        elif span:
+            spans.append(span)
+            span = []
+    spans.append(span)
+    trained = [EchoTokenizer().decode(s) for s in spans]
+    assert seen["replies"] == trained == ["", "2"]
+    assert result.record.counts.unmerged_calls == 0
+
+
+def test_content_is_empty_text_without_tool_calls_and_null_beside_them():
+    from rlhf_orch.env.agent_driver.chat_api import completion_body
+
+    def message(text):
+        return completion_body("policy", text, "stop", 3, 1, "hermes")["choices"][0]["message"]
+
+    assert message("")["content"] == "" and "tool_calls" not in message("")
+    call_only = message('<tool_call>{"name": "lookup", "arguments": {"record": "3"}}</tool_call>')
+    assert call_only["content"] is None and call_only["tool_calls"][0]["function"]["name"] == "lookup"
+    assert message("hi")["content"] == "hi"

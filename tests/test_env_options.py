@@ -129,6 +129,40 @@ def test_skyrl_env_class_is_checked_against_the_registry():
         SkyRLEnv(env_class="no_such_env")
 
 
+def test_skyrl_rows_choosing_an_environment_that_runs_model_code_are_refused_once_loaded(tmp_path, tiny_model):
+    """The data preparation's side (what a hub dataset's rows choose, which the config check does
+    not read): every loaded row's env_class, training and held-out; one row choosing searchcode
+    refuses the option in one line naming the key that allows it; allowed, the start-up says so."""
+    pytest.importorskip("skyrl_gym")
+    import pandas as pd
+
+    from rlhf_orch.data.files import PromptDataset
+    from rlhf_orch.env.skyrl import SkyRLEnv
+
+    def rows(path, classes):
+        pd.DataFrame([{"prompt": "q", "env_class": c, "reward_spec": {"method": "rule", "ground_truth": "1"}}
+                      for c in classes]).to_parquet(path)
+        return str(path)
+
+    task = PromptDataset(train_files=[rows(tmp_path / "train.parquet", ["gsm8k", "gsm8k"])],
+                         val_files=[rows(tmp_path / "val.parquet", ["searchcode"])],
+                         label_key="reward_spec.ground_truth", chat_template=False)
+    task.bind(tiny_model.tokenizer())
+    assert task.env_field_values("env_class") == {"gsm8k", "searchcode"}
+    with pytest.raises(EnvError) as refused:
+        SkyRLEnv().bind(task)
+    assert str(refused.value).startswith("env.allow_unsandboxed_code=false: skyrl-gym's searchcode (the data's env_class column) "
+                                         "runs the model's code in the engine's process")
+    assert "\n" not in str(refused.value) and "set env.allow_unsandboxed_code=true" in str(refused.value)
+    allowed = SkyRLEnv(allow_unsandboxed_code=True)
+    allowed.bind(task)
+    assert any("searchcode" in line and "outside rlhf_orch's sandbox (env.allow_unsandboxed_code=true" in line
+               for line in allowed.describe())
+    plain = SkyRLEnv()
+    plain.bind(SimpleNamespace(prompt_max_len=8, env_field_values=lambda name: {"gsm8k"}))
+    assert not any("sandbox" in line for line in plain.describe())
+
+
 def test_row_extras_follow_skyrl_layout():
     prompt = _skyrl_row_prompt()
     extras = row_extras(prompt)

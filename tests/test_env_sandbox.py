@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -356,6 +357,34 @@ def test_the_code_reads_only_the_system_and_the_interpreter_not_the_checkout_the
     assert set(shown) <= {".venv"}, shown  # of the checkout, the virtual environment alone
     if not audit_hook:
         assert "again 7" in result.output
+
+
+@HOOK_ON_AND_OFF
+def test_the_code_has_an_ipc_namespace_of_its_own(audit_hook):
+    """SysV shared memory and message queues (and POSIX message queues) live in the IPC namespace,
+    which no mount hides: the code's is not the caller's, and a message queue anyone may read, made
+    here, is not there."""
+    if not sandbox_support().private_filesystem:
+        pytest.skip("the IPC namespace comes with the private filesystem (root with namespaces, or a user namespace)")
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = int.from_bytes(os.urandom(3), "big") + 1
+    queue = libc.msgget(key, 0o1000 | 0o2000 | 0o666)  # IPC_CREAT | IPC_EXCL, anyone may read
+    assert queue >= 0, os.strerror(ctypes.get_errno())
+    try:
+        code = textwrap.dedent(f"""
+            import ctypes, os
+            libc = ctypes.CDLL(None, use_errno=True)
+            print("ipc", os.readlink("/proc/self/ns/ipc"))
+            print("queue", libc.msgget({key}, 0), ctypes.get_errno())
+        """)
+        result = run_python(code, audit_hook=audit_hook)
+    finally:
+        libc.msgctl(queue, 0, None)  # IPC_RMID
+    assert result.exit_code == 0, result.output
+    assert f"ipc {os.readlink('/proc/self/ns/ipc')}" not in result.output and "ipc ipc:[" in result.output
+    assert f"queue -1 {errno.ENOENT}" in result.output, result.output
 
 
 def test_the_read_only_tree_hides_checkouts_wherever_they_are_and_what_top_level_links_point_to():

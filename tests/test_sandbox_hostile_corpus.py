@@ -1,4 +1,4 @@
-"""The hostile corpus (tests/sandbox_corpus.py, 27 programs) in every mode this machine gives: as
+"""The hostile corpus (tests/sandbox_corpus.py, 29 programs) in every mode this machine gives: as
 root (a separate uid, namespaces), with the audit hook off (the OS boundaries alone) and on; and as
 a non-root uid (`setpriv` to 65534: a user and a pid namespace of the code's own), hook off. Each
 program must end bounded or refused, leak nothing and leave no process."""
@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,22 +56,56 @@ def _interpreter_for_nobody() -> str | None:
     return None
 
 
+# What uid 65534 runs, copied out of the checkout (which may sit where that uid cannot go: a clone in
+# a 0700 temp or home directory): the corpus and the sandbox modules it imports (standard library
+# besides; the sandbox's bootstrap, sandbox_child.py, is run from beside sandbox.py).
+_STAGED = ("tests/sandbox_corpus.py", "rlhf_orch/__init__.py", "rlhf_orch/env/__init__.py", "rlhf_orch/env/sandbox.py",
+           "rlhf_orch/env/sandbox_child.py")
+
+
+def _searchable_by_all(path: str) -> bool:
+    """Every directory from / to `path` lets others through (o+x)."""
+    parts = Path(path).resolve().parts
+    return all(os.stat(os.path.join(*parts[: i + 1])).st_mode & 0o001 for i in range(len(parts)))
+
+
+def _stage_for_nobody() -> str:
+    """A directory uid 65534 can read holding `_STAGED`, laid out as in the checkout (the corpus at its
+    top): for the sandbox it is the checkout (it hides it as it hides this one)."""
+    base = tempfile.gettempdir()
+    stage = tempfile.mkdtemp(prefix="rlhf_orch_corpus_checkout_", dir=base if _searchable_by_all(base) else "/tmp")
+    for relative in _STAGED:
+        target = Path(stage) / (Path(relative).name if relative.startswith("tests/") else relative)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(REPO) / relative, target)
+    for directory, _, files in os.walk(stage):
+        os.chmod(directory, 0o755)
+        for name in files:
+            os.chmod(os.path.join(directory, name), 0o644)
+    return stage
+
+
 def test_the_hostile_corpus_is_contained_as_a_non_root_uid():
     """The engine as uid 65534 (a Slurm or Kubernetes job): the sandbox gets its boundaries from a
-    user namespace; the same corpus, the same checks, run by that uid."""
+    user namespace; the same corpus, the same checks, run by that uid from a copy it can read (the
+    checkout may be in a directory it cannot enter); the secret planted in that copy."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to start a process as another uid")
     python = _interpreter_for_nobody()
     if python is None:
         pytest.skip("no Python >= 3.10 that uid 65534 can run")
-    token, planted = sandbox_corpus.plant(REPO)
+    stage = _stage_for_nobody()
     try:
-        request = json.dumps({"repo": REPO, "token": token, "planted": planted, "audit_hook": False})
-        run = subprocess.run([*NOBODY, python, str(Path(__file__).with_name("sandbox_corpus.py"))], input=request,
-                             capture_output=True, text=True, cwd="/", timeout=600)
+        token, planted = sandbox_corpus.plant(stage)
+        try:
+            request = json.dumps({"repo": stage, "token": token, "planted": planted, "audit_hook": False})
+            run = subprocess.run([*NOBODY, python, os.path.join(stage, "sandbox_corpus.py")], input=request,
+                                 capture_output=True, text=True, cwd="/", timeout=600)
+        finally:
+            sandbox_corpus.remove(planted)
     finally:
-        sandbox_corpus.remove(planted)
+        shutil.rmtree(stage, ignore_errors=True)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["uid"] == 65534
+    assert (report["uid"], report["gid"]) == (65534, 65534)
     assert _failures(report["results"]) == {}

@@ -455,6 +455,11 @@ class SkyRLEnvConfig(MultiTurnEnvConfig):
     _target_: str = "rlhf_orch.env.skyrl.SkyRLEnv"
     env_class: str = ""  # "" = each row's env_class column
     env_config: dict[str, Any] = field(default_factory=dict)
+    # Run skyrl-gym environments that execute the model's code themselves (lcb, searchcode), chosen by
+    # env.env_class or by the rows' env_class: in the engine's process, with its environment, network
+    # and files, outside rlhf_orch's sandbox; refused before anything starts otherwise. The
+    # counterpart of env=python_tool's env.allow_weak_sandbox (which sandboxes the model's code).
+    allow_unsandboxed_code: bool = False
 
 
 @dataclass

@@ -408,6 +408,9 @@ def _env(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     host_problems = getattr(get_class(env._target_), "host_problems", None)
     if host_problems is not None:  # e.g. env=python_tool: this host's sandbox (probed here, before Ray)
         problems += [Problem(key, value, why) for key, value, why in host_problems(env)]
+    config_problems = getattr(get_class(env._target_), "config_problems", None)
+    if config_problems is not None:  # e.g. env=skyrl: environments running the model's code, the rows' env_class read here
+        problems += [Problem(key, value, why) for key, value, why in config_problems(env, cfg.data)]
     if isinstance(cfg.reward, ModelRewardConfig):
         problems.append(Problem(
             "reward", "model",

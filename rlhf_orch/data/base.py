@@ -75,6 +75,11 @@ class PromptSource(abc.ABC):
         """Training prompts without a label (a rule reward that needs labels refuses to start)."""
         return 0
 
+    def env_field_values(self, name: str) -> set[Any]:
+        """The distinct values of a row environment field (SkyRL's `env_class`) over every prompt,
+        training and held-out: the environments the rows choose. None for sources without them."""
+        return set()
+
     def describe(self) -> list[str]:
         """Lines worth printing at the start of a run (rows read, rows filtered, ...)."""
         return []

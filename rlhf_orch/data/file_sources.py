@@ -288,6 +288,27 @@ def read_rows(src: ResolvedFile) -> list[dict]:
         ) from None
 
 
+def local_column_values(spec: str, key: str, column: str) -> Optional[set[Any]]:
+    """The distinct values of the top-level `column` of one local data file, read before Ray (a
+    parquet file's column alone, without its rows); None for a hub dataset or a file that cannot be
+    read here (the data preparation reads it, and reports what is wrong with it)."""
+    if spec.startswith(HUB_PREFIX):
+        return None
+    try:
+        src = resolve_file(spec, key, "train", None)
+        if src.builder == "parquet":
+            import pyarrow.parquet as pq
+
+            if column not in pq.ParquetFile(src.path).schema_arrow.names:
+                return set()
+            values = pq.read_table(src.path, columns=[column]).column(column).unique().to_pylist()
+        else:
+            values = [row.get(column) for row in read_rows(src)]
+        return {v for v in values if v is not None}
+    except Exception:  # noqa: BLE001 - the data preparation says what is wrong with the file
+        return None
+
+
 def _rows(ds: Any, batch_size: int = 1024) -> list[dict]:
     """Rows of a (streaming) dataset as dicts; batched, which is several times faster than row by row."""
     out: list[dict] = []

@@ -410,6 +410,15 @@ class PromptDataset(PromptSource):
         # Interned: a handful of distinct sources repeated over every row.
         return self.default_source if value is _MISSING or value is None else sys.intern(str(value))
 
+    def env_field_values(self, name: str) -> set[Any]:
+        values = set()
+        for split in (self._train, self._val):
+            for fields in split.env_fields if split is not None else ():
+                value = (fields or {}).get(name)
+                if value is not None:
+                    values.add(value)
+        return values
+
     def _env_fields(self, row: Mapping[str, Any]) -> Optional[dict]:
         """What a row gives its environment (skyrl-gym's `extras`): every column but the prompt, as
         SkyRL's PromptDataset passes them (text2sql reads `db_id` and `data`, lcb its tests)."""

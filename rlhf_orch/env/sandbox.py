@@ -32,6 +32,9 @@ process and falls back to what works elsewhere):
   nodes alone (null, zero, full, random, urandom and the fd/std* links). If the tree cannot be
   worked out, the private filesystem counts as unavailable (fail closed). The working directory is a
   tmpfs of 8 x max_file_bytes + the code, owned by the sandbox uid, the only writable place.
+  With the mount namespace comes an IPC namespace (CLONE_NEWIPC): the host's SysV shared memory,
+  semaphores and message queues and its POSIX message queues, which no mount hides, are not the
+  code's (a segment or queue anyone may read, made by the caller, is not there).
 * the whole tree dies: the code runs in a new session; afterwards (exit, timeout or too much
   output) its process group is killed, then every process of the sandbox uid (found in /proc:
   a grandchild that left the group with `setsid` is killed too).
@@ -45,7 +48,7 @@ process and falls back to what works elsewhere):
 
 Not root (a Slurm or Kubernetes job that allows unprivileged user namespaces): the same boundaries
 come from a user namespace of the code's own (`SandboxSupport.user_namespace`; the mode bubblewrap
-uses). The bootstrap unshares user, mount, network and pid namespaces, maps its uid to the
+uses). The bootstrap unshares user, mount, network, pid and IPC namespaces, maps its uid to the
 namespace's 0 and forks pid 1 of the new pid namespace, which builds the same private read-only tree
 and forks the code's process (pid 2: a namespace's init ignores signals it has no handler for,
 SIGXCPU included); that process leaves the caller's session and drops every capability (bounding
@@ -57,7 +60,7 @@ alone on Linux >= 5.14 (per user namespace; older kernels count every process of
 uid, the engine's threads included, so the code could start none: measured here on 6.18 only) --
 the bootstrap, pid 1 and the code count: 3 + max_processes -- and every process it starts
 dies with it. Measured as uid 65534 here via `setpriv` (tests/test_sandbox_hostile_corpus.py: the
-same 27 hostile programs as root, all held); a container whose seccomp profile refuses `unshare` or
+same 29 hostile programs as root, all held); a container whose seccomp profile refuses `unshare` or
 the new /proc falls back to what works. Where unprivileged user namespaces are off (a default Docker
 container) the code runs with a network namespace at most, no private filesystem, and only the
 audit hook in the way of writes -- `env=python_tool` is then refused unless env.allow_weak_sandbox=true.

@@ -32,6 +32,7 @@ _BOOTSTRAP = os.path.abspath(__file__)
 # ---------------------------------------------------------------------------------------------
 
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWIPC = 0x08000000
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWPID = 0x20000000
@@ -116,9 +117,11 @@ def mount_points() -> list[tuple[str, set[str]]]:
 
 
 def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
-    """A mount namespace where only the work dir is writable and the host's temp dirs are hidden."""
+    """A mount namespace where only the work dir is writable and the host's temp dirs are hidden, and
+    an IPC namespace: SysV shared memory, semaphores and message queues and POSIX message queues are
+    the host's otherwise (no mount hides them; /dev/shm, POSIX shared memory, goes with /dev)."""
     workdir, uid = config["workdir"], config["uid"]
-    libc.unshare(_CLONE_NEWNS)
+    libc.unshare(_CLONE_NEWNS | _CLONE_NEWIPC)
     libc.mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing we mount reaches the host
     # Open what the hidden directories must still show before a tmpfs covers them.
     exposed = []  # (directory, name, a symlink's target or an O_PATH descriptor of the entry)
@@ -183,13 +186,13 @@ def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
 
 def _enter_user_namespace(libc: _Libc) -> int:
     """Not root: a user namespace of the code's own (its uid 0 is the caller's uid, with
-    capabilities only over what the namespace owns), with mount, network and pid namespaces. Returns
+    capabilities only over what the namespace owns), with mount, network, pid and IPC namespaces. Returns
     in a forked child, pid 1 of the new pid namespace (`_reap_for_the_code` then forks the code as
     pid 2), with the pipe on which it reports the code's wait status: the code sees no process of
     the host (no /proc/<pid>/environ, nothing to signal or trace), and every process it starts dies
     with pid 1. This process waits and ends as the code did (`_exit_as`)."""
     uid, gid = os.geteuid(), os.getegid()
-    libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID)
+    libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWIPC)
     for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)

@@ -26,9 +26,42 @@ from rlhf_orch.env.base import EnvError, TextEnv, call_env, prompt_messages, row
 from rlhf_orch.env.multi_turn import MultiTurnEnv
 
 
-# skyrl-gym environments that execute the model's code themselves, in the engine's process, outside
-# this project's sandbox (rlhf_orch.env.sandbox): said at start-up.
-RUNS_MODEL_CODE = {"lcb": "runs the model's code to test it", "searchcode": "runs the model's Python"}
+# skyrl-gym environments that execute the model's code themselves, in the engine's process (its
+# environment, network and files), outside this project's sandbox (rlhf_orch.env.sandbox): refused
+# before anything starts unless env.allow_unsandboxed_code=true, whether env.env_class or the rows
+# choose them. (rlm: a REPL in the process, should a skyrl-gym version register it.)
+RUNS_MODEL_CODE = {"lcb": "runs the model's code to test it", "searchcode": "runs the model's Python",
+                   "rlm": "runs the model's Python in a REPL"}
+ALLOW_KEY = "env.allow_unsandboxed_code"
+
+
+def unsandboxed_code_refusal(chosen: dict[str, str]) -> str:
+    """Why the environments in `chosen` (id -> what chose it) are refused, with the fix: one line."""
+    names = " and ".join(f"{env_id} ({where})" for env_id, where in chosen.items())
+    verb = "runs" if len(chosen) == 1 else "run"
+    return (f"skyrl-gym's {names} {verb} the model's code in the engine's process, with its environment, network and "
+            f"files, outside rlhf_orch's sandbox; set {ALLOW_KEY}=true to run it anyway, or train code with "
+            "env=python_tool (its code runs in the sandbox)")
+
+
+def rows_running_model_code(data: Any) -> dict[str, str]:
+    """Before Ray: the environments that run the model's code which the rows of `data`'s local
+    files choose (their `env_class` column; a hub dataset's rows are checked once loaded, `bind`),
+    each with the first file choosing it."""
+    from rlhf_orch.data.file_sources import as_file_list, local_column_values
+
+    chosen: dict[str, str] = {}
+    for name in ("train_files", "val_files"):
+        try:
+            specs = as_file_list(getattr(data, name, None), f"data.{name}")
+        except ValueError:
+            continue  # (the data preparation names the bad entry)
+        for i, spec in enumerate(specs):
+            key = f"data.{name}[{i}]"
+            for env_id in sorted(local_column_values(spec, key, "env_class") or ()):
+                if env_id in RUNS_MODEL_CODE:
+                    chosen.setdefault(env_id, f"the env_class column of {key}")
+    return chosen
 
 
 def registered_env_ids() -> list[str]:
@@ -70,6 +103,34 @@ def _answers(url: str, timeout_s: float = 3.0) -> bool:
 class SkyRLEnv(MultiTurnEnv):
     env_class: str = ""
     env_config: dict[str, Any] = field(default_factory=dict)
+    allow_unsandboxed_code: bool = False
+
+    # What runs the model's code, id -> what chose it (env.env_class, the rows): set by `bind`.
+    runs_model_code: dict[str, str] = field(default_factory=dict, init=False)
+
+    @classmethod
+    def config_problems(cls, config: Any, data: Any) -> list[tuple[str, Any, str]]:
+        """Before Ray (the config check, a dry run included): (key, value, why) when env.env_class
+        or the rows of a local data file choose an environment that runs the model's code outside
+        the sandbox and env.allow_unsandboxed_code is not set."""
+        if config.allow_unsandboxed_code:
+            return []
+        chosen = {config.env_class: "env.env_class"} if config.env_class in RUNS_MODEL_CODE else {}
+        for env_id, where in rows_running_model_code(data).items():
+            chosen.setdefault(env_id, where)
+        return [(ALLOW_KEY, False, unsandboxed_code_refusal(chosen))] if chosen else []
+
+    def bind(self, task: Any) -> None:
+        """Every row loaded (hub datasets' too): the environments they choose that run the model's
+        code are refused here, before Ray, unless env.allow_unsandboxed_code."""
+        super().bind(task)
+        chosen = {self.env_class: "env.env_class"} if self.env_class in RUNS_MODEL_CODE else {}
+        for env_id in sorted(str(c) for c in task.env_field_values("env_class")):
+            if env_id in RUNS_MODEL_CODE:
+                chosen.setdefault(env_id, "the data's env_class column")
+        if chosen and not self.allow_unsandboxed_code:
+            raise EnvError(f"{ALLOW_KEY}=false: {unsandboxed_code_refusal(chosen)}")
+        self.runs_model_code = chosen
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -126,10 +187,10 @@ class SkyRLEnv(MultiTurnEnv):
 
     def describe(self) -> list[str]:
         lines = super().describe()
-        if self.env_class in RUNS_MODEL_CODE:
+        for env_id, where in self.runs_model_code.items():
             lines.append(
-                f"env: skyrl-gym's {self.env_class} {RUNS_MODEL_CODE[self.env_class]} in the engine's process, "
-                "outside rlhf_orch's sandbox (env=python_tool sandboxes model code)"
+                f"env: skyrl-gym's {env_id} ({where}) {RUNS_MODEL_CODE[env_id]} in the engine's process, "
+                f"outside rlhf_orch's sandbox ({ALLOW_KEY}=true; env=python_tool sandboxes model code)"
             )
         return lines
 

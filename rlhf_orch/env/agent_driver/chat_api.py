@@ -151,7 +151,9 @@ def completion_body(model_name: str, text: str, finish_reason: str, prompt_token
                     reasoning_parser: str = "none") -> dict[str, Any]:
     reasoning, text = split_reasoning(text, reasoning_parser, tokenizer)
     content, tool_calls = parse_tool_calls(text or "", tool_parser, tokenizer, tools)
-    message: dict[str, Any] = {"role": "assistant", "content": content or None}
+    # As OpenAI answers: an empty text completion is "" (what its tokens decode to, what trains);
+    # beside tool calls, no text is null.
+    message: dict[str, Any] = {"role": "assistant", "content": (content or None) if tool_calls else (content or "")}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
     if tool_calls:

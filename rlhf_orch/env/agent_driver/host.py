@@ -17,10 +17,18 @@ the host, a subreaper, which kills it. The host dies with the thread of the engi
 rest wait in the host, their deadlines not yet started.
 
 Messages both ways are length-prefixed pickles (`write_message`, `read_message`):
-  to the host:   ("init", sys_path, pickled function, concurrency, timeout_s), then ("run", batch, [(index, row, base_url, api_key), ...])
+  to the host:   ("init", sys_path, pickled function, concurrency, timeout_s), then per batch
+                 ("run", batch, [(index, row, secret length), ...]) followed by one frame of the
+                 batch's secrets (`write_secrets`): each trajectory's base URL and key, concatenated
   from the host: ("ready",) or ("init_failed", text), then ("done", outcome fields with the batch) per trajectory
 The function travels as a cloudpickle (a function defined in a user's file or inside a test is
 pickled by value); the rows are plain data.
+
+Each trajectory's process holds its own base URL and key and no other trajectory's (tested by an
+agent that reads its whole process memory): the host reads a batch's secrets straight into memory
+mapped MADV_DONTFORK (`_read_secrets`), which no fork inherits, and hands each process its own
+through a pipe written before the fork. Nothing else of them is in the host's memory: a process
+forked while others' trajectories are queued or running has every page of the host but that one.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ if __name__ == "__main__":
 import gc
 import inspect
 import math
+import mmap
 import pickle
 import selectors
 import signal
@@ -88,6 +97,66 @@ def read_message(stream: BinaryIO) -> Any:
     return pickle.loads(_read_exactly(stream, size))
 
 
+def write_secrets(stream: BinaryIO, secrets: list[bytes]) -> None:
+    """The frame of a batch's secrets, after its "run" message (their lengths are in the message)."""
+    blob = b"".join(secrets)
+    stream.write(_HEADER.pack(len(blob)) + blob)
+    stream.flush()
+
+
+def trajectory_secret(base_url: str, api_key: str) -> bytes:
+    return f"{base_url}\n{api_key}".encode()
+
+
+def _secret_fields(secret: bytes) -> tuple[str, str]:
+    base_url, _, api_key = secret.decode().partition("\n")
+    return base_url, api_key
+
+
+def _unforked_memory(size: int) -> mmap.mmap:
+    """Anonymous memory no child of this process inherits (MADV_DONTFORK: absent from a fork)."""
+    memory = mmap.mmap(-1, max(1, size))
+    memory.madvise(mmap.MADV_DONTFORK)
+    return memory
+
+
+def _read_secrets(stream: BinaryIO) -> mmap.mmap:
+    """A batch's secrets frame, read from the unbuffered `stream` directly into memory no fork
+    inherits (never through a bytes object of the host's heap, which every fork copies)."""
+    (size,) = _HEADER.unpack(_read_exactly(stream, _HEADER.size))
+    memory = _unforked_memory(size)
+    view = memoryview(memory)
+    got = 0
+    while got < size:
+        n = stream.readinto(view[got:size])
+        if not n:
+            raise EOFError
+        got += n
+    view.release()
+    return memory
+
+
+class _Secret:
+    """Where one trajectory's base URL and key lie in its batch's unforked memory."""
+
+    def __init__(self, memory: mmap.mmap, offset: int, length: int):
+        self.memory, self.offset, self.length = memory, offset, length
+
+    def into_pipe(self) -> int:
+        """A pipe's read end holding the secret (written from the unforked memory: no copy of it
+        in the host's heap); the child that inherits it reads it."""
+        read_fd, write_fd = os.pipe()
+        try:
+            with memoryview(self.memory) as view:
+                os.write(write_fd, view[self.offset : self.offset + self.length])  # (far below a pipe's capacity)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        return read_fd
+
+
 def _read_exactly(stream: BinaryIO, size: int) -> bytes:
     data = bytearray()
     while len(data) < size:
@@ -137,7 +206,7 @@ class Host:
         self.commands, self.replies = commands, replies
         self.fn: Any = None
         self.concurrency, self.timeout_s = 1, 1.0
-        self.queued: list[tuple[int, int, Any, str, str]] = []  # (batch, index, row, base_url, api_key)
+        self.queued: list[tuple[int, int, Any, _Secret]] = []  # (batch, index, row, where its URL and key lie)
         self.running: dict[int, _Trajectory] = {}  # by pid
         self.dying: set[int] = set()  # orphans killed, not yet reaped
         self.selector = selectors.DefaultSelector()
@@ -154,9 +223,14 @@ class Host:
                     if key.data is None:
                         try:
                             _, batch, items = read_message(self.commands)
+                            memory = _read_secrets(self.commands)
                         except EOFError:
                             return  # the engine is gone or closed the runner
-                        self.queued.extend((batch, *item) for item in items)
+                        offset = 0
+                        for index, row, length in items:
+                            self.queued.append((batch, index, row, _Secret(memory, offset, length)))
+                            offset += length
+                        del memory  # (unmapped once the last of its trajectories has started)
                     elif self.running.get(key.data.pid) is not key.data:
                         continue  # finished by an earlier event of this round: its descriptors are closed
                     elif key.fd == key.data.exit_fd:
@@ -193,6 +267,7 @@ class Host:
             # built once, inherited by every fork: a client otherwise loads the CA bundle (~40 ms)
             self.ssl_context = ssl.create_default_context()
             _warm_up(self.ssl_context)
+            _unforked_memory(1).close()  # (where MADV_DONTFORK is missing, no batch's secrets are taken)
             # What exists now is shared with every fork: keep the collector from touching (and so
             # copying) its pages in each trajectory's process.
             gc.freeze()
@@ -211,24 +286,31 @@ class Host:
 
     def _start_queued(self) -> None:
         while self.queued and len(self.running) < self.concurrency:
-            batch, index, row, base_url, api_key = self.queued.pop(0)
+            batch, index, row, secret = self.queued.pop(0)
             sys.stdout.flush()  # (nothing buffered here is printed again by the child)
             sys.stderr.flush()
             try:
+                secret_fd = secret.into_pipe()
+            except OSError as e:
+                self._could_not_start(batch, index, e)
+                continue
+            try:
                 read_fd, write_fd = os.pipe()
             except OSError as e:
+                os.close(secret_fd)
                 self._could_not_start(batch, index, e)
                 continue
             try:
                 pid = os.fork()
             except OSError as e:  # (out of processes or memory: this trajectory fails, not the host)
-                os.close(read_fd)
-                os.close(write_fd)
+                for fd in (read_fd, write_fd, secret_fd):
+                    os.close(fd)
                 self._could_not_start(batch, index, e)
                 continue
             if pid == 0:  # the trajectory's process: never returns
                 os.close(read_fd)
-                _run_trajectory(self, write_fd, row, base_url, api_key)
+                _run_trajectory(self, write_fd, row, secret_fd, secret.length)
+            os.close(secret_fd)
             os.close(write_fd)
             try:
                 os.setpgid(pid, pid)  # (the child does it too: a kill must find the group whichever runs first)
@@ -322,8 +404,9 @@ class Host:
         write_message(self.replies, ("done", outcome))
 
 
-def _run_trajectory(host: Host, result_fd: int, row: Any, base_url: str, api_key: str) -> None:
-    """In the forked process: run the function once, write its outcome, exit without cleanup."""
+def _run_trajectory(host: Host, result_fd: int, row: Any, secret_fd: int, secret_length: int) -> None:
+    """In the forked process: take its own base URL and key from `secret_fd`, run the function
+    once, write its outcome, exit without cleanup."""
     code = 0
     try:
         os.setpgid(0, 0)
@@ -340,6 +423,9 @@ def _run_trajectory(host: Host, result_fd: int, row: Any, base_url: str, api_key
             os.close(fd)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
+        with os.fdopen(secret_fd, "rb") as pipe:
+            base_url, api_key = _secret_fields(_read_exactly(pipe, secret_length))
+        bypass_proxies_for(base_url)
         outcome = _call(host, row, base_url, api_key)
         sys.stdout.flush()  # before the outcome: the host kills this process's group once it is in
         sys.stderr.flush()
@@ -353,16 +439,33 @@ def _run_trajectory(host: Host, result_fd: int, row: Any, base_url: str, api_key
         os._exit(code)
 
 
+def bypass_proxies_for(base_url: str) -> None:
+    """The endpoint's host added to NO_PROXY / no_proxy in this process's environment: a proxy a
+    job's environment names (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY) would not reach the engine's
+    loopback (nor, often, its node's address), and clients an agent builds itself from `base_url`
+    (httpx, requests, urllib, aiohttp with trust_env) read these variables."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(base_url).hostname
+    if not host:
+        return
+    for name in ("no_proxy", "NO_PROXY"):
+        kept = [h for h in os.environ.get(name, "").split(",") if h.strip()]
+        if "*" not in kept and host not in kept:
+            os.environ[name] = ",".join([*kept, host])
+
+
 def _client(is_async: bool, base_url: str, api_key: str, timeout_s: float, ssl_context: Any) -> Any:
     import httpx
     import openai
 
     # No retries: a refused call is the agent's to handle, and a retry would be a second call.
+    # trust_env=False: no proxy from the environment between the agent and its engine's endpoint.
     if is_async:
         return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
-                                  http_client=httpx.AsyncClient(verify=ssl_context, timeout=timeout_s))
+                                  http_client=httpx.AsyncClient(verify=ssl_context, timeout=timeout_s, trust_env=False))
     return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
-                         http_client=httpx.Client(verify=ssl_context, timeout=timeout_s))
+                         http_client=httpx.Client(verify=ssl_context, timeout=timeout_s, trust_env=False))
 
 
 _STUB_REPLY = (b'{"id": "warm-up", "object": "chat.completion", "created": 0, "model": "warm-up", "choices": '

@@ -23,7 +23,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rlhf_orch.env.agent_driver.host import accepted_keywords, read_message, reward_of, write_message  # noqa: F401 - the runner's API too
+from rlhf_orch.env.agent_driver.host import (  # noqa: F401 - the runner's API too
+    accepted_keywords, read_message, reward_of, trajectory_secret, write_message, write_secrets,
+)
 
 
 @dataclass
@@ -79,7 +81,11 @@ class AgentRunner:
             host = self._running_host()
             with self._lock:
                 self._batch_host = host  # (before the message: a host dying at once fails this batch)
-            write_message(host.stdin, ("run", batch, items))
+            # Each trajectory's URL and key apart from the rows: the host keeps them where its
+            # forks do not see them, and hands each process its own (rlhf_orch.env.agent_driver.host).
+            secrets = [trajectory_secret(base_url, api_key) for _, _, base_url, api_key in items]
+            write_message(host.stdin, ("run", batch, [(index, row, len(s)) for (index, row, *_), s in zip(items, secrets)]))
+            write_secrets(host.stdin, secrets)
         except (OSError, EOFError) as e:
             self._fail_pending(batch, None if isinstance(e, (BrokenPipeError, EOFError)) else e)
         except AgentHostError as e:
