@@ -329,3 +329,37 @@ def test_a_template_closing_turns_with_another_token_than_the_tokenizer_s_eos(sm
     obs = renderer.observation([{"role": "user", "content": "result"}], True, None)
     assert tok.decode(obs.ids) == "\n<|im_start|>user\nresult<|im_end|>\n<|im_start|>assistant\n"
     assert renderer.closes_turn(tok("ok", add_special_tokens=False)["input_ids"] + [im_end])
+
+
+class ManyToolMessages:
+    """A degenerate turn's answer: one tool message per call, `calls` of them (what an environment
+    answering each of ~50 tool calls in one turn returns), then a final turn."""
+
+    def __init__(self, calls=50):
+        self.calls, self.steps = calls, 0
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps > 1:
+            return {"observations": [], "reward": 1.0, "done": True}
+        return {"observations": [{"role": "tool", "content": f"out {k}"} for k in range(self.calls)], "reward": 0.0,
+                "done": False, "metadata": {"tool_calls": self.calls}}
+
+
+def test_a_turn_whose_tool_messages_cannot_fit_ends_its_trajectory_truncated_not_the_run(smollm2_tokenizer):
+    """Qwen2.5's tool template: 50 tool messages take ~15 tokens of the template's own each (their
+    <tool_response> frames), more than env.max_observation_tokens=256 with every content cut to
+    nothing: the trajectory ends there, truncated and counted (env/observations_too_long), instead
+    of the EnvError that ended the run."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = QWEN25_TEMPLATE
+    turns = [_turn(tok, "<tool_call>...</tool_call>" * 50), _turn(tok, "It is 42.")]
+    t, gen, _ = _run(tok, {"tools": TOOLS}, ManyToolMessages(50), turns)
+    assert t.done and t.truncated and t.counts.observations_too_long == 1 and t.counts.turns == 1
+    assert t.turn_rewards == [0.0] and len(gen.submitted) == 1  # no second turn was asked for
+    # a handful of messages still fits: cut on their content, the trajectory goes on
+    t, _, _ = _run(tok, {"tools": TOOLS}, ManyToolMessages(5), turns)
+    assert not t.truncated and t.counts.observations_too_long == 0 and t.counts.turns == 2

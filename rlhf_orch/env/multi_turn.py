@@ -126,6 +126,7 @@ class MultiTurnEnv(EnvGroup):
             "env/truncated": stats.get("truncated", 0.0),
             "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
             "env/observations_truncated": stats.get("observations_truncated", 0.0),
+            "env/observations_too_long": stats.get("observations_too_long", 0.0),
             "env/closing_tokens_added": stats.get("closing_tokens_added", 0.0),
             "env/tokenization_mismatches": stats.get("tokenization_mismatches", 0.0),
             "env/postprocessed_actions": stats.get("postprocessed_actions", 0.0),

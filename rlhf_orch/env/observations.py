@@ -14,6 +14,9 @@ renders no tool or user turns, like the tiny tool-use model).
 
 Long observations are cut on their content (`env.observation_truncate_side`: which side of the
 content goes), then rendered: the template's closing tokens and the next turn's header are never cut.
+Where the template's own tokens around the messages alone exceed the limit (a turn answered with
+dozens of tool messages) nothing can be cut to fit: `ObservationTooLong`, and the runner ends that
+trajectory there (counted).
 
 `matches_template` renders a whole conversation with the model's turns put back as generated: the
 tokenization check (`env.tokenization_sanity_check_mode`) compares it with the context a
@@ -37,6 +40,11 @@ TRUNCATE_SIDES = ("tail", "head", "middle")
 _MIDDLE_MARK = "\n...\n"
 # Stands in for an assistant turn's content when a conversation is rendered around the model's tokens.
 _TURN_MARK = "\u2063rlhf-orch-turn-{}\u2063"
+
+
+class ObservationTooLong(EnvError):
+    """The chat template's own tokens around these observation messages exceed env.max_observation_tokens
+    (no content left to cut): what the model's turn asked for cannot be shown to it."""
 
 
 @dataclass
@@ -153,7 +161,7 @@ class ObservationRenderer:
             return RenderedObservation(ids, False, [dict(m) for m in messages], closing)
         frame = len(self._delta(empty, turn_closed))
         if frame > max_tokens:
-            raise EnvError(
+            raise ObservationTooLong(
                 f"env.max_observation_tokens={max_tokens}: the chat template alone takes {frame} tokens around "
                 f"these {len(messages)} observation message(s); raise it to at least {frame + 16}"
             )

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.turn_driver import abandonable
 from rlhf_orch.env.base import StepResult, TextEnv, call_env, env_class_key, is_async, prompt_messages
-from rlhf_orch.env.observations import CHECK_MODES
+from rlhf_orch.env.observations import CHECK_MODES, ObservationTooLong
 from rlhf_orch.env.turn_driver.trajectory import Trajectory, TrajectoryLimits
 
 logger = logging.getLogger(__name__)
@@ -260,7 +260,12 @@ class MultiTurnRunner:
         if not t.wants_another_turn():
             return
         closed = self.renderer.closes_turn(t.turns[-1])
-        obs = self.renderer.observation(result.observations, closed, self.limits.max_observation_tokens)
+        try:
+            obs = self.renderer.observation(result.observations, closed, self.limits.max_observation_tokens)
+        except ObservationTooLong:  # what the turn asked for (dozens of tool calls) cannot be shown: it ends here
+            counts.observations_too_long += 1
+            t.finish(truncated=True)
+            return
         if not t.add_observation(obs.ids, obs.truncated):
             return
         t.counts.closing_tokens_added += int(obs.closing_added)

@@ -38,6 +38,8 @@ class EnvCounts:
     truncated: int = 0
     observation_tokens: int = 0
     observations_truncated: int = 0  # observations whose content was cut to env.max_observation_tokens
+    # observations whose chat-template frame alone exceeded env.max_observation_tokens: the trajectory ended there
+    observations_too_long: int = 0
     closing_tokens_added: int = 0  # turns that did not end with the end-of-turn token: it was added as context
     tokenization_mismatches: int = 0  # the context differed from the chat template's rendering (the check)
     postprocessed_actions: int = 0  # turns the environment shortened (skyrl-gym's postprocessed_action)
