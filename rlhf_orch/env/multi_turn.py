@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, EnvGroup, call_env, prompt_messages
+from rlhf_orch.env.turn_driver import abandonable
 from rlhf_orch.env.observations import CHECK_MODES, FORMATS, TRUNCATE_SIDES, ObservationRenderer
 from rlhf_orch.env.turn_driver.trajectory import Trajectory, TrajectoryLimits
 
@@ -94,6 +96,9 @@ class MultiTurnEnv(EnvGroup):
             tokenizer, self.observation_format, self.observation_truncate_side, stop_ids, self.chat_template_kwargs
         )
 
+    def prompt_template_kwargs(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs) if self.observation_format == "chat_template" else {}
+
     def action_decoder(self, tokenizer: Any, stop_ids: Sequence[int] = ()) -> Callable[[Sequence[int]], str] | None:
         """How a model turn's tokens become the `action` env.step reads where this option reads more
         than skyrl-gym's contract gives (its text without special tokens: None)."""
@@ -107,8 +112,21 @@ class MultiTurnEnv(EnvGroup):
         return TrajectoryLimits(self.max_turns, per_turn, response_max_len, self.max_observation_tokens, self.prompt_max_len)
 
     def check(self, prompt: Prompt, tokenizer: Any) -> None:
-        """The observation format renders with this tokenizer; the environment starts for `prompt`."""
+        """The observation format renders with this tokenizer; the environment starts for `prompt`
+        within the deadline every environment call has (a hung start is refused, not waited for)."""
         self.renderer(tokenizer).observation([{"role": "user", "content": "0"}], True, self.max_observation_tokens)
+        deadline = self.step_timeout_s()
+        started = abandonable.start(self._start_and_close, prompt, name="env-check")
+        try:
+            started.result(timeout=deadline)
+        except cf.TimeoutError:
+            abandonable.abandon(started)
+            raise EnvError(
+                f"env.tool_timeout_s={self.tool_timeout_s:g}: starting the environment for the first prompt (env.make, env.init) "
+                f"took longer than {deadline:g}s; make it start faster (or raise env.tool_timeout_s)"
+            ) from None
+
+    def _start_and_close(self, prompt: Prompt) -> None:
         instance = self.make(prompt)
         call_env(instance.init, prompt_messages(prompt))
         getattr(instance, "close", lambda: None)()
@@ -123,6 +141,8 @@ class MultiTurnEnv(EnvGroup):
             "env/tool_timeouts": stats.get("tool_timeouts", 0.0),
             "env/step_errors": stats.get("env_errors", 0.0),
             "env/step_timeouts": stats.get("env_timeouts", 0.0),
+            "env/init_timeouts": stats.get("init_timeouts", 0.0),
+            "env/close_timeouts": stats.get("close_timeouts", 0.0),
             "env/truncated": stats.get("truncated", 0.0),
             "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
             "env/observations_truncated": stats.get("observations_truncated", 0.0),
@@ -136,10 +156,10 @@ class MultiTurnEnv(EnvGroup):
 
     def masks_out(self, t: Trajectory) -> bool:
         """Train nothing of this trajectory: its environment failed (an error or a timeout in
-        env.step: `env.mask_failed`), or a limit cut it (`env.max_turns`, a token budget:
+        env.step, a timeout starting it: `env.mask_failed`), or a limit cut it (`env.max_turns`, a token budget:
         `env.mask_truncated`) -- instead of training it with the reward it ended with (rLLM;
         SkyRL's overlong filtering)."""
-        failed = t.counts.env_errors + t.counts.env_timeouts > 0
+        failed = t.counts.env_errors + t.counts.env_timeouts + t.counts.init_timeouts > 0
         cut = (t.truncated and not failed) or t.last_turn_hit_length
         return (self.mask_failed and failed) or (self.mask_truncated and cut)
 

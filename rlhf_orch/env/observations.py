@@ -113,6 +113,14 @@ class ObservationRenderer:
         close = self.frame()[1]
         return bool(token_ids) and close is not None and int(token_ids[-1]) == close
 
+    def end_of_turn_id(self) -> int:
+        """The token a model turn ends with: the template's end-of-turn token, else the tokenizer's EOS."""
+        close = self.frame()[1] if self.format == "chat_template" else None
+        if close is not None:
+            return int(close)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return int(eos) if isinstance(eos, int) else min(self.stop_ids, default=0)
+
     def renders_prompts(self) -> bool:
         """Prompts must be rendered here: the template takes options (env.chat_template_kwargs) the
         data's rendering of the rows did not have."""
