@@ -363,3 +363,68 @@ def test_a_turn_whose_tool_messages_cannot_fit_ends_its_trajectory_truncated_not
     # a handful of messages still fits: cut on their content, the trajectory goes on
     t, _, _ = _run(tok, {"tools": TOOLS}, ManyToolMessages(5), turns)
     assert not t.truncated and t.counts.observations_too_long == 0 and t.counts.turns == 2
+
+
+# A Llama-3.2-Instruct-style template: the system turn stamps today's date with strftime_now.
+DATED_TEMPLATE = (
+    "{{- bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}{%- set date_string = '26 Jul 2024' %}{%- endif %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: ' + date_string + "
+    "'\\n\\n<|eot_id|>' }}{% for message in messages %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+def test_a_date_stamped_template_renders_the_run_s_date_across_midnight(tmp_path, smollm2_tokenizer, monkeypatch):
+    """Llama-3.2-Instruct's template writes `Today Date` with strftime_now. The data renders the
+    prompt before midnight, the environment answers after it, and the tokenization check renders
+    the conversation later still: every rendering reads the run's date (the env option's, fixed
+    where it is built), so the context matches the template in strict mode -- with the clock's date
+    the check rendered a day later than the prompt and ended the run."""
+    import datetime as dt
+    import json
+
+    import transformers.utils.chat_template_utils as chat_template_utils
+
+    from rlhf_orch.data.files import PromptDataset
+    from rlhf_orch.env.multi_turn import MultiTurnEnv
+
+    now = [dt.datetime(2026, 11, 28, 23, 59, 59)]
+
+    class Clock(dt.datetime):  # what transformers' own strftime_now reads
+        @classmethod
+        def now(cls, tz=None):
+            return now[0]
+
+    monkeypatch.setattr(chat_template_utils, "datetime", Clock)
+
+    class PastMidnight(Answering):
+        def step(self, action):
+            now[0] = dt.datetime(2026, 11, 29, 0, 0, 1)
+            return super().step(action)
+
+    class Dated(MultiTurnEnv):
+        def make(self, prompt):
+            return PastMidnight("user", turns=2)
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.bos_token, tok.eos_token = "<|begin_of_text|>", "<|eot_id|>"
+    tok.chat_template = DATED_TEMPLATE
+    env = Dated(template_time=now[0].timestamp())  # built on the driver, before midnight
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 6 times 7?"}]}) + "\n")
+    data = PromptDataset(train_files=[str(rows)], label_key=None, prompt_max_len=256, response_max_len=256)
+    data.render_prompts_with(env.prompt_template_kwargs())
+    data.bind(tok)
+    prompt = data.sample_prompts(1)[0]
+    assert "Today Date: 28 Nov 2026" in prompt.text
+
+    generator = ScriptedGenerator({(0, 0): _turn(tok, "Let me check."), (0, 1): _turn(tok, "42")})
+    generator.decode = lambda t: tok.decode(t, skip_special_tokens=True)
+    runner = MultiTurnRunner(env.make, generator, env.renderer(tok), env.limits(256), 1, 5.0, "strict")
+    (t,) = list(runner.run([(0, prompt, list(prompt.prompt_ids))]))
+    assert now[0].day == 29 and t.counts.turns == 2 and t.counts.tokenization_mismatches == 0
+    context = tok.decode(t.context())
+    assert "28 Nov 2026" in context and "29 Nov" not in context

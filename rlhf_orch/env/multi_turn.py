@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import importlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, EnvGroup, call_env, prompt_messages
 from rlhf_orch.env.turn_driver import abandonable
-from rlhf_orch.env.observations import CHECK_MODES, FORMATS, TRUNCATE_SIDES, ObservationRenderer
+from rlhf_orch.env.observations import CHECK_MODES, FORMATS, TRUNCATE_SIDES, FixedClock, ObservationRenderer
 from rlhf_orch.env.turn_driver.trajectory import Trajectory, TrajectoryLimits
 
 REWARDS = ("last", "sum", "per_turn")
@@ -51,6 +52,9 @@ class MultiTurnEnv(EnvGroup):
     mask_failed: bool = False
     mask_truncated: bool = False
     prompt_max_len: int = 0  # data.prompt_max_len, taken in `bind` (what env.init may make the prompt)
+    # The run's instant for templates that stamp today's date (`FixedClock`): taken where the option
+    # is built (the driver), travelling with it to the engines. 0: now.
+    template_time: float = 0.0
 
     multi_turn = True
     # The engine's tokenizer, set where trajectories run (`attach`): what environments that read
@@ -67,6 +71,7 @@ class MultiTurnEnv(EnvGroup):
 
     def __post_init__(self) -> None:
         self.stop = [str(s) for s in self.stop or []]
+        self.template_time = self.template_time or time.time()
         if self.observation_format == "plain" and self.tokenization_sanity_check_mode not in (None, "off"):
             # nothing to check against: refused rather than silently ignored
             raise EnvError(
@@ -93,11 +98,14 @@ class MultiTurnEnv(EnvGroup):
         """How this option's observations become tokens for `tokenizer` (`stop_ids`: the engine's
         end-of-turn ids beyond the tokenizer's EOS, from the model's generation config)."""
         return ObservationRenderer(
-            tokenizer, self.observation_format, self.observation_truncate_side, stop_ids, self.chat_template_kwargs
+            tokenizer, self.observation_format, self.observation_truncate_side, stop_ids, self.chat_template_kwargs,
+            FixedClock(self.template_time),
         )
 
     def prompt_template_kwargs(self) -> dict[str, Any]:
-        return dict(self.chat_template_kwargs) if self.observation_format == "chat_template" else {}
+        if self.observation_format != "chat_template":
+            return {}
+        return {**self.chat_template_kwargs, "strftime_now": FixedClock(self.template_time)}
 
     def action_decoder(self, tokenizer: Any, stop_ids: Sequence[int] = ()) -> Callable[[Sequence[int]], str] | None:
         """How a model turn's tokens become the `action` env.step reads where this option reads more

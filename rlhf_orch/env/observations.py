@@ -18,6 +18,11 @@ Where the template's own tokens around the messages alone exceed the limit (a tu
 dozens of tool messages) nothing can be cut to fit: `ObservationTooLong`, and the runner ends that
 trajectory there (counted).
 
+Templates that stamp today's date (Llama-3.1/3.2-Instruct's `Today Date`, through transformers'
+`strftime_now`) are rendered with a `FixedClock`: one instant for every rendering of a run -- the
+prompts on the driver, observations and the check on the engines -- so a run crossing midnight still
+continues its prompts exactly.
+
 `matches_template` renders a whole conversation with the model's turns put back as generated: the
 tokenization check (`env.tokenization_sanity_check_mode`) compares it with the context a
 trajectory was really generated from.
@@ -25,7 +30,9 @@ trajectory was really generated from.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Iterable, Mapping, Sequence
 
 from rlhf_orch.env.base import EnvError
@@ -40,6 +47,18 @@ TRUNCATE_SIDES = ("tail", "head", "middle")
 _MIDDLE_MARK = "\n...\n"
 # Stands in for an assistant turn's content when a conversation is rendered around the model's tokens.
 _TURN_MARK = "\u2063rlhf-orch-turn-{}\u2063"
+
+
+@dataclass(frozen=True)
+class FixedClock:
+    """`strftime_now` for chat templates (transformers passes its own, which reads the clock at every
+    rendering): `at`'s local time, whenever it is called. Passed as a template variable it takes the
+    place of transformers' (a render's variables come before the environment's globals)."""
+
+    at: float  # seconds since the epoch
+
+    def __call__(self, fmt: str) -> str:
+        return datetime.fromtimestamp(self.at).strftime(fmt)
 
 
 class ObservationTooLong(EnvError):
@@ -74,7 +93,7 @@ def stop_token_ids(tokenizer: Any, extra: Iterable[int] = ()) -> set[int]:
 
 class ObservationRenderer:
     def __init__(self, tokenizer: Any, fmt: str, truncate_side: str = "tail", stop_ids: Iterable[int] = (),
-                 template_kwargs: Mapping[str, Any] | None = None):
+                 template_kwargs: Mapping[str, Any] | None = None, clock: FixedClock | None = None):
         if fmt not in FORMATS:
             raise EnvError(f"env.observation_format={fmt!r}: must be one of {', '.join(FORMATS)}")
         if truncate_side not in TRUNCATE_SIDES:
@@ -84,15 +103,21 @@ class ObservationRenderer:
         self.truncate_side = truncate_side
         self.stop_ids = stop_token_ids(tokenizer, stop_ids)
         self.template_kwargs = dict(template_kwargs or {})
+        # One date for everything this renderer renders (the run's, from the env option, where given).
+        self.clock = clock or FixedClock(time.time())
         self._frame: tuple[list[int], int | None] | None = None
         self._rendered_roles: set[tuple[str, ...]] = set()  # observation roles seen rendered by the template
 
     # ------------------------------------------------------------------ the template
     def _render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool, tokenize: bool = True) -> Any:
         out = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=generation_prompt, tokenize=tokenize, **self.template_kwargs
+            list(messages), add_generation_prompt=generation_prompt, tokenize=tokenize, **self._dated(), **self.template_kwargs
         )
         return token_ids(out) if tokenize else out
+
+    def _dated(self) -> dict[str, Any]:
+        """The fixed clock, for a template that reads one (the others are rendered as they always were)."""
+        return {"strftime_now": self.clock} if "strftime_now" in str(getattr(self.tokenizer, "chat_template", "") or "") else {}
 
     def _tokens(self, text: str) -> list[int]:
         return token_ids(self.tokenizer(text, add_special_tokens=False))
