@@ -428,3 +428,70 @@ def test_a_date_stamped_template_renders_the_run_s_date_across_midnight(tmp_path
     assert now[0].day == 29 and t.counts.turns == 2 and t.counts.tokenization_mismatches == 0
     context = tok.decode(t.context())
     assert "28 Nov 2026" in context and "29 Nov" not in context
+
+
+# Qwen3's template (its parts that matter here): the assistant turns after the last user query get a
+# <think> block -- the last one always (empty when the content has none), earlier ones only when they
+# carry reasoning, which it splits off the content at </think>; tool messages go in a user turn.
+QWEN3_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string and not(message.content.startswith('<tool_response>') "
+    "and message.content.endswith('</tool_response>')) %}{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}{%- endif %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if '</think>' in content %}{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}{%- if loop.last or (not loop.last and reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def test_a_qwen3_style_template_runs_in_warn_mode_and_strict_is_refused_before_ray(smollm2_tokenizer):
+    """Qwen3's template renders the last assistant turn with a <think> block that the same turn
+    loses once a message follows it: no context kept as generated can be its rendering of the
+    conversation. Observations still render (the template's text after a turn's end-of-turn token);
+    env.tokenization_sanity_check_mode=warn trains, counting the trajectories the template renders
+    otherwise; strict (the default with chat_template observations) is refused before Ray, naming
+    the key. Before, every observation raised EnvError ("use env.observation_format=plain")."""
+    from rlhf_orch.env.base import EnvError
+    from rlhf_orch.env.multi_turn import MultiTurnEnv
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = QWEN3_TEMPLATE
+    after_turn = "\n<|im_start|>user\n<tool_response>\nresult: 42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    obs = ObservationRenderer(tok, "chat_template").observation([{"role": "tool", "content": "result: 42"}], True, 256)
+    assert tok.decode(obs.ids) == after_turn and not obs.truncated
+
+    turns = [_turn(tok, "<think>\nI need the tool.\n</think>\n\nLet me check."), _turn(tok, "<think>\nIt said 42.\n</think>\n\n42")]
+    t, gen, _ = _run(tok, {}, Answering("tool"), turns, check="warn")
+    assert t.counts.turns == 2 and t.done and not t.truncated and t.turn_rewards == [1.0, 1.0]
+    second = tok.decode(gen.contexts[(0, 1)])  # the first turn as generated, reasoning kept, then the tool turn
+    assert second.endswith("<think>\nI need the tool.\n</think>\n\nLet me check.<|im_end|>" + after_turn)
+    # the template renders the conversation's last turn with an empty <think> block before it: counted
+    assert t.counts.tokenization_mismatches == 1
+    t, _, _ = _run(tok, {}, Answering("tool"), turns, check="off")
+    assert t.counts.turns == 2 and t.counts.tokenization_mismatches == 0
+
+    class Tool(MultiTurnEnv):
+        def make(self, prompt):
+            return Answering("tool")
+
+    prompt = Prompt(text="q", messages=({"role": "user", "content": "What is 6 times 7?"},))
+    with pytest.raises(EnvError, match=r"^env.tokenization_sanity_check_mode=strict: this tokenizer's chat template renders the last "
+                                       r"assistant turn otherwise than earlier ones .* set env.tokenization_sanity_check_mode=warn"):
+        Tool().check(prompt, tok)  # the default: strict
+    Tool(tokenization_sanity_check_mode="warn").check(prompt, tok)
+    Tool(tokenization_sanity_check_mode="off").check(prompt, tok)
+    Tool().check(prompt, smollm2_tokenizer)  # ChatML renders every turn alike: strict holds

@@ -122,7 +122,15 @@ class MultiTurnEnv(EnvGroup):
     def check(self, prompt: Prompt, tokenizer: Any) -> None:
         """The observation format renders with this tokenizer; the environment starts for `prompt`
         within the deadline every environment call has (a hung start is refused, not waited for)."""
-        self.renderer(tokenizer).observation([{"role": "user", "content": "0"}], True, self.max_observation_tokens)
+        renderer = self.renderer(tokenizer)
+        renderer.observation([{"role": "user", "content": "0"}], True, self.max_observation_tokens)
+        if self.tokenization_sanity_check_mode == "strict" and not renderer.renders_turns_alike():
+            raise EnvError(
+                "env.tokenization_sanity_check_mode=strict: this tokenizer's chat template renders the last assistant turn "
+                "otherwise than earlier ones (Qwen3: a <think> block the turn loses once a message follows it), so no context "
+                "kept as generated can match its rendering of the conversation and strict would end the run at the first "
+                "trajectory; set env.tokenization_sanity_check_mode=warn (differences counted in env/tokenization_mismatches) or off"
+            )
         deadline = self.step_timeout_s()
         started = abandonable.start(self._start_and_close, prompt, name="env-check")
         try:

@@ -162,13 +162,36 @@ class ObservationRenderer:
             return self._tokens("".join(str(m.get("content", "")) for m in messages))
         base, close = self.frame()
         full = self._render([*_BASE, *messages], generation_prompt=True)
-        if full[: len(base)] != base:
-            raise EnvError(
-                "env.observation_format=chat_template: this tokenizer's chat template does not render a "
-                "conversation as a prefix of its continuation; use env.observation_format=plain"
-            )
-        new = full[len(base):]  # no end-of-turn token in the template: whatever follows the base
+        if full[: len(base)] == base:
+            new = full[len(base):]  # no end-of-turn token in the template: whatever follows the base
+        else:  # the assistant turn rendered otherwise once messages follow it (Qwen3's <think> block)
+            new = self._after_turn(messages, close)
         return new if close is None or turn_closed else [close, *new]
+
+    def _after_turn(self, messages: Sequence[Mapping[str, Any]], close: int | None) -> list[int]:
+        """What the template renders after an assistant turn's content, past its end-of-turn token,
+        for a template whose rendering of a conversation is no prefix of its continuation's: the
+        turn's content is a marker, and the text after it is tokenised alone."""
+        mark = _TURN_MARK.format(0)
+        text = self._render([_BASE[0], {"role": "assistant", "content": mark}, *messages], generation_prompt=True, tokenize=False)
+        _, found, after = text.partition(mark)
+        ids = self._tokens(after)
+        if not found or (close is not None and close not in ids):
+            raise EnvError(
+                "env.observation_format=chat_template: this tokenizer's chat template does not render an assistant "
+                "turn's content as given, closed by its end-of-turn token; use env.observation_format=plain"
+            )
+        return ids[ids.index(close) + 1:] if close is not None else ids
+
+    def renders_turns_alike(self) -> bool:
+        """A conversation's rendering is a prefix of its continuation's: the template renders an
+        assistant turn the same whether it is the last message or not (what a context kept as
+        generated needs to match the template exactly). Not so for Qwen3's: the last turn gets a
+        <think> block that earlier turns lose."""
+        if self.format != "chat_template":
+            return True
+        base, _ = self.frame()
+        return self._render([*_BASE, {"role": "user", "content": "again"}], generation_prompt=True)[: len(base)] == base
 
     def __call__(self, messages: Sequence[Mapping[str, Any]], turn_closed: bool = True) -> list[int]:
         return self.observation(messages, turn_closed, None).ids
