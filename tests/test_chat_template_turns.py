@@ -197,11 +197,16 @@ def test_a_step_without_observations_still_closes_the_turn_and_opens_the_next(sm
 
 
 def test_the_check_refuses_a_prompt_that_is_not_the_template_s(smollm2_tokenizer):
+    """A prompt the data did not chat-template (the config check refuses such data with chat-template
+    observations; this is what the engines would see): the mismatch is in the prompt, at token 0,
+    and the message says so and how to fix it -- not to train anyway in warn mode."""
     tok = smollm2_tokenizer
     plain = tok("What is 6 times 7? Use the tool.", add_special_tokens=False)["input_ids"]  # data.chat_template=false
     turns = [_turn(tok, "Let me check."), _turn(tok, "42")]
-    with pytest.raises(TokenizationMismatch, match="env.tokenization_sanity_check_mode=warn"):
+    with pytest.raises(TokenizationMismatch, match=r"at token 0 of \d+, inside the prompt: the prompt was not chat-templated .*"
+                                                   r"set env.observation_format=plain or chat-template the prompts") as refused:
         _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="strict")
+    assert "mode=warn" not in str(refused.value)
     t, _, _ = _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="warn")
     assert t.counts.tokenization_mismatches == 1
     t, _, _ = _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="off")

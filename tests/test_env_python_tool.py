@@ -180,7 +180,7 @@ def test_a_host_whose_sandbox_lacks_a_boundary_is_refused_before_ray_unless_allo
     monkeypatch.setattr(python_tool, "sandbox_support", lambda: weak)
 
     def checked(*overrides: str):
-        cfg = compose_config(["env=python_tool", *overrides])
+        cfg = compose_config(["env=python_tool", "env.observation_format=plain", *overrides])  # (the default data is raw text)
         return check(cfg, instantiate(cfg.launcher))
 
     with pytest.raises(ConfigError) as refused:

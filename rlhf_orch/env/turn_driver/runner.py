@@ -346,15 +346,21 @@ class MultiTurnRunner:
             return
         t.counts.tokenization_mismatches += 1
         at = next((i for i, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
+        # Inside the prompt no turn of the model's is involved: the prompt is not what the observations continue.
+        in_prompt = at < len(t.prompt_ids)
+        where = (", inside the prompt: the prompt was not chat-templated as the observations are (data.chat_template=false, "
+                 "raw-text prompts, or other template options)") if in_prompt else ""
         message = (
             f"sample {t.index}: the context differs from the chat template's rendering of its conversation at "
-            f"token {at} of {len(actual)} (template: {expected[at:at + 8]}, context: {actual[at:at + 8]}){why}"
+            f"token {at} of {len(actual)}{where} (template: {expected[at:at + 8]}, context: {actual[at:at + 8]}){why}"
         )
+        if in_prompt:
+            message += "; set env.observation_format=plain or chat-template the prompts"
         if self.check == "strict":
-            raise TokenizationMismatch(
+            raise TokenizationMismatch(message if in_prompt else (
                 message + "; a template that rewrites earlier turns (e.g. drops reasoning) cannot be "
                 "prefix-exact: set env.tokenization_sanity_check_mode=warn to train anyway"
-            )
+            ))
         if not self._warned:
             self._warned = True
             logger.warning("%s (counted in env/tokenization_mismatches; reported once)", message)
