@@ -147,8 +147,8 @@ class ObservationRenderer:
         return int(eos) if isinstance(eos, int) else min(self.stop_ids, default=0)
 
     def renders_prompts(self) -> bool:
-        """Prompts must be rendered here: the template takes options (env.chat_template_kwargs) the
-        data's rendering of the rows did not have."""
+        """Prompts are rendered here again: the template takes options (env.chat_template_kwargs),
+        which the data's rendering of the rows had too (`PromptSource.render_prompts_with`)."""
         return self.format == "chat_template" and bool(self.template_kwargs)
 
     def prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:

@@ -225,6 +225,7 @@ class MultiTurnRunner:
         if is_async(entry.env):
             entry.loop = asyncio.new_event_loop()
         messages = prompt_messages(entry.prompt)
+        # (init gets its own copy: one that edits its argument in place has rewritten the prompt too)
         first, _ = call_env(entry.env.init, prompt_messages(entry.prompt), loop=entry.loop)
         return messages, first
 
@@ -242,8 +243,9 @@ class MultiTurnRunner:
         if rewritten:
             messages = [dict(m) for m in first]
         if rewritten or self.renderer.renders_prompts():
-            # the environment rewrote the prompt, or the template takes options the data's rendering
-            # did not have (env.chat_template_kwargs: tools, enable_thinking)
+            # the environment rewrote the prompt, or the template takes options (env.chat_template_kwargs:
+            # tools, enable_thinking) -- the data rendered its rows with them too, measured against
+            # data.prompt_max_len before Ray (`PromptSource.render_prompts_with`): the same ids again
             t.prompt_ids = self.renderer.prompt(messages)
             longest = self.limits.max_prompt_tokens
             if longest and len(t.prompt_ids) > longest:
