@@ -197,11 +197,16 @@ def test_a_step_without_observations_still_closes_the_turn_and_opens_the_next(sm
 
 
 def test_the_check_refuses_a_prompt_that_is_not_the_template_s(smollm2_tokenizer):
+    """A prompt the data did not chat-template (the config check refuses such data with chat-template
+    observations; this is what the engines would see): the mismatch is in the prompt, at token 0,
+    and the message says so and how to fix it -- not to train anyway in warn mode."""
     tok = smollm2_tokenizer
     plain = tok("What is 6 times 7? Use the tool.", add_special_tokens=False)["input_ids"]  # data.chat_template=false
     turns = [_turn(tok, "Let me check."), _turn(tok, "42")]
-    with pytest.raises(TokenizationMismatch, match="env.tokenization_sanity_check_mode=warn"):
+    with pytest.raises(TokenizationMismatch, match=r"at token 0 of \d+, inside the prompt: the prompt was not chat-templated .*"
+                                                   r"set env.observation_format=plain or chat-template the prompts") as refused:
         _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="strict")
+    assert "mode=warn" not in str(refused.value)
     t, _, _ = _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="warn")
     assert t.counts.tokenization_mismatches == 1
     t, _, _ = _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="off")
@@ -329,3 +334,169 @@ def test_a_template_closing_turns_with_another_token_than_the_tokenizer_s_eos(sm
     obs = renderer.observation([{"role": "user", "content": "result"}], True, None)
     assert tok.decode(obs.ids) == "\n<|im_start|>user\nresult<|im_end|>\n<|im_start|>assistant\n"
     assert renderer.closes_turn(tok("ok", add_special_tokens=False)["input_ids"] + [im_end])
+
+
+class ManyToolMessages:
+    """A degenerate turn's answer: one tool message per call, `calls` of them (what an environment
+    answering each of ~50 tool calls in one turn returns), then a final turn."""
+
+    def __init__(self, calls=50):
+        self.calls, self.steps = calls, 0
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps > 1:
+            return {"observations": [], "reward": 1.0, "done": True}
+        return {"observations": [{"role": "tool", "content": f"out {k}"} for k in range(self.calls)], "reward": 0.0,
+                "done": False, "metadata": {"tool_calls": self.calls}}
+
+
+def test_a_turn_whose_tool_messages_cannot_fit_ends_its_trajectory_truncated_not_the_run(smollm2_tokenizer):
+    """Qwen2.5's tool template: 50 tool messages take ~15 tokens of the template's own each (their
+    <tool_response> frames), more than env.max_observation_tokens=256 with every content cut to
+    nothing: the trajectory ends there, truncated and counted (env/observations_too_long), instead
+    of the EnvError that ended the run."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = QWEN25_TEMPLATE
+    turns = [_turn(tok, "<tool_call>...</tool_call>" * 50), _turn(tok, "It is 42.")]
+    t, gen, _ = _run(tok, {"tools": TOOLS}, ManyToolMessages(50), turns)
+    assert t.done and t.truncated and t.counts.observations_too_long == 1 and t.counts.turns == 1
+    assert t.turn_rewards == [0.0] and len(gen.submitted) == 1  # no second turn was asked for
+    # a handful of messages still fits: cut on their content, the trajectory goes on
+    t, _, _ = _run(tok, {"tools": TOOLS}, ManyToolMessages(5), turns)
+    assert not t.truncated and t.counts.observations_too_long == 0 and t.counts.turns == 2
+
+
+# A Llama-3.2-Instruct-style template: the system turn stamps today's date with strftime_now.
+DATED_TEMPLATE = (
+    "{{- bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}{%- set date_string = '26 Jul 2024' %}{%- endif %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nCutting Knowledge Date: December 2023\\nToday Date: ' + date_string + "
+    "'\\n\\n<|eot_id|>' }}{% for message in messages %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+def test_a_date_stamped_template_renders_the_run_s_date_across_midnight(tmp_path, smollm2_tokenizer, monkeypatch):
+    """Llama-3.2-Instruct's template writes `Today Date` with strftime_now. The data renders the
+    prompt before midnight, the environment answers after it, and the tokenization check renders
+    the conversation later still: every rendering reads the run's date (the env option's, fixed
+    where it is built), so the context matches the template in strict mode -- with the clock's date
+    the check rendered a day later than the prompt and ended the run."""
+    import datetime as dt
+    import json
+
+    import transformers.utils.chat_template_utils as chat_template_utils
+
+    from rlhf_orch.data.files import PromptDataset
+    from rlhf_orch.env.multi_turn import MultiTurnEnv
+
+    now = [dt.datetime(2026, 11, 28, 23, 59, 59)]
+
+    class Clock(dt.datetime):  # what transformers' own strftime_now reads
+        @classmethod
+        def now(cls, tz=None):
+            return now[0]
+
+    monkeypatch.setattr(chat_template_utils, "datetime", Clock)
+
+    class PastMidnight(Answering):
+        def step(self, action):
+            now[0] = dt.datetime(2026, 11, 29, 0, 0, 1)
+            return super().step(action)
+
+    class Dated(MultiTurnEnv):
+        def make(self, prompt):
+            return PastMidnight("user", turns=2)
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.bos_token, tok.eos_token = "<|begin_of_text|>", "<|eot_id|>"
+    tok.chat_template = DATED_TEMPLATE
+    env = Dated(template_time=now[0].timestamp())  # built on the driver, before midnight
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 6 times 7?"}]}) + "\n")
+    data = PromptDataset(train_files=[str(rows)], label_key=None, prompt_max_len=256, response_max_len=256)
+    data.render_prompts_with(env.prompt_template_kwargs())
+    data.bind(tok)
+    prompt = data.sample_prompts(1)[0]
+    assert "Today Date: 28 Nov 2026" in prompt.text
+
+    generator = ScriptedGenerator({(0, 0): _turn(tok, "Let me check."), (0, 1): _turn(tok, "42")})
+    generator.decode = lambda t: tok.decode(t, skip_special_tokens=True)
+    runner = MultiTurnRunner(env.make, generator, env.renderer(tok), env.limits(256), 1, 5.0, "strict")
+    (t,) = list(runner.run([(0, prompt, list(prompt.prompt_ids))]))
+    assert now[0].day == 29 and t.counts.turns == 2 and t.counts.tokenization_mismatches == 0
+    context = tok.decode(t.context())
+    assert "28 Nov 2026" in context and "29 Nov" not in context
+
+
+# Qwen3's template (its parts that matter here): the assistant turns after the last user query get a
+# <think> block -- the last one always (empty when the content has none), earlier ones only when they
+# carry reasoning, which it splits off the content at </think>; tool messages go in a user turn.
+QWEN3_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string and not(message.content.startswith('<tool_response>') "
+    "and message.content.endswith('</tool_response>')) %}{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}{%- endif %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if '</think>' in content %}{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index %}{%- if loop.last or (not loop.last and reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def test_a_qwen3_style_template_runs_in_warn_mode_and_strict_is_refused_before_ray(smollm2_tokenizer):
+    """Qwen3's template renders the last assistant turn with a <think> block that the same turn
+    loses once a message follows it: no context kept as generated can be its rendering of the
+    conversation. Observations still render (the template's text after a turn's end-of-turn token);
+    env.tokenization_sanity_check_mode=warn trains, counting the trajectories the template renders
+    otherwise; strict (the default with chat_template observations) is refused before Ray, naming
+    the key. Before, every observation raised EnvError ("use env.observation_format=plain")."""
+    from rlhf_orch.env.base import EnvError
+    from rlhf_orch.env.multi_turn import MultiTurnEnv
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = QWEN3_TEMPLATE
+    after_turn = "\n<|im_start|>user\n<tool_response>\nresult: 42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    obs = ObservationRenderer(tok, "chat_template").observation([{"role": "tool", "content": "result: 42"}], True, 256)
+    assert tok.decode(obs.ids) == after_turn and not obs.truncated
+
+    turns = [_turn(tok, "<think>\nI need the tool.\n</think>\n\nLet me check."), _turn(tok, "<think>\nIt said 42.\n</think>\n\n42")]
+    t, gen, _ = _run(tok, {}, Answering("tool"), turns, check="warn")
+    assert t.counts.turns == 2 and t.done and not t.truncated and t.turn_rewards == [1.0, 1.0]
+    second = tok.decode(gen.contexts[(0, 1)])  # the first turn as generated, reasoning kept, then the tool turn
+    assert second.endswith("<think>\nI need the tool.\n</think>\n\nLet me check.<|im_end|>" + after_turn)
+    # the template renders the conversation's last turn with an empty <think> block before it: counted
+    assert t.counts.tokenization_mismatches == 1
+    t, _, _ = _run(tok, {}, Answering("tool"), turns, check="off")
+    assert t.counts.turns == 2 and t.counts.tokenization_mismatches == 0
+
+    class Tool(MultiTurnEnv):
+        def make(self, prompt):
+            return Answering("tool")
+
+    prompt = Prompt(text="q", messages=({"role": "user", "content": "What is 6 times 7?"},))
+    with pytest.raises(EnvError, match=r"^env.tokenization_sanity_check_mode=strict: this tokenizer's chat template renders the last "
+                                       r"assistant turn otherwise than earlier ones .* set env.tokenization_sanity_check_mode=warn"):
+        Tool().check(prompt, tok)  # the default: strict
+    Tool(tokenization_sanity_check_mode="warn").check(prompt, tok)
+    Tool(tokenization_sanity_check_mode="off").check(prompt, tok)
+    Tool().check(prompt, smollm2_tokenizer)  # ChatML renders every turn alike: strict holds

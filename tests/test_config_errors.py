@@ -34,7 +34,8 @@ def test_default_config_is_valid():
 
 @pytest.mark.parametrize("algo", ["ppo", "reinforce_pp", "reinforce_pp_baseline"])
 def test_per_turn_rewards_are_taken_by_estimators_that_read_rewards_per_token(algo):
-    typed, _ = _check(["env=skyrl", f"algo={algo}", "env.reward=per_turn"])
+    # (the default data's prompts are raw text: plain observations)
+    typed, _ = _check(["env=skyrl", f"algo={algo}", "env.reward=per_turn", "env.observation_format=plain"])
     assert typed.env.reward == "per_turn" and typed.algo.per_token_rewards
 
 
@@ -402,3 +403,39 @@ def test_ray_detected_gpus_are_the_ones_with_a_type():
     assert detected_gpus({"CPU": 64.0, "GPU": 8.0, "accelerator_type:H100": 1.0})
     assert not detected_gpus({"CPU": 64.0, "GPU": 8.0})  # `ray start --num-gpus=8` on a machine without any
     assert not detected_gpus({"CPU": 64.0, "accelerator_type:H100": 1.0})
+
+
+def _user_env(tmp_path) -> str:
+    path = tmp_path / "my_env.py"
+    path.write_text("class MyEnv:\n    def init(self, prompt):\n        return prompt, {}\n"
+                    "    def step(self, action):\n        return {'observations': [], 'reward': 0.0, 'done': True}\n")
+    return str(path)
+
+
+def test_raw_prompts_with_chat_template_observations_are_refused_naming_both_keys(tmp_path):
+    """Observations rendered by the chat template continue a prompt the template rendered: over
+    raw-text prompts (the embedded tasks, data.chat_template=false) every context differs at token
+    0, which used to end the run at step 1. The data option says whether its prompts are
+    chat-templated, the env option whether it continues the template."""
+    env = ["env=custom", f"env.path={_user_env(tmp_path)}", "env.name=MyEnv"]
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"prompt": "What is 6 times 7?"}\n')
+    files = ["data=files", f"data.train_files=[{rows}]"]
+    for data, why in ((["data=default"], "data DigitReverseTask gives raw-text prompts"),
+                      ([*files, "data.chat_template=false"], "data.chat_template=false renders the prompts as plain text"),
+                      (["data=reasoning_gym", "data.task=chain_sum", "data.chat_template=false"], "data.chat_template=false")):
+        with pytest.raises(ConfigError) as err:
+            _check(["model=smollm2_135m", *data, *env, "env.observation_format=chat_template"])
+        (problem,) = err.value.problems
+        assert problem.key == "env.observation_format" and why in problem.fix and "env.observation_format=plain" in problem.fix
+    _check(["model=smollm2_135m", "data=default", *env, "env.observation_format=plain"])
+    _check(["model=smollm2_135m", *files, *env])  # chat-templated rows under chat-template observations
+
+
+def test_cli_dry_run_refuses_raw_prompts_with_chat_template_observations(tmp_path):
+    proc = _run("model=smollm2_135m", "data=default", "env=custom", f"env.path={_user_env(tmp_path)}", "env.name=MyEnv",
+                "env.observation_format=chat_template", "launcher.dry_run=true")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if "env.observation_format" in x]
+    assert "env.observation_format='chat_template'" in line and "data DigitReverseTask gives raw-text prompts" in line

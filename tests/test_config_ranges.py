@@ -475,6 +475,7 @@ def test_lora_keys_are_checked_and_do_nothing_at_rank_zero():
 def test_a_tool_timeout_whose_step_wait_fits_the_step_timeout_passes():
     """env.tool_timeout_s=35 under python_tool: one step may take 4 x 35 + 5 = 145 s, within
     fault.step_timeout_s=150 (40 s would be 165 s: refused, MORE_BAD)."""
-    cfg = _fast_config(["env=python_tool", "env.allow_weak_sandbox=true", "fault.step_timeout_s=150", "env.tool_timeout_s=35"])
+    cfg = _fast_config(["env=python_tool", "env.allow_weak_sandbox=true", "fault.step_timeout_s=150", "env.tool_timeout_s=35",
+                        "env.observation_format=plain"])  # (the default data's prompts are raw text)
     typed, _ = check(cfg, instantiate(cfg.launcher))
     assert typed.env.tool_timeout_s == 35

@@ -85,6 +85,30 @@ def test_custom_env_errors_name_the_file_and_line(tmp_path):
         CustomEnv(path=str(ok), name="Missing").make(Prompt(text="q"))
 
 
+def test_a_hung_init_in_the_check_before_ray_is_refused_in_one_line_at_the_deadline(tmp_path):
+    """The driver starts the environment for the first prompt before Ray (`check`): an init that
+    never returns is given up at env.tool_timeout_s and refused naming the key, not a hung start-up."""
+    import time
+
+    path = tmp_path / "hangs.py"
+    path.write_text(
+        "import time\n"
+        "class Hangs:\n"
+        "    def __init__(self, env_config=None, extras=None):\n        pass\n"
+        "    def init(self, prompt):\n"
+        "        deadline = time.monotonic() + 30\n"
+        "        while time.monotonic() < deadline:\n            time.sleep(0.02)\n"
+        "        return prompt, {}\n"
+        "    def step(self, action):\n        return {'observations': [], 'reward': 1.0, 'done': True}\n"
+    )
+    env = CustomEnv(path=str(path), name="Hangs", observation_format="plain", tool_timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(EnvError, match=r"env.tool_timeout_s=1: starting the environment for the first prompt \(env.make, env.init\) "
+                                      r"took longer"):
+        env.check(Prompt(text="q", label="1"), _ChatMLTokenizer())
+    assert time.monotonic() - t0 < 20  # (the init lasts 30 s unless given up)
+
+
 # --------------------------------------------------------------------------- env=skyrl
 def _skyrl_row_prompt() -> Prompt:
     messages = ({"role": "user", "content": "What is 6 times 7? Answer as #### N."},)

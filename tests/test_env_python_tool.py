@@ -71,6 +71,33 @@ def test_calls_beyond_the_per_turn_limit_are_not_run():
     assert "not run" in out["observations"][-1]["content"]
 
 
+@pytest.mark.real_model
+def test_fifty_calls_in_one_turn_fold_into_one_message_and_the_trajectory_goes_on(smollm2_tokenizer):
+    """A degenerate policy writing ~50 calls in one turn: the first MAX_CALLS_PER_TURN run, the rest
+    are answered by ONE error message (not one each), so the observation fits Qwen2.5's tool template
+    (each tool message costs its <tool_response> frame) and the trajectory goes on to its answer --
+    one message per call took 660 template tokens, over env.max_observation_tokens, and ended the run."""
+    import copy
+
+    from tests.test_chat_template_turns import QWEN25_TEMPLATE, _run, _turn
+
+    env = _env()
+    turn = "".join(_call(f"print({k})") for k in range(50))
+    out = env.make(Prompt(text="q", label="42")).step(turn)
+    texts = [o["content"] for o in out["observations"]]
+    assert len(texts) == MAX_CALLS_PER_TURN + 1 and texts[:2] == ["0\n", "1\n"]
+    assert texts[-1].startswith(f"error: at most {MAX_CALLS_PER_TURN} tool calls per turn; the other 46 were not run")
+    assert out["metadata"] == {"tool_calls": 50, "tool_errors": 46, "tool_timeouts": 0}
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = QWEN25_TEMPLATE
+    trajectory_env = env.make(Prompt(text="q", label="42"))
+    t, gen, _ = _run(tok, env.chat_template_kwargs, trajectory_env, [_turn(tok, turn), _turn(tok, "#### 42")], per_turn=2048)
+    assert t.counts.turns == 2 and not t.truncated and t.counts.observations_too_long == 0
+    assert t.turn_rewards == [0.0, 1.0] and t.counts.tool_calls == 50 and t.counts.tool_errors == 46
+    assert "at most 4 tool calls per turn" in tok.decode(gen.contexts[(0, 1)])
+
+
 def test_bad_tool_settings_are_refused_before_ray():
     with pytest.raises(EnvError, match="tool_format"):
         _env(tool_format="xml")
@@ -153,7 +180,7 @@ def test_a_host_whose_sandbox_lacks_a_boundary_is_refused_before_ray_unless_allo
     monkeypatch.setattr(python_tool, "sandbox_support", lambda: weak)
 
     def checked(*overrides: str):
-        cfg = compose_config(["env=python_tool", *overrides])
+        cfg = compose_config(["env=python_tool", "env.observation_format=plain", *overrides])  # (the default data is raw text)
         return check(cfg, instantiate(cfg.launcher))
 
     with pytest.raises(ConfigError) as refused:

@@ -261,11 +261,22 @@ def test_a_prompt_rewritten_by_init_past_data_prompt_max_len_is_refused_naming_t
 
 
 def test_a_failed_rollout_stops_the_turns_it_left_generating():
+    submitted = threading.Event()
+
     class Broken(CountdownEnv):
         def init(self, prompt):
+            submitted.wait(10)  # (environments start on threads of their own: fail once trajectory 0 generates)
             raise KeyError("db_id")
 
-    generator = ScriptedGenerator()
+    class Generator(ScriptedGenerator):  # a turn, once submitted, stays in flight
+        def submit(self, *args):
+            super().submit(*args)
+            submitted.set()
+
+        def poll(self):
+            return []
+
+    generator = Generator()
     made = iter([CountdownEnv(), Broken()])
     runner = MultiTurnRunner(lambda p: next(made), generator, render, limits(), 8, 5.0)
     with pytest.raises(EnvRuntimeError):
@@ -362,3 +373,94 @@ def test_turn_rewards_are_placed_on_each_turn_s_last_model_token():
     assert t.response_ids == [10, 11, 90, 91, 92, 13, 14]
     assert t.turn_reward_field() == [0.0, 0.75, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert t.reward("per_turn") == t.reward("sum") == 1.75 and t.reward("last") == 1.0
+
+
+# --------------------------------------------------------------------------- deadlines of env.make / init / close / get_metrics
+class Hangs:
+    """Sleeps in short naps until released or 30 s pass (a hung call: `Abandoned` ends the naps)."""
+
+    def __init__(self):
+        self.released = threading.Event()
+
+    def __call__(self):
+        deadline = time.monotonic() + 30
+        while not self.released.is_set() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+class HangingLifecycle(CountdownEnv):
+    """A CountdownEnv whose `init`, `close` or `get_metrics` (named by `where`) hangs."""
+
+    def __init__(self, where, hang, **kw):
+        super().__init__(**kw)
+        self.where, self.hang = where, hang
+
+    def init(self, prompt):
+        if self.where == "init":
+            self.hang()
+        return prompt, {}
+
+    def close(self):
+        if self.where == "close":
+            self.hang()
+        self.closed = True
+
+    def get_metrics(self):
+        if self.where == "get_metrics":
+            self.hang()
+        return {"steps": len(self.seen)}
+
+
+class PlaceholderRender(OneTokenPerMessage):
+    def end_of_turn_id(self):
+        return 7
+
+
+@pytest.mark.parametrize("where", ["make", "init"])
+def test_a_hung_make_or_init_ends_its_trajectory_counted_and_the_others_go_on(where):
+    """env.make / env.init past the step deadline (env.tool_timeout_s): that trajectory ends before
+    its first turn -- one end-of-turn token, masked out, reward 0, counted in env/init_timeouts --
+    and the other trajectories play meanwhile (the call runs on a thread of its own)."""
+    hang = Hangs()
+    envs = {0: CountdownEnv(turns=2), 1: HangingLifecycle(where, hang, turns=2), 2: CountdownEnv(turns=3)}
+
+    def make(prompt):
+        index = int(prompt.text[1:])
+        if where == "make" and index == 1:
+            hang()
+        return envs[index]
+
+    generator = ScriptedGenerator()
+    runner = MultiTurnRunner(make, generator, PlaceholderRender(), limits(), 8, 1.0)
+    t0 = time.monotonic()
+    finished = []
+    try:
+        for t in runner.run([(i, Prompt(text=f"p{i}"), [50, 51]) for i in range(3)]):
+            finished.append(t)
+    finally:
+        hang.released.set()
+    assert time.monotonic() - t0 < 20  # (the hang lasts 30 s unless given up)
+    out = {t.index: t for t in finished}
+    hung = out[1]
+    assert hung.counts.init_timeouts == 1 and hung.done and hung.truncated and hung.counts.turns == 0
+    assert hung.response_ids == [7] and hung.loss_mask == [0] and hung.logprobs == [0.0] and hung.reward("last") == 0.0
+    assert out[0].turn_rewards == [1.0, 2.0] and out[2].turn_rewards == [1.0, 2.0, 3.0]
+    assert [t.index for t in finished][-1] == 1  # the others played while it hung
+    assert (0, 0) in generator.submitted and (1, 0) not in generator.submitted
+
+
+@pytest.mark.parametrize("where", ["close", "get_metrics"])
+def test_a_hung_close_or_get_metrics_is_given_up_counted_and_the_rollout_finishes(where):
+    """env.close / env.get_metrics past the deadline: given up, counted in env/close_timeouts; the
+    trajectory keeps its turns and rewards, the rollout finishes."""
+    hang = Hangs()
+    envs = [HangingLifecycle(where, hang, turns=2), CountdownEnv(turns=2)]
+    t0 = time.monotonic()
+    try:
+        out, _ = run(envs, timeout=1.0)
+    finally:
+        hang.released.set()
+    assert time.monotonic() - t0 < 20  # (the hang lasts 30 s unless given up)
+    hung, fine = sorted(out, key=lambda t: t.index)
+    assert hung.counts.close_timeouts == 1 and hung.turn_rewards == [1.0, 2.0] and not hung.truncated
+    assert fine.counts.close_timeouts == 0 and envs[1].closed

@@ -234,3 +234,23 @@ def test_the_cpu_lora_ops_compute_what_vllm_s_compute_without_the_per_token_copy
         shared = bool((indices == indices[0]).all())
         assert calls == ([] if shared else list(names)), (shared, calls)  # the fast path where it applies
         calls.clear()
+
+
+def test_an_adapter_update_must_cover_every_layer_the_engine_adapts():
+    """What the engine's LoRA manager wraps (vLLM fuses q/k/v into qkv_proj, gate/up into gate_up_proj)
+    against the layers an update carries: a layer the engine adapts but the update lacks would serve
+    the base for it; a fused layer needs only its parts the engine targets."""
+    from rlhf_orch.engines.adapter_serving import layer_coverage
+
+    packed = {f"model.layers.{i}.self_attn.qkv_proj": [f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"] for i in range(2)}
+    wrapped = [*packed, "model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    every = [part for parts in packed.values() for part in parts] + ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert layer_coverage(wrapped, packed, targets, every) == ([], [])
+    missing, unknown = layer_coverage(wrapped, packed, targets, [n for n in every if ".layers.1." not in n])
+    assert missing == ["model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.q_proj",
+                       "model.layers.1.self_attn.v_proj"] and unknown == []
+    # [q_proj, v_proj]: the engine wraps qkv_proj, but k_proj is no target: the update needs no k_proj
+    qv = [n for n in every if n.endswith(("q_proj", "v_proj"))]
+    assert layer_coverage(list(packed), packed, ["q_proj", "v_proj"], qv) == ([], [])
+    assert layer_coverage(list(packed), packed, ["q_proj", "v_proj"], [*qv, "model.layers.2.mlp.up_proj"]) == ([], ["model.layers.2.mlp.up_proj"])

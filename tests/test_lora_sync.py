@@ -6,7 +6,8 @@ them (per tensor, bucketed with boundaries inside layers, object store, two send
 ZeRO-2: the engine's log-probs equal the trainer's, differ from before the update, and the bytes
 sent are the adapter's. `model.lora.sync=merged` (an engine that cannot take adapters): the
 same policy pushed as merged full weights gives the adapter engine's log-probs and greedy tokens.
-Rollouts (the enqueue path every transfer uses) are drawn with the adapter.
+Rollouts (the enqueue path every transfer uses) are drawn with the adapter. An update that lacks
+layers the engine adapts is refused and the adapter served before it stays.
 """
 
 from __future__ import annotations
@@ -129,3 +130,38 @@ def test_rollouts_are_drawn_with_the_adapter(cluster, tiny_model_path):
         response = lps[len(s.prompt_ids) - 1:]
         assert max(abs(a - b) for a, b in zip(s.engine_logprobs, response)) < TOLERANCE
         assert s.weight_version == 60
+
+
+def test_an_update_missing_layers_is_refused_and_the_served_adapter_stays(cluster):
+    """An adapter update without layer 1's tensors (here: the policy's adapter view with them left
+    out) would serve the base for every layer-1 projection while the trainer adapts them. The engine
+    refuses it naming the layers, keeps serving the adapter it had, and takes the next full update."""
+    engines, policies = cluster
+    policy = policies[(2, 1)]
+    ray.get([p.use_lora_sync.remote("adapter") for p in policy])
+    sync = BucketedBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=1)
+    sync.prepare(policy, engines[:1], engine_tp=1)
+    ray.get([p.perturb_weights.remote(0.2, seed=17) for p in policy])
+    sync.push(80)
+    served = ray.get(engines[0].prompt_logprobs.remote(SEQUENCES))
+    assert _max_diff(served, _trainer_logprobs(policy)) < TOLERANCE
+
+    def without_layer_1(worker):
+        from rlhf_orch.trainer.lora import AdapterWeights
+
+        partial = AdapterWeights(worker.engine.module, worker.spec.zero_stage)
+        partial._params = {n: p for n, p in partial._params.items() if ".layers.1." not in n}
+        worker.weights = partial
+
+    ray.get([p.__ray_call__.remote(without_layer_1) for p in policy])
+    ray.get([p.perturb_weights.remote(0.2, seed=18) for p in policy])
+    partial = BucketedBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=1)
+    partial.prepare(policy, engines[:1], engine_tp=1)
+    with pytest.raises(Exception, match=r"the adapter update lacks layers the engine serves the adapter on.*model\.layers\.1\.self_attn\.[qkvo]_proj"):
+        partial.push(81)
+    assert _max_diff(ray.get(engines[0].prompt_logprobs.remote(SEQUENCES)), served) < 1e-6  # the adapter it had
+    ray.get([p.use_lora_sync.remote("adapter") for p in policy])  # every layer again
+    sync.prepare(policy, engines[:1], engine_tp=1)
+    sync.push(82)
+    after = ray.get(engines[0].prompt_logprobs.remote(SEQUENCES))
+    assert _max_diff(after, _trainer_logprobs(policy)) < TOLERANCE and _max_diff(after, served) > 1e-2

@@ -253,3 +253,47 @@ def test_the_gguf_build_silences_its_progress_bars_without_touching_the_environm
     assert seen["bar_off"] and seen["environment"] == environment
     assert dict(os.environ) == environment
     assert gguf_reader.tqdm is bar and hf_logging.is_progress_bar_enabled() == bars_on
+
+
+# ----------------------------------------------------------------------------- prompts as the environment renders them
+def _smollm2_with_template(smollm2_path, directory, template: str) -> str:
+    """SmolLM2's checkpoint (its files linked, not copied) with another chat template."""
+    os.makedirs(directory)
+    for name in os.listdir(smollm2_path):
+        if name != "chat_template.jinja":
+            os.symlink(os.path.join(smollm2_path, name), os.path.join(directory, name))
+    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+        f.write(template)
+    return str(directory)
+
+
+def test_prompts_are_length_checked_as_the_environment_renders_them_before_ray(smollm2_path, tmp_path):
+    """env=python_tool adds its tool's schema to the chat template (`tools`): the data renders the
+    rows with it, so data.prompt_max_len sees the prompt the policy is given and an over-long row is
+    an InputError naming the key and the row before any actor starts -- not an EnvRuntimeError on
+    an engine mid-training (a row is 40 tokens without the tools, 222 with them)."""
+    from omegaconf import OmegaConf
+
+    from rlhf_orch.orchestration.inputs import InputError, prepare_inputs
+    from tests.test_chat_template_turns import QWEN25_TEMPLATE
+
+    model_dir = _smollm2_with_template(smollm2_path, tmp_path / "model", QWEN25_TEMPLATE)
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {k} times 7?"}], "answer": str(7 * k)}) + "\n"
+                            for k in range(3)))
+
+    def prepared(prompt_max_len: int):
+        cfg = compose_config(["model=hf", f"model.name_or_path={model_dir}", "model.dtype=float32", "data=files",
+                              f"data.train_files=[{rows}]", "data.label_key=answer", f"data.prompt_max_len={prompt_max_len}",
+                              "env=python_tool", "env.allow_weak_sandbox=true"])
+        return prepare_inputs(cfg, OmegaConf.to_object(cfg))
+
+    with pytest.raises(InputError, match=rf"^data.prompt_max_len: row 0 of {rows} is \d+ tokens, over data.prompt_max_len=128; "
+                                         "raise data.prompt_max_len or set data.overlong=filter") as refused:
+        prepared(128)
+    assert "\n" not in str(refused.value)
+    inputs = prepared(512)
+    prompt = inputs.task.sample_prompts(1)[0]
+    assert '"name": "python"' in prompt.text and len(prompt.prompt_ids) > 128  # the tools block is in what was measured
+    # what the engine's runner renders for the row (the prompt it generates from) is what was measured
+    assert inputs.env.renderer(inputs.tokenizer).prompt(list(prompt.messages)) == list(prompt.prompt_ids)

@@ -228,6 +228,12 @@ class DataConfig:
     response_max_len: int = 16  # tokens generated at most
     seed: int = II("seed")  # the order prompts are drawn in; the run's `seed` unless set here
 
+    def raw_prompts(self) -> Optional[str]:
+        """Why this option's prompts are not the tokenizer's chat template's rendering of their
+        messages (what observations rendered by the template continue), or None when they are.
+        The embedded tasks' prompts are raw text (`rev 3 1 4 =`)."""
+        return f"data {self._target_.rsplit('.', 1)[-1]} gives raw-text prompts"
+
 
 @dataclass
 class DigitTaskConfig(DataConfig):
@@ -283,6 +289,9 @@ class FilesDataConfig(DataConfig):
     prompt_max_len: int = 512
     response_max_len: int = 512
 
+    def raw_prompts(self) -> Optional[str]:
+        return None if self.chat_template else "data.chat_template=false renders the prompts as plain text"
+
 
 @dataclass
 class ReasoningGymDataConfig(DataConfig):
@@ -301,6 +310,9 @@ class ReasoningGymDataConfig(DataConfig):
     few_shot: int = 0  # solved examples (earlier user/assistant turns) before each question
     prompt_max_len: int = 256
     response_max_len: int = 256
+
+    def raw_prompts(self) -> Optional[str]:
+        return None if self.chat_template else "data.chat_template=false renders the prompts as plain text"
 
 
 # --------------------------------------------------------------------------- reward
@@ -400,6 +412,10 @@ class EnvConfig:
 
     _target_: str = MISSING
 
+    # Its observations continue the chat template's rendering of the prompt (multi-turn options
+    # with observation_format=chat_template).
+    continues_chat_template: ClassVar[bool] = False
+
 
 @dataclass
 class SingleTurnEnvConfig(EnvConfig):
@@ -436,6 +452,12 @@ class MultiTurnEnvConfig(EnvConfig):
     # The environment can reward a turn before the last (env.reward=per_turn then places it there);
     # an option that rewards only its final answer makes per_turn the same as sum.
     rewards_each_turn: ClassVar[bool] = True
+
+    @property
+    def continues_chat_template(self) -> bool:
+        """Its observations are the chat template's text after a turn: the prompt they follow must be
+        the template's rendering too."""
+        return self.observation_format == "chat_template"
 
 
 @dataclass

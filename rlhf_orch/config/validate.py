@@ -405,6 +405,14 @@ def _env(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
             why = None
         if why:
             problems.append(Problem("env.reward", "per_turn", why))
+    raw = cfg.data.raw_prompts()
+    if env.continues_chat_template and raw:
+        problems.append(Problem(
+            "env.observation_format", "chat_template",
+            f"observations are the chat template's text after each turn, but {raw}, not the template's rendering: every "
+            "trajectory's context would differ from the template's at token 0; set env.observation_format=plain, or use "
+            "chat-templated prompts (data=files or data=reasoning_gym with data.chat_template=true)",
+        ))
     host_problems = getattr(get_class(env._target_), "host_problems", None)
     if host_problems is not None:  # e.g. env=python_tool: this host's sandbox (probed here, before Ray)
         problems += [Problem(key, value, why) for key, value, why in host_problems(env)]

@@ -42,6 +42,16 @@ class PromptSource(abc.ABC):
 
     prompt_max_len: int  # tokens
     response_max_len: int  # tokens
+    # The chat template's options beyond the messages, set before `bind` (`render_prompts_with`).
+    template_kwargs: Mapping[str, Any] = {}
+
+    def render_prompts_with(self, template_kwargs: Mapping[str, Any]) -> None:
+        """Before `bind`: render the prompts' chat template with these options too (a multi-turn
+        environment's `env.chat_template_kwargs` -- tools, enable_thinking -- and its fixed date),
+        so that data.prompt_max_len measures, and data.overlong acts on, the prompt the policy is
+        given. An option whose prompts are raw text renders no template (the config check refuses
+        chat-template observations over such prompts)."""
+        self.template_kwargs = dict(template_kwargs)
 
     @abc.abstractmethod
     def bind(self, tokenizer: Any) -> None:

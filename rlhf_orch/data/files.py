@@ -472,7 +472,7 @@ class PromptDataset(PromptSource):
         if self.system_prompt and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs)
         except Exception as exc:
             raise DataError(
                 f"data.chat_template: the chat template failed on row {i} of {src.spec} ({one_line(exc)}); "

@@ -125,7 +125,7 @@ class ReasoningGymTask(PromptSource):
         index = int(index) if isinstance(index, int) else zlib.crc32(question.encode())
         messages = ([{"role": "system", "content": system}] if system else []) + self._examples(index) + [{"role": "user", "content": question}]
         if self.chat_template:
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs)
             ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             text = f"{system}\n{question}" if system else question

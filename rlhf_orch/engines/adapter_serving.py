@@ -10,7 +10,7 @@ rollout, turn, agent call or scoring pass can reach the bare base by mistake.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
 import torch
 
@@ -161,14 +161,36 @@ class AdapterUpdate:
             model_vocab_size=lora_manager.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(manager.model, "lora_skip_prefixes", None),
         )
+        # Checked before the served adapter is touched: a refused update leaves it serving.
+        missing, unknown = layer_coverage(manager.modules, manager.packed_modules, lora_manager.lora_config.target_modules,
+                                          adapter.loras)
+        if missing:  # vLLM would serve the bare base for them (activate_adapter resets a layer it finds no weights for)
+            raise RuntimeError(
+                f"the adapter update lacks layers the engine serves the adapter on (model.lora.target_modules): {len(missing)} "
+                f"of them, e.g. {missing[:4]}; every update must carry every adapted layer (they would serve the base)"
+            )
+        if unknown:  # the trainer adapts a layer the engine does not: it would serve the base there
+            raise RuntimeError(f"the adapter update names layers the engine does not adapt: {len(unknown)} of them, e.g. {unknown[:3]}")
         manager.remove_adapter(ADAPTER_ID)
         manager.add_adapter(adapter)  # fuses q/k/v and gate/up adapters as vLLM fuses those layers
-        unknown = sorted(set(adapter.loras) - set(manager.modules))
-        if unknown:  # a layer the engine does not have would silently serve the bare base
-            manager.remove_adapter(ADAPTER_ID)
-            raise RuntimeError(f"the adapter names layers the engine's model does not have: {unknown[:3]}")
         manager.activate_adapter(ADAPTER_ID)
         return len(adapter.loras)
+
+
+def layer_coverage(wrapped: Iterable[str], packed: Mapping[str, Sequence[str]], targets: Collection[str] | None,
+                   adapter_layers: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(the layers the engine adapts that an update lacks, the update's layers the engine does not
+    adapt), by module name. `wrapped`: the modules vLLM's LoRA manager wraps; `packed`: those that fuse
+    several layers (qkv_proj: q, k and v_proj), each needing its parts the engine targets (`targets`:
+    layer-name suffixes, None for all)."""
+    expected: set[str] = set()
+    known: set[str] = set()
+    for module in wrapped:
+        parts = list(packed.get(module) or [module])
+        known.update(parts)
+        expected.update(p for p in parts if targets is None or p in targets or p.rsplit(".", 1)[-1] in targets)
+    have = set(adapter_layers)
+    return sorted(expected - have), sorted(have - known)
 
 
 def serve_zero_adapter(lora_manager: Any, rank: int) -> None:

@@ -120,6 +120,11 @@ class EnvGroup(abc.ABC):
     def check(self, prompt: Prompt, tokenizer: Any) -> None:
         """Before Ray: the option works for this prompt and tokenizer (EnvError naming the fix)."""
 
+    def prompt_template_kwargs(self) -> dict[str, Any]:
+        """What the chat template must render the data's prompts with beyond their messages, so that
+        the prompts are what this option's turns continue (`PromptSource.render_prompts_with`)."""
+        return {}
+
     def metrics(self, stats: dict[str, float]) -> dict[str, float]:
         """A rollout's env counters (summed over its trajectories) as the step's `env/...` metrics."""
         return {}

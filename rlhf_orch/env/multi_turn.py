@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import importlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, EnvGroup, call_env, prompt_messages
-from rlhf_orch.env.observations import CHECK_MODES, FORMATS, TRUNCATE_SIDES, ObservationRenderer
+from rlhf_orch.env.turn_driver import abandonable
+from rlhf_orch.env.observations import CHECK_MODES, FORMATS, TRUNCATE_SIDES, FixedClock, ObservationRenderer
 from rlhf_orch.env.turn_driver.trajectory import Trajectory, TrajectoryLimits
 
 REWARDS = ("last", "sum", "per_turn")
@@ -49,6 +52,9 @@ class MultiTurnEnv(EnvGroup):
     mask_failed: bool = False
     mask_truncated: bool = False
     prompt_max_len: int = 0  # data.prompt_max_len, taken in `bind` (what env.init may make the prompt)
+    # The run's instant for templates that stamp today's date (`FixedClock`): taken where the option
+    # is built (the driver), travelling with it to the engines. 0: now.
+    template_time: float = 0.0
 
     multi_turn = True
     # The engine's tokenizer, set where trajectories run (`attach`): what environments that read
@@ -65,6 +71,7 @@ class MultiTurnEnv(EnvGroup):
 
     def __post_init__(self) -> None:
         self.stop = [str(s) for s in self.stop or []]
+        self.template_time = self.template_time or time.time()
         if self.observation_format == "plain" and self.tokenization_sanity_check_mode not in (None, "off"):
             # nothing to check against: refused rather than silently ignored
             raise EnvError(
@@ -91,8 +98,14 @@ class MultiTurnEnv(EnvGroup):
         """How this option's observations become tokens for `tokenizer` (`stop_ids`: the engine's
         end-of-turn ids beyond the tokenizer's EOS, from the model's generation config)."""
         return ObservationRenderer(
-            tokenizer, self.observation_format, self.observation_truncate_side, stop_ids, self.chat_template_kwargs
+            tokenizer, self.observation_format, self.observation_truncate_side, stop_ids, self.chat_template_kwargs,
+            FixedClock(self.template_time),
         )
+
+    def prompt_template_kwargs(self) -> dict[str, Any]:
+        if self.observation_format != "chat_template":
+            return {}
+        return {**self.chat_template_kwargs, "strftime_now": FixedClock(self.template_time)}
 
     def action_decoder(self, tokenizer: Any, stop_ids: Sequence[int] = ()) -> Callable[[Sequence[int]], str] | None:
         """How a model turn's tokens become the `action` env.step reads where this option reads more
@@ -107,8 +120,29 @@ class MultiTurnEnv(EnvGroup):
         return TrajectoryLimits(self.max_turns, per_turn, response_max_len, self.max_observation_tokens, self.prompt_max_len)
 
     def check(self, prompt: Prompt, tokenizer: Any) -> None:
-        """The observation format renders with this tokenizer; the environment starts for `prompt`."""
-        self.renderer(tokenizer).observation([{"role": "user", "content": "0"}], True, self.max_observation_tokens)
+        """The observation format renders with this tokenizer; the environment starts for `prompt`
+        within the deadline every environment call has (a hung start is refused, not waited for)."""
+        renderer = self.renderer(tokenizer)
+        renderer.observation([{"role": "user", "content": "0"}], True, self.max_observation_tokens)
+        if self.tokenization_sanity_check_mode == "strict" and not renderer.renders_turns_alike():
+            raise EnvError(
+                "env.tokenization_sanity_check_mode=strict: this tokenizer's chat template renders the last assistant turn "
+                "otherwise than earlier ones (Qwen3: a <think> block the turn loses once a message follows it), so no context "
+                "kept as generated can match its rendering of the conversation and strict would end the run at the first "
+                "trajectory; set env.tokenization_sanity_check_mode=warn (differences counted in env/tokenization_mismatches) or off"
+            )
+        deadline = self.step_timeout_s()
+        started = abandonable.start(self._start_and_close, prompt, name="env-check")
+        try:
+            started.result(timeout=deadline)
+        except cf.TimeoutError:
+            abandonable.abandon(started)
+            raise EnvError(
+                f"env.tool_timeout_s={self.tool_timeout_s:g}: starting the environment for the first prompt (env.make, env.init) "
+                f"took longer than {deadline:g}s; make it start faster (or raise env.tool_timeout_s)"
+            ) from None
+
+    def _start_and_close(self, prompt: Prompt) -> None:
         instance = self.make(prompt)
         call_env(instance.init, prompt_messages(prompt))
         getattr(instance, "close", lambda: None)()
@@ -123,9 +157,12 @@ class MultiTurnEnv(EnvGroup):
             "env/tool_timeouts": stats.get("tool_timeouts", 0.0),
             "env/step_errors": stats.get("env_errors", 0.0),
             "env/step_timeouts": stats.get("env_timeouts", 0.0),
+            "env/init_timeouts": stats.get("init_timeouts", 0.0),
+            "env/close_timeouts": stats.get("close_timeouts", 0.0),
             "env/truncated": stats.get("truncated", 0.0),
             "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
             "env/observations_truncated": stats.get("observations_truncated", 0.0),
+            "env/observations_too_long": stats.get("observations_too_long", 0.0),
             "env/closing_tokens_added": stats.get("closing_tokens_added", 0.0),
             "env/tokenization_mismatches": stats.get("tokenization_mismatches", 0.0),
             "env/postprocessed_actions": stats.get("postprocessed_actions", 0.0),
@@ -135,10 +172,10 @@ class MultiTurnEnv(EnvGroup):
 
     def masks_out(self, t: Trajectory) -> bool:
         """Train nothing of this trajectory: its environment failed (an error or a timeout in
-        env.step: `env.mask_failed`), or a limit cut it (`env.max_turns`, a token budget:
+        env.step, a timeout starting it: `env.mask_failed`), or a limit cut it (`env.max_turns`, a token budget:
         `env.mask_truncated`) -- instead of training it with the reward it ended with (rLLM;
         SkyRL's overlong filtering)."""
-        failed = t.counts.env_errors + t.counts.env_timeouts > 0
+        failed = t.counts.env_errors + t.counts.env_timeouts + t.counts.init_timeouts > 0
         cut = (t.truncated and not failed) or t.last_turn_hit_length
         return (self.mask_failed and failed) or (self.mask_truncated and cut)
 

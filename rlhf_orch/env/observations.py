@@ -14,6 +14,14 @@ renders no tool or user turns, like the tiny tool-use model).
 
 Long observations are cut on their content (`env.observation_truncate_side`: which side of the
 content goes), then rendered: the template's closing tokens and the next turn's header are never cut.
+Where the template's own tokens around the messages alone exceed the limit (a turn answered with
+dozens of tool messages) nothing can be cut to fit: `ObservationTooLong`, and the runner ends that
+trajectory there (counted).
+
+Templates that stamp today's date (Llama-3.1/3.2-Instruct's `Today Date`, through transformers'
+`strftime_now`) are rendered with a `FixedClock`: one instant for every rendering of a run -- the
+prompts on the driver, observations and the check on the engines -- so a run crossing midnight still
+continues its prompts exactly.
 
 `matches_template` renders a whole conversation with the model's turns put back as generated: the
 tokenization check (`env.tokenization_sanity_check_mode`) compares it with the context a
@@ -22,7 +30,9 @@ trajectory was really generated from.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Iterable, Mapping, Sequence
 
 from rlhf_orch.env.base import EnvError
@@ -37,6 +47,23 @@ TRUNCATE_SIDES = ("tail", "head", "middle")
 _MIDDLE_MARK = "\n...\n"
 # Stands in for an assistant turn's content when a conversation is rendered around the model's tokens.
 _TURN_MARK = "\u2063rlhf-orch-turn-{}\u2063"
+
+
+@dataclass(frozen=True)
+class FixedClock:
+    """`strftime_now` for chat templates (transformers passes its own, which reads the clock at every
+    rendering): `at`'s local time, whenever it is called. Passed as a template variable it takes the
+    place of transformers' (a render's variables come before the environment's globals)."""
+
+    at: float  # seconds since the epoch
+
+    def __call__(self, fmt: str) -> str:
+        return datetime.fromtimestamp(self.at).strftime(fmt)
+
+
+class ObservationTooLong(EnvError):
+    """The chat template's own tokens around these observation messages exceed env.max_observation_tokens
+    (no content left to cut): what the model's turn asked for cannot be shown to it."""
 
 
 @dataclass
@@ -66,7 +93,7 @@ def stop_token_ids(tokenizer: Any, extra: Iterable[int] = ()) -> set[int]:
 
 class ObservationRenderer:
     def __init__(self, tokenizer: Any, fmt: str, truncate_side: str = "tail", stop_ids: Iterable[int] = (),
-                 template_kwargs: Mapping[str, Any] | None = None):
+                 template_kwargs: Mapping[str, Any] | None = None, clock: FixedClock | None = None):
         if fmt not in FORMATS:
             raise EnvError(f"env.observation_format={fmt!r}: must be one of {', '.join(FORMATS)}")
         if truncate_side not in TRUNCATE_SIDES:
@@ -76,15 +103,21 @@ class ObservationRenderer:
         self.truncate_side = truncate_side
         self.stop_ids = stop_token_ids(tokenizer, stop_ids)
         self.template_kwargs = dict(template_kwargs or {})
+        # One date for everything this renderer renders (the run's, from the env option, where given).
+        self.clock = clock or FixedClock(time.time())
         self._frame: tuple[list[int], int | None] | None = None
         self._rendered_roles: set[tuple[str, ...]] = set()  # observation roles seen rendered by the template
 
     # ------------------------------------------------------------------ the template
     def _render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool, tokenize: bool = True) -> Any:
         out = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=generation_prompt, tokenize=tokenize, **self.template_kwargs
+            list(messages), add_generation_prompt=generation_prompt, tokenize=tokenize, **self._dated(), **self.template_kwargs
         )
         return token_ids(out) if tokenize else out
+
+    def _dated(self) -> dict[str, Any]:
+        """The fixed clock, for a template that reads one (the others are rendered as they always were)."""
+        return {"strftime_now": self.clock} if "strftime_now" in str(getattr(self.tokenizer, "chat_template", "") or "") else {}
 
     def _tokens(self, text: str) -> list[int]:
         return token_ids(self.tokenizer(text, add_special_tokens=False))
@@ -105,9 +138,17 @@ class ObservationRenderer:
         close = self.frame()[1]
         return bool(token_ids) and close is not None and int(token_ids[-1]) == close
 
+    def end_of_turn_id(self) -> int:
+        """The token a model turn ends with: the template's end-of-turn token, else the tokenizer's EOS."""
+        close = self.frame()[1] if self.format == "chat_template" else None
+        if close is not None:
+            return int(close)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return int(eos) if isinstance(eos, int) else min(self.stop_ids, default=0)
+
     def renders_prompts(self) -> bool:
-        """Prompts must be rendered here: the template takes options (env.chat_template_kwargs) the
-        data's rendering of the rows did not have."""
+        """Prompts are rendered here again: the template takes options (env.chat_template_kwargs),
+        which the data's rendering of the rows had too (`PromptSource.render_prompts_with`)."""
         return self.format == "chat_template" and bool(self.template_kwargs)
 
     def prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
@@ -121,13 +162,36 @@ class ObservationRenderer:
             return self._tokens("".join(str(m.get("content", "")) for m in messages))
         base, close = self.frame()
         full = self._render([*_BASE, *messages], generation_prompt=True)
-        if full[: len(base)] != base:
-            raise EnvError(
-                "env.observation_format=chat_template: this tokenizer's chat template does not render a "
-                "conversation as a prefix of its continuation; use env.observation_format=plain"
-            )
-        new = full[len(base):]  # no end-of-turn token in the template: whatever follows the base
+        if full[: len(base)] == base:
+            new = full[len(base):]  # no end-of-turn token in the template: whatever follows the base
+        else:  # the assistant turn rendered otherwise once messages follow it (Qwen3's <think> block)
+            new = self._after_turn(messages, close)
         return new if close is None or turn_closed else [close, *new]
+
+    def _after_turn(self, messages: Sequence[Mapping[str, Any]], close: int | None) -> list[int]:
+        """What the template renders after an assistant turn's content, past its end-of-turn token,
+        for a template whose rendering of a conversation is no prefix of its continuation's: the
+        turn's content is a marker, and the text after it is tokenised alone."""
+        mark = _TURN_MARK.format(0)
+        text = self._render([_BASE[0], {"role": "assistant", "content": mark}, *messages], generation_prompt=True, tokenize=False)
+        _, found, after = text.partition(mark)
+        ids = self._tokens(after)
+        if not found or (close is not None and close not in ids):
+            raise EnvError(
+                "env.observation_format=chat_template: this tokenizer's chat template does not render an assistant "
+                "turn's content as given, closed by its end-of-turn token; use env.observation_format=plain"
+            )
+        return ids[ids.index(close) + 1:] if close is not None else ids
+
+    def renders_turns_alike(self) -> bool:
+        """A conversation's rendering is a prefix of its continuation's: the template renders an
+        assistant turn the same whether it is the last message or not (what a context kept as
+        generated needs to match the template exactly). Not so for Qwen3's: the last turn gets a
+        <think> block that earlier turns lose."""
+        if self.format != "chat_template":
+            return True
+        base, _ = self.frame()
+        return self._render([*_BASE, {"role": "user", "content": "again"}], generation_prompt=True)[: len(base)] == base
 
     def __call__(self, messages: Sequence[Mapping[str, Any]], turn_closed: bool = True) -> list[int]:
         return self.observation(messages, turn_closed, None).ids
@@ -153,7 +217,7 @@ class ObservationRenderer:
             return RenderedObservation(ids, False, [dict(m) for m in messages], closing)
         frame = len(self._delta(empty, turn_closed))
         if frame > max_tokens:
-            raise EnvError(
+            raise ObservationTooLong(
                 f"env.max_observation_tokens={max_tokens}: the chat template alone takes {frame} tokens around "
                 f"these {len(messages)} observation message(s); raise it to at least {frame + 16}"
             )

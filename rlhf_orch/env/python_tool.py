@@ -8,7 +8,8 @@ Each model turn is parsed for tool calls:
 
 A turn with calls runs each in the sandbox (`rlhf_orch.env.sandbox`: its own process, CPU, memory,
 process and output limits, an empty directory, no inherited environment) and answers with one
-`tool` message per call; the trajectory goes on. A turn without a call is the final answer: the
+`tool` message per call (calls past the first `MAX_CALLS_PER_TURN` are not run: one error message
+answers all of them); the trajectory goes on. A turn without a call is the final answer: the
 step is done and scores 1.0 when the answer equals the row's ground truth (the text after `####`
 or inside `<answer>...</answer>` if present, else the whole turn, stripped), else 0.0. A malformed
 call answers with an error message and counts as a tool error. Step metadata carries the counts the
@@ -104,9 +105,7 @@ class PythonToolTrajectory:
             correct = self.ground_truth is not None and final_answer(action) == self.ground_truth
             return {"observations": [], "reward": 1.0 if correct else 0.0, "done": True, "metadata": {"tool_calls": 0}}
         observations, errors, timeouts = [], 0, 0
-        for k, (code, problem) in enumerate(calls):
-            if k >= MAX_CALLS_PER_TURN:
-                problem = f"at most {MAX_CALLS_PER_TURN} tool calls per turn; this one was not run"
+        for code, problem in calls[:MAX_CALLS_PER_TURN]:
             if problem is not None:
                 errors += 1
                 observations.append(self._message(f"error: {problem}"))
@@ -115,6 +114,13 @@ class PythonToolTrajectory:
             errors += int(result.error)
             timeouts += int(result.timed_out)
             observations.append(self._message(result.observation()))
+        unrun = len(calls) - MAX_CALLS_PER_TURN
+        if unrun > 0:
+            # One message for all of them: each message costs the chat template's frame (Qwen's
+            # <tool_response> tags), and ~50 frames alone exceed env.max_observation_tokens.
+            errors += unrun
+            verb = "was" if unrun == 1 else "were"
+            observations.append(self._message(f"error: at most {MAX_CALLS_PER_TURN} tool calls per turn; the other {unrun} {verb} not run"))
         metadata = {"tool_calls": len(calls), "tool_errors": errors, "tool_timeouts": timeouts}
         return {"observations": observations, "reward": 0.0, "done": False, "metadata": metadata}
 

@@ -57,10 +57,13 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
     tokenizer = model.tokenizer()
 
     task: PromptSource = instantiate(cfg.data)
+    env: EnvGroup = instantiate(cfg.env)
+    # The prompts rendered as the environment's turns continue them (env.chat_template_kwargs: tools,
+    # enable_thinking), so data.prompt_max_len checks the prompt the policy is given, here.
+    task.render_prompts_with(env.prompt_template_kwargs())
     task.bind(tokenizer)
     notes = [f"data: {line}" for line in task.describe()]
 
-    env: EnvGroup = instantiate(cfg.env)
     # With an environment the reward group counts only at env.reward_weight != 0.
     uses_reward_group = not env.multi_turn or bool(getattr(env, "reward_weight", 0.0))
     if env.multi_turn:

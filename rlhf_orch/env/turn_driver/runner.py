@@ -1,9 +1,13 @@
 """Drive many multi-turn trajectories through one engine at once.
 
-Trajectories progress independently: while one waits for its environment (a step running on a
-thread of its own, given up past `env.tool_timeout_s`: `rlhf_orch.env.turn_driver.abandonable`), the engine
-keeps generating the others' turns; a batch ends when every trajectory is
-done or hit a limit. At most `concurrency` trajectories are in flight; the rest wait to start.
+Trajectories progress independently: while one waits for its environment, the engine keeps
+generating the others' turns; a batch ends when every trajectory is done or hit a limit. At most
+`concurrency` trajectories are in flight; the rest wait to start. Every call into an environment --
+`make` with `init`, each `step`, `get_metrics` with `close` -- runs on a thread of its own with the
+same deadline (`step_timeout_s`: `env.tool_timeout_s`; `rlhf_orch.env.turn_driver.abandonable`), so
+one that hangs is given up and counted (a hung start ends its trajectory before its first turn, a
+hung step ends it there, a hung close loses its episode metrics) and never holds the engine or the
+other trajectories.
 
 The engine side is a `TurnGenerator` (the vLLM engine supplies one; tests a scripted one) and the
 chat template an `ObservationRenderer`, so this module is pure: no vLLM, no Ray.
@@ -26,7 +30,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.turn_driver import abandonable
 from rlhf_orch.env.base import StepResult, TextEnv, call_env, env_class_key, is_async, prompt_messages
-from rlhf_orch.env.observations import CHECK_MODES
+from rlhf_orch.env.observations import CHECK_MODES, ObservationTooLong
 from rlhf_orch.env.turn_driver.trajectory import Trajectory, TrajectoryLimits
 
 logger = logging.getLogger(__name__)
@@ -91,6 +95,9 @@ class Rendering(Protocol):
 
     def renders_prompts(self) -> bool: ...
 
+    def end_of_turn_id(self) -> int:
+        """The token a model turn ends with (what stands in for the turns of a trajectory that never started)."""
+
 
 class EnvRuntimeError(RuntimeError):
     """An environment could not be built or initialised for a row (a bug in it or in the data)."""
@@ -100,15 +107,22 @@ class TokenizationMismatch(RuntimeError):
     """env.tokenization_sanity_check_mode=strict: a context differed from the chat template's."""
 
 
+# A live trajectory's phases: its environment starting (env.make + env.init), its turns, its
+# environment winding down (env.get_metrics + env.close), and done with.
+OPENING, TURNS, CLOSING, CLOSED = "opening", "turns", "closing", "closed"
+
+
 @dataclass
 class _Live:
     trajectory: Trajectory
-    env: TextEnv
-    future: cf.Future | None = None
+    prompt: Prompt
+    env: TextEnv | None = None  # None until env.make returned (on the opening thread)
+    phase: str = OPENING
+    future: cf.Future | None = None  # the environment call running now (one at a time)
     deadline: float = 0.0
     started: float = 0.0
     loop: asyncio.AbstractEventLoop | None = None  # an `async def` environment's own event loop
-    abandoned: bool = False  # a step ran past env.tool_timeout_s: its thread (and loop) are left to end
+    abandoned: bool = False  # a call ran past its deadline: its thread (and loop) are left to end
 
 
 class MultiTurnRunner:
@@ -146,78 +160,38 @@ class MultiTurnRunner:
             while waiting or live:
                 while waiting and len(live) < self.concurrency:
                     index, prompt, ids = waiting.popleft()
-                    entry = self._start(index, prompt, ids)
-                    live[index] = entry
-                    self._next_turn(entry)
+                    live[index] = self._open(index, prompt, ids)
                 for out in self.generator.poll() if self.generator.busy() else ():
-                    entry = live[out.key]
-                    entry.trajectory.add_turn(out.token_ids, out.logprobs, out.hit_length)
-                    text = self.generator.decode(out.token_ids)
-                    action = self.action_decode(out.token_ids) if self.action_decode else text
-                    entry.trajectory.turn_messages.append(len(entry.trajectory.messages))
-                    entry.trajectory.messages.append({"role": "assistant", "content": text})
-                    entry.started = time.perf_counter()
-                    entry.deadline = time.monotonic() + self.step_timeout_s
-                    # A thread of its own per step: the deadline counts from its start, and a step
-                    # that hangs holds no worker another trajectory's step would wait for.
-                    entry.future = abandonable.start(call_env, entry.env.step, action, loop=entry.loop, name="env-step")
-                for entry in self._stepped(live, block=not self.generator.busy()):
-                    self._after_step(entry)
-                finished = [i for i, e in live.items() if e.trajectory.done]
+                    self._turn_done(live[out.key], out)
+                for entry in self._returned(live, block=not self.generator.busy()):
+                    self._after_call(entry)
+                for entry in live.values():
+                    if entry.trajectory.done and entry.phase in (OPENING, TURNS) and entry.future is None:
+                        self._wind_down(entry)
+                finished = [i for i, e in live.items() if e.phase == CLOSED]
                 for index in finished:
-                    t = self._close(live.pop(index))
+                    t = live.pop(index).trajectory
                     self._check(t)
                     yield t
                 if live and not finished and not self.generator.busy() and all(e.future is None for e in live.values()):
                     raise RuntimeError(f"multi-turn rollout stalled: {len(live)} trajectories neither generating nor stepping")
         finally:
             if live:  # the rollout failed (or its consumer stopped): the engine stops their turns
-                self.generator.abort(list(live))
-            for entry in live.values():
-                if entry.future is not None:  # the rollout failed with this step running
-                    entry.abandoned = abandonable.abandon(entry.future) or not entry.future.done()
-                self._close(entry)
+                self.generator.abort([i for i, e in live.items() if e.phase == TURNS])
+                self._close_all(list(live.values()))
 
-    # ------------------------------------------------------------------ pieces
-    def _start(self, index: int, prompt: Prompt, ids: Sequence[int]) -> _Live:
-        t = time.perf_counter()
-        loop = None
-        try:
-            env = self.make_env(prompt)
-            loop = asyncio.new_event_loop() if is_async(env) else None
-            messages = prompt_messages(prompt)
-            first, _ = call_env(env.init, messages, loop=loop)
-        except Exception as e:  # noqa: BLE001 - named in one line for the driver
-            if loop is not None:
-                loop.close()
-            raise EnvRuntimeError(f"the environment for sample {index} could not start: {type(e).__name__}: {e}") from e
-        prompt_ids = list(ids)
-        rewritten = first is not None and list(first) != messages
-        if rewritten:
-            messages = [dict(m) for m in first]
-        if rewritten or self.renderer.renders_prompts():
-            # the environment rewrote the prompt, or the template takes options the data's rendering
-            # did not have (env.chat_template_kwargs: tools, enable_thinking)
-            prompt_ids = self.renderer.prompt(messages)
-            longest = self.limits.max_prompt_tokens
-            if longest and len(prompt_ids) > longest:
-                # (the engine's max_model_len has room for data.prompt_max_len + data.response_max_len only)
-                self._close(_Live(Trajectory(index, prompt_ids, self.limits), env, loop=loop))
-                by = "the environment's init" if rewritten else "the chat template with env.chat_template_kwargs"
-                raise EnvRuntimeError(
-                    f"sample {index}: {by} made the prompt {len(prompt_ids)} tokens, more than data.prompt_max_len={longest}: "
-                    "shorten it, or raise data.prompt_max_len"
-                )
-        trajectory = Trajectory(index, prompt_ids, self.limits, messages=[dict(m) for m in messages])
-        trajectory.counts.env_seconds += time.perf_counter() - t
-        return _Live(trajectory, env, loop=loop)
+    # ------------------------------------------------------------------ environment calls
+    def _call(self, entry: _Live, phase: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """`fn` on a thread of its own, given up at the deadline: it counts from the call's start, and
+        a call that hangs holds no worker another trajectory's call would wait for."""
+        entry.phase = phase
+        entry.started = time.perf_counter()
+        entry.deadline = time.monotonic() + self.step_timeout_s
+        entry.future = abandonable.start(fn, *args, name=f"env-{phase}", **kwargs)
 
-    def _next_turn(self, entry: _Live) -> None:
-        t = entry.trajectory
-        self.generator.submit(t.index, t.context(), t.next_turn_budget(), t.counts.turns)
-
-    def _stepped(self, live: dict[int, _Live], block: bool) -> list[_Live]:
-        """Entries whose env.step finished or timed out; waits for one when the engine is idle."""
+    def _returned(self, live: dict[int, _Live], block: bool) -> list[_Live]:
+        """Entries whose environment call finished or ran past its deadline; waits for one when the
+        engine is idle."""
         pending = {e.future: e for e in live.values() if e.future is not None}
         if not pending:
             return []
@@ -228,14 +202,81 @@ class MultiTurnRunner:
         now = time.monotonic()
         return [e for f, e in pending.items() if f in done or now >= e.deadline]
 
-    def _after_step(self, entry: _Live) -> None:
-        t, future = entry.trajectory, entry.future
-        entry.future = None
-        counts = t.counts
-        counts.env_seconds += time.perf_counter() - entry.started
-        if not future.done():  # past env.tool_timeout_s: given up (`abandonable`), its thread ends on its own
+    def _after_call(self, entry: _Live) -> None:
+        future, entry.future = entry.future, None
+        timed_out = not future.done()
+        if timed_out:  # past its deadline: given up (`abandonable`), its thread ends on its own
             entry.abandoned = True
             abandonable.abandon(future)
+        if entry.phase != CLOSING:
+            entry.trajectory.counts.env_seconds += time.perf_counter() - entry.started
+        {OPENING: self._opened, TURNS: self._stepped, CLOSING: self._closed}[entry.phase](entry, future, timed_out)
+
+    # ------------------------------------------------------------------ opening: env.make + env.init
+    def _open(self, index: int, prompt: Prompt, ids: Sequence[int]) -> _Live:
+        entry = _Live(Trajectory(index, list(ids), self.limits), prompt)
+        self._call(entry, OPENING, self._make_and_init, entry)
+        return entry
+
+    def _make_and_init(self, entry: _Live) -> tuple[list[dict], Any]:
+        """(On the opening thread.) The environment, kept on the entry as soon as it exists (so that a
+        start given up still gets closed), initialised with the prompt's messages."""
+        entry.env = self.make_env(entry.prompt)
+        if is_async(entry.env):
+            entry.loop = asyncio.new_event_loop()
+        messages = prompt_messages(entry.prompt)
+        # (init gets its own copy: one that edits its argument in place has rewritten the prompt too)
+        first, _ = call_env(entry.env.init, prompt_messages(entry.prompt), loop=entry.loop)
+        return messages, first
+
+    def _opened(self, entry: _Live, future: cf.Future, timed_out: bool) -> None:
+        t = entry.trajectory
+        if timed_out:  # counted; the sample still needs a response: one end-of-turn token, trained on nothing
+            t.counts.init_timeouts += 1
+            t.end_unstarted(self.renderer.end_of_turn_id())
+            return
+        try:
+            messages, first = future.result()
+        except Exception as e:  # noqa: BLE001 - named in one line for the driver
+            raise EnvRuntimeError(f"the environment for sample {t.index} could not start: {type(e).__name__}: {e}") from e
+        rewritten = first is not None and list(first) != messages
+        if rewritten:
+            messages = [dict(m) for m in first]
+        if rewritten or self.renderer.renders_prompts():
+            # the environment rewrote the prompt, or the template takes options (env.chat_template_kwargs:
+            # tools, enable_thinking) -- the data rendered its rows with them too, measured against
+            # data.prompt_max_len before Ray (`PromptSource.render_prompts_with`): the same ids again
+            t.prompt_ids = self.renderer.prompt(messages)
+            longest = self.limits.max_prompt_tokens
+            if longest and len(t.prompt_ids) > longest:
+                # (the engine's max_model_len has room for data.prompt_max_len + data.response_max_len only)
+                by = "the environment's init" if rewritten else "the chat template with env.chat_template_kwargs"
+                raise EnvRuntimeError(
+                    f"sample {t.index}: {by} made the prompt {len(t.prompt_ids)} tokens, more than data.prompt_max_len={longest}: "
+                    "shorten it, or raise data.prompt_max_len"
+                )
+        t.messages = [dict(m) for m in messages]
+        entry.phase = TURNS
+        self._next_turn(entry)
+
+    # ------------------------------------------------------------------ turns: the engine, then env.step
+    def _next_turn(self, entry: _Live) -> None:
+        t = entry.trajectory
+        self.generator.submit(t.index, t.context(), t.next_turn_budget(), t.counts.turns)
+
+    def _turn_done(self, entry: _Live, out: TurnOutput) -> None:
+        t = entry.trajectory
+        t.add_turn(out.token_ids, out.logprobs, out.hit_length)
+        text = self.generator.decode(out.token_ids)
+        action = self.action_decode(out.token_ids) if self.action_decode else text
+        t.turn_messages.append(len(t.messages))
+        t.messages.append({"role": "assistant", "content": text})
+        self._call(entry, TURNS, call_env, entry.env.step, action, loop=entry.loop)
+
+    def _stepped(self, entry: _Live, future: cf.Future, timed_out: bool) -> None:
+        t = entry.trajectory
+        counts = t.counts
+        if timed_out:
             counts.env_timeouts += 1
             t.turn_rewards.append(0.0)
             t.finish(truncated=True)
@@ -260,7 +301,12 @@ class MultiTurnRunner:
         if not t.wants_another_turn():
             return
         closed = self.renderer.closes_turn(t.turns[-1])
-        obs = self.renderer.observation(result.observations, closed, self.limits.max_observation_tokens)
+        try:
+            obs = self.renderer.observation(result.observations, closed, self.limits.max_observation_tokens)
+        except ObservationTooLong:  # what the turn asked for (dozens of tool calls) cannot be shown: it ends here
+            counts.observations_too_long += 1
+            t.finish(truncated=True)
+            return
         if not t.add_observation(obs.ids, obs.truncated):
             return
         t.counts.closing_tokens_added += int(obs.closing_added)
@@ -290,7 +336,7 @@ class MultiTurnRunner:
         t.messages[-1] = {"role": "assistant", "content": decode(turn[:hi])}
 
     def _check(self, t: Trajectory) -> None:
-        if self.check == "off":
+        if self.check == "off" or not t.turns:  # (a trajectory whose environment never started has no turn)
             return
         actual = t.context()
         try:
@@ -302,31 +348,68 @@ class MultiTurnRunner:
             return
         t.counts.tokenization_mismatches += 1
         at = next((i for i, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
+        # Inside the prompt no turn of the model's is involved: the prompt is not what the observations continue.
+        in_prompt = at < len(t.prompt_ids)
+        where = (", inside the prompt: the prompt was not chat-templated as the observations are (data.chat_template=false, "
+                 "raw-text prompts, or other template options)") if in_prompt else ""
         message = (
             f"sample {t.index}: the context differs from the chat template's rendering of its conversation at "
-            f"token {at} of {len(actual)} (template: {expected[at:at + 8]}, context: {actual[at:at + 8]}){why}"
+            f"token {at} of {len(actual)}{where} (template: {expected[at:at + 8]}, context: {actual[at:at + 8]}){why}"
         )
+        if in_prompt:
+            message += "; set env.observation_format=plain or chat-template the prompts"
         if self.check == "strict":
-            raise TokenizationMismatch(
+            raise TokenizationMismatch(message if in_prompt else (
                 message + "; a template that rewrites earlier turns (e.g. drops reasoning) cannot be "
                 "prefix-exact: set env.tokenization_sanity_check_mode=warn to train anyway"
-            )
+            ))
         if not self._warned:
             self._warned = True
             logger.warning("%s (counted in env/tokenization_mismatches; reported once)", message)
 
-    def _close(self, entry: _Live) -> Trajectory:
-        t = entry.trajectory
-        get_metrics = getattr(entry.env, "get_metrics", None)  # skyrl-gym's episode metrics, optional
+    # ------------------------------------------------------------------ closing: env.get_metrics + env.close
+    def _wind_down(self, entry: _Live) -> None:
+        if entry.env is None:  # env.make never returned: nothing to close
+            entry.phase = CLOSED
+            return
+        self._call(entry, CLOSING, self._metrics_and_close, entry)
+
+    def _metrics_and_close(self, entry: _Live) -> None:
+        """(On the closing thread.) skyrl-gym's episode metrics (optional), then `close` (optional for a
+        user's class); neither costs the trajectory anything when it fails."""
+        t, env = entry.trajectory, entry.env
+        loop = None if entry.abandoned else entry.loop  # (an abandoned call may still run on its loop)
+        get_metrics = getattr(env, "get_metrics", None)
         if callable(get_metrics):
             try:
-                t.env_metrics = (env_class_key(type(entry.env)), _plain(get_metrics() or {}))
+                t.env_metrics = (env_class_key(type(env)), _plain(call_env(get_metrics, loop=loop) or {}))
             except Exception as e:  # noqa: BLE001 - metrics never cost a trajectory
-                logger.warning("sample %d: %s.get_metrics() raised %s: %s", t.index, type(entry.env).__name__, type(e).__name__, e)
-        if entry.loop is not None and not entry.abandoned:  # (an abandoned step may still run on it)
-            entry.loop.close()
+                logger.warning("sample %d: %s.get_metrics() raised %s: %s", t.index, type(env).__name__, type(e).__name__, e)
         try:
-            getattr(entry.env, "close", lambda: None)()  # optional for a user's class
+            call_env(getattr(env, "close", lambda: None), loop=loop)
         except Exception:  # noqa: BLE001 - a failing close loses nothing of the trajectory
             pass
-        return t
+
+    def _closed(self, entry: _Live, future: cf.Future, timed_out: bool) -> None:
+        if timed_out:
+            entry.trajectory.counts.close_timeouts += 1
+            logger.warning("sample %d: %s.get_metrics()/close() ran past %gs: given up", entry.trajectory.index,
+                           type(entry.env).__name__, self.step_timeout_s)
+        if entry.loop is not None and not entry.abandoned:
+            entry.loop.close()
+        entry.phase = CLOSED
+
+    def _close_all(self, entries: list[_Live]) -> None:
+        """The rollout failed with these trajectories live: give up what they were running, close each
+        environment, all within one deadline."""
+        for entry in entries:
+            if entry.future is not None and entry.phase != CLOSING:
+                entry.abandoned = abandonable.abandon(entry.future) or not entry.future.done()
+                entry.future = None
+            if entry.phase != CLOSING:
+                self._wind_down(entry)
+        closing = [e for e in entries if e.future is not None]
+        if closing:
+            cf.wait([e.future for e in closing], timeout=max(0.0, max(e.deadline for e in closing) - time.monotonic()))
+        for entry in closing:
+            self._after_call(entry)

@@ -35,9 +35,13 @@ class EnvCounts:
     tool_timeouts: int = 0
     env_errors: int = 0  # env.step raised (the trajectory ended there)
     env_timeouts: int = 0  # env.step ran past env.tool_timeout_s (the trajectory ended there)
+    init_timeouts: int = 0  # env.make / env.init ran past the same deadline (the trajectory ended before its first turn)
+    close_timeouts: int = 0  # env.get_metrics / env.close ran past it (given up: the episode's metrics are lost)
     truncated: int = 0
     observation_tokens: int = 0
     observations_truncated: int = 0  # observations whose content was cut to env.max_observation_tokens
+    # observations whose chat-template frame alone exceeded env.max_observation_tokens: the trajectory ended there
+    observations_too_long: int = 0
     closing_tokens_added: int = 0  # turns that did not end with the end-of-turn token: it was added as context
     tokenization_mismatches: int = 0  # the context differed from the chat template's rendering (the check)
     postprocessed_actions: int = 0  # turns the environment shortened (skyrl-gym's postprocessed_action)
@@ -118,6 +122,12 @@ class Trajectory:
         self.loss_mask.extend([0] * len(ids))
         self.counts.observation_tokens += len(ids)
         return True
+
+    def end_unstarted(self, end_of_turn: int) -> None:
+        """The environment never started: the sample's response is one end-of-turn token, masked out
+        (trained on nothing, as an agent that made no call), and the trajectory ends."""
+        self.response_ids, self.logprobs, self.loss_mask = [int(end_of_turn)], [0.0], [0]
+        self.finish(truncated=True)
 
     def finish(self, truncated: bool = False) -> None:
         self.done = True
