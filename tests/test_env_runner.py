@@ -329,6 +329,8 @@ def test_failed_or_truncated_trajectories_can_train_nothing(mask_failed, mask_tr
     assert env.masks_out(broken) == mask_failed
     assert env.masks_out(cut) == mask_truncated
     assert not env.masks_out(fine)
+    fine.counts.init_timeouts = 1  # an environment that never started: nothing to train, whatever the keys
+    assert env.masks_out(fine)
 
 
 def test_vllm_turns_keep_the_stop_string_in_the_turn():

@@ -174,8 +174,12 @@ class MultiTurnEnv(EnvGroup):
         """Train nothing of this trajectory: its environment failed (an error or a timeout in
         env.step, a timeout starting it: `env.mask_failed`), or a limit cut it (`env.max_turns`, a token budget:
         `env.mask_truncated`) -- instead of training it with the reward it ended with (rLLM;
-        SkyRL's overlong filtering)."""
-        failed = t.counts.env_errors + t.counts.env_timeouts + t.counts.init_timeouts > 0
+        SkyRL's overlong filtering). A trajectory whose environment never started (`init_timeouts`)
+        has nothing to train whatever the keys: always masked, so its reward 0 -- the
+        infrastructure's, not the policy's -- stays out of its group's statistics too."""
+        if t.counts.init_timeouts:
+            return True
+        failed = t.counts.env_errors + t.counts.env_timeouts > 0
         cut = (t.truncated and not failed) or t.last_turn_hit_length
         return (self.mask_failed and failed) or (self.mask_truncated and cut)
 
