@@ -160,15 +160,24 @@ def not_answering(actors: Sequence[Any], timeout_s: float) -> list[int]:
     """Positions of the actors that are dead or do not answer `ping` within `timeout_s` (alive
     but stuck -- say, waiting in a broadcast that will never finish -- is as lost as dead). Strict:
     an engine busy in one long call does not answer either (see `lost_processes`)."""
+    dead, stuck = dead_or_stuck(actors, timeout_s)
+    return sorted(dead + stuck)
+
+
+def dead_or_stuck(actors: Sequence[Any], timeout_s: float) -> tuple[list[int], list[int]]:
+    """`not_answering`, told apart: positions of the dead actors, and of those alive but not
+    answering `ping` within `timeout_s`."""
     refs = [actor.ping.remote() for actor in actors]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    lost = []
+    dead, stuck = [], []
     for k, ref in enumerate(refs):
         try:
             ray.get(ref, timeout=0)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            lost.append(k)
-    return lost
+        except ray.exceptions.RayActorError:
+            dead.append(k)
+        except ray.exceptions.GetTimeoutError:
+            stuck.append(k)
+    return dead, stuck
 
 
 PROGRESS_ANSWER_S = 10.0  # how long the monitor threads of the engines that missed `ping` have to answer

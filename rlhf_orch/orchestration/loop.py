@@ -30,7 +30,7 @@ from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import ROLES, dead_actor, one_line
-from rlhf_orch.orchestration.actors import RoleActors, lost_processes, not_answering
+from rlhf_orch.orchestration.actors import RoleActors, dead_or_stuck, lost_processes
 from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
 from rlhf_orch.reward.scoring import RewardSetup
@@ -403,15 +403,23 @@ class TrainLoop:
         the seconds spent letting the requests in flight finish first."""
         with self._pushing:
             waited = 0.0
+            # An engine that died since its last call (idle, or holding rollouts: pipeline=async)
+            # is replaced before the push: pushed to, its death would break the broadcast and leave
+            # every other engine stuck in it (replaced too).
+            dead, _ = dead_or_stuck(self.actors.engines, timeout_s=10.0)
+            if dead:
+                self._replace_after_sync(dead, [], version, before=True)
+                self.version = version
+                return waited
             try:
                 waited = self._let_requests_finish(version)
                 self.last_sync = self.sync.push(version)
                 self.sync.verify(version)
             except WeightSyncError:
-                lost = not_answering(self.actors.engines, timeout_s=10.0)
-                if not lost:
+                dead, stuck = dead_or_stuck(self.actors.engines, timeout_s=10.0)
+                if not dead and not stuck:
                     raise  # every engine answers: not a lost process (a bug, a timeout elsewhere)
-                self._replace_after_sync(lost, version)
+                self._replace_after_sync(dead, stuck, version)
             self.version = version
             return waited
 
@@ -430,23 +438,28 @@ class TrainLoop:
             raise WeightSyncError(one_line(e)) from e
         return time.perf_counter() - t
 
-    def _replace_after_sync(self, lost: list[int], version: int) -> None:
+    def _replace_after_sync(self, dead: list[int], stuck: list[int], version: int, before: bool = False) -> None:
         """Engines lost while receiving weights: new ones in their bundles, every weight group
-        re-formed, the same version pushed again (bounded by the engine restart budget). The next
-        rollout seeds every engine for its step, so it draws what it would have."""
+        re-formed, the same version pushed again. The budget (fault.max_engine_restarts) counts the
+        dead: engines left alive but stuck in the broadcast a dead one broke are its collateral,
+        replaced with it at no charge (they count only when none died: a hung broadcast). `before`:
+        found dead as the push began (it died since its last call). The next rollout seeds every
+        engine for its step, so it draws what it would have."""
         s = self.settings
+        lost = sorted(dead + stuck)
+        counted = dead or stuck
         if self.pipeline.holds_rollout() and not self.pipeline.redraws_lost_shares:
             # Its share of the rollout generated ahead went with it: the run restarts from its
             # last checkpoint instead (ActorDiedError is a lost process). Under async it is drawn
             # again before its hand-over, and a generation in flight on it goes on on the replacement.
             raise EngineDiedError(
-                f"vLLM engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost receiving weight version "
-                f"{version} while the rollout generated ahead for the next step was held"
+                f"vLLM engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost {'before ' if before else ''}receiving "
+                f"weight version {version} while the rollout generated ahead for the next step was held"
             )
         allowed = s.max_engine_restarts - self.engine_restarts_used
-        if len(lost) > allowed:
+        if len(counted) > allowed:
             raise EngineRestartBudgetError(
-                f"vLLM engine {lost[max(allowed, 0)]} was lost receiving weight version {version} and the engine restart "
+                f"vLLM engine {counted[max(allowed, 0)]} was lost receiving weight version {version} and the engine restart "
                 f"budget is used up (fault.max_engine_restarts={s.max_engine_restarts})"
             )
         t = time.perf_counter()
@@ -456,10 +469,11 @@ class TrainLoop:
         self.last_sync = self.sync.push(version)
         self.sync.verify(version)
         took = time.perf_counter() - t
-        self.restart_log.setdefault(self.trained, []).extend([took / len(lost)] * len(lost))
+        self.restart_log.setdefault(self.trained, []).extend([took / len(counted)] * len(counted))
         self._restart_s[self.trained] = self._restart_s.get(self.trained, 0.0) + took
+        collateral = f" (engine{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} stuck in the broken broadcast)" if dead and stuck else ""
         print(
-            f"engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost receiving weight version {version}: "
+            f"engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost {'before ' if before else ''}receiving weight version {version}{collateral}: "
             f"replaced in {'their bundles' if len(lost) > 1 else 'its bundle'}, the version pushed again "
             f"({took:.1f}s; restart {self.engine_restarts_used}/{s.max_engine_restarts})",
             flush=True,
@@ -496,14 +510,17 @@ class TrainLoop:
                 # from its last checkpoint instead (ActorDiedError is a lost process). Under async
                 # the share is drawn again before that rollout's hand-over (redraw_lost_shares).
                 raise EngineDiedError(f"vLLM engine {e} died holding rollouts finished ahead for later steps")
-            return self._replace_dead_engine(e, step)
+            return self._replace_dead_engine(e, step, dead)
 
-    def _replace_dead_engine(self, e: int, step: int) -> Any:
+    def _replace_dead_engine(self, e: int, step: int, dead: Any = None) -> Any:
         s = self.settings
         t = time.perf_counter()
         # During a one-step-off overlap the trainers may be training: wait, so the replacement
         # (and every other engine, the group being re-formed) gets whole, labelled weights.
         with self._training, self._pushing:
+            if dead is not None and self.actors.engines[e] is not dead:
+                # (replaced meanwhile by the main thread's weight push, which found it dead)
+                return self.actors.engines[e]
             if self.trained != self.version and self.pipeline.one_version_per_rollout:
                 # one_step_off: the rollout was drawn with the engines' version while the trainers
                 # made the next one; that version is gone from the trainers, and a share drawn with
