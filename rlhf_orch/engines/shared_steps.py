@@ -20,6 +20,8 @@ import queue
 import threading
 from typing import Any
 
+from rlhf_orch.orchestration.liveness import WorkCount
+
 
 class SharedEngineSteps:
     """The shared stepping of one engine (mixed into `VLLMEngine`); `_start_generation_state`
@@ -47,6 +49,7 @@ class SharedEngineSteps:
         self._env_rollout = threading.Lock()  # one agent rollout at a time (see _complete_env)
         self._agent_sessions = 0  # agent rollouts started and not ended (an update waits for them: _finish_in_flight)
         self.steps_made = 0  # engine steps made (a plain int: read by the monitor thread, never locked)
+        self.samples_scored = WorkCount()  # samples the rule scored here (scoring threads: several under async)
 
     def _run(self, fn, *args):
         """`fn(*args)` on the thread that owns vLLM (a threaded actor), or right here. Never
