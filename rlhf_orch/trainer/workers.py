@@ -53,6 +53,7 @@ from rlhf_orch.trainer.token_weighting import (
     rows_for_targets,
     targets_in_layout,
 )
+from rlhf_orch.trainer.phase_memory import ends_a_phase
 from rlhf_orch.trainer.progress import count_layers, counting_saved_tensors
 from rlhf_orch.trainer.lora import ADAPTER_DIR, AdapterWeights, MergedLoraWeights, apply_lora, export_adapter, frozen_base
 from rlhf_orch.trainer.weight_source import ModuleWeightSource
@@ -88,6 +89,9 @@ class TrainerSpec:
     # model.lora (its sync resolved to adapter or merged): the policy trains adapters on a frozen
     # base (rlhf_orch.trainer.lora); None: every weight trains.
     lora: LoraSettings | None = None
+    # The process shares its GPU with others of the run (`PlacementPlan.shares_gpu`): it gives its
+    # cached CUDA memory back as each phase ends (rlhf_orch/trainer/phase_memory.py).
+    free_cache_between_phases: bool = False
 
 
 class _Worker(ExperienceInbox):
@@ -423,6 +427,7 @@ class PolicyWorker(_Worker):
 
         return where_am_i("reference", self.rank)
 
+    @ends_a_phase
     @torch.no_grad()
     def make_experience(
         self,
@@ -540,6 +545,7 @@ class PolicyWorker(_Worker):
                 out.append(seq)
         return out
 
+    @ends_a_phase
     def train(self, shard: int, algo: Algorithm, norm_len: int) -> dict[str, float]:
         """`ppo_epochs` passes of the policy loss (clipped surrogate + KL in the loss - entropy).
 
@@ -717,6 +723,7 @@ class CriticWorker(_Worker):
         self._old_values: dict[int, list[torch.Tensor]] = {}
         return sum(p.numel() for p in model.parameters())
 
+    @ends_a_phase
     @torch.no_grad()
     def values(self, shard: int) -> list[torch.Tensor]:
         self.engine.eval()
@@ -724,6 +731,7 @@ class CriticWorker(_Worker):
         self._old_values[shard] = vals
         return [v.cpu() for v in vals]
 
+    @ends_a_phase
     def train(self, returns_by_shard: dict[int, list[torch.Tensor]]) -> dict[str, float]:
         """`ppo_epochs` passes of the clipped value loss, a token mean over each optimizer step."""
         import ray
@@ -765,6 +773,7 @@ class ReferenceWorker(_Worker):
         self.model = self._reference_model()
         return sum(int(getattr(p, "ds_numel", p.numel())) for p in self.model.parameters())
 
+    @ends_a_phase
     @torch.no_grad()
     def logprobs(self, shard: int) -> list[torch.Tensor]:
         out = self._logprobs_of(self.model, shard)
@@ -780,6 +789,7 @@ class RewardModelWorker(_Worker):
     def build(self) -> int:
         return self._load_frozen(load_reward_model)
 
+    @ends_a_phase
     @torch.no_grad()
     def score(self, shard: int) -> tuple[list[int], list[float]]:
         """(sample indices, scores) of every sequence of the shard; the shard is then released."""
