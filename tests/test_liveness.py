@@ -221,11 +221,11 @@ def test_a_call_waiting_for_a_peer_s_result_leaves_progress_answering_when_defer
     late = ray.remote(num_cpus=0)(_late)
     try:
         assert ray.get(rank.progress.remote(), timeout=60) == 7
-        held = rank.take.remote(late.remote(10.0))
-        assert not ray.wait([rank.progress.remote()], timeout=5.0)[0]  # behind the call that waits for its argument
+        held = rank.take.remote(late.remote(6.0))
+        assert not ray.wait([rank.progress.remote()], timeout=3.0)[0]  # behind the call that waits for its argument
         ray.get(held, timeout=60)
-        taking = rank.take.remote(deferred(late.remote(10.0)))
-        assert ray.get(rank.progress.remote(), timeout=5.0) == 7
+        taking = rank.take.remote(deferred(late.remote(6.0)))
+        assert ray.get(rank.progress.remote(), timeout=3.0) == 7
         assert ray.get(taking, timeout=60) == 1
     finally:
         ray.kill(rank)

@@ -47,10 +47,6 @@ class HostedReference:
     def ping(self) -> Any:
         return self.policy.ping
 
-    @property
-    def progress(self) -> Any:
-        return self.policy.progress
-
 
 class ActorStartError(RuntimeError):
     """An actor failed while starting (bad checkpoint, out of memory, ...)."""
