@@ -4,8 +4,8 @@ actors that stopped is given up within two windows.
 Every process a step waits on counts what it gets done and answers `progress()` -- that count --
 on a thread of its own (the concurrency group `MONITOR`), beside the call that keeps its main
 thread busy: a vLLM engine counts engine steps and scored samples (`VLLMEngine.progress`), a
-trainer rank micro-batches, decoder layers and collectives entered and left
-(`rlhf_orch.trainer.progress`). A wait looks every `window_s` (fault.step_timeout_s) without the
+trainer rank micro-batches, decoder layers, the tensors an update saves for its backward and
+collectives entered and left (`rlhf_orch.trainer.progress`). A wait looks every `window_s` (fault.step_timeout_s) without the
 results it waits for: a count that moved since the last look is progress, one that stands (or
 does not answer within `ANSWER_S`) is not; a first look counts as progress. So a stuck process is
 found within two windows (plus the answer's wait), however long its healthy calls run.
@@ -15,9 +15,9 @@ Two kinds of waits (`ProgressWatch.together`):
 * independent actors (the engines of a rollout): each must move; a stuck one is named while the
   others still make steps.
 * actors that wait on each other (the ranks of one trainer phase: their collectives, and a policy
-  rank's call that Ray holds until the reference's and the critic's results it takes are made):
-  the phase moves while any of them does -- a rank waiting in an all-reduce for a slower peer
-  makes no count of its own meanwhile.
+  rank's experience call waiting for the reference's and the critic's results, `Deferred`): the
+  phase moves while any of them does -- a rank waiting in an all-reduce for a slower peer makes
+  no count of its own meanwhile.
 
 Pure logic: the look at the counts (`read`) and the wait on results (`wait`) are injected; the
 defaults ask Ray.
