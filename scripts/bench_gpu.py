@@ -159,6 +159,13 @@ def _memory_case(case: MemoryCase, port: int, results, release) -> None:
                                                                      for p in model.parameters()),
         "step_s": seconds, "pid": os.getpid(),
     }
+    # What a trainer sharing its GPU does as each phase ends (rlhf_orch/trainer/phase_memory.py): the
+    # call, what stays reserved after it, and the next update allocating again what it gave back.
+    t0 = time.perf_counter()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    out.update(empty_cache_s=time.perf_counter() - t0, reserved_after_empty=torch.cuda.memory_reserved(), step_after_empty_s=step())
+    out["reserved_now"] = torch.cuda.memory_reserved()  # (what nvidia-smi is read against)
     results.put(out)
     release.wait(120)  # the parent reads nvidia-smi for this process meanwhile
 
@@ -203,14 +210,18 @@ def run_memory(cases: list[MemoryCase]) -> list[dict]:
                "peak_gb": got["peak"] / GB, "plan_peak_gb": (plan["always"] + plan["train"]) / GB,
                "reserved_over_peak_gb": (got["reserved_peak"] - got["peak"]) / GB,
                "runtime_gb": None if smi is None else (smi - got["reserved_now"]) / GB, "plan_runtime_gb": plan["runtime"] / GB,
-               "plan_terms_gb": {k: round(v / GB, 3) for k, v in plan["terms"].items()}}
+               "plan_terms_gb": {k: round(v / GB, 3) for k, v in plan["terms"].items()},
+               "empty_cache_s": round(got["empty_cache_s"], 4), "reserved_after_empty_gb": got["reserved_after_empty"] / GB,
+               "step_after_empty_s": round(got["step_after_empty_s"], 3)}
         row["peak_error"] = row["plan_peak_gb"] / row["peak_gb"] - 1
         if row["runtime_gb"] is not None:  # the process's own GPU memory at its peak, as nvidia-smi counts it
             row["process_gb"] = (got["reserved_peak"] + smi - got["reserved_now"]) / GB
             row["plan_process_gb"] = row["plan_peak_gb"] + row["plan_runtime_gb"]
             row["process_error"] = row["plan_process_gb"] / row["process_gb"] - 1
         rows.append(row)
-        print(f"  {case.label}: measured peak {row['peak_gb']:.2f} GB, planned {row['plan_peak_gb']:.2f} GB", flush=True)
+        print(f"  {case.label}: measured peak {row['peak_gb']:.2f} GB, planned {row['plan_peak_gb']:.2f} GB; empty_cache "
+              f"{row['empty_cache_s']:.4f} s, {row['reserved_after_empty_gb']:.2f} GB reserved after it (states "
+              f"{row['states_gb']:.2f}), the next step {row['step_after_empty_s']:.2f} s (against {row['step_s']:.2f})", flush=True)
     return rows
 
 

@@ -36,6 +36,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor  # noqa: E402
+from rlhf_orch.orchestration.liveness import actor_class  # noqa: E402
 from rlhf_orch.sync.base import WeightSyncError  # noqa: E402
 from rlhf_orch.sync.cost_model import LINKS_GBPS, LLAMA3_8B, CostModel  # noqa: E402
 from rlhf_orch.sync.bucketed import BucketedBroadcastSync  # noqa: E402
@@ -315,7 +316,7 @@ def main() -> None:
     for shape in shapes:
         path = paths[shape]
         ranks = max(n for n, _ in chosen.values()) if chosen else 1
-        trainers = [ray.remote(BenchTrainer).options(num_cpus=1).remote(trainer_spec(path), r, ranks) for r in range(ranks)]
+        trainers = [actor_class(BenchTrainer).options(num_cpus=1).remote(trainer_spec(path), r, ranks) for r in range(ranks)]
         sizes[shape] = ray.get([t.build.remote() for t in trainers])[0]
         tensors[shape] = ray.get(trainers[0].tensor_count.remote())
         memcpy = memcpy or ray.get(trainers[0].memcpy_gbps.remote())

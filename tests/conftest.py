@@ -143,7 +143,9 @@ def start_trainer_ranks(cls, spec, ranks: int, runtime_env: dict) -> list:
     joined in one torch.distributed world (rank 0 hosts it; every rank joins at once). Not built."""
     import ray
 
-    workers = [ray.remote(cls).options(num_cpus=1, runtime_env=runtime_env).remote(spec, r, ranks) for r in range(ranks)]
+    from rlhf_orch.orchestration.liveness import actor_class
+
+    workers = [actor_class(cls).options(num_cpus=1, runtime_env=runtime_env).remote(spec, r, ranks) for r in range(ranks)]
     host, port = ray.get(workers[0].rendezvous_address.remote())
     ray.get([w.init_distributed.remote(host, port) for w in workers])
     return workers

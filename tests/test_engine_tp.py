@@ -16,6 +16,7 @@ import ray
 
 from rlhf_orch.engines.launch import engine_launch
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
+from rlhf_orch.orchestration.liveness import actor_class
 from rlhf_orch.sync.bucketed import BucketedBroadcastSync
 from rlhf_orch.sync.object_store import ObjectStoreSync
 from rlhf_orch.topology.plan import plan_cpu_local
@@ -51,7 +52,7 @@ def test_tp2_engine_generates_and_matches_trainer_after_sync(tiny_model_path):
             data_parallel_size=1, pad_id=0, temperature=1.0, lr=1e-4, weight_decay=0.0, grad_clip=1.0,
             clip_eps=0.2, ppo_epochs=1, seed=0,
         )
-        policy = ray.remote(PolicyWorker).options(num_cpus=1, runtime_env=ENV).remote(tspec, 0, 1)
+        policy = actor_class(PolicyWorker).options(num_cpus=1, runtime_env=ENV).remote(tspec, 0, 1)
         host, port = ray.get(policy.rendezvous_address.remote())
         ray.get(policy.init_distributed.remote(host, port))
         ray.get(policy.build.remote())

@@ -250,6 +250,121 @@ def test_a_hung_trainer_rank_is_found_by_the_step_timeout_and_restarted_like_a_d
     assert all_resources_free()
 
 
+def _slow_forwards(worker, seconds: float, hang_at: int = 0) -> None:
+    """(Inside a trainer rank.) Every forward of a micro-batch (log-probs, with or without gradients)
+    takes `seconds` longer: a phase longer than the step timeout that moves micro-batch by
+    micro-batch. `hang_at` > 0: that forward never returns (the rank alive, its count standing)."""
+    import rlhf_orch.trainer.workers as workers
+
+    calls = []
+
+    def slowed(forward):
+        def slow(*args, **kwargs):
+            calls.append(1)
+            time.sleep(3600 if len(calls) == hang_at else seconds)
+            return forward(*args, **kwargs)
+
+        return slow
+
+    workers.sequence_logprobs = slowed(workers.sequence_logprobs)
+    workers.sequence_logprobs_and_entropy = slowed(workers.sequence_logprobs_and_entropy)
+
+
+# slow (~50 s): a run whose experience and update phases each take several step timeouts.
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_trainer_phase_longer_than_the_step_timeout_that_moves_is_waited_for(tmp_path, capsys):
+    """fault.step_timeout_s=4 and, after step 1, every forward of a policy micro-batch 1 s longer:
+    step 2's experience (8 micro-batches of 2 sequences, the hosted reference's 8 before them: 16 s)
+    and update (8 s) take two timeouts and more each, the rank's count moving micro-batch by
+    micro-batch -- waited for by its progress, no restart. (Before, a trainer phase had one
+    wall-clock window: every role restarted.)"""
+    slowed = []
+
+    def slow_the_policy(step: int, loop) -> None:
+        if step == 1 and not slowed:
+            slowed.append(step)
+            ray.get(loop.actors.policy[0].__ray_call__.remote(_slow_forwards, 1.0))
+
+    run_dir = tmp_path / "run"
+    try:  # (micro_batched: micro-batches of micro_batch_size sequences, however short)
+        summary = _train(run_dir, "algo.num_steps=2", "transfer=micro_batched", "algo.micro_batch_size=2", "fault.step_timeout_s=4", "sync.timeout_s=4",
+                         "reward.timeout_s=2", callbacks=[slow_the_policy])
+    finally:
+        warm_actors.release()  # the slowed rank is never kept for another test's run
+    assert slowed == [1] and summary["status"] == "completed" and summary["trainer_restarts"] == 0
+    rows = _metrics(run_dir)
+    assert [r["fault/trainer_restarts"] for r in rows] == [0, 0]
+    assert rows[1]["time/experience"] > 16 and rows[1]["time/train"] > 8  # two timeouts and more, each
+    assert "restarting" not in capsys.readouterr().out
+    assert all_resources_free()
+
+
+# slow (~60 s): the run, a rank hung in step 3's experience, a restart.
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_trainer_rank_hung_inside_a_phase_is_found_by_its_progress_and_restarted(tmp_path, capsys):
+    """After step 2 the policy rank's second forward of a micro-batch never returns: step 3's
+    experience starts (the hosted reference's first forward), then the rank hangs mid-phase, alive,
+    its `progress` answering with a count that stands -- and the critic, done, stands too. The wait
+    gives up once a look finds no rank of the phase moved (within two timeouts), names them and the
+    key, and every role restarts from step 2's checkpoint; the run completes."""
+    hung = []
+
+    def hang_the_policy(step: int, loop) -> None:
+        if step == 2 and not hung:
+            hung.append(loop.actors.policy[0])
+            ray.get(loop.actors.policy[0].__ray_call__.remote(_slow_forwards, 0.0, 2))
+
+    run_dir = tmp_path / "run"
+    try:
+        summary = _train(run_dir, "checkpoint.every_n_steps=2", "fault.step_timeout_s=4", "sync.timeout_s=4", "reward.timeout_s=2",
+                         callbacks=[hang_the_policy])
+    finally:
+        warm_actors.release()
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 1 and len(hung) == 1
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["fault/trainer_restarts"] for r in rows] == [0, 0, 1, 1]
+    out = capsys.readouterr().out
+    assert ("step 3: ActorTimeoutError: no answer within 4s (fault.step_timeout_s) while computing experience: "
+            "policy rank 0, critic rank 0 made no progress within 4s (fault.step_timeout_s) or did not answer") in out
+    assert "restarting every role from the checkpoint of step 2" in out
+    with pytest.raises(ray.exceptions.RayActorError):  # the hung process did not outlive the restart
+        ray.get(hung[0].ping.remote(), timeout=30)
+    assert all_resources_free()
+
+
+SLOW_REWARD = """
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep({seconds})  # a slow verifier
+    return float(solution_str.split() == ground_truth.split())
+"""
+
+
+# slow (~45 s): a run whose every rollout is scored for three step timeouts.
+@pytest.mark.extended
+@pytest.mark.slow
+def test_scoring_that_keeps_scoring_for_several_step_timeouts_is_never_taken_for_a_stuck_engine(tmp_path, capsys):
+    """A verifier taking 0.75 s a sample, 16 samples on the one engine: each rollout's scoring takes
+    ~12 s, three fault.step_timeout_s=4 windows, after generation made its last engine step. Every
+    scored sample counts as the engine's progress: no restart. (Before, scoring made no count and
+    had one window: the engine was taken for a stuck one.)"""
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(SLOW_REWARD.format(seconds=0.75))
+    run_dir = tmp_path / "run"
+    summary = _train(run_dir, "algo.num_steps=2", "reward=custom", f"reward.path={reward}", "reward.timeout_s=2",
+                     "fault.step_timeout_s=4", "sync.timeout_s=4")
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 0
+    rows = _metrics(run_dir)
+    assert [r["fault/trainer_restarts"] for r in rows] == [0, 0] and all(r["reward/timeouts"] == 0 for r in rows)
+    assert all(r["time/generate"] > 12 for r in rows)  # generation and the scoring after it: three timeouts and more
+    assert "restarting" not in capsys.readouterr().out
+    assert all_resources_free()
+
+
 def _slow_engine_steps(engine, seconds: float) -> None:
     """(Inside an engine actor.) Every vLLM engine step takes `seconds` longer: a long generation."""
     step = engine.llm.llm_engine.step

@@ -215,6 +215,28 @@ def test_batched_function_is_one_timed_call(tmp_path):
     assert 0.4 < time.monotonic() - start < 2.0
 
 
+def test_every_sample_scored_counts_as_it_goes():
+    """`on_scored` is the engine's liveness count (`VLLMEngine.progress`): called after every
+    sample, those that raise or time out included, so a slow verifier keeps the engine moving."""
+    seen = []
+
+    class Counting(ByText):
+        def score(self, prompt, response):
+            seen.append(len(ticks))  # the count when this sample starts
+            return super().score(prompt, response)
+
+    ticks: list[int] = []
+    out = score_batch(Counting(), *_batch("ab", "boom", "slow", "abc"), timeout_s=0.25, on_scored=lambda: ticks.append(1))
+    assert (out.errors, out.timeouts) == (1, 1) and len(ticks) == 4 and seen == [0, 1, 2, 3]
+
+
+def test_a_batched_function_counts_once_when_its_call_returns(tmp_path):
+    ticks: list[int] = []
+    fn = CustomReward(_user_file(tmp_path), "batched", batched=True)
+    assert score_batch(fn, *_batch("a", "bcd"), timeout_s=1.0, on_scored=lambda: ticks.append(1)).scores == [1.0, 3.0]
+    assert ticks == [1]
+
+
 def test_arguments_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="timeout_s"):
         score_batch(ByText(), *_batch("a"), timeout_s=0)
@@ -279,10 +301,12 @@ def test_ray_pool(ray_local, tmp_path):
     assert (out.errors, out.timeouts) == (1, 1)
     assert out.first_error.startswith(f"sample 2: {fn.path}:7: ZeroDivisionError")
 
-    # A verifier that swallows the alarm: its task is killed at timeout_s * chunk + grace.
-    start = time.monotonic()
-    out = score_batch(fn, *_batch("a", "stubborn", "bb", "ccc"), timeout_s=0.5, pool_size=2, grace_s=3.0)
+    # A verifier that swallows the alarm: its task is killed at timeout_s * chunk + grace. Waiting
+    # for it within that deadline counts as the engine's progress, at least every POOL_PROGRESS_S.
+    start, ticks = time.monotonic(), []
+    out = score_batch(fn, *_batch("a", "stubborn", "bb", "ccc"), timeout_s=0.5, pool_size=2, grace_s=3.0, on_scored=lambda: ticks.append(1))
     assert time.monotonic() - start < 3.0 + 2 * 0.5 + 3.0
+    assert len(ticks) >= 3  # the killed task's 4 s, a count at least every second
     assert out.scores == [0.0, 0.0, 2.0, 3.0]  # the whole killed chunk scores 0
     assert (out.errors, out.timeouts) == (0, 2)
     assert "pool task killed" in out.first_error

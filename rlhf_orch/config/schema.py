@@ -843,10 +843,12 @@ class FaultConfig:
     """How a run reacts to failures it can survive."""
 
     max_engine_restarts: int = 3  # engines restarted (replaced in their bundle) per run at most; 0 = none
-    # Any wait on an actor within a step longer than this fails the run -- except a training
-    # rollout's generation, waited for as long as its engines make engine steps (checked every
-    # step_timeout_s: a stuck engine is found within two of them, however long the responses).
-    # Agent rollouts, evaluations and scoring make no counted step: one window.
+    # Liveness by progress: the window of a wait on actors. A rollout's engines (generating,
+    # scoring: engine steps and scored samples) and a trainer phase's ranks (experience, reward-model
+    # scoring, the update: micro-batches, decoder layers, collectives) are waited for as long as
+    # their counts move, looked at every step_timeout_s; a stuck one (its count standing between
+    # two looks, or no answer) is found within two windows, however long the healthy phase. Any
+    # other wait on an actor within a step (a hand-over, seeding an engine) gets one window.
     step_timeout_s: float = 600.0
     # Whole-run restarts when a process the run cannot continue without (a trainer rank; an engine
     # lost outside generation) died or stopped answering: every role starts again in its bundles

@@ -686,7 +686,8 @@ def _timeouts(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
         if is_real(limit) and limit > step:
             problems.append(
                 Problem(key, limit, f"one sample's scoring limit exceeds fault.step_timeout_s={step:g}, the longest "
-                        "wait without progress (scoring makes no engine step): use less (typical 10)")
+                        "wait without progress (each scored sample counts as the engine's progress, one sample "
+                        "takes up to this): use less (typical 10)")
             )
     tool = lookup(cfg, "env.tool_timeout_s")
     env_class = get_class(cfg.env._target_) if isinstance(getattr(cfg.env, "_target_", None), str) else None

@@ -20,6 +20,8 @@ import queue
 import threading
 from typing import Any
 
+from rlhf_orch.orchestration.liveness import WorkCount
+
 
 class SharedEngineSteps:
     """The shared stepping of one engine (mixed into `VLLMEngine`); `_start_generation_state`
@@ -50,6 +52,7 @@ class SharedEngineSteps:
         # takes an update between two of its turns.
         self._sessions = 0
         self.steps_made = 0  # engine steps made (a plain int: read by the monitor thread, never locked)
+        self.samples_scored = WorkCount()  # samples the rule scored here (scoring threads: several under async)
 
     def _run(self, fn, *args):
         """`fn(*args)` on the thread that owns vLLM (a threaded actor), or right here. Never

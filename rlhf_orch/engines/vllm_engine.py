@@ -21,6 +21,7 @@ from rlhf_orch.engines.launch import (
 )
 from rlhf_orch.engines.shared_steps import SharedEngineSteps, mean_version
 from rlhf_orch.models.lora import LoraSettings
+from rlhf_orch.orchestration.liveness import MONITOR, actor_class
 from rlhf_orch.sync.buckets import Bucket, TensorMeta
 from rlhf_orch.sync.group import GroupAddress
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob, RolloutProducer
@@ -98,9 +99,6 @@ def check_vllm_interfaces() -> str:
     return version
 
 
-MONITOR = "monitor"  # the concurrency group of the liveness check (`progress`)
-
-
 class VLLMEngine(RolloutProducer, SharedEngineSteps):
     """Wraps `vllm.LLM` in the actor's own process (no extra engine-core process).
 
@@ -149,7 +147,11 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
         if skips_torch_compile(current_platform.is_cpu(), spec.enforce_eager):
             import torch
 
-            torch._dynamo.config.disable = True  # checked at each call: this process
+            # For every thread of this process: the engine generates on Ray's threads, not the one
+            # building it (its `progress` has a concurrency group of its own), and torch's config
+            # values are per thread -- `torch._dynamo.config.disable` set here left the first
+            # engine step compiling (~5 s, tens of seconds on a loaded machine: a gap in its count).
+            torch.compiler.set_stance("force_eager")
             os.environ.update(TORCH_COMPILE_OFF_ENV)  # vLLM's TP worker processes (mp)
         # model.lora: this engine takes the policy's adapter, or (merged) full weights as always.
         self.serves_adapter = spec.lora is not None and serves_adapter(spec.lora, spec.model_path)
@@ -540,10 +542,14 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
 
     @ray.method(concurrency_group=MONITOR)
     def progress(self) -> int:
-        """Engine steps made so far. Answered on a thread of its own while a generation runs (the
-        driver's liveness check, `Route.wait_any`): a count that moves means tokens are being made;
-        one that stands, or no answer (a vLLM call holding the interpreter), means a stuck engine."""
-        return self.steps_made
+        """Engine steps made and samples scored so far. Answered on a thread of its own while a
+        rollout runs (the driver's liveness check, `Route.wait_any`): a count that moves means
+        tokens are being made or responses scored; one that stands, or no answer (a vLLM call
+        holding the interpreter), means a stuck engine."""
+        return self.steps_made + self.samples_scored.count
+
+    def _sample_scored(self) -> None:
+        self.samples_scored.tick()
 
     def ping(self) -> int:
         """The engine's index, from the thread that runs vLLM when the actor is threaded
@@ -588,4 +594,4 @@ def _bind_cpu_workers(tp: int) -> None:
 # The engine as a Ray actor: its calls run in the default group (one at a time, or
 # spec.max_concurrency with pipeline=async); `progress` has a thread of its own so it answers while
 # a generation runs.
-VLLMEngineActor = ray.remote(concurrency_groups={MONITOR: 1})(VLLMEngine)
+VLLMEngineActor = actor_class(VLLMEngine)

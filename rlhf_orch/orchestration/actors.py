@@ -12,10 +12,10 @@ import ray
 
 from rlhf_orch.engines.launch import engine_launch
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
+from rlhf_orch.orchestration.liveness import ANSWER_S, actor_class, ask_progress, read_progress
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, TrainerSpec
-from rlhf_orch.transfer.base import ask_progress, read_progress
 
 # Environment every actor of a run gets: tokenizers threads fight the trainer's on small boxes.
 _ACTOR_ENV = {
@@ -156,6 +156,14 @@ class RoleActors:
                 pass
 
 
+def ranks_named(actors: RoleActors, *roles: str) -> dict[str, Any]:
+    """The trainer processes of `roles` (RoleActors fields: policy, critic, reference, reward) by the
+    name a person reads ("policy rank 0"); a hosted reference is its policy rank's process."""
+    names = {"policy": "policy", "critic": "critic", "reference": "reference", "reward": "reward-model"}
+    return {f"{names[role]} rank {r}": actor for role in roles
+            for r, actor in enumerate(getattr(actors, "own_reference" if role == "reference" else role, []))}
+
+
 def not_answering(actors: Sequence[Any], timeout_s: float) -> list[int]:
     """Positions of the actors that are dead or do not answer `ping` within `timeout_s` (alive
     but stuck -- say, waiting in a broadcast that will never finish -- is as lost as dead). Strict:
@@ -180,17 +188,15 @@ def dead_or_stuck(actors: Sequence[Any], timeout_s: float) -> tuple[list[int], l
     return dead, stuck
 
 
-PROGRESS_ANSWER_S = 10.0  # how long the monitor threads of the engines that missed `ping` have to answer
-
-
 def lost_processes(actors: Sequence[Any], timeout_s: float) -> list[int]:
-    """Positions of the actors that are dead or hung, telling a busy engine from a stuck one: an
-    engine's `ping` runs on the thread that runs vLLM, which one long call holds without being stuck
-    (a whole agent session, a rollout on an unthreaded engine). Every engine (an actor with
-    `progress`, answered on a thread of its own) is asked for its engine steps as the `ping` wait
-    starts; one that missed `ping` is asked again after it and counts as busy, not lost, if its
-    count moved. Stuck in a broadcast or a hung call, its count stands; an actor without a count (a
-    trainer) that misses `ping` is lost. At most `timeout_s` + `PROGRESS_ANSWER_S`."""
+    """Positions of the actors that are dead or hung, telling a busy process from a stuck one: `ping`
+    runs on the thread that one long call holds without being stuck (an engine's whole agent
+    session or unthreaded rollout; a trainer rank's long experience or update phase). Every actor
+    with a count (`progress`, answered on a thread of its own: engines and trainer ranks,
+    rlhf_orch.orchestration.liveness) is asked for it as the `ping` wait starts; one that missed
+    `ping` is asked again after it and counts as busy, not lost, if its count moved. Stuck in a
+    broadcast, a collective or a hung call, its count stands; an actor without a count that misses
+    `ping` is lost. At most `timeout_s` + `ANSWER_S`."""
     first_looks = ask_progress(dict(enumerate(actors)))
     silent = not_answering(actors, timeout_s)
     second_looks = ask_progress({k: actors[k] for k in silent if k in first_looks})
@@ -200,7 +206,7 @@ def lost_processes(actors: Sequence[Any], timeout_s: float) -> list[int]:
     # answers -- leaves the engine lost)
     first, second = "first", "second"
     counts = read_progress({**{(k, first): first_looks[k] for k in second_looks}, **{(k, second): ref for k, ref in second_looks.items()}},
-                           PROGRESS_ANSWER_S)
+                           ANSWER_S)
     busy = {k for k in second_looks if None not in (counts[k, first], counts[k, second]) and counts[k, second] > counts[k, first]}
     return [k for k in silent if k not in busy]
 
@@ -220,7 +226,7 @@ def trainer_process_env(env: dict[str, str], gpu_layout: bool, shares_cuda_memor
 def _remote(cls, placement: RayPlacement, slot, env: dict[str, str]):
     options = placement.options_for(slot)
     options["runtime_env"] = {"env_vars": env}
-    return ray.remote(cls).options(**options)
+    return actor_class(cls).options(**options)  # (`progress` answers beside a running phase)
 
 
 def engine_options(

@@ -121,7 +121,8 @@ class Evaluator:
             pieces.append([refs] if ranks == 1 else list(refs))
         shard = [_EVAL_SHARD_BASE + r for r in range(ranks)]
         self._get([rm.stage_pieces.remote(shard[r], plan[r], [p[r] for p in pieces]) for r, rm in enumerate(reward_ranks)], "evaluating")
-        scored = self._get([rm.score.remote(shard[r]) for r, rm in enumerate(reward_ranks)], "evaluating")
+        scored = self._get([rm.score.remote(shard[r]) for r, rm in enumerate(reward_ranks)], "evaluating",
+                           progress_of={f"reward-model rank {r}": rm for r, rm in enumerate(reward_ranks)})  # (by their progress)
         model_score = {i: v for indices, values in scored for i, v in zip(indices, values)}
         rule = meta.rewards if self.reward.rule is not None else [0.0] * len(meta.rewards)
         meta.rewards = [r + self.reward.model.weight * model_score[i] for r, i in zip(rule, meta.indices)]

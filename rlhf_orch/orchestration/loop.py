@@ -30,8 +30,9 @@ from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import ROLES, dead_actor, one_line
-from rlhf_orch.orchestration.actors import RoleActors, dead_or_stuck, lost_processes
+from rlhf_orch.orchestration.actors import RoleActors, dead_or_stuck, lost_processes, ranks_named
 from rlhf_orch.orchestration.checkpoint import engine_seed
+from rlhf_orch.orchestration.liveness import ProgressWatch, deferred, no_progress_note
 from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
 from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.sync.base import SyncReport, WeightSync, WeightSyncError
@@ -205,10 +206,11 @@ class TrainLoop:
             ref_lp = [r.logprobs.remote(i) if r else None for i, r in enumerate(self._rank_per_shard(self.actors.reference, num_shards))]
             values = [c.values.remote(i) if c else None for i, c in enumerate(self._rank_per_shard(self.actors.critic, num_shards))]
             made = [
-                rank.make_experience.options(num_returns=2).remote(i, ref_lp[i], values[i], algo, values_ref)
+                # (deferred: the rank starts at once and waits for them itself, answering `progress` meanwhile)
+                rank.make_experience.options(num_returns=2).remote(i, deferred(ref_lp[i]), deferred(values[i]), algo, values_ref)
                 for i, rank in enumerate(self.actors.policy)
             ]
-            exp_stats = self._get([m[0] for m in made], "computing experience")
+            exp_stats = self._get([m[0] for m in made], "computing experience", progress_of=ranks_named(self.actors, "policy", "reference", "critic"))
             returns = [m[1] for m in made]
             timings["experience"] = time.perf_counter() - t
 
@@ -241,7 +243,7 @@ class TrainLoop:
 
         if dumped is not None:
             t = time.perf_counter()
-            sequences = [seq for part in self._get(dumped, "reading the rollout dump") for seq in part]
+            sequences = [seq for part in self._get(dumped, "reading the rollout dump", progress_of=ranks_named(self.actors, "policy")) for seq in part]
             rewards = dict(zip(delivery.meta.indices, delivery.meta.rewards))
             self.rollout_dump.write(step, sequences, rewards, self._prompts_of_step.get(step), self.settings.samples_per_prompt)
             timings["rollout_dump"] = time.perf_counter() - t
@@ -265,8 +267,9 @@ class TrainLoop:
         set: the policy may have stepped its optimizer while the critic did not (or the other way),
         a state no checkpoint may be written from."""
         self.updating = True  # (the calls are in flight: until both return, one role may have stepped and the other not)
-        policy_stats = self._get(policy_calls, "training the policy")
-        critic_stats = self._get(critic_calls, "training the critic")
+        training = ranks_named(self.actors, "policy", "critic")  # (they train at once: each waits while the other moves)
+        policy_stats = self._get(policy_calls, "training the policy", progress_of=training)
+        critic_stats = self._get(critic_calls, "training the critic", progress_of=training)
         self.trained += 1
         self.updating = False
         return policy_stats, critic_stats
@@ -562,7 +565,8 @@ class TrainLoop:
             return
         t = time.perf_counter()
         parts = self._get(
-            [rm.score.remote(i) for i, rm in enumerate(self._rank_per_shard(self.actors.reward, num_shards))], "scoring with the reward model"
+            [rm.score.remote(i) for i, rm in enumerate(self._rank_per_shard(self.actors.reward, num_shards))], "scoring with the reward model",
+            progress_of=ranks_named(self.actors, "reward"),
         )
         model_score = {i: v for indices, values in parts for i, v in zip(indices, values)}
         meta = delivery.meta
@@ -634,12 +638,20 @@ class TrainLoop:
         engine_call: bool = False,
         timeout: tuple[float, str] | None = None,
         remaining_s: float | None = None,
+        progress_of: dict[str, Any] | None = None,
     ) -> list[Any]:
         """`ray.get` within `timeout` (seconds and the config key that sets them; default
         fault.step_timeout_s) or the `remaining_s` of it a caller has left, each failure turned
-        into one line naming what was being done."""
+        into one line naming what was being done. `progress_of` (name -> trainer rank: the ranks
+        whose calls `refs` are, and those their calls wait on): waited for by progress instead
+        (rlhf_orch.orchestration.liveness) -- however long, while any of them moves; given up
+        once none did over a fault.step_timeout_s window."""
         timeout_s, key = timeout or (self.settings.step_timeout_s, "fault.step_timeout_s")
         try:
+            if progress_of is not None and timeout is None and remaining_s is None:
+                watch = ProgressWatch(timeout_s, together=True)
+                if not watch.all_ready(refs, progress_of, on_ready=ray.get):  # (ray.get: a failure is raised as it comes)
+                    raise ActorTimeoutError(f"no answer within {timeout_s:g}s ({key}) while {what}: {no_progress_note(watch.stalled, timeout_s)}")
             return ray.get(refs, timeout=timeout_s if remaining_s is None else remaining_s)
         except ray.exceptions.RayActorError as e:
             who, why = dead_actor(e)

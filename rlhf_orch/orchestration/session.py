@@ -60,6 +60,7 @@ def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id:
             torch_threads=t.torch_threads,
             reference_memory=t.reference_memory,
             share_prompts=t.share_prompts is not False,  # only packed micro-batches can (validated)
+            free_cache_between_phases=plan.shares_gpu(role),
         )
 
     # model.lora trains the policy's adapters only; the critic and the reference are full models.
@@ -412,7 +413,8 @@ def run_training(
     reward_spec = None
     if inputs.reward_model_path:
         reward_spec = replace(
-            specs["actor"], lr=0.0, model_path=inputs.reward_model_path, micro_batch_size=inputs.reward.model.micro_batch_size
+            specs["actor"], lr=0.0, model_path=inputs.reward_model_path, micro_batch_size=inputs.reward.model.micro_batch_size,
+            free_cache_between_phases=plan.shares_gpu("reward"),
         )
     stop = StopRequest("stopping after this step" + (", with a checkpoint" if ck.on_signal else ""))
     run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora, len(inputs.eval_prompts)), stop,

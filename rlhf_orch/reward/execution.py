@@ -26,6 +26,13 @@ Two ways to run:
 
 Functions with `batched = True` are one call for the whole batch, inline, timed as a whole
 (`timeout_s * len(batch)`): an exception or a timeout scores every sample 0.
+
+`on_scored` (the engine's liveness count, `VLLMEngine.progress`) is called as the batch moves:
+inline after every sample (a batched function: once, when its call returns); with the pool
+whenever a chunk comes back and at least every `POOL_PROGRESS_S` while the chunks still within
+their deadlines run -- each is killed at its deadline, so that wait cannot be a stuck one. A
+verifier that keeps scoring is never taken for a stuck engine, however large the batch; one
+sample still gets `timeout_s` at most.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds a pool task may take beyond its samples' time limits: worker start-up, imports, transfer.
 POOL_GRACE_S = 10.0
+# Longest wait on the pool's tasks between two calls of `on_scored` (the engine's liveness count).
+POOL_PROGRESS_S = 1.0
 # Pool tasks reserve no CPU: the pool is bounded by pool_size, and a CPU request (even 0.01) never
 # fits when actors or placement groups reserve every CPU (measured: it stays pending). "DEFAULT" keeps
 # them out of the engine's placement group, which engines join with capture_child_tasks=True.
@@ -176,14 +185,17 @@ def _score_inline(
     responses: Sequence[Response],
     timeout_s: float,
     offset: int = 0,
+    on_scored: Callable[[], None] = lambda: None,
 ) -> ScoredBatch:
-    """Score in this process; `offset` is the index of the first sample in the caller's batch."""
+    """Score in this process; `offset` is the index of the first sample in the caller's batch;
+    `on_scored` after every sample (a batched function: after its one call)."""
     start = time.monotonic()
     # Imports (a user's file, sympy) happen here, untimed: a slow import must not time out sample 0.
     fn.check()
     n = len(prompts)
     if fn.batched:
         status, value = _run_timed(lambda: fn.score_batch(prompts, responses), timeout_s * n)
+        on_scored()
         if status == "ok":
             if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__") or len(value) != n:
                 raise RewardError(f"reward {fn.name!r} is batched and returned {repr(value)[:80]} for {n} samples")
@@ -200,6 +212,7 @@ def _score_inline(
     first_error: Optional[str] = None
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
         status, value = _run_timed(lambda: fn.score(prompt, response), timeout_s)
+        on_scored()
         if status == "ok":
             scores.append(_checked(fn, value, offset + i, response))
             continue
@@ -233,6 +246,7 @@ def _score_pool(
     timeout_s: float,
     pool_size: int,
     grace_s: float,
+    on_scored: Callable[[], None] = lambda: None,
 ) -> ScoredBatch:
     global _remote_chunk
     import ray
@@ -261,7 +275,9 @@ def _score_pool(
     try:
         while pending:
             next_deadline = min(refs[r][2] for r in pending)
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, next_deadline - time.monotonic()))
+            wait_s = min(max(0.0, next_deadline - time.monotonic()), POOL_PROGRESS_S)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            on_scored()  # (a chunk back, or every task still within its deadline)
             for ref in ready:
                 lo, hi, _ = refs[ref]
                 try:
@@ -299,12 +315,14 @@ def score_batch(
     pool_size: int = 0,
     *,
     grace_s: float = POOL_GRACE_S,
+    on_scored: Callable[[], None] = lambda: None,
 ) -> ScoredBatch:
     """Score a batch with `fn`: every sample gets a finite score, failures are counted, never fatal.
 
     `timeout_s` is per sample (the smaller of it and `fn.timeout_s` when the function sets one);
     `pool_size > 0` scores in that many Ray tasks (Ray must be initialised), 0 inline. Raises
     RewardError when `fn` returns something that is not a finite real number, or cannot be loaded.
+    `on_scored`: called as the batch moves (the caller's liveness count; see the module's doc).
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
@@ -317,5 +335,5 @@ def score_batch(
     if not prompts:
         return ScoredBatch([], 0, 0, 0.0, None)
     if pool_size == 0 or fn.batched:
-        return _score_inline(fn, prompts, responses, float(timeout_s))
-    return _score_pool(fn, prompts, responses, float(timeout_s), pool_size, grace_s)
+        return _score_inline(fn, prompts, responses, float(timeout_s), on_scored=on_scored)
+    return _score_pool(fn, prompts, responses, float(timeout_s), pool_size, grace_s, on_scored)

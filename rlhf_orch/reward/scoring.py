@@ -14,7 +14,7 @@ The final score of a sample is `rule_weight * rule + model_weight * model` (eith
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -36,8 +36,9 @@ class RuleScoring:
     def name(self) -> str:
         return self.fn.name
 
-    def __call__(self, prompts: Sequence[Any], responses: Sequence[Response]) -> ScoredBatch:
-        scored = score_batch(self.fn, prompts, responses, self.timeout_s, self.pool_size)
+    def __call__(self, prompts: Sequence[Any], responses: Sequence[Response], on_scored: Callable[[], None] = lambda: None) -> ScoredBatch:
+        """`on_scored`: called as the batch moves (the engine's liveness count, `score_batch`)."""
+        scored = score_batch(self.fn, prompts, responses, self.timeout_s, self.pool_size, on_scored=on_scored)
         if self.weight != 1.0:
             scored.scores = [self.weight * s for s in scored.scores]
         return scored

@@ -128,6 +128,21 @@ class PlacementPlan:
                 claims.append(BundleClaim(slot.role, slot.rank, tp_rank, slot.num_gpus))
         return claims
 
+    def shares_gpu(self, role: str) -> bool:
+        """Whether a process of `role` shares a GPU with another process of the run (every role of
+        a colocated layout; trainer roles on fractions of one GPU): the memory plan then counts the
+        GPU by phase, each process's phase terms in their phase only. A reference hosted in the
+        policy's processes (`reference_in_actor`) is no process of its own: theirs is asked."""
+        if self.reference_in_actor and role == "reference":
+            return self.shares_gpu("actor")
+        for slot in self.slots_for(role):
+            for bundle in slot.bundles:
+                others = {(c.role, c.rank) for c in self.claims_on(slot.node, bundle)
+                          if not (self.reference_in_actor and c.role == "reference")} - {(slot.role, slot.rank)}
+                if self.nodes[slot.node][bundle].get("GPU") and others:
+                    return True
+        return False
+
     # ---- rendering
     def describe(self) -> str:
         """A plain-text table of slots and node bundles (printed by the dry run)."""

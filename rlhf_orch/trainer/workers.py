@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 import torch
 
 from rlhf_orch.algo.estimators import Algorithm, TargetRows
@@ -28,6 +29,7 @@ from rlhf_orch.algo.losses import (
 )
 from rlhf_orch.algo.ppo_math import LOGPROB_DIFF_THRESHOLD, masked_mean
 from rlhf_orch.models.lora import LoraSettings
+from rlhf_orch.orchestration.liveness import MONITOR, WorkCount, resolved
 from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config, frozen_model_config
 from rlhf_orch.trainer.deepspeed_startup import skip_muon_import, skip_shm_comm_op
@@ -51,6 +53,8 @@ from rlhf_orch.trainer.token_weighting import (
     rows_for_targets,
     targets_in_layout,
 )
+from rlhf_orch.trainer.phase_memory import ends_a_phase
+from rlhf_orch.trainer.progress import count_layers, counting_saved_tensors
 from rlhf_orch.trainer.lora import ADAPTER_DIR, AdapterWeights, MergedLoraWeights, apply_lora, export_adapter, frozen_base
 from rlhf_orch.trainer.weight_source import ModuleWeightSource
 from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, TURN_REWARDS, PackedBatch, PaddedBatch, model_turn_spans
@@ -85,6 +89,9 @@ class TrainerSpec:
     # model.lora (its sync resolved to adapter or merged): the policy trains adapters on a frozen
     # base (rlhf_orch.trainer.lora); None: every weight trains.
     lora: LoraSettings | None = None
+    # The process shares its GPU with others of the run (`PlacementPlan.shares_gpu`): it gives its
+    # cached CUDA memory back as each phase ends (rlhf_orch/trainer/phase_memory.py).
+    free_cache_between_phases: bool = False
 
 
 class _Worker(ExperienceInbox):
@@ -103,6 +110,8 @@ class _Worker(ExperienceInbox):
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
+        # What this rank got done (`progress`); kept over `reset`, so it only grows while the process lives.
+        self.work_done = self.__dict__.get("work_done") or WorkCount()
         torch.set_num_threads(spec.torch_threads)
         torch.manual_seed(spec.seed + rank)
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -123,8 +132,9 @@ class _Worker(ExperienceInbox):
         set up again, the RNG seeded again. The torch.distributed group of the role's ranks stays:
         the same plan gives the same ranks."""
         self._respec(spec)  # refuses another data-parallel size
-        rank, world_size = self.rank, self.world_size
+        rank, world_size, work_done = self.rank, self.world_size, self.work_done
         self.__dict__.clear()
+        self.work_done = work_done
         gc.collect()  # the last run's model, optimizer state and weight-sync group before the next is built
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # what a colocated engine sees free is what a new process would leave
@@ -140,6 +150,14 @@ class _Worker(ExperienceInbox):
     def ping(self) -> int:
         """Answers while the process is alive and not busy (the run's check after a failure)."""
         return self.rank
+
+    @ray.method(concurrency_group=MONITOR)
+    def progress(self) -> int:
+        """Micro-batches, decoder layers, saved tensors and collectives this rank went through so
+        far (rlhf_orch.trainer.progress). Answered on a thread of its own while a phase runs (the
+        driver's liveness check, rlhf_orch.orchestration.liveness): a count that moves means the
+        phase moves; one that stands, or no answer, means a hung rank."""
+        return self.work_done.count
 
     def rendezvous_address(self) -> tuple[str, int]:
         from rlhf_orch.sync.group import free_port, rendezvous_ip
@@ -194,8 +212,9 @@ class _Worker(ExperienceInbox):
         micro-batch's weighted loss (the step's loss is their sum over positions and ranks / ranks).
         """
         self.engine.set_gradient_accumulation_boundary(plan.is_boundary(position))
-        self.engine.backward(loss * weight, scale_wrt_gas=False)
-        self.engine.step()
+        with self.work_done.collective():  # (DeepSpeed reduces the gradients over the ranks in these)
+            self.engine.backward(loss * weight, scale_wrt_gas=False)
+            self.engine.step()
         if plan.is_boundary(position):
             norm = self.engine.get_global_grad_norm()  # None when DeepSpeed did not compute one
             if norm is not None:
@@ -221,7 +240,8 @@ class _Worker(ExperienceInbox):
             except Exception as e:  # noqa: BLE001 - told to every rank below, then raised here
                 mbs, failure = [], e
             counts = [None] * self.world_size
-            dist.all_gather_object(counts, -1 if failure else len(mbs))
+            with self.work_done.collective():
+                dist.all_gather_object(counts, -1 if failure else len(mbs))
             if failure is not None:
                 raise failure
             if len(set(counts)) > 1:
@@ -229,11 +249,11 @@ class _Worker(ExperienceInbox):
                                    "its forwards are collective and need as many on every rank")
         else:
             mbs = self._micro_batches(shard)
-        return [sequence_logprobs(model, mb, self.spec.temperature, self.share_prompts).float().cpu() for mb in mbs]
+        return [sequence_logprobs(model, mb, self.spec.temperature, self.share_prompts).float().cpu() for mb in self.work_done.each(mbs)]
 
     def _load_frozen(self, loader) -> int:
         """A forward-only model (reference, reward model): eval mode, no gradients; returns its size."""
-        self.model = _frozen(loader(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
+        self.model = count_layers(_frozen(loader(self.spec.model_path, self.spec.dtype, self.device).to(self.device)), self.work_done)
         return sum(p.numel() for p in self.model.parameters())
 
     def _reference_model(self) -> torch.nn.Module:
@@ -243,13 +263,13 @@ class _Worker(ExperienceInbox):
         forward is collective: every rank of the world runs the same micro-batches' forwards (the
         transfers give each rank as many, empty stand-ins included)."""
         if self.spec.reference_memory == "full":
-            return _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device))
+            return count_layers(_frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device)), self.work_done)
         import deepspeed
 
         # Loaded whole in host memory (each rank's, once, at start), then partitioned parameter by
         # parameter by zero.Init onto this rank's device -- or its host memory when offloaded -- so a
         # GPU never holds the whole model (deepspeed.initialize alone would move it there first).
-        model = _frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device))  # (the device picks the attention kernel)
+        model = count_layers(_frozen(load_policy(self.spec.model_path, self.spec.dtype, self.device)), self.work_done)  # (the device picks the attention kernel)
         skip_muon_import()
         offload = self.spec.reference_memory == "offloaded"
         config = frozen_model_config(dtype=self.spec.dtype, data_parallel_size=self.world_size, offload_params=offload)
@@ -287,7 +307,7 @@ class _Worker(ExperienceInbox):
 
     def _on_cpu(self, source) -> dict[str, torch.Tensor] | None:
         """Every tensor of a weight view, copied to CPU on rank 0 (None on the others, which gather too)."""
-        with source.gathered([m.name for m in source.metas()]) as tensors:
+        with self.work_done.collective(), source.gathered([m.name for m in source.metas()]) as tensors:
             return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()} if self.rank == 0 else None
 
     # ---------------------------------------------------------------- checkpoints
@@ -296,16 +316,18 @@ class _Worker(ExperienceInbox):
         this rank's RNG state (DeepSpeed keeps `client_state` from rank 0 only)."""
         # Under model.lora only the adapters (and their optimizer states) are saved: the frozen
         # base is the model's own checkpoint, loaded again by `build`.
-        self.engine.save_checkpoint(directory, tag="state", save_latest=False, exclude_frozen_parameters=self.spec.lora is not None)
+        with self.work_done.collective():
+            self.engine.save_checkpoint(directory, tag="state", save_latest=False, exclude_frozen_parameters=self.spec.lora is not None)
         torch.save(rng_state(), os.path.join(directory, f"rng_rank{self.rank}.pt"))
 
     def load_checkpoint(self, directory: str) -> None:
-        path, _ = self.engine.load_checkpoint(
-            directory, tag="state", load_optimizer_states=True, load_lr_scheduler_states=True,
-            # (the adapters' checkpoint has no base weights; a checkpoint of another model.lora is
-            # refused before any actor starts: `model` keys are breaking, orchestration/checkpoint.py)
-            load_module_strict=self.spec.lora is None,
-        )
+        with self.work_done.collective():
+            path, _ = self.engine.load_checkpoint(
+                directory, tag="state", load_optimizer_states=True, load_lr_scheduler_states=True,
+                # (the adapters' checkpoint has no base weights; a checkpoint of another model.lora is
+                # refused before any actor starts: `model` keys are breaking, orchestration/checkpoint.py)
+                load_module_strict=self.spec.lora is None,
+            )
         if path is None:
             raise RuntimeError(f"no DeepSpeed checkpoint of the {self.role} in {directory}")
         set_rng_state(torch.load(os.path.join(directory, f"rng_rank{self.rank}.pt"), weights_only=True))
@@ -330,7 +352,7 @@ class _Worker(ExperienceInbox):
             dtype=spec.dtype,
             offload_optimizer=spec.offload_optimizer,
         )
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        engine, *_ = deepspeed.initialize(model=count_layers(model, self.work_done), optimizer=optimizer, config=config)
         return engine
 
 
@@ -405,6 +427,7 @@ class PolicyWorker(_Worker):
 
         return where_am_i("reference", self.rank)
 
+    @ends_a_phase
     @torch.no_grad()
     def make_experience(
         self,
@@ -419,11 +442,13 @@ class PolicyWorker(_Worker):
         `sample_values` (sample index -> value) is what the algorithm computed on the driver from
         the final scores: the score itself (PPO, REINFORCE++), a group-centred score, or the
         advantage (GRPO, RLOO, DAPO). `ref_logprobs` / `values` are None when the algorithm has no
-        reference / critic. Batch-wide normalisation is over all policy ranks (they all call this).
+        reference / critic (either may come `Deferred`: fetched here). Batch-wide normalisation is
+        over all policy ranks (they all call this).
         """
+        ref_logprobs, values = resolved(ref_logprobs), resolved(values)
         self.engine.eval()
         mbs = self._micro_batches(shard)
-        old = [sequence_logprobs(self.engine, mb, self.spec.temperature, self.share_prompts).float() for mb in mbs]
+        old = [sequence_logprobs(self.engine, mb, self.spec.temperature, self.share_prompts).float() for mb in self.work_done.each(mbs)]
         ref = [r.to(self.device) for r in ref_logprobs] if ref_logprobs is not None else None
         vals = [v.to(self.device) for v in values] if values is not None else None
         # Targets run along each sequence: on [b, L-1] rows (packed micro-batches are unpacked
@@ -441,7 +466,12 @@ class PolicyWorker(_Worker):
             for r in rows
         ]
         world = self.world_size
-        targets = algo.token_targets(target_rows, lambda t: torch.tensor(all_reduce_sum(t.tolist(), world), dtype=t.dtype))
+
+        def summed_over_ranks(t: torch.Tensor) -> torch.Tensor:
+            with self.work_done.collective():
+                return torch.tensor(all_reduce_sum(t.tolist(), world), dtype=t.dtype)
+
+        targets = algo.token_targets(target_rows, summed_over_ranks)
         returns = []
         for k, (mb, lp, r, t) in enumerate(zip(mbs, old, rows, targets)):
             wanted = {"advantages": t.advantages}
@@ -489,7 +519,7 @@ class PolicyWorker(_Worker):
         logger.rollouts; after make_experience, which set the advantages)."""
         wanted = set(indices)
         out = []
-        for mb in self._micro_batches(shard):
+        for mb in self.work_done.each(self._micro_batches(shard)):
             if not wanted & set(mb.indices.tolist()):
                 continue
             carried = {name: mb.fields[name] for name in ("advantages", TURN_REWARDS) if name in mb.fields}
@@ -515,6 +545,7 @@ class PolicyWorker(_Worker):
                 out.append(seq)
         return out
 
+    @ends_a_phase
     def train(self, shard: int, algo: Algorithm, norm_len: int) -> dict[str, float]:
         """`ppo_epochs` passes of the policy loss (clipped surrogate + KL in the loss - entropy).
 
@@ -549,8 +580,9 @@ class PolicyWorker(_Worker):
             )
             steps += plan.num_steps
             self.last_step_members += plan.members
-            for position, mb in enumerate(epoch_mbs):
-                loss_mat, stats = self._policy_token_loss(mb, algo)
+            for position, mb in enumerate(self.work_done.each(epoch_mbs)):
+                with counting_saved_tensors(self.work_done):  # (its backward moves the count too)
+                    loss_mat, stats = self._policy_token_loss(mb, algo)
                 local = denominator(mb)
                 loss = aggregate_loss(loss_mat, mb.action_mask, algo.loss_agg, denominator=local, sequence_ids=mb.sequence_ids)
                 totals["policy_loss"] = totals.get("policy_loss", 0.0) + self._accumulate(plan, position, loss, plan.weight(position, local))
@@ -628,7 +660,8 @@ class PolicyWorker(_Worker):
     def run_weight_sync(self, strategy, engines: list, version: int) -> dict[str, float]:
         """Every policy rank calls this (ZeRO-3 gathers are collective); senders also send."""
         t0 = time.perf_counter()
-        stats = strategy.run_send(self.weights, getattr(self, "weight_group", None), engines, version, self.rank)
+        with self.work_done.collective():  # (its gathers and sends)
+            stats = strategy.run_send(self.weights, getattr(self, "weight_group", None), engines, version, self.rank)
         stats["seconds"] = time.perf_counter() - t0
         return stats
 
@@ -637,7 +670,7 @@ class PolicyWorker(_Worker):
         """The policy in Hugging Face format (safetensors + config + tokenizer), loadable as is by
         vLLM and transformers. Every rank calls (ZeRO-3 gathers are collective); rank 0 writes."""
         names = [m.name for m in self.checkpoint_weights.metas()]
-        with self.checkpoint_weights.gathered(names) as full:
+        with self.work_done.collective(), self.checkpoint_weights.gathered(names) as full:
             if self.rank == 0:
                 state = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in full.items()}
                 base = self.engine.module if self.spec.lora is None else self.engine.module.get_base_model()
@@ -690,13 +723,15 @@ class CriticWorker(_Worker):
         self._old_values: dict[int, list[torch.Tensor]] = {}
         return sum(p.numel() for p in model.parameters())
 
+    @ends_a_phase
     @torch.no_grad()
     def values(self, shard: int) -> list[torch.Tensor]:
         self.engine.eval()
-        vals = [sequence_values(self.engine, mb, self.share_prompts).float() for mb in self._micro_batches(shard)]
+        vals = [sequence_values(self.engine, mb, self.share_prompts).float() for mb in self.work_done.each(self._micro_batches(shard))]
         self._old_values[shard] = vals
         return [v.cpu() for v in vals]
 
+    @ends_a_phase
     def train(self, returns_by_shard: dict[int, list[torch.Tensor]]) -> dict[str, float]:
         """`ppo_epochs` passes of the clipped value loss, a token mean over each optimizer step."""
         import ray
@@ -714,8 +749,9 @@ class CriticWorker(_Worker):
         self.last_step_members = list(plan.members) * self.spec.ppo_epochs
         total, clip = 0.0, 0.0
         for _ in range(self.spec.ppo_epochs):
-            for position, (mb, old_v, ret) in enumerate(work):
-                values = sequence_values(self.engine, mb, self.share_prompts)
+            for position, (mb, old_v, ret) in enumerate(self.work_done.each(work)):
+                with counting_saved_tensors(self.work_done):  # (its backward moves the count too)
+                    values = sequence_values(self.engine, mb, self.share_prompts)
                 loss_mat, stats = clipped_value_loss(values, old_v, ret.to(self.device), mb.action_mask, self.spec.clip_eps)
                 tokens = float(mb.action_mask.sum())
                 loss = aggregate_loss(loss_mat, mb.action_mask, "token-mean")
@@ -737,6 +773,7 @@ class ReferenceWorker(_Worker):
         self.model = self._reference_model()
         return sum(int(getattr(p, "ds_numel", p.numel())) for p in self.model.parameters())
 
+    @ends_a_phase
     @torch.no_grad()
     def logprobs(self, shard: int) -> list[torch.Tensor]:
         out = self._logprobs_of(self.model, shard)
@@ -752,12 +789,13 @@ class RewardModelWorker(_Worker):
     def build(self) -> int:
         return self._load_frozen(load_reward_model)
 
+    @ends_a_phase
     @torch.no_grad()
     def score(self, shard: int) -> tuple[list[int], list[float]]:
         """(sample indices, scores) of every sequence of the shard; the shard is then released."""
         indices: list[int] = []
         scores: list[float] = []
-        for mb in self._micro_batches(shard):
+        for mb in self.work_done.each(self._micro_batches(shard)):
             values = sequence_scores(self.model, mb).cpu().tolist()
             for i, v in zip(mb.indices.tolist(), values):
                 if i >= 0:  # -1: the stand-in of an empty planned micro-batch

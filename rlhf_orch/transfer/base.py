@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import ray
 
+from rlhf_orch.orchestration.liveness import ProgressWatch
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 from rlhf_orch.transfer.micro_batches import near_equal_ranges, shard_for_ranks, split_by_count
 from rlhf_orch.transfer.engine_side import RolloutJob, Scorer
@@ -99,9 +100,8 @@ class Route:
     # dead engine fails the step).
     replace_engine: Callable[..., Any] | None = None
     timeout_s: float = 600.0
-    # engine index -> (its handle, its engine steps) at the last look (wait_any); a replacement,
-    # another handle, counts from 0 and starts with a first look
-    _steps_seen: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    # the engines' counts at the last look (wait_any); a replacement, another handle, starts with a first look
+    _watch: ProgressWatch | None = None
     # the engines the last wait found stuck (wait_any returned []), for the error that follows
     stalled: list[int] = field(default_factory=list)
 
@@ -113,29 +113,17 @@ class Route:
         each made steps since the last look, the wait goes on -- a generation producing tokens is
         never cut, however long -- else [] (the caller reports no answer in time). A stuck engine
         (its vLLM thread included) is found within two windows, whatever the response length."""
-        self.stalled = []
-        while True:
-            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=self.timeout_s)
-            if ready:
-                return ready
-            self.stalled = self._stalled(sorted(set(waiting.values())))
-            if self.stalled:
-                return []
+        if self._watch is None:
+            self._watch = ProgressWatch(self.timeout_s)  # each engine must move (they do not wait on each other)
+        ready = self._watch.first_ready(list(waiting), {e: self.engines[e] for e in sorted(set(waiting.values()))})
+        self.stalled = self._watch.stalled
+        return ready
 
     def stall_note(self) -> str:
         """Which engines the last wait found stuck, for the one-line error."""
         engines = ", ".join(map(str, self.stalled))
         return (f"vLLM engine{'s' if len(self.stalled) > 1 else ''} {engines} made no engine step within "
                 f"{self.timeout_s:g}s (fault.step_timeout_s) or did not answer")
-
-    def _stalled(self, engines: list[int]) -> list[int]:
-        """Of `engines`, those with no engine step since the last look (or not answering within
-        10 s, or without a step counter); an engine's first look counts as progress."""
-        counts = read_progress(ask_progress({e: self.engines[e] for e in engines}), min(10.0, self.timeout_s))
-        counts = {e: counts.get(e) for e in engines}  # (an engine without a step counter: None)
-        stalled = [e for e, c in counts.items() if c is None or self._steps_seen.get(e) == (self.engines[e], c)]
-        self._steps_seen.update({e: (self.engines[e], c) for e, c in counts.items() if c is not None})
-        return stalled
 
     def on_engines(self, submit: Callable[[int, Any], ray.ObjectRef], engines: Sequence[int], what: str) -> dict[int, Any]:
         """Per engine index, the result of `submit(e, engine)`.
@@ -168,36 +156,6 @@ class Route:
             except ray.exceptions.RayError:
                 self.get([ref], what, engine_call=True)  # the loop's one-line error for it
         return results
-
-
-def ask_progress(engines: dict[Any, Any]) -> dict[Any, ray.ObjectRef]:
-    """Ask every engine (key -> actor) that has a step counter for its engine steps so far
-    (`VLLMEngine.progress`, answered on a thread of its own beside a running generation)."""
-    return {k: engine.progress.remote() for k, engine in engines.items() if has_method(engine, "progress")}
-
-
-def read_progress(asks: dict[Any, ray.ObjectRef], timeout_s: float) -> dict[Any, int | None]:
-    """The answers to `ask_progress` within `timeout_s` (together): None for one that did not
-    answer in time or whose engine died."""
-    counts: dict[Any, int | None] = dict.fromkeys(asks)
-    if asks:
-        done, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=timeout_s)
-        for k, ref in asks.items():
-            if ref in done:
-                try:
-                    counts[k] = ray.get(ref)
-                except ray.exceptions.RayError:
-                    pass
-    return counts
-
-
-def has_method(actor: Any, name: str) -> bool:
-    """Whether a Ray actor handle (or a plain object in tests) offers `name`."""
-    try:
-        getattr(actor, name)
-    except AttributeError:
-        return False
-    return True
 
 
 @dataclass

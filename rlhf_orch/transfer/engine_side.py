@@ -33,8 +33,9 @@ from rlhf_orch.transfer.packed_buffer import PackedBuffer
 from rlhf_orch.transfer.plan import CompletionRequest, MicroBatchWork, group_of, is_extra_sequence
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
 
-# (prompts, responses) -> ScoredBatch: scores one batch where the samples are (rlhf_orch.reward.scoring).
-Scorer = Callable[[Sequence[Any], Sequence[Response]], ScoredBatch]
+# (prompts, responses, on_scored) -> ScoredBatch: scores one batch where the samples are
+# (rlhf_orch.reward.scoring), calling on_scored() as it moves (the engine's liveness count).
+Scorer = Callable[[Sequence[Any], Sequence[Response], Callable[[], None]], ScoredBatch]
 
 
 @dataclass
@@ -141,6 +142,10 @@ class RolloutProducer(abc.ABC):
     def _decode(self, token_ids: Sequence[Sequence[int]]) -> list[str]:
         """Response texts, special tokens skipped (what the rule reward reads)."""
 
+    def _sample_scored(self) -> None:
+        """One more sample scored here: an engine with a liveness count (`VLLMEngine.progress`)
+        counts it, so a slow verifier scoring a large share is not taken for a stuck engine."""
+
     # ------------------------------------------------------------------ shared
     def _samples(self, completions: Sequence[Completion], job: RolloutJob) -> tuple[list[Sample], float, ScoredBatch | None]:
         t = time.perf_counter()
@@ -164,6 +169,7 @@ class RolloutProducer(abc.ABC):
         scored = _final_scores(
             [c.index for c in completions], [len(c.response_ids) for c in completions], [c.truncated for c in completions],
             [c.env_reward for c in completions], lambda: self._decode([c.response_ids for c in completions]), job,
+            self._sample_scored,
         )
         if scored is not None:
             for sample, score in zip(samples, scored.scores):
@@ -271,7 +277,7 @@ class RolloutProducer(abc.ABC):
         rewards = [float("nan")] * len(rows)  # scored here, or elsewhere (the padded baseline's driver)
         scored = _final_scores(
             indices, response_lens, truncated, [env_rewards[k] for k in order],
-            lambda: self._decode([texts_of[k] for k in order]), job,
+            lambda: self._decode([texts_of[k] for k in order]), job, self._sample_scored,
         )
         if scored is not None:
             rewards = [float(x) for x in scored.scores]
@@ -355,10 +361,11 @@ class RolloutProducer(abc.ABC):
 
 
 def _score(
-    indices: Sequence[int], response_lens: Sequence[int], truncated: Sequence[bool], texts: Sequence[str], job: RolloutJob
+    indices: Sequence[int], response_lens: Sequence[int], truncated: Sequence[bool], texts: Sequence[str], job: RolloutJob,
+    on_scored: Callable[[], None] = lambda: None,
 ) -> ScoredBatch:
     prompts = [job.prompts[group_of(i, job.samples_per_prompt)] for i in indices]
-    return job.scorer(prompts, [Response(t, n, tr) for t, n, tr in zip(texts, response_lens, truncated)])
+    return job.scorer(prompts, [Response(t, n, tr) for t, n, tr in zip(texts, response_lens, truncated)], on_scored)
 
 
 def _final_scores(
@@ -368,17 +375,19 @@ def _final_scores(
     env_rewards: Sequence[float | None],
     texts: Callable[[], Sequence[str]],
     job: RolloutJob,
+    on_scored: Callable[[], None] = lambda: None,
 ) -> ScoredBatch | None:
     """The samples' rewards where they were generated: the rule's score of each response, or with
     an environment the trajectory's reward plus env.reward_weight x the rule's score of the decoded
-    transcript (scored only when that weight is not 0). None: scored elsewhere (no rule, no env)."""
+    transcript (scored only when that weight is not 0). None: scored elsewhere (no rule, no env).
+    `on_scored` after each sample the rule scored (the engine's liveness count)."""
     if job.env is None:
-        return None if job.scorer is None else _score(indices, response_lens, truncated, texts(), job)
+        return None if job.scorer is None else _score(indices, response_lens, truncated, texts(), job, on_scored)
     scores = [float(r) if r is not None else 0.0 for r in env_rewards]
     weight = float(getattr(job.env, "reward_weight", 0.0))
     if not weight or job.scorer is None:
         return ScoredBatch(scores, 0, 0, 0.0, None)
-    rule = _score(indices, response_lens, truncated, texts(), job)
+    rule = _score(indices, response_lens, truncated, texts(), job, on_scored)
     return ScoredBatch([e + weight * float(r) for e, r in zip(scores, rule.scores)], rule.errors, rule.timeouts, rule.seconds, rule.first_error)
 
 
