@@ -76,9 +76,12 @@ def _record(run_dir: Path, task: _Task, *overrides: str) -> RunRecord:
 NO_ACTORS = SimpleNamespace(policy=[], critic=[])  # a checkpoint of no trainer ranks: the driver's state only
 
 
-def test_a_weight_push_and_an_engine_replacement_never_overlap():
+def test_a_weight_push_and_an_engine_replacement_never_overlap(monkeypatch):
     """The main thread pushes the trainers' new weights while a rollout thread (async) replaces a
     dead engine, which re-forms the weight groups: the re-forming waits for the push."""
+    from rlhf_orch.orchestration import loop as loop_module
+
+    monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([], []))  # (no Ray: every engine answers)
     events: list[str] = []
     pushing = threading.Event()
 
@@ -110,6 +113,40 @@ def test_a_weight_push_and_an_engine_replacement_never_overlap():
     assert "prepare DURING A PUSH" not in events
     assert events == ["push v1 start", "push v1 end", "prepare", "push v1 start", "push v1 end"]
     assert loop.engine_restarts == 1
+
+
+def test_an_engine_lost_while_the_groups_form_again_is_replaced_in_turn_and_a_dead_one_before_a_push_first(monkeypatch):
+    """A replacement killed before it was ever used (as the weight groups form again around it) is
+    replaced in its turn, charged to the budget -- it used to fail the step and restart every role;
+    and a push that finds an engine dead replaces it first (pushed to, it would break the broadcast
+    and strand the others in it). Each dead engine costs one restart, no more."""
+    from rlhf_orch.orchestration import loop as loop_module
+    from rlhf_orch.sync.base import WeightSyncError
+
+    started: list[int] = []
+    failures = iter([WeightSyncError("an engine or trainer process died while forming the weight-sync groups")])
+
+    class Sync:
+        def prepare(self, *args):
+            error = next(failures, None)
+            if error is not None:
+                raise error
+
+        def push(self, version): ...
+        def verify(self, version): ...
+
+    engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
+    actors = SimpleNamespace(engines=[engine, engine], policy=[], critic=[], reference=[], own_reference=[], reward=[],
+                             restart_engine=lambda e: started.append(e) or engine)
+    loop = _loop(_Task(), actors, Sync())
+    answers = iter([([0], [])])  # the replacement of engine 0 is found dead once
+    monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: next(answers, ([], [])))
+    loop._replace_dead_engine(0, step=2)
+    assert started == [0, 0] and loop.engine_restarts == 2
+    monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([1], []) if not started[2:] else ([], []))
+    loop.trained = 1
+    loop.sync_engines({})  # engine 1 died since its last call: replaced before the push, not after a broken one
+    assert started == [0, 0, 1] and loop.engine_restarts == 3 and loop.version == 1
 
 
 def test_no_final_checkpoint_from_an_update_that_one_role_applied_and_another_did_not(tmp_path):

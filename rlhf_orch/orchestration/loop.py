@@ -159,7 +159,7 @@ class TrainLoop:
         self._training = threading.Lock()
         self._replacing = threading.Lock()  # one engine replacement at a time (async: several rollouts may find it dead)
         self.norm_len = algo.norm_len(settings.response_max_len)
-        # Per step whose rollout lost an engine, the seconds each replacement took (restored on
+        # Per step whose rollout lost an engine, an entry per replacement charged to the budget (restored on
         # resume). Keyed by the rollout's step: under one_step_off it is made during the step before.
         self.restart_log: dict[int, list[float]] = {}
         self.engine_restarts_before = 0  # replacements the run made before this invocation (a resumed run's)
@@ -459,20 +459,10 @@ class TrainLoop:
                 f"vLLM engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost {'before ' if before else ''}receiving "
                 f"weight version {version} while the rollout generated ahead for the next step was held"
             )
-        allowed = s.max_engine_restarts - self.engine_restarts_used
-        if len(counted) > allowed:
-            raise EngineRestartBudgetError(
-                f"vLLM engine {counted[max(allowed, 0)]} was lost receiving weight version {version} and the engine restart "
-                f"budget is used up (fault.max_engine_restarts={s.max_engine_restarts})"
-            )
         t = time.perf_counter()
-        for e in lost:
-            self.actors.restart_engine(e)
-        self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)
-        self.last_sync = self.sync.push(version)
-        self.sync.verify(version)
+        self._charge_restarts(counted, self.trained, f"lost {'before ' if before else ''}receiving weight version {version}")
+        self._wire_replacements(lost, version, self.trained)
         took = time.perf_counter() - t
-        self.restart_log.setdefault(self.trained, []).extend([took / len(counted)] * len(counted))
         self._restart_s[self.trained] = self._restart_s.get(self.trained, 0.0) + took
         collateral = f" (engine{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} stuck in the broken broadcast)" if dead and stuck else ""
         print(
@@ -481,6 +471,43 @@ class TrainLoop:
             f"({took:.1f}s; restart {self.engine_restarts_used}/{s.max_engine_restarts})",
             flush=True,
         )
+
+    def _charge_restarts(self, engines: list[int], step: int, what: str) -> None:
+        """Count replacements of `engines` against fault.max_engine_restarts (logged under `step`),
+        or EngineRestartBudgetError when they do not fit."""
+        s = self.settings
+        allowed = s.max_engine_restarts - self.engine_restarts_used
+        if len(engines) > allowed:
+            raise EngineRestartBudgetError(
+                f"vLLM engine {engines[max(allowed, 0)]} {what} and the engine restart budget is used up "
+                f"(fault.max_engine_restarts={s.max_engine_restarts})"
+            )
+        self.restart_log.setdefault(step, []).extend([0.0] * len(engines))
+
+    def _wire_replacements(self, replace: list[int], version: int, step: int) -> None:
+        """New engines for `replace` in their bundles, every weight group re-formed and `version`
+        pushed. An engine lost meanwhile -- a new one included, before it was ever used -- is
+        replaced in its turn (the dead charged to the budget, those stuck in the broken group with
+        them for free), so one fault never strands the others in a half-formed group."""
+        s = self.settings
+        while True:
+            for e in replace:
+                self.actors.restart_engine(e)
+            try:
+                self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)
+                self._let_requests_finish(version)
+                self.last_sync = self.sync.push(version)
+                self.sync.verify(version)
+                self.version = version
+                return
+            except WeightSyncError:
+                dead, stuck = dead_or_stuck(self.actors.engines, timeout_s=10.0)
+                if not dead and not stuck:
+                    raise
+                self._charge_restarts(dead or stuck, step, f"lost while the weight groups were formed again for version {version}")
+                replace = sorted(dead + stuck)
+                print(f"engine{'s' if len(replace) > 1 else ''} {', '.join(map(str, replace))} lost while the weight groups were "
+                      "formed again: replaced in turn", flush=True)
 
     def _check_every_sample_once(self, delivery: Delivery) -> None:
         s = self.settings
@@ -534,17 +561,11 @@ class TrainLoop:
                     f"(v{self.version}) are gone from the trainers (now v{self.trained}), so a replacement would draw its "
                     "share with other weights than the rest of the rollout"
                 )
-            if self.engine_restarts_used >= s.max_engine_restarts:
-                raise EngineRestartBudgetError(
-                    f"vLLM engine {e} died during step {step} and the engine restart budget is used up "
-                    f"(fault.max_engine_restarts={s.max_engine_restarts})"
-                )
-            engine = self.actors.restart_engine(e)
-            self.sync.prepare(self.actors.policy, self.actors.engines, s.engine_tp)
-            self._push(self.trained)
+            self._charge_restarts([e], step, f"died during step {step}")
+            self._wire_replacements([e], self.trained, step)
+            engine = self.actors.engines[e]
         self._get([engine.reseed.remote(engine_seed(s.seed, step, e))], "seeding the replacement engine", engine_call=True)
         took = time.perf_counter() - t
-        self.restart_log.setdefault(step, []).append(took)
         self._restart_s[step] = self._restart_s.get(step, 0.0) + took
         print(
             f"engine {e} died making step {step}'s rollout: replaced in its bundle, weights v{self.version} pushed, "
