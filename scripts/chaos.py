@@ -264,15 +264,16 @@ def _steps_rerun(run_dir: Path, faults: list[Fault]) -> int:
     return superseded + sum(f.kind == "evaluation" and f.fired_at is not None for f in faults)
 
 
-def _dumps_whole(run_dir: Path, steps: int, per_step: int) -> bool:
-    """Each step's rollout dump holds every index of the step once (when the dump covers it)."""
+def _dumps_whole(run_dir: Path, steps: int, dumped_per_step: int) -> bool:
+    """Each step's rollout dump holds exactly the indices it dumps (the lowest `dumped_per_step`:
+    logger.rollouts_per_step, or every sample of the step when that is more), each once."""
     dumps = run_dir / "rollouts"
     for step in range(1, steps + 1):
         path = dumps / f"step_{step:06d}.jsonl"
         if not path.exists():
             return False
         indices = sorted(json.loads(line)["index"] for line in path.read_text().splitlines())
-        if len(indices) >= per_step and indices != list(range(per_step)):
+        if indices != list(range(dumped_per_step)):
             return False
     return True
 
@@ -349,7 +350,8 @@ def main() -> int:
             if outside is not None:
                 outside.stop()
         steps_rerun = _steps_rerun(Path(work) / "chaos", faults)
-        dumps_whole = _dumps_whole(Path(work) / "chaos", args.steps, composed.algo.rollout_batch_size * composed.algo.samples_per_prompt)
+        per_step_samples = composed.algo.rollout_batch_size * composed.algo.samples_per_prompt
+        dumps_whole = _dumps_whole(Path(work) / "chaos", args.steps, min(per_step_samples, composed.logger.rollouts_per_step))
         spread_seeds = args.spread_seeds if args.spread_seeds is not None else (0 if exact else 3)
         if not exact and spread_seeds < 1:
             sys.exit("chaos.py: under async the verdict needs the seed spread: --spread-seeds >= 1 (default 3)")

@@ -286,6 +286,9 @@ def test_an_async_agent_and_its_failures_are_counted_and_scored_zero(server):
     assert results[0].outcome.reward == 1.0
     assert results[1].outcome.error == "RuntimeError: the agent's bug" and results[1].outcome.reward == 0.0
     assert results[2].outcome.timed_out and results[2].outcome.reward == 0.0
+    # the two that made no model call train nothing and leave their group's statistics (masked)
+    stats = {i: f["stats"] for i, f in trajectory_completions(list(results.values()), {i: [1] for i in range(3)}, eos_id=0)}
+    assert [stats[i]["masked"] for i in range(3)] == [0.0, 1.0, 1.0]
 
 
 def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server, tmp_path):
@@ -714,6 +717,7 @@ def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(
     from rlhf_orch.engines import agent_rollout
     from rlhf_orch.engines.request_steps import VLLMCalls
     from rlhf_orch.engines.vllm_engine import VLLMEngine
+    from rlhf_orch.orchestration.liveness import WorkCount
 
     vllm_engine = SimpleNamespace(step=lambda: [SimpleNamespace(finished=False)], has_unfinished_requests=lambda: True)
     counted: list[int] = []
@@ -723,6 +727,7 @@ def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(
     assert len(counted) == 3
     # The engine hands the session its own count, the one `progress` answers.
     engine = object.__new__(VLLMEngine)  # no vLLM: only what an agent rollout's start needs
+    engine.samples_scored = WorkCount()
     engine.llm, engine.steps_made, engine._chat_server, engine._agent_runner = None, 0, lambda env: None, lambda env: None
     handed = {}
     monkeypatch.setattr(agent_rollout, "complete_agent_trajectories", lambda *args: handed.setdefault("count_step", args[-1]))

@@ -451,6 +451,31 @@ def test_a_hung_make_or_init_ends_its_trajectory_counted_and_the_others_go_on(wh
     assert (0, 0) in generator.submitted and (1, 0) not in generator.submitted
 
 
+def test_an_environment_whose_init_was_given_up_is_closed_after_init_ends_not_beside_it():
+    """env.init sleeps past the deadline inside one C call (`Abandoned` can only land once it
+    returns): the trajectory is given up at the deadline, and the environment's close waits for
+    the abandoned init to end instead of running beside it on another thread."""
+    events: list[str] = []
+
+    class SlowInit(CountdownEnv):
+        def init(self, prompt):
+            try:
+                time.sleep(1.5)  # one C call: past the 1 s deadline
+            finally:  # (Abandoned lands as the sleep returns)
+                events.append("init ended")
+            return prompt, {}
+
+        def close(self):
+            events.append("close")
+
+    envs = iter([SlowInit(turns=1), CountdownEnv(turns=1)])
+    runner = MultiTurnRunner(lambda prompt: next(envs), ScriptedGenerator(), PlaceholderRender(), limits(), 8, 1.0)
+    out = list(runner.run([(i, Prompt(text=f"p{i}"), [50, 51]) for i in range(2)]))
+    time.sleep(1.0)  # (past the end of the abandoned init in any case)
+    assert {t.index: t.counts.init_timeouts for t in out} == {0: 1, 1: 0}
+    assert events == ["init ended", "close"]  # not close, then init
+
+
 @pytest.mark.parametrize("where", ["close", "get_metrics"])
 def test_a_hung_close_or_get_metrics_is_given_up_counted_and_the_rollout_finishes(where):
     """env.close / env.get_metrics past the deadline: given up, counted in env/close_timeouts; the

@@ -82,6 +82,7 @@ def test_a_weight_push_and_an_engine_replacement_never_overlap(monkeypatch):
     from rlhf_orch.orchestration import loop as loop_module
 
     monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([], []))  # (no Ray: every engine answers)
+    monkeypatch.setattr(loop_module, "dead_engines", lambda engines, timeout_s: [])
     events: list[str] = []
     pushing = threading.Event()
 
@@ -120,6 +121,7 @@ def test_an_engine_lost_while_the_groups_form_again_is_replaced_in_turn_and_a_de
     replaced in its turn, charged to the budget -- it used to fail the step and restart every role;
     and a push that finds an engine dead replaces it first (pushed to, it would break the broadcast
     and strand the others in it). Each dead engine costs one restart, no more."""
+    from rlhf_orch.orchestration import engine_recovery
     from rlhf_orch.orchestration import loop as loop_module
     from rlhf_orch.sync.base import WeightSyncError
 
@@ -140,13 +142,46 @@ def test_an_engine_lost_while_the_groups_form_again_is_replaced_in_turn_and_a_de
                              restart_engine=lambda e: started.append(e) or engine)
     loop = _loop(_Task(), actors, Sync())
     answers = iter([([0], [])])  # the replacement of engine 0 is found dead once
-    monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: next(answers, ([], [])))
+    monkeypatch.setattr(engine_recovery, "dead_or_stuck", lambda engines, timeout_s: next(answers, ([], [])))
+    monkeypatch.setattr(loop_module, "dead_engines", lambda engines, timeout_s: [])
     loop._replace_dead_engine(0, step=2)
     assert started == [0, 0] and loop.engine_restarts == 2
-    monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([1], []) if not started[2:] else ([], []))
+    monkeypatch.setattr(loop_module, "dead_engines", lambda engines, timeout_s: [1] if not started[2:] else [])
     loop.trained = 1
     loop.sync_engines({})  # engine 1 died since its last call: replaced before the push, not after a broken one
     assert started == [0, 0, 1] and loop.engine_restarts == 3 and loop.version == 1
+
+
+def test_engines_stuck_in_a_broadcast_a_dead_one_broke_are_replaced_with_it_at_no_charge(monkeypatch):
+    """A push breaks: engine 1 is dead, engine 0 alive but stuck in the broken broadcast. Both are
+    replaced; the budget is charged one restart (the death), not two. A hung broadcast with no
+    engine dead charges the stuck ones."""
+    from rlhf_orch.orchestration import loop as loop_module
+    from rlhf_orch.sync.base import WeightSyncError
+
+    started: list[int] = []
+    pushes = iter([WeightSyncError("weight broadcast from policy rank 0 failed (an engine probably died)")])
+
+    class Sync:
+        def prepare(self, *args): ...
+        def verify(self, version): ...
+
+        def push(self, version):
+            error = next(pushes, None)
+            if error is not None:
+                raise error
+
+    engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
+    actors = SimpleNamespace(engines=[engine, engine], policy=[], critic=[], reference=[], own_reference=[], reward=[],
+                             restart_engine=lambda e: started.append(e) or engine)
+    loop = _loop(_Task(), actors, Sync())
+    monkeypatch.setattr(loop_module, "dead_engines", lambda engines, timeout_s: [])
+    monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([1], [0]))
+    loop.trained = 1
+    loop.sync_engines({})
+    assert sorted(started) == [0, 1] and loop.engine_restarts == 1 and loop.version == 1
+    loop._replace_after_sync([], [0, 1], 1)  # nothing dead: a hung broadcast, both charged
+    assert loop.engine_restarts == 3
 
 
 def test_no_final_checkpoint_from_an_update_that_one_role_applied_and_another_did_not(tmp_path):

@@ -144,6 +144,7 @@ def test_engine_restart_budget_is_a_hard_limit():
     loop.restart_log, loop.closing = {3: [1.0], 5: [1.0]}, False
     loop._replacing, loop._training, loop._pushing, loop.pipeline = threading.Lock(), threading.Lock(), threading.RLock(), SyncPipeline()
     loop.trained = loop.version = 4
+    loop.engine_restarts_before = 0  # (a fresh invocation: both earlier replacements were its own)
     with pytest.raises(EngineDiedError, match=r"engine 1 died during step 7 .*fault.max_engine_restarts=2"):
         loop._replace_engine(1, step=7)
 

@@ -203,7 +203,14 @@ def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_a
     assert held.shares[1][-1].engine is route.engines[1]
 
     redrawn = []
-    transfer = SimpleNamespace(redraw=lambda held, route, lost: redrawn.append(lost) or 0)
+
+    def redraw(held, route, lost):  # (what PackedTransfer.redraw leaves: the lost shares made by the replacements)
+        redrawn.append(lost)
+        for e in lost:
+            held.shares[e] = [dataclasses.replace(share, engine=route.engines[e]) for share in held.shares[e]]
+        return 0
+
+    transfer = SimpleNamespace(redraw=redraw)
     for pipeline in (SyncPipeline(), AsyncPipeline(max_staleness=1)):
         loop = SimpleNamespace(pipeline=pipeline, transfer=transfer, _restart_s={}, _redrawn={}, _replace_engine=lambda e, step, dead=None: None)
         if not pipeline.redraws_lost_shares:
@@ -213,3 +220,44 @@ def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_a
             TrainLoop.redraw_lost_shares(loop, held, route)
         pipeline.close(None)
     assert redrawn == [[1]]
+
+
+def test_a_checkpoint_written_before_the_record_moved_loads_with_its_counts_kept(tmp_path, monkeypatch):
+    """driver.pt of an earlier version pickled RolloutMeta as rlhf_orch.transfer.engine_side.RolloutMeta
+    with the counts as totals (interrupted an int, env_stats one dict): it loads as data only, the
+    totals kept, per sample -- and the old masked count marks no sample."""
+    import rlhf_orch.transfer.engine_side as engine_side
+    from rlhf_orch.orchestration.checkpoint import load_driver_state
+
+    old = RolloutMeta(indices=[0, 1, 2], seq_lens=[3] * 3, response_lens=[1] * 3, rewards=[1.0, 0.0, 1.0])
+    old.__dict__.update(interrupted=2, env_stats={"turns": 6.0, "masked": 1.0}, env_metrics=[("Env", {"x": 1})])
+    monkeypatch.setattr(RolloutMeta, "__module__", "rlhf_orch.transfer.engine_side")  # pickled under the old name
+    monkeypatch.setattr(engine_side, "RolloutMeta", RolloutMeta, raising=False)
+    torch.save({"pending_rollout": old}, tmp_path / "driver.pt")
+    monkeypatch.undo()
+    loaded = load_driver_state(tmp_path / "driver.pt")["pending_rollout"]
+    assert loaded.interrupted_count == 2 and loaded.env_stats_total() == {"turns": 6.0}
+    assert loaded.masked == [False, False, False] and len(loaded.env_metrics) == 3
+
+
+def test_dynamic_sampling_judges_a_group_by_its_unmasked_samples(monkeypatch):
+    """A group whose only differing score is a masked trajectory's (an infrastructure failure that
+    trains nothing) carries no signal: DAPO's filter drops it like any uniform group."""
+    spp = 3
+    algo = instantiate(compose_config(["algo=dapo"]).algo)
+    rounds = iter([[1.0, 1.0, 0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]])
+
+    def generate(request, route, prompts):
+        indices = [p * spp + s for p in prompts for s in range(spp)]
+        stats = [{"masked": 1.0} if i == 2 else None for i in indices]  # group 0's differing score is masked
+        return [[RolloutMeta(indices=indices, seq_lens=[3] * 6, response_lens=[1] * 6, rewards=next(rounds), env_stats=stats)]]
+
+    drawn = iter(range(100))
+    more = lambda n: [dataclasses.make_dataclass("P", ["prompt_ids", "i"])([1], next(drawn)) for _ in range(n)]  # noqa: E731
+    request = RolloutRequest(prompts=more(2), prompt_ids=[[1]] * 2, samples_per_prompt=spp, max_tokens=4, temperature=1.0,
+                             scorer=None, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8,
+                             group_filter=GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4))
+    monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
+    held = PackedTransfer().generate(request, type("R", (), {"engines": [object()]})())
+    kept_groups = sorted({group_of(i, spp) for i in held.meta.indices})
+    assert 0 not in kept_groups and kept_groups == [1, 2] and held.rounds == 2

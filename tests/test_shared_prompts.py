@@ -84,15 +84,16 @@ def _logprobs_and_grads(policy, mb, share: bool):
 
 
 def _assert_no_less_accurate(shared: list[torch.Tensor], plain: list[torch.Tensor], exact: list[torch.Tensor]) -> None:
-    """The float32 bound, from the computation rather than one host's run: both rows compute the
-    same sums in different orders, so each is the exact value plus float32 rounding of the same
-    kind and scale. Per tensor, the shared row's distance from a float64 reference (`exact`: the
-    same model in float64, plain row) must be of the scale of the plain row's own -- the rounding
-    this host's float32 makes of this very computation -- measured as L2 norms over the tensor (its
-    largest element is a tail statistic: it was 4x the plain row's on SmolLM2 while the norms were
-    within 2.2x): at most 4x it, plus one float32 ulp of the reference's norm (the reference's own
-    float32 pieces: the vocabulary reductions). A wrong shared row (keys of another prefix, a mask
-    one token off) is orders of magnitude farther."""
+    """The float32 bound, scaled by the computation rather than a constant one host met: both rows
+    compute the same sums in different orders, so each is the exact value plus float32 rounding of
+    the same kind and scale. Per tensor, the shared row's distance from a float64 reference
+    (`exact`: the same model in float64, plain row) must be of the scale of the plain row's own --
+    the rounding this host's float32 makes of this very computation -- measured as L2 norms over the
+    tensor (its largest element is a tail statistic: it was 4x the plain row's on SmolLM2 while the
+    norms were within 2.2x). The factor 4 is a margin over that measured 2.2x (one host, not a
+    derivation); the added float32 ulp of the reference's norm covers the reference's own float32
+    pieces (the vocabulary reductions). A wrong shared row is far outside: prefix keys scaled by
+    0.999 put the first tensor 25x past the bound, a mask one token off fails every case."""
     eps = torch.finfo(torch.float32).eps
     for k, (s, p, x) in enumerate(zip(shared, plain, exact)):
         s, p, x = s.double(), p.double(), x.double()

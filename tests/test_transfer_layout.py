@@ -270,3 +270,63 @@ def test_the_rollout_request_carries_the_optimizer_step_size_to_the_packing():
     loop.actors = types.SimpleNamespace(policy=[object()])
     loop.algo = types.SimpleNamespace(uses_dynamic_sampling=False)
     assert loop._rollout_request([]).train_batch_size == 8
+
+
+def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_prompts():
+    """A held rollout's shares on engine 1: prompts 0-1 made by a process since replaced (lost),
+    prompt 4 made by the current one (a later DAPO round: kept). The redraw draws prompts 0-1 again
+    on the current process only; every old row of theirs goes -- a trajectory's further sequence
+    too, which the new draw need not repeat -- and what engine 1 holds follows. A restored rollout's
+    share is held again from its samples."""
+    import types
+
+    from rlhf_orch.transfer.base import EngineShare, HeldRollout, RolloutRequest
+    from rlhf_orch.transfer.packed import PackedTransfer
+    from rlhf_orch.transfer.plan import extra_sequence_index
+    from rlhf_orch.transfer.rollout_meta import RolloutMeta
+
+    spp = 2
+
+    def meta_of(indices, reward):
+        return RolloutMeta(indices=indices, seq_lens=[5] * len(indices), response_lens=[2] * len(indices), rewards=[reward] * len(indices))
+
+    calls = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+            self.produce_and_hold = types.SimpleNamespace(remote=self.produce)
+            self.hold_samples = types.SimpleNamespace(remote=lambda samples, slot: calls.append((self.name, "hold", len(samples), slot)))
+
+        def produce(self, requests, job, slot):
+            calls.append((self.name, "produce", [r.prompt_index for r in requests], slot))
+            return meta_of([r.prompt_index * spp + k for r in requests for k in range(spp)], 1.0)
+
+    dead, current, other = Engine("dead"), Engine("current"), Engine("engine0")
+
+    class Route:
+        engines = [other, current]
+
+        def on_engines(self, submit, engines, what):
+            return {e: submit(e, self.engines[e]) for e in engines}
+
+    old_rows = [0, 1, extra_sequence_index(0, 1), 2, 3, 8, 9]  # prompts 0 and 1 (0 with a further sequence), and 4
+    held = HeldRollout(
+        meta=RolloutMeta.merge([meta_of(old_rows, 0.0), meta_of([4, 5, 6, 7], 0.5)]), held=[[4, 5, 6, 7], old_rows],
+        num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8, slot=3,
+        request=RolloutRequest(prompts=list(range(5)), prompt_ids=[[1, 2]] * 5, samples_per_prompt=spp, max_tokens=4,
+                               temperature=1.0, scorer=None, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8),
+        shares=[[EngineShare(other, [2, 3])], [EngineShare(dead, [0, 1]), EngineShare(current, [4])]],
+    )
+    assert PackedTransfer().redraw(held, Route(), [1]) == 4
+    assert calls == [("current", "produce", [0, 1], 3)]
+    assert held.meta.indices == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # the further sequence of prompt 0 is gone
+    assert held.meta.rewards == [1.0] * 4 + [0.5] * 4 + [0.0] * 2  # 0-3 drawn again, 8-9 (prompt 4) kept
+    assert held.held[1] == [0, 1, 2, 3, 8, 9]
+    assert [(s.engine.name, s.prompts) for s in held.shares[1]] == [("current", [4]), ("current", [0, 1])]
+
+    calls.clear()
+    restored = HeldRollout(meta=meta_of([0, 1], 0.0), held=[[], [0, 1]], num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8,
+                           slot=2, samples=[[], ["s0", "s1"]], shares=[[EngineShare(other, [])], [EngineShare(dead, [])]])
+    assert PackedTransfer().redraw(restored, Route(), [1]) == 2
+    assert calls == [("current", "hold", 2, 2)] and restored.shares[1][0].engine is current

@@ -842,7 +842,9 @@ class CheckpointConfig:
 class FaultConfig:
     """How a run reacts to failures it can survive."""
 
-    max_engine_restarts: int = 3  # engines restarted (replaced in their bundle) per run at most; 0 = none
+    # Engines replaced in their bundle per invocation at most (a resumed run starts with it whole;
+    # an engine left stuck in a broadcast a dead one broke is replaced with it at no charge); 0 = none.
+    max_engine_restarts: int = 3
     # Liveness by progress: the window of a wait on actors. A rollout's engines (generating,
     # scoring: engine steps and scored samples) and a trainer phase's ranks (experience, reward-model
     # scoring, the update: micro-batches, decoder layers, collectives) are waited for as long as
@@ -850,9 +852,10 @@ class FaultConfig:
     # two looks, or no answer) is found within two windows, however long the healthy phase. Any
     # other wait on an actor within a step (a hand-over, seeding an engine) gets one window.
     step_timeout_s: float = 600.0
-    # Whole-run restarts when a process the run cannot continue without (a trainer rank; an engine
-    # lost outside generation) died or stopped answering: every role starts again in its bundles
-    # from the last checkpoint (the initial weights without one) and the run goes on. 0 = none.
+    # Whole-run restarts per invocation when a process the run cannot continue without (a trainer
+    # rank; under sync / one_step_off an engine lost outside generation) died or stopped answering:
+    # every role starts again in its bundles from the last checkpoint (the initial weights without
+    # one) and the run goes on. 0 = none.
     max_trainer_restarts: int = 2
 
 

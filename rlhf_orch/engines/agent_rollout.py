@@ -209,6 +209,7 @@ def trajectory_completions(
         counts.agent_timeouts = int(r.outcome.timed_out)
         counts.agent_seconds = max(0.0, r.outcome.seconds - counts.generation_seconds)
         counts.truncated = int(sequences[0].last_hit_length)
+        counts.masked = int(not r.record.sequences)  # (no call: one EOS, trained on nothing)
         stats = counts.as_dict()
         for k, v in r.outcome.metrics.items():
             stats[f"{AGENT_METRIC_PREFIX}{k}"] = v

@@ -189,7 +189,6 @@ class SharedEngineSteps:
             self._sessions -= 1
             if not self._sessions:
                 self._cond.notify_all()  # an update waiting for the sessions may go
-            self._cond.notify_all()  # an update waiting for the agent sessions may go
 
 
 def mean_version(spans: Any, started: int) -> float:

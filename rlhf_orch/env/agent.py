@@ -120,6 +120,7 @@ class AgentEnv(EnvGroup):
             "env/completion_tokens_mean": stats.get("completion_tokens", 0.0) / n,
             "env/observation_tokens_mean": stats.get("observation_tokens", 0.0) / n,
             "env/truncated": stats.get("truncated", 0.0),
+            "env/masked": stats.get("masked", 0.0),  # no model call: trained on nothing, out of the group statistics
             "env/agent_s_mean": stats.get("agent_seconds", 0.0) / n,  # in the agent's own code
             "env/generation_s_mean": stats.get("generation_seconds", 0.0) / n,  # its calls waiting for the engine
         }

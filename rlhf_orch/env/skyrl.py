@@ -115,19 +115,15 @@ class SkyRLEnv(MultiTurnEnv):
         the sandbox and env.allow_unsandboxed_code is not set."""
         if config.allow_unsandboxed_code:
             return []
-        chosen = {config.env_class: "env.env_class"} if config.env_class in RUNS_MODEL_CODE else {}
-        for env_id, where in rows_running_model_code(data).items():
-            chosen.setdefault(env_id, where)
+        chosen = _code_running(config.env_class, rows_running_model_code(data))
         return [(ALLOW_KEY, False, unsandboxed_code_refusal(chosen))] if chosen else []
 
     def bind(self, task: Any) -> None:
         """Every row loaded (hub datasets' too): the environments they choose that run the model's
         code are refused here, before Ray, unless env.allow_unsandboxed_code."""
         super().bind(task)
-        chosen = {self.env_class: "env.env_class"} if self.env_class in RUNS_MODEL_CODE else {}
-        for env_id in sorted(str(c) for c in task.env_field_values("env_class")):
-            if env_id in RUNS_MODEL_CODE:
-                chosen.setdefault(env_id, "the data's env_class column")
+        rows = {str(c): "the data's env_class column" for c in sorted(task.env_field_values("env_class"), key=str)}
+        chosen = _code_running(self.env_class, rows)
         if chosen and not self.allow_unsandboxed_code:
             raise EnvError(f"{ALLOW_KEY}=false: {unsandboxed_code_refusal(chosen)}")
         self.runs_model_code = chosen
@@ -196,3 +192,13 @@ class SkyRLEnv(MultiTurnEnv):
 
     def option_name(self) -> str:
         return "skyrl"
+
+
+def _code_running(env_class: str, chosen_by_rows: dict[str, str]) -> dict[str, str]:
+    """Of env.env_class and the environments the rows choose (id -> where), those that run the
+    model's code outside the sandbox, each with what chose it (env.env_class first)."""
+    chosen = {env_class: "env.env_class"} if env_class in RUNS_MODEL_CODE else {}
+    for env_id, where in chosen_by_rows.items():
+        if env_id in RUNS_MODEL_CODE:
+            chosen.setdefault(env_id, where)
+    return chosen

@@ -97,7 +97,7 @@ class RoleActors:
     # next attempt needs. Every engine started here is killed with the others.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _killed: bool = False
-    _started: list[Any] = field(default_factory=list, repr=False)
+    _started: dict[int, Any] = field(default_factory=dict, repr=False)  # per engine index, the last replacement started
 
     def restart_engine(self, e: int) -> Any:
         """Replace engine `e` (dead) by a fresh one in the same bundle; it holds the initial
@@ -110,7 +110,7 @@ class RoleActors:
             except Exception:  # noqa: BLE001 - already gone
                 pass
             engine = self.start_engine(e)
-            self._started.append(engine)
+            self._started[e] = engine
         try:
             ray.get(engine.ping.remote(), timeout=self.startup_timeout_s)
         except ray.exceptions.GetTimeoutError as err:
@@ -148,7 +148,7 @@ class RoleActors:
         self.close_endpoints()  # first: ray.kill returns before the process is gone
         with self._lock:  # (no replacement starts after this, and one starting now goes too)
             self._killed = True
-            actors = [*self.all(), *self._started]
+            actors = [*self.all(), *self._started.values()]
         for actor in actors:
             try:
                 ray.kill(actor)
@@ -170,6 +170,24 @@ def not_answering(actors: Sequence[Any], timeout_s: float) -> list[int]:
     an engine busy in one long call does not answer either (see `lost_processes`)."""
     dead, stuck = dead_or_stuck(actors, timeout_s)
     return sorted(dead + stuck)
+
+
+def dead_engines(engines: Sequence[Any], timeout_s: float) -> list[int]:
+    """Positions of the engines that are dead, asked on their monitor thread (`progress`, answered
+    beside any long call): a busy engine -- an agent session holding its vLLM thread -- answers at
+    once instead of after its call, and one that does not answer within `timeout_s` is not taken
+    for dead (the strict `dead_or_stuck` decides that when a push fails)."""
+    refs = {k: engine.progress.remote() for k, engine in enumerate(engines)}
+    ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    dead = []
+    for k, ref in refs.items():
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            dead.append(k)
+        except ray.exceptions.GetTimeoutError:
+            pass
+    return dead
 
 
 def dead_or_stuck(actors: Sequence[Any], timeout_s: float) -> tuple[list[int], list[int]]:

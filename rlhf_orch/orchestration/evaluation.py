@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.reward.scoring import RewardSetup
-from rlhf_orch.transfer.base import Route, merge_meta
+from rlhf_orch.transfer.base import Route
 from rlhf_orch.transfer.engine_side import RolloutJob
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.plan import pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
@@ -102,7 +102,7 @@ class Evaluator:
             used, "evaluating",
         )
         parts = [made[e] for e in used]
-        meta = self._scored_by_reward_model(route, used, parts, reward_ranks) if self.reward.has_model else merge_meta(parts)
+        meta = self._scored_by_reward_model(route, used, parts, reward_ranks) if self.reward.has_model else RolloutMeta.merge(parts)
         metrics = eval_metrics(self.prompts, meta.trajectories_only().rewards, s.samples_per_prompt, s.pass_threshold)
         metrics["eval/response_mean_len"] = sum(meta.response_lens) / max(len(meta.response_lens), 1)
         metrics["time/eval"] = time.perf_counter() - t
@@ -110,7 +110,7 @@ class Evaluator:
 
     def _scored_by_reward_model(self, route: Route, used: list[int], held: list[RolloutMeta], reward_ranks) -> RolloutMeta:
         """Samples the engines `used` hold (`held`: their metadata), scored by the reward-model ranks."""
-        meta = merge_meta(held)
+        meta = RolloutMeta.merge(held)
         ranks = len(reward_ranks)
         budget = max(meta.seq_lens) * self.reward.model.micro_batch_size
         plan = plan_packed(meta.indices, meta.seq_lens, budget, ranks)

@@ -25,7 +25,8 @@ from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR, ResumeError, find_checkpoint
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
 from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
-from rlhf_orch.orchestration.loop import ActorDiedError, ActorTimeoutError, EngineRestartBudgetError, LoopSettings, TrainLoop, non_finite
+from rlhf_orch.orchestration.errors import ActorDiedError, ActorTimeoutError, EngineRestartBudgetError
+from rlhf_orch.orchestration.loop import LoopSettings, TrainLoop, non_finite
 from rlhf_orch.orchestration.run_record import RunRecord
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
 from rlhf_orch.rng import set_rng_state
@@ -200,6 +201,9 @@ def resume_loop(loop: TrainLoop, resume: ResumePoint, actors: Any, timeout_s: fl
     loop.restart_log = resume.state.get("restart_log") or {0: [0.0] * resume.state["engine_restarts"]}
     loop.sync_engines({})
     loop.first_step = resume.step + 1
+    # The sampler's position before each carried rollout's prompts: a checkpoint written while they
+    # are still pending records these again (else it would record the position after their draw).
+    loop._data_before.update(resume.state.get("data_before_pending") or {})
     loop.pipeline.restore(loop, resume.state.get("pending_rollout"))
 
 

@@ -174,11 +174,6 @@ class Delivery:
         return sum(self.meta.seq_lens)
 
 
-def merge_meta(parts: Sequence[RolloutMeta]) -> RolloutMeta:
-    """Several engines' (or rounds') records as one, by index (`RolloutMeta.merge`)."""
-    return RolloutMeta.merge(parts)
-
-
 @dataclass
 class EngineShare:
     """What one engine process made of a held rollout: the prompts (indices into the request's

@@ -15,7 +15,8 @@ from typing import Sequence
 
 import ray
 
-from rlhf_orch.transfer.base import Delivery, MicroBatch, RolloutRequest, RolloutTransfer, Route, count_micro_batches, merge_meta
+from rlhf_orch.transfer.base import Delivery, MicroBatch, RolloutRequest, RolloutTransfer, Route, count_micro_batches
+from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.batch import PaddedBatch, Sample
 from rlhf_orch.transfer.engine_side import padded_per_micro_batch
 from rlhf_orch.transfer.plan import interleave_over_engines, plan_count_micro_batches
@@ -107,4 +108,4 @@ class MicroBatchedTransfer(RolloutTransfer):
         timings["reward"] = 0.0  # scored on the engines, inside generation (meta.score_s)
         timings["transfer"] = t_end - (t_first or t_end)  # from the first micro-batch (streaming)
         timings["transfer_after_generate"] = t_end - t_generated  # what the step waits for
-        return Delivery(meta=merge_meta(metas), wire_bytes=wire_bytes, wire_tokens=wire_tokens, timings=timings)
+        return Delivery(meta=RolloutMeta.merge(metas), wire_bytes=wire_bytes, wire_tokens=wire_tokens, timings=timings)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import ray
 import torch
 
-from rlhf_orch.transfer.base import Delivery, EngineShare, HeldRollout, MicroBatch, RolloutRequest, RolloutTransfer, Route, merge_meta
+from rlhf_orch.transfer.base import Delivery, EngineShare, HeldRollout, MicroBatch, RolloutRequest, RolloutTransfer, Route
 from rlhf_orch.transfer.batch import PackedBatch, Sample
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.inbox import assemble_packed
@@ -73,7 +73,7 @@ class PackedTransfer(RolloutTransfer):
         self._timed(timings, "generate", t)
         timings["reward"] = 0.0  # scored on the engines, inside generation
         return HeldRollout(
-            meta=merge_meta([m for parts in held for m in parts]),
+            meta=RolloutMeta.merge([m for parts in held for m in parts]),
             held=[[i for m in parts for i in m.indices] for parts in held],  # per engine: what it holds
             request=request,
             shares=shares,
@@ -137,26 +137,35 @@ class PackedTransfer(RolloutTransfer):
         )
 
     def redraw(self, held: HeldRollout, route: Route, engines: Sequence[int]) -> int:
-        """Make the shares of `engines` (replaced since they made them) again on their current
-        processes: from the request's prompts (drawn anew: not the samples that were lost), or a
-        restored rollout's samples held again as they were. Their rows of `held.meta` are
-        replaced. Returns the samples made or held again."""
-        if held.samples is not None:
+        """Make the shares of `engines` whose process was replaced since (`EngineShare.engine` is not
+        the route's) again on the current processes: from the request's prompts (drawn anew: not the
+        samples that were lost), or a restored rollout's samples held again as they were. A share the
+        current process made itself stays (DAPO: a later round's). The lost shares' rows of
+        `held.meta` -- every sequence of their prompts', a trajectory's further ones included -- are
+        replaced by the new ones, and `held.held` follows. Returns the samples made or held again."""
+        if held.samples is not None:  # (one share per engine: the checkpoint's samples)
             route.on_engines(lambda e, engine: engine.hold_samples.remote(held.samples[e], held.slot), engines, "holding a lost engine's samples again")
-            redrawn = {s.index for e in engines for s in held.samples[e]}
-        else:
-            request = held.request
-            spp = request.samples_per_prompt
-            prompts = {e: sorted({p for share in held.shares[e] for p in share.prompts}) for e in engines}
-            made = route.on_engines(
-                lambda e, engine: engine.produce_and_hold.remote(whole_prompt_requests(prompts[e], spp), request.job(prompts[e], request.scorer), held.slot),
-                engines, "drawing a lost engine's share again",
-            )
-            redrawn = {i for m in made.values() for i in m.indices}
-            held.meta = merge_meta([held.meta.where(lambda i: i not in redrawn), *made.values()])
+            for e in engines:
+                held.shares[e] = [EngineShare(route.engines[e], [])]
+            return sum(len(held.samples[e]) for e in engines)
+        request = held.request
+        spp = request.samples_per_prompt
+        before = {e: route.engines[e] for e in engines}
+        lost = {e: sorted({p for share in held.shares[e] if share.engine is not before[e] for p in share.prompts}) for e in engines}
+        made = route.on_engines(
+            lambda e, engine: engine.produce_and_hold.remote(whole_prompt_requests(lost[e], spp), request.job(lost[e], request.scorer), held.slot),
+            [e for e in engines if lost[e]], "drawing a lost engine's share again",
+        )
+        gone = {p for prompts in lost.values() for p in prompts}
+        held.meta = RolloutMeta.merge([held.meta.where(lambda i: group_of(i, spp) not in gone), *made.values()])
         for e in engines:
-            held.shares[e] = [EngineShare(route.engines[e], sorted({p for share in held.shares[e] for p in share.prompts}))]
-        return len(redrawn)
+            # (one that died during this redraw was replaced by `on_engines`: the shares it kept are
+            # now lost too -- their engine is not the route's -- and the caller looks again)
+            kept = [share for share in held.shares[e] if share.engine is before[e]]
+            held.shares[e] = kept + ([EngineShare(route.engines[e], lost[e])] if lost[e] else [])
+            mine = {p for share in held.shares[e] for p in share.prompts}
+            held.held[e] = [i for i in held.meta.indices if group_of(i, spp) in mine]
+        return sum(len(m.indices) for m in made.values())
 
     @staticmethod
     def _generate(request: RolloutRequest, route: Route, prompts: range) -> list[list[RolloutMeta]]:
@@ -201,7 +210,7 @@ class PackedTransfer(RolloutTransfer):
 
         def informative() -> list[int]:
             # (a masked trajectory trains nothing and counts in no group's statistics: nor here)
-            meta = merge_meta([m for parts in held for m in parts]).trajectories_only()
+            meta = RolloutMeta.merge([m for parts in held for m in parts]).trajectories_only()
             meta = meta.select([r for r, masked in enumerate(meta.masked) if not masked])
             keep = f.keep(torch.tensor(meta.rewards), torch.tensor(group_ids(meta.indices, spp))).tolist()
             return sorted({group_of(i, spp) for i, k in zip(meta.indices, keep) if k})

@@ -94,7 +94,9 @@ class RolloutMeta:
             k = state["interrupted"]
             state["interrupted"] = [True] * k + [False] * (n - k)
         if isinstance(state.get("env_stats"), dict) or state.get("env_stats") is None:
-            total = state.get("env_stats")
+            # (the total on the first sample keeps the logged sums; its masked count is no one
+            # sample's, so it is dropped: it would mask the first sample)
+            total = {k: v for k, v in (state.get("env_stats") or {}).items() if k != "masked"}
             state["env_stats"] = ([total] + [None] * (n - 1)) if total and n else []
         metrics = state.get("env_metrics")
         if isinstance(metrics, list) and len(metrics) != n:

@@ -72,6 +72,7 @@ class AgentCounts:
     completion_tokens: int = 0
     observation_tokens: int = 0  # context tokens between calls (tool results, messages)
     truncated: int = 0
+    masked: int = 0  # trained on nothing (the agent made no model call): left out of its group's statistics too
     agent_seconds: float = 0.0  # wall time inside the agent function, generation excluded
     generation_seconds: float = 0.0  # wall time its calls waited for the engine
 

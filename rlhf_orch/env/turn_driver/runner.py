@@ -123,6 +123,7 @@ class _Live:
     started: float = 0.0
     loop: asyncio.AbstractEventLoop | None = None  # an `async def` environment's own event loop
     abandoned: bool = False  # a call ran past its deadline: its thread (and loop) are left to end
+    opening: cf.Future | None = None  # env.make + env.init given up: closing waits for its thread to end first
 
 
 class MultiTurnRunner:
@@ -208,6 +209,8 @@ class MultiTurnRunner:
         if timed_out:  # past its deadline: given up (`abandonable`), its thread ends on its own
             entry.abandoned = True
             abandonable.abandon(future)
+            if entry.phase == OPENING:
+                entry.opening = future
         if entry.phase != CLOSING:
             entry.trajectory.counts.env_seconds += time.perf_counter() - entry.started
         {OPENING: self._opened, TURNS: self._stepped, CLOSING: self._closed}[entry.phase](entry, future, timed_out)
@@ -222,6 +225,10 @@ class MultiTurnRunner:
         """(On the opening thread.) The environment, kept on the entry as soon as it exists (so that a
         start given up still gets closed), initialised with the prompt's messages."""
         entry.env = self.make_env(entry.prompt)
+        if entry.abandoned and entry.phase == CLOSED:
+            # given up while it was being made, and wound down as never made: no one else closes it
+            call_env(getattr(entry.env, "close", lambda: None))
+            raise abandonable.Abandoned()
         if is_async(entry.env):
             entry.loop = asyncio.new_event_loop()
         messages = prompt_messages(entry.prompt)
@@ -378,6 +385,8 @@ class MultiTurnRunner:
         """(On the closing thread.) skyrl-gym's episode metrics (optional), then `close` (optional for a
         user's class); neither costs the trajectory anything when it fails."""
         t, env = entry.trajectory, entry.env
+        if entry.opening is not None:  # (an init given up may still be running: close after it, not beside it)
+            cf.wait([entry.opening], timeout=max(0.0, entry.deadline - time.monotonic()))
         loop = None if entry.abandoned else entry.loop  # (an abandoned call may still run on its loop)
         get_metrics = getattr(env, "get_metrics", None)
         if callable(get_metrics):
