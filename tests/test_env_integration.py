@@ -274,6 +274,7 @@ def test_one_step_off_multi_turn_resume_is_exact(tmp_path, env_file):
 
 # slow (~60-100 s): the tiny tool model is built on first use (~30 s), then 20 steps of learning --
 # learning needs the steps.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_tool_use_learns_to_call_the_lookup_tool_under_the_async_pipeline(tmp_path):
     """`experiment=tool_use`: the tiny tool model starts calling the lookup tool about half the
@@ -349,6 +350,7 @@ def test_an_engine_dying_inside_an_environment_step_is_replaced(tmp_path):
 AGENT_PLAN = ["placement.engines=2", "placement.actor_ranks=2", "placement.reference_ranks=2"]
 
 
+@pytest.mark.extended
 def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
     """`env=agent` with the example agent in a whole run: every trajectory's calls merge (none
     unmerged, no agent errors), the policy trains on them, and once the run has ended nothing

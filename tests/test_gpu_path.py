@@ -124,6 +124,7 @@ class _Worker:
         return [int(g) for g in ray.get_gpu_ids()]
 
 
+@pytest.mark.extended
 @pytest.mark.integration
 def test_tp_workers_land_on_the_engines_planned_gpus_with_every_role_placed():
     """Colocated, 4 logical GPUs, 2 engines x TP 2, every role started: each TP worker gets the GPU

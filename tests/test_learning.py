@@ -73,6 +73,7 @@ def test_reward_rises(tmp_path, algo, pipeline, digit_files):
         assert roles["critic"] == 1 and "loss/value" in rows[-1]
 
 
+@pytest.mark.extended
 def test_dapo_dynamic_sampling_fills_every_batch(tmp_path):
     # Under one_step_off: the sampling rounds of the next rollout run while the trainers train.
     rows = _run(["experiment=quick", "algo=dapo", "algo.num_steps=3", "algo.samples_per_prompt=2", "pipeline=one_step_off"], tmp_path)

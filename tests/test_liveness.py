@@ -211,6 +211,7 @@ def _late(seconds: float) -> int:
     return 1
 
 
+@pytest.mark.extended
 @pytest.mark.integration
 def test_a_call_waiting_for_a_peer_s_result_leaves_progress_answering_when_deferred(shared_ray):
     """Calls of one caller to one actor start in submission order, and Ray starts one only once its
@@ -238,6 +239,7 @@ def _compiled_frames(engine) -> int:
     return sum(counters["frames"].values())
 
 
+@pytest.mark.extended
 @pytest.mark.integration
 def test_a_new_engine_s_first_engine_step_compiles_nothing(shared_ray, tiny_model_path):
     """An eager CPU engine runs vLLM's torch.compile'd sampler helpers eagerly. Its calls run on a

@@ -84,6 +84,7 @@ def test_resumed_from_a_checkpoint_it_is_the_uninterrupted_run_bit_for_bit(lora_
         assert whole.keys() == again.keys() and all(whole[k].equal(again[k]) for k in whole)
 
 
+@pytest.mark.extended
 def test_the_export_loads_merged_and_as_an_adapter_in_transformers_peft_and_vllm(lora_run, tiny_model_path):
     script = Path(__file__).with_name("lora_export_check.py")
     out = subprocess.run([sys.executable, str(script), str(lora_run / "policy_hf"), tiny_model_path, json.dumps([1, 30, 31, 38, 33, 35, 29, 5, 6])],

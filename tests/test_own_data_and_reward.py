@@ -84,6 +84,7 @@ def test_cli_verl_parquet_custom_reward_with_eval_learns_packed(digit_files, tmp
 # OpenRLHF's jsonl with the rule reward, padded transfer: tests/test_learning.py's GRPO run learns from it.
 
 
+@pytest.mark.extended
 def test_verl_parquet_evaluated_before_training_trains_dr_grpo_packed(digit_files, tmp_path, shared_ray):
     """veRL parquet (chat messages) with an evaluation before the first step, Dr. GRPO over the
     packed transfer. (That packed and padded micro-batches give Dr. GRPO's step the same loss is the

@@ -31,6 +31,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir)
 
 
+@pytest.mark.extended
 @pytest.mark.own_processes
 def test_sweep_runs_each_job_in_its_own_dir_and_summarises_every_job(tmp_path):
     sweep_dir = tmp_path / "sweep"
@@ -80,6 +81,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 # slow (~60-80 s): an engine killed mid-overlap, every role restarted from a checkpoint (a second
 # start-up), then steps run until the NaN -- each part is what the test proves.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_engine_dying_mid_overlap_restarts_from_the_carried_rollout_and_a_nan_stops_the_run(tmp_path, shared_ray, capsys):
     """pipeline=one_step_off: step 3's rollout is generated with v1 while the trainers make v2 from

@@ -30,7 +30,7 @@ from rlhf_orch.orchestration.session import run_training
 from tests.conftest import SHARED_RAY, compose_config
 from rlhf_orch.logging.base import read_metrics
 
-pytestmark = [pytest.mark.integration, pytest.mark.real_model, pytest.mark.usefixtures("shared_ray")]
+pytestmark = [pytest.mark.integration, pytest.mark.real_model, pytest.mark.extended, pytest.mark.usefixtures("shared_ray")]
 
 # float32 kernels (vLLM's CPU attention vs transformers' sdpa over 30 layers): measured 4e-5..2e-4.
 FLOAT32_AGREEMENT = 2e-3

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration  # its runs share the module's Ray session,
 TWO_RANKS = ["experiment=quick", "algo=grpo", "algo.kl_coef=0.1", "placement.actor_ranks=2", "placement.reference_ranks=2"]
 
 
-@pytest.mark.parametrize("hosted", ["false", "true"])
+@pytest.mark.parametrize("hosted", [pytest.param("false", marks=pytest.mark.extended), "true"])
 def test_a_sharded_reference_is_the_initial_policy(tmp_path, hosted, shared_ray):
     """Step 1 trains from the reference's own weights: the KL between the policy's old log-probs and
     the sharded reference's is zero only if every rank's forward gathered the whole model. Step 2's

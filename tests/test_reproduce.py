@@ -147,7 +147,8 @@ END_TO_END = [n for n in ("dapo_qwen25_math_7b", "openrlhf_ppo_llama3_8b") if n 
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.own_processes
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.extended] if n != END_TO_END[0] else []) for n in END_TO_END])
+@pytest.mark.extended
+@pytest.mark.parametrize("name", END_TO_END)
 def test_scaled_run_writes_a_report(name, tmp_path):
     proc = _cli(name, "--scale", "cpu", "--steps", "2", "--skip-studies", "--out", str(tmp_path), timeout=900)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])

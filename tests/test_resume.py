@@ -74,6 +74,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
 
 # slow (~150-270 s on 2 cores, beside the suite's other worker): four CLI runs that must own their
 # processes -- the uninterrupted run, one SIGKILLed, one resumed and stopped by SIGINT, one resumed to the end.
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.own_processes
 def test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit(tmp_path):

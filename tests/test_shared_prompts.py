@@ -132,6 +132,9 @@ def test_shared_prompts_give_the_plain_forward_s_logprobs_values_and_gradients(t
                                  [sequence_values(exact_critic, mb)])
 
 
+_EXACT: dict[str, tuple] = {}  # the float64 reference of a module's test, by model
+
+
 def test_on_smollm2_with_its_chat_template(smollm2_path, smollm2_tokenizer, attention):
     tok = smollm2_tokenizer
     policy = load_policy(smollm2_path, "float32").train()
@@ -146,6 +149,8 @@ def test_on_smollm2_with_its_chat_template(smollm2_path, smollm2_tokenizer, atte
     lp_plain, grad_plain = _logprobs_and_grads(policy, mb, share=False)
     lp_shared, grad_shared = _logprobs_and_grads(policy, mb, share=True)
     del policy
-    lp_exact, grad_exact = _logprobs_and_grads(load_policy(smollm2_path, "float64").train(), mb, share=False)
+    if "smollm2" not in _EXACT:  # (no shared prompts: the same for both attentions, computed once)
+        _EXACT["smollm2"] = _logprobs_and_grads(load_policy(smollm2_path, "float64").train(), mb, share=False)
+    lp_exact, grad_exact = _EXACT["smollm2"]
     _assert_no_less_accurate([lp_shared], [lp_plain], [lp_exact])
     _assert_no_less_accurate(grad_shared, grad_plain, grad_exact)

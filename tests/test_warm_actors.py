@@ -43,6 +43,7 @@ def _parked_pids() -> list[int]:
 
 
 # slow (~90 s): two runs on new actors (PPO: engine, actor with the reference inside, critic), two on kept ones.
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_run_on_kept_actors_trains_exactly_as_on_new_ones(tmp_path, capsys):
     warm_actors.release()
