@@ -15,14 +15,16 @@ test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not extended" $(PYTEST_ARGS)
 
 # Every test: CI's tier and the extended one (the fault matrix, every oracle case, a lost node, ...).
-# Run it before a change to faults, resume, pipelines, sync or the trainer lands (40-50 min here).
+# Run it before a change to faults, resume, pipelines, sync or the trainer lands (40-50 min on
+# 2026-11-26's host; slower hosts take longer).
 test-full: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup $(PYTEST_ARGS)
 
-# Pure tests only (no Ray, vLLM or DeepSpeed processes), two workers (107 s -> 81 s, docs/testing.md).
+# Pure tests only (no Ray, vLLM or DeepSpeed processes), two workers (4 min 46 s on 2026-12-02's host).
 test-fast: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider -m "not integration" -n 2 $(PYTEST_ARGS)
 
-# The real chat model's tier alone (SmolLM2-135M-Instruct end to end, docs/real_model.md): ~2 min.
+# The real chat model's tier alone (SmolLM2-135M-Instruct end to end, docs/real_model.md; in the
+# full tier, not CI's): ~3 min.
 test-real: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider -m real_model $(PYTEST_ARGS)

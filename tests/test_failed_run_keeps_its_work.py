@@ -599,7 +599,7 @@ def _engines_idle(loop, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-# ~60 s: one async run of six steps with three engines lost; no restart of any role but the engines.
+# ~60-110 s: one async run of six steps with three engines lost; no restart of any role but the engines.
 @pytest.mark.slow
 def test_async_engines_lost_while_training_receiving_weights_and_holding_rollouts_are_replaced_in_place(tmp_path, capsys):
     """pipeline=async, max_staleness=2, two engines, the default budgets. Three engines are killed

@@ -82,7 +82,7 @@ def test_a_weight_push_and_an_engine_replacement_never_overlap(monkeypatch):
     from rlhf_orch.orchestration import loop as loop_module
 
     monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([], []))  # (no Ray: every engine answers)
-    monkeypatch.setattr(loop_module, "dead_engines", lambda engines, timeout_s: [])
+    monkeypatch.setattr(loop_module, "dead_actors", lambda engines, timeout_s: [])
     events: list[str] = []
     pushing = threading.Event()
 
@@ -143,10 +143,10 @@ def test_an_engine_lost_while_the_groups_form_again_is_replaced_in_turn_and_a_de
     loop = _loop(_Task(), actors, Sync())
     answers = iter([([0], [])])  # the replacement of engine 0 is found dead once
     monkeypatch.setattr(engine_recovery, "dead_or_stuck", lambda engines, timeout_s: next(answers, ([], [])))
-    monkeypatch.setattr(loop_module, "dead_engines", lambda engines, timeout_s: [])
+    monkeypatch.setattr(loop_module, "dead_actors", lambda engines, timeout_s: [])
     loop._replace_dead_engine(0, step=2)
     assert started == [0, 0] and loop.engine_restarts == 2
-    monkeypatch.setattr(loop_module, "dead_engines", lambda engines, timeout_s: [1] if not started[2:] else [])
+    monkeypatch.setattr(loop_module, "dead_actors", lambda engines, timeout_s: [1] if not started[2:] else [])
     loop.trained = 1
     loop.sync_engines({})  # engine 1 died since its last call: replaced before the push, not after a broken one
     assert started == [0, 0, 1] and loop.engine_restarts == 3 and loop.version == 1
@@ -175,13 +175,123 @@ def test_engines_stuck_in_a_broadcast_a_dead_one_broke_are_replaced_with_it_at_n
     actors = SimpleNamespace(engines=[engine, engine], policy=[], critic=[], reference=[], own_reference=[], reward=[],
                              restart_engine=lambda e: started.append(e) or engine)
     loop = _loop(_Task(), actors, Sync())
-    monkeypatch.setattr(loop_module, "dead_engines", lambda engines, timeout_s: [])
+    monkeypatch.setattr(loop_module, "dead_actors", lambda engines, timeout_s: [])
     monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([1], [0]))
     loop.trained = 1
     loop.sync_engines({})
     assert sorted(started) == [0, 1] and loop.engine_restarts == 1 and loop.version == 1
     loop._replace_after_sync([], [0, 1], 1)  # nothing dead: a hung broadcast, both charged
     assert loop.engine_restarts == 3
+
+
+def test_a_push_broken_by_a_dead_policy_rank_restarts_every_role_and_charges_no_engine(monkeypatch):
+    """The sender died: the engines are stuck in the broadcast it broke. Replacing them would fail
+    again against the dead rank, round after round, until the engine budget ended the run; a lost
+    trainer is a lost process instead (ActorDiedError: every role restarts from the checkpoint),
+    with no engine replaced or charged -- the first time the push fails, and again if it fails
+    while the groups form around replacements."""
+    from rlhf_orch.orchestration import engine_recovery
+    from rlhf_orch.orchestration import loop as loop_module
+    from rlhf_orch.orchestration.errors import ActorDiedError, EngineDiedError
+    from rlhf_orch.sync.base import WeightSyncError
+
+    class Sync:
+        def prepare(self, *args):
+            raise WeightSyncError("an engine or trainer process died while forming the weight-sync groups")
+
+        def verify(self, version): ...
+
+        def push(self, version):
+            raise WeightSyncError("weight broadcast from policy rank 0 failed")
+
+    started: list[int] = []
+    engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
+    actors = SimpleNamespace(engines=[engine, engine], policy=["rank 0"], critic=[], reference=[], own_reference=[], reward=[],
+                             restart_engine=lambda e: started.append(e) or engine)
+    loop = _loop(_Task(), actors, Sync())
+    monkeypatch.setattr(loop_module, "dead_actors", lambda actors, timeout_s: [])  # (no engine dead before the push)
+    monkeypatch.setattr(engine_recovery, "dead_actors", lambda actors, timeout_s: [0] if actors == ["rank 0"] else [])
+    monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([], [0, 1]))
+    monkeypatch.setattr(engine_recovery, "dead_or_stuck", lambda engines, timeout_s: ([], [0, 1]))
+    loop.trained = 1
+    with pytest.raises(ActorDiedError, match="policy rank 0 died pushing weight version 1") as raised:
+        loop.sync_engines({})
+    assert not isinstance(raised.value, EngineDiedError) and started == [] and loop.engine_restarts == 0
+    with pytest.raises(ActorDiedError, match="policy rank 0 died"):
+        loop._wire_replacements([0], 1, 1)
+    assert started == [0] and loop.engine_restarts == 0  # (the replacement asked for; no round charged)
+
+
+@pytest.mark.parametrize("pipeline", ["async", "sync"])
+def test_a_hand_over_that_finds_an_engine_dead_replaces_it_draws_its_share_again_and_hands_over(pipeline):
+    """Under async the hand-over's failure on a dead engine replaces it (charged to the budget),
+    draws the share it held again on the replacement and hands the rollout over; a rollout thread
+    that replaced an engine meanwhile makes the hand-over look again instead. Under sync the
+    failure stands (a lost process: the run restarts from its checkpoint)."""
+    from rlhf_orch.orchestration.engine_recovery import EngineRecovery
+    from rlhf_orch.orchestration.errors import ActorDiedError
+    from rlhf_orch.orchestration.pipeline import AsyncPipeline
+    from rlhf_orch.transfer.base import EngineShare
+
+    old, replacement = ["engine 0", "engine 1"], "engine 1, replaced"
+    events = []
+
+    class Transfer:
+        def hand_over(self, held, route):
+            events.append(("hand over", list(route.engines)))
+            if route.engines[1] != replacement:
+                raise ActorDiedError("vLLM engine 1 died while reading the held rollout")
+            return "delivered"
+
+        def redraw(self, held, route, lost):
+            events.append(("redraw", lost))
+            held.shares[1] = [EngineShare(route.engines[1], [1])]
+            return 2
+
+    class Loop(EngineRecovery):
+        def route(self, step=None):
+            return SimpleNamespace(engines=list(self.actors.engines))
+
+        def _lost_engines(self):
+            return [(1, "engine 1")] if self.actors.engines[1] == "engine 1" else []
+
+        def _replace_engine(self, e, step, dead=None):
+            events.append(("replace", e, dead))
+            self.actors.engines[e] = replacement
+            return replacement
+
+    loop = Loop()
+    loop.actors, loop.transfer, loop._restart_s, loop._redrawn = SimpleNamespace(engines=list(old)), Transfer(), {}, {}
+    loop.pipeline = AsyncPipeline(max_staleness=1) if pipeline == "async" else SyncPipeline()
+    held = SimpleNamespace(step=3, shares=[[EngineShare("engine 0", [0])], [EngineShare("engine 1", [1])]], request=object(),
+                           samples=None, ready_at=0.0)
+    if pipeline == "sync":
+        with pytest.raises(ActorDiedError, match="engine 1 died"):
+            loop.hand_over(held)
+        assert events == [("hand over", old)]
+        return
+    assert loop.hand_over(held) == "delivered"
+    assert events == [("hand over", old), ("replace", 1, "engine 1"), ("redraw", [1]), ("hand over", ["engine 0", replacement])]
+    assert loop._redrawn == {3: 2}
+    # A rollout thread replaced engine 0 while the hand-over ran: look again (its share drawn first).
+    events.clear()
+    held.shares[0] = [EngineShare("engine 0", [0])]
+
+    def replaced_meanwhile(held, route):
+        events.append(("hand over", list(route.engines)))
+        if route.engines[0] == "engine 0":
+            loop.actors.engines[0] = "engine 0, replaced"
+            raise ActorDiedError("vLLM engine 0 died while reading the held rollout")
+        return "delivered"
+
+    def redraw(held, route, lost):
+        events.append(("redraw", lost))
+        held.shares[0] = [EngineShare(route.engines[0], [0])]
+        return 2
+
+    loop.transfer.hand_over, loop.transfer.redraw = replaced_meanwhile, redraw
+    assert loop.hand_over(held) == "delivered"
+    assert events == [("hand over", ["engine 0", replacement]), ("redraw", [0]), ("hand over", ["engine 0, replaced", replacement])]
 
 
 def test_no_final_checkpoint_from_an_update_that_one_role_applied_and_another_did_not(tmp_path):
@@ -355,6 +465,7 @@ def test_carried_rollouts_above_a_lowered_max_staleness_are_drawn_again_not_trai
     resumed = load_resume(path, tmp_path, None, lower, num_steps=10)
     assert [h.step for h in resumed.state["pending_rollout"]] == [5]
     assert resumed.state["data"] == {"consumed": 10}  # step 6's prompts are drawn again
+    assert resumed.state["data_before_pending"] == {5: {"consumed": 8}}  # (6's and 7's: recorded again as drawn)
     assert "of steps 6, 7 (up to 3 versions behind) exceed pipeline.max_staleness=2: drawn again" in resumed.notes[0]
     path = checkpoint(5)  # written before the sampler positions were kept
     with pytest.raises(ResumeError, match=r"step 6 drawn 3 versions behind, more than pipeline.max_staleness=2.*resume with pipeline.max_staleness=3"):

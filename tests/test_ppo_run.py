@@ -166,8 +166,8 @@ LAYOUTS = {
 
 # The colocated layout is the full tier's (`make test-full`): CI runs the split one end to end, and
 # roles sharing one bundle's GPU with real Ray actors in test_ray_placement
-# (test_colocated_roles_on_one_bundle_share_its_gpu), the reference inside the policy's process in
-# test_warm_actors.
+# (test_colocated_roles_on_one_bundle_share_its_gpu), the reference inside the policy's processes in
+# test_reference_memory.
 @pytest.mark.parametrize("layout", [pytest.param("colocated", marks=pytest.mark.extended), "split"])
 def test_ppo_step_on_logical_gpu_layout_lands_where_planned(tmp_path, layout, shared_ray):
     cfg = compose_config(["experiment=quick", "algo.num_steps=1", *LAYOUTS[layout], *shared_ray])

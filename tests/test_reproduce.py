@@ -1,7 +1,8 @@
 """Committed reproductions: every experiment composes, plans its published cluster, runs scaled, reports.
 
-`scripts/reproduce.py <name> --scale cpu` on every runnable committed experiment (2 steps, the
-systems studies skipped here and run once in their own test), plus the pure pieces: references
+`scripts/reproduce.py <name> --scale cpu` on two runnable committed experiments (END_TO_END, 2 steps,
+the systems studies skipped; the full tier), every runnable one planned at its published scale and
+at this machine's, plus the pure pieces: references
 that cannot be used are refused at load time, scaling keeps the shape and says what it reduced,
 verdicts follow tolerances.
 """
@@ -138,8 +139,8 @@ def test_every_experiment_plans_its_published_cluster_and_scales_to_this_machine
 # DAPO (dynamic sampling, overlong shaping, no reference) and split with a reward-model role. Colocated
 # PPO with a critic (test_ppo_run, the full tier) and GRPO (test_learning) run end to end elsewhere, and the report code
 # is the same for every experiment; each experiment passes every pre-Ray check scaled (the test above).
-# CI (`make test`) runs the first; the reward-model split one is in the full tier (`make test-full`):
-# CI runs a reward-model role end to end in test_own_data_and_reward.
+# Both are in the full tier (`make test-full`), for CI's time: CI plans every experiment at scale
+# (the test above) and runs a reward-model role end to end in test_own_data_and_reward.
 END_TO_END = [n for n in ("dapo_qwen25_math_7b", "openrlhf_ppo_llama3_8b") if n in RUNNABLE]
 
 

@@ -200,7 +200,7 @@ def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_a
     route = SimpleNamespace(engines=list(scripted.engines))
     held = PackedTransfer().generate(request, route)
     assert held.rounds == 2 and held.shares[1][0].engine is scripted.engines[1]  # round 1's share: the dead process
-    assert held.shares[1][-1].engine is route.engines[1]
+    assert all(share.prompts for share in held.shares[1])  # (its round-2 groups, all dropped, left no share)
 
     redrawn = []
 
@@ -220,6 +220,48 @@ def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_a
             TrainLoop.redraw_lost_shares(loop, held, route)
         pipeline.close(None)
     assert redrawn == [[1]]
+
+
+def test_an_engine_replaced_after_all_its_earlier_groups_were_dropped_lost_nothing(monkeypatch):
+    """DAPO: every group engine 1 made in round 1 is uniform (dropped); it dies in round 2 and is
+    replaced there. Nothing the step trains on went with it: no share is lost, under any pipeline
+    (a share left with no kept prompt was counted lost before, and restarted the run)."""
+    from types import SimpleNamespace
+
+    from rlhf_orch.orchestration.loop import TrainLoop
+    from rlhf_orch.orchestration.pipeline import SyncPipeline
+
+    class EngineOnesRoundOneUniform(_ScriptedEngines):
+        def meta_of(self, prompts: range) -> RolloutMeta:
+            meta = super().meta_of(prompts)
+            meta.rewards = [0.0 if group_of(i, self.spp) in (3, 4, 5) else float(i % 2) for i in meta.indices]
+            return meta
+
+    spp = 4
+    scripted = EngineOnesRoundOneUniform(spp, 64, 2)
+    rounds = []
+
+    def generate(request, route, prompts):
+        rounds.append(prompts)
+        if len(rounds) == 2:
+            route.engines[1] = object()  # engine 1 died in round 2 and was replaced (on_engines)
+        return scripted.generate(request, route, prompts)
+
+    algo = instantiate(compose_config(["algo=dapo"]).algo)
+    drawn = iter(range(10**6))
+    more = lambda n: [dataclasses.make_dataclass("P", ["prompt_ids", "i"])([1, 2], next(drawn)) for _ in range(n)]  # noqa: E731
+    request = RolloutRequest(
+        prompts=more(6), prompt_ids=[[1, 2]] * 6, samples_per_prompt=spp, max_tokens=64, temperature=1.0, scorer=None,
+        num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=70,
+        group_filter=GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4),
+    )
+    monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
+    route = SimpleNamespace(engines=list(scripted.engines))
+    held = PackedTransfer().generate(request, route)
+    assert held.rounds == 2 and sorted({group_of(i, spp) for i in held.meta.indices}) == [0, 1, 2, 6, 7, 8]
+    assert all(share.engine is route.engines[1] for share in held.shares[1])
+    loop = SimpleNamespace(pipeline=SyncPipeline(), transfer=None, _restart_s={}, _redrawn={})
+    TrainLoop.redraw_lost_shares(loop, held, route)  # (raised EngineDiedError: a lost process)
 
 
 def test_a_checkpoint_written_before_the_record_moved_loads_with_its_counts_kept(tmp_path, monkeypatch):

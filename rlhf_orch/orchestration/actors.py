@@ -172,12 +172,15 @@ def not_answering(actors: Sequence[Any], timeout_s: float) -> list[int]:
     return sorted(dead + stuck)
 
 
-def dead_engines(engines: Sequence[Any], timeout_s: float) -> list[int]:
-    """Positions of the engines that are dead, asked on their monitor thread (`progress`, answered
-    beside any long call): a busy engine -- an agent session holding its vLLM thread -- answers at
-    once instead of after its call, and one that does not answer within `timeout_s` is not taken
-    for dead (the strict `dead_or_stuck` decides that when a push fails)."""
-    refs = {k: engine.progress.remote() for k, engine in enumerate(engines)}
+def dead_actors(actors: Sequence[Any], timeout_s: float) -> list[int]:
+    """Positions of the engines or trainer ranks that are dead, asked on their monitor thread
+    (`progress`, answered beside any long call): a busy one -- an agent session holding an engine's
+    vLLM thread, a rank inside a broadcast -- answers at once instead of after its call, and one
+    that does not answer within `timeout_s` is not taken for dead (the strict `dead_or_stuck`
+    decides that for engines when a push fails)."""
+    if not actors:
+        return []
+    refs = {k: actor.progress.remote() for k, actor in enumerate(actors)}
     ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     dead = []
     for k, ref in refs.items():

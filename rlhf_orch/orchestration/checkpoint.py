@@ -177,6 +177,8 @@ def _within_the_staleness_bound(resume: str, info: CheckpointInfo, state: dict[s
     state["pending_rollout"] = (kept if isinstance(pending, list) else kept[0]) if kept else None
     state["data"] = before
     dropped = [h.step for h in rollouts[first:]]
+    # Their positions belong to the draws dropped here: the resumed run records its own as it draws again.
+    state["data_before_pending"] = {s: d for s, d in (state.get("data_before_pending") or {}).items() if s not in dropped}
     return [f"resume: the carried rollout{'s' if len(dropped) > 1 else ''} of step{'s' if len(dropped) > 1 else ''} "
             f"{', '.join(map(str, dropped))} (up to {max(behind[first:])} versions behind) exceed pipeline.max_staleness={bound}: "
             "drawn again (the sampler goes back to before their prompts)"]

@@ -17,7 +17,7 @@ import functools
 import time
 from typing import Any, Callable
 
-from rlhf_orch.orchestration.actors import dead_or_stuck, lost_processes
+from rlhf_orch.orchestration.actors import dead_actors, dead_or_stuck, lost_processes
 from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.orchestration.errors import ActorDiedError, ActorTimeoutError, EngineDiedError, EngineRestartBudgetError, StepFailedError
 from rlhf_orch.sync.base import WeightSyncError
@@ -179,6 +179,15 @@ class EngineRecovery:
             flush=True,
         )
 
+    def _refuse_if_a_sender_died(self, version: int) -> None:
+        """A push that failed because a policy rank (a sender) died leaves the engines stuck in the
+        broken group: replacing them would fail again against the dead rank, charge each round to
+        the engine budget and end the run. A lost trainer is a lost process (every role restarts
+        from the checkpoint) -- asked first."""
+        dead = dead_actors(self.actors.policy, timeout_s=10.0)
+        if dead:
+            raise ActorDiedError(f"policy rank {dead[0]} died pushing weight version {version} to the engines")
+
     def _charge_restarts(self, engines: list[int], step: int, what: str) -> None:
         """Count replacements of `engines` against fault.max_engine_restarts (logged under `step`),
         or EngineRestartBudgetError when they do not fit."""
@@ -208,6 +217,7 @@ class EngineRecovery:
                 self.version = version
                 return
             except WeightSyncError:
+                self._refuse_if_a_sender_died(version)
                 dead, stuck = dead_or_stuck(self.actors.engines, timeout_s=10.0)
                 if not dead and not stuck:
                     raise

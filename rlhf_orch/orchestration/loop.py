@@ -30,7 +30,7 @@ from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import ROLES, dead_actor, one_line
-from rlhf_orch.orchestration.actors import RoleActors, dead_engines, dead_or_stuck, ranks_named
+from rlhf_orch.orchestration.actors import RoleActors, dead_actors, dead_or_stuck, ranks_named
 from rlhf_orch.orchestration.engine_recovery import EngineRecovery
 from rlhf_orch.orchestration.errors import (  # noqa: F401 - raised here, and imported from here by callers
     ActorDiedError, ActorTimeoutError, EngineDiedError, EngineRestartBudgetError, StepFailedError,
@@ -57,7 +57,7 @@ class LoopSettings:
     seed: int
     step_timeout_s: float
     max_seq_len: int = 0  # prompt_max_len + response_max_len (0: longest prompt + response_max_len)
-    max_engine_restarts: int = 0  # engines replaced per run at most (fault.max_engine_restarts)
+    max_engine_restarts: int = 0  # engines replaced per invocation at most (fault.max_engine_restarts)
     engine_tp: int = 1
     engines_sleep: bool = False  # engine.sleep_level > 0: idle engines release their GPU memory
     min_response_len: int = 0  # algo.min_response_len
@@ -144,7 +144,8 @@ class TrainLoop(EngineRecovery):
         self._replacing = threading.Lock()  # one engine replacement at a time (async: several rollouts may find it dead)
         self.norm_len = algo.norm_len(settings.response_max_len)
         # Per step whose rollout lost an engine, an entry per replacement charged to the budget (restored on
-        # resume). Keyed by the rollout's step: under one_step_off it is made during the step before.
+        # resume; only the entries count, their values are 0.0 -- the seconds are _restart_s'). Keyed by
+        # the rollout's step: under one_step_off it is made during the step before.
         self.restart_log: dict[int, list[float]] = {}
         self.engine_restarts_before = 0  # replacements the run made before this invocation (a resumed run's)
         self._restart_s: dict[int, float] = {}  # per step, the seconds this process spent replacing engines (time/engine_restart)
@@ -329,7 +330,7 @@ class TrainLoop(EngineRecovery):
             # An engine that died since its last call (idle, or holding rollouts: pipeline=async)
             # is replaced before the push: pushed to, its death would break the broadcast and leave
             # every other engine stuck in it (replaced too).
-            dead = dead_engines(self.actors.engines, timeout_s=10.0)
+            dead = dead_actors(self.actors.engines, timeout_s=10.0)
             if dead:
                 self._replace_after_sync(dead, [], version, before=True)
                 self.version = version
@@ -339,6 +340,7 @@ class TrainLoop(EngineRecovery):
                 self.last_sync = self.sync.push(version)
                 self.sync.verify(version)
             except WeightSyncError:
+                self._refuse_if_a_sender_died(version)
                 dead, stuck = dead_or_stuck(self.actors.engines, timeout_s=10.0)
                 if not dead and not stuck:
                     raise  # every engine answers: not a lost process (a bug, a timeout elsewhere)

@@ -45,8 +45,9 @@ class RunRecord:
         self.trainer_restarts_at_start = self.trainer_restarts
         self.engine_restarts_at_start = int(resume.state.get("engine_restarts", 0)) if resume else 0
         # Every engine replacement of the run, by the step whose rollout lost it (None: none yet in
-        # this process): a whole-run restart carries it into the new attempt, so the counters and
-        # fault.max_engine_restarts stay run-wide (the checkpoint's log knows only the steps before it).
+        # this process): a whole-run restart carries it into the new attempt, so the counters stay
+        # run-wide and fault.max_engine_restarts this invocation's (the checkpoint's log knows only
+        # the steps before it).
         self.engine_restart_log: dict[int, list[float]] | None = None
         # (resume=run_dir with no checkpoint yet: a fresh start over an earlier attempt's records)
         self.metrics_file = MetricsFile(run_dir, keep_through_step=resume.step if resume else (-1 if typed.resume else None))

@@ -230,8 +230,8 @@ class PackedTransfer(RolloutTransfer):
         if len(chosen) < need:  # rounds ran out: fill with uninformative groups (advantage 0)
             chosen |= set(sorted(set(range(generated)) - chosen)[: need - len(chosen)])
         kept = [[_select(m, chosen, spp) for m in parts] for parts in held]
-        for engine_shares in shares:
-            engine_shares[:] = [dataclasses.replace(s, prompts=[p for p in s.prompts if p in chosen]) for s in engine_shares]
+        for engine_shares in shares:  # (a share left with no kept prompt holds nothing a replacement could lose)
+            engine_shares[:] = [s for s in (dataclasses.replace(s, prompts=[p for p in s.prompts if p in chosen]) for s in engine_shares) if s.prompts]
         return kept, rounds, generated - len(set(groups[:need]))
 
 
