@@ -53,7 +53,7 @@ def _train(zero_stage: int, mode: str) -> dict:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [pytest.param(1, marks=pytest.mark.extended), 2])
 def test_muon_stand_in_skips_inductor_and_trains_the_same(zero_stage):
     stubbed, real = _train(zero_stage, "stub"), _train(zero_stage, "real")
     assert not stubbed["inductor"]  # ~1.5 s of a core saved in every trainer process

@@ -442,7 +442,7 @@ def test_an_agent_that_ends_its_process_scores_zero_and_the_step_completes(tmp_p
     assert rows[-1]["policy/grad_norm"] > 0  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)
 
 
-@pytest.mark.parametrize("transfer", ["packed", "micro_batched"])
+@pytest.mark.parametrize("transfer", ["packed", pytest.param("micro_batched", marks=pytest.mark.extended)])
 def test_every_conversation_of_an_agent_trains_on_every_rank_layout(tmp_path, transfer):
     """An agent whose trajectories hold two conversations (the second extends nothing): both train,
     with the trajectory's reward, over two policy ranks (the sequences then do not divide evenly:

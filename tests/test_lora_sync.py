@@ -28,7 +28,7 @@ from rlhf_orch.transfer.plan import whole_prompt_requests
 # the full-weight sync tests' policy groups, sequences, tolerance (float32, nats) and Ray environment
 from tests.test_sync_integration import ENV, SEQUENCES, TOLERANCE, Policies, _max_diff, _trainer_logprobs
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.extended]  # (CI: test_lora_run's adapter syncs, test_lora's coverage check)
 
 LORA = LoraSettings(rank=8, alpha=16, target_modules="all-linear", sync="adapter")
 

@@ -104,7 +104,8 @@ def test_verl_parquet_evaluated_before_training_trains_dr_grpo_packed(digit_file
 
 # 0: inline on the engine -- off the main thread (the engine's liveness check has a thread of its
 # own), where a watchdog raises the timeout into the scoring thread; 2: two Ray tasks.
-@pytest.mark.parametrize("pool_size", [0, pytest.param(2, marks=pytest.mark.extended)])  # the pool alone: test_reward_execution
+@pytest.mark.extended  # (CI: test_reward_execution -- the inline watchdog off the main thread, the pool)
+@pytest.mark.parametrize("pool_size", [0, 2])
 def test_raising_and_hanging_rewards_score_zero_are_counted_and_the_step_completes(tmp_path, pool_size, shared_ray):
     flaky = tmp_path / "flaky_reward.py"
     flaky.write_text(

@@ -164,11 +164,12 @@ LAYOUTS = {
 }
 
 
-# The colocated layout is the full tier's (`make test-full`): CI runs the split one end to end, and
-# roles sharing one bundle's GPU with real Ray actors in test_ray_placement
-# (test_colocated_roles_on_one_bundle_share_its_gpu), the reference inside the policy's processes in
-# test_reference_memory.
-@pytest.mark.parametrize("layout", [pytest.param("colocated", marks=pytest.mark.extended), "split"])
+# Both layouts are the full tier's (`make test-full`), for CI's time: CI places split and colocated
+# roles with real Ray actors in test_ray_placement (test_split_trainer_and_engine_gpus_are_disjoint,
+# test_colocated_roles_on_one_bundle_share_its_gpu), the reference inside the policy's processes in
+# test_reference_memory, and a PPO run with its critic end to end in test_failed_run_keeps_its_work.
+@pytest.mark.extended
+@pytest.mark.parametrize("layout", ["colocated", "split"])
 def test_ppo_step_on_logical_gpu_layout_lands_where_planned(tmp_path, layout, shared_ray):
     cfg = compose_config(["experiment=quick", "algo.num_steps=1", *LAYOUTS[layout], *shared_ray])
     launcher = instantiate(cfg.launcher)
