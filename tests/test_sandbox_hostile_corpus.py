@@ -27,7 +27,7 @@ def _failures(results: dict[str, str | None]) -> dict[str, str]:
     return {name: problem for name, problem in results.items() if problem}
 
 
-@pytest.mark.parametrize("audit_hook", [False, True], ids=["os_only", "audit_hook"])
+@pytest.mark.parametrize("audit_hook", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["os_only", "audit_hook"])
 def test_the_hostile_corpus_is_contained_as_root(audit_hook):
     if os.geteuid() != 0:
         pytest.skip("this mode needs root (the non-root mode is the test below)")
