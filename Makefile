@@ -7,7 +7,7 @@ setup:
 run: setup
 	.venv/bin/python run.py $(ARGS)
 
-# Three workers sharing the tests by load on 2 cores: one end-to-end test keeps ~0.8 of a core busy
+# Three workers sharing the tests by load on 2 cores: one end-to-end test alone keeps ~0.8 of a core busy
 # (it waits on process start-up and on its actors), so a third stream fills what two leave idle
 # (docs/testing.md, 2026-12-02). The in-process end-to-end tests of one module stay on one worker, so
 # its Ray session and actors are built once (an xdist group per module, tests/conftest.py).
