@@ -87,6 +87,7 @@ def test_cached_second_call_does_not_rebuild(cache_dir: Path, built_path: str, m
     assert not list(cache_dir.glob(".*building*"))  # no staging directory left behind
 
 
+@pytest.mark.extended  # (builds a second model, ~13 s: docs/testing.md)
 def test_config_changes_the_cache_key(cache_dir: Path) -> None:
     base = make_tiny(cache_dir)
     assert make_tiny(cache_dir, warmup_steps=7).model_id != base.model_id
@@ -100,6 +101,7 @@ def test_rejects_head_dim_below_32(cache_dir: Path) -> None:
         make_tiny(cache_dir, num_heads=8)  # 128 / 8 = 16
 
 
+@pytest.mark.extended  # (builds a second model, ~13 s: docs/testing.md)
 def test_build_is_deterministic(built_path: str, tmp_path: Path) -> None:
     other = make_tiny(tmp_path).path()
     first = load_file(str(Path(built_path, "model.safetensors")))
