@@ -167,6 +167,32 @@ def test_a_masked_trajectory_counts_in_no_group_statistics():
     assert [values[3], values[4], values[5]] == pytest.approx(rest.tolist())
 
 
+def _dapo_with_engine_1_replaced_in_round_2(scripted: _ScriptedEngines, monkeypatch) -> tuple:
+    """DAPO's rounds over six prompts on `scripted`'s two engines, engine 1 dying in round 2 and
+    replaced there (as `on_engines` does): the held rollout and the route it ends on."""
+    from types import SimpleNamespace
+
+    rounds = []
+
+    def generate(request, route, prompts):
+        rounds.append(prompts)
+        if len(rounds) == 2:
+            route.engines[1] = object()  # engine 1 died in round 2 and was replaced (on_engines)
+        return scripted.generate(request, route, prompts)
+
+    algo = instantiate(compose_config(["algo=dapo"]).algo)
+    drawn = iter(range(10**6))
+    more = lambda n: [dataclasses.make_dataclass("P", ["prompt_ids", "i"])([1, 2], next(drawn)) for _ in range(n)]  # noqa: E731
+    request = RolloutRequest(
+        prompts=more(6), prompt_ids=[[1, 2]] * 6, samples_per_prompt=scripted.spp, max_tokens=64, temperature=1.0, scorer=None,
+        num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=70,
+        group_filter=GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4),
+    )
+    monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
+    route = SimpleNamespace(engines=list(scripted.engines))
+    return PackedTransfer().generate(request, route), route
+
+
 def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_and_the_pipeline_decides(monkeypatch):
     """DAPO: engine 1 dies in round 2 and is replaced (its round-2 share re-issued there); its
     round-1 samples died with it. The held rollout says so (`shares`): under pipeline=sync the loop
@@ -180,25 +206,7 @@ def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_a
 
     spp, engines = 4, 2
     scripted = _ScriptedEngines(spp, 64, engines)
-    rounds = []
-
-    def generate(request, route, prompts):
-        rounds.append(prompts)
-        if len(rounds) == 2:
-            route.engines[1] = object()  # engine 1 died in round 2 and was replaced (on_engines)
-        return scripted.generate(request, route, prompts)
-
-    algo = instantiate(compose_config(["algo=dapo"]).algo)
-    drawn = iter(range(10**6))
-    more = lambda n: [dataclasses.make_dataclass("P", ["prompt_ids", "i"])([1, 2], next(drawn)) for _ in range(n)]  # noqa: E731
-    request = RolloutRequest(
-        prompts=more(6), prompt_ids=[[1, 2]] * 6, samples_per_prompt=spp, max_tokens=64, temperature=1.0, scorer=None,
-        num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=70,
-        group_filter=GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4),
-    )
-    monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
-    route = SimpleNamespace(engines=list(scripted.engines))
-    held = PackedTransfer().generate(request, route)
+    held, route = _dapo_with_engine_1_replaced_in_round_2(scripted, monkeypatch)
     assert held.rounds == 2 and held.shares[1][0].engine is scripted.engines[1]  # round 1's share: the dead process
     assert all(share.prompts for share in held.shares[1])  # (its round-2 groups, all dropped, left no share)
 
@@ -239,25 +247,7 @@ def test_an_engine_replaced_after_all_its_earlier_groups_were_dropped_lost_nothi
 
     spp = 4
     scripted = EngineOnesRoundOneUniform(spp, 64, 2)
-    rounds = []
-
-    def generate(request, route, prompts):
-        rounds.append(prompts)
-        if len(rounds) == 2:
-            route.engines[1] = object()  # engine 1 died in round 2 and was replaced (on_engines)
-        return scripted.generate(request, route, prompts)
-
-    algo = instantiate(compose_config(["algo=dapo"]).algo)
-    drawn = iter(range(10**6))
-    more = lambda n: [dataclasses.make_dataclass("P", ["prompt_ids", "i"])([1, 2], next(drawn)) for _ in range(n)]  # noqa: E731
-    request = RolloutRequest(
-        prompts=more(6), prompt_ids=[[1, 2]] * 6, samples_per_prompt=spp, max_tokens=64, temperature=1.0, scorer=None,
-        num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=70,
-        group_filter=GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4),
-    )
-    monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
-    route = SimpleNamespace(engines=list(scripted.engines))
-    held = PackedTransfer().generate(request, route)
+    held, route = _dapo_with_engine_1_replaced_in_round_2(scripted, monkeypatch)
     assert held.rounds == 2 and sorted({group_of(i, spp) for i in held.meta.indices}) == [0, 1, 2, 6, 7, 8]
     assert all(share.engine is route.engines[1] for share in held.shares[1])
     loop = SimpleNamespace(pipeline=SyncPipeline(), transfer=None, _restart_s={}, _redrawn={})
