@@ -17,13 +17,11 @@ import ray
 
 from launchers.base import RayLauncher
 from rlhf_orch.cuda_probe import cuda_device_count  # torch only where the node has NVIDIA GPUs
+from rlhf_orch.topology.placement import MIN_LOGICAL_CPUS
 
 #: The node address of a local run: every Ray process binds it.
 LOOPBACK = "127.0.0.1"
 
-# Ray schedules actors by logical CPUs; on a 2-core box a run has more processes than cores, so the
-# default declares at least this many (they are bookkeeping, not pinned cores).
-MIN_LOGICAL_CPUS = 16
 
 
 class LocalRayLauncher(RayLauncher):

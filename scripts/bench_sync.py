@@ -36,7 +36,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor  # noqa: E402
-from rlhf_orch.orchestration.liveness import actor_class  # noqa: E402
+from rlhf_orch.liveness import actor_class  # noqa: E402
 from rlhf_orch.sync.base import WeightSyncError  # noqa: E402
 from rlhf_orch.sync.cost_model import LINKS_GBPS, LLAMA3_8B, CostModel  # noqa: E402
 from rlhf_orch.sync.bucketed import BucketedBroadcastSync  # noqa: E402

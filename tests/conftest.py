@@ -143,7 +143,7 @@ def start_trainer_ranks(cls, spec, ranks: int, runtime_env: dict) -> list:
     joined in one torch.distributed world (rank 0 hosts it; every rank joins at once). Not built."""
     import ray
 
-    from rlhf_orch.orchestration.liveness import actor_class
+    from rlhf_orch.liveness import actor_class
 
     workers = [actor_class(cls).options(num_cpus=1, runtime_env=runtime_env).remote(spec, r, ranks) for r in range(ranks)]
     host, port = ray.get(workers[0].rendezvous_address.remote())

@@ -16,7 +16,7 @@ import ray
 
 from rlhf_orch.engines.launch import engine_launch
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
-from rlhf_orch.orchestration.liveness import actor_class
+from rlhf_orch.liveness import actor_class
 from rlhf_orch.sync.bucketed import BucketedBroadcastSync
 from rlhf_orch.sync.object_store import ObjectStoreSync
 from rlhf_orch.topology.plan import plan_cpu_local

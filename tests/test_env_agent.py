@@ -717,7 +717,7 @@ def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(
     from rlhf_orch.engines import agent_rollout
     from rlhf_orch.engines.request_steps import VLLMCalls
     from rlhf_orch.engines.vllm_engine import VLLMEngine
-    from rlhf_orch.orchestration.liveness import WorkCount
+    from rlhf_orch.liveness import WorkCount
 
     vllm_engine = SimpleNamespace(step=lambda: [SimpleNamespace(finished=False)], has_unfinished_requests=lambda: True)
     counted: list[int] = []

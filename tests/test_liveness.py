@@ -1,4 +1,4 @@
-"""Liveness by progress (rlhf_orch/orchestration/liveness.py): a wait on actors whose counts move
+"""Liveness by progress (rlhf_orch/liveness.py): a wait on actors whose counts move
 goes on past any number of windows; one whose counts stand, or that do not answer, gives up
 within two. Pure, on a fake clock: the results' readiness and the actors' counts are functions of
 it. Then the real trainer class on Ray: its `progress` answers beside a busy phase, and a failure's
@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 import ray
 
-from rlhf_orch.orchestration.liveness import MONITOR, ProgressWatch, actor_class, deferred, no_progress_note, resolved
+from rlhf_orch.liveness import MONITOR, ProgressWatch, actor_class, deferred, no_progress_note, resolved
 from rlhf_orch.transfer.base import Route
 
 WINDOW = 10.0

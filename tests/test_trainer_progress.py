@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf_orch.orchestration.liveness import WorkCount
+from rlhf_orch.liveness import WorkCount
 from rlhf_orch.trainer.progress import count_layers, counted_modules, counting_saved_tensors, decoder_layers
 
 LAYERS = 3

@@ -781,10 +781,8 @@ def _launcher(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
 
 
 def _default_logical_cpus() -> Optional[int]:
-    try:
-        from launchers.local import MIN_LOGICAL_CPUS
-    except ImportError:  # launchers/ is not importable from here: no check
-        return None
+    from rlhf_orch.topology.placement import MIN_LOGICAL_CPUS
+
     return max(os.cpu_count() or 1, MIN_LOGICAL_CPUS)
 
 

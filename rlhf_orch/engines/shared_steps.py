@@ -20,7 +20,7 @@ import queue
 import threading
 from typing import Any
 
-from rlhf_orch.orchestration.liveness import WorkCount
+from rlhf_orch.liveness import WorkCount
 
 
 class SharedEngineSteps:

@@ -21,7 +21,7 @@ from rlhf_orch.engines.launch import (
 )
 from rlhf_orch.engines.shared_steps import SharedEngineSteps, mean_version
 from rlhf_orch.models.lora import LoraSettings
-from rlhf_orch.orchestration.liveness import MONITOR, actor_class
+from rlhf_orch.liveness import MONITOR, actor_class
 from rlhf_orch.sync.buckets import Bucket, TensorMeta
 from rlhf_orch.sync.group import GroupAddress
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob, RolloutProducer

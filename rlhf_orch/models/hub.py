@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-class ModelSourceError(ValueError):
-    """A model that cannot be loaded here (one line: key, value, fix)."""
+from rlhf_orch.models.source_error import ModelSourceError
 
 
 def looks_like_path(name_or_path: str) -> bool:

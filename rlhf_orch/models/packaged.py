@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlhf_orch.models.hub import ModelSourceError
+from rlhf_orch.models.source_error import ModelSourceError
 
 # Bumped when the GGUF conversion (rlhf_orch.models.gguf) changes in a way its options do not capture.
 GGUF_BUILD_FORMAT_VERSION = 1

@@ -12,7 +12,7 @@ import ray
 
 from rlhf_orch.engines.launch import engine_launch
 from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
-from rlhf_orch.orchestration.liveness import ANSWER_S, actor_class, ask_progress, read_progress
+from rlhf_orch.liveness import ANSWER_S, actor_class, ask_progress, read_progress
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
 from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, TrainerSpec
@@ -214,7 +214,7 @@ def lost_processes(actors: Sequence[Any], timeout_s: float) -> list[int]:
     runs on the thread that one long call holds without being stuck (an engine's whole agent
     session or unthreaded rollout; a trainer rank's long experience or update phase). Every actor
     with a count (`progress`, answered on a thread of its own: engines and trainer ranks,
-    rlhf_orch.orchestration.liveness) is asked for it as the `ping` wait starts; one that missed
+    rlhf_orch.liveness) is asked for it as the `ping` wait starts; one that missed
     `ping` is asked again after it and counts as busy, not lost, if its count moved. Stuck in a
     broadcast, a collective or a hung call, its count stands; an actor without a count that misses
     `ping` is lost. At most `timeout_s` + `ANSWER_S`."""

@@ -36,7 +36,7 @@ from rlhf_orch.orchestration.errors import (  # noqa: F401 - raised here, and im
     ActorDiedError, ActorTimeoutError, EngineDiedError, EngineRestartBudgetError, StepFailedError,
 )
 from rlhf_orch.orchestration.checkpoint import engine_seed
-from rlhf_orch.orchestration.liveness import ProgressWatch, deferred, no_progress_note
+from rlhf_orch.liveness import ProgressWatch, deferred, no_progress_note
 from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
 from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.sync.base import SyncReport, WeightSync, WeightSyncError
@@ -470,7 +470,7 @@ class TrainLoop(EngineRecovery):
         fault.step_timeout_s) or the `remaining_s` of it a caller has left, each failure turned
         into one line naming what was being done. `progress_of` (name -> trainer rank: the ranks
         whose calls `refs` are, and those their calls wait on): waited for by progress instead
-        (rlhf_orch.orchestration.liveness) -- however long, while any of them moves; given up
+        (rlhf_orch.liveness) -- however long, while any of them moves; given up
         once none did over a fault.step_timeout_s window."""
         timeout_s, key = timeout or (self.settings.step_timeout_s, "fault.step_timeout_s")
         try:

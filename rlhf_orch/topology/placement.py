@@ -13,6 +13,10 @@ from typing import Callable, ClassVar, Optional
 
 from rlhf_orch.topology.plan import PlacementPlan, plan_colocated, plan_cpu_local, plan_split, with_reference_hosting
 
+# Ray schedules actors by logical CPUs; on a 2-core box a run has more processes than cores, so a
+# local run declares at least this many (they are bookkeeping, not pinned cores).
+MIN_LOGICAL_CPUS = 16
+
 
 @dataclass(frozen=True, kw_only=True)
 class _Placement:

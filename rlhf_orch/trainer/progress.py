@@ -9,7 +9,7 @@ is saved and as the backward uses it (`counting_saved_tensors`: one long micro-b
 operation by operation), and the entry to and exit from every collective it makes (`collective`:
 DeepSpeed's backward and optimizer step, its all-reduces and gathers, the weight sync's sends, the
 checkpoint's writes). The count is answered by the actor's `progress` on a thread of its own
-(rlhf_orch.orchestration.liveness); a count that stands over a window means a hung rank, one
+(rlhf_orch.liveness); a count that stands over a window means a hung rank, one
 that moves a busy one. A collective that never returns leaves the count at its entry.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlhf_orch.orchestration.liveness import WorkCount
+from rlhf_orch.liveness import WorkCount
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -29,7 +29,7 @@ from rlhf_orch.algo.losses import (
 )
 from rlhf_orch.algo.ppo_math import LOGPROB_DIFF_THRESHOLD, masked_mean
 from rlhf_orch.models.lora import LoraSettings
-from rlhf_orch.orchestration.liveness import MONITOR, WorkCount, resolved
+from rlhf_orch.liveness import MONITOR, WorkCount, resolved
 from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.trainer.deepspeed_config import deepspeed_config, frozen_model_config
 from rlhf_orch.trainer.deepspeed_startup import skip_muon_import, skip_shm_comm_op
@@ -155,7 +155,7 @@ class _Worker(ExperienceInbox):
     def progress(self) -> int:
         """Micro-batches, decoder layers, saved tensors and collectives this rank went through so
         far (rlhf_orch.trainer.progress). Answered on a thread of its own while a phase runs (the
-        driver's liveness check, rlhf_orch.orchestration.liveness): a count that moves means the
+        driver's liveness check, rlhf_orch.liveness): a count that moves means the
         phase moves; one that stands, or no answer, means a hung rank."""
         return self.work_done.count
 

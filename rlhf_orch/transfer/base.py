@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 import ray
 
-from rlhf_orch.orchestration.liveness import ProgressWatch
+from rlhf_orch.liveness import ProgressWatch
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 from rlhf_orch.transfer.micro_batches import near_equal_ranges, shard_for_ranks, split_by_count
 from rlhf_orch.transfer.engine_side import RolloutJob, Scorer
