@@ -1,4 +1,4 @@
-"""The `algo` options: each class extends its schema (`rlhf_orch.config.schema`) with its math.
+"""The `algo` options: each class extends its declaration (`rlhf_orch.algo.options`) with its math.
 
 An algorithm answers two questions, each in the place where it is cheapest:
 
@@ -39,7 +39,7 @@ from rlhf_orch.algo.advantages import (
 )
 from rlhf_orch.algo.losses import kl_divergence
 from rlhf_orch.algo.ppo_math import token_rewards
-from rlhf_orch.config.schema import DAPOConfig, GRPOConfig, PPOConfig, ReinforcePPConfig, RLOOConfig
+from rlhf_orch.algo.options import DAPOConfig, GRPOConfig, PPOConfig, ReinforcePPConfig, RLOOConfig
 
 AllReduce = Callable[[Tensor], Tensor]  # sum over the policy's data-parallel ranks
 

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from rlhf_orch.algo.ppo_math import masked_mean
 from rlhf_orch.algo.vocab_reductions import entropy as vocab_entropy
-from rlhf_orch.config.schema import KL_DIVERGENCE_ESTIMATORS, LOSS_AGGREGATIONS
+from rlhf_orch.algo.options import KL_DIVERGENCE_ESTIMATORS, LOSS_AGGREGATIONS
 
 
 # --------------------------------------------------------------------------- loss aggregation

@@ -29,7 +29,7 @@ def average_metrics(metrics: Sequence[dict]) -> dict[str, float]:
 
 @dataclass
 class MultiTurnEnv(EnvGroup):
-    """Base of `env=custom`, `env=skyrl`, `env=python_tool` (their schema: rlhf_orch.config.schema).
+    """Base of `env=custom`, `env=skyrl`, `env=python_tool` (their declarations: rlhf_orch.env.options).
 
     The trajectory's reward is the environment's (`reward`: the last step's, or the sum of every
     step's; `per_turn`: the sum, each step's reward also placed on its turn's last token for the

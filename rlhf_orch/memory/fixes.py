@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
-from rlhf_orch.config.schema import AlgoConfig, GRPOConfig, RootConfig
+from rlhf_orch.algo.options import AlgoConfig, GRPOConfig
+from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.memory.plan import GB, MemoryPlan
 
 #: Re-plans a modified config: the new memory plan, or None when the config is invalid.

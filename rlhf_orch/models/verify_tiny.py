@@ -17,7 +17,7 @@ from dataclasses import fields
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf_orch.config.schema import TinyModelConfig
+from rlhf_orch.models.options import TinyModelConfig
 from rlhf_orch.data.digit_task import DigitReverseTask, Prompt, reward_fn
 from rlhf_orch.models.tiny import TinyLlama
 from rlhf_orch.models.warm_start_task import default_warm_start_task

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Callable
 
-from rlhf_orch.config.schema import DigitTaskConfig, LookupTaskConfig
+from rlhf_orch.data.options import DigitTaskConfig, LookupTaskConfig
 from rlhf_orch.data.digit_task import DigitReverseTask
 from rlhf_orch.data.lookup_task import LookupTask
 from rlhf_orch.models.tiny_build import WarmStartRecipe

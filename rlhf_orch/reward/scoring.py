@@ -68,7 +68,7 @@ class RewardSetup:
 
 def build_reward(node: DictConfig | dict) -> RewardSetup:
     """Instantiate the `reward` option; the execution keys are settings of the run, not the function's."""
-    from rlhf_orch.config.schema import RuleRewardConfig
+    from rlhf_orch.reward.options import RuleRewardConfig
 
     conf = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     execution = {k: conf.pop(k) for k in RuleRewardConfig.execution_keys if k in conf}

@@ -1,14 +1,25 @@
-"""Rollout experience formats and the pure planners that cut them into micro-batches."""
+"""Rollout experience formats and the pure planners that cut them into micro-batches.
 
-from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, PackedBatch, PaddedBatch, Sample
-from rlhf_orch.transfer.micro_batches import plan_token_budget_micro_batches, shard_for_ranks, split_by_count
+The names load on first use (PEP 562): the package's `options` (the config's declarations) must not
+pull in torch.
+"""
 
-__all__ = [
-    "ENGINE_LOGPROBS",
-    "PackedBatch",
-    "PaddedBatch",
-    "Sample",
-    "plan_token_budget_micro_batches",
-    "shard_for_ranks",
-    "split_by_count",
-]
+from importlib import import_module
+
+_NAMES = {
+    "ENGINE_LOGPROBS": "rlhf_orch.transfer.batch",
+    "PackedBatch": "rlhf_orch.transfer.batch",
+    "PaddedBatch": "rlhf_orch.transfer.batch",
+    "Sample": "rlhf_orch.transfer.batch",
+    "plan_token_budget_micro_batches": "rlhf_orch.transfer.micro_batches",
+    "shard_for_ranks": "rlhf_orch.transfer.micro_batches",
+    "split_by_count": "rlhf_orch.transfer.micro_batches",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return getattr(import_module(_NAMES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

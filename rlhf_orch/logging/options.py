@@ -1,0 +1,35 @@
+"""The `logger` group's declarations (`rlhf_orch.logging.console`, `.wandb_logger`).
+
+Imports nothing heavy (composing a config stays cheap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class LoggerConfig:
+    _target_: str = MISSING
+    plot_every_n_steps: int = 0  # refresh <run dir>/plots every n steps (0 = only when the run ends)
+    verbose: bool = False  # Ray/vLLM/DeepSpeed output on the console too (otherwise only in the run dir)
+    # What the model wrote: <run dir>/rollouts/step_<N>.jsonl, the whole sequence decoded (special
+    # tokens kept), prompt, response, reward, advantage, turns, data source (rlhf_orch.logging.rollout_dump).
+    rollouts: bool = True
+    rollouts_per_step: int = 16  # sequences written per step (the lowest indices: whole prompt groups)
+
+
+@dataclass
+class ConsoleLoggerConfig(LoggerConfig):
+    _target_: str = "rlhf_orch.logging.console.ConsoleLogger"
+
+
+@dataclass
+class WandbLoggerConfig(LoggerConfig):
+    _target_: str = "rlhf_orch.logging.wandb_logger.WandbLogger"
+    project: str = "rlhf_orch"
+    mode: Optional[str] = None  # None: "online" if WANDB_API_KEY is set, else "offline"
+    entity: Optional[str] = None
