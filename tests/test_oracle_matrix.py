@@ -253,13 +253,15 @@ def _oracle(model_path, algo, optimizer, policy_steps, critic_steps, lora: LoraS
         loss_masks=[[int(m) for m in s.fields[LOSS_MASK]] for s in SAMPLES],
         turn_rewards=[list(s.fields[TURN_REWARDS]) for s in SAMPLES],
     )
-    opt = Optimization(actor_lr=LR[optimizer], critic_lr=LR[optimizer] * 4, optimizer=optimizer, grad_clip=1.0, norm_len=MAX_RESPONSE_LEN)
+    opt = Optimization(actor_lr=LR[optimizer], critic_lr=LR[optimizer] * 4, optimizer=optimizer, weight_decay=0.0, grad_clip=1.0,
+                       temperature=1.0, norm_len=MAX_RESPONSE_LEN)
     policy = copy.deepcopy(_initial_model(model_path, "policy")).train()
     if lora is not None:  # the same adapters the trainer starts from (A drawn from the spec's seed)
         policy = apply_lora(policy, lora, SEED)
     critic = copy.deepcopy(_initial_model(model_path, "critic")).train() if algo.needs_critic else None
     critic_steps = critic_steps or []  # [] = the critic gives the old values and is not trained
-    result = reference_update(algo, rollout, policy, opt, policy_steps, critic, critic_steps, 0.2, MAX_RESPONSE_LEN)
+    result = reference_update(algo, rollout, policy, opt, policy_steps, critic, critic_steps, value_clip_eps=0.2,
+                              max_response_len=MAX_RESPONSE_LEN)
     return result
 
 

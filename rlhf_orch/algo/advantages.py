@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlhf_orch.algo.ppo_math import token_rewards
+from rlhf_orch.algo.options import GRPOConfig, ReinforcePPConfig
+from rlhf_orch.algo.ppo_math import WHITEN_EPS, token_rewards
 
 
 # --------------------------------------------------------------------------- GAE (PPO)
@@ -101,7 +102,7 @@ def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Ten
 
 @torch.no_grad()
 def grpo_advantages(
-    scores: Tensor, group_ids: Tensor, norm_by_std: bool = True, eps: float = 1e-6
+    scores: Tensor, group_ids: Tensor, norm_by_std: bool = True, eps: float = GRPOConfig.eps
 ) -> Tensor:
     """GRPO's outcome advantage, one per sample `[B]`:
 
@@ -158,7 +159,7 @@ def whiten_with_moments(
     total_sum: Tensor | float,
     total_sum_sq: Tensor | float,
     total_count: Tensor | float,
-    eps: float = 1e-8,
+    eps: float = WHITEN_EPS,
     shift_mean: bool = True,
 ) -> Tensor:
     """Whiten `x` with the mean and variance implied by (already reduced) moments.
@@ -191,8 +192,8 @@ def reinforce_pp_returns(
     scores: Tensor,
     mask: Tensor,
     kl: Tensor | None = None,
-    kl_coef: float = 0.0,
-    gamma: float = 1.0,
+    kl_coef: float | None = None,
+    gamma: float = ReinforcePPConfig.gamma,
     group_ids: Tensor | None = None,
     placed: Tensor | None = None,
 ) -> Tensor:
@@ -214,6 +215,8 @@ def reinforce_pp_returns(
         scores, _, _, _ = _group_stats(scores, group_ids)
     if kl is None:
         kl, kl_coef = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device), 0.0
+    elif kl_coef is None:
+        raise ValueError("reinforce_pp_returns: a kl needs its kl_coef")
     rewards = token_rewards(scores, kl, mask, kl_coef, placed)
     returns, _ = gae_advantages(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
     return returns
@@ -224,10 +227,10 @@ def reinforce_pp_advantages(
     scores: Tensor,
     mask: Tensor,
     kl: Tensor | None = None,
-    kl_coef: float = 0.0,
-    gamma: float = 1.0,
+    kl_coef: float | None = None,
+    gamma: float = ReinforcePPConfig.gamma,
     group_ids: Tensor | None = None,
-    eps: float = 1e-8,
+    eps: float = WHITEN_EPS,
     placed: Tensor | None = None,
 ) -> Tensor:
     """REINFORCE++ advantages `[B, T]`: `reinforce_pp_returns` whitened over the batch's tokens.

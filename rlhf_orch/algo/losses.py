@@ -44,8 +44,8 @@ import torch
 from torch import Tensor
 
 from rlhf_orch.algo.ppo_math import masked_mean
-from rlhf_orch.algo.vocab_reductions import entropy as vocab_entropy
-from rlhf_orch.algo.options import KL_DIVERGENCE_ESTIMATORS, LOSS_AGGREGATIONS
+from rlhf_orch.algo.vocab_reductions import PLAIN_TEMPERATURE, entropy as vocab_entropy
+from rlhf_orch.algo.options import KL_DIVERGENCE_ESTIMATORS, LOSS_AGGREGATIONS, AlgoConfig
 
 
 # --------------------------------------------------------------------------- loss aggregation
@@ -220,8 +220,8 @@ def clipped_policy_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
+    clip_low: float = AlgoConfig.clip_low,
+    clip_high: float = AlgoConfig.clip_high,
     agg: str = "token-mean",
     is_weights: Tensor | None = None,
     clip_ratio_c: float | None = None,
@@ -368,7 +368,7 @@ def decoupled_is_weights(
 
 
 # --------------------------------------------------------------------------- entropy
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+def entropy_from_logits(logits: Tensor, temperature: float = PLAIN_TEMPERATURE) -> Tensor:
     """Entropy of softmax(logits / temperature) over the last dimension, `[..., V]` -> float32 `[...]`.
 
         H = logsumexp(z) - sum_v softmax(z)_v * z_v

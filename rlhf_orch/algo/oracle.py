@@ -58,7 +58,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-from rlhf_orch.algo.ppo_math import LOGPROB_DIFF_THRESHOLD
+from rlhf_orch.algo.ppo_math import LOGPROB_DIFF_THRESHOLD, WHITEN_EPS
 
 
 @dataclass
@@ -84,11 +84,11 @@ class Optimization:
     """How the weights move: what `trainer.*` and `algo.*_lr` / `grad_clip` say."""
 
     actor_lr: float
+    optimizer: str  # "adamw" (betas 0.9, 0.95) or "sgd"
+    weight_decay: float
+    grad_clip: float  # 0 = off
+    temperature: float
     critic_lr: float = 0.0
-    optimizer: str = "adamw"  # "adamw" (betas 0.9, 0.95) or "sgd"
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # 0 = off
-    temperature: float = 1.0
     norm_len: int = 0  # seq-mean-token-sum-norm's constant (algo.loss_agg_norm_len or response_max_len)
 
 
@@ -201,7 +201,7 @@ def _gae(rewards: Tensor, values: Tensor, mask: list[bool], gamma: float, lam: f
     return adv, torch.where(real, adv + values, torch.zeros_like(adv))
 
 
-def _whiten(per_seq: list[Tensor], masks: list[list[bool]], eps: float = 1e-8) -> list[Tensor]:
+def _whiten(per_seq: list[Tensor], masks: list[list[bool]], eps: float = WHITEN_EPS) -> list[Tensor]:
     """(x - mean) / sqrt(var + eps) over every real token of the rollout (unbiased var)."""
     real = torch.cat([x[torch.tensor(m, dtype=torch.bool)] for x, m in zip(per_seq, masks)]).double()
     mean = real.mean()
@@ -352,7 +352,8 @@ def reference_update(
     policy_steps: list[list[int]],
     critic: nn.Module | None = None,
     critic_steps: list[list[int]] | None = None,
-    value_clip_eps: float = 0.2,
+    *,
+    value_clip_eps: float,
     max_response_len: int = 0,
 ) -> OracleResult:
     """One update of `policy` (and `critic`) on `rollout`, in place; see the module docstring.

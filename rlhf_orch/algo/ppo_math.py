@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from rlhf_orch.algo.vocab_reductions import token_logprobs
+from rlhf_orch.algo.vocab_reductions import PLAIN_TEMPERATURE, token_logprobs
+
+# Added to the variance before dividing by its root (whitening): keeps a constant batch finite.
+WHITEN_EPS = 1e-8
 
 # |engine log-prob - trainer log-prob| above which a token counts in rollout/logprob_diff_over_frac:
 # a 10 % disagreement on the token's probability (float32 kernels stay far below it; bfloat16's
@@ -59,7 +62,7 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return centred_sq.sum() / denom
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = WHITEN_EPS) -> Tensor:
     """Normalise `x` to unit variance over the masked positions (and zero mean if `shift_mean`).
 
     `shift_mean=False` keeps the original mean -- used for rewards, whose sign carries meaning.
@@ -111,7 +114,7 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float, plac
 def logprobs_from_logits(
     logits: Tensor,
     tokens: Tensor,
-    temperature: float = 1.0,
+    temperature: float = PLAIN_TEMPERATURE,
     max_chunk_elements: int = 1 << 24,
 ) -> Tensor:
     """`log softmax(logits / temperature)[token]` for every position: `[..., V]`, `[...]` -> `[...]`.

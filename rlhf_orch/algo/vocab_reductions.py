@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+#: The temperature that leaves the logits as the model gives them (logits / 1).
+PLAIN_TEMPERATURE = 1.0
 #: float32 elements of the largest chunk of rows processed at once (forward and backward).
 CHUNK_ELEMENTS = 1 << 24
 
@@ -117,7 +119,7 @@ class _Entropy(torch.autograd.Function):
         return _chunked_gradient(logits, shift, lse, grad, ctx.temperature, ctx.rows, minus_p_times_centred), None, None
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = PLAIN_TEMPERATURE, max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
     """`log softmax(logits / temperature)[token]`, `[..., V]`, `[...]` -> float32 `[...]`."""
     vocab = logits.shape[-1]
     if tokens.numel() == 0:
@@ -126,7 +128,7 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0, max
     return flat.reshape(tokens.shape)
 
 
-def entropy(logits: Tensor, temperature: float = 1.0, max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+def entropy(logits: Tensor, temperature: float = PLAIN_TEMPERATURE, max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
     """Entropy of `softmax(logits / temperature)`, `[..., V]` -> float32 `[...]`; -inf logits add 0."""
     vocab = logits.shape[-1]
     if logits.numel() == 0:

@@ -29,6 +29,12 @@ class Prompt:
     min_response_len: int = 0
 
 
+# `eval_prompts(limit)`: every held-out prompt.
+ALL_PROMPTS = 0
+# The order a prompt source draws in when built without a seed (the config passes the run's `seed`).
+DEFAULT_DATA_SEED = 1234
+
+
 class DataError(ValueError):
     """Bad data input. The message is one line naming the config key and the fix; the app prints it
     and exits with status 2 before Ray starts."""
@@ -65,7 +71,7 @@ class PromptSource(abc.ABC):
         """The next `n` training prompts (advances the sampler)."""
 
     @abc.abstractmethod
-    def eval_prompts(self, limit: int = 0) -> list[Prompt]:
+    def eval_prompts(self, limit: int = ALL_PROMPTS) -> list[Prompt]:
         """Held-out prompts, deterministic: the first `limit` (0 = all); [] without a held-out set."""
 
     @abc.abstractmethod

@@ -19,7 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from rlhf_orch.data.base import Prompt, PromptSource
+from rlhf_orch.data.base import ALL_PROMPTS, Prompt, PromptSource
+from rlhf_orch.data.options import DigitTaskConfig
 
 # Words the task uses; the tiny tokenizer must hold each as one token.
 DIGIT_WORDS: tuple[str, ...] = tuple(str(d) for d in range(10))
@@ -80,9 +81,9 @@ class DigitReverseTask(PromptSource):
         min_digits: int,
         max_digits: int,
         filler_tokens: int,
-        eval_size: int = 64,
-        long_tail_frac: float = 0.0,
-        long_tail_len: int = 0,
+        eval_size: int = DigitTaskConfig.eval_size,
+        long_tail_frac: float = DigitTaskConfig.long_tail_frac,
+        long_tail_len: int = DigitTaskConfig.long_tail_len,
     ) -> None:
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
@@ -140,7 +141,7 @@ class DigitReverseTask(PromptSource):
         self._batches_drawn += 1
         return self._tokenized(self.batch(n, self._batches_drawn))
 
-    def eval_prompts(self, limit: int = 0) -> list[Prompt]:
+    def eval_prompts(self, limit: int = ALL_PROMPTS) -> list[Prompt]:
         """The held-out set: `eval_size` prompts of their own stream, in a fixed order."""
         rng = np.random.default_rng([self.seed, self._EVAL_STREAM])
         prompts = [self._draw(rng) for _ in range(self.eval_size)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rlhf_orch.data.base import DEFAULT_DATA_SEED
 from rlhf_orch.data.digit_task import DigitReverseTask
 
 
@@ -18,7 +19,7 @@ def _task(seed: int) -> DigitReverseTask:
     return DigitReverseTask(prompt_max_len=32, response_max_len=16, seed=seed, min_digits=3, max_digits=5, filler_tokens=0)
 
 
-def export_digit_task(out_dir: str | Path, train: int = 1024, test: int = 64, seed: int = 1234) -> dict[str, dict[str, str]]:
+def export_digit_task(out_dir: str | Path, train: int = 1024, test: int = 64, seed: int = DEFAULT_DATA_SEED) -> dict[str, dict[str, str]]:
     """Write both layouts; returns {layout: {split: path}}."""
     import pyarrow as pa
     import pyarrow.parquet as pq

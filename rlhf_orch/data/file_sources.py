@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional, Sequence
 from rlhf_orch.data.base import DataError
 
 HUB_PREFIX = "hf:"
+HUB_SPLIT_DEFAULT = "train"  # the split of a hub id written without `@<split>`
 # File suffix -> the `datasets` packaged builder that reads it.
 EXTENSIONS: dict[str, str] = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 _HUB_PROBE_TIMEOUT_S = 2.5
@@ -35,7 +36,7 @@ class HubRef:
     spec: str  # as the user wrote it
 
     @staticmethod
-    def parse(spec: str, key: str, default_split: str = "train") -> "HubRef":
+    def parse(spec: str, key: str, default_split: str = HUB_SPLIT_DEFAULT) -> "HubRef":
         body = spec[len(HUB_PREFIX) :].strip()
         split = default_split
         if "@" in body:
@@ -214,7 +215,7 @@ def check_files(
     files: Sequence[str],
     key: str,
     *,
-    hub_split_default: str = "train",
+    hub_split_default: str = HUB_SPLIT_DEFAULT,
     columns: Optional[Sequence[str]] = None,
 ) -> None:
     """Quick availability check (run before Ray starts): local files exist with a known extension, hub

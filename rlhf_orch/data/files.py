@@ -36,14 +36,15 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from rlhf_orch.data.base import DataError, Prompt, PromptSource
-from rlhf_orch.data.file_sources import ResolvedFile, as_file_list, one_line, read_rows, resolve_file
+from rlhf_orch.data.base import ALL_PROMPTS, DEFAULT_DATA_SEED, DataError, Prompt, PromptSource
+from rlhf_orch.data.file_sources import HUB_SPLIT_DEFAULT, ResolvedFile, as_file_list, one_line, read_rows, resolve_file
+from rlhf_orch.data.options import FilesDataConfig
 from rlhf_orch.data.sampler import EpochSampler
 
 logger = logging.getLogger(__name__)
 
 OVERLONG_POLICIES = ("error", "filter")
-DEFAULT_LABEL_KEY = "reward_model.ground_truth"
+DEFAULT_LABEL_KEY = FilesDataConfig.label_key
 _TOKENIZE_CHUNK = 1024
 
 
@@ -136,20 +137,20 @@ class PromptDataset(PromptSource):
         self,
         train_files: Sequence[str] = (),
         val_files: Optional[Sequence[str]] = None,
-        prompt_key: Optional[str] = "prompt",
+        prompt_key: Optional[str] = FilesDataConfig.prompt_key,
         label_key: Optional[str] = DEFAULT_LABEL_KEY,
-        source_key: Optional[str] = "data_source",
-        default_source: str = "default",
-        extra_key: Optional[str] = "extra_info",
+        source_key: Optional[str] = FilesDataConfig.source_key,
+        default_source: str = FilesDataConfig.default_source,
+        extra_key: Optional[str] = FilesDataConfig.extra_key,
         chat_template: bool = True,
         prompt_template: Optional[str] = None,
         system_prompt: Optional[str] = None,
-        overlong: str = "error",
+        overlong: str = FilesDataConfig.overlong,
         shuffle: bool = True,
-        seed: int = 1234,
-        prompt_max_len: int = 512,
-        response_max_len: int = 512,
-        hub_split_default: str = "train",
+        seed: int = DEFAULT_DATA_SEED,
+        prompt_max_len: int = FilesDataConfig.prompt_max_len,
+        response_max_len: int = FilesDataConfig.response_max_len,
+        hub_split_default: str = HUB_SPLIT_DEFAULT,
         label_regex: Optional[str] = None,
         label_columns: Optional[Sequence[str]] = None,
     ):
@@ -524,7 +525,7 @@ class PromptDataset(PromptSource):
         train, _, sampler = self._bound()
         return [train.prompt(i) for i in sampler.take(n)]
 
-    def eval_prompts(self, limit: int = 0) -> list[Prompt]:
+    def eval_prompts(self, limit: int = ALL_PROMPTS) -> list[Prompt]:
         if limit < 0:
             raise ValueError(f"eval_prompts(limit) needs limit >= 0, got {limit}")
         _, val, _ = self._bound()

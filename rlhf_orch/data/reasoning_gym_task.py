@@ -18,7 +18,8 @@ from __future__ import annotations
 import zlib
 from typing import Any, Mapping, Optional
 
-from rlhf_orch.data.base import DataError, Prompt, PromptSource
+from rlhf_orch.data.base import ALL_PROMPTS, DataError, Prompt, PromptSource
+from rlhf_orch.data.options import ReasoningGymDataConfig
 from rlhf_orch.data.sampler import EpochSampler
 
 # The held-out stream's seed is the training seed plus this (reasoning-gym seeds entry i with seed + i,
@@ -65,11 +66,11 @@ class ReasoningGymTask(PromptSource):
         seed: int,
         task: str,
         task_config: Optional[Mapping[str, Any]] = None,
-        size: int = 100_000,
-        eval_size: int = 64,
-        system_prompt: Optional[str] = "default",
+        size: int = ReasoningGymDataConfig.size,
+        eval_size: int = ReasoningGymDataConfig.eval_size,
+        system_prompt: Optional[str] = ReasoningGymDataConfig.system_prompt,
         chat_template: bool = True,
-        few_shot: int = 0,
+        few_shot: int = ReasoningGymDataConfig.few_shot,
     ) -> None:
         if not isinstance(task, str) or not task:
             raise DataError("data.task: name a reasoning-gym dataset, e.g. data.task=basic_arithmetic")
@@ -188,7 +189,7 @@ class ReasoningGymTask(PromptSource):
                 )
         return out
 
-    def eval_prompts(self, limit: int = 0) -> list[Prompt]:
+    def eval_prompts(self, limit: int = ALL_PROMPTS) -> list[Prompt]:
         self._bound()
         return list(self._held_out[:limit] if limit else self._held_out)
 

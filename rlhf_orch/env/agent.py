@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
+
+from omegaconf import MISSING
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.agent_driver.record import AGENT_METRIC_PREFIX, AgentLimits
@@ -22,6 +24,7 @@ from rlhf_orch.env.agent_driver.chat_api import TOOL_PARSERS
 from rlhf_orch.env.reasoning_parsers import check_reasoning_parser
 from rlhf_orch.env.tool_parsers import check_tool_parser
 from rlhf_orch.env.custom import load_user_module
+from rlhf_orch.env.options import AgentEnvConfig
 
 HOSTS = ("auto", "loopback", "node")
 
@@ -41,25 +44,14 @@ def agent_row(prompt: Prompt) -> dict[str, Any]:
 
 
 @dataclass
-class AgentEnv(EnvGroup):
-    path: str = ""
-    name: str = ""
-    max_tokens_per_turn: int | None = None  # per call; None: the whole response budget
-    max_calls: int = 16
-    concurrency: int = 16
-    timeout_s: float = 120.0
-    host: str = "auto"
-    served_model_name: str = "policy"
-    tool_parser: str = "hermes"
-    reasoning_parser: str = "none"
-
-    prompt_max_len: int = 0  # data.prompt_max_len, taken in `bind` (a sequence's first prompt)
-
-    multi_turn = True  # trajectories: the engines drive them
-    calls_through_endpoint = True  # the engine serves the agent's calls (rlhf_orch.engines.agent_rollout)
+class AgentEnv(AgentEnvConfig, EnvGroup):
+    # The option's keys and their defaults: `AgentEnvConfig`.
+    multi_turn: ClassVar[bool] = True  # trajectories: the engines drive them
+    # the engine serves the agent's calls (rlhf_orch.engines.agent_rollout)
+    calls_through_endpoint: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if not self.path or not self.name:
+        if MISSING in (self.path, self.name) or not self.path or not self.name:
             raise EnvError("env=agent needs env.path=<file.py> and env.name=<function>")
         check_tool_parser("env.tool_parser", self.tool_parser, TOOL_PARSERS)
         check_reasoning_parser("env.reasoning_parser", self.reasoning_parser)
@@ -82,9 +74,6 @@ class AgentEnv(EnvGroup):
                 "it is called as fn(row, client=..., base_url=..., api_key=...)"
             )
         return fn
-
-    def bind(self, task: Any) -> None:
-        self.prompt_max_len = int(task.prompt_max_len)
 
     def limits(self, response_max_len: int) -> AgentLimits:
         return AgentLimits(self.prompt_max_len, response_max_len, self.max_tokens_per_turn or response_max_len, self.max_calls)

@@ -19,7 +19,7 @@ import abc
 import asyncio
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, ClassVar, Mapping, Protocol
 
 from rlhf_orch.data.base import Prompt
 
@@ -105,17 +105,37 @@ def env_class_key(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
-class EnvGroup(abc.ABC):
-    """What `env=<option>` builds (picklable: shipped to every engine with each rollout job)."""
+@dataclass
+class TrajectoryCounts:
+    """Counters of one trajectory every driver keeps (a rollout's are their sums; the loop divides by
+    trajectories); each driver's counters extend them (`EnvCounts`, `AgentCounts`)."""
 
-    multi_turn: bool = False
+    trajectories: int = 1
+    truncated: int = 0
+    observation_tokens: int = 0  # context tokens between model turns (tool results, messages)
+    masked: int = 0  # trained on nothing: left out of its group's statistics too
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: float(getattr(self, name)) for name in self.__dataclass_fields__}
+
+
+@dataclass(eq=False)
+class EnvGroup(abc.ABC):
+    """What `env=<option>` builds (picklable: shipped to every engine with each rollout job). The
+    options' classes extend their declarations (`rlhf_orch.env.options`) and this."""
+
+    # data.prompt_max_len, taken in `bind`: what env.init may make the prompt (a sequence's first prompt)
+    prompt_max_len: int = 0
+
+    multi_turn: ClassVar[bool] = False
     # The model is called from outside through the engine's OpenAI-compatible endpoint (env=agent):
     # the engine runs the whole session on vLLM's thread (`agent_rollout`). Otherwise the engine
     # drives the turns itself, sharing its steps with the other rollouts (`turns`).
-    calls_through_endpoint: bool = False
+    calls_through_endpoint: ClassVar[bool] = False
 
     def bind(self, task: Any) -> None:
         """On the driver, once the data is loaded: take what the option needs of it."""
+        self.prompt_max_len = int(task.prompt_max_len)
 
     def check(self, prompt: Prompt, tokenizer: Any) -> None:
         """Before Ray: the option works for this prompt and tokenizer (EnvError naming the fix)."""

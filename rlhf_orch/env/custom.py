@@ -9,15 +9,16 @@ import importlib.util
 import os
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, TextEnv, row_extras
 from rlhf_orch.env.multi_turn import MultiTurnEnv
+from rlhf_orch.env.options import CustomEnvConfig
 from rlhf_orch.reward.custom import describe_exception
 
 _MODULES: dict[str, ModuleType] = {}
@@ -63,14 +64,10 @@ def load_env_class(path: str, name: str) -> type:
 
 
 @dataclass
-class CustomEnv(MultiTurnEnv):
-    path: str = ""
-    name: str = ""
-    env_config: dict[str, Any] = field(default_factory=dict)
-
+class CustomEnv(CustomEnvConfig, MultiTurnEnv):
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.path or not self.name:
+        if MISSING in (self.path, self.name) or not self.path or not self.name:
             raise EnvError("env=custom needs env.path=<file.py> and env.name=<class>")
 
     def load(self) -> type:

@@ -15,6 +15,7 @@ from rlhf_orch.data.digit_task import score_response
 from rlhf_orch.data.lookup_task import CALL_WORD, tool_answer
 from rlhf_orch.env.base import row_extras
 from rlhf_orch.env.multi_turn import MultiTurnEnv
+from rlhf_orch.env.options import LookupEnvConfig
 
 
 class LookupTrajectory:
@@ -35,9 +36,7 @@ class LookupTrajectory:
 
 
 @dataclass
-class LookupEnv(MultiTurnEnv):
-    max_turns: int = 3
-    observation_format: str = "plain"  # the tiny model's template renders no tool turns
+class LookupEnv(LookupEnvConfig, MultiTurnEnv):
 
     def make(self, prompt: Prompt) -> LookupTrajectory:
         return LookupTrajectory(str(row_extras(prompt)["reward_spec"]["ground_truth"]))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import importlib
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, EnvGroup, call_env, prompt_messages
 from rlhf_orch.env.turn_driver import abandonable
+from rlhf_orch.env.options import MultiTurnEnvConfig
 from rlhf_orch.env.observations import CHECK_MODES, FORMATS, TRUNCATE_SIDES, FixedClock, ObservationRenderer
 from rlhf_orch.env.turn_driver.trajectory import Trajectory, TrajectoryLimits
 
@@ -28,7 +29,7 @@ def average_metrics(metrics: Sequence[dict]) -> dict[str, float]:
 
 
 @dataclass
-class MultiTurnEnv(EnvGroup):
+class MultiTurnEnv(MultiTurnEnvConfig, EnvGroup):
     """Base of `env=custom`, `env=skyrl`, `env=python_tool` (their declarations: rlhf_orch.env.options).
 
     The trajectory's reward is the environment's (`reward`: the last step's, or the sum of every
@@ -37,26 +38,12 @@ class MultiTurnEnv(EnvGroup):
     response: every turn and observation); `reward_weight: 0` leaves the reward group out.
     """
 
-    max_turns: int = 4
-    max_tokens_per_turn: int | None = None  # None: the whole response budget
-    max_observation_tokens: int = 256
-    tool_timeout_s: float = 10.0
-    concurrency: int = 16
-    reward: str = "last"
-    reward_weight: float = 0.0
-    observation_format: str = "chat_template"
-    observation_truncate_side: str = "tail"
-    tokenization_sanity_check_mode: str | None = None  # None: strict with a chat template, off with plain
-    stop: list[str] = field(default_factory=list)
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    mask_failed: bool = False
-    mask_truncated: bool = False
-    prompt_max_len: int = 0  # data.prompt_max_len, taken in `bind` (what env.init may make the prompt)
+    # The option's keys and their defaults: `MultiTurnEnvConfig`.
     # The run's instant for templates that stamp today's date (`FixedClock`): taken where the option
     # is built (the driver), travelling with it to the engines. 0: now.
     template_time: float = 0.0
 
-    multi_turn = True
+    multi_turn: ClassVar[bool] = True
     # The engine's tokenizer, set where trajectories run (`attach`): what environments that read
     # special tokens (vLLM's tool parsers) need. None on the driver.
     engine_tokenizer = None  # (a class attribute, not a config field)
@@ -111,9 +98,6 @@ class MultiTurnEnv(EnvGroup):
         """How a model turn's tokens become the `action` env.step reads where this option reads more
         than skyrl-gym's contract gives (its text without special tokens: None)."""
         return None
-
-    def bind(self, task: Any) -> None:
-        self.prompt_max_len = int(task.prompt_max_len)
 
     def limits(self, response_max_len: int) -> TrajectoryLimits:
         per_turn = self.max_tokens_per_turn or response_max_len

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, row_extras
 from rlhf_orch.env.multi_turn import MultiTurnEnv
+from rlhf_orch.env.options import PythonToolEnvConfig
 from rlhf_orch.env.sandbox import SandboxLimits, SandboxSupport, run_python, sandbox_support
 from rlhf_orch.env.tool_parsers import check_tool_parser, ensure_tool_parser, extract_tool_calls
 
@@ -129,12 +130,7 @@ class PythonToolTrajectory:
 
 
 @dataclass
-class PythonToolEnv(MultiTurnEnv):
-    tool_format: str = "hermes"
-    tool_memory_mb: int = 512
-    tool_cpu_s: int = 5
-    tool_max_output_bytes: int = 2000
-    allow_weak_sandbox: bool = False
+class PythonToolEnv(PythonToolEnvConfig, MultiTurnEnv):
 
     @classmethod
     def host_problems(cls, config: Any) -> list[tuple[str, Any, str]]:

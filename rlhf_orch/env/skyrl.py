@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.env.base import EnvError, TextEnv, call_env, prompt_messages, row_extras
 from rlhf_orch.env.multi_turn import MultiTurnEnv
+from rlhf_orch.env.options import SkyRLEnvConfig
 
 
 # skyrl-gym environments that execute the model's code themselves, in the engine's process (its
@@ -100,11 +101,7 @@ def _answers(url: str, timeout_s: float = 3.0) -> bool:
 
 
 @dataclass
-class SkyRLEnv(MultiTurnEnv):
-    env_class: str = ""
-    env_config: dict[str, Any] = field(default_factory=dict)
-    allow_unsandboxed_code: bool = False
-
+class SkyRLEnv(SkyRLEnvConfig, MultiTurnEnv):
     # What runs the model's code, id -> what chose it (env.env_class, the rows): set by `bind`.
     runs_model_code: dict[str, str] = field(default_factory=dict, init=False)
 

@@ -67,6 +67,9 @@ def _record(line: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+EXIT_OK = 0  # `close(exit_code)` of a run that completed
+
+
 class StepLogger:
     """What the `logger` group builds: receives each step's metrics and the run's config.
 
@@ -81,5 +84,5 @@ class StepLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def close(self, exit_code: int = 0, preempted: bool = False) -> None:
+    def close(self, exit_code: int = EXIT_OK, preempted: bool = False) -> None:
         """`exit_code` != 0: the run failed or was stopped; `preempted`: by a signal."""

@@ -27,7 +27,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from rlhf_orch.logging import runlog
-from rlhf_orch.logging.base import StepLogger
+from rlhf_orch.logging.base import EXIT_OK, StepLogger
+from rlhf_orch.logging.options import LoggerConfig
 
 # The keys worth a glance every step, in the order shown.
 _LINE_KEYS = (
@@ -107,7 +108,8 @@ class _EtaColumn(ProgressColumn):
 
 
 class ConsoleLogger(StepLogger):
-    def __init__(self, plot_every_n_steps: int = 0, verbose: bool = False, rollouts: bool = True, rollouts_per_step: int = 16) -> None:
+    def __init__(self, plot_every_n_steps: int = LoggerConfig.plot_every_n_steps, verbose: bool = False, rollouts: bool = True,
+                 rollouts_per_step: int = LoggerConfig.rollouts_per_step) -> None:
         if plot_every_n_steps < 0:
             raise ValueError(f"logger.plot_every_n_steps={plot_every_n_steps} must be >= 0 (0 = plots only at the end)")
         self.plot_every_n_steps = plot_every_n_steps
@@ -219,7 +221,7 @@ class ConsoleLogger(StepLogger):
             self._say(f"plots: not written ({type(e).__name__}: {e})")
             return []
 
-    def close(self, exit_code: int = 0, preempted: bool = False) -> None:
+    def close(self, exit_code: int = EXIT_OK, preempted: bool = False) -> None:
         if self._closed:
             return
         self._closed = True

@@ -7,19 +7,21 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from rlhf_orch.logging.base import EXIT_OK
 from rlhf_orch.logging.console import ConsoleLogger
+from rlhf_orch.logging.options import WandbLoggerConfig
 
 
 class WandbLogger(ConsoleLogger):
     def __init__(
         self,
-        project: str = "rlhf_orch",
+        project: str = WandbLoggerConfig.project,
         mode: Optional[str] = None,
         entity: Optional[str] = None,
-        plot_every_n_steps: int = 0,
+        plot_every_n_steps: int = WandbLoggerConfig.plot_every_n_steps,
         verbose: bool = False,
         rollouts: bool = True,
-        rollouts_per_step: int = 16,
+        rollouts_per_step: int = WandbLoggerConfig.rollouts_per_step,
     ):
         super().__init__(plot_every_n_steps=plot_every_n_steps, verbose=verbose, rollouts=rollouts, rollouts_per_step=rollouts_per_step)
         self.project = project
@@ -64,7 +66,7 @@ class WandbLogger(ConsoleLogger):
         self._logged_through = step
         self._logged_file.write_text(json.dumps({"run_id": self.run.id, "step": step}))
 
-    def close(self, exit_code: int = 0, preempted: bool = False) -> None:
+    def close(self, exit_code: int = EXIT_OK, preempted: bool = False) -> None:
         super().close(exit_code, preempted)  # the progress bar ends and the plots are written first
         if self.run is not None:
             if preempted:

@@ -50,6 +50,9 @@ from typing import Any, Optional
 from rlhf_orch.engines.launch import cpu_kv_cache_bytes
 from rlhf_orch.memory.shapes import ModelShape
 from rlhf_orch.models.lora import LoraSettings
+from rlhf_orch.models.options import LoraConfig
+from rlhf_orch.topology.options import PlacementConfig
+from rlhf_orch.trainer.options import TrainerConfig
 
 GiB = 2**30
 # Bytes per logit that the log-probs' and the entropy's backward keep beyond the logits themselves:
@@ -125,7 +128,7 @@ class Workload:
     token_bound: int = 0
     sequences_per_rank_step: int = 0  # sequences one policy rank packs for one optimizer step
     # engines
-    engine_tp: int = 1
+    engine_tp: int = PlacementConfig.engine_tp
     kv_cache_gb: Optional[float] = None
     gpu_memory_utilization: float = 0.9
     gpu_memory_bytes: int = 0
@@ -151,9 +154,9 @@ class Workload:
     engines_sleep: bool = True  # the pipeline puts idle engines to sleep (async never does)
     # model.lora: the policy trains adapters of this rank on these targets (0: every weight trains);
     # engines serving the adapter (sync adapter or auto) hold its LoRA slots.
-    reference_memory: str = "full"  # trainer.reference_memory: full, sharded (ZeRO-3) or offloaded
-    lora_rank: int = 0
-    lora_targets: Any = "all-linear"
+    reference_memory: str = TrainerConfig.reference_memory  # full, sharded (ZeRO-3) or offloaded
+    lora_rank: int = LoraConfig.rank
+    lora_targets: Any = LoraConfig.target_modules
     engines_serve_adapter: bool = False
 
     @property

@@ -16,6 +16,10 @@ from typing import Callable
 
 from filelock import FileLock
 
+# Torch threads of a local build: fixed, so a build's result does not depend on how many cores the
+# builder happens to see (part of each recipe, hence of its cache key).
+BUILD_THREADS = 2
+
 
 def build_once(cache_dir: Path, name: str, build: Callable[[Path], None]) -> str:
     """`cache_dir/name`, built by `build(staging_dir)` first if no process has built it yet."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_orch.models.options import LoraConfig
+
 #: model.lora.alpha=null: alpha = this x rank, a scale of 4 whatever the rank. Measured on the default
 #: task at the default actor_lr (docs/benchmarks.md, "LoRA"): scale 4 learns at about full
 #: fine-tuning's pace, scale 1 (alpha = rank) far slower.
@@ -41,11 +43,12 @@ NOT_ADAPTABLE = ("embed_tokens", "wte", "embed_in", "word_embeddings", "lm_head"
 class LoraSettings:
     """`model.lora`: rank 0 = full fine-tuning (every other key must stay at its default then)."""
 
-    rank: int = 0
+    # (the defaults are the declaration's, `LoraConfig`)
+    rank: int = LoraConfig.rank
     alpha: float | None = None  # None: DEFAULT_ALPHA_PER_RANK x rank
-    dropout: float = 0.0
+    dropout: float = LoraConfig.dropout
     target_modules: Any = ALL_LINEAR  # "all-linear" or a list of module names
-    sync: str = "auto"
+    sync: str = LoraConfig.sync
 
     def __post_init__(self) -> None:
         if self.alpha is None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from rlhf_orch.models.base import ModelSource
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.models.cache import build_once
+from rlhf_orch.models.options import TinyModelConfig
 from rlhf_orch.models.tiny_build import TinyLlamaSpec, build_tiny_checkpoint
 from rlhf_orch.models.warm_start_task import WARM_STARTS
 
@@ -32,7 +33,7 @@ class TinyLlama(ModelSource):
         vocab_size: int,
         warmup_steps: int,
         cache_dir: str,
-        warm_start: str = "digit_reverse",
+        warm_start: str = TinyModelConfig.warm_start,
         lora: LoraSettings | None = None,
     ) -> None:
         super().__init__(context_len, dtype, lora)

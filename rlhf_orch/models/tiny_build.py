@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rlhf_orch.data.digit_task import ANSWER_MARKER, DigitReverseTask
+from rlhf_orch.models.cache import BUILD_THREADS
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -73,7 +74,7 @@ class WarmStartRecipe:
     long_context_every: int = 10
     long_context_batch: int = 8
     long_context_filler: int = 960
-    threads: int = 2  # fixed, so results do not depend on how many cores the builder happens to see
+    threads: int = BUILD_THREADS
 
     def phases(self, steps: int) -> list[tuple[int, float, float]]:
         """(steps, learning rate, answer noise) of each phase, for `steps` steps in all."""

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rlhf_orch.data.digit_task import DigitReverseTask, score_response
-from rlhf_orch.models.cache import build_once
+from rlhf_orch.models.cache import BUILD_THREADS, build_once
 from rlhf_orch.models.warm_start_task import default_warm_start_task
 
 BUILD_FORMAT_VERSION = 1
@@ -33,7 +33,7 @@ class RewardModelRecipe:
     batch_size: int = 64
     lr: float = 1e-3
     seed: int = 0
-    threads: int = 2
+    threads: int = BUILD_THREADS
 
 
 def _candidate(answer: str, rng: np.random.Generator) -> str:

@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.reward.base import Response, RewardError, RewardFunction, as_score
+from rlhf_orch.reward.options import RuleRewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +313,7 @@ def score_batch(
     prompts: Sequence[Prompt],
     responses: Sequence[Response],
     timeout_s: float,
-    pool_size: int = 0,
+    pool_size: int = RuleRewardConfig.pool_size,
     *,
     grace_s: float = POOL_GRACE_S,
     on_scored: Callable[[], None] = lambda: None,

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.data.digit_task import score_response
 from rlhf_orch.reward.base import Response, RewardError, RewardFunction, check_number
+from rlhf_orch.reward.options import CountdownRuleConfig, GSM8KRuleConfig
 
 
 def _label_text(label: Any, rule: str) -> str:
@@ -72,7 +73,8 @@ class GSM8KRule(RewardFunction):
     name = "gsm8k"
     METHODS = ("strict", "flexible")
 
-    def __init__(self, method: str = "strict", format_score: float = 0.0, score: float = 1.0):
+    def __init__(self, method: str = GSM8KRuleConfig.method, format_score: float = GSM8KRuleConfig.format_score,
+                 score: float = GSM8KRuleConfig.score):
         if method not in self.METHODS:
             raise ValueError(f"method must be one of {self.METHODS}, got {method!r}")
         self.method = method
@@ -336,7 +338,7 @@ class CountdownRule(RewardFunction):
 
     name = "countdown"
 
-    def __init__(self, format_score: float = 0.1, score: float = 1.0):
+    def __init__(self, format_score: float = CountdownRuleConfig.format_score, score: float = CountdownRuleConfig.score):
         self.format_score = check_number("format_score", format_score)
         self.correct_score = check_number("score", score)
 

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.reward.base import Response, RewardFunction
 from rlhf_orch.reward.execution import ScoredBatch, score_batch
+from rlhf_orch.reward.options import RuleRewardConfig
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,9 @@ class RuleScoring:
     """What an engine runs on a finished batch: `fn` under the run's execution settings, times `weight`."""
 
     fn: RewardFunction
-    weight: float = 1.0
-    timeout_s: float = 10.0
-    pool_size: int = 0
+    weight: float = 1.0  # the rule alone; beside a reward model, reward.rule_weight
+    timeout_s: float = RuleRewardConfig.timeout_s
+    pool_size: int = RuleRewardConfig.pool_size
 
     @property
     def name(self) -> str:
@@ -68,10 +69,9 @@ class RewardSetup:
 
 def build_reward(node: DictConfig | dict) -> RewardSetup:
     """Instantiate the `reward` option; the execution keys are settings of the run, not the function's."""
-    from rlhf_orch.reward.options import RuleRewardConfig
-
     conf = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    execution = {k: conf.pop(k) for k in RuleRewardConfig.execution_keys if k in conf}
+    # (a node without them -- a reward model's -- checks the declared defaults, which its rule never uses)
+    execution = {k: conf.pop(k, getattr(RuleRewardConfig, k)) for k in RuleRewardConfig.execution_keys}
     _check_execution(**execution)
     rule_node = conf.pop("rule", None)  # only a reward model option carries a nested rule
     target = instantiate(conf)
@@ -83,7 +83,7 @@ def build_reward(node: DictConfig | dict) -> RewardSetup:
     return RewardSetup(rule=rule, model=target)
 
 
-def _check_execution(timeout_s: float = 10.0, pool_size: int = 0) -> None:
+def _check_execution(timeout_s: float, pool_size: int) -> None:
     if not timeout_s > 0:
         raise ValueError(f"reward.timeout_s={timeout_s}: must be > 0 (seconds one sample may take to score)")
     if pool_size < 0:

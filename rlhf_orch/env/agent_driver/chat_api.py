@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from rlhf_orch.env.reasoning_parsers import split_reasoning
+from rlhf_orch.env.reasoning_parsers import NONE, split_reasoning
 from rlhf_orch.env.tool_parsers import extract_tool_calls
 
 TOOL_PARSERS = ("hermes", "none")  # built in; any of vLLM's tool parsers besides (rlhf_orch.env.tool_parsers)
@@ -148,7 +148,7 @@ def parse_tool_calls(text: str, parser: str, tokenizer: Any = None,
 
 def completion_body(model_name: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
                     tool_parser: str, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None,
-                    reasoning_parser: str = "none") -> dict[str, Any]:
+                    reasoning_parser: str = NONE) -> dict[str, Any]:
     reasoning, text = split_reasoning(text, reasoning_parser, tokenizer)
     content, tool_calls = parse_tool_calls(text or "", tool_parser, tokenizer, tools)
     # As OpenAI answers: an empty text completion is "" (what its tokens decode to, what trains);

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from rlhf_orch.env.base import TrajectoryCounts
+
 
 @dataclass
 class AgentLimits:
@@ -60,24 +62,18 @@ class TokenSequence:
 
 
 @dataclass
-class AgentCounts:
-    """Counters of one trajectory (a rollout's are their sums; the loop divides by trajectories)."""
+class AgentCounts(TrajectoryCounts):
+    """Counters of one agent trajectory beyond every driver's (`TrajectoryCounts`; masked: the agent
+    made no model call)."""
 
-    trajectories: int = 1
     calls: int = 0
     unmerged_calls: int = 0  # calls that started a new sequence after the first
     refused_calls: int = 0  # calls answered with an error (bad parameters, no budget left)
     agent_errors: int = 0  # the agent function raised
     agent_timeouts: int = 0  # the agent function ran past env.timeout_s
     completion_tokens: int = 0
-    observation_tokens: int = 0  # context tokens between calls (tool results, messages)
-    truncated: int = 0
-    masked: int = 0  # trained on nothing (the agent made no model call): left out of its group's statistics too
     agent_seconds: float = 0.0  # wall time inside the agent function, generation excluded
     generation_seconds: float = 0.0  # wall time its calls waited for the engine
-
-    def as_dict(self) -> dict[str, float]:
-        return {name: float(getattr(self, name)) for name in self.__dataclass_fields__}
 
 
 class AgentRecord:

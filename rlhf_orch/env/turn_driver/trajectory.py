@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from rlhf_orch.env.base import TrajectoryCounts
+
 
 @dataclass
 class TrajectoryLimits:
@@ -25,10 +27,10 @@ class TrajectoryLimits:
 
 
 @dataclass
-class EnvCounts:
-    """Counters of one trajectory (a rollout's are their sums; the loop divides by trajectories)."""
+class EnvCounts(TrajectoryCounts):
+    """Counters of one multi-turn trajectory beyond every driver's (`TrajectoryCounts`; masked:
+    env.mask_failed / env.mask_truncated)."""
 
-    trajectories: int = 1
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -37,19 +39,13 @@ class EnvCounts:
     env_timeouts: int = 0  # env.step ran past env.tool_timeout_s (the trajectory ended there)
     init_timeouts: int = 0  # env.make / env.init ran past the same deadline (the trajectory ended before its first turn)
     close_timeouts: int = 0  # env.get_metrics / env.close ran past it (given up: the episode's metrics are lost)
-    truncated: int = 0
-    observation_tokens: int = 0
     observations_truncated: int = 0  # observations whose content was cut to env.max_observation_tokens
     # observations whose chat-template frame alone exceeded env.max_observation_tokens: the trajectory ended there
     observations_too_long: int = 0
     closing_tokens_added: int = 0  # turns that did not end with the end-of-turn token: it was added as context
     tokenization_mismatches: int = 0  # the context differed from the chat template's rendering (the check)
     postprocessed_actions: int = 0  # turns the environment shortened (skyrl-gym's postprocessed_action)
-    masked: int = 0  # trained on nothing (env.mask_failed / env.mask_truncated)
     env_seconds: float = 0.0  # time inside env.init / env.step
-
-    def as_dict(self) -> dict[str, float]:
-        return {name: float(getattr(self, name)) for name in self.__dataclass_fields__}
 
 
 @dataclass
