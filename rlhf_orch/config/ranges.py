@@ -13,14 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from rlhf_orch.config.problems import ConfigError, Problem
-from rlhf_orch.config.schema import (
-    ColocatedPlacementConfig,
-    CpuLocalPlacementConfig,
-    GSM8KRuleConfig,
-    RootConfig,
-    SplitPlacementConfig,
-    WandbLoggerConfig,
-)
+from rlhf_orch.config.schema import RootConfig
+from rlhf_orch.logging.options import WandbLoggerConfig
+from rlhf_orch.reward.options import GSM8KRuleConfig
+from rlhf_orch.topology.options import ColocatedPlacementConfig, CpuLocalPlacementConfig, SplitPlacementConfig
 from rlhf_orch.models.lora import ALL_LINEAR, SYNC_MODES, VLLM_MAX_LORA_RANKS
 
 _ABSENT = object()
@@ -175,8 +171,8 @@ RANGES: tuple[Range, ...] = (
     # ---- transfer
     ints("transfer.max_in_flight", 1, "micro-batches handed over but not yet staged; typical 2-8"),
     ints("pipeline.max_staleness", 0, hi=64, why="weight versions a sequence may lag behind the trainers; typical 1-4 (0 = sync)"),
-    # transfer.token_budget: `_transfer` (its fix names the sequence length)
-    # ---- sync (backend: `_sync_backend`, it depends on the strategy and the hardware)
+    # transfer.token_budget: `checks_shapes.transfer` (its fix names the sequence length)
+    # ---- sync (backend: `checks_run.sync_backend`, it depends on the strategy and the hardware)
     reals("sync.timeout_s", 0, lo_open=True, why="seconds one weight sync may take"),
     reals("checkpoint.timeout_s", 0, lo_open=True, why="seconds writing one checkpoint or export may take"),
     reals("sync.bucket_mb", 0, lo_open=True, why="typical: 64-1024"),
@@ -238,7 +234,7 @@ RANGES: tuple[Range, ...] = (
     text("model.version", "the package's pinned version"),
     text("model.gguf_file", "the GGUF file's path inside the package"),
     text("model.name_or_path", "a checkpoint directory or a hub id"),
-    # ---- algo (loss_agg, kl_placement, kl_estimator, overlong_buffer: `_algorithm`)
+    # ---- algo (loss_agg, kl_placement, kl_estimator, overlong_buffer: `checks_algo.algorithm`)
     *(ints(f"algo.{k}", 1) for k in ("num_steps", "rollout_batch_size", "samples_per_prompt", "train_batch_size",
                                      "micro_batch_size", "ppo_epochs")),
     reals("algo.actor_lr", 0, why="learning rate"),

@@ -17,7 +17,7 @@ class SyncConfig:
     """How weights move from trainer rank(s) to every engine after each step.
 
     The ClassVars are not config keys: they say what each strategy needs, for
-    `validate._sync_backend` (no per-strategy branches there).
+    `rlhf_orch.config.checks_run.sync_backend` (no per-strategy branches there).
     """
 
     _target_: str = MISSING
