@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from rlhf_orch.orchestration.actors import dead_actors, dead_or_stuck, lost_processes
 from rlhf_orch.orchestration.checkpoint import engine_seed
+from rlhf_orch.orchestration.restart_decision import engine_restart_refusal
 from rlhf_orch.orchestration.errors import ActorDiedError, ActorTimeoutError, EngineDiedError, EngineRestartBudgetError, StepFailedError
 from rlhf_orch.sync.base import WeightSyncError
 from rlhf_orch.transfer.base import Delivery, HeldRollout, Route
@@ -191,13 +192,9 @@ class EngineRecovery:
     def _charge_restarts(self, engines: list[int], step: int, what: str) -> None:
         """Count replacements of `engines` against fault.max_engine_restarts (logged under `step`),
         or EngineRestartBudgetError when they do not fit."""
-        s = self.settings
-        allowed = s.max_engine_restarts - self.engine_restarts_used
-        if len(engines) > allowed:
-            raise EngineRestartBudgetError(
-                f"vLLM engine {engines[max(allowed, 0)]} {what} and the engine restart budget is used up "
-                f"(fault.max_engine_restarts={s.max_engine_restarts})"
-            )
+        refusal = engine_restart_refusal(engines, what, self.engine_restarts_used, self.settings.max_engine_restarts)
+        if refusal is not None:
+            raise EngineRestartBudgetError(refusal)
         self.restart_log.setdefault(step, []).extend([0.0] * len(engines))
 
     def _wire_replacements(self, replace: list[int], version: int, step: int) -> None:
