@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from rlhf_orch.data.base import Prompt
+from rlhf_orch.reward.combine import sample_reward
 from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.transfer.base import Route
 from rlhf_orch.transfer.engine_side import RolloutJob
@@ -125,6 +126,6 @@ class Evaluator:
                            progress_of={f"reward-model rank {r}": rm for r, rm in enumerate(reward_ranks)})  # (by their progress)
         model_score = {i: v for indices, values in scored for i, v in zip(indices, values)}
         rule = meta.rewards if self.reward.rule is not None else [0.0] * len(meta.rewards)
-        meta.rewards = [r + self.reward.model.weight * model_score[i] for r, i in zip(rule, meta.indices)]
+        meta.rewards = [sample_reward(r, 1.0, model=model_score[i], model_weight=self.reward.model.weight) for r, i in zip(rule, meta.indices)]
         meta.share_trajectory_rewards()
         return meta

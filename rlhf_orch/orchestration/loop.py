@@ -38,6 +38,7 @@ from rlhf_orch.orchestration.errors import (  # noqa: F401 - raised here, and im
 from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.liveness import ProgressWatch, deferred, no_progress_note
 from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
+from rlhf_orch.reward.combine import sample_reward
 from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.sync.base import SyncReport, WeightSync, WeightSyncError
 from rlhf_orch.trainer.metrics import trainer_metrics
@@ -400,7 +401,8 @@ class TrainLoop(EngineRecovery):
         rule = [r if self.reward.rule is not None else 0.0 for r in meta.rewards]
         meta.model_rewards = [model_score[i] for i in meta.indices]
         meta.rule_rewards = rule if self.reward.rule is not None else None
-        meta.rewards = [r + weight * m for r, m in zip(rule, meta.model_rewards)]
+        # (the engines' scores are weighted already: RuleScoring, an environment's combination)
+        meta.rewards = [sample_reward(r, 1.0, model=m, model_weight=weight) for r, m in zip(rule, meta.model_rewards)]
         meta.share_trajectory_rewards()
         timings["reward_model"] = time.perf_counter() - t
 

@@ -8,7 +8,7 @@
 * `model` -- a `RewardModel` when the option is `reward=model`: the planner gives it ranks, it
   scores the same experience the trainers receive, actor to actor.
 
-The final score of a sample is `rule_weight * rule + model_weight * model` (either term may be absent).
+How a sample's terms and weights make its reward: `rlhf_orch.reward.combine.sample_reward`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.reward.base import Response, RewardFunction
+from rlhf_orch.reward.combine import sample_reward
 from rlhf_orch.reward.execution import ScoredBatch, score_batch
 
 
@@ -40,7 +41,7 @@ class RuleScoring:
         """`on_scored`: called as the batch moves (the engine's liveness count, `score_batch`)."""
         scored = score_batch(self.fn, prompts, responses, self.timeout_s, self.pool_size, on_scored=on_scored)
         if self.weight != 1.0:
-            scored.scores = [self.weight * s for s in scored.scores]
+            scored.scores = [sample_reward(s, self.weight) for s in scored.scores]
         return scored
 
 

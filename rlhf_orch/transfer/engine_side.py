@@ -27,6 +27,7 @@ import ray
 import torch
 
 from rlhf_orch.reward.base import Response
+from rlhf_orch.reward.combine import sample_reward
 from rlhf_orch.reward.execution import ScoredBatch
 from rlhf_orch.transfer.batch import LOSS_MASK, PaddedBatch, Sample
 from rlhf_orch.transfer.packed_buffer import PackedBuffer
@@ -383,12 +384,13 @@ def _final_scores(
     `on_scored` after each sample the rule scored (the engine's liveness count)."""
     if job.env is None:
         return None if job.scorer is None else _score(indices, response_lens, truncated, texts(), job, on_scored)
-    scores = [float(r) if r is not None else 0.0 for r in env_rewards]
     weight = float(getattr(job.env, "reward_weight", 0.0))
     if not weight or job.scorer is None:
-        return ScoredBatch(scores, 0, 0, 0.0, None)
+        return ScoredBatch([sample_reward(None, 1.0, env=e, env_weight=weight) for e in env_rewards], 0, 0, 0.0, None)
     rule = _score(indices, response_lens, truncated, texts(), job, on_scored)
-    return ScoredBatch([e + weight * float(r) for e, r in zip(scores, rule.scores)], rule.errors, rule.timeouts, rule.seconds, rule.first_error)
+    # (the rule's scores come weighted by reward.rule_weight: RuleScoring)
+    scores = [sample_reward(r, 1.0, env=e, env_weight=weight) for e, r in zip(env_rewards, rule.scores)]
+    return ScoredBatch(scores, rule.errors, rule.timeouts, rule.seconds, rule.first_error)
 
 
 def _request_of(completions: list[Completion], job: RolloutJob) -> CompletionRequest:
