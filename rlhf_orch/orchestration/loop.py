@@ -31,6 +31,8 @@ from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import ROLES, dead_actor, one_line
 from rlhf_orch.orchestration.actors import RoleActors, dead_actors, dead_or_stuck, ranks_named
+from rlhf_orch.orchestration import dynamic_sampling
+from rlhf_orch.orchestration.dynamic_sampling import GroupFilter
 from rlhf_orch.orchestration.engine_recovery import EngineRecovery
 from rlhf_orch.orchestration.errors import (  # noqa: F401 - raised here, and imported from here by callers
     ActorDiedError, ActorTimeoutError, EngineDiedError, EngineRestartBudgetError, StepFailedError,
@@ -42,7 +44,7 @@ from rlhf_orch.reward.combine import sample_reward
 from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.sync.base import SyncReport, WeightSync, WeightSyncError
 from rlhf_orch.trainer.metrics import trainer_metrics
-from rlhf_orch.transfer.base import Delivery, GroupFilter, HeldRollout, RolloutRequest, RolloutTransfer, Route
+from rlhf_orch.transfer.base import Delivery, HeldRollout, RolloutRequest, RolloutTransfer, Route
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.plan import group_ids, trajectory_of
 
@@ -301,9 +303,13 @@ class TrainLoop(EngineRecovery):
 
     def generate(self, step: int) -> HeldRollout:
         """Step `step`'s rollout generated and scored, held where the transfer holds it."""
-        held = self.transfer.generate(self.rollout_request(step), self.route(step))
+        held = self.make_rollout(self.rollout_request(step), self.route(step))
         held.step = step
         return held
+
+    def make_rollout(self, request: RolloutRequest, route: Route) -> HeldRollout:
+        """`request` generated and held, in as many rounds as the algorithm's dynamic sampling takes."""
+        return dynamic_sampling.generate(self.transfer, request, route, self._group_filter())
 
     def sleep_engines(self) -> None:
         """The engines are idle until the next sync: they release their GPU memory (at sleep level
@@ -424,7 +430,6 @@ class TrainLoop(EngineRecovery):
             pad_id=tokenizer.pad_token_id,
             max_seq_len=s.max_seq_len or max(map(len, prompt_ids)) + s.response_max_len,
             decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
-            group_filter=self._group_filter(),
             env=self.env,
         )
 

@@ -37,19 +37,6 @@ MicroBatch = PaddedBatch | PackedBatch
 
 
 @dataclass
-class GroupFilter:
-    """Dynamic sampling (DAPO): keep only informative prompt groups, draw more prompts until full.
-
-    `keep(scores [B], group_ids [B]) -> bool [B]` marks the samples to keep (whole groups);
-    `more_prompts(n)` draws n further prompts; at most `max_rounds` rollout rounds per step.
-    """
-
-    keep: Callable[[Any, Any], Any]
-    more_prompts: Callable[[int], list[Any]]
-    max_rounds: int
-
-
-@dataclass
 class RolloutRequest:
     """One step's rollout, as the driver asks for it."""
 
@@ -64,7 +51,6 @@ class RolloutRequest:
     pad_id: int
     max_seq_len: int  # prompt_max_len + response_max_len
     decode: Callable[[list[list[int]]], list[str]] | None = None  # driver-side decoding (baseline only)
-    group_filter: GroupFilter | None = None  # dynamic sampling (packed transfer only)
     env: Any = None  # multi-turn rollouts: the `env` option (None: one response per sample)
     min_tokens: int = 0  # algo.min_response_len
     # Where the engines hold this rollout until its hand-over: several may be held at once
