@@ -59,7 +59,8 @@ def _get(refs, what, **kwargs):  # no Ray: the fake actors' calls return their r
 def _loop(task: _Task, actors=None, sync=None, pipeline=None) -> TrainLoop:
     cfg = compose_config(["experiment=quick"])
     settings = LoopSettings(num_steps=4, rollout_batch_size=2, samples_per_prompt=2, micro_batch_size=2, response_max_len=8,
-                            temperature=1.0, seed=0, step_timeout_s=10.0, max_engine_restarts=3)
+                            temperature=1.0, seed=0, step_timeout_s=10.0, max_seq_len=0, max_engine_restarts=3, engine_tp=1,
+                            engines_sleep=False, min_response_len=0, train_batch_size=0)
     actors = actors or SimpleNamespace(engines=[], policy=[], critic=[], reference=[], own_reference=[], reward=[])
     loop = TrainLoop(actors, task, None, None, sync, instantiate(cfg.algo), settings, None, pipeline or SyncPipeline())
     loop._get = _get

@@ -142,7 +142,8 @@ def test_engine_dying_mid_overlap_restarts_from_the_carried_rollout_and_a_nan_st
 
 def test_engine_restart_budget_is_a_hard_limit():
     loop = TrainLoop.__new__(TrainLoop)
-    loop.settings = LoopSettings(1, 1, 1, 1, 1, 1.0, 0, 1.0, max_engine_restarts=2)
+    loop.settings = LoopSettings(1, 1, 1, 1, 1, 1.0, 0, 1.0, max_seq_len=0, max_engine_restarts=2, engine_tp=1, engines_sleep=False,
+                                 min_response_len=0, train_batch_size=0)
     loop.restart_log, loop.closing = {3: [1.0], 5: [1.0]}, False
     loop._replacing, loop._training, loop._pushing, loop.pipeline = threading.Lock(), threading.Lock(), threading.RLock(), SyncPipeline()
     loop.trained = loop.version = 4

@@ -134,7 +134,7 @@ def test_dynamic_sampling_keeps_each_kept_sample_s_own_length_and_counts(experim
     )
     monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(scripted.generate))
     group_filter = GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=algo.max_gen_batches)
-    held = dynamic_sampling.generate(PackedTransfer(), request, type("R", (), {"engines": scripted.engines})(), group_filter)
+    held = dynamic_sampling.generate(PackedTransfer(token_budget=0), request, type("R", (), {"engines": scripted.engines})(), group_filter)
     meta = held.meta
 
     assert held.dropped_groups > 0 and len(meta.indices) == prompts * spp
@@ -192,7 +192,7 @@ def _dapo_with_engine_1_replaced_in_round_2(scripted: _ScriptedEngines, monkeypa
     monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
     route = SimpleNamespace(engines=list(scripted.engines))
     group_filter = GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4)
-    return dynamic_sampling.generate(PackedTransfer(), request, route, group_filter), route
+    return dynamic_sampling.generate(PackedTransfer(token_budget=0), request, route, group_filter), route
 
 
 def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_and_the_pipeline_decides(monkeypatch):
@@ -292,6 +292,6 @@ def test_dynamic_sampling_judges_a_group_by_its_unmasked_samples(monkeypatch):
                              scorer=None, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8)
     monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
     group_filter = GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4)
-    held = dynamic_sampling.generate(PackedTransfer(), request, type("R", (), {"engines": [object()]})(), group_filter)
+    held = dynamic_sampling.generate(PackedTransfer(token_budget=0), request, type("R", (), {"engines": [object()]})(), group_filter)
     kept_groups = sorted({group_of(i, spp) for i in held.meta.indices})
     assert 0 not in kept_groups and kept_groups == [1, 2] and held.rounds == 2

@@ -17,7 +17,7 @@ import functools
 import time
 from typing import Any, Callable
 
-from rlhf_orch.orchestration.actors import dead_actors, dead_or_stuck, lost_processes
+from rlhf_orch.orchestration.actors import PROBE_TIMEOUT_S, dead_actors, dead_or_stuck, lost_processes
 from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.orchestration.restart_decision import engine_restart_refusal
 from rlhf_orch.orchestration.errors import ActorDiedError, ActorTimeoutError, EngineDiedError, EngineRestartBudgetError, StepFailedError
@@ -63,7 +63,7 @@ class EngineRecovery:
         """(index, handle) of the engines that are dead or hung (an engine busy in a long call that
         makes engine steps is neither: `lost_processes`)."""
         engines = list(self.actors.engines)
-        return [(e, engines[e]) for e in lost_processes(engines, timeout_s=10.0)]
+        return [(e, engines[e]) for e in lost_processes(engines, timeout_s=PROBE_TIMEOUT_S)]
 
     def redraw_lost_shares(self, held: HeldRollout, route: Route) -> None:
         """Before a held rollout is handed over (or read into a checkpoint): every engine process
@@ -185,7 +185,7 @@ class EngineRecovery:
         broken group: replacing them would fail again against the dead rank, charge each round to
         the engine budget and end the run. A lost trainer is a lost process (every role restarts
         from the checkpoint) -- asked first."""
-        dead = dead_actors(self.actors.policy, timeout_s=10.0)
+        dead = dead_actors(self.actors.policy, timeout_s=PROBE_TIMEOUT_S)
         if dead:
             raise ActorDiedError(f"policy rank {dead[0]} died pushing weight version {version} to the engines")
 
@@ -215,7 +215,7 @@ class EngineRecovery:
                 return
             except WeightSyncError:
                 self._refuse_if_a_sender_died(version)
-                dead, stuck = dead_or_stuck(self.actors.engines, timeout_s=10.0)
+                dead, stuck = dead_or_stuck(self.actors.engines, timeout_s=PROBE_TIMEOUT_S)
                 if not dead and not stuck:
                     raise
                 self._charge_restarts(dead or stuck, step, f"lost while the weight groups were formed again for version {version}")

@@ -114,7 +114,7 @@ class Evaluator:
         meta = RolloutMeta.merge(held)
         ranks = len(reward_ranks)
         budget = max(meta.seq_lens) * self.reward.model.micro_batch_size
-        plan = plan_packed(meta.indices, meta.seq_lens, budget, ranks)
+        plan = plan_packed(meta.indices, meta.seq_lens, budget, ranks, steps=1)  # (scored only: one pass)
         cut = pieces_per_engine(plan, [m.indices for m in held])
         pieces = []
         for e, members in zip(used, cut):

@@ -19,7 +19,7 @@ import functools
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Sequence
 
 import ray
@@ -30,7 +30,7 @@ from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.one_line import ROLES, dead_actor, one_line
-from rlhf_orch.orchestration.actors import RoleActors, dead_actors, dead_or_stuck, ranks_named
+from rlhf_orch.orchestration.actors import PROBE_TIMEOUT_S, RoleActors, dead_actors, dead_or_stuck, ranks_named
 from rlhf_orch.orchestration import dynamic_sampling
 from rlhf_orch.orchestration.dynamic_sampling import GroupFilter
 from rlhf_orch.orchestration.engine_recovery import EngineRecovery
@@ -59,12 +59,14 @@ class LoopSettings:
     temperature: float
     seed: int
     step_timeout_s: float
-    max_seq_len: int = 0  # prompt_max_len + response_max_len (0: longest prompt + response_max_len)
-    max_engine_restarts: int = 0  # engines replaced per invocation at most (fault.max_engine_restarts)
-    engine_tp: int = 1
-    engines_sleep: bool = False  # engine.sleep_level > 0: idle engines release their GPU memory
-    min_response_len: int = 0  # algo.min_response_len
-    train_batch_size: int = 0  # algo.train_batch_size: sequences per optimizer step (0: no floor on micro-batches)
+    # (keyword-only and required: the values come from the config's declarations, defaults and all)
+    _: KW_ONLY
+    max_seq_len: int  # prompt_max_len + response_max_len (0: longest prompt + response_max_len)
+    max_engine_restarts: int  # engines replaced per invocation at most (fault.max_engine_restarts)
+    engine_tp: int  # the placement plan's engine tensor-parallel size
+    engines_sleep: bool  # engine.sleep_level > 0: idle engines release their GPU memory
+    min_response_len: int  # algo.min_response_len
+    train_batch_size: int  # algo.train_batch_size: sequences per optimizer step (0: no floor on micro-batches)
 
 
 # Quantities that must stay finite; a NaN or inf in any of them stops the run (`non_finite`).
@@ -337,7 +339,7 @@ class TrainLoop(EngineRecovery):
             # An engine that died since its last call (idle, or holding rollouts: pipeline=async)
             # is replaced before the push: pushed to, its death would break the broadcast and leave
             # every other engine stuck in it (replaced too).
-            dead = dead_actors(self.actors.engines, timeout_s=10.0)
+            dead = dead_actors(self.actors.engines, timeout_s=PROBE_TIMEOUT_S)
             if dead:
                 self._replace_after_sync(dead, [], version, before=True)
                 self.version = version
@@ -348,7 +350,7 @@ class TrainLoop(EngineRecovery):
                 self.sync.verify(version)
             except WeightSyncError:
                 self._refuse_if_a_sender_died(version)
-                dead, stuck = dead_or_stuck(self.actors.engines, timeout_s=10.0)
+                dead, stuck = dead_or_stuck(self.actors.engines, timeout_s=PROBE_TIMEOUT_S)
                 if not dead and not stuck:
                     raise  # every engine answers: not a lost process (a bug, a timeout elsewhere)
                 self._replace_after_sync(dead, stuck, version)

@@ -250,7 +250,7 @@ class AsyncPipeline(RolloutPipeline):
     one_version_per_rollout: ClassVar[bool] = False  # each new version reaches the rollouts in flight
     redraws_lost_shares: ClassVar[bool] = True  # an engine lost costs its shares, not the run (sampling is timing-dependent anyway)
 
-    def __init__(self, max_staleness: int = 1, partial_rollout: bool = True) -> None:
+    def __init__(self, max_staleness: int, partial_rollout: bool = True) -> None:
         if max_staleness < 0:
             raise ValueError(f"pipeline.max_staleness={max_staleness} must be >= 0")
         self.max_staleness = max_staleness  # the class's bound for this instance (the loop reads it)

@@ -47,7 +47,7 @@ class RestartDecision:
     crash_loop: bool
     final_checkpoint: bool
     exact_only: bool
-    final_note: str = ""
+    final_note: str
     give_up_line: str | None = None
     exit_code: int | None = None
 

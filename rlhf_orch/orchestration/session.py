@@ -19,7 +19,7 @@ from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.one_line import named
 from rlhf_orch.orchestration import warm_actors
-from rlhf_orch.orchestration.actors import ActorStartError, RoleActors, StartupStopped, lost_processes, start_role_actors
+from rlhf_orch.orchestration.actors import PROBE_TIMEOUT_S, ActorStartError, RoleActors, StartupStopped, lost_processes, start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR, ResumeError, find_checkpoint
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
@@ -239,7 +239,7 @@ def _stuck(error: BaseException | None) -> bool:
 _NOT_RESTARTED = (NonFiniteError, EngineRestartBudgetError, ActorStartError)
 
 
-def processes_lost(error: BaseException, actors: Any, timeout_s: float = 10.0) -> bool:
+def processes_lost(error: BaseException, actors: Any, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Whether the failure lost a process of the run: an actor is dead or does not answer within
     `timeout_s` (hung: treated as dead; an engine busy in one long call that makes engine steps
     is neither, `lost_processes`). A failure with every process answering or busy (a bug, a bad

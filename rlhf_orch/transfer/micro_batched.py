@@ -25,7 +25,7 @@ from rlhf_orch.transfer.plan import interleave_over_engines, plan_count_micro_ba
 class MicroBatchedTransfer(RolloutTransfer):
     holds_rollouts = False  # micro-batches go to the trainers while the engines generate
 
-    def __init__(self, max_in_flight: int = 4):
+    def __init__(self, max_in_flight: int):
         if max_in_flight < 1:
             raise ValueError(f"transfer.max_in_flight={max_in_flight} must be >= 1")
         self.max_in_flight = max_in_flight

@@ -28,7 +28,7 @@ from rlhf_orch.transfer.plan import derive_token_budget, optimizer_steps, group_
 
 
 class PackedTransfer(RolloutTransfer):
-    def __init__(self, token_budget: int = 0):
+    def __init__(self, token_budget: int):
         if token_budget < 0:
             raise ValueError(f"transfer.token_budget={token_budget} must be >= 0 (0 derives it)")
         self.token_budget = token_budget
@@ -51,7 +51,7 @@ class PackedTransfer(RolloutTransfer):
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in ordered]
         budget = self.budget(micro_batch_size, max(lengths))
         steps = optimizer_steps(len(lengths), train_batch_size)
-        plan = _engine_ordered(plan_packed([s.index for s in ordered], lengths, budget, num_shards, held_by_engine, steps), held_by_engine)
+        plan = _engine_ordered(plan_packed([s.index for s in ordered], lengths, budget, num_shards, held_by_engine, steps=steps), held_by_engine)
         whole = PackedBatch.from_samples(ordered)
         position = {s.index: k for k, s in enumerate(ordered)}
         shards = []
@@ -65,11 +65,11 @@ class PackedTransfer(RolloutTransfer):
         t = time.perf_counter()
         shares: list[list[EngineShare]] = [[] for _ in route.engines]
         held = self.generate_round(request, route, range(len(request.prompts)), shares)
-        return self.held_rollout(request, held, shares, time.perf_counter() - t)
+        return self.held_rollout(request, held, shares, time.perf_counter() - t, rounds=1, dropped=None)
 
     def held_rollout(
         self, request: RolloutRequest, held: list[list[RolloutMeta]], shares: list[list[EngineShare]], generate_s: float,
-        rounds: int = 1, dropped: int | None = None,
+        *, rounds: int, dropped: int | None,
     ) -> HeldRollout:
         """The rollout the engines hold after its rounds (`held`: per engine, the metadata of what
         it keeps; `rounds`, `dropped`: DAPO's dynamic sampling, `rlhf_orch.orchestration.dynamic_sampling`)."""
@@ -100,7 +100,7 @@ class PackedTransfer(RolloutTransfer):
         steps = optimizer_steps(len(meta.seq_lens), held.train_batch_size)
         # Micro-batches within one engine's sequences where that costs nothing (the trainer then
         # uses its part of that engine's piece as it is).
-        plan = _engine_ordered(plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards, held.held, steps), held.held)
+        plan = _engine_ordered(plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards, held.held, steps=steps), held.held)
         cut = pieces_per_engine(plan, held.held)
         timings["plan"] = time.perf_counter() - t
         pieces = []  # pieces[engine][rank]: object refs, owned here, data in the engine's store

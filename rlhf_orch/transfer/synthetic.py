@@ -100,7 +100,7 @@ zero_reward = RuleScoring(ZeroReward())  # the scorer engines run (inline, like 
 class TrainerSink(ExperienceInbox):
     """A trainer rank without a model: holds what it is sent."""
 
-    def __init__(self, pad_id: int = 0):
+    def __init__(self, pad_id: int):
         self.pad_id = pad_id
         self._staged = {}
 
