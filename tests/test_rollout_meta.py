@@ -203,7 +203,8 @@ def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_a
     the lost share is drawn again on the replacement."""
     from types import SimpleNamespace
 
-    from rlhf_orch.orchestration.loop import EngineDiedError, TrainLoop
+    from rlhf_orch.orchestration.fleet import EngineFleet
+    from rlhf_orch.orchestration.loop import EngineDiedError
     from rlhf_orch.orchestration.pipeline import AsyncPipeline, SyncPipeline
 
     spp, engines = 4, 2
@@ -225,9 +226,9 @@ def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_a
         loop = SimpleNamespace(pipeline=pipeline, transfer=transfer, _restart_s={}, _redrawn={}, _replace_engine=lambda e, step, dead=None: None)
         if not pipeline.redraws_lost_shares:
             with pytest.raises(EngineDiedError, match="vLLM engine 1 lost after making its share of step 0's rollout"):
-                TrainLoop.redraw_lost_shares(loop, held, route)
+                EngineFleet.redraw_lost_shares(loop, held, route)
         else:
-            TrainLoop.redraw_lost_shares(loop, held, route)
+            EngineFleet.redraw_lost_shares(loop, held, route)
         pipeline.close(None)
     assert redrawn == [[1]]
 
@@ -238,7 +239,7 @@ def test_an_engine_replaced_after_all_its_earlier_groups_were_dropped_lost_nothi
     (a share left with no kept prompt was counted lost before, and restarted the run)."""
     from types import SimpleNamespace
 
-    from rlhf_orch.orchestration.loop import TrainLoop
+    from rlhf_orch.orchestration.fleet import EngineFleet
     from rlhf_orch.orchestration.pipeline import SyncPipeline
 
     class EngineOnesRoundOneUniform(_ScriptedEngines):
@@ -253,7 +254,7 @@ def test_an_engine_replaced_after_all_its_earlier_groups_were_dropped_lost_nothi
     assert held.rounds == 2 and sorted({group_of(i, spp) for i in held.meta.indices}) == [0, 1, 2, 6, 7, 8]
     assert all(share.engine is route.engines[1] for share in held.shares[1])
     loop = SimpleNamespace(pipeline=SyncPipeline(), transfer=None, _restart_s={}, _redrawn={})
-    TrainLoop.redraw_lost_shares(loop, held, route)  # (raised EngineDiedError: a lost process)
+    EngineFleet.redraw_lost_shares(loop, held, route)  # (raised EngineDiedError: a lost process)
 
 
 def test_a_checkpoint_written_before_the_record_moved_loads_with_its_counts_kept(tmp_path, monkeypatch):

@@ -333,7 +333,7 @@ def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_pr
 
     # Engine 1 dies during the redraw: `on_engines` replaces it and the share is made on the new
     # process; the share it had kept (prompt 4) went with it, so the loop draws that one again too.
-    from rlhf_orch.orchestration.loop import TrainLoop
+    from rlhf_orch.orchestration.fleet import EngineFleet
     from rlhf_orch.orchestration.pipeline import AsyncPipeline
 
     calls.clear()
@@ -349,7 +349,7 @@ def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_pr
     route = RouteLosingEngine1()
     loop = types.SimpleNamespace(pipeline=AsyncPipeline(max_staleness=1), transfer=PackedTransfer(token_budget=0), _restart_s={}, _redrawn={},
                                  _replace_engine=lambda e, step, dead=None: route.engines[e])
-    TrainLoop.redraw_lost_shares(loop, held, route)
+    EngineFleet.redraw_lost_shares(loop, held, route)
     assert calls == [("newer", "produce", [0, 1], 3), ("newer", "produce", [4], 3)]
     assert all(share.engine is newer for share in held.shares[1]) and held.meta.indices == list(range(10))
     assert held.meta.rewards == [1.0] * 4 + [0.5] * 4 + [1.0] * 2 and loop._redrawn == {held.step: 6}

@@ -75,21 +75,30 @@ class RolloutRequest:
 
 @dataclass
 class Route:
-    """The actors a delivery talks to, how to wait on them, and how to replace an engine that died."""
+    """The actors a delivery talks to, how to wait on them, and who replaces an engine that died."""
 
     engines: list[Any]
     consumers: list[list[Any]]  # per shard: every actor that must stage it (policy, critic, reference)
     get: Callable[..., list[Any]]  # get(refs, what, engine_call=False) with the loop's timeout/errors
     wait: Callable[..., Any] = ray.wait
-    # replace_engine(e, dead) -> a new engine in engine e's bundle holding the current weights, or
-    # the one that already replaced `dead` (the handle that failed) (None: a
-    # dead engine fails the step).
-    replace_engine: Callable[..., Any] | None = None
+    # The engines' owner (`rlhf_orch.orchestration.fleet.EngineFleet`, passed down: `replace`), and the
+    # step whose rollout the engines make (a replacement is seeded for it). None: a dead engine fails the step.
+    fleet: Any = None
+    step: int | None = None
     timeout_s: float = 600.0
     # the engines' counts at the last look (wait_any); a replacement, another handle, starts with a first look
     _watch: ProgressWatch | None = None
     # the engines the last wait found stuck (wait_any returned []), for the error that follows
     stalled: list[int] = field(default_factory=list)
+
+    @property
+    def replaces_engines(self) -> bool:
+        return self.fleet is not None
+
+    def replace(self, e: int, dead: Any = None) -> Any:
+        """A new engine in engine e's bundle holding the current weights, or the one that already
+        replaced `dead` (the handle that failed)."""
+        return self.fleet.replace(e, step=self.step, dead=dead)
 
     def wait_any(self, waiting: dict[Any, int]) -> list[Any]:
         """The first of `waiting` (Ray refs or streaming generators, each -> the engine making it)
@@ -134,10 +143,10 @@ class Route:
             try:
                 results[e] = ray.get(ref)
             except ray.exceptions.RayActorError:
-                if self.replace_engine is None:
+                if not self.replaces_engines:
                     self.get([ref], what, engine_call=True)  # the loop's one-line error for it (EngineDiedError)
                     raise
-                self.engines[e] = self.replace_engine(e, dead=self.engines[e])
+                self.engines[e] = self.replace(e, dead=self.engines[e])
                 pending[submit(e, self.engines[e])] = e
             except ray.exceptions.RayError:
                 self.get([ref], what, engine_call=True)  # the loop's one-line error for it

@@ -62,7 +62,7 @@ class MicroBatchedTransfer(RolloutTransfer):
                 # Replaced only now: the other engines' streams wait on this loop (back-pressure),
                 # so re-forming the weight group earlier would wait on them forever.
                 for e in died:
-                    route.engines[e] = route.replace_engine(e)
+                    route.engines[e] = route.replace(e)
                     rest = [w for w in shares[e] if (w.shard, w.slot) not in handed]
                     if rest:
                         active[open_stream(e, rest)] = e
@@ -80,7 +80,7 @@ class MicroBatchedTransfer(RolloutTransfer):
                     del active[stream]
                     continue
                 except ray.exceptions.RayActorError:
-                    if route.replace_engine is None:
+                    if not route.replaces_engines:
                         raise
                     died.append(active.pop(stream))
                     continue
