@@ -29,7 +29,7 @@ import ray
 from rlhf_orch.liveness import ProgressWatch
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 from rlhf_orch.transfer.micro_batches import near_equal_ranges, shard_for_ranks, split_by_count
-from rlhf_orch.transfer.engine_side import RolloutJob, Scorer
+from rlhf_orch.transfer.engine_side import ONLY_SLOT, RolloutJob, Scorer
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.plan import check_trajectories_divide
 
@@ -52,10 +52,10 @@ class RolloutRequest:
     max_seq_len: int  # prompt_max_len + response_max_len
     decode: Callable[[list[list[int]]], list[str]] | None = None  # driver-side decoding (baseline only)
     env: Any = None  # multi-turn rollouts: the `env` option (None: one response per sample)
-    min_tokens: int = 0  # algo.min_response_len
+    min_tokens: int = RolloutJob.min_tokens  # algo.min_response_len
     # Where the engines hold this rollout until its hand-over: several may be held at once
     # (pipeline=async); 0 when one at most is.
-    slot: int = 0
+    slot: int = ONLY_SLOT
     # Sequences per optimizer step (algo.train_batch_size): a token budget is lowered so every rank
     # gets at least one micro-batch per optimizer step (0: no floor).
     train_batch_size: int = 0
@@ -202,8 +202,8 @@ class HeldRollout:
     dropped_groups: int | None = None
     rounds: int = 1
     step: int = 0  # the training step it was generated for (set by the loop)
-    slot: int = 0  # where the engines hold it (RolloutRequest.slot)
-    train_batch_size: int = 0  # RolloutRequest.train_batch_size
+    slot: int = ONLY_SLOT  # where the engines hold it (RolloutRequest.slot)
+    train_batch_size: int = RolloutRequest.train_batch_size
     ready_at: float = field(default_factory=time.time)  # wall clock when `generate` returned
     request: Any = None  # the RolloutRequest it was made for (driver only)
     shares: list[list[EngineShare]] | None = None  # per engine, what each of its processes made (driver only)

@@ -43,7 +43,7 @@ class PackedTransfer(RolloutTransfer):
         micro_batch_size: int,
         pad_id: int,
         held_by_engine: Sequence[Sequence[int]] | None = None,
-        train_batch_size: int = 0,
+        train_batch_size: int = RolloutRequest.train_batch_size,
     ) -> list[list[MicroBatch]]:
         """`held_by_engine` (per engine, the indices it holds): the micro-batches `hand_over`
         plans for a rollout held that way; without it, as if one engine held everything."""
