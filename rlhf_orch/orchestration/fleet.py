@@ -96,6 +96,16 @@ class EngineFleet:
         run starts with the budget whole)."""
         return self.engine_restarts - self.engine_restarts_before
 
+    def metrics(self, step: int) -> dict[str, Any]:
+        """Step `step`'s fault metrics: replacements charged so far, the seconds spent replacing
+        and the samples drawn again on replacements (the last two: this attempt's, once)."""
+        metrics: dict[str, Any] = {"fault/engine_restarts": sum(len(v) for k, v in self.restart_log.items() if k <= step)}
+        if step in self._restart_s:  # this attempt's replacements (the log also holds a lost attempt's)
+            metrics["time/engine_restart"] = self._restart_s[step]
+        if step in self._redrawn:
+            metrics["fault/redrawn_samples"] = self._redrawn.pop(step)
+        return metrics
+
     def sleep_engines(self) -> None:
         """The engines are idle until the next sync: they release their GPU memory (at sleep level
         2 their weights too, which the sync sends back before anything is generated)."""

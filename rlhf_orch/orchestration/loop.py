@@ -9,8 +9,11 @@ After that, experience tensors move between actors as Ray object references.
 
 When the rollout is generated relative to the weights is the `pipeline`'s business
 (`rlhf_orch.orchestration.pipeline`): right before the hand-over with the newest weights (`sync`),
-or during the previous step's training, one version behind (`one_step_off`). The loop counts two
-versions: `trained` (updates the trainers made) and `version` (what the engines hold).
+or during the previous step's training, one version behind (`one_step_off`). Two versions count:
+`trained` (updates the trainers made) and `version` (what the engines hold: the engines' one owner,
+`rlhf_orch.orchestration.fleet.EngineFleet`, which also pushes weights and replaces lost engines).
+DAPO's rounds are `rlhf_orch.orchestration.dynamic_sampling`'s; a sample's reward is combined by
+`rlhf_orch.reward.combine.sample_reward`.
 """
 
 from __future__ import annotations
@@ -243,12 +246,7 @@ class TrainLoop:
         metrics = self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, timings)
         metrics.update(self.pipeline.metrics(delivery, self.trained))
         metrics.update(algo_stats)
-        fleet = self.fleet
-        metrics["fault/engine_restarts"] = sum(len(v) for k, v in fleet.restart_log.items() if k <= step)
-        if step in fleet._restart_s:  # this attempt's replacements (the log also holds a lost attempt's)
-            metrics["time/engine_restart"] = fleet._restart_s[step]
-        if step in fleet._redrawn:
-            metrics["fault/redrawn_samples"] = fleet._redrawn.pop(step)
+        metrics.update(self.fleet.metrics(step))
         return metrics
 
     def _update(self, policy_calls: list[ray.ObjectRef], critic_calls: list[ray.ObjectRef]) -> tuple[list[Any], list[Any]]:
@@ -270,37 +268,6 @@ class TrainLoop:
         (one_step_off, async) records, so a resumed run draws them again instead of skipping them."""
         with self._drawing:
             return self._data_before[step] if step in self._data_before else self.task.state_dict()
-
-    # ------------------------------------------------------------------ the engines (the fleet's)
-    trained = _trainers_attr()
-    version = _fleet_attr("version", "the weights the engines hold")
-    restart_log = _fleet_attr("restart_log", "per step whose rollout lost an engine, an entry per replacement")
-    engine_restarts_before = _fleet_attr("engine_restarts_before", "replacements made before this invocation")
-    closing = _fleet_attr("closing", "the run is ending: engines that stop are not replaced")
-    last_sync = _fleet_attr("last_sync", "the last push's report")
-
-    @property
-    def engine_restarts(self) -> int:
-        return self.fleet.engine_restarts
-
-    @property
-    def engine_restarts_used(self) -> int:
-        return self.fleet.engine_restarts_used
-
-    def route(self, step: int | None = None) -> Route:
-        return self.fleet.route(step)
-
-    def sync_engines(self, timings: dict[str, float]) -> None:
-        self.fleet.sync_engines(timings)
-
-    def sleep_engines(self) -> None:
-        self.fleet.sleep_engines()
-
-    def hand_over(self, held: HeldRollout) -> Delivery:
-        return self.fleet.hand_over(held)
-
-    def export_held(self, held: HeldRollout) -> HeldRollout:
-        return self.fleet.export_held(held)
 
     # ------------------------------------------------------------------ what the pipeline calls
     def rollout_request(self, step: int) -> RolloutRequest:
@@ -464,3 +431,34 @@ class TrainLoop:
             if phase in timings:
                 metrics[f"share/{phase}"] = timings[phase] / max(timings["step"], 1e-9)
         return metrics
+
+    # ------------------------------------------------------------------ the engines (the fleet's)
+    trained = _trainers_attr()
+    version = _fleet_attr("version", "the weights the engines hold")
+    restart_log = _fleet_attr("restart_log", "per step whose rollout lost an engine, an entry per replacement")
+    engine_restarts_before = _fleet_attr("engine_restarts_before", "replacements made before this invocation")
+    closing = _fleet_attr("closing", "the run is ending: engines that stop are not replaced")
+    last_sync = _fleet_attr("last_sync", "the last push's report")
+
+    @property
+    def engine_restarts(self) -> int:
+        return self.fleet.engine_restarts
+
+    @property
+    def engine_restarts_used(self) -> int:
+        return self.fleet.engine_restarts_used
+
+    def route(self, step: int | None = None) -> Route:
+        return self.fleet.route(step)
+
+    def sync_engines(self, timings: dict[str, float]) -> None:
+        self.fleet.sync_engines(timings)
+
+    def sleep_engines(self) -> None:
+        self.fleet.sleep_engines()
+
+    def hand_over(self, held: HeldRollout) -> Delivery:
+        return self.fleet.hand_over(held)
+
+    def export_held(self, held: HeldRollout) -> HeldRollout:
+        return self.fleet.export_held(held)
