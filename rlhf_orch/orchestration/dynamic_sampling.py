@@ -51,7 +51,7 @@ def fill_with_informative_groups(
     groups (zero advantage) if the rounds ran out -- so every step trains on the same shape.
     Engines keep only what is planned (`cut_for_ranks` releases the rest). An engine replaced
     in a later round took its earlier rounds' samples along: `shares` says so, and the caller
-    decides (`TrainLoop.redraw_lost_shares`). Returns (per engine the kept metadata, rounds,
+    decides (`EngineFleet.redraw_lost_shares`). Returns (per engine the kept metadata, rounds,
     groups dropped)."""
     spp = request.samples_per_prompt
     need = len(request.prompts)

@@ -149,7 +149,6 @@ class TrainLoop:
         self.task = task
         self.tokenizer = tokenizer
         self.transfer = transfer
-        self.sync = sync
         self.algo = algo
         self.settings = settings
         self.pipeline = pipeline if pipeline is not None else SyncPipeline()

@@ -78,7 +78,7 @@ class RolloutPipeline:
     # an engine replaced mid-rollout must get that version, or the run restarts from its checkpoint).
     one_version_per_rollout: ClassVar[bool] = True
     # A weight update waits until the requests in flight finish (the engines hold it back; the
-    # driver waits for that before it pushes: `TrainLoop._push`).
+    # driver waits for that before it pushes: `EngineFleet._push`).
     finishes_requests_before_update: bool = False
     # A share of a held rollout lost with its engine is drawn again on the replacement (the same
     # prompts, new samples) instead of restarting the run from its checkpoint, which would repeat

@@ -173,7 +173,7 @@ class Delivery:
 class EngineShare:
     """What one engine process made of a held rollout: the prompts (indices into the request's
     prompts) whose samples it holds. The handle says which process: one replaced since took them
-    along (`TrainLoop.redraw_lost_shares`)."""
+    along (`EngineFleet.redraw_lost_shares`)."""
 
     engine: Any
     prompts: list[int]
