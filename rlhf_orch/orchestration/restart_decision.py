@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# The exit code of a run that gives up after it started (app.py's EXIT_RUNTIME).
+# The exit code of a run that gives up after it started (any failure once the run started; app.py).
 EXIT_RUNTIME = 3
 
 # What one failed attempt is: (last finished step, step in progress, failure_signature). The same
