@@ -26,12 +26,13 @@ from rlhf_orch.reward.execution import ScoredBatch, score_batch
 
 @dataclass(frozen=True)
 class RuleScoring:
-    """What an engine runs on a finished batch: `fn` under the run's execution settings, times `weight`."""
+    """What an engine runs on a finished batch: `fn` under the run's execution settings, times `weight`
+    (reward.timeout_s, reward.pool_size, and the rule's weight: their defaults are the config's)."""
 
     fn: RewardFunction
-    weight: float = 1.0
-    timeout_s: float = 10.0
-    pool_size: int = 0
+    weight: float
+    timeout_s: float
+    pool_size: int
 
     @property
     def name(self) -> str:
@@ -73,7 +74,8 @@ def build_reward(node: DictConfig | dict) -> RewardSetup:
 
     conf = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     execution = {k: conf.pop(k) for k in RuleRewardConfig.execution_keys if k in conf}
-    _check_execution(**execution)
+    if execution:  # (a rule option declares them; a reward-model option's rule carries its own)
+        _check_execution(**execution)
     rule_node = conf.pop("rule", None)  # only a reward model option carries a nested rule
     target = instantiate(conf)
     if isinstance(target, RewardFunction):
@@ -84,7 +86,7 @@ def build_reward(node: DictConfig | dict) -> RewardSetup:
     return RewardSetup(rule=rule, model=target)
 
 
-def _check_execution(timeout_s: float = 10.0, pool_size: int = 0) -> None:
+def _check_execution(timeout_s: float, pool_size: int) -> None:
     if not timeout_s > 0:
         raise ValueError(f"reward.timeout_s={timeout_s}: must be > 0 (seconds one sample may take to score)")
     if pool_size < 0:

@@ -94,7 +94,7 @@ class ZeroReward(RewardFunction):
         return 0.0
 
 
-zero_reward = RuleScoring(ZeroReward())  # the scorer engines run (inline, like a rule)
+zero_reward = RuleScoring(ZeroReward(), weight=1.0, timeout_s=10.0, pool_size=0)  # the scorer engines run (inline, like a rule)
 
 
 class TrainerSink(ExperienceInbox):
