@@ -25,12 +25,13 @@ from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.config.ranges import added_key_problems
 from rlhf_orch.config.problems import Problem
 from rlhf_orch.config.validate import ConfigError, Hardware, check_run_dir_writable, range_problems, validate
+from rlhf_orch.orchestration.restart_decision import EXIT_RUNTIME
 from rlhf_orch.reward.base import RewardError
 from rlhf_orch.reward.scoring import build_reward
 from rlhf_orch.topology.plan import PlacementError, PlacementPlan
 
 EXIT_CONFIG = 2
-EXIT_RUNTIME = 3
+# EXIT_RUNTIME (3): a run that gave up after it started -- the restart decision's code
 EXIT_SIGNAL_BASE = 128  # stopped by a signal: 130 SIGINT, 143 SIGTERM (after a checkpoint)
 
 

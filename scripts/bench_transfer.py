@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     lengths = LengthModel(mean=args.mean_response, max_len=args.response_max, sigma=args.sigma)
     # Engines and sinks take no CPU reservation: the point is the data path, not scheduling.
     engines = [ray.remote(num_cpus=0)(SyntheticEngine).remote(lengths, seed=args.seed) for _ in range(args.engines)]
-    sinks = [ray.remote(num_cpus=0, num_gpus=1)(TrainerSink).remote() for _ in range(args.trainers)]
+    sinks = [ray.remote(num_cpus=0, num_gpus=1)(TrainerSink).remote(pad_id=0) for _ in range(args.trainers)]
     ray.get([a.ping.remote() for a in (*engines, *sinks)])
     route = Route(engines=engines, consumers=[[s] for s in sinks], get=lambda refs, what="", engine_call=False: ray.get(refs))
 

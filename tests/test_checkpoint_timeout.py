@@ -12,7 +12,8 @@ import ray
 
 from rlhf_orch.checkpoint_dirs import CheckpointStore, complete_checkpoints
 from rlhf_orch.orchestration.checkpoint import save_checkpoint
-from rlhf_orch.orchestration.loop import ActorTimeoutError, TrainLoop
+from rlhf_orch.orchestration.loop import ActorTimeoutError
+from rlhf_orch.orchestration.waits import ActorWaits
 
 pytestmark = pytest.mark.integration
 
@@ -39,8 +40,7 @@ def ray_session():
 
 def _loop_get(step_timeout_s: float):
     """The loop's own `_get` (its timeouts and one-line errors) with only the settings it reads."""
-    loop = SimpleNamespace(settings=SimpleNamespace(step_timeout_s=step_timeout_s))
-    return lambda refs, what, **kw: TrainLoop._get(loop, refs, what, **kw)
+    return ActorWaits(step_timeout_s).get
 
 
 def test_a_save_longer_than_the_step_timeout_completes_within_the_checkpoint_timeout(ray_session, tmp_path):

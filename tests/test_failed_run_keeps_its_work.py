@@ -571,7 +571,7 @@ def test_async_an_engine_lost_after_making_its_share_while_another_still_generat
                 time.sleep(0.05)
             assert not loop.pipeline.holds_finished_rollouts()  # engine 1 is still at them
             _kill_and_wait(engine)
-            loop._replace_engine(0, 5, dead=engine)
+            loop.fleet._replace_engine(0, 5, dead=engine)
 
     run_dir = tmp_path / "run"
     extra = ["algo.num_steps=7", "pipeline=async", "pipeline.max_staleness=2", "algo.decoupled_is_cap=5", "placement.engines=2",

@@ -59,10 +59,11 @@ def _get(refs, what, **kwargs):  # no Ray: the fake actors' calls return their r
 def _loop(task: _Task, actors=None, sync=None, pipeline=None) -> TrainLoop:
     cfg = compose_config(["experiment=quick"])
     settings = LoopSettings(num_steps=4, rollout_batch_size=2, samples_per_prompt=2, micro_batch_size=2, response_max_len=8,
-                            temperature=1.0, seed=0, step_timeout_s=10.0, max_engine_restarts=3)
+                            temperature=1.0, seed=0, step_timeout_s=10.0, max_seq_len=0, max_engine_restarts=3, engine_tp=1,
+                            engines_sleep=False, min_response_len=0, train_batch_size=0)
     actors = actors or SimpleNamespace(engines=[], policy=[], critic=[], reference=[], own_reference=[], reward=[])
     loop = TrainLoop(actors, task, None, None, sync, instantiate(cfg.algo), settings, None, pipeline or SyncPipeline())
-    loop._get = _get
+    loop._get = loop.fleet._get = _get
     loop._rollout_request = lambda prompts: SimpleNamespace(prompts=prompts)  # the prompts are all these tests look at
     return loop
 
@@ -79,7 +80,7 @@ NO_ACTORS = SimpleNamespace(policy=[], critic=[])  # a checkpoint of no trainer 
 def test_a_weight_push_and_an_engine_replacement_never_overlap(monkeypatch):
     """The main thread pushes the trainers' new weights while a rollout thread (async) replaces a
     dead engine, which re-forms the weight groups: the re-forming waits for the push."""
-    from rlhf_orch.orchestration import loop as loop_module
+    from rlhf_orch.orchestration import fleet as loop_module
 
     monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([], []))  # (no Ray: every engine answers)
     monkeypatch.setattr(loop_module, "dead_actors", lambda engines, timeout_s: [])
@@ -109,7 +110,7 @@ def test_a_weight_push_and_an_engine_replacement_never_overlap(monkeypatch):
     main = threading.Thread(target=loop.sync_engines, args=({},))
     main.start()
     assert pushing.wait(timeout=10)  # the push is under way
-    loop._replace_dead_engine(0, step=2)
+    loop.fleet._replace_dead_engine(0, step=2)
     main.join()
     assert "prepare DURING A PUSH" not in events
     assert events == ["push v1 start", "push v1 end", "prepare", "push v1 start", "push v1 end"]
@@ -121,8 +122,8 @@ def test_an_engine_lost_while_the_groups_form_again_is_replaced_in_turn_and_a_de
     replaced in its turn, charged to the budget -- it used to fail the step and restart every role;
     and a push that finds an engine dead replaces it first (pushed to, it would break the broadcast
     and strand the others in it). Each dead engine costs one restart, no more."""
-    from rlhf_orch.orchestration import engine_recovery
-    from rlhf_orch.orchestration import loop as loop_module
+    from rlhf_orch.orchestration import fleet as engine_recovery
+    from rlhf_orch.orchestration import fleet as loop_module
     from rlhf_orch.sync.base import WeightSyncError
 
     started: list[int] = []
@@ -144,7 +145,7 @@ def test_an_engine_lost_while_the_groups_form_again_is_replaced_in_turn_and_a_de
     answers = iter([([0], [])])  # the replacement of engine 0 is found dead once
     monkeypatch.setattr(engine_recovery, "dead_or_stuck", lambda engines, timeout_s: next(answers, ([], [])))
     monkeypatch.setattr(loop_module, "dead_actors", lambda engines, timeout_s: [])
-    loop._replace_dead_engine(0, step=2)
+    loop.fleet._replace_dead_engine(0, step=2)
     assert started == [0, 0] and loop.engine_restarts == 2
     monkeypatch.setattr(loop_module, "dead_actors", lambda engines, timeout_s: [1] if not started[2:] else [])
     loop.trained = 1
@@ -156,7 +157,7 @@ def test_engines_stuck_in_a_broadcast_a_dead_one_broke_are_replaced_with_it_at_n
     """A push breaks: engine 1 is dead, engine 0 alive but stuck in the broken broadcast. Both are
     replaced; the budget is charged one restart (the death), not two. A hung broadcast with no
     engine dead charges the stuck ones."""
-    from rlhf_orch.orchestration import loop as loop_module
+    from rlhf_orch.orchestration import fleet as loop_module
     from rlhf_orch.sync.base import WeightSyncError
 
     started: list[int] = []
@@ -180,7 +181,7 @@ def test_engines_stuck_in_a_broadcast_a_dead_one_broke_are_replaced_with_it_at_n
     loop.trained = 1
     loop.sync_engines({})
     assert sorted(started) == [0, 1] and loop.engine_restarts == 1 and loop.version == 1
-    loop._replace_after_sync([], [0, 1], 1)  # nothing dead: a hung broadcast, both charged
+    loop.fleet._replace_after_sync([], [0, 1], 1)  # nothing dead: a hung broadcast, both charged
     assert loop.engine_restarts == 3
 
 
@@ -190,8 +191,8 @@ def test_a_push_broken_by_a_dead_policy_rank_restarts_every_role_and_charges_no_
     trainer is a lost process instead (ActorDiedError: every role restarts from the checkpoint),
     with no engine replaced or charged -- the first time the push fails, and again if it fails
     while the groups form around replacements."""
-    from rlhf_orch.orchestration import engine_recovery
-    from rlhf_orch.orchestration import loop as loop_module
+    from rlhf_orch.orchestration import fleet as engine_recovery
+    from rlhf_orch.orchestration import fleet as loop_module
     from rlhf_orch.orchestration.errors import ActorDiedError, EngineDiedError
     from rlhf_orch.sync.base import WeightSyncError
 
@@ -218,7 +219,7 @@ def test_a_push_broken_by_a_dead_policy_rank_restarts_every_role_and_charges_no_
         loop.sync_engines({})
     assert not isinstance(raised.value, EngineDiedError) and started == [] and loop.engine_restarts == 0
     with pytest.raises(ActorDiedError, match="policy rank 0 died"):
-        loop._wire_replacements([0], 1, 1)
+        loop.fleet._wire_replacements([0], 1, 1)
     assert started == [0] and loop.engine_restarts == 0  # (the replacement asked for; no round charged)
 
 
@@ -228,7 +229,7 @@ def test_a_hand_over_that_finds_an_engine_dead_replaces_it_draws_its_share_again
     draws the share it held again on the replacement and hands the rollout over; a rollout thread
     that replaced an engine meanwhile makes the hand-over look again instead. Under sync the
     failure stands (a lost process: the run restarts from its checkpoint)."""
-    from rlhf_orch.orchestration.engine_recovery import EngineRecovery
+    from rlhf_orch.orchestration.fleet import EngineFleet
     from rlhf_orch.orchestration.errors import ActorDiedError
     from rlhf_orch.orchestration.pipeline import AsyncPipeline
     from rlhf_orch.transfer.base import EngineShare
@@ -248,7 +249,7 @@ def test_a_hand_over_that_finds_an_engine_dead_replaces_it_draws_its_share_again
             held.shares[1] = [EngineShare(route.engines[1], [1])]
             return 2
 
-    class Loop(EngineRecovery):
+    class Loop(EngineFleet):
         def route(self, step=None):
             return SimpleNamespace(engines=list(self.actors.engines))
 
@@ -260,7 +261,7 @@ def test_a_hand_over_that_finds_an_engine_dead_replaces_it_draws_its_share_again
             self.actors.engines[e] = replacement
             return replacement
 
-    loop = Loop()
+    loop = Loop.__new__(Loop)
     loop.actors, loop.transfer, loop._restart_s, loop._redrawn = SimpleNamespace(engines=list(old)), Transfer(), {}, {}
     loop.pipeline = AsyncPipeline(max_staleness=1) if pipeline == "async" else SyncPipeline()
     held = SimpleNamespace(step=3, shares=[[EngineShare("engine 0", [0])], [EngineShare("engine 1", [1])]], request=object(),
@@ -389,7 +390,7 @@ def test_a_resumed_run_starts_with_its_fault_budgets_whole(tmp_path):
     loop = _loop(task, actors, Sync())
     loop.restart_log = {0: [0.0, 0.0, 0.0]}  # (what resume_loop puts back)
     loop.engine_restarts_before = record.engine_restarts_at_start
-    loop._replace_dead_engine(0, step=5)  # 1 of this invocation's 3
+    loop.fleet._replace_dead_engine(0, step=5)  # 1 of this invocation's 3
     assert loop.engine_restarts == 4 and loop.engine_restarts_used == 1
 
 

@@ -193,12 +193,12 @@ def test_grouped_plan_keeps_most_micro_batches_within_one_engine():
     rng = random.Random(5)
     lengths = [min(8192, int(rng.lognormvariate(7.4, 1.0)) + 100) for _ in range(1024)]
     held = [[i for p in chunk for i in range(p * 16, (p + 1) * 16)] for chunk in prompt_chunks(64, 4)]
-    plan = plan_packed(list(range(1024)), lengths, 16 * 8192, 4, held)
+    plan = plan_packed(list(range(1024)), lengths, 16 * 8192, 4, held, steps=1)
     owner = {i: e for e, h in enumerate(held) for i in h}
     mbs = [mb for rank in plan for mb in rank if mb]
     within = [mb for mb in mbs if len({owner[i] for i in mb}) == 1]
     assert sum(lengths[i] for mb in within for i in mb) >= 0.8 * sum(lengths)
-    assert len(plan[0]) <= len(plan_packed(list(range(1024)), lengths, 16 * 8192, 4)[0]) + 3
+    assert len(plan[0]) <= len(plan_packed(list(range(1024)), lengths, 16 * 8192, 4, steps=1)[0]) + 3
 
 
 def test_grouped_plan_of_complementary_groups_falls_back_to_mixed_micro_batches():
@@ -221,7 +221,7 @@ def test_micro_batches_within_one_piece_are_views_that_take_new_fields():
         engine.produce_and_hold(whole_prompt_requests(chunk, SPP), _job(chunk, prompt_ids))
         engines.append(engine)
     lengths = {i: len(s.prompt_ids) + len(s.response_ids) for i, s in want.items()}
-    plan = _engine_ordered(plan_packed(list(lengths), list(lengths.values()), 120, 2, held), held)
+    plan = _engine_ordered(plan_packed(list(lengths), list(lengths.values()), 120, 2, held, steps=1), held)
     cut = pieces_per_engine(plan, held)
     pieces = [engine.cut_for_ranks(members) for engine, members in zip(engines, cut)]
     views = 0

@@ -94,6 +94,9 @@ class FakeLoop:
         held.step = step
         return held
 
+    def make_rollout(self, request, route) -> HeldRollout:
+        return self.transfer.generate(request, route)
+
     def hand_over(self, held):
         return self.transfer.hand_over(held, None)
 

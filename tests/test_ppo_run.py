@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 
 from rlhf_orch.app import check
 from rlhf_orch.checkpoint_dirs import complete_checkpoints
-from rlhf_orch.orchestration.loop import EngineDiedError, LoopSettings, TrainLoop
+from rlhf_orch.orchestration.fleet import EngineFleet, TrainerVersion
+from rlhf_orch.orchestration.loop import EngineDiedError, LoopSettings
 from rlhf_orch.orchestration.pipeline import SyncPipeline
 from rlhf_orch.orchestration.session import RunFailed, run_training
 from tests.conftest import all_resources_free, compose_config
@@ -141,14 +142,15 @@ def test_engine_dying_mid_overlap_restarts_from_the_carried_rollout_and_a_nan_st
 
 
 def test_engine_restart_budget_is_a_hard_limit():
-    loop = TrainLoop.__new__(TrainLoop)
-    loop.settings = LoopSettings(1, 1, 1, 1, 1, 1.0, 0, 1.0, max_engine_restarts=2)
-    loop.restart_log, loop.closing = {3: [1.0], 5: [1.0]}, False
-    loop._replacing, loop._training, loop._pushing, loop.pipeline = threading.Lock(), threading.Lock(), threading.RLock(), SyncPipeline()
-    loop.trained = loop.version = 4
-    loop.engine_restarts_before = 0  # (a fresh invocation: both earlier replacements were its own)
+    fleet = EngineFleet.__new__(EngineFleet)
+    fleet.settings = LoopSettings(1, 1, 1, 1, 1, 1.0, 0, 1.0, max_seq_len=0, max_engine_restarts=2, engine_tp=1, engines_sleep=False,
+                                  min_response_len=0, train_batch_size=0)
+    fleet.restart_log, fleet.closing = {3: [1.0], 5: [1.0]}, False
+    fleet._replacing, fleet.trainers, fleet._pushing, fleet.pipeline = threading.Lock(), TrainerVersion(4), threading.RLock(), SyncPipeline()
+    fleet.version = 4
+    fleet.engine_restarts_before = 0  # (a fresh invocation: both earlier replacements were its own)
     with pytest.raises(EngineDiedError, match=r"engine 1 died during step 7 .*fault.max_engine_restarts=2"):
-        loop._replace_engine(1, step=7)
+        fleet._replace_engine(1, step=7)
 
 
 LAYOUTS = {

@@ -32,7 +32,7 @@ def test_a_replacement_starting_when_the_actors_are_killed_is_killed_too(monkeyp
 
     monkeypatch.setattr(actors_module.ray, "kill", lambda actor: killed.append(actor.name))
     monkeypatch.setattr(actors_module.ray, "get", get)
-    actors = RoleActors(engines=[_Engine("old")], start_engine=lambda e: _Engine("new"))
+    actors = RoleActors(engines=[_Engine("old")], start_engine=lambda e: _Engine("new"), startup_timeout_s=600.0)
     outcome: list[BaseException] = []
 
     def replace() -> None:

@@ -12,7 +12,9 @@ import torch
 from hydra.utils import instantiate
 
 from rlhf_orch.orchestration.loop import sample_values_by_index
-from rlhf_orch.transfer.base import GroupFilter, RolloutRequest
+from rlhf_orch.orchestration import dynamic_sampling
+from rlhf_orch.orchestration.dynamic_sampling import GroupFilter
+from rlhf_orch.transfer.base import RolloutRequest
 from rlhf_orch.transfer.packed import PackedTransfer
 from rlhf_orch.transfer.plan import group_of, prompt_chunks
 from rlhf_orch.transfer.rollout_meta import RolloutMeta, RolloutMetaError
@@ -129,10 +131,10 @@ def test_dynamic_sampling_keeps_each_kept_sample_s_own_length_and_counts(experim
     request = RolloutRequest(
         prompts=more(prompts), prompt_ids=[[1, 2]] * prompts, samples_per_prompt=spp, max_tokens=max_len, temperature=1.0,
         scorer=None, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=max_len + 100,
-        group_filter=GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=algo.max_gen_batches),
     )
     monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(scripted.generate))
-    held = PackedTransfer().generate(request, type("R", (), {"engines": scripted.engines})())
+    group_filter = GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=algo.max_gen_batches)
+    held = dynamic_sampling.generate(PackedTransfer(token_budget=0), request, type("R", (), {"engines": scripted.engines})(), group_filter)
     meta = held.meta
 
     assert held.dropped_groups > 0 and len(meta.indices) == prompts * spp
@@ -186,11 +188,11 @@ def _dapo_with_engine_1_replaced_in_round_2(scripted: _ScriptedEngines, monkeypa
     request = RolloutRequest(
         prompts=more(6), prompt_ids=[[1, 2]] * 6, samples_per_prompt=scripted.spp, max_tokens=64, temperature=1.0, scorer=None,
         num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=70,
-        group_filter=GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4),
     )
     monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
     route = SimpleNamespace(engines=list(scripted.engines))
-    return PackedTransfer().generate(request, route), route
+    group_filter = GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4)
+    return dynamic_sampling.generate(PackedTransfer(token_budget=0), request, route, group_filter), route
 
 
 def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_and_the_pipeline_decides(monkeypatch):
@@ -201,7 +203,8 @@ def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_a
     the lost share is drawn again on the replacement."""
     from types import SimpleNamespace
 
-    from rlhf_orch.orchestration.loop import EngineDiedError, TrainLoop
+    from rlhf_orch.orchestration.fleet import EngineFleet
+    from rlhf_orch.orchestration.loop import EngineDiedError
     from rlhf_orch.orchestration.pipeline import AsyncPipeline, SyncPipeline
 
     spp, engines = 4, 2
@@ -223,9 +226,9 @@ def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_a
         loop = SimpleNamespace(pipeline=pipeline, transfer=transfer, _restart_s={}, _redrawn={}, _replace_engine=lambda e, step, dead=None: None)
         if not pipeline.redraws_lost_shares:
             with pytest.raises(EngineDiedError, match="vLLM engine 1 lost after making its share of step 0's rollout"):
-                TrainLoop.redraw_lost_shares(loop, held, route)
+                EngineFleet.redraw_lost_shares(loop, held, route)
         else:
-            TrainLoop.redraw_lost_shares(loop, held, route)
+            EngineFleet.redraw_lost_shares(loop, held, route)
         pipeline.close(None)
     assert redrawn == [[1]]
 
@@ -236,7 +239,7 @@ def test_an_engine_replaced_after_all_its_earlier_groups_were_dropped_lost_nothi
     (a share left with no kept prompt was counted lost before, and restarted the run)."""
     from types import SimpleNamespace
 
-    from rlhf_orch.orchestration.loop import TrainLoop
+    from rlhf_orch.orchestration.fleet import EngineFleet
     from rlhf_orch.orchestration.pipeline import SyncPipeline
 
     class EngineOnesRoundOneUniform(_ScriptedEngines):
@@ -251,7 +254,7 @@ def test_an_engine_replaced_after_all_its_earlier_groups_were_dropped_lost_nothi
     assert held.rounds == 2 and sorted({group_of(i, spp) for i in held.meta.indices}) == [0, 1, 2, 6, 7, 8]
     assert all(share.engine is route.engines[1] for share in held.shares[1])
     loop = SimpleNamespace(pipeline=SyncPipeline(), transfer=None, _restart_s={}, _redrawn={})
-    TrainLoop.redraw_lost_shares(loop, held, route)  # (raised EngineDiedError: a lost process)
+    EngineFleet.redraw_lost_shares(loop, held, route)  # (raised EngineDiedError: a lost process)
 
 
 def test_a_checkpoint_written_before_the_record_moved_loads_with_its_counts_kept(tmp_path, monkeypatch):
@@ -287,9 +290,9 @@ def test_dynamic_sampling_judges_a_group_by_its_unmasked_samples(monkeypatch):
     drawn = iter(range(100))
     more = lambda n: [dataclasses.make_dataclass("P", ["prompt_ids", "i"])([1], next(drawn)) for _ in range(n)]  # noqa: E731
     request = RolloutRequest(prompts=more(2), prompt_ids=[[1]] * 2, samples_per_prompt=spp, max_tokens=4, temperature=1.0,
-                             scorer=None, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8,
-                             group_filter=GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4))
+                             scorer=None, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8)
     monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
-    held = PackedTransfer().generate(request, type("R", (), {"engines": [object()]})())
+    group_filter = GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4)
+    held = dynamic_sampling.generate(PackedTransfer(token_budget=0), request, type("R", (), {"engines": [object()]})(), group_filter)
     kept_groups = sorted({group_of(i, spp) for i in held.meta.indices})
     assert 0 not in kept_groups and kept_groups == [1, 2] and held.rounds == 2

@@ -26,7 +26,7 @@ from rlhf_orch.transfer.plan import (
 PAD = 0
 STRATEGIES = {
     "padded": PaddedTransfer(),
-    "micro_batched": MicroBatchedTransfer(),
+    "micro_batched": MicroBatchedTransfer(max_in_flight=4),
     "packed": PackedTransfer(token_budget=64),
 }
 
@@ -141,7 +141,7 @@ def test_micro_batched_pads_per_micro_batch_padded_to_global_max():
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     for mb in PaddedTransfer().layout(samples, 2, 4, PAD)[0]:
         assert isinstance(mb, PaddedBatch) and mb.input_ids.shape[1] == longest
-    for mb in MicroBatchedTransfer().layout(samples, 2, 4, PAD)[0]:
+    for mb in MicroBatchedTransfer(max_in_flight=4).layout(samples, 2, 4, PAD)[0]:
         assert mb.input_ids.shape[1] == int(mb.seq_lens.max())
 
 
@@ -233,7 +233,7 @@ def test_requests_cover_exactly_the_micro_batch_indices():
 def test_engine_pieces_reassemble_the_planned_micro_batches():
     samples = _samples(32, seed=5)
     lens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    plan = plan_packed([s.index for s in samples], lens, 64, 2)
+    plan = plan_packed([s.index for s in samples], lens, 64, 2, steps=1)
     held = [[i for p in chunk for i in range(p * 4, p * 4 + 4)] for chunk in prompt_chunks(8, 3)]
     cut = pieces_per_engine(plan, held)
     by_index = {s.index: s for s in samples}
@@ -318,7 +318,7 @@ def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_pr
                                temperature=1.0, scorer=None, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8),
         shares=[[EngineShare(other, [2, 3])], [EngineShare(dead, [0, 1]), EngineShare(current, [4])]],
     )
-    assert PackedTransfer().redraw(held, Route(), [1]) == 4
+    assert PackedTransfer(token_budget=0).redraw(held, Route(), [1]) == 4
     assert calls == [("current", "produce", [0, 1], 3)]
     assert held.meta.indices == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # the further sequence of prompt 0 is gone
     assert held.meta.rewards == [1.0] * 4 + [0.5] * 4 + [0.0] * 2  # 0-3 drawn again, 8-9 (prompt 4) kept
@@ -328,12 +328,12 @@ def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_pr
     calls.clear()
     restored = HeldRollout(meta=meta_of([0, 1], 0.0), held=[[], [0, 1]], num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8,
                            slot=2, samples=[[], ["s0", "s1"]], shares=[[EngineShare(other, [])], [EngineShare(dead, [])]])
-    assert PackedTransfer().redraw(restored, Route(), [1]) == 2
+    assert PackedTransfer(token_budget=0).redraw(restored, Route(), [1]) == 2
     assert calls == [("current", "hold", 2, 2)] and restored.shares[1][0].engine is current
 
     # Engine 1 dies during the redraw: `on_engines` replaces it and the share is made on the new
     # process; the share it had kept (prompt 4) went with it, so the loop draws that one again too.
-    from rlhf_orch.orchestration.loop import TrainLoop
+    from rlhf_orch.orchestration.fleet import EngineFleet
     from rlhf_orch.orchestration.pipeline import AsyncPipeline
 
     calls.clear()
@@ -347,9 +347,9 @@ def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_pr
 
     held.shares = [[EngineShare(other, [2, 3])], [EngineShare(dead, [0, 1]), EngineShare(current, [4])]]
     route = RouteLosingEngine1()
-    loop = types.SimpleNamespace(pipeline=AsyncPipeline(max_staleness=1), transfer=PackedTransfer(), _restart_s={}, _redrawn={},
+    loop = types.SimpleNamespace(pipeline=AsyncPipeline(max_staleness=1), transfer=PackedTransfer(token_budget=0), _restart_s={}, _redrawn={},
                                  _replace_engine=lambda e, step, dead=None: route.engines[e])
-    TrainLoop.redraw_lost_shares(loop, held, route)
+    EngineFleet.redraw_lost_shares(loop, held, route)
     assert calls == [("newer", "produce", [0, 1], 3), ("newer", "produce", [4], 3)]
     assert all(share.engine is newer for share in held.shares[1]) and held.meta.indices == list(range(10))
     assert held.meta.rewards == [1.0] * 4 + [0.5] * 4 + [1.0] * 2 and loop._redrawn == {held.step: 6}

@@ -24,7 +24,7 @@ PROMPTS, SPP, SHARDS, MBS, ENGINES = 12, 4, 2, 5, 3  # 48 sequences; 5 does not 
 def cluster():
     ray.init(num_cpus=2, num_gpus=SHARDS, object_store_memory=200 * 2**20, include_dashboard=False)
     engines = [ray.remote(SyntheticEngine).remote(LengthModel(mean=30, max_len=90), vocab_size=100, seed=e * 0 + 11) for e in range(ENGINES)]
-    sinks = [ray.remote(num_gpus=1)(TrainerSink).remote() for _ in range(SHARDS)]
+    sinks = [ray.remote(num_gpus=1)(TrainerSink).remote(pad_id=0) for _ in range(SHARDS)]
     ray.get([a.ping.remote() for a in (*engines, *sinks)])
     yield engines, sinks
     ray.shutdown()

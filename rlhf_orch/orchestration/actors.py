@@ -91,7 +91,7 @@ class RoleActors:
     reward: list[Any] = field(default_factory=list)  # reward model ranks (reward=model only)
     # start_engine(e) -> a new engine e in its own bundle (the replacement of one that died).
     start_engine: Callable[[int], Any] | None = None
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = field(kw_only=True)  # launcher.startup_timeout_s (required: the config declares it)
     # `kill` and `restart_engine` take turns: a rollout thread still replacing an engine when the
     # attempt ends (its Ray call blocked meanwhile) must not leave a new engine in a bundle the
     # next attempt needs. Every engine started here is killed with the others.
@@ -207,6 +207,11 @@ def dead_or_stuck(actors: Sequence[Any], timeout_s: float) -> tuple[list[int], l
         except ray.exceptions.GetTimeoutError:
             stuck.append(k)
     return dead, stuck
+
+
+# Seconds a liveness probe waits for an actor's answer before taking it for lost (not a config key:
+# a probe asks a process that should answer at once).
+PROBE_TIMEOUT_S = 10.0
 
 
 def lost_processes(actors: Sequence[Any], timeout_s: float) -> list[int]:

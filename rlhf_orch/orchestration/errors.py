@@ -1,5 +1,6 @@
 """What a step's waits on the run's actors raise: each failure a class the restart decision reads
-(`session.processes_lost`: a lost process restarts the run, a failure a restart cannot help ends it)."""
+(`session.processes_lost` -> `restart_decision.decide_restart`: a lost process restarts the run, a
+failure a restart cannot help ends it)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from rlhf_orch.data.base import Prompt
+from rlhf_orch.reward.combine import sample_reward
 from rlhf_orch.reward.scoring import RewardSetup
 from rlhf_orch.transfer.base import Route
 from rlhf_orch.transfer.engine_side import RolloutJob
@@ -113,7 +114,7 @@ class Evaluator:
         meta = RolloutMeta.merge(held)
         ranks = len(reward_ranks)
         budget = max(meta.seq_lens) * self.reward.model.micro_batch_size
-        plan = plan_packed(meta.indices, meta.seq_lens, budget, ranks)
+        plan = plan_packed(meta.indices, meta.seq_lens, budget, ranks, steps=1)  # (scored only: one pass)
         cut = pieces_per_engine(plan, [m.indices for m in held])
         pieces = []
         for e, members in zip(used, cut):
@@ -125,6 +126,6 @@ class Evaluator:
                            progress_of={f"reward-model rank {r}": rm for r, rm in enumerate(reward_ranks)})  # (by their progress)
         model_score = {i: v for indices, values in scored for i, v in zip(indices, values)}
         rule = meta.rewards if self.reward.rule is not None else [0.0] * len(meta.rewards)
-        meta.rewards = [r + self.reward.model.weight * model_score[i] for r, i in zip(rule, meta.indices)]
+        meta.rewards = [sample_reward(r, 1.0, model=model_score[i], model_weight=self.reward.model.weight) for r, i in zip(rule, meta.indices)]
         meta.share_trajectory_rewards()
         return meta

@@ -9,17 +9,19 @@ After that, experience tensors move between actors as Ray object references.
 
 When the rollout is generated relative to the weights is the `pipeline`'s business
 (`rlhf_orch.orchestration.pipeline`): right before the hand-over with the newest weights (`sync`),
-or during the previous step's training, one version behind (`one_step_off`). The loop counts two
-versions: `trained` (updates the trainers made) and `version` (what the engines hold).
+or during the previous step's training, one version behind (`one_step_off`). Two versions count:
+`trained` (updates the trainers made) and `version` (what the engines hold: the engines' one owner,
+`rlhf_orch.orchestration.fleet.EngineFleet`, which also pushes weights and replaces lost engines).
+DAPO's rounds are `rlhf_orch.orchestration.dynamic_sampling`'s; a sample's reward is combined by
+`rlhf_orch.reward.combine.sample_reward`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Sequence
 
 import ray
@@ -29,19 +31,22 @@ import torch
 from rlhf_orch.algo.advantages import dynamic_sampling_keep
 from rlhf_orch.algo.estimators import Algorithm
 from rlhf_orch.logging.rollout_dump import RolloutDump
-from rlhf_orch.one_line import ROLES, dead_actor, one_line
-from rlhf_orch.orchestration.actors import RoleActors, dead_actors, dead_or_stuck, ranks_named
-from rlhf_orch.orchestration.engine_recovery import EngineRecovery
+from rlhf_orch.orchestration.actors import RoleActors, ranks_named
+from rlhf_orch.orchestration import dynamic_sampling
+from rlhf_orch.orchestration.dynamic_sampling import GroupFilter
+from rlhf_orch.orchestration.fleet import EngineFleet, TrainerVersion, rank_per_shard
+from rlhf_orch.orchestration.waits import ActorWaits
 from rlhf_orch.orchestration.errors import (  # noqa: F401 - raised here, and imported from here by callers
     ActorDiedError, ActorTimeoutError, EngineDiedError, EngineRestartBudgetError, StepFailedError,
 )
 from rlhf_orch.orchestration.checkpoint import engine_seed
-from rlhf_orch.liveness import ProgressWatch, deferred, no_progress_note
+from rlhf_orch.liveness import deferred
 from rlhf_orch.orchestration.pipeline import RolloutPipeline, SyncPipeline
+from rlhf_orch.reward.combine import sample_reward
 from rlhf_orch.reward.scoring import RewardSetup
-from rlhf_orch.sync.base import SyncReport, WeightSync, WeightSyncError
+from rlhf_orch.sync.base import WeightSync
 from rlhf_orch.trainer.metrics import trainer_metrics
-from rlhf_orch.transfer.base import Delivery, GroupFilter, HeldRollout, RolloutRequest, RolloutTransfer, Route
+from rlhf_orch.transfer.base import Delivery, HeldRollout, RolloutRequest, RolloutTransfer, Route
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.plan import group_ids, trajectory_of
 
@@ -56,12 +61,14 @@ class LoopSettings:
     temperature: float
     seed: int
     step_timeout_s: float
-    max_seq_len: int = 0  # prompt_max_len + response_max_len (0: longest prompt + response_max_len)
-    max_engine_restarts: int = 0  # engines replaced per invocation at most (fault.max_engine_restarts)
-    engine_tp: int = 1
-    engines_sleep: bool = False  # engine.sleep_level > 0: idle engines release their GPU memory
-    min_response_len: int = 0  # algo.min_response_len
-    train_batch_size: int = 0  # algo.train_batch_size: sequences per optimizer step (0: no floor on micro-batches)
+    # (keyword-only and required: the values come from the config's declarations, defaults and all)
+    _: KW_ONLY
+    max_seq_len: int  # prompt_max_len + response_max_len (0: longest prompt + response_max_len)
+    max_engine_restarts: int  # engines replaced per invocation at most (fault.max_engine_restarts)
+    engine_tp: int  # the placement plan's engine tensor-parallel size
+    engines_sleep: bool  # engine.sleep_level > 0: idle engines release their GPU memory
+    min_response_len: int  # algo.min_response_len
+    train_batch_size: int  # algo.train_batch_size: sequences per optimizer step (0: no floor on micro-batches)
 
 
 # Quantities that must stay finite; a NaN or inf in any of them stops the run (`non_finite`).
@@ -106,7 +113,20 @@ def non_finite(metrics: dict[str, Any]) -> list[str]:
     return [f"{k}={metrics[k]}" for k in GUARDED_METRICS if k in metrics and not math.isfinite(metrics[k])]
 
 
-class TrainLoop(EngineRecovery):
+def _fleet_attr(name: str, doc: str) -> property:
+    """A field of the loop's engine fleet, read and set through the loop (the pipeline, the run
+    record and resume ask the loop)."""
+    return property(lambda self: getattr(self.fleet, name), lambda self, value: setattr(self.fleet, name, value), doc=doc)
+
+
+def _trainers_attr() -> property:
+    def set_trained(self, value: int) -> None:
+        self.trainers.trained = value
+
+    return property(lambda self: self.trainers.trained, set_trained, doc="updates the trainers made (= the version of their weights)")
+
+
+class TrainLoop:
     def __init__(
         self,
         actors: RoleActors,
@@ -129,27 +149,16 @@ class TrainLoop(EngineRecovery):
         self.task = task
         self.tokenizer = tokenizer
         self.transfer = transfer
-        self.sync = sync
         self.algo = algo
         self.settings = settings
         self.pipeline = pipeline if pipeline is not None else SyncPipeline()
-        self.version = 0  # the weights the engines hold
-        self.trained = 0  # updates the trainers made (= the version of their weights)
         self.first_step = 1  # the first step this process runs (resume: the one after the checkpoint)
-        self.last_sync: SyncReport | None = None
-        self.closing = False  # the run is ending: engines that stop are not replaced
-        # Held by the main thread while the trainers update; an engine replacement during a
-        # one-step-off generation takes it, so it pushes finished weights with the right version.
-        self._training = threading.Lock()
-        self._replacing = threading.Lock()  # one engine replacement at a time (async: several rollouts may find it dead)
+        self.trainers = TrainerVersion()  # the version the trainers hold, and the lock held while they update
+        # The engines' one owner: their handles, the weights they hold, pushes and replacements.
+        # Every wait on the run's actors: fault.step_timeout_s, or their progress; one line per failure.
+        self._get = ActorWaits(settings.step_timeout_s).get
+        self.fleet = EngineFleet(actors, sync, self.pipeline, transfer, settings, self.trainers, self._get)
         self.norm_len = algo.norm_len(settings.response_max_len)
-        # Per step whose rollout lost an engine, an entry per replacement charged to the budget (restored on
-        # resume; only the entries count, their values are 0.0 -- the seconds are _restart_s'). Keyed by
-        # the rollout's step: under one_step_off it is made during the step before.
-        self.restart_log: dict[int, list[float]] = {}
-        self.engine_restarts_before = 0  # replacements the run made before this invocation (a resumed run's)
-        self._restart_s: dict[int, float] = {}  # per step, the seconds this process spent replacing engines (time/engine_restart)
-        self._redrawn: dict[int, int] = {}  # per step, samples of its rollout drawn again after their engine was lost (fault/redrawn_samples)
         self.rollout_dump = rollout_dump  # logger.rollouts: what the model wrote, for people
         # Each step's prompt objects by prompt index (the rollout dump's data sources); a list the
         # dynamic sampling extends in place. Kept for the steps in flight only.
@@ -157,9 +166,6 @@ class TrainLoop(EngineRecovery):
         self._drawing = threading.Lock()  # a rollout thread draws a step's prompts (one_step_off) while the main thread asks
         self._data_before: dict[int, dict[str, Any]] = {}  # per step drawn, the sampler's position before (data_state_before)
         self.updating = False  # an update of the trainers is in progress (or failed half-way): see _update
-        # Held by whoever pushes weights or re-forms the weight groups: the main thread's push after
-        # training and a rollout thread replacing a dead engine (async, one_step_off) never overlap.
-        self._pushing = threading.RLock()
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, Any]:
@@ -176,7 +182,7 @@ class TrainLoop(EngineRecovery):
         timings.update({k: v for k, v in delivery.timings.items() if k not in timings})
         num_shards = len(self.actors.policy)  # one experience shard per policy rank
 
-        with self._training:  # an engine replaced meanwhile waits, then takes these weights
+        with self.trainers.training:  # an engine replaced meanwhile waits, then takes these weights
             t_train = time.perf_counter()
             # 3b. Reward model (reward=model): its ranks staged the same shards; only scores come back.
             self._model_scores(delivery, num_shards, timings)
@@ -188,8 +194,8 @@ class TrainLoop(EngineRecovery):
             t = time.perf_counter()
             values_by_index, algo_stats = self._sample_values(delivery)
             values_ref = ray.put(values_by_index)  # one float per sample; every rank picks its own
-            ref_lp = [r.logprobs.remote(i) if r else None for i, r in enumerate(self._rank_per_shard(self.actors.reference, num_shards))]
-            values = [c.values.remote(i) if c else None for i, c in enumerate(self._rank_per_shard(self.actors.critic, num_shards))]
+            ref_lp = [r.logprobs.remote(i) if r else None for i, r in enumerate(rank_per_shard(self.actors.reference, num_shards))]
+            values = [c.values.remote(i) if c else None for i, c in enumerate(rank_per_shard(self.actors.critic, num_shards))]
             made = [
                 # (deferred: the rank starts at once and waits for them itself, answering `progress` meanwhile)
                 rank.make_experience.options(num_returns=2).remote(i, deferred(ref_lp[i]), deferred(values[i]), algo, values_ref)
@@ -239,11 +245,7 @@ class TrainLoop(EngineRecovery):
         metrics = self._metrics(step, delivery, exp_stats, policy_stats, critic_stats, timings)
         metrics.update(self.pipeline.metrics(delivery, self.trained))
         metrics.update(algo_stats)
-        metrics["fault/engine_restarts"] = sum(len(v) for k, v in self.restart_log.items() if k <= step)
-        if step in self._restart_s:  # this attempt's replacements (the log also holds a lost attempt's)
-            metrics["time/engine_restart"] = self._restart_s[step]
-        if step in self._redrawn:
-            metrics["fault/redrawn_samples"] = self._redrawn.pop(step)
+        metrics.update(self.fleet.metrics(step))
         return metrics
 
     def _update(self, policy_calls: list[ray.ObjectRef], critic_calls: list[ray.ObjectRef]) -> tuple[list[Any], list[Any]]:
@@ -255,7 +257,7 @@ class TrainLoop(EngineRecovery):
         training = ranks_named(self.actors, "policy", "critic")  # (they train at once: each waits while the other moves)
         policy_stats = self._get(policy_calls, "training the policy", progress_of=training)
         critic_stats = self._get(critic_calls, "training the critic", progress_of=training)
-        self.trained += 1
+        self.trainers.trained += 1
         self.updating = False
         return policy_stats, critic_stats
 
@@ -265,17 +267,6 @@ class TrainLoop(EngineRecovery):
         (one_step_off, async) records, so a resumed run draws them again instead of skipping them."""
         with self._drawing:
             return self._data_before[step] if step in self._data_before else self.task.state_dict()
-
-    @property
-    def engine_restarts(self) -> int:
-        """Engines replaced so far in this run (resumed runs included)."""
-        return sum(len(v) for v in self.restart_log.values())
-
-    @property
-    def engine_restarts_used(self) -> int:
-        """Engines replaced by this invocation (what fault.max_engine_restarts bounds: a resumed
-        run starts with the budget whole)."""
-        return self.engine_restarts - self.engine_restarts_before
 
     # ------------------------------------------------------------------ what the pipeline calls
     def rollout_request(self, step: int) -> RolloutRequest:
@@ -300,68 +291,13 @@ class TrainLoop(EngineRecovery):
 
     def generate(self, step: int) -> HeldRollout:
         """Step `step`'s rollout generated and scored, held where the transfer holds it."""
-        held = self.transfer.generate(self.rollout_request(step), self.route(step))
+        held = self.make_rollout(self.rollout_request(step), self.route(step))
         held.step = step
         return held
 
-    def sleep_engines(self) -> None:
-        """The engines are idle until the next sync: they release their GPU memory (at sleep level
-        2 their weights too, which the sync sends back before anything is generated)."""
-        if self.settings.engines_sleep:
-            self._get([e.sleep.remote() for e in self.actors.engines], "putting the engines to sleep", engine_call=True)
-
-    def sync_engines(self, timings: dict[str, float]) -> None:
-        """Push the trainers' weights to every engine if the engines are behind (timed as `sync`;
-        the wait for the requests in flight before it, pipeline.partial_rollout=false, as `update_wait`)."""
-        with self._pushing:
-            if self.version == self.trained:
-                return
-            t = time.perf_counter()
-            waited = self._push(self.trained)
-            timings["sync"] = time.perf_counter() - t - waited
-            if self.pipeline.finishes_requests_before_update:
-                timings["update_wait"] = waited
-
-    def _push(self, version: int) -> float:
-        """Push `version` to every engine (engines lost meanwhile replaced, `_replace_after_sync`);
-        the seconds spent letting the requests in flight finish first."""
-        with self._pushing:
-            waited = 0.0
-            # An engine that died since its last call (idle, or holding rollouts: pipeline=async)
-            # is replaced before the push: pushed to, its death would break the broadcast and leave
-            # every other engine stuck in it (replaced too).
-            dead = dead_actors(self.actors.engines, timeout_s=10.0)
-            if dead:
-                self._replace_after_sync(dead, [], version, before=True)
-                self.version = version
-                return waited
-            try:
-                waited = self._let_requests_finish(version)
-                self.last_sync = self.sync.push(version)
-                self.sync.verify(version)
-            except WeightSyncError:
-                self._refuse_if_a_sender_died(version)
-                dead, stuck = dead_or_stuck(self.actors.engines, timeout_s=10.0)
-                if not dead and not stuck:
-                    raise  # every engine answers: not a lost process (a bug, a timeout elsewhere)
-                self._replace_after_sync(dead, stuck, version)
-            self.version = version
-            return waited
-
-    def _let_requests_finish(self, version: int) -> float:
-        """pipeline.partial_rollout=false: the engines stop taking requests and finish the ones in
-        flight before the push (waited for by their progress, however long the generation), so the
-        push itself -- bounded by sync.timeout_s -- starts only when every engine can take it."""
-        if not self.pipeline.finishes_requests_before_update:
-            return 0.0
-        t = time.perf_counter()
-        route = self.route()
-        what = f"letting the requests in flight finish before weight version {version} (pipeline.partial_rollout=false)"
-        try:
-            route.on_engines(lambda e, engine: engine.close_for_update.remote(), range(len(route.engines)), what)
-        except ActorDiedError as e:  # (the push's failure path finds the lost engines)
-            raise WeightSyncError(one_line(e)) from e
-        return time.perf_counter() - t
+    def make_rollout(self, request: RolloutRequest, route: Route) -> HeldRollout:
+        """`request` generated and held, in as many rounds as the algorithm's dynamic sampling takes."""
+        return dynamic_sampling.generate(self.transfer, request, route, self._group_filter())
 
     def _check_every_sample_once(self, delivery: Delivery) -> None:
         s = self.settings
@@ -391,7 +327,7 @@ class TrainLoop(EngineRecovery):
             return
         t = time.perf_counter()
         parts = self._get(
-            [rm.score.remote(i) for i, rm in enumerate(self._rank_per_shard(self.actors.reward, num_shards))], "scoring with the reward model",
+            [rm.score.remote(i) for i, rm in enumerate(rank_per_shard(self.actors.reward, num_shards))], "scoring with the reward model",
             progress_of=ranks_named(self.actors, "reward"),
         )
         model_score = {i: v for indices, values in parts for i, v in zip(indices, values)}
@@ -400,7 +336,8 @@ class TrainLoop(EngineRecovery):
         rule = [r if self.reward.rule is not None else 0.0 for r in meta.rewards]
         meta.model_rewards = [model_score[i] for i in meta.indices]
         meta.rule_rewards = rule if self.reward.rule is not None else None
-        meta.rewards = [r + weight * m for r, m in zip(rule, meta.model_rewards)]
+        # (the engines' scores are weighted already: RuleScoring, an environment's combination)
+        meta.rewards = [sample_reward(r, 1.0, model=m, model_weight=weight) for r, m in zip(rule, meta.model_rewards)]
         meta.share_trajectory_rewards()
         timings["reward_model"] = time.perf_counter() - t
 
@@ -422,7 +359,6 @@ class TrainLoop(EngineRecovery):
             pad_id=tokenizer.pad_token_id,
             max_seq_len=s.max_seq_len or max(map(len, prompt_ids)) + s.response_max_len,
             decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),
-            group_filter=self._group_filter(),
             env=self.env,
         )
 
@@ -432,64 +368,8 @@ class TrainLoop(EngineRecovery):
             return None
         return GroupFilter(keep=self.algo.keep_groups, more_prompts=self.task.sample_prompts, max_rounds=self.algo.max_gen_batches)
 
-    def route(self, step: int | None = None) -> Route:
-        """Per shard, every actor that stages it: its policy rank, and the critic, reference and
-        reward-model ranks when the algorithm and the reward have them. `step`: the step whose
-        rollout the engines make (a replacement engine is seeded for it)."""
-        n = len(self.actors.policy)
-        # (empty when not planned; a reference hosted by the policy ranks reads their staged shards)
-        roles = [self.actors.critic, self.actors.own_reference, self.actors.reward]
-        per_role = [self._rank_per_shard(ranks, n) for ranks in roles]
-        consumers = [[rank, *(r[i] for r in per_role if r[i] is not None)] for i, rank in enumerate(self.actors.policy)]
-        return Route(
-            engines=list(self.actors.engines),
-            consumers=consumers,
-            get=self._get,
-            replace_engine=None if step is None else functools.partial(self._replace_engine, step=step),
-            timeout_s=self.settings.step_timeout_s,
-        )
-
-    @staticmethod
-    def _rank_per_shard(ranks: list[Any], num_shards: int) -> list[Any]:
-        """Per shard, the rank of a role that takes it (round-robin), or None without the role."""
-        return [ranks[shard % len(ranks)] if ranks else None for shard in range(num_shards)]
-
     def _shards_of_critic(self, critic: int, num_shards: int) -> list[int]:
         return [i for i in range(num_shards) if i % len(self.actors.critic) == critic]
-
-    def _get(
-        self,
-        refs: list[ray.ObjectRef],
-        what: str,
-        engine_call: bool = False,
-        timeout: tuple[float, str] | None = None,
-        remaining_s: float | None = None,
-        progress_of: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        """`ray.get` within `timeout` (seconds and the config key that sets them; default
-        fault.step_timeout_s) or the `remaining_s` of it a caller has left, each failure turned
-        into one line naming what was being done. `progress_of` (name -> trainer rank: the ranks
-        whose calls `refs` are, and those their calls wait on): waited for by progress instead
-        (rlhf_orch.liveness) -- however long, while any of them moves; given up
-        once none did over a fault.step_timeout_s window."""
-        timeout_s, key = timeout or (self.settings.step_timeout_s, "fault.step_timeout_s")
-        try:
-            if progress_of is not None and timeout is None and remaining_s is None:
-                watch = ProgressWatch(timeout_s, together=True)
-                if not watch.all_ready(refs, progress_of, on_ready=ray.get):  # (ray.get: a failure is raised as it comes)
-                    raise ActorTimeoutError(f"no answer within {timeout_s:g}s ({key}) while {what}: {no_progress_note(watch.stalled, timeout_s)}")
-            return ray.get(refs, timeout=timeout_s if remaining_s is None else remaining_s)
-        except ray.exceptions.RayActorError as e:
-            who, why = dead_actor(e)
-            who = who or (ROLES["VLLMEngine"] if engine_call else "a trainer or engine process")
-            died = EngineDiedError if who == ROLES["VLLMEngine"] else ActorDiedError
-            raise died(f"{who} died while {what} ({why})") from e
-        except ray.exceptions.GetTimeoutError as e:
-            raise ActorTimeoutError(f"no answer within {timeout_s:g}s ({key}) while {what}") from e
-        except ray.exceptions.RayTaskError as e:
-            # The actor's own exception, in one line (its traceback went to the actor's log).
-            cause = e.cause if e.cause is not None else e
-            raise StepFailedError(f"{type(cause).__name__} while {what}: {one_line(cause)}") from e
 
     def _metrics(self, step, delivery: Delivery, exp_stats, policy_stats, critic_stats, timings) -> dict[str, Any]:
         trajectories = delivery.meta.trajectories_only()
@@ -550,3 +430,34 @@ class TrainLoop(EngineRecovery):
             if phase in timings:
                 metrics[f"share/{phase}"] = timings[phase] / max(timings["step"], 1e-9)
         return metrics
+
+    # ------------------------------------------------------------------ the engines (the fleet's)
+    trained = _trainers_attr()
+    version = _fleet_attr("version", "the weights the engines hold")
+    restart_log = _fleet_attr("restart_log", "per step whose rollout lost an engine, an entry per replacement")
+    engine_restarts_before = _fleet_attr("engine_restarts_before", "replacements made before this invocation")
+    closing = _fleet_attr("closing", "the run is ending: engines that stop are not replaced")
+    last_sync = _fleet_attr("last_sync", "the last push's report")
+
+    @property
+    def engine_restarts(self) -> int:
+        return self.fleet.engine_restarts
+
+    @property
+    def engine_restarts_used(self) -> int:
+        return self.fleet.engine_restarts_used
+
+    def route(self, step: int | None = None) -> Route:
+        return self.fleet.route(step)
+
+    def sync_engines(self, timings: dict[str, float]) -> None:
+        self.fleet.sync_engines(timings)
+
+    def sleep_engines(self) -> None:
+        self.fleet.sleep_engines()
+
+    def hand_over(self, held: HeldRollout) -> Delivery:
+        return self.fleet.hand_over(held)
+
+    def export_held(self, held: HeldRollout) -> HeldRollout:
+        return self.fleet.export_held(held)

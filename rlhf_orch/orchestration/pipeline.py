@@ -56,6 +56,7 @@ class PipelineHost(Protocol):
     def rollout_request(self, step: int) -> Any: ...
     def route(self, step: int | None = None) -> Route: ...
     def generate(self, step: int) -> HeldRollout: ...
+    def make_rollout(self, request: Any, route: Route) -> HeldRollout: ...
     def hand_over(self, held: HeldRollout) -> Delivery: ...
     def export_held(self, held: HeldRollout) -> HeldRollout: ...
     def sync_engines(self, timings: dict[str, float]) -> None: ...
@@ -77,7 +78,7 @@ class RolloutPipeline:
     # an engine replaced mid-rollout must get that version, or the run restarts from its checkpoint).
     one_version_per_rollout: ClassVar[bool] = True
     # A weight update waits until the requests in flight finish (the engines hold it back; the
-    # driver waits for that before it pushes: `TrainLoop._push`).
+    # driver waits for that before it pushes: `EngineFleet._push`).
     finishes_requests_before_update: bool = False
     # A share of a held rollout lost with its engine is drawn again on the replacement (the same
     # prompts, new samples) instead of restarting the run from its checkpoint, which would repeat
@@ -249,7 +250,7 @@ class AsyncPipeline(RolloutPipeline):
     one_version_per_rollout: ClassVar[bool] = False  # each new version reaches the rollouts in flight
     redraws_lost_shares: ClassVar[bool] = True  # an engine lost costs its shares, not the run (sampling is timing-dependent anyway)
 
-    def __init__(self, max_staleness: int = 1, partial_rollout: bool = True) -> None:
+    def __init__(self, max_staleness: int, partial_rollout: bool = True) -> None:
         if max_staleness < 0:
             raise ValueError(f"pipeline.max_staleness={max_staleness} must be >= 0")
         self.max_staleness = max_staleness  # the class's bound for this instance (the loop reads it)
@@ -373,7 +374,7 @@ class AsyncPipeline(RolloutPipeline):
             if self._running == 1:
                 self._busy.append([time.perf_counter(), None])
         try:
-            held = loop.transfer.generate(request, route)
+            held = loop.make_rollout(request, route)
         finally:
             with self._lock:
                 self._running -= 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,13 +19,16 @@ from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.one_line import named
 from rlhf_orch.orchestration import warm_actors
-from rlhf_orch.orchestration.actors import ActorStartError, RoleActors, StartupStopped, lost_processes, start_role_actors
+from rlhf_orch.orchestration.actors import PROBE_TIMEOUT_S, ActorStartError, RoleActors, StartupStopped, lost_processes, start_role_actors
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR, ResumeError, find_checkpoint
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
 from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
 from rlhf_orch.orchestration.errors import ActorDiedError, ActorTimeoutError, EngineRestartBudgetError
 from rlhf_orch.orchestration.loop import LoopSettings, TrainLoop, non_finite
+from rlhf_orch.orchestration.restart_decision import (
+    Failure, FailurePoint, RestartDecision, decide_restart, failure_signature, restart_line,
+)
 from rlhf_orch.orchestration.run_record import RunRecord
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
 from rlhf_orch.rng import set_rng_state
@@ -237,7 +239,7 @@ def _stuck(error: BaseException | None) -> bool:
 _NOT_RESTARTED = (NonFiniteError, EngineRestartBudgetError, ActorStartError)
 
 
-def processes_lost(error: BaseException, actors: Any, timeout_s: float = 10.0) -> bool:
+def processes_lost(error: BaseException, actors: Any, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Whether the failure lost a process of the run: an actor is dead or does not answer within
     `timeout_s` (hung: treated as dead; an engine busy in one long call that makes engine steps
     is neither, `lost_processes`). A failure with every process answering or busy (a bug, a bad
@@ -247,6 +249,17 @@ def processes_lost(error: BaseException, actors: Any, timeout_s: float = 10.0) -
     if _stuck(error) or isinstance(error, ActorDiedError):  # (its replacement may answer by now)
         return True
     return bool(lost_processes(actors.all(), timeout_s))
+
+
+def describe_failure(error: BaseException, actors: Any, last_finished_step: int, in_step: int | None) -> Failure:
+    """The plain facts `decide_restart` reads, taken off the exception and the actors once."""
+    return Failure(
+        error_line=named(error),
+        lost_process=processes_lost(error, actors),
+        # (A replacement that did not start is no stuck actor: the trainers may still answer.)
+        stuck=_stuck(error) and not isinstance(error, ActorStartError),
+        point=(last_finished_step, in_step, failure_signature(error)),
+    )
 
 
 def use_lora_sync(actors: RoleActors, timeout_s: float) -> str:
@@ -282,21 +295,21 @@ class _Run:
     t_start: float
     in_step: int | None = None  # the step in progress (named by a failure)
     final_note: str = ""  # what the failure did about a final checkpoint
-    lost: bool = False  # the failure lost a process (a restart can help)
     warm_key: str = ""  # what kept actors must match to serve this run (launcher.keep_actors)
-    # (last finished step, step in progress, failure_signature) of every failed attempt
-    failures: list[tuple[int, int | None, str]] = field(default_factory=list)
-    crash_loop: bool = False  # the last failure repeats an earlier one (no restart)
+    # Where every failed attempt failed (a crash loop repeats one)
+    failures: list[FailurePoint] = field(default_factory=list)
+    # What the last attempt's failure leads to (None: it failed before its actors could be asked)
+    decision: RestartDecision | None = None
 
 
 def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: bool, warm: RoleActors | None = None) -> dict[str, Any]:
     """Start every role's actors in their bundles (or reset `warm`, an earlier run's) and train to
     the end (or a stop signal) from `resume` (None: step 1). Returns the outcome; a failure is
-    raised with `run.lost` and `run.final_note` set while the actors are still there to ask."""
+    raised with `run.decision` and `run.final_note` set while the actors are still there to ask."""
     cfg, typed, ck, record = run.cfg, run.typed, run.typed.checkpoint, run.record
     transfer, sync, pipeline = instantiate(cfg.transfer), instantiate(cfg.sync), instantiate(cfg.pipeline)
     sync.use_plan(run.plan)  # CUDA IPC: which policy rank feeds which engine worker
-    run.lost, run.final_note = False, ""
+    run.decision, run.final_note = None, ""
     try:
         actors = start_role_actors(
             run.plan, placement, run.engines, run.specs["actor"], run.specs.get("critic"), run.specs.get("reference"),
@@ -356,20 +369,14 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
     except SignalAbort:
         raise
     except Exception as e:
-        # Keep what the trainers still hold (the last finished step), unless an actor stopped
-        # answering: it may be a trainer, and a checkpoint would queue behind its stuck call.
-        run.lost = processes_lost(e, actors)
+        # Decided here, once, while the actors are there to ask; a run that gives up keeps what the
+        # trainers still hold (the last finished step) in a final checkpoint where the decision allows.
+        failure = describe_failure(e, actors, record.last_finished_step(), run.in_step)
         record.attempt_failed(loop)
-        # A crash loop: this failure again, from the same last finished step, in the same step (or
-        # between the same steps) -- a restart would repeat it. Decided here, so that a run that
-        # stops for it keeps a final checkpoint like any failure that is not restarted.
-        failure = (record.last_finished_step(), run.in_step, failure_signature(e))
-        run.crash_loop = run.lost and failure in run.failures
-        run.failures.append(failure)
-        restart = run.lost and not run.crash_loop and record.trainer_restarts_used < typed.fault.max_trainer_restarts
-        # (A replacement that did not start is no stuck actor: the trainers may still answer.)
-        run.final_note = ("no final checkpoint: an actor stopped answering" if _stuck(e) and not isinstance(e, ActorStartError)
-                          else record.final_checkpoint(loop, actors, exact_only=restart))
+        run.decision = decide_restart(failure, run.failures, record.trainer_restarts_used, typed.fault.max_trainer_restarts)
+        run.failures.append(failure.point)
+        run.final_note = (record.final_checkpoint(loop, actors, exact_only=run.decision.exact_only) if run.decision.final_checkpoint
+                          else run.decision.final_note)
         raise
     finally:
         keep = typed.launcher.keep_actors and completed
@@ -439,19 +446,15 @@ def run_training(
                 except SignalAbort:
                     raise
                 except Exception as e:
-                    if not run.lost or record.trainer_restarts_used >= typed.fault.max_trainer_restarts:
+                    decision = run.decision
+                    if decision is None or not decision.restart:
+                        if decision is not None and decision.give_up_line is not None:
+                            raise CrashLoopError(decision.give_up_line) from e
                         raise
                     failed_at = run.in_step
-                    if run.crash_loop:
-                        raise CrashLoopError(
-                            f"the same failure twice{f' at step {failed_at}' if failed_at is not None else ''}, "
-                            f"so a restart would repeat it: {named(e)} -- not restarting "
-                            f"({record.trainer_restarts_used}/{typed.fault.max_trainer_restarts} restarts used)"
-                        ) from e
                     resume, restarted, warm = _restart_point(run, e), True, None
-                    print(f"{_where(failed_at)}{named(e)} -- restarting every role from "
-                          f"{f'the checkpoint of step {resume.step}' if resume else 'the initial weights (no checkpoint yet)'} "
-                          f"(restart {record.trainer_restarts_used}/{typed.fault.max_trainer_restarts})", flush=True)
+                    print(restart_line(_where(failed_at), named(e), resume.step if resume else None,
+                                       record.trainer_restarts_used, typed.fault.max_trainer_restarts), flush=True)
     except SignalAbort as e:
         outcome = {"status": "aborted", "signal": e.name}
         raise
@@ -469,13 +472,6 @@ def run_training(
 
 class CrashLoopError(RuntimeError):
     """A lost process again at the same step with the same error: restarting would repeat it."""
-
-
-def failure_signature(error: BaseException) -> str:
-    """What makes two failures the same (a crash loop): the error's type and message with its
-    numbers taken out (process ids, ports, addresses and timings differ between attempts; the
-    role, the phase and the cause do not)."""
-    return f"{type(error).__name__}: {re.sub(r'[0-9a-f]{8,}|[0-9]+(?:[.][0-9]+)?', '#', str(error))}"
 
 
 def _where(step: int | None) -> str:

@@ -8,7 +8,7 @@
 * `model` -- a `RewardModel` when the option is `reward=model`: the planner gives it ranks, it
   scores the same experience the trainers receive, actor to actor.
 
-The final score of a sample is `rule_weight * rule + model_weight * model` (either term may be absent).
+How a sample's terms and weights make its reward: `rlhf_orch.reward.combine.sample_reward`.
 """
 
 from __future__ import annotations
@@ -20,18 +20,20 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.reward.base import Response, RewardFunction
+from rlhf_orch.reward.combine import sample_reward
 from rlhf_orch.reward.execution import ScoredBatch, score_batch
 from rlhf_orch.reward.options import RuleRewardConfig
 
 
 @dataclass(frozen=True)
 class RuleScoring:
-    """What an engine runs on a finished batch: `fn` under the run's execution settings, times `weight`."""
+    """What an engine runs on a finished batch: `fn` under the run's execution settings, times `weight`
+    (reward.timeout_s, reward.pool_size, and the rule's weight: their defaults are the config's)."""
 
     fn: RewardFunction
-    weight: float = 1.0  # the rule alone; beside a reward model, reward.rule_weight
-    timeout_s: float = RuleRewardConfig.timeout_s
-    pool_size: int = RuleRewardConfig.pool_size
+    weight: float
+    timeout_s: float
+    pool_size: int
 
     @property
     def name(self) -> str:
@@ -41,7 +43,7 @@ class RuleScoring:
         """`on_scored`: called as the batch moves (the engine's liveness count, `score_batch`)."""
         scored = score_batch(self.fn, prompts, responses, self.timeout_s, self.pool_size, on_scored=on_scored)
         if self.weight != 1.0:
-            scored.scores = [self.weight * s for s in scored.scores]
+            scored.scores = [sample_reward(s, self.weight) for s in scored.scores]
         return scored
 
 
@@ -70,9 +72,9 @@ class RewardSetup:
 def build_reward(node: DictConfig | dict) -> RewardSetup:
     """Instantiate the `reward` option; the execution keys are settings of the run, not the function's."""
     conf = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    # (a node without them -- a reward model's -- checks the declared defaults, which its rule never uses)
-    execution = {k: conf.pop(k, getattr(RuleRewardConfig, k)) for k in RuleRewardConfig.execution_keys}
-    _check_execution(**execution)
+    execution = {k: conf.pop(k) for k in RuleRewardConfig.execution_keys if k in conf}
+    if execution:  # (a rule option declares them; a reward-model option's rule carries its own)
+        _check_execution(**execution)
     rule_node = conf.pop("rule", None)  # only a reward model option carries a nested rule
     target = instantiate(conf)
     if isinstance(target, RewardFunction):

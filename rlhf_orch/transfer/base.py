@@ -29,24 +29,11 @@ import ray
 from rlhf_orch.liveness import ProgressWatch
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 from rlhf_orch.transfer.micro_batches import near_equal_ranges, shard_for_ranks, split_by_count
-from rlhf_orch.transfer.engine_side import RolloutJob, Scorer
+from rlhf_orch.transfer.engine_side import ONLY_SLOT, RolloutJob, Scorer
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.plan import check_trajectories_divide
 
 MicroBatch = PaddedBatch | PackedBatch
-
-
-@dataclass
-class GroupFilter:
-    """Dynamic sampling (DAPO): keep only informative prompt groups, draw more prompts until full.
-
-    `keep(scores [B], group_ids [B]) -> bool [B]` marks the samples to keep (whole groups);
-    `more_prompts(n)` draws n further prompts; at most `max_rounds` rollout rounds per step.
-    """
-
-    keep: Callable[[Any, Any], Any]
-    more_prompts: Callable[[int], list[Any]]
-    max_rounds: int
 
 
 @dataclass
@@ -64,12 +51,11 @@ class RolloutRequest:
     pad_id: int
     max_seq_len: int  # prompt_max_len + response_max_len
     decode: Callable[[list[list[int]]], list[str]] | None = None  # driver-side decoding (baseline only)
-    group_filter: GroupFilter | None = None  # dynamic sampling (packed transfer only)
     env: Any = None  # multi-turn rollouts: the `env` option (None: one response per sample)
-    min_tokens: int = 0  # algo.min_response_len
+    min_tokens: int = RolloutJob.min_tokens  # algo.min_response_len
     # Where the engines hold this rollout until its hand-over: several may be held at once
     # (pipeline=async); 0 when one at most is.
-    slot: int = 0
+    slot: int = ONLY_SLOT
     # Sequences per optimizer step (algo.train_batch_size): a token budget is lowered so every rank
     # gets at least one micro-batch per optimizer step (0: no floor).
     train_batch_size: int = 0
@@ -89,21 +75,30 @@ class RolloutRequest:
 
 @dataclass
 class Route:
-    """The actors a delivery talks to, how to wait on them, and how to replace an engine that died."""
+    """The actors a delivery talks to, how to wait on them, and who replaces an engine that died."""
 
     engines: list[Any]
     consumers: list[list[Any]]  # per shard: every actor that must stage it (policy, critic, reference)
     get: Callable[..., list[Any]]  # get(refs, what, engine_call=False) with the loop's timeout/errors
     wait: Callable[..., Any] = ray.wait
-    # replace_engine(e, dead) -> a new engine in engine e's bundle holding the current weights, or
-    # the one that already replaced `dead` (the handle that failed) (None: a
-    # dead engine fails the step).
-    replace_engine: Callable[..., Any] | None = None
+    # The engines' owner (`rlhf_orch.orchestration.fleet.EngineFleet`, passed down: `replace`), and the
+    # step whose rollout the engines make (a replacement is seeded for it). None: a dead engine fails the step.
+    fleet: Any = None
+    step: int | None = None
     timeout_s: float = 600.0
     # the engines' counts at the last look (wait_any); a replacement, another handle, starts with a first look
     _watch: ProgressWatch | None = None
     # the engines the last wait found stuck (wait_any returned []), for the error that follows
     stalled: list[int] = field(default_factory=list)
+
+    @property
+    def replaces_engines(self) -> bool:
+        return self.fleet is not None
+
+    def replace(self, e: int, dead: Any = None) -> Any:
+        """A new engine in engine e's bundle holding the current weights, or the one that already
+        replaced `dead` (the handle that failed)."""
+        return self.fleet.replace(e, step=self.step, dead=dead)
 
     def wait_any(self, waiting: dict[Any, int]) -> list[Any]:
         """The first of `waiting` (Ray refs or streaming generators, each -> the engine making it)
@@ -148,10 +143,10 @@ class Route:
             try:
                 results[e] = ray.get(ref)
             except ray.exceptions.RayActorError:
-                if self.replace_engine is None:
+                if not self.replaces_engines:
                     self.get([ref], what, engine_call=True)  # the loop's one-line error for it (EngineDiedError)
                     raise
-                self.engines[e] = self.replace_engine(e, dead=self.engines[e])
+                self.engines[e] = self.replace(e, dead=self.engines[e])
                 pending[submit(e, self.engines[e])] = e
             except ray.exceptions.RayError:
                 self.get([ref], what, engine_call=True)  # the loop's one-line error for it
@@ -178,7 +173,7 @@ class Delivery:
 class EngineShare:
     """What one engine process made of a held rollout: the prompts (indices into the request's
     prompts) whose samples it holds. The handle says which process: one replaced since took them
-    along (`TrainLoop.redraw_lost_shares`)."""
+    along (`EngineFleet.redraw_lost_shares`)."""
 
     engine: Any
     prompts: list[int]
@@ -207,8 +202,8 @@ class HeldRollout:
     dropped_groups: int | None = None
     rounds: int = 1
     step: int = 0  # the training step it was generated for (set by the loop)
-    slot: int = 0  # where the engines hold it (RolloutRequest.slot)
-    train_batch_size: int = 0  # RolloutRequest.train_batch_size
+    slot: int = ONLY_SLOT  # where the engines hold it (RolloutRequest.slot)
+    train_batch_size: int = RolloutRequest.train_batch_size
     ready_at: float = field(default_factory=time.time)  # wall clock when `generate` returned
     request: Any = None  # the RolloutRequest it was made for (driver only)
     shares: list[list[EngineShare]] | None = None  # per engine, what each of its processes made (driver only)

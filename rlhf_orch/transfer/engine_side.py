@@ -27,11 +27,16 @@ import ray
 import torch
 
 from rlhf_orch.reward.base import Response
+from rlhf_orch.reward.combine import sample_reward
 from rlhf_orch.reward.execution import ScoredBatch
 from rlhf_orch.transfer.batch import LOSS_MASK, PaddedBatch, Sample
 from rlhf_orch.transfer.packed_buffer import PackedBuffer
 from rlhf_orch.transfer.plan import CompletionRequest, MicroBatchWork, group_of, is_extra_sequence
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
+
+# Where an engine holds a rollout until its hand-over when it holds one at most (pipeline=async holds
+# several, one per step: RolloutRequest.slot).
+ONLY_SLOT = 0
 
 # (prompts, responses, on_scored) -> ScoredBatch: scores one batch where the samples are
 # (rlhf_orch.reward.scoring), calling on_scored() as it moves (the engine's liveness count).
@@ -97,8 +102,8 @@ def model_tokens(response_ids: Any, fields: dict[str, Any]) -> int:
 
 def rollout_meta(
     samples: Sequence[Sample],
-    score_s: float = 0.0,
-    generated_at: float = 0.0,
+    score_s: float = RolloutMeta.score_s,
+    generated_at: float = RolloutMeta.generated_at,
     scored: ScoredBatch | None = None,
     env_stats: Sequence[dict[str, float] | None] = (),
     env_metrics: Sequence[tuple[str, dict] | None] = (),
@@ -132,7 +137,7 @@ def score_samples(samples: Sequence[Sample], texts: Sequence[str], job: RolloutJ
 
 
 class RolloutProducer(abc.ABC):
-    weight_version: int = 0
+    weight_version: int = Sample.weight_version  # the weights an engine starts with (a sample's first version)
 
     @abc.abstractmethod
     def _complete(self, requests: Sequence[CompletionRequest], job: RolloutJob) -> Iterator[list[Completion]]:
@@ -215,7 +220,7 @@ class RolloutProducer(abc.ABC):
             )
 
     # ------------------------------------------------------------------ hold, then cut per rank
-    def _held_buffer(self, slot: int = 0) -> PackedBuffer:
+    def _held_buffer(self, slot: int = ONLY_SLOT) -> PackedBuffer:
         """The buffers of one held rollout. Several rollouts may be held at once (pipeline=async
         generates the next steps' while one is handed over): each in its own slot (its step)."""
         # Engines mix this class in without calling an __init__ of ours: created on first use.
@@ -225,7 +230,7 @@ class RolloutProducer(abc.ABC):
             self._held[slot] = PackedBuffer()
         return self._held[slot]
 
-    def produce_and_hold(self, requests: Sequence[CompletionRequest], job: RolloutJob, slot: int = 0) -> RolloutMeta:
+    def produce_and_hold(self, requests: Sequence[CompletionRequest], job: RolloutJob, slot: int = ONLY_SLOT) -> RolloutMeta:
         """Generate, packing each sequence into this engine's flat buffers (of `slot`) as it
         finishes; score; return only the metadata. Added to what is held: dynamic sampling may ask
         for several rounds before one cut (an index generated again replaces the one held)."""
@@ -303,13 +308,13 @@ class RolloutProducer(abc.ABC):
             model_token_lens=[generated[k] for k in order],
         )
 
-    def held_samples(self, slot: int = 0) -> list[Sample]:
+    def held_samples(self, slot: int = ONLY_SLOT) -> list[Sample]:
         """What this engine holds in `slot`, as `Sample`s in index order (a checkpoint of a
         rollout not handed over yet)."""
         held = self._held_buffer(slot)
         return held.samples(held.rows(sorted(held.row_of)))
 
-    def hold_samples(self, samples: Sequence[Sample], slot: int = 0) -> None:
+    def hold_samples(self, samples: Sequence[Sample], slot: int = ONLY_SLOT) -> None:
         """Hold `samples` in `slot` as if this engine had generated them (a resumed checkpoint's rollout)."""
         held = self._held_buffer(slot)
         held.clear()
@@ -328,7 +333,7 @@ class RolloutProducer(abc.ABC):
         samples, score_s, scored = self._samples(completions, job)
         return rollout_meta(samples, score_s, time.time(), scored, [c.env_stats for c in completions], [c.env_metrics for c in completions])
 
-    def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]], slot: int = 0, release: bool = True) -> Any:
+    def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]], slot: int = ONLY_SLOT, release: bool = True) -> Any:
         """One packed piece per rank (None where this engine holds nothing for it).
 
         `members_per_rank[rank][micro_batch]`: the sequences this engine holds for that
@@ -349,7 +354,7 @@ class RolloutProducer(abc.ABC):
         self._last_cut = {"start": start, "gathered": time.time(), "nbytes": sum(p.nbytes for p in pieces if p is not None)}
         return pieces[0] if len(pieces) == 1 else tuple(pieces)
 
-    def release_held(self, slot: int = 0) -> None:
+    def release_held(self, slot: int = ONLY_SLOT) -> None:
         """Let go of everything `slot` holds (its rollout is on the trainers)."""
         self._held_buffer(slot).clear()
         if slot:  # a step's slot is not used again (slot 0 keeps its pages for the next rollout)
@@ -383,12 +388,13 @@ def _final_scores(
     `on_scored` after each sample the rule scored (the engine's liveness count)."""
     if job.env is None:
         return None if job.scorer is None else _score(indices, response_lens, truncated, texts(), job, on_scored)
-    scores = [float(r) if r is not None else 0.0 for r in env_rewards]
     weight = float(getattr(job.env, "reward_weight", 0.0))
     if not weight or job.scorer is None:
-        return ScoredBatch(scores, 0, 0, 0.0, None)
+        return ScoredBatch([sample_reward(None, 1.0, env=e, env_weight=weight) for e in env_rewards], 0, 0, 0.0, None)
     rule = _score(indices, response_lens, truncated, texts(), job, on_scored)
-    return ScoredBatch([e + weight * float(r) for e, r in zip(scores, rule.scores)], rule.errors, rule.timeouts, rule.seconds, rule.first_error)
+    # (the rule's scores come weighted by reward.rule_weight: RuleScoring)
+    scores = [sample_reward(r, 1.0, env=e, env_weight=weight) for e, r in zip(env_rewards, rule.scores)]
+    return ScoredBatch(scores, rule.errors, rule.timeouts, rule.seconds, rule.first_error)
 
 
 def _request_of(completions: list[Completion], job: RolloutJob) -> CompletionRequest:

@@ -25,7 +25,7 @@ from rlhf_orch.transfer.plan import interleave_over_engines, plan_count_micro_ba
 class MicroBatchedTransfer(RolloutTransfer):
     holds_rollouts = False  # micro-batches go to the trainers while the engines generate
 
-    def __init__(self, max_in_flight: int = 4):
+    def __init__(self, max_in_flight: int):
         if max_in_flight < 1:
             raise ValueError(f"transfer.max_in_flight={max_in_flight} must be >= 1")
         self.max_in_flight = max_in_flight
@@ -62,7 +62,7 @@ class MicroBatchedTransfer(RolloutTransfer):
                 # Replaced only now: the other engines' streams wait on this loop (back-pressure),
                 # so re-forming the weight group earlier would wait on them forever.
                 for e in died:
-                    route.engines[e] = route.replace_engine(e)
+                    route.engines[e] = route.replace(e)
                     rest = [w for w in shares[e] if (w.shard, w.slot) not in handed]
                     if rest:
                         active[open_stream(e, rest)] = e
@@ -80,7 +80,7 @@ class MicroBatchedTransfer(RolloutTransfer):
                     del active[stream]
                     continue
                 except ray.exceptions.RayActorError:
-                    if route.replace_engine is None:
+                    if not route.replaces_engines:
                         raise
                     died.append(active.pop(stream))
                     continue

@@ -19,17 +19,16 @@ import time
 from typing import Any, Sequence
 
 import ray
-import torch
 
 from rlhf_orch.transfer.base import Delivery, EngineShare, HeldRollout, MicroBatch, RolloutRequest, RolloutTransfer, Route
 from rlhf_orch.transfer.batch import PackedBatch, Sample
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.inbox import assemble_packed
-from rlhf_orch.transfer.plan import derive_token_budget, optimizer_steps, group_ids, group_of, pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
+from rlhf_orch.transfer.plan import derive_token_budget, optimizer_steps, group_of, pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
 
 
 class PackedTransfer(RolloutTransfer):
-    def __init__(self, token_budget: int = 0):
+    def __init__(self, token_budget: int):
         if token_budget < 0:
             raise ValueError(f"transfer.token_budget={token_budget} must be >= 0 (0 derives it)")
         self.token_budget = token_budget
@@ -44,7 +43,7 @@ class PackedTransfer(RolloutTransfer):
         micro_batch_size: int,
         pad_id: int,
         held_by_engine: Sequence[Sequence[int]] | None = None,
-        train_batch_size: int = 0,
+        train_batch_size: int = RolloutRequest.train_batch_size,
     ) -> list[list[MicroBatch]]:
         """`held_by_engine` (per engine, the indices it holds): the micro-batches `hand_over`
         plans for a rollout held that way; without it, as if one engine held everything."""
@@ -52,7 +51,7 @@ class PackedTransfer(RolloutTransfer):
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in ordered]
         budget = self.budget(micro_batch_size, max(lengths))
         steps = optimizer_steps(len(lengths), train_batch_size)
-        plan = _engine_ordered(plan_packed([s.index for s in ordered], lengths, budget, num_shards, held_by_engine, steps), held_by_engine)
+        plan = _engine_ordered(plan_packed([s.index for s in ordered], lengths, budget, num_shards, held_by_engine, steps=steps), held_by_engine)
         whole = PackedBatch.from_samples(ordered)
         position = {s.index: k for k, s in enumerate(ordered)}
         shards = []
@@ -63,15 +62,18 @@ class PackedTransfer(RolloutTransfer):
         return shards
 
     def generate(self, request: RolloutRequest, route: Route) -> HeldRollout:
-        timings: dict[str, float] = {}
         t = time.perf_counter()
         shares: list[list[EngineShare]] = [[] for _ in route.engines]
-        held = self._generate_noting(request, route, range(len(request.prompts)), shares)
-        rounds, dropped = 1, None
-        if request.group_filter is not None:
-            held, rounds, dropped = self._fill_with_informative_groups(request, route, held, shares)
-        self._timed(timings, "generate", t)
-        timings["reward"] = 0.0  # scored on the engines, inside generation
+        held = self.generate_round(request, route, range(len(request.prompts)), shares)
+        return self.held_rollout(request, held, shares, time.perf_counter() - t, rounds=1, dropped=None)
+
+    def held_rollout(
+        self, request: RolloutRequest, held: list[list[RolloutMeta]], shares: list[list[EngineShare]], generate_s: float,
+        *, rounds: int, dropped: int | None,
+    ) -> HeldRollout:
+        """The rollout the engines hold after its rounds (`held`: per engine, the metadata of what
+        it keeps; `rounds`, `dropped`: DAPO's dynamic sampling, `rlhf_orch.orchestration.dynamic_sampling`)."""
+        timings = {"generate": generate_s, "reward": 0.0}  # scored on the engines, inside generation
         return HeldRollout(
             meta=RolloutMeta.merge([m for parts in held for m in parts]),
             held=[[i for m in parts for i in m.indices] for parts in held],  # per engine: what it holds
@@ -98,7 +100,7 @@ class PackedTransfer(RolloutTransfer):
         steps = optimizer_steps(len(meta.seq_lens), held.train_batch_size)
         # Micro-batches within one engine's sequences where that costs nothing (the trainer then
         # uses its part of that engine's piece as it is).
-        plan = _engine_ordered(plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards, held.held, steps), held.held)
+        plan = _engine_ordered(plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards, held.held, steps=steps), held.held)
         cut = pieces_per_engine(plan, held.held)
         timings["plan"] = time.perf_counter() - t
         pieces = []  # pieces[engine][rank]: object refs, owned here, data in the engine's store
@@ -184,55 +186,17 @@ class PackedTransfer(RolloutTransfer):
         return [[metas[e]] if e in metas else [] for e in range(len(route.engines))]
 
     @classmethod
-    def _generate_noting(cls, request: RolloutRequest, route: Route, prompts: range, shares: list[list[EngineShare]]) -> list[list[RolloutMeta]]:
-        """`_generate`, noting in `shares` which engine process made which prompts' samples (the
-        process that answered: a replacement, when one died on the way, holds its re-issued share)."""
+    def generate_round(cls, request: RolloutRequest, route: Route, prompts: range, shares: list[list[EngineShare]]) -> list[list[RolloutMeta]]:
+        """Prompts `prompts` (indices into request.prompts) generated, scored and held on the
+        engines; per engine, their metadata. Notes in `shares` which engine process made which
+        prompts' samples (the process that answered: a replacement, when one died on the way, holds
+        its re-issued share)."""
         made = cls._generate(request, route, prompts)
         spp = request.samples_per_prompt
         for e, parts in enumerate(made):
             if parts:
                 shares[e].append(EngineShare(route.engines[e], sorted({group_of(i, spp) for m in parts for i in m.indices})))
         return made
-
-    def _fill_with_informative_groups(
-        self, request: RolloutRequest, route: Route, held: list[list[RolloutMeta]], shares: list[list[EngineShare]]
-    ) -> tuple[list[list[RolloutMeta]], int, int]:
-        """DAPO's dynamic sampling: drop groups whose samples all scored the same, generate more
-        prompts (the same number again) until `len(request.prompts)` informative groups are held or
-        `max_rounds` rounds ran; then keep exactly that many groups -- topping up with dropped
-        groups (zero advantage) if the rounds ran out -- so every step trains on the same shape.
-        Engines keep only what is planned (`cut_for_ranks` releases the rest). An engine replaced
-        in a later round took its earlier rounds' samples along: `shares` says so, and the caller
-        decides (`TrainLoop.redraw_lost_shares`)."""
-        f, spp = request.group_filter, request.samples_per_prompt
-        need = len(request.prompts)
-        rounds = 1
-
-        def informative() -> list[int]:
-            # (a masked trajectory trains nothing and counts in no group's statistics: nor here)
-            meta = RolloutMeta.merge([m for parts in held for m in parts]).trajectories_only()
-            meta = meta.select([r for r, masked in enumerate(meta.masked) if not masked])
-            keep = f.keep(torch.tensor(meta.rewards), torch.tensor(group_ids(meta.indices, spp))).tolist()
-            return sorted({group_of(i, spp) for i, k in zip(meta.indices, keep) if k})
-
-        groups = informative()
-        while len(groups) < need and rounds < f.max_rounds:
-            start = len(request.prompts)
-            more = f.more_prompts(need)
-            request.prompts.extend(more)
-            request.prompt_ids.extend(list(p.prompt_ids) for p in more)
-            for e, parts in enumerate(self._generate_noting(request, route, range(start, start + len(more)), shares)):
-                held[e].extend(parts)
-            rounds += 1
-            groups = informative()
-        generated = len(request.prompts)
-        chosen = set(groups[:need])
-        if len(chosen) < need:  # rounds ran out: fill with uninformative groups (advantage 0)
-            chosen |= set(sorted(set(range(generated)) - chosen)[: need - len(chosen)])
-        kept = [[_select(m, chosen, spp) for m in parts] for parts in held]
-        for engine_shares in shares:  # (a share left with no kept prompt holds nothing a replacement could lose)
-            engine_shares[:] = [s for s in (dataclasses.replace(s, prompts=[p for p in s.prompts if p in chosen]) for s in engine_shares) if s.prompts]
-        return kept, rounds, generated - len(set(groups[:need]))
 
 
 def release_held(engines: Sequence[Any], slot: int, timeout_s: float) -> None:
@@ -254,8 +218,3 @@ def _engine_ordered(plan: list[list[list[int]]], held_by_engine: Sequence[Sequen
         return plan
     owner = {i: e for e, indices in enumerate(held_by_engine) for i in indices}
     return [[sorted(mb, key=lambda i: (owner[i], i)) for mb in rank] for rank in plan]
-
-
-def _select(meta: RolloutMeta, groups: set[int], samples_per_prompt: int) -> RolloutMeta:
-    """The samples of the chosen prompt groups (every per-sample field: `RolloutMeta.where`)."""
-    return meta.where(lambda i: group_of(i, samples_per_prompt) in groups)

@@ -105,7 +105,7 @@ class PackedBuffer:
         fields: dict[str, list[float] | Tensor],
         *,
         index: int,
-        weight_version: int = 0,
+        weight_version: int = Sample.weight_version,
         truncated: bool = False,
         reward: float = float("nan"),
     ) -> int:

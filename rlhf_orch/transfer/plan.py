@@ -131,7 +131,8 @@ def plan_packed(
     token_budget: int,
     num_ranks: int,
     held_by_engine: Sequence[Sequence[int]] | None = None,
-    steps: int = 1,
+    *,
+    steps: int,
 ) -> list[list[list[int]]]:
     """Token-budget micro-batches balanced over ranks, in GLOBAL sample indices; with `steps`,
     each optimizer step's sequences packed on their own (`plan_token_budget_micro_batches`).
@@ -153,7 +154,7 @@ def plan_packed(
     if held_by_engine is not None:
         owner = {i: e for e, held in enumerate(held_by_engine) for i in held}
         groups = [owner.get(i, -1) for i in ordered_idx]
-    plan = plan_token_budget_micro_batches(ordered_len, token_budget, num_ranks, groups, steps)
+    plan = plan_token_budget_micro_batches(ordered_len, token_budget, num_ranks, groups, steps=steps)
     return [[[ordered_idx[k] for k in mb] for mb in rank] for rank in plan]
 
 

@@ -94,13 +94,13 @@ class ZeroReward(RewardFunction):
         return 0.0
 
 
-zero_reward = RuleScoring(ZeroReward())  # the scorer engines run (inline, like a rule)
+zero_reward = RuleScoring(ZeroReward(), weight=1.0, timeout_s=10.0, pool_size=0)  # the scorer engines run (inline, like a rule)
 
 
 class TrainerSink(ExperienceInbox):
     """A trainer rank without a model: holds what it is sent."""
 
-    def __init__(self, pad_id: int = 0):
+    def __init__(self, pad_id: int):
         self.pad_id = pad_id
         self._staged = {}
 
