@@ -173,15 +173,15 @@ def _die_mid_receive(engine) -> None:
     first bucket has arrived -- in the middle of the push, the senders still at it."""
     import os
 
-    from rlhf_orch.engines import worker_extension
+    from rlhf_orch.sync import receive
 
-    stream = worker_extension.ReceiveBufferPool.stream
+    stream = receive.ReceiveBufferPool.stream
 
     def dying(self, arrivals, release_points):
         for _ in stream(self, arrivals, release_points):
             os._exit(1)
 
-    worker_extension.ReceiveBufferPool.stream = dying
+    receive.ReceiveBufferPool.stream = dying
 
 
 # slow (~35 s): a run with two engines, one of which is started again.
