@@ -90,7 +90,7 @@ class VLLMEngine:
         self.steps = SharedEngineSteps(llm, self.power.weights_present, finish_before_update=spec.finish_before_update,
                                        engine_thread=(engine_thread or EngineThread()) if threaded else None)
         self.weights = WeightReceiving(llm, self.steps, self.power, engine_index,
-                                       workers_outside_ray=spec.tensor_parallel_size > 1)
+                                       workers_elsewhere=spec.tensor_parallel_size > 1)
         self._start_run()
 
     def _start_run(self) -> None:

