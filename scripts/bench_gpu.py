@@ -14,8 +14,8 @@ Parts (each case in a fresh process, so every peak belongs to one process):
   ipc     the `cuda_ipc` sync of a 7B model's state dict (bf16) between two processes on one GPU: the
           trainer packs 512 MB buckets (`rlhf_orch.sync.buckets`), hands over their IPC handles
           (`rlhf_orch.sync.cuda_ipc_handles`); the engine copies each bucket out and loads it into its
-          own weights, as `rlhf_load_bucket` does. Limit measured in the same run: one device-to-device
-          copy of the same bytes. Every tensor's checksum is compared after the sync.
+          own weights, as `rlhf_orch.sync.handover.LoadBucket` does. Limit measured in the same run:
+          one device-to-device copy of the same bytes. Every tensor's checksum is compared after the sync.
 
 Usage: python scripts/bench_gpu.py [--parts memory,ipc] [--quick]   (prints tables and one JSON line)
        python scripts/bench_memory.py --gpu                        (the memory part alone)

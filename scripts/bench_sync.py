@@ -43,6 +43,7 @@ from rlhf_orch.sync.bucketed import BucketedBroadcastSync  # noqa: E402
 from rlhf_orch.sync.multi_sender import MultiSenderBroadcastSync  # noqa: E402
 from rlhf_orch.sync.object_store import ObjectStoreSync  # noqa: E402
 from rlhf_orch.sync.per_tensor import PerTensorBroadcastSync  # noqa: E402
+from rlhf_orch.sync.receive import EngineStep, WorkerReceiver  # noqa: E402
 from rlhf_orch.trainer.weight_source import ModuleWeightSource  # noqa: E402
 from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec  # noqa: E402
 
@@ -140,6 +141,32 @@ class BenchTrainer(PolicyWorker):
         return 4 * nbytes / (time.perf_counter() - t0) / 1e9
 
 
+@dataclass
+class ReceiveRaw(EngineStep):
+    """(Every engine worker.) The limit's receive: one raw broadcast of `nbytes` from group rank 0 into
+    a kept buffer -- no RPC per tensor, no unpack, no load (see PolicyWorker.send_raw_broadcast)."""
+
+    nbytes: int
+
+    def on_worker(self, receiver: WorkerReceiver) -> float:
+        group = receiver.group()
+        buf = receiver.kept.get("raw")
+        if buf is None or buf.numel() != self.nbytes:
+            buf = receiver.kept["raw"] = torch.empty(self.nbytes, dtype=torch.uint8, device=group.device)
+        t0 = time.perf_counter()
+        group.broadcast(buf, 0).wait()
+        return time.perf_counter() - t0
+
+    def result(self, per_worker: list, report: dict | None) -> float:
+        return max(per_worker)
+
+
+@dataclass
+class DropRawBuffer(EngineStep):
+    def on_worker(self, receiver: WorkerReceiver) -> None:
+        receiver.kept.pop("raw", None)
+
+
 def trainer_spec(path: str) -> TrainerSpec:
     return TrainerSpec(
         model_path=path, dtype="bfloat16", zero_stage=0, micro_batch_size=1, train_batch_size=1,
@@ -163,7 +190,7 @@ def strategies(bucket_mb: float, senders: int) -> dict:
         "bucketed": (1, lambda: BucketedBroadcastSync(backend="gloo", timeout_s=600, bucket_mb=bucket_mb)),
         "multi_sender": (
             senders,
-            lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=600, bucket_mb=bucket_mb, senders=senders),
+            lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=600, bucket_mb=bucket_mb, senders=senders, shard_by="buckets"),
         ),
         "multi_sender_engines": (
             senders,
@@ -171,7 +198,7 @@ def strategies(bucket_mb: float, senders: int) -> dict:
                 backend="gloo", timeout_s=600, bucket_mb=bucket_mb, senders=senders, shard_by="engines"
             ),
         ),
-        "object_store": (1, lambda: ObjectStoreSync(timeout_s=600, bucket_mb=bucket_mb)),
+        "object_store": (1, lambda: ObjectStoreSync(backend="ray", timeout_s=600, bucket_mb=bucket_mb)),
         # Profile, not a strategy: bucketed with the engines receiving but skipping vLLM's load.
         "bucketed_transport_only": (1, lambda: _transport_only(bucket_mb)),
     }
@@ -197,15 +224,15 @@ class Row:
 
 def measure_limit(trainers, engines, nbytes: int, reps: int) -> tuple[float, list[float]]:
     # Same group type, same members as the broadcast strategies (one sender + these engines).
-    group = BucketedBroadcastSync(backend="gloo", timeout_s=600)
+    group = PerTensorBroadcastSync(backend="gloo", timeout_s=600)  # forms the default group only
     group.prepare(trainers[:1], engines, engine_tp=1)
     times = []
     for rep in range(reps + 1):
         t0 = time.perf_counter()
-        ray.get([trainers[0].send_raw_broadcast.remote(nbytes)] + [e.receive_raw_broadcast.remote(nbytes) for e in engines])
+        ray.get([trainers[0].send_raw_broadcast.remote(nbytes)] + [e.receive_weights.remote(ReceiveRaw(nbytes)) for e in engines])
         if rep:  # rep 0 warms up (allocates the receive buffers)
             times.append(time.perf_counter() - t0)
-    ray.get([trainers[0].drop_raw_broadcast_buffer.remote()] + [e.drop_raw_broadcast_buffer.remote() for e in engines])
+    ray.get([trainers[0].drop_raw_broadcast_buffer.remote()] + [e.receive_weights.remote(DropRawBuffer()) for e in engines])
     return statistics.median(times), times
 
 

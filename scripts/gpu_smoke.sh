@@ -24,7 +24,7 @@ for m in ('torch', 'vllm', 'transformers', 'deepspeed', 'ray'):
     except Exception as e:
         out.append(f'{m} MISSING')
 print(', '.join(out))" 2>&1 | tail -1)"
-VLLM_OK=$("$PY" -c "from rlhf_orch.engines.vllm_engine import check_vllm_interfaces as c; c(); print('ok')" 2>&1 | tail -1)
+VLLM_OK=$("$PY" -c "from rlhf_orch.engines.llm_start import check_vllm_interfaces as c; c(); print('ok')" 2>&1 | tail -1)
 add "vllm interfaces: $VLLM_OK"
 
 # 1. gpu-marked tests (they skip themselves where they need more GPUs than present)

@@ -126,7 +126,7 @@ def test_reusable_buffers_persist_and_grow():
 
 
 def test_receive_pool_releases_buffers_only_after_their_layers():
-    from rlhf_orch.engines.worker_extension import ReceiveBufferPool
+    from rlhf_orch.sync.receive import ReceiveBufferPool
 
     params = _params()
     metas = [TensorMeta.of(n, t) for n, t in params.items()]

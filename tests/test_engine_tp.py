@@ -64,7 +64,7 @@ def test_tp2_engine_generates_and_matches_trainer_after_sync(tiny_model_path):
         assert len(samples) == 2  # it generates
 
         for i, sync in enumerate([BucketedBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.05),
-                                  ObjectStoreSync(timeout_s=60, bucket_mb=0.05)]):
+                                  ObjectStoreSync(backend="ray", timeout_s=60, bucket_mb=0.05)]):
             sync.prepare([policy], [engine], engine_tp=2)
             before = ray.get(engine.prompt_logprobs.remote(SEQUENCES))
             ray.get(policy.perturb_weights.remote(0.05, seed=100 + i))

@@ -716,8 +716,9 @@ def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(
 
     from rlhf_orch.engines import agent_rollout
     from rlhf_orch.engines.request_steps import VLLMCalls
+    from rlhf_orch.engines.rollouts import VLLMRollouts
+    from rlhf_orch.engines.shared_steps import SharedEngineSteps
     from rlhf_orch.engines.vllm_engine import VLLMEngine
-    from rlhf_orch.liveness import WorkCount
 
     vllm_engine = SimpleNamespace(step=lambda: [SimpleNamespace(finished=False)], has_unfinished_requests=lambda: True)
     counted: list[int] = []
@@ -727,11 +728,12 @@ def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(
     assert len(counted) == 3
     # The engine hands the session its own count, the one `progress` answers.
     engine = object.__new__(VLLMEngine)  # no vLLM: only what an agent rollout's start needs
-    engine.samples_scored = WorkCount()
-    engine.llm, engine.steps_made, engine._chat_server, engine._agent_runner = None, 0, lambda env: None, lambda env: None
+    engine.steps = SharedEngineSteps(None, lambda: None, finish_before_update=False, engine_thread=None)
+    agents = SimpleNamespace(chat_server=lambda env: None, runner=lambda env: None)
+    rollouts = VLLMRollouts(None, 0, engine.steps, agents)
     handed = {}
     monkeypatch.setattr(agent_rollout, "complete_agent_trajectories", lambda *args: handed.setdefault("count_step", args[-1]))
-    engine._complete_agents([], SimpleNamespace(env=None), step_seed=0)
+    rollouts._complete_agents([], SimpleNamespace(env=None), step_seed=0)
     handed["count_step"]()
     handed["count_step"]()
     assert engine.progress() == 2

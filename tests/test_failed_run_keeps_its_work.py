@@ -173,15 +173,15 @@ def _die_mid_receive(engine) -> None:
     first bucket has arrived -- in the middle of the push, the senders still at it."""
     import os
 
-    from rlhf_orch.engines import worker_extension
+    from rlhf_orch.sync import receive
 
-    stream = worker_extension.ReceiveBufferPool.stream
+    stream = receive.ReceiveBufferPool.stream
 
     def dying(self, arrivals, release_points):
         for _ in stream(self, arrivals, release_points):
             os._exit(1)
 
-    worker_extension.ReceiveBufferPool.stream = dying
+    receive.ReceiveBufferPool.stream = dying
 
 
 # slow (~35 s): a run with two engines, one of which is started again.
@@ -421,7 +421,7 @@ def test_a_generation_making_tokens_is_never_timed_out_and_a_stuck_engine_is_fou
 def _slow_greedy_steps(engine, seconds: float) -> None:
     """(Inside an engine actor.) Every vLLM engine step of a greedy generation (the evaluation's:
     training samples at temperature 1) takes `seconds` longer."""
-    complete, step = engine._complete, engine.llm.llm_engine.step
+    complete, step = engine.rollouts._complete, engine.llm.llm_engine.step
     greedy = []
 
     def completing(requests, job):
@@ -436,7 +436,7 @@ def _slow_greedy_steps(engine, seconds: float) -> None:
             time.sleep(seconds)
         return step()
 
-    engine._complete, engine.llm.llm_engine.step = completing, slow
+    engine.rollouts._complete, engine.llm.llm_engine.step = completing, slow
 
 
 # slow (~40 s): an evaluation several step timeouts long.

@@ -18,6 +18,7 @@ import ray
 
 from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, cpu_thread_binding, engine_launch, memory_utilization, sleep_level
 from rlhf_orch.sync.handover import WorkerPayloads, _engine_payload
+from rlhf_orch.sync.receive import CloseSession, OpenSession
 from rlhf_orch.topology.plan import PlacementError, describe_feeds, feed_table, ipc_feeds, plan_colocated, plan_split
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,7 +227,7 @@ class _FakeLLM:
         self.calls.append(("wake_up",))
 
     def collective_rpc(self, name, args=()):
-        self.calls.append((name,))
+        self.calls.append((name, type(args[0]).__name__) if name == "rlhf_receive" else (name,))
         return [0]
 
 
@@ -234,11 +235,10 @@ def _engine(sleep_level: int):
     from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.spec = EngineSpec(model_path="x", dtype="float32", max_model_len=8, sleep_level=sleep_level)
-    engine.llm, engine.index, engine._asleep, engine._weights_dropped = _FakeLLM(), 0, False, False
-    engine.llm.reset_prefix_cache = lambda reset_running_requests=False: None
-    engine.llm.llm_engine = type("Labels", (), {"set_weight_version": lambda self, version: None})()
-    engine._start_generation_state(engine.spec)
+    llm = _FakeLLM()
+    llm.reset_prefix_cache = lambda reset_running_requests=False: None
+    llm.llm_engine = type("Labels", (), {"set_weight_version": lambda self, version: None})()
+    engine._assemble(llm, EngineSpec(model_path="x", dtype="float32", max_model_len=8, sleep_level=sleep_level), 0, False)
     return engine
 
 
@@ -246,8 +246,8 @@ def test_engine_sleeps_when_told_and_wakes_before_weights_arrive():
     engine = _engine(sleep_level=1)
     engine.sleep()
     engine.sleep()  # once asleep, not again
-    engine.begin_update(None)
-    assert engine.llm.calls == [("sleep", 1), ("wake_up",), ("rlhf_begin_update",)]
+    engine.receive_weights(OpenSession())
+    assert engine.llm.calls == [("sleep", 1), ("wake_up",), ("rlhf_receive", "OpenSession")]
     off = _engine(sleep_level=0)
     off.sleep()
     assert off.llm.calls == []  # sleep_level 0: never
@@ -259,12 +259,12 @@ def test_sleep_level_2_generates_only_after_a_sync_has_loaded_the_weights_again(
     engine.sleep()
     with pytest.raises(RuntimeError, match="dropped its weights .* the driver must sync before it generates"):
         engine.prompt_logprobs([[1, 2, 3]])
-    engine.begin_update(None)
-    engine.finish_update(3)  # a whole sync: every weight loaded
-    engine._weights_present()  # no error now
+    engine.receive_weights(OpenSession())
+    engine.receive_weights(CloseSession(3))  # a whole sync: every weight loaded
+    engine.power.weights_present()  # no error now
     level_one = _engine(sleep_level=1)
     level_one.sleep()
-    level_one._weights_present()  # level 1 keeps the weights in CPU memory
+    level_one.power.weights_present()  # level 1 keeps the weights in CPU memory
 
 
 def test_idle_engines_sleep_after_the_rollout_is_handed_over_not_between_generations():
@@ -293,7 +293,7 @@ def test_idle_engines_sleep_after_the_rollout_is_handed_over_not_between_generat
 def test_vllm_interface_check_names_the_supported_range(monkeypatch):
     import vllm
 
-    from rlhf_orch.engines.vllm_engine import SUPPORTED_VLLM, VLLMInterfaceError, check_vllm_interfaces
+    from rlhf_orch.engines.llm_start import SUPPORTED_VLLM, VLLMInterfaceError, check_vllm_interfaces
 
     assert check_vllm_interfaces() == vllm.__version__  # the installed vLLM has everything
     monkeypatch.delattr(vllm.LLM, "enqueue")
@@ -304,7 +304,7 @@ def test_vllm_interface_check_names_the_supported_range(monkeypatch):
 def test_gpu_extra_pins_the_supported_vllm():
     import tomllib
 
-    from rlhf_orch.engines.vllm_engine import SUPPORTED_VLLM
+    from rlhf_orch.engines.llm_start import SUPPORTED_VLLM
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
     pins = {e.split(">")[0].split("=")[0].split("<")[0]: e for e in extras}

@@ -478,14 +478,15 @@ def test_a_threaded_engine_whose_vllm_thread_is_stuck_does_not_answer_ping():
     the thread running vLLM is stuck. `ping` runs on vLLM's thread, so a stuck one is not answering."""
     import concurrent.futures
 
-    from rlhf_orch.engines.shared_steps import EngineThread
+    from rlhf_orch.engines.shared_steps import EngineThread, SharedEngineSteps
     from rlhf_orch.engines.vllm_engine import VLLMEngine
 
     engine = object.__new__(VLLMEngine)  # no vLLM: only what ping needs
-    engine.index, engine._engine_thread = 3, EngineThread()
+    thread = EngineThread()
+    engine.index, engine.steps = 3, SharedEngineSteps(None, lambda: None, finish_before_update=False, engine_thread=thread)
     assert engine.ping() == 3
     release = threading.Event()
-    threading.Thread(target=engine._engine_thread.call, args=(release.wait,), daemon=True).start()  # vLLM's thread stuck
+    threading.Thread(target=thread.call, args=(release.wait,), daemon=True).start()  # vLLM's thread stuck
     answer = concurrent.futures.ThreadPoolExecutor(1).submit(engine.ping)
     with pytest.raises(concurrent.futures.TimeoutError):
         answer.result(timeout=0.5)
@@ -498,18 +499,17 @@ def test_a_weight_update_marks_only_the_requests_still_generating_interrupted():
     finished just before the update, not yet taken by its call, was made wholly with the old weights."""
     from rlhf_orch.engines.shared_steps import SharedEngineSteps
 
-    steps = SharedEngineSteps()
-    steps._reset_generation_state()
+    steps = SharedEngineSteps(None, lambda: None, finish_before_update=False, engine_thread=None)
     outbox: list = []
     for key in ("finished", "generating"):
         steps._outboxes[key], steps._started_at[key] = outbox, 0
-    outbox.append(SimpleNamespace(request_id="finished"))  # what _step does with a finished request
+    outbox.append(SimpleNamespace(request_id="finished"))  # what `step` does with a finished request
     del steps._outboxes["finished"]
     with steps._cond:
-        steps._mark_interrupted()
+        steps.mark_interrupted()
     steps._outboxes.pop("generating")
     outbox.append(SimpleNamespace(request_id="generating"))
-    ready, versions, interrupted = steps._take_versioned(outbox)
+    ready, versions, interrupted = steps.take_versioned(outbox)
     assert versions == {"finished": 0, "generating": 0} and interrupted == {"generating"}
 
 
@@ -555,27 +555,25 @@ def test_the_last_finished_step_tells_two_failures_between_steps_apart(tmp_path)
 
 def test_with_partial_rollout_false_an_update_waits_for_the_agent_sessions_in_flight():
     """env=agent under pipeline.partial_rollout=false: an agent session's model calls reach vLLM
-    through the endpoint (not `_enqueue`), so an update that finishes the requests in flight first
+    through the endpoint (not `enqueue`), so an update that finishes the requests in flight first
     must wait for the whole session -- and no session starts while it waits."""
     import concurrent.futures
 
     from rlhf_orch.engines.shared_steps import EngineThread, SharedEngineSteps
 
-    steps = SharedEngineSteps()
-    steps.spec, steps._engine_thread = SimpleNamespace(finish_before_update=True), EngineThread()
-    steps._reset_generation_state()
+    steps = SharedEngineSteps(None, lambda: None, finish_before_update=True, engine_thread=EngineThread())
     pool = concurrent.futures.ThreadPoolExecutor(2)
-    steps._session_starts()
-    update = pool.submit(steps._finish_in_flight)
+    steps.session_starts()
+    update = pool.submit(steps.finish_in_flight)
     with pytest.raises(concurrent.futures.TimeoutError):
         update.result(timeout=0.3)  # the session is still running
-    second = pool.submit(steps._session_starts)
-    steps._session_ends()
+    second = pool.submit(steps.session_starts)
+    steps.session_ends()
     update.result(timeout=5)  # the session ended: the update goes
     with pytest.raises(concurrent.futures.TimeoutError):
         second.result(timeout=0.3)  # no new session while the update is being made
     with steps._cond:
-        steps._closed = False  # what _finish_update does
+        steps._closed = False  # what update_landed does
         steps._cond.notify_all()
     second.result(timeout=5)
 
@@ -587,47 +585,45 @@ def test_with_partial_rollout_false_no_update_lands_between_two_turns_of_a_traje
     its next turn is not held back by the update waiting (no deadlock)."""
     import concurrent.futures
 
-    from rlhf_orch.engines.shared_steps import EngineThread
-    from rlhf_orch.engines.vllm_engine import VLLMEngine
+    from rlhf_orch.engines.rollouts import VLLMRollouts
+    from rlhf_orch.engines.shared_steps import EngineThread, SharedEngineSteps
 
-    engine = object.__new__(VLLMEngine)  # no vLLM: the trajectories are a stand-in generator
-    engine.spec, engine._engine_thread = SimpleNamespace(finish_before_update=True, seed=0), EngineThread()
-    engine._reset_generation_state()
-    engine.weight_version, engine._weights_present = 0, lambda: None
-    engine._enqueue = lambda prompts, params, outbox: ["turn-2"]
+    # no vLLM: the trajectories are a stand-in generator
+    steps = SharedEngineSteps(None, lambda: None, finish_before_update=True, engine_thread=EngineThread())
+    steps.enqueue = lambda prompts, params, outbox: ["turn-2"]
+    rollouts = VLLMRollouts(None, 0, steps, agents=None)
     pool = concurrent.futures.ThreadPoolExecutor(1)
 
     def two_turns(requests, job, seed):
         yield [SimpleNamespace(weight_version=None)]  # a trajectory out after its first turns
-        update = pool.submit(engine._finish_in_flight)  # an update asked for between two turns
+        update = pool.submit(steps.finish_in_flight)  # an update asked for between two turns
         with pytest.raises(concurrent.futures.TimeoutError):
             update.result(timeout=0.3)  # it waits for this rollout's trajectories
-        assert engine._stepping().enqueue(["prompt"], None, []) == ["turn-2"]  # the next turn is not held back
+        assert steps.stepping().enqueue(["prompt"], None, []) == ["turn-2"]  # the next turn is not held back
         yield [SimpleNamespace(weight_version=None)]
 
-    engine._complete_turns = two_turns
-    out = list(engine._complete_env([], SimpleNamespace(env=SimpleNamespace(calls_through_endpoint=False))))
+    rollouts._complete_turns = two_turns
+    out = list(rollouts._complete_env([], SimpleNamespace(env=SimpleNamespace(calls_through_endpoint=False))))
     assert [c.weight_version for item in out for c in item] == [0, 0]  # every turn with the version it started with
     pool.shutdown(wait=True)  # the update went once the rollout ended
-    assert engine._closed
+    assert steps._closed
 
 
 def test_an_engine_s_agent_rollout_holds_back_an_update_that_waits_for_the_requests_in_flight():
-    """The engine's agent path (`_complete_env`, env=agent) counts its session: an update under
+    """The engine's agent path (`VLLMRollouts._complete_env`, env=agent) counts its session: an update under
     partial_rollout=false waits until the rollout's trajectories are all out, and goes then."""
     import concurrent.futures
 
-    from rlhf_orch.engines.shared_steps import EngineThread
-    from rlhf_orch.engines.vllm_engine import VLLMEngine
+    from rlhf_orch.engines.rollouts import VLLMRollouts
+    from rlhf_orch.engines.shared_steps import EngineThread, SharedEngineSteps
 
-    engine = object.__new__(VLLMEngine)  # no vLLM: the agent session is a stand-in generator
-    engine.spec, engine._engine_thread = SimpleNamespace(finish_before_update=True, seed=0), EngineThread()
-    engine._reset_generation_state()
-    engine.weight_version, engine._weights_present = 0, lambda: None
-    engine._complete_agents = lambda requests, job, seed: iter([[SimpleNamespace(weight_version=None)], [SimpleNamespace(weight_version=None)]])
-    trajectories = engine._complete_env([], SimpleNamespace(env=SimpleNamespace(calls_through_endpoint=True)))
+    # no vLLM: the agent session is a stand-in generator
+    steps = SharedEngineSteps(None, lambda: None, finish_before_update=True, engine_thread=EngineThread())
+    rollouts = VLLMRollouts(None, 0, steps, agents=None)
+    rollouts._complete_agents = lambda requests, job, seed: iter([[SimpleNamespace(weight_version=None)], [SimpleNamespace(weight_version=None)]])
+    trajectories = rollouts._complete_env([], SimpleNamespace(env=SimpleNamespace(calls_through_endpoint=True)))
     next(trajectories)  # the first trajectory is out, the session goes on
-    update = concurrent.futures.ThreadPoolExecutor(1).submit(engine._finish_in_flight)
+    update = concurrent.futures.ThreadPoolExecutor(1).submit(steps.finish_in_flight)
     with pytest.raises(concurrent.futures.TimeoutError):
         update.result(timeout=0.3)
     assert len(list(trajectories)) == 1  # the rest of the session

@@ -36,8 +36,8 @@ STRATEGIES = {
     "gloo_per_tensor": (1, lambda: PerTensorBroadcastSync(backend="gloo", timeout_s=60)),
     # 4 KB buckets: an adapter pair is 8-12 KB here, so bucket boundaries fall inside a layer's adapter.
     "gloo_bucketed_small": (1, lambda: BucketedBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.004)),
-    "object_store_small": (1, lambda: ObjectStoreSync(timeout_s=60, bucket_mb=0.004)),
-    "gloo_multi_sender": (2, lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.004, senders=2)),
+    "object_store_small": (1, lambda: ObjectStoreSync(backend="ray", timeout_s=60, bucket_mb=0.004)),
+    "gloo_multi_sender": (2, lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.004, senders=2, shard_by="buckets")),
 }
 
 

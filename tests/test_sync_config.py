@@ -66,12 +66,16 @@ def test_bad_sync_values_name_key(overrides, key):
     assert key in str(err.value)
 
 
+def _multi_sender(senders: int, shard_by: str) -> MultiSenderBroadcastSync:
+    return MultiSenderBroadcastSync(backend="gloo", timeout_s=60.0, bucket_mb=1.0, senders=senders, shard_by=shard_by)
+
+
 def _buckets(n: int):
     return plan_buckets([TensorMeta(f"model.layers.{i}.w", "float32", (256,)) for i in range(n)], 1024)
 
 
 def test_multi_sender_by_buckets_every_engine_hears_every_sender():
-    sync = MultiSenderBroadcastSync(senders=2)
+    sync = _multi_sender(senders=2, shard_by="buckets")
     specs = sync._specs = sync.group_specs(policy_ranks=4, engines=3)
     assert [(s.sender, s.engines) for s in specs] == [(0, (0, 1, 2)), (1, (0, 1, 2))]
     assert len({s.name for s in specs}) == 2
@@ -81,12 +85,12 @@ def test_multi_sender_by_buckets_every_engine_hears_every_sender():
 
 
 def test_multi_sender_by_engines_splits_engines():
-    sync = MultiSenderBroadcastSync(senders=2, shard_by="engines")
+    sync = _multi_sender(senders=2, shard_by="engines")
     specs = sync._specs = sync.group_specs(policy_ranks=2, engines=3)
     assert [(s.sender, s.engines) for s in specs] == [(0, (0, 2)), (1, (1,))]
     assert sync.route(_buckets(4), engines=3) == [[0] * 4, [1] * 4, [0] * 4]
 
 
 def test_multi_sender_never_uses_more_senders_than_ranks_or_engines():
-    assert len(MultiSenderBroadcastSync(senders=4).group_specs(policy_ranks=1, engines=2)) == 1
-    assert len(MultiSenderBroadcastSync(senders=4, shard_by="engines").group_specs(policy_ranks=8, engines=2)) == 2
+    assert len(_multi_sender(senders=4, shard_by="buckets").group_specs(policy_ranks=1, engines=2)) == 1
+    assert len(_multi_sender(senders=4, shard_by="engines").group_specs(policy_ranks=8, engines=2)) == 2

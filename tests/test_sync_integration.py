@@ -96,16 +96,16 @@ STRATEGIES = {
     "gloo_bucketed_small": (1, lambda: BucketedBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.02)),
     "gloo_bucketed": (1, lambda: BucketedBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=256)),
     # Two senders, each owning interleaved small buckets (boundaries inside layers, both groups busy).
-    "gloo_multi_sender": (2, lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.05, senders=2)),
+    "gloo_multi_sender": (2, lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.05, senders=2, shard_by="buckets")),
     "gloo_multi_sender_engines": (
         2,
         lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.05, senders=2, shard_by="engines"),
     ),
-    "object_store_small": (1, lambda: ObjectStoreSync(timeout_s=60, bucket_mb=0.02)),
-    "object_store": (1, lambda: ObjectStoreSync(timeout_s=60, bucket_mb=256)),
+    "object_store_small": (1, lambda: ObjectStoreSync(backend="ray", timeout_s=60, bucket_mb=0.02)),
+    "object_store": (1, lambda: ObjectStoreSync(backend="ray", timeout_s=60, bucket_mb=256)),
     # Each engine fed by its own policy rank (what cuda_ipc does with the plan's feeds): both ranks
     # pack and publish, payloads are all-gathered, rank 0 hands each engine the one of its feeder.
-    "object_store_feeds": (2, lambda: _with_feeds(ObjectStoreSync(timeout_s=60, bucket_mb=0.05), {(0, 0): 0, (1, 0): 1})),
+    "object_store_feeds": (2, lambda: _with_feeds(ObjectStoreSync(backend="ray", timeout_s=60, bucket_mb=0.05), {(0, 0): 0, (1, 0): 1})),
 }
 
 
@@ -148,7 +148,7 @@ def test_engine_logprobs_equal_trainer_after_sync(cluster, strategy, zero_stage)
 
 def test_multi_sender_spreads_bytes_over_senders(cluster):
     engines, policies = cluster
-    sync = MultiSenderBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.05, senders=2)
+    sync = MultiSenderBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.05, senders=2, shard_by="buckets")
     sync.prepare(policies[(2, 2)], engines, engine_tp=1)
     report = sync.push(5)
     sent = [s["sent_bytes"] for s in report.sender_stats]
@@ -211,8 +211,8 @@ def test_sync_to_dead_engine_raises_not_hangs(cluster):
     # Every transport (object store, two groups, one group) against the same dead engine;
     # groups are formed while it is alive, as they would be at start-up.
     syncs = [
-        (policies[(2, 1)], ObjectStoreSync(timeout_s=20, bucket_mb=1)),
-        (policies[(2, 2)], MultiSenderBroadcastSync(backend="gloo", timeout_s=20, bucket_mb=0.05, senders=2)),
+        (policies[(2, 1)], ObjectStoreSync(backend="ray", timeout_s=20, bucket_mb=1)),
+        (policies[(2, 2)], MultiSenderBroadcastSync(backend="gloo", timeout_s=20, bucket_mb=0.05, senders=2, shard_by="buckets")),
         (policies[(2, 1)], BucketedBroadcastSync(backend="gloo", timeout_s=20, bucket_mb=1)),
     ]
     for policy, sync in syncs:
@@ -235,31 +235,31 @@ def _perturb_weights(worker) -> None:
 
 def _generate_across_an_update(engine, prompt: list[int], recompute: bool):
     """(Inside an engine actor.) One request: 4 tokens with the weights it started with, then a
-    weight update lands (as `_finish_update` does under pipeline=async), then 8 more tokens. The
+    weight update lands (as `WeightReceiving.publish` does under pipeline=async), then 8 more tokens. The
     log-prob of every token as it was drawn, and as the new weights score the whole sequence."""
     import time as _time
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if not recompute:  # what _finish_update did before: the KV of the requests in flight kept
+    if not recompute:  # what publishing a version did before: the KV of the requests in flight kept
         reset = engine.llm.reset_prefix_cache
         engine.llm.reset_prefix_cache = lambda reset_running_requests=False, **kwargs: reset(False, **kwargs)
-    version = engine.weight_version
+    version = engine.steps.weight_version
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, seed=3, detokenize=False)
     outbox: list = []
-    keys = engine._enqueue([TokensPrompt(prompt_token_ids=prompt)], params, outbox)
+    keys = engine.steps.enqueue([TokensPrompt(prompt_token_ids=prompt)], params, outbox)
     for _ in range(4):
-        engine._step()
+        engine.steps.step()
     engine.llm.collective_rpc(_perturb_weights)
-    engine._finish_update(version + 1, 0, _time.perf_counter())
+    engine.weights.publish(version + 1, 0, _time.perf_counter())
     while not outbox:
-        engine._step()
+        engine.steps.step()
     out = outbox[0].outputs[0]
     tokens = list(out.token_ids)
     drawn = [lp[t].logprob for lp, t in zip(out.logprobs, tokens)]
     scored = engine.prompt_logprobs([prompt + tokens])[0][len(prompt) - 1:]
-    engine._forget(keys)
+    engine.steps.forget(keys)
     if not recompute:
         del engine.llm.reset_prefix_cache
     return drawn, scored

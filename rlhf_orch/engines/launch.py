@@ -55,6 +55,8 @@ def memory_utilization(configured: Optional[float], plan: PlacementPlan) -> floa
 # An unset engine.sleep_level on a colocated GPU layout: level 1 where vLLM's platform offers sleep
 # mode, else 0 -- decided in the engine, which knows its platform (Ray logical GPUs on CPU do not).
 SLEEP_WHERE_AVAILABLE = -1
+#: engine.sleep_level 0: the engine never sleeps (an engine spec's default: CPU, split layouts).
+NEVER_SLEEP = 0
 
 
 #: A CPU engine's KV cache when engine.kv_cache_gb is null: every sequence it may hold at once at
@@ -126,7 +128,7 @@ def sleep_level(configured: Optional[int], plan: PlacementPlan) -> int:
     trainers, else 0."""
     if configured is not None:
         return int(configured)
-    return SLEEP_WHERE_AVAILABLE if plan.layout == "colocated" and plan.total_gpus > 0 else 0
+    return SLEEP_WHERE_AVAILABLE if plan.layout == "colocated" and plan.total_gpus > 0 else NEVER_SLEEP
 
 
 def cpu_thread_binding(cpus: list[int], tp: int) -> str:

@@ -1,4 +1,4 @@
-"""How several rollouts share one vLLM engine at once (pipeline=async), mixed into `VLLMEngine`.
+"""How several rollouts share one vLLM engine at once (pipeline=async): a part of `VLLMEngine`.
 
 Each rollout call enqueues its requests with an outbox; every engine step -- whoever makes it --
 advances all requests in flight, and each finished one lands in the outbox of the call that made
@@ -7,10 +7,9 @@ it: continuous batching across rollouts. Every call into vLLM runs on one thread
 thread would bring its own OpenMP pool, all spinning on the same cores (seen: a rollout 100x
 slower). A weight update lands between two engine steps (the requests in flight go on with the new
 weights and are marked interrupted), pauses the steps while it is made of several calls
-(`begin_update` ... `finish_update`), or -- `spec.finish_before_update` -- waits until the
-requests in flight finish, no new one starting meanwhile.
-
-The engine supplies `llm`, `spec`, `weight_version` and `_weights_present`.
+(`pause_for_update` ... `update_landed`), or -- `finish_before_update` -- waits until the
+requests in flight finish, no new one starting meanwhile. The engine's weight version lives here:
+every request records the version it started with.
 """
 
 from __future__ import annotations
@@ -18,57 +17,68 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from rlhf_orch.liveness import WorkCount
 
 
 class SharedEngineSteps:
-    """The shared stepping of one engine (mixed into `VLLMEngine`); `_start_generation_state`
-    makes its state, `_run` sends a call to vLLM's thread."""
+    """The shared stepping of one engine: the state the rollouts on it share (several at once under
+    pipeline=async), and `run`, which sends a call to vLLM's thread.
 
-    llm: Any  # the engine's vllm.LLM
-    weight_version: int
+    `llm`: the engine's vllm.LLM; `weights_present()`: the engine's check before sampling (refuse
+    weights a sleep dropped); `engine_thread`: the thread running every vLLM call of a threaded
+    actor (None: the caller's); `finish_before_update`: pipeline.partial_rollout=false.
+    """
 
-    def _weights_present(self) -> None: ...  # the engine's: refuse weights a sleep dropped
+    def __init__(self, llm: Any, weights_present: Callable[[], None], *, finish_before_update: bool,
+                 engine_thread: EngineThread | None):
+        self.llm = llm
+        self.weights_present = weights_present
+        self.finish_before_update = finish_before_update
+        self._engine_thread = engine_thread
+        self.weight_version = 0
+        self.reset_generation_state()
 
-    def _start_generation_state(self, spec: Any, engine_thread: Any = None) -> None:
-        """The state the rollouts on this engine share (several at once under pipeline=async);
-        `engine_thread`: the thread that already runs this actor's vLLM calls (a rebuilt engine)."""
-        self._engine_thread = (engine_thread or EngineThread()) if spec.max_concurrency > 1 else None
-        self._reset_generation_state()
-
-    def _reset_generation_state(self) -> None:
+    def reset_generation_state(self) -> None:
         """No rollout, update or request of earlier calls (the engine thread stays)."""
         self._cond = threading.Condition()  # guards the fields below; signals the end of an update
-        self._updating = False  # between begin_update and finish_update: no engine step
+        self._updating = False  # between pause_for_update and update_landed: no engine step
         self._closed = False  # an update waits for the requests in flight: no new request starts
         self._outboxes: dict[str, list[Any]] = {}  # request id -> finished outputs of the call that made it
         self._started_at: dict[str, int] = {}  # request id -> weight version when it was enqueued
         self._interrupted: set[str] = set()  # requests a weight update reached while in flight
-        self._env_rollout = threading.Lock()  # one agent rollout at a time (see _complete_env)
+        self.env_rollout = threading.Lock()  # one agent rollout at a time (see VLLMRollouts._complete_env)
         # Multi-turn rollouts (agent or turn-driven) started and not ended: under
-        # finish_before_update an update waits for them (`_finish_in_flight`), so no trajectory
+        # finish_before_update an update waits for them (`finish_in_flight`), so no trajectory
         # takes an update between two of its turns.
         self._sessions = 0
         self.steps_made = 0  # engine steps made (a plain int: read by the monitor thread, never locked)
         self.samples_scored = WorkCount()  # samples the rule scored here (scoring threads: several under async)
 
-    def _run(self, fn, *args):
+    @property
+    def engine_thread(self) -> EngineThread | None:
+        return self._engine_thread
+
+    def in_flight(self) -> bool:
+        """(vLLM's thread.) Requests or an agent rollout of earlier calls still running."""
+        return bool(self.llm.llm_engine.has_unfinished_requests() or self._started_at or self.env_rollout.locked())
+
+    def run(self, fn, *args):
         """`fn(*args)` on the thread that owns vLLM (a threaded actor), or right here. Never
         called holding `_cond` (fn may take it)."""
         if self._engine_thread is None:
             return fn(*args)
         return self._engine_thread.call(fn, *args)
 
-    def _count_step(self) -> None:
+    def count_step(self) -> None:
         """(vLLM's thread.) One more engine step made: what `progress` reports to the driver (every
         engine step counts, the ones an agent session makes on its own too)."""
         self.steps_made += 1
 
-    def _enqueue(self, prompts, params, outbox: list[Any]) -> list[str]:
+    def enqueue(self, prompts, params, outbox: list[Any]) -> list[str]:
         """(vLLM's thread.) Add the requests; their finished outputs will go to `outbox`."""
-        self._weights_present()
+        self.weights_present()
         # enqueue returns vLLM's internal ids ("<external>-<8 random chars>"); outputs carry the
         # external one. Key by the external id.
         keys = [str(rid).rsplit("-", 1)[0] for rid in self.llm.enqueue(prompts, params, use_tqdm=False)]
@@ -78,7 +88,7 @@ class SharedEngineSteps:
                 self._started_at[key] = self.weight_version
         return keys
 
-    def _step(self) -> bool:
+    def step(self) -> bool:
         """(vLLM's thread.) One engine step for every request in flight, each finished one handed
         to its call's outbox; False when vLLM has nothing left. No step while an update is open."""
         if self._updating:
@@ -87,7 +97,7 @@ class SharedEngineSteps:
         if not engine.has_unfinished_requests():
             return False
         outputs = engine.step()
-        self._count_step()
+        self.count_step()
         for out in outputs:
             if out.finished:
                 with self._cond:
@@ -96,13 +106,26 @@ class SharedEngineSteps:
                         box.append(out)
         return True
 
-    def _mark_interrupted(self) -> None:
+    def mark_interrupted(self) -> None:
         """(Holding `_cond`, as a weight update lands.) The requests still generating go on with the
         new weights: interrupted. One that finished before the update but whose call has not taken
         it yet (in its outbox, still in `_started_at`) was made wholly with the old weights: not."""
         self._interrupted |= set(self._outboxes)
 
-    def _take_versioned(self, outbox: list[Any]) -> tuple[list[Any], dict[str, int], set[str]]:
+    def pause_for_update(self) -> None:
+        """An update of several calls opens: no engine step until it lands (`update_landed`)."""
+        with self._cond:
+            self._updating = True
+
+    def update_landed(self) -> None:
+        """(vLLM's thread, the new version published.) The requests in flight go on with the new
+        weights (interrupted); steps and new requests resume."""
+        with self._cond:
+            self.mark_interrupted()
+            self._updating = self._closed = False
+            self._cond.notify_all()
+
+    def take_versioned(self, outbox: list[Any]) -> tuple[list[Any], dict[str, int], set[str]]:
         """Empty `outbox`: its finished outputs, the version each started with, and those a weight
         update reached in flight."""
         with self._cond:
@@ -115,7 +138,7 @@ class SharedEngineSteps:
                 self._cond.notify_all()  # an update waiting for the requests in flight may go
         return ready, versions, interrupted
 
-    def _forget(self, keys) -> None:
+    def forget(self, keys) -> None:
         with self._cond:
             for key in keys:
                 self._outboxes.pop(key, None)
@@ -124,37 +147,37 @@ class SharedEngineSteps:
             if not self._started_at:
                 self._cond.notify_all()
 
-    def _submit(self, prompts, params, outbox: list[Any]) -> list[str]:
+    def submit(self, prompts, params, outbox: list[Any]) -> list[str]:
         """(A rollout's thread.) New requests, once no update holds them back; their ids."""
-        self._wait_for_update(new_requests=True)
-        return self._run(self._enqueue, prompts, params, outbox)
+        self.wait_for_update(new_requests=True)
+        return self.run(self.enqueue, prompts, params, outbox)
 
-    def _submit_in_session(self, prompts, params, outbox: list[Any]) -> list[str]:
+    def submit_in_session(self, prompts, params, outbox: list[Any]) -> list[str]:
         """(A multi-turn rollout's thread, inside its session.) A trajectory's next turn: an
         update waiting for the sessions in flight does not hold it back (it waits for this one)."""
-        self._wait_for_update()
-        return self._run(self._enqueue, prompts, params, outbox)
+        self.wait_for_update()
+        return self.run(self.enqueue, prompts, params, outbox)
 
-    def _advance(self) -> bool:
-        """(A rollout's thread.) One engine step, once no update is open (`_step`)."""
-        self._wait_for_update()
-        return self._run(self._step)
+    def advance(self) -> bool:
+        """(A rollout's thread.) One engine step, once no update is open (`step`)."""
+        self.wait_for_update()
+        return self.run(self.step)
 
-    def _abort(self, keys: list[str]) -> None:
-        self._run(self.llm.llm_engine.abort_request, keys)
-        self._forget(keys)
+    def abort(self, keys: list[str]) -> None:
+        self.run(self.llm.llm_engine.abort_request, keys)
+        self.forget(keys)
 
-    def _stepping(self) -> Any:
+    def stepping(self) -> Any:
         """This engine's steps, shared by every rollout it generates, for a multi-turn driver
-        running on the caller's thread inside its session (`_session_starts`): a turn is a new
+        running on the caller's thread inside its session (`session_starts`): a turn is a new
         request, like a rollout's, that an update waiting for the sessions does not hold back."""
         from rlhf_orch.engines.request_steps import SharedStepping
 
         return SharedStepping(
-            enqueue=self._submit_in_session, step=self._advance, take=lambda outbox: self._take_versioned(outbox)[0], abort=self._abort,
+            enqueue=self.submit_in_session, step=self.advance, take=lambda outbox: self.take_versioned(outbox)[0], abort=self.abort,
         )
 
-    def _wait_for_update(self, new_requests: bool = False) -> None:
+    def wait_for_update(self, new_requests: bool = False) -> None:
         """Wait until no weight update is open -- or, before `new_requests`, waiting for the
         requests in flight to finish (not on vLLM's thread: the update needs it)."""
         if self._engine_thread is not None and self._engine_thread.is_current():
@@ -163,20 +186,20 @@ class SharedEngineSteps:
             while self._updating or (new_requests and self._closed):
                 self._cond.wait()
 
-    def _finish_in_flight(self) -> None:
+    def finish_in_flight(self) -> None:
         """Before a weight update (spec.finish_before_update): no new request starts, and the
         requests in flight finish with the weights they started with -- and so does every
         multi-turn rollout in flight, whole (env=agent: its model calls reach vLLM through the
-        endpoint, not `_enqueue`; turn-driven: between two turns no request is in flight). The
+        endpoint, not `enqueue`; turn-driven: between two turns no request is in flight). The
         update waits for the sessions, and no new one starts."""
-        if not self.spec.finish_before_update or self._engine_thread is None:
+        if not self.finish_before_update or self._engine_thread is None:
             return
         with self._cond:
             self._closed = True
             while self._started_at or self._sessions:
                 self._cond.wait()
 
-    def _session_starts(self) -> None:
+    def session_starts(self) -> None:
         """(A rollout's thread.) A multi-turn rollout begins once no update holds new requests
         back; counted, so an update that finishes the requests in flight first waits for its end."""
         with self._cond:
@@ -184,7 +207,7 @@ class SharedEngineSteps:
                 self._cond.wait()
             self._sessions += 1
 
-    def _session_ends(self) -> None:
+    def session_ends(self) -> None:
         with self._cond:
             self._sessions -= 1
             if not self._sessions:

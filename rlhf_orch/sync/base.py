@@ -2,8 +2,9 @@
 
 A strategy object is built on the driver by `hydra.utils.instantiate(cfg.sync)`. `prepare` and
 `push` run on the driver and only issue Ray calls; `send` runs inside each policy rank (the
-object is pickled there), next to the weights; the engine side lives in
-`rlhf_orch.engines.worker_extension`.
+object is pickled there), next to the weights. Each strategy's module also holds its engine
+side: the steps each engine is handed (`engine.receive_weights.remote(step)`) and runs in its vLLM
+workers (`rlhf_orch.sync.receive`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class WeightSync(abc.ABC):
     # receiver must fetch with pidfd_getfd, which unprivileged containers refuse.
     shares_cuda_memory: bool = False
 
-    def __init__(self, backend: str = "gloo", timeout_s: float = 120.0):
+    def __init__(self, *, backend: str, timeout_s: float):
+        # No defaults: the values come from the sync option's declaration (hydra builds the strategy).
         self.backend = backend
         self.timeout_s = timeout_s
         self._policy: list[Any] = []

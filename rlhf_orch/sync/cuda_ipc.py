@@ -25,9 +25,6 @@ class CudaIpcSync(HandoverSync):
     transport = "cuda_ipc"
     shares_cuda_memory = True
 
-    def __init__(self, backend: str = "cuda_ipc", timeout_s: float = 120.0, bucket_mb: float = 512.0):
-        super().__init__(backend, timeout_s, bucket_mb)
-
     def use_plan(self, plan) -> None:
         from rlhf_orch.topology.plan import feed_table, ipc_feeds
 

