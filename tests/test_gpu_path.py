@@ -169,7 +169,7 @@ def test_every_rendezvous_uses_rays_node_ip_not_the_hostname(monkeypatch):
     import socket
 
     from rlhf_orch.sync import group
-    from rlhf_orch.trainer.workers import PolicyWorker
+    from rlhf_orch.trainer.policy import PolicyWorker
 
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # the usual /etc/hosts trap
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
