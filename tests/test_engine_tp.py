@@ -19,7 +19,7 @@ from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
 from rlhf_orch.liveness import actor_class
 from rlhf_orch.sync.bucketed import BucketedBroadcastSync
 from rlhf_orch.sync.object_store import ObjectStoreSync
-from rlhf_orch.topology.plan import plan_cpu_local
+from rlhf_orch.topology.planners import plan_cpu_local
 from rlhf_orch.trainer.spec import TrainerSpec
 from rlhf_orch.transfer.engine_side import RolloutJob
 from rlhf_orch.transfer.plan import whole_prompt_requests
@@ -39,7 +39,7 @@ def _max_diff(a, b):
 @pytest.mark.extended
 def test_tp2_engine_generates_and_matches_trainer_after_sync(tiny_model_path):
     plan = plan_cpu_local(actor_ranks=1, critic_ranks=1, reference_ranks=1, engines=1, engine_tp=2, reward="function",
-                          critic=False, reference=False)
+                          nodes=1, gpus_per_node=0, critic=False, reference=False)
     slot = plan.slots_for("engine")[0]
     launch = engine_launch(slot, gpu_layout=False)
     assert len(slot.bundles) == 2 and launch.executor == "mp"

@@ -18,7 +18,8 @@ import ray
 
 from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, cpu_thread_binding, engine_launch, memory_utilization, sleep_level
 from rlhf_orch.sync.handover import WorkerPayloads, _engine_payload
-from rlhf_orch.topology.plan import PlacementError, describe_feeds, feed_table, ipc_feeds, plan_colocated, plan_split
+from rlhf_orch.topology.plan import PlacementError, describe_feeds, feed_table, ipc_feeds
+from rlhf_orch.topology.planners import plan_colocated, plan_split
 
 ROOT = Path(__file__).resolve().parent.parent
 
