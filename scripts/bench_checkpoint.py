@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_orch.orchestration.checkpoint import dir_size_bytes  # noqa: E402
-from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec  # noqa: E402
+from rlhf_orch.trainer.policy import PolicyWorker  # noqa: E402
+from rlhf_orch.trainer.spec import TrainerSpec  # noqa: E402
 from rlhf_orch.logging.base import read_metrics
 
 
@@ -66,6 +67,7 @@ def measure(name: str, model_path: str, work: Path) -> dict:
         model_path=model_path, dtype="float32", zero_stage=2, micro_batch_size=1, train_batch_size=1,
         data_parallel_size=1, pad_id=0, temperature=1.0, lr=1e-5, weight_decay=0.0, grad_clip=1.0,
         clip_eps=0.2, ppo_epochs=1, seed=1, torch_threads=max(os.cpu_count() or 1, 1),
+        optimizer="adamw", reference_memory="full",
     )
     worker = PolicyWorker(spec, 0, 1)
     if not torch.distributed.is_initialized():

@@ -45,7 +45,8 @@ from rlhf_orch.sync.object_store import ObjectStoreSync  # noqa: E402
 from rlhf_orch.sync.per_tensor import PerTensorBroadcastSync  # noqa: E402
 from rlhf_orch.sync.receive import EngineStep, WorkerReceiver  # noqa: E402
 from rlhf_orch.trainer.weight_source import ModuleWeightSource  # noqa: E402
-from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec  # noqa: E402
+from rlhf_orch.trainer.policy import PolicyWorker  # noqa: E402
+from rlhf_orch.trainer.spec import TrainerSpec  # noqa: E402
 
 ENV = {
     "env_vars": {
@@ -131,6 +132,22 @@ class BenchTrainer(PolicyWorker):
     def tensor_count(self) -> int:
         return len(self.weights.metas())
 
+    def send_raw_broadcast(self, nbytes: int) -> float:
+        """The sync's hardware limit: one broadcast of a pre-filled `nbytes` buffer (no packing, RPC, load).
+
+        The buffer is allocated and filled once and kept, so repetitions time the wire alone.
+        """
+        buf = getattr(self, "_raw_broadcast_buffer", None)
+        if buf is None or buf.numel() != nbytes:
+            buf = torch.ones(nbytes, dtype=torch.uint8, device=self.weight_group.device)
+            self._raw_broadcast_buffer = buf
+        t0 = time.perf_counter()
+        self.weight_group.broadcast(buf, 0).wait()
+        return time.perf_counter() - t0
+
+    def drop_raw_broadcast_buffer(self) -> None:
+        self._raw_broadcast_buffer = None
+
     def memcpy_gbps(self, nbytes: int = 256 * 2**20) -> float:
         src = torch.ones(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
@@ -171,7 +188,7 @@ def trainer_spec(path: str) -> TrainerSpec:
     return TrainerSpec(
         model_path=path, dtype="bfloat16", zero_stage=0, micro_batch_size=1, train_batch_size=1,
         data_parallel_size=1, pad_id=0, temperature=1.0, lr=0.0, weight_decay=0.0, grad_clip=1.0,
-        clip_eps=0.2, ppo_epochs=1, seed=0,
+        clip_eps=0.2, ppo_epochs=1, seed=0, torch_threads=1, optimizer="adamw", reference_memory="full",
     )
 
 

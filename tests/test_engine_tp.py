@@ -19,10 +19,11 @@ from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
 from rlhf_orch.liveness import actor_class
 from rlhf_orch.sync.bucketed import BucketedBroadcastSync
 from rlhf_orch.sync.object_store import ObjectStoreSync
-from rlhf_orch.topology.plan import plan_cpu_local
-from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec
+from rlhf_orch.topology.planners import plan_cpu_local
+from rlhf_orch.trainer.spec import TrainerSpec
 from rlhf_orch.transfer.engine_side import RolloutJob
 from rlhf_orch.transfer.plan import whole_prompt_requests
+from tests.trainer.probed_workers import ProbedPolicyWorker
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +39,7 @@ def _max_diff(a, b):
 @pytest.mark.extended
 def test_tp2_engine_generates_and_matches_trainer_after_sync(tiny_model_path):
     plan = plan_cpu_local(actor_ranks=1, critic_ranks=1, reference_ranks=1, engines=1, engine_tp=2, reward="function",
-                          critic=False, reference=False)
+                          nodes=1, gpus_per_node=0, critic=False, reference=False)
     slot = plan.slots_for("engine")[0]
     launch = engine_launch(slot, gpu_layout=False)
     assert len(slot.bundles) == 2 and launch.executor == "mp"
@@ -50,9 +51,9 @@ def test_tp2_engine_generates_and_matches_trainer_after_sync(tiny_model_path):
         tspec = TrainerSpec(
             model_path=tiny_model_path, dtype="float32", zero_stage=2, micro_batch_size=2, train_batch_size=2,
             data_parallel_size=1, pad_id=0, temperature=1.0, lr=1e-4, weight_decay=0.0, grad_clip=1.0,
-            clip_eps=0.2, ppo_epochs=1, seed=0,
+            clip_eps=0.2, ppo_epochs=1, seed=0, torch_threads=1, optimizer="adamw", reference_memory="full",
         )
-        policy = actor_class(PolicyWorker).options(num_cpus=1, runtime_env=ENV).remote(tspec, 0, 1)
+        policy = actor_class(ProbedPolicyWorker).options(num_cpus=1, runtime_env=ENV).remote(tspec, 0, 1)
         host, port = ray.get(policy.rendezvous_address.remote())
         ray.get(policy.init_distributed.remote(host, port))
         ray.get(policy.build.remote())

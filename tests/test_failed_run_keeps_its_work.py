@@ -254,7 +254,7 @@ def _slow_forwards(worker, seconds: float, hang_at: int = 0) -> None:
     """(Inside a trainer rank.) Every forward of a micro-batch (log-probs, with or without gradients)
     takes `seconds` longer: a phase longer than the step timeout that moves micro-batch by
     micro-batch. `hang_at` > 0: that forward never returns (the rank alive, its count standing)."""
-    import rlhf_orch.trainer.workers as workers
+    from rlhf_orch.trainer import experience, frozen_models, policy_update
 
     calls = []
 
@@ -266,8 +266,9 @@ def _slow_forwards(worker, seconds: float, hang_at: int = 0) -> None:
 
         return slow
 
-    workers.sequence_logprobs = slowed(workers.sequence_logprobs)
-    workers.sequence_logprobs_and_entropy = slowed(workers.sequence_logprobs_and_entropy)
+    experience.sequence_logprobs = slowed(experience.sequence_logprobs)  # old log-probs
+    frozen_models.sequence_logprobs = slowed(frozen_models.sequence_logprobs)  # the hosted reference's
+    policy_update.sequence_logprobs_and_entropy = slowed(policy_update.sequence_logprobs_and_entropy)
 
 
 # slow (~50 s): a run whose experience and update phases each take several step timeouts.

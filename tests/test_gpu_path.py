@@ -19,7 +19,8 @@ import ray
 from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, cpu_thread_binding, engine_launch, memory_utilization, sleep_level
 from rlhf_orch.sync.handover import WorkerPayloads, _engine_payload
 from rlhf_orch.sync.receive import CloseSession, OpenSession
-from rlhf_orch.topology.plan import PlacementError, describe_feeds, feed_table, ipc_feeds, plan_colocated, plan_split
+from rlhf_orch.topology.plan import PlacementError, describe_feeds, feed_table, ipc_feeds
+from rlhf_orch.topology.planners import plan_colocated, plan_split
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,7 +171,7 @@ def test_every_rendezvous_uses_rays_node_ip_not_the_hostname(monkeypatch):
     import socket
 
     from rlhf_orch.sync import group
-    from rlhf_orch.trainer.workers import PolicyWorker
+    from rlhf_orch.trainer.policy import PolicyWorker
 
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # the usual /etc/hosts trap
     monkeypatch.setattr(ray, "is_initialized", lambda: True)

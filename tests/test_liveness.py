@@ -178,10 +178,13 @@ def test_a_trainer_rank_busy_in_a_long_phase_is_not_lost_while_its_count_moves(s
     rank (its `ping` waits behind the phase). When a failure asks whether to restart
     (`lost_processes`), a rank whose count moves is busy, one whose count stands is lost."""
     from rlhf_orch.orchestration.actors import lost_processes
-    from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, TrainerSpec
+    from rlhf_orch.trainer.critic import CriticWorker
+    from rlhf_orch.trainer.policy import PolicyWorker
+    from rlhf_orch.trainer.spec import TrainerSpec
 
     spec = TrainerSpec(model_path="unused", dtype="float32", zero_stage=2, micro_batch_size=2, train_batch_size=2, data_parallel_size=1,
-                       pad_id=0, temperature=1.0, lr=1e-4, weight_decay=0.0, grad_clip=1.0, clip_eps=0.2, ppo_epochs=1, seed=0)
+                       pad_id=0, temperature=1.0, lr=1e-4, weight_decay=0.0, grad_clip=1.0, clip_eps=0.2, ppo_epochs=1, seed=0,
+                       torch_threads=1, optimizer="adamw", reference_memory="full")
     ranks = [actor_class(cls).options(num_cpus=0).remote(spec, 0, 1) for cls in (PolicyWorker, CriticWorker)]
     try:
         assert ray.get([r.ping.remote() for r in ranks], timeout=60) == [0, 0]

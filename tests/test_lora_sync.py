@@ -22,7 +22,7 @@ from rlhf_orch.sync.bucketed import BucketedBroadcastSync
 from rlhf_orch.sync.multi_sender import MultiSenderBroadcastSync
 from rlhf_orch.sync.object_store import ObjectStoreSync
 from rlhf_orch.sync.per_tensor import PerTensorBroadcastSync
-from rlhf_orch.trainer.workers import TrainerSpec
+from rlhf_orch.trainer.spec import TrainerSpec
 from rlhf_orch.transfer.engine_side import RolloutJob
 from rlhf_orch.transfer.plan import whole_prompt_requests
 # the full-weight sync tests' policy groups, sequences, tolerance (float32, nats) and Ray environment
@@ -45,7 +45,7 @@ def _spec(model_path: str, zero_stage: int, ranks: int) -> TrainerSpec:
     return TrainerSpec(
         model_path=model_path, dtype="float32", zero_stage=zero_stage, micro_batch_size=2, train_batch_size=2 * ranks,
         data_parallel_size=ranks, pad_id=0, temperature=1.0, lr=1e-4, weight_decay=0.0, grad_clip=1.0,
-        clip_eps=0.2, ppo_epochs=1, seed=0, lora=LORA,
+        clip_eps=0.2, ppo_epochs=1, seed=0, torch_threads=1, optimizer="adamw", reference_memory="full", lora=LORA,
     )
 
 

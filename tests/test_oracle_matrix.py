@@ -51,7 +51,9 @@ from rlhf_orch.orchestration.loop import sample_values_by_index
 from rlhf_orch.trainer.forward import load_critic, load_policy
 from rlhf_orch.trainer.lora import AdapterWeights, apply_lora
 from rlhf_orch.trainer.metrics import trainer_metrics
-from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, TrainerSpec
+from rlhf_orch.trainer.critic import CriticWorker
+from rlhf_orch.trainer.policy import PolicyWorker
+from rlhf_orch.trainer.spec import TrainerSpec
 from rlhf_orch.transfer.batch import LOSS_MASK, TURN_REWARDS, Sample
 from rlhf_orch.transfer.engine_side import rollout_meta
 from tests.conftest import compose_config, start_trainer_ranks
@@ -158,7 +160,7 @@ def _spec(model_path: str, ranks: int, cut: str, optimizer: str, epochs: int, cr
     return TrainerSpec(
         model_path=model_path, dtype="float32", zero_stage=2, micro_batch_size=micro, train_batch_size=train_batch,
         data_parallel_size=ranks, pad_id=0, temperature=1.0, lr=LR[optimizer] * (4 if critic else 1), weight_decay=0.0,
-        grad_clip=1.0, clip_eps=0.2, ppo_epochs=epochs, seed=SEED, optimizer=optimizer, lora=None if critic else lora,
+        grad_clip=1.0, clip_eps=0.2, ppo_epochs=epochs, seed=SEED, torch_threads=1, optimizer=optimizer, reference_memory="full", lora=None if critic else lora,
         share_prompts=True,  # the run's default: packed micro-batches run a shared prompt once (padded ones cannot)
     )
 

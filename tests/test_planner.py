@@ -10,21 +10,14 @@ from hydra import compose, initialize_config_dir
 
 from rlhf_orch.config.schema import register_configs
 from rlhf_orch.topology.placement import ColocatedPlacement, CpuLocalPlacement, SplitPlacement
-from rlhf_orch.topology.plan import (
-    PlacementError,
-    PlacementPlan,
-    RoleSlot,
-    plan_colocated,
-    plan_cpu_local,
-    plan_split,
-    split_gpu_counts,
-)
+from rlhf_orch.topology.plan import PlacementError, PlacementPlan, RoleSlot
+from rlhf_orch.topology.planners import plan_colocated, plan_cpu_local, plan_split, split_gpu_counts
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def cpu_local(**overrides) -> PlacementPlan:
-    args = dict(actor_ranks=1, critic_ranks=1, reference_ranks=1, engines=1, engine_tp=1, reward="function")
+    args = dict(actor_ranks=1, critic_ranks=1, reference_ranks=1, engines=1, engine_tp=1, reward="function", nodes=1, gpus_per_node=0)
     return plan_cpu_local(**{**args, **overrides})
 
 
@@ -465,7 +458,7 @@ def test_composed_critic_free_algorithm_plans_no_critic(compose_config) -> None:
 
 # --------------------------------------------------------------------------- the reference inside the policy's processes
 def test_the_reference_runs_inside_the_policy_ranks_where_the_plan_allows_it() -> None:
-    from rlhf_orch.topology.plan import with_reference_hosting
+    from rlhf_orch.topology.reference_hosting import with_reference_hosting
 
     # null (the default): wherever each reference rank has its policy rank's node (and GPU)
     assert with_reference_hosting(cpu_local(), None).reference_in_actor
@@ -493,7 +486,7 @@ def test_the_reference_runs_inside_the_policy_ranks_where_the_plan_allows_it() -
     ],
 )
 def test_a_reference_in_actor_setting_that_cannot_hold_or_does_nothing_is_refused(plan, setting, fragment) -> None:
-    from rlhf_orch.topology.plan import with_reference_hosting
+    from rlhf_orch.topology.reference_hosting import with_reference_hosting
 
     with pytest.raises(PlacementError, match=fragment):
         with_reference_hosting(cpu_local(**plan), setting)

@@ -23,7 +23,8 @@ from launchers.cluster import ClusterRayLauncher
 from launchers.local import LocalRayLauncher
 from launchers.submit_ray_job import build_entrypoint, parse_args
 from rlhf_orch.config.schema import register_configs
-from rlhf_orch.topology.plan import PlacementPlan, RoleSlot, plan_colocated, plan_split
+from rlhf_orch.topology.plan import PlacementPlan, RoleSlot
+from rlhf_orch.topology.planners import plan_colocated, plan_split
 from rlhf_orch.topology.ray_placement import PlacementUnavailableError, RayPlacement
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

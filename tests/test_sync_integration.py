@@ -22,8 +22,9 @@ from rlhf_orch.sync.bucketed import BucketedBroadcastSync
 from rlhf_orch.sync.multi_sender import MultiSenderBroadcastSync
 from rlhf_orch.sync.object_store import ObjectStoreSync
 from rlhf_orch.sync.per_tensor import PerTensorBroadcastSync
-from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec
+from rlhf_orch.trainer.spec import TrainerSpec
 from tests.conftest import start_trainer_ranks
+from tests.trainer.probed_workers import ProbedPolicyWorker
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +37,7 @@ def _spec(model_path: str, zero_stage: int, ranks: int) -> TrainerSpec:
     return TrainerSpec(
         model_path=model_path, dtype="float32", zero_stage=zero_stage, micro_batch_size=2, train_batch_size=2 * ranks,
         data_parallel_size=ranks, pad_id=0, temperature=1.0, lr=1e-4, weight_decay=0.0, grad_clip=1.0,
-        clip_eps=0.2, ppo_epochs=1, seed=0,
+        clip_eps=0.2, ppo_epochs=1, seed=0, torch_threads=1, optimizer="adamw", reference_memory="full",
     )
 
 
@@ -52,7 +53,7 @@ class Policies:
         self.groups: dict[int, list] = {}
         self.stage: dict[int, int | None] = {}
         for ranks in (1, 2):
-            workers = start_trainer_ranks(PolicyWorker, self.spec(model_path, 3, ranks), ranks, ENV)
+            workers = start_trainer_ranks(ProbedPolicyWorker, self.spec(model_path, 3, ranks), ranks, ENV)
             ray.get([w.build.remote() for w in workers])
             self.groups[ranks], self.stage[ranks] = workers, 3
 

@@ -15,7 +15,11 @@ from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
 from rlhf_orch.liveness import ANSWER_S, actor_class, ask_progress, read_progress
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.topology.ray_placement import RayPlacement
-from rlhf_orch.trainer.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker, TrainerSpec
+from rlhf_orch.trainer.critic import CriticWorker
+from rlhf_orch.trainer.policy import PolicyWorker
+from rlhf_orch.trainer.reference import ReferenceWorker
+from rlhf_orch.trainer.reward_model import RewardModelWorker
+from rlhf_orch.trainer.spec import TrainerSpec
 
 # Environment every actor of a run gets: tokenizers threads fight the trainer's on small boxes.
 _ACTOR_ENV = {

@@ -33,7 +33,7 @@ from rlhf_orch.orchestration.run_record import RunRecord
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
 from rlhf_orch.rng import set_rng_state
 from rlhf_orch.topology.plan import PlacementPlan
-from rlhf_orch.trainer.workers import TrainerSpec
+from rlhf_orch.trainer.spec import TrainerSpec
 
 
 def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id: int, lora: LoraSettings | None = None) -> dict[str, TrainerSpec]:

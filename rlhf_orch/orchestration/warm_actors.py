@@ -6,7 +6,7 @@ started one after another in one process and one Ray session (`launcher.reuse_se
 notebook, a script of runs, a sweep, the test suite) can keep those processes. A run that completes
 with every actor answering parks its actors and placement groups here (its chat endpoints closed,
 nothing left generating); the next run whose `warm_key` is the same takes them and resets each to
-what a new actor starts as (`VLLMEngine.reset`, `_Worker.reset`), then builds them as new ones.
+what a new actor starts as (`VLLMEngine.reset`, `TrainerWorker.reset`), then builds them as new ones.
 Anything else -- another plan, an actor that died or does not answer, a reset that fails, another
 Ray session, a run with keep_actors=false -- kills what is parked. A failed or interrupted run
 parks nothing. One run's worth is parked at a time.

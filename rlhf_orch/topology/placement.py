@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable, ClassVar, Optional
 
-from rlhf_orch.topology.plan import PlacementPlan, plan_colocated, plan_cpu_local, plan_split, with_reference_hosting
+from rlhf_orch.topology.plan import PlacementPlan
+from rlhf_orch.topology.planners import plan_colocated, plan_cpu_local, plan_split
+from rlhf_orch.topology.reference_hosting import with_reference_hosting
 
 # Ray schedules actors by logical CPUs; on a 2-core box a run has more processes than cores, so a
 # local run declares at least this many (they are bookkeeping, not pinned cores).

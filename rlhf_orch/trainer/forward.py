@@ -107,6 +107,13 @@ def packed_attention_impl(device: torch.device | str | None = None) -> str:
     return VARLEN_SDPA
 
 
+def shares_prompts(share_prompts: bool, device: torch.device) -> bool:
+    """trainer.share_prompts where it can hold on `device`: the shared-prompt row needs this
+    project's attention (varlen_sdpa); flash-attention's varlen kernels, where a CUDA machine has
+    them, take whole sequences only."""
+    return share_prompts and packed_attention_impl(device) == VARLEN_SDPA
+
+
 # --------------------------------------------------------------------------- model inputs per layout
 @singledispatch
 def model_inputs(mb: Any) -> dict[str, Tensor | int]:

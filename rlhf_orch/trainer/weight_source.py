@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from rlhf_orch.liveness import WorkCount
 from rlhf_orch.sync.buckets import TensorMeta, dtype_name
 
 
@@ -54,3 +55,10 @@ def gathered_parameters(params: list[nn.Parameter], zero_stage: int, modifier_ra
             yield
     else:
         yield
+
+
+def on_cpu(source, rank: int, work_done: WorkCount) -> dict[str, torch.Tensor] | None:
+    """Every tensor of a weight view (`metas()` / `gathered()`), copied to CPU on rank 0 (None on
+    the others, which gather too: under ZeRO-3 the gather is collective)."""
+    with work_done.collective(), source.gathered([m.name for m in source.metas()]) as tensors:
+        return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()} if rank == 0 else None

@@ -72,22 +72,32 @@ def assemble_packed(pieces: Sequence[PackedBatch | None], plan: Sequence[Sequenc
     return out
 
 
+def staged_micro_batches(staged: dict[int, list[Any]], shard: int) -> list[MicroBatch]:
+    """The micro-batches of `shard` in `staged`, every streamed one arrived (else refused)."""
+    mbs = staged[shard]
+    if any(mb is None for mb in mbs):
+        raise RuntimeError(f"shard {shard}: {sum(mb is None for mb in mbs)} streamed micro-batches never arrived")
+    return mbs
+
+
+def arrived(mb: MicroBatch, device: torch.device | None) -> MicroBatch:
+    """What a staged micro-batch becomes on arrival: observation tokens leave the action mask
+    (multi-turn rollouts), then it moves to the rank's `device` (a trainer's; None: it stays)."""
+    mb = apply_loss_mask(mb)
+    return mb if device is None else mb.to(device)
+
+
 class ExperienceInbox:
-    pad_id: int = 0
+    """The receiving end, mixed into an actor: its `_staged` micro-batches by shard, `pad_id` for
+    the stand-ins of empty micro-batches, `device` where arriving micro-batches go."""
+
+    pad_id: int
+    device: torch.device | None = None
     _staged: dict[int, list[Any]]
-
-    def _receive(self, mb: MicroBatch) -> MicroBatch:
-        """Hook: what to do with a micro-batch on arrival (trainers move it to their device)."""
-        return mb
-
-    def _arrive(self, mb: MicroBatch) -> MicroBatch:
-        """Every staged micro-batch passes here: observation tokens leave the action mask
-        (multi-turn rollouts), then the rank's own `_receive`."""
-        return self._receive(apply_loss_mask(mb))
 
     def stage(self, shard: int, micro_batches: list[MicroBatch]) -> int:
         """The whole shard at once (the padded baseline; Ray resolved the ref into the list)."""
-        self._staged[shard] = [self._arrive(mb) for mb in micro_batches]
+        self._staged[shard] = [arrived(mb, self.device) for mb in micro_batches]
         return sum(mb.nbytes for mb in micro_batches)
 
     def stage_micro_batch(self, shard: int, slot: int, num_slots: int, mb: MicroBatch) -> int:
@@ -95,7 +105,7 @@ class ExperienceInbox:
         slots = self._staged.setdefault(shard, [None] * num_slots)
         if len(slots) != num_slots or slots[slot] is not None:
             raise ValueError(f"shard {shard} slot {slot}/{num_slots} staged twice or with another slot count")
-        slots[slot] = self._arrive(mb)
+        slots[slot] = arrived(mb, self.device)
         return mb.nbytes
 
     def stage_pieces(self, shard: int, plan: list[list[int]], pieces: list[ray.ObjectRef]) -> int:
@@ -103,7 +113,7 @@ class ExperienceInbox:
         start = time.time()
         fetched = ray.get(list(pieces))
         got = time.time()
-        self._staged[shard] = [self._arrive(mb) for mb in assemble_packed(fetched, plan, self.pad_id)]
+        self._staged[shard] = [arrived(mb, self.device) for mb in assemble_packed(fetched, plan, self.pad_id)]
         self._last_stage = {"start": start, "fetched": got, "assembled": time.time()}
         return sum(p.nbytes for p in fetched if p is not None)
 

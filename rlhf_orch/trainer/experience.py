@@ -1,0 +1,107 @@
+"""The policy rank's experience of one shard: old log-probs by its own forward, then the
+algorithm's token targets from them, the reference's log-probs, the critic's values and the
+driver's per-sample values (`make_experience`), written into the staged micro-batches for the
+update; and the trainer/inference log-prob mismatch of the same tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_orch.algo.estimators import Algorithm, TargetRows
+from rlhf_orch.algo.ppo_math import LOGPROB_DIFF_THRESHOLD
+from rlhf_orch.liveness import WorkCount
+from rlhf_orch.trainer.forward import sequence_logprobs
+from rlhf_orch.trainer.spec import TrainerSpec
+from rlhf_orch.trainer.token_weighting import all_reduce_sum, rows_for_targets, targets_in_layout
+from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, TURN_REWARDS, PackedBatch, PaddedBatch
+
+
+def make_experience(
+    engine,
+    mbs: list[PaddedBatch | PackedBatch],
+    ref_logprobs: list[torch.Tensor] | None,
+    values: list[torch.Tensor] | None,
+    algo: Algorithm,
+    sample_values: dict[int, float],
+    spec: TrainerSpec,
+    device: torch.device,
+    world_size: int,
+    share_prompts: bool,
+    work_done: WorkCount,
+) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Old logprobs, then the algorithm's token targets. Returns stats and the critic's returns.
+
+    `sample_values` (sample index -> value) is what the algorithm computed on the driver from
+    the final scores: the score itself (PPO, REINFORCE++), a group-centred score, or the
+    advantage (GRPO, RLOO, DAPO). `ref_logprobs` / `values` are None when the algorithm has no
+    reference / critic. Batch-wide normalisation is over all policy ranks (they all call this).
+    """
+    engine.eval()
+    old = [sequence_logprobs(engine, mb, spec.temperature, share_prompts).float() for mb in work_done.each(mbs)]
+    ref = [r.to(device) for r in ref_logprobs] if ref_logprobs is not None else None
+    vals = [v.to(device) for v in values] if values is not None else None
+    # Targets run along each sequence: on [b, L-1] rows (packed micro-batches are unpacked
+    # here, in this process, for this math only); results go back to the mb's layout.
+    rows = rows_for_targets(mbs, old, ref or old, vals or old, spec.pad_id)
+    target_rows = [
+        TargetRows(
+            mask=r.action_mask,
+            sample_values=torch.tensor([sample_values.get(int(i), 0.0) for i in r.indices], dtype=torch.float32),
+            old_logprobs=r.fields["old"],
+            ref_logprobs=r.fields["ref"] if ref is not None else None,
+            values=r.fields["values"] if vals is not None else None,
+            turn_rewards=r.fields.get(TURN_REWARDS),
+        )
+        for r in rows
+    ]
+
+    def summed_over_ranks(t: torch.Tensor) -> torch.Tensor:
+        with work_done.collective():
+            return torch.tensor(all_reduce_sum(t.tolist(), world_size), dtype=t.dtype)
+
+    targets = algo.token_targets(target_rows, summed_over_ranks)
+    returns = []
+    for k, (mb, lp, r, t) in enumerate(zip(mbs, old, rows, targets)):
+        wanted = {"advantages": t.advantages}
+        if t.returns is not None:
+            wanted["returns"] = t.returns
+        in_layout = targets_in_layout(mb, r, wanted)
+        mb.fields["old_logprobs"] = lp
+        mb.fields["advantages"] = in_layout["advantages"]
+        if algo.kl_in_loss:
+            mb.fields["ref_logprobs"] = ref[k]
+        if t.returns is not None:
+            returns.append(in_layout["returns"].cpu())
+    tokens = sum(float(r.action_mask.sum()) for r in rows)
+    every_diff = logprob_mismatch(mbs, old)
+    # The largest |advantage| (torch's max keeps a NaN, which the driver's guard then reports).
+    row_max = [t.advantages[r.mask.bool()].abs().max() for r, t in zip(target_rows, targets) if r.mask.any()]
+    adv_abs_max = float(torch.stack(row_max).max()) if row_max else 0.0
+    # Sums, not means: the driver divides by the tokens of all ranks (`trainer.metrics`).
+    stats = {
+        "advantages_abs_max": adv_abs_max,
+        "kl_sum": sum(float(torch.where(r.mask.bool(), t.kl, 0).sum()) for r, t in zip(target_rows, targets)),
+        "response_tokens": tokens,
+        "logprob_diff_max": float(every_diff.max()) if every_diff.numel() else 0.0,
+        "logprob_diff_sum": float(every_diff.sum()),
+        "logprob_diff_tokens": float(every_diff.numel()),
+        "logprob_diff_over": float((every_diff > LOGPROB_DIFF_THRESHOLD).sum()),
+        "values_sum": (
+            sum(float(torch.where(r.mask.bool(), r.values, 0).sum()) for r in target_rows) if vals is not None else 0.0
+        ),
+    }
+    return stats, returns
+
+
+def logprob_mismatch(mbs: list[PaddedBatch | PackedBatch], old: list[torch.Tensor]) -> torch.Tensor:
+    """|engine log-prob - trainer log-prob| of every action token whose micro-batch carries the
+    engine's sampling log-probs, concatenated (once, for the four statistics): how far the engine's
+    sampling is from the trainer's recomputation of the same tokens (train/inference mismatch;
+    token in / token out keeps it at float noise)."""
+    diffs = [
+        (lp - mb.fields[ENGINE_LOGPROBS].to(lp.device)).abs()[mb.action_mask.bool()]
+        for mb, lp in zip(mbs, old)
+        if ENGINE_LOGPROBS in mb.fields
+    ]
+    diffs = [d for d in diffs if d.numel()]
+    return torch.cat(diffs) if diffs else torch.zeros(0)
