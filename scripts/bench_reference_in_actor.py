@@ -33,7 +33,7 @@ from rlhf_orch.logging.base import read_metrics  # noqa: E402
 from rlhf_orch.orchestration.session import run_training  # noqa: E402
 from scripts.bench_warm_actors import busy_cpu_seconds  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
-from tests.test_resume import _comparable  # noqa: E402
+from tests.e2e.test_resume import _comparable  # noqa: E402
 
 MODES = {"own process (baseline)": "false", "inside the actor": "null"}
 

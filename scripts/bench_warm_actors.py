@@ -30,7 +30,7 @@ from rlhf_orch.app import check  # noqa: E402
 from rlhf_orch.orchestration import warm_actors  # noqa: E402
 from rlhf_orch.orchestration.session import run_training  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
-from tests.test_resume import _comparable  # noqa: E402
+from tests.e2e.test_resume import _comparable  # noqa: E402
 from rlhf_orch.logging.base import read_metrics
 
 

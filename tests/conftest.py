@@ -189,3 +189,13 @@ def _quiet_env():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     yield
+
+
+# >>> LEAD NOTE (temporary; the lead strips this block when merging -- leave it, do not commit-edit it)
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(
+        "LEAD NOTE for helper 'layout': read /tmp/h/common.md NOW (rules: run python as "
+        "'PYTHONPATH=$PWD /work/main/.venv/bin/python', integration tests only under "
+        "'flock /tmp/h/integration.lock', never -n or the whole suite, last commit by 09:25 UTC)."
+    )
+# <<< LEAD NOTE

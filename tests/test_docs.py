@@ -388,15 +388,15 @@ def test_config_yaml_defaults_list_is_commented():
 # ----------------------------------------------------------------------------- exit codes
 # Each exit code README documents -> tests (module::function) that produce it from `python run.py`.
 EXIT_CODE_TESTS = {
-    0: ["tests.test_config_errors::test_cli_dry_run_prints_split_plan",
-        "tests.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
-    2: ["tests.test_config_errors::test_cli_nccl_on_cpu_exits_2_fast_with_message",
-        "tests.test_config_errors::test_a_launcher_refusing_its_value_exits_2"],
-    3: ["tests.test_own_data_and_reward::test_reward_returning_nan_stops_the_run_naming_function_and_sample",
-        "tests.test_config_errors::test_unexpected_failure_exits_3_with_one_line"],
-    130: ["tests.test_config_errors::test_sigint_during_start_up_exits_130",
-          "tests.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
-    143: ["tests.test_resume::test_sigterm_during_start_up_stops_before_the_first_step_with_exit_143"],
+    0: ["tests.config.test_config_errors::test_cli_dry_run_prints_split_plan",
+        "tests.e2e.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
+    2: ["tests.config.test_config_errors::test_cli_nccl_on_cpu_exits_2_fast_with_message",
+        "tests.config.test_config_errors::test_a_launcher_refusing_its_value_exits_2"],
+    3: ["tests.e2e.test_own_data_and_reward::test_reward_returning_nan_stops_the_run_naming_function_and_sample",
+        "tests.config.test_config_errors::test_unexpected_failure_exits_3_with_one_line"],
+    130: ["tests.config.test_config_errors::test_sigint_during_start_up_exits_130",
+          "tests.e2e.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
+    143: ["tests.e2e.test_resume::test_sigterm_during_start_up_stops_before_the_first_step_with_exit_143"],
 }
 
 

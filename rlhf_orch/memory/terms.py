@@ -53,7 +53,7 @@ from rlhf_orch.models.lora import LoraSettings
 
 GiB = 2**30
 # Bytes per logit that the log-probs' and the entropy's backward keep beyond the logits themselves:
-# a few floats per row only (`algo.vocab_reductions`; tests/test_memory_plan.py measures it with torch's
+# a few floats per row only (`algo.vocab_reductions`; tests/memory/test_memory_plan.py measures it with torch's
 # saved-tensors hooks). Written plainly with autograd they kept 4 and 17.
 VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT = 0
 ALWAYS, TRAIN, EXPERIENCE, GENERATE = "always", "train", "experience", "generate"
@@ -88,7 +88,7 @@ NCCL_COMMUNICATOR_BYTES = int(0.5 * GiB)
 # The term is a fraction of the *planned* peak, which over-counts the tensors (gradients planned as
 # always resident), so what it must cover is the process's GPU memory less the planned runtime, over
 # the planned peak, less 1: with the plan as it is now at most 30.5 % (H100, 0.5B ZeRO-3) and 26.4 %
-# (H200, 1.5B ZeRO-3 with gradient checkpointing); tests/test_memory_plan.py recomputes it from the
+# (H200, 1.5B ZeRO-3 with gradient checkpointing); tests/memory/test_memory_plan.py recomputes it from the
 # logs. (It was 17 %: the H100's against the plan of that day.) With expandable segments (the
 # trainers' default on GPUs) a process held at most 1.4 % more than planned: the margin
 # (launcher.memory_margin).

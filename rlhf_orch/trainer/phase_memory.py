@@ -44,5 +44,5 @@ def ends_a_phase(method: F) -> F:
             release_cached_memory()
         return result
 
-    ended.ends_a_phase = True  # (which calls end a phase: tests/test_phase_memory.py)
+    ended.ends_a_phase = True  # (which calls end a phase: tests/trainer/test_phase_memory.py)
     return ended  # type: ignore[return-value]

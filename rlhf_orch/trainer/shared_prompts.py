@@ -8,7 +8,7 @@ position ids continue from the prompt's length), and each response attends to th
 itself (`shared_prompt_attention`). Every original position reads its hidden state from the row
 (`model_position`); gradients of the prompt's copies add up in its one copy -- the same sums the
 separate copies make, so log-probs, values and gradients equal the unshared forward's up to
-float rounding (tests/test_shared_prompts.py).
+float rounding (tests/trainer/test_shared_prompts.py).
 
 What it saves is the prompt's share of the compute: on SmolLM2 with 102-token few-shot prompts,
 8 samples of ~10 tokens, 3600 tokens become ~730 (docs/benchmarks.md). A sequence's "prompt" here
