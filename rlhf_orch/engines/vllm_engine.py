@@ -448,7 +448,7 @@ class VLLMEngine(RolloutProducer, SharedEngineSteps):
     ) -> dict[str, Any]:
         """One call per update: stream every bucket (bucket i from group/rank routes[i]) into vLLM.
 
-        `load=False` only profiles the transport (scripts/bench_sync.py): the weights stay as they were.
+        `load=False` only profiles the transport (scripts/bench/bench_sync.py): the weights stay as they were.
         """
         self._finish_in_flight()
 

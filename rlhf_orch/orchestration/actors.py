@@ -234,7 +234,7 @@ def lost_processes(actors: Sequence[Any], timeout_s: float) -> list[int]:
 
 def trainer_process_env(env: dict[str, str], gpu_layout: bool, shares_cuda_memory: bool = False) -> dict[str, str]:
     """The environment of trainer and forward-only processes. On GPUs torch's caching allocator uses
-    expandable segments: one policy update on an H100 (scripts/bench_gpu.py) reserved 2.3-11.7 GB
+    expandable segments: one policy update on an H100 (scripts/bench/bench_gpu.py) reserved 2.3-11.7 GB
     above its peak with the default allocator and 0.05-4.0 GB with them. Not for engines: vLLM's
     sleep mode allocates from a memory pool that expandable segments break. Not when the sync hands
     engines CUDA IPC handles of the trainers' memory (`WeightSync.shares_cuda_memory`). A value the

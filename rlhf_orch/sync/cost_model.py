@@ -1,6 +1,6 @@
 """A cost model of one weight update: per-call latency plus per-byte pack, wire and load costs.
 
-Fitted by `scripts/bench_sync.py` to real engines on this machine, then used to project the sync
+Fitted by `scripts/bench/bench_sync.py` to real engines on this machine, then used to project the sync
 time of a published model on published hardware (the bench's projection and
 `scripts/reproduce.py`'s "projected" figures). Every projection states its assumptions: see
 docs/benchmarks.md, "Weight sync".
@@ -92,7 +92,7 @@ class CostModel:
 
 
 # The fit recorded in docs/benchmarks.md ("Weight sync", quiet machine, 2026-11-21,
-# `python scripts/bench_sync.py`): what projections use when no fresh fit is at hand.
+# `python scripts/bench/bench_sync.py`): what projections use when no fresh fit is at hand.
 RECORDED_FIT = CostModel(
     per_call_s={1: 0.0029, 2: 0.0049, 4: 0.0075},
     pack_gbps=3.7,

@@ -9,7 +9,7 @@ GPU the trainers still hold at their training peak (7B PPO colocated under pipel
 an 80 GB GPU where the plan says 84.7). So at the end of its experience and update calls a trainer
 that shares its GPU (`PlacementPlan.shares_gpu`: `TrainerSpec.free_cache_between_phases`) empties
 the cache. What that costs on a GPU (the call, and the next phase allocating again) is not measured
-yet: `scripts/bench_gpu.py --parts memory` measures it (docs/memory.md).
+yet: `scripts/bench/bench_gpu.py --parts memory` measures it (docs/memory.md).
 """
 
 from __future__ import annotations

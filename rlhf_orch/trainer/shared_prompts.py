@@ -120,7 +120,7 @@ class BranchLoopAttention:
     the least arithmetic -- the choice where each call's overhead is small next to its work (CPU)."""
 
     # Any shorter row pays on CPU: 2.0-2.7x per update at 60-70 % fewer tokens, 1.1x at 19 %
-    # (scripts/bench_shared_prompts.py on SmolLM2's shape, docs/benchmarks.md "GPU runs").
+    # (scripts/bench/bench_shared_prompts.py on SmolLM2's shape, docs/benchmarks.md "GPU runs").
     min_token_saving = 0.0
 
     def __init__(self, segments: tuple[Segment, ...]):

@@ -415,7 +415,7 @@ def test_a_cpu_engine_gets_the_kv_cache_its_plan_counts(overrides, sequences):
     assert (expected > 64 * 2**20) == bool(overrides)
 
 
-# The policy updates measured with torch's default caching allocator (scripts/bench_gpu.py's table:
+# The policy updates measured with torch's default caching allocator (scripts/bench/bench_gpu.py's table:
 # case, states, plan, train, plan, peak, plan, err, reserve above the peak, runtime, plan, s/step).
 DEFAULT_ALLOCATOR_RUNS = ("docs/gpu_runs/2026-11-27-h100/1_bench_gpu_default_allocator.log", "docs/gpu_runs/2026-11-28-h200/2_bench_gpu_memory.log")
 
@@ -426,7 +426,7 @@ def _measured_updates(log: str) -> dict[str, tuple[float, float, float]]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root / "scripts"))
+    sys.path.insert(0, str(root / "scripts" / "bench"))
     from bench_gpu import memory_cases
 
     rows = {}
@@ -451,7 +451,7 @@ def test_the_default_allocator_s_reserve_covers_every_update_measured_with_it():
 
     from rlhf_orch.memory.terms import DEFAULT_ALLOCATOR_RESERVE
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
     from bench_gpu import memory_cases
 
     cases = {case.label: case for case in memory_cases(quick=False)}

@@ -254,7 +254,7 @@ def test_objective():
 def test_compare_runs_script(sweep: Path, tmp_path: Path):
     runs = [str(d) for d in job_dirs(sweep)[:2]]
     out = tmp_path / "cmp"
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_runs.py"), *runs, "--out", str(out), "--no-plot"],
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "tools" / "compare_runs.py"), *runs, "--out", str(out), "--no-plot"],
                           capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.returncode == 0, done.stderr
     assert (out / "summary.csv").exists() and (out / "summary.md").exists()

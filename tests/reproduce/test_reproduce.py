@@ -20,7 +20,7 @@ from rlhf_orch.reproduce.reference import ReferenceError, load_reference
 from rlhf_orch.reproduce.report import NOT_MEASURED, OUTSIDE, WITHIN, compare, measured_value
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "tools"))
 import reproduce  # noqa: E402
 
 
@@ -59,6 +59,7 @@ def _references() -> dict:
 
 
 def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    # The command as docs name it: scripts/reproduce.py, the entry point that runs scripts/tools/reproduce.py.
     return subprocess.run([sys.executable, "scripts/reproduce.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 

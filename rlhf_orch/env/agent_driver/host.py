@@ -476,7 +476,7 @@ def _warm_up(ssl_context: Any) -> None:
     """One call through each kind of client to a stub server in this process, before any fork:
     what `openai` and `httpx` import and build at first use (resources, response models, transports,
     the event loop's machinery) is then done once here, not in every trajectory's process
-    (scripts/bench_agent.py: 39 ms per call over direct without this, 11 with). The stub's thread
+    (scripts/bench/bench_agent.py: 39 ms per call over direct without this, 11 with). The stub's thread
     ends before anything forks."""
     import asyncio
     import http.server

@@ -1,6 +1,6 @@
 """Summarise a run's metrics.jsonl: reward trajectory and the per-step time breakdown.
 
-    python scripts/summarize_run.py outputs/default/<timestamp>
+    python scripts/tools/summarize_run.py outputs/default/<timestamp>
 
 Prints a table (median seconds per phase, share of the step) and one JSON line.
 """

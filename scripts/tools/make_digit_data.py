@@ -1,6 +1,6 @@
 """Write the embedded digit task as veRL parquet and OpenRLHF jsonl files (to try `data=files`).
 
-    python scripts/make_digit_data.py data/digits
+    python scripts/tools/make_digit_data.py data/digits
     python run.py data=files data.train_files=[data/digits/verl/train.parquet] \
         data.val_files=[data/digits/verl/test.parquet] eval.every_n_steps=5
 """

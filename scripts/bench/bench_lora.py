@@ -8,9 +8,9 @@ actor's, from `scripts/bench_memory.py`'s poller). Per run: median `sync/bytes_p
 `time/step` and its phases over the steps after the first, the policy's peak RSS, and the reward curve
 (and the held-out score where the recipe evaluates). Ratios are taken within this script's runs.
 
-    .venv/bin/python scripts/bench_lora.py                       # tiny model, the default task (100 steps each, ~4 min)
-    .venv/bin/python scripts/bench_lora.py --model smollm2_135m  # SmolLM2 on experiment=smollm2_arith (~35 min)
-    .venv/bin/python scripts/bench_lora.py --model smollm2_135m --steps 3 --variants full,adapter   # sync/step figures only
+    .venv/bin/python scripts/bench/bench_lora.py                       # tiny model, the default task (100 steps each, ~4 min)
+    .venv/bin/python scripts/bench/bench_lora.py --model smollm2_135m  # SmolLM2 on experiment=smollm2_arith (~35 min)
+    .venv/bin/python scripts/bench/bench_lora.py --model smollm2_135m --steps 3 --variants full,adapter   # sync/step figures only
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 from bench_memory import run_polled  # noqa: E402
 from rlhf_orch.logging.base import read_metrics  # noqa: E402

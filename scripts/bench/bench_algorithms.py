@@ -1,7 +1,7 @@
 """Every `algo` option on the default task, the same seed and steps: learning and step time side by side.
 
-    python scripts/bench_algorithms.py                     # 100 steps each (~10-15 min on 2 cores)
-    python scripts/bench_algorithms.py --steps 30 --algos ppo grpo
+    python scripts/bench/bench_algorithms.py                     # 100 steps each (~10-15 min on 2 cores)
+    python scripts/bench/bench_algorithms.py --steps 30 --algos ppo grpo
 
 Runs `python run.py algo=<name> algo.num_steps=<steps>` one after another (one heavy job at a time),
 reads each run's metrics.jsonl and prints a table, then one JSON line with, per algorithm, the mean
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from rlhf_orch.logging.base import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT = ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo"]
 
 

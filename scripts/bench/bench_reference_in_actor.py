@@ -2,8 +2,8 @@
 (the default where the plan allows it) against a reference process of its own (the baseline:
 `placement.reference_in_actor=false`), each run on new actors in one Ray session, alternating.
 
-    python scripts/bench_reference_in_actor.py                      # experiment=quick (PPO), 3 runs each
-    python scripts/bench_reference_in_actor.py --overrides algo=grpo algo.num_steps=5
+    python scripts/bench/bench_reference_in_actor.py                      # experiment=quick (PPO), 3 runs each
+    python scripts/bench/bench_reference_in_actor.py --overrides algo=grpo algo.num_steps=5
 
 Per run: start-up (from `run_training` to the end of the first step), wall seconds to the summary,
 the machine's busy CPU-seconds over the run (/proc/stat: every process, the actors' included), the
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hydra.utils import instantiate  # noqa: E402
 
@@ -31,7 +31,7 @@ from launchers.local import LocalRayLauncher  # noqa: E402
 from rlhf_orch.app import check  # noqa: E402
 from rlhf_orch.logging.base import read_metrics  # noqa: E402
 from rlhf_orch.orchestration.session import run_training  # noqa: E402
-from scripts.bench_warm_actors import busy_cpu_seconds  # noqa: E402
+from scripts.bench.bench_warm_actors import busy_cpu_seconds  # noqa: E402
 from tests.conftest import compose_config  # noqa: E402
 from tests.e2e.test_resume import _comparable  # noqa: E402
 

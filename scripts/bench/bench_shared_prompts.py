@@ -9,7 +9,7 @@ the weights (CUDA: torch's allocator; CPU: not measured), the row's tokens, and 
 log-prob difference between the two (what sharing must keep at the dtype's rounding). Random
 weights of a committed model's shape (`rlhf_orch.memory.shapes.KNOWN_CONFIGS`); no DeepSpeed, no Ray.
 
-Usage: python scripts/bench_shared_prompts.py [--device cuda|cpu] [--model KEY] [--dtype bfloat16]
+Usage: python scripts/bench/bench_shared_prompts.py [--device cuda|cpu] [--model KEY] [--dtype bfloat16]
        [--cases PROMPTSxGROUPxPROMPT_LENxRESPONSE_LEN,...]   (prints a table and one JSON line)
 """
 
@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
 

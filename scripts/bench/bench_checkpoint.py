@@ -1,8 +1,8 @@
 """What a checkpoint costs: size on disk, save and restore time, and the Hugging Face export, for the
 tiny model and a Qwen2.5-0.5B-shaped model; and what replacing a dead vLLM engine costs a step.
 
-    python scripts/bench_checkpoint.py                 # tiny + 0.5B shape + engine restart
-    python scripts/bench_checkpoint.py --models tiny --no-engine-restart
+    python scripts/bench/bench_checkpoint.py                 # tiny + 0.5B shape + engine restart
+    python scripts/bench/bench_checkpoint.py --models tiny --no-engine-restart
 
 The checkpoint path is the run's own: `PolicyWorker.save_checkpoint` / `load_checkpoint` /
 `export_hf` (DeepSpeed ZeRO-2, fp32 AdamW after one optimizer step, so the optimizer state exists),
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rlhf_orch.orchestration.checkpoint import dir_size_bytes  # noqa: E402
 from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec  # noqa: E402

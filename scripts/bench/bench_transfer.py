@@ -17,8 +17,8 @@ For each strategy, in the same run:
 and the limit: one memcpy of the packed bytes in one process. Then a size sweep (64x8 ... 512x16).
 Prints a table and a final JSON line.
 
-    .venv/bin/python scripts/bench_transfer.py                       # the seed scenario + sweep
-    .venv/bin/python scripts/bench_transfer.py --sweep none --strategies packed,padded
+    .venv/bin/python scripts/bench/bench_transfer.py                       # the seed scenario + sweep
+    .venv/bin/python scripts/bench/bench_transfer.py --sweep none --strategies packed,padded
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import psutil  # noqa: E402
 import ray  # noqa: E402

@@ -1,8 +1,8 @@
 """What `launcher.keep_actors=true` saves: runs one after another in one process and one Ray session,
 each on new actors (the baseline: `keep_actors=false`) and on the actors the run before kept.
 
-    python scripts/bench_warm_actors.py                  # experiment=quick (PPO: 4 processes), 3 runs each
-    python scripts/bench_warm_actors.py --runs 4 --overrides algo=grpo algo.kl_placement=off
+    python scripts/bench/bench_warm_actors.py                  # experiment=quick (PPO: 4 processes), 3 runs each
+    python scripts/bench/bench_warm_actors.py --runs 4 --overrides algo=grpo algo.kl_placement=off
 
 Per run: wall seconds from `run_training` to its summary, and the machine's busy CPU-seconds over
 that time (/proc/stat: every process, the actors' included -- what a run costs the machine, which
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hydra.utils import instantiate  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Compare runs made separately: summary.csv, summary.md and summary.png, as a sweep gets them.
 
-    python scripts/compare_runs.py outputs/quick/2026-11-22_07-10-00 outputs/quick/2026-11-22_07-20-00
-    python scripts/compare_runs.py outputs/default/* --out outputs/compare/lr
-    python scripts/compare_runs.py multirun/quick/2026-11-22_07-00-00      # a sweep dir: all its jobs
+    python scripts/tools/compare_runs.py outputs/quick/2026-11-22_07-10-00 outputs/quick/2026-11-22_07-20-00
+    python scripts/tools/compare_runs.py outputs/default/* --out outputs/compare/lr
+    python scripts/tools/compare_runs.py multirun/quick/2026-11-22_07-00-00      # a sweep dir: all its jobs
 
 A sweep dir given alone is summarised in place (again: e.g. after the sweep was stopped before
 Hydra's `on_multirun_end`); a sweep dir among other dirs adds all of its jobs. Without --out the
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rlhf_orch.reporting.sweep_summary import (  # noqa: E402
     is_sweep_dir,

@@ -17,7 +17,7 @@ Parts (each case in a fresh process, so every peak belongs to one process):
           own weights, as `rlhf_load_bucket` does. Limit measured in the same run: one device-to-device
           copy of the same bytes. Every tensor's checksum is compared after the sync.
 
-Usage: python scripts/bench_gpu.py [--parts memory,ipc] [--quick]   (prints tables and one JSON line)
+Usage: python scripts/bench/bench_gpu.py [--parts memory,ipc] [--quick]   (prints tables and one JSON line)
        python scripts/bench_memory.py --gpu                        (the memory part alone)
 """
 
@@ -34,7 +34,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from rlhf_orch.memory.shapes import KNOWN_CONFIGS, ModelShape  # noqa: E402
 from rlhf_orch.memory.terms import ALWAYS, TRAIN, Workload, trainer_terms  # noqa: E402

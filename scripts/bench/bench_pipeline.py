@@ -29,8 +29,8 @@ experience + train + hand-over + sync.
 On this machine (2 cores) the engine, the trainers and the driver share the cores: Ray reserves
 logical CPUs but pins nothing, so what overlaps is what the measured times say, not the ideal.
 
-    .venv/bin/python scripts/bench_pipeline.py                          # long_tail, 20 steps
-    .venv/bin/python scripts/bench_pipeline.py --settings long_tail,multi_turn --seeds 1,2
+    .venv/bin/python scripts/bench/bench_pipeline.py                          # long_tail, 20 steps
+    .venv/bin/python scripts/bench/bench_pipeline.py --settings long_tail,multi_turn --seeds 1,2
 
 Prints a table and a final JSON line: `speedup_async_vs_sync` and `speedup_async_vs_one_step_off`
 (long_tail, async_4; goals >= 2.0 and >= 1.3), `speedup_one_step_off_vs_sync` (kept from
@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from rlhf_orch.logging.base import read_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SETTINGS = {
     "long_tail": [
         "transfer=packed", "algo=reinforce_pp", "algo.kl_coef=0", "algo.rollout_batch_size=64", "algo.samples_per_prompt=1",

@@ -16,8 +16,8 @@ more). Per mode: rollout wall time, model calls and calls/s, tokens generated, a
 per call against `direct` ((wall - direct wall) / calls) and as a share of the agent's rollout.
 The rollout is the step on this workload (generation is 95 % of a tool_use_agent step).
 
-    .venv/bin/python scripts/bench_agent.py                  # 64 prompts x 4, 3 rounds
-    .venv/bin/python scripts/bench_agent.py --prompts 16 --rounds 1
+    .venv/bin/python scripts/bench/bench_agent.py                  # 64 prompts x 4, 3 rounds
+    .venv/bin/python scripts/bench/bench_agent.py --prompts 16 --rounds 1
 
 Prints a table and a final JSON line (`calls_per_s_agent`, `calls_per_s_direct`,
 `overhead_ms_per_call`, `endpoint_share_of_rollout`, each for the best concurrency, and
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
