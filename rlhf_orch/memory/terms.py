@@ -83,7 +83,7 @@ GPU_ENGINE_GRAPHS_BYTES = int(0.5 * GiB)  # vLLM's CUDA graphs when engine.enfor
 # One NCCL communicator's buffers on a GPU: NCCL_BUFFSIZE (4 MiB) for each of its protocols' send and
 # receive buffers, over up to 32 channels on NVLink (stated from NCCL's defaults; not measured here).
 NCCL_COMMUNICATOR_BYTES = int(0.5 * GiB)
-# A trainer keeping torch's default caching allocator (scripts/bench/bench_gpu.py, docs/gpu_runs/) reserved
+# A trainer keeping torch's default caching allocator (scripts/bench/bench_gpu.py, docs/measurements/gpu_runs/) reserved
 # above its measured peak 13-31 % of it on an H100 (2026-11-27) and 18-46 % on an H200 (2026-11-28).
 # The term is a fraction of the *planned* peak, which over-counts the tensors (gradients planned as
 # always resident), so what it must cover is the process's GPU memory less the planned runtime, over

@@ -82,7 +82,7 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }
 # Our fastest configuration per model and setting on this machine (2 cores), from `--search`
-# (docs/benchmarks.md has the search's figures); `identical` is always pipeline=sync.
+# (docs/measurements/benchmarks.md has the search's figures); `identical` is always pipeline=sync.
 OURS_BEST: dict[str, dict[str, list[str]]] = {
     "tiny": {"default": ["pipeline=async", "trainer.torch_threads=1", "algo.tis_cap=2.0"],
              "generation_heavy": ["pipeline=one_step_off", "trainer.torch_threads=1", "algo.tis_cap=2.0"]},

@@ -222,7 +222,7 @@ def test_a_reference_inside_the_policy_process_adds_its_model_but_no_runtime():
 
 def test_a_gpu_s_size_is_read_as_it_is_sold():
     """placement.gpu_memory_gb=80 is an "80GB" A100 / H100, which reports 85,017,493,504 bytes
-    (torch's total_memory on the lent H100, docs/gpu_runs/2026-11-27-h100), not 80e9: the plan's
+    (torch's total_memory on the lent H100, docs/measurements/gpu_runs/2026-11-27-h100), not 80e9: the plan's
     capacity is at most that and within 0.1 % of it (it was 6 % short); 40 (an A100 40GB, which
     reports 42,505,273,344) likewise."""
     from rlhf_orch.memory.plan import gpu_memory
@@ -417,7 +417,7 @@ def test_a_cpu_engine_gets_the_kv_cache_its_plan_counts(overrides, sequences):
 
 # The policy updates measured with torch's default caching allocator (scripts/bench/bench_gpu.py's table:
 # case, states, plan, train, plan, peak, plan, err, reserve above the peak, runtime, plan, s/step).
-DEFAULT_ALLOCATOR_RUNS = ("docs/gpu_runs/2026-11-27-h100/1_bench_gpu_default_allocator.log", "docs/gpu_runs/2026-11-28-h200/2_bench_gpu_memory.log")
+DEFAULT_ALLOCATOR_RUNS = ("docs/measurements/gpu_runs/2026-11-27-h100/1_bench_gpu_default_allocator.log", "docs/measurements/gpu_runs/2026-11-28-h200/2_bench_gpu_memory.log")
 
 
 def _measured_updates(log: str) -> dict[str, tuple[float, float, float]]:
