@@ -222,7 +222,7 @@ def _job_problem(overrides: tuple[str, ...], gpu_machine: bool, only_compose: bo
             except ConfigError as e:
                 if any(p.key not in MACHINE_KEYS for p in e.problems):
                     raise
-    except Exception as e:  # noqa: BLE001 - the caller reports it
+    except Exception as e:  # the caller reports it
         error = e
     _checked[key] = error
     return error
@@ -232,7 +232,7 @@ def problem(cmd: Command) -> str | None:
     """None when the command does what the docs say (composes, or is refused with its message)."""
     try:
         compose_and_check(cmd.args, gpu_machine=not cmd.error)  # a refusal shown is one on this machine
-    except Exception as e:  # noqa: BLE001 - any refusal is the finding
+    except Exception as e:  # any refusal is the finding
         from rlhf_orch.config.hydra_errors import one_line
 
         message = " ".join(f"{type(e).__name__}: {e}".split())

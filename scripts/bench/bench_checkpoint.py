@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rlhf_orch.orchestration.checkpoint import dir_size_bytes  # noqa: E402
-from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec  # noqa: E402
+from rlhf_orch.orchestration.checkpoint import dir_size_bytes
+from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec
 from rlhf_orch.logging.base import read_metrics
 
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from rlhf_orch.memory.shapes import KNOWN_CONFIGS, ModelShape  # noqa: E402
-from rlhf_orch.memory.terms import ALWAYS, TRAIN, Workload, trainer_terms  # noqa: E402
+from rlhf_orch.memory.shapes import KNOWN_CONFIGS, ModelShape
+from rlhf_orch.memory.terms import ALWAYS, TRAIN, Workload, trainer_terms
 
 GB = 1e9
 RUNTIME = "runtime"
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if "ipc" in parts:  # first: the shortest part
         try:
             report.update(ipc_part(args.quick))
-        except Exception as e:  # noqa: BLE001 -- a part that fails is reported; the next one still runs
+        except Exception as e:  # a part that fails is reported; the next one still runs
             traceback.print_exc()
             report["ipc_error"] = f"{type(e).__name__}: {e}"
     if "memory" in parts:

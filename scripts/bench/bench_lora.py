@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
-from bench_memory import run_polled  # noqa: E402
-from rlhf_orch.logging.base import read_metrics  # noqa: E402
+from bench_memory import run_polled
+from rlhf_orch.logging.base import read_metrics
 
 # Per model: the recipe each variant runs, and the LoRA learning rate (adapters need a larger step than
 # full fine-tuning; the tiny model's default actor_lr serves both).

@@ -35,15 +35,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+import psutil
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
-from rlhf_orch.config.schema import register_configs  # noqa: E402
-from rlhf_orch.memory.check import check_memory  # noqa: E402
-from rlhf_orch.memory.shapes import KNOWN_CONFIGS  # noqa: E402
-from rlhf_orch.memory.terms import ProcessMemory  # noqa: E402
+from rlhf_orch.config.schema import register_configs
+from rlhf_orch.memory.check import check_memory
+from rlhf_orch.memory.shapes import KNOWN_CONFIGS
+from rlhf_orch.memory.terms import ProcessMemory
 
 GB = 1e9
 QWEN05B = "Qwen/Qwen2.5-0.5B-Instruct"

@@ -55,7 +55,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from rlhf_orch.logging.base import read_metrics  # noqa: E402
+from rlhf_orch.logging.base import read_metrics
 
 _HELD_OUT = ["eval.before_train=true", "eval.temperature=1.0"]
 # Per model: its base overrides, the JSON keys' infix, and per setting the steps and the held-out

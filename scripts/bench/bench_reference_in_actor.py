@@ -25,15 +25,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hydra.utils import instantiate  # noqa: E402
+from hydra.utils import instantiate
 
-from launchers.local import LocalRayLauncher  # noqa: E402
-from rlhf_orch.app import check  # noqa: E402
-from rlhf_orch.logging.base import read_metrics  # noqa: E402
-from rlhf_orch.orchestration.session import run_training  # noqa: E402
-from scripts.bench.bench_warm_actors import busy_cpu_seconds  # noqa: E402
-from tests.conftest import compose_config  # noqa: E402
-from tests.e2e.test_resume import _comparable  # noqa: E402
+from launchers.local import LocalRayLauncher
+from rlhf_orch.app import check
+from rlhf_orch.logging.base import read_metrics
+from rlhf_orch.orchestration.session import run_training
+from scripts.bench.bench_warm_actors import busy_cpu_seconds
+from tests.conftest import compose_config
+from tests.e2e.test_resume import _comparable
 
 MODES = {"own process (baseline)": "false", "inside the actor": "null"}
 

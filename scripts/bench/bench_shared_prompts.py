@@ -25,13 +25,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-import torch  # noqa: E402
+import torch
 
-from rlhf_orch.memory.shapes import KNOWN_CONFIGS  # noqa: E402
-from rlhf_orch.trainer.forward import packed_attention_impl, sequence_logprobs  # noqa: E402
-from rlhf_orch.trainer import shared_prompts  # noqa: E402
-from rlhf_orch.trainer.shared_prompts import BatchedBlockAttention, BranchLoopAttention, shared_prompt_layout  # noqa: E402
-from rlhf_orch.transfer.batch import PackedBatch, Sample  # noqa: E402
+from rlhf_orch.memory.shapes import KNOWN_CONFIGS
+from rlhf_orch.trainer.forward import packed_attention_impl, sequence_logprobs
+from rlhf_orch.trainer import shared_prompts
+from rlhf_orch.trainer.shared_prompts import BatchedBlockAttention, BranchLoopAttention, shared_prompt_layout
+from rlhf_orch.transfer.batch import PackedBatch, Sample
 
 MODES = {"loop": BranchLoopAttention, "batched": BatchedBlockAttention}
 GPU_CASES = "4x8x512x256,2x16x1024x512,8x4x256x1024,16x2x128x128"
@@ -161,7 +161,10 @@ def main() -> None:
             diff = (plain["logprobs"][scored].float() - shared["logprobs"][scored].float()).abs().max().item()
             row["max_abs_logprob_diff"] = max(row["max_abs_logprob_diff"], diff)
         rows.append(row)
-        gb = (lambda v, w: f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}")
+
+        def gb(v, w):
+            return f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"
+
         print(f"{row['case']:<44}{row['tokens']:>8}{row['shared_tokens']:>8}{row['plain_step_s']:>9.3f}{row['loop_step_s']:>9.3f}"
               f"{row['batched_step_s']:>10.3f}{row['speedup_loop']:>8.2f}{row['speedup_batched']:>10.2f}{row['default']:>9}"
               f"{gb(row['plain_peak_gb'], 10)}{gb(row['loop_peak_gb'], 9)}{gb(row['batched_peak_gb'], 11)}"

@@ -32,19 +32,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-import ray  # noqa: E402
-import torch  # noqa: E402
+import ray
+import torch
 
-from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor  # noqa: E402
-from rlhf_orch.liveness import actor_class  # noqa: E402
-from rlhf_orch.sync.base import WeightSyncError  # noqa: E402
-from rlhf_orch.sync.cost_model import LINKS_GBPS, LLAMA3_8B, CostModel  # noqa: E402
-from rlhf_orch.sync.bucketed import BucketedBroadcastSync  # noqa: E402
-from rlhf_orch.sync.multi_sender import MultiSenderBroadcastSync  # noqa: E402
-from rlhf_orch.sync.object_store import ObjectStoreSync  # noqa: E402
-from rlhf_orch.sync.per_tensor import PerTensorBroadcastSync  # noqa: E402
-from rlhf_orch.trainer.weight_source import ModuleWeightSource  # noqa: E402
-from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec  # noqa: E402
+from rlhf_orch.engines.vllm_engine import EngineSpec, VLLMEngineActor
+from rlhf_orch.liveness import actor_class
+from rlhf_orch.sync.base import WeightSyncError
+from rlhf_orch.sync.cost_model import LINKS_GBPS, LLAMA3_8B, CostModel
+from rlhf_orch.sync.bucketed import BucketedBroadcastSync
+from rlhf_orch.sync.multi_sender import MultiSenderBroadcastSync
+from rlhf_orch.sync.object_store import ObjectStoreSync
+from rlhf_orch.sync.per_tensor import PerTensorBroadcastSync
+from rlhf_orch.trainer.weight_source import ModuleWeightSource
+from rlhf_orch.trainer.workers import PolicyWorker, TrainerSpec
 
 ENV = {
     "env_vars": {

@@ -35,15 +35,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import psutil  # noqa: E402
-import ray  # noqa: E402
-import torch  # noqa: E402
+import psutil
+import ray
+import torch
 
-from rlhf_orch.transfer.base import RolloutRequest, RolloutTransfer, Route  # noqa: E402
-from rlhf_orch.transfer.micro_batched import MicroBatchedTransfer  # noqa: E402
-from rlhf_orch.transfer.packed import PackedTransfer  # noqa: E402
-from rlhf_orch.transfer.padded import PaddedTransfer  # noqa: E402
-from rlhf_orch.transfer.synthetic import LengthModel, SyntheticEngine, TrainerSink, synthetic_prompts, zero_reward  # noqa: E402
+from rlhf_orch.transfer.base import RolloutRequest, RolloutTransfer, Route
+from rlhf_orch.transfer.micro_batched import MicroBatchedTransfer
+from rlhf_orch.transfer.packed import PackedTransfer
+from rlhf_orch.transfer.padded import PaddedTransfer
+from rlhf_orch.transfer.synthetic import LengthModel, SyntheticEngine, TrainerSink, synthetic_prompts, zero_reward
 
 MiB = 2**20
 
@@ -83,7 +83,7 @@ class StoreMonitor:
             try:
                 plasma, _ = self.stats()
                 self.store_peak = max(self.store_peak, plasma)
-            except Exception:  # noqa: BLE001 - a missed sample is not a result
+            except Exception:  # a missed sample is not a result
                 pass
             self.rss_peak = max(self.rss_peak, self._proc.memory_info().rss)
             self._stop.wait(self.interval_s)

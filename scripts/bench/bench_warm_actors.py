@@ -23,14 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hydra.utils import instantiate  # noqa: E402
+from hydra.utils import instantiate
 
-from launchers.local import LocalRayLauncher  # noqa: E402
-from rlhf_orch.app import check  # noqa: E402
-from rlhf_orch.orchestration import warm_actors  # noqa: E402
-from rlhf_orch.orchestration.session import run_training  # noqa: E402
-from tests.conftest import compose_config  # noqa: E402
-from tests.e2e.test_resume import _comparable  # noqa: E402
+from launchers.local import LocalRayLauncher
+from rlhf_orch.app import check
+from rlhf_orch.orchestration import warm_actors
+from rlhf_orch.orchestration.session import run_training
+from tests.conftest import compose_config
+from tests.e2e.test_resume import _comparable
 from rlhf_orch.logging.base import read_metrics
 
 

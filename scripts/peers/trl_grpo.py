@@ -177,11 +177,11 @@ def main(spec_path: str) -> None:
                 return
             self.printed = state.global_step
             step_logs, self.logs = self.logs, []  # the generation's log (one per rollout step)
-            mean_len = sum(l.get("completions/mean_length", 0.0) for l in step_logs) / max(len(step_logs), 1)
+            mean_len = sum(log.get("completions/mean_length", 0.0) for log in step_logs) / max(len(step_logs), 1)
             line = {
                 "step": state.global_step // optimizer_steps_per_rollout,
                 "t": time.perf_counter() - T_PROCESS,
-                "reward": sum(l["reward"] for l in step_logs) / max(len(step_logs), 1),
+                "reward": sum(log["reward"] for log in step_logs) / max(len(step_logs), 1),
                 "gen_s": TimedGRPOTrainer.gen_s,
                 "gen_tokens": TimedGRPOTrainer.gen_tokens,
                 "response_len": mean_len,

@@ -60,7 +60,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from rlhf_orch.logging.base import read_metrics  # noqa: E402
+from rlhf_orch.logging.base import read_metrics
 
 KINDS = ("generation", "sync", "evaluation", "trainer", "update")
 # Wall-clock figures differ between any two runs; the fault counters differ by design.
@@ -208,7 +208,7 @@ class OutsideKiller:
             self._dead.append(actor)
             try:
                 ray.kill(actor)
-            except Exception:  # noqa: BLE001 - an attempt ending just now: the next kill goes on
+            except Exception:  # an attempt ending just now: the next kill goes on
                 pass
             self.fired.append((round(time.perf_counter() - self._t0, 1), role, index))
 

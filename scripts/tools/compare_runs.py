@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rlhf_orch.reporting.sweep_summary import (  # noqa: E402
+from rlhf_orch.reporting.sweep_summary import (
     is_sweep_dir,
     read_run,
     sweep_info,

@@ -29,11 +29,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
-from rlhf_orch.config.schema import register_configs  # noqa: E402
-from rlhf_orch.reproduce.reference import Reference, ReferenceError, load_reference  # noqa: E402
+from rlhf_orch.config.schema import register_configs
+from rlhf_orch.reproduce.reference import Reference, ReferenceError, load_reference
 
 CONF = REPO / "conf"
 EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3

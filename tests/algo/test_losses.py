@@ -59,9 +59,9 @@ def _packed(loss: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch
     """The rows of `RAGGED_*` as one flat packed row: each row's real positions plus one padding
     position per row (a packed sequence's prompt), with the sequence id of every position."""
     losses, masks, ids = [], [], []
-    for row, (l, m) in enumerate(zip(loss, mask)):
+    for row, (row_loss, m) in enumerate(zip(loss, mask)):
         keep = m.bool()
-        losses += [l[keep], t([NAN])]
+        losses += [row_loss[keep], t([NAN])]
         masks += [m[keep], t([0])]
         ids.append(torch.full((int(keep.sum()) + 1,), row))
     return torch.cat(losses), torch.cat(masks), torch.cat(ids)

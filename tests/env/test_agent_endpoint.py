@@ -201,7 +201,7 @@ def test_agents_reach_the_endpoint_past_a_proxy_set_in_the_environment(server, t
         def reached(call):
             try:
                 return call()
-            except Exception as e:  # noqa: BLE001 - reported to the test
+            except Exception as e:  # reported to the test
                 return f"{type(e).__name__}: {e}"
 
         request = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}

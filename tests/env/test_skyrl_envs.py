@@ -63,7 +63,7 @@ class _Retriever(BaseHTTPRequestHandler):
 
     seen: list = []
 
-    def do_POST(self):  # noqa: N802 - http.server's name
+    def do_POST(self):  # http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _Retriever.seen.append(body)
         docs = [[{"document": {"contents": f'"Paris"\nParis is the capital of France. ({body["query"]})'}, "score": 1.0}]]

@@ -38,7 +38,7 @@ def test_a_replacement_starting_when_the_actors_are_killed_is_killed_too(monkeyp
     def replace() -> None:
         try:
             actors.restart_engine(0)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             outcome.append(e)
 
     thread = threading.Thread(target=replace)
