@@ -121,7 +121,7 @@ def gpu_memory(typed: RootConfig) -> tuple[int, str]:
 
         if torch.cuda.is_available():
             return int(torch.cuda.get_device_properties(0).total_memory), f"{torch.cuda.get_device_name(0)}"
-    except Exception:  # noqa: BLE001 - no usable CUDA: fall back to the assumption, said in the table
+    except Exception:  # no usable CUDA: fall back to the assumption, said in the table
         pass
     return int(ASSUMED_GPU_GB * GPU_SIZE_UNIT), f"assumed an {ASSUMED_GPU_GB:g}GB GPU (set placement.gpu_memory_gb)"
 

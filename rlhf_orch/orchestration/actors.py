@@ -107,7 +107,7 @@ class RoleActors:
                 raise RunEnding(f"the run's actors were removed: engine {e} is not replaced")
             try:
                 ray.kill(self.engines[e])
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:  # already gone
                 pass
             engine = self.start_engine(e)
             self._started[e] = engine
@@ -141,7 +141,7 @@ class RoleActors:
         """Stop what the engines serve to agents (env=agent): nothing listens once the run has ended."""
         try:
             ray.get([e.close_chat_endpoint.remote() for e in self.engines], timeout=10)
-        except Exception:  # noqa: BLE001 - a dead or hung engine: its process goes with ray.kill
+        except Exception:  # a dead or hung engine: its process goes with ray.kill
             pass
 
     def kill(self) -> None:
@@ -152,7 +152,7 @@ class RoleActors:
         for actor in actors:
             try:
                 ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone is fine when tearing down
+            except Exception:  # already gone is fine when tearing down
                 pass
 
 
@@ -311,7 +311,7 @@ def start_role_actors(
             actors.engines.extend(warm.engines)
             for _, _, _, name in roles:
                 getattr(actors, name).extend(getattr(warm, name))
-        except Exception as e:  # noqa: BLE001 - e.g. an engine with requests left in flight: start new ones
+        except Exception as e:  # e.g. an engine with requests left in flight: start new ones
             print(f"actors: the kept actors could not be reset ({type(e).__name__}): starting new ones", flush=True)
             warm.kill()
             warm = None

@@ -237,7 +237,7 @@ class _Worker(ExperienceInbox):
 
             try:
                 mbs, failure = self._micro_batches(shard), None
-            except Exception as e:  # noqa: BLE001 - told to every rank below, then raised here
+            except Exception as e:  # told to every rank below, then raised here
                 mbs, failure = [], e
             counts = [None] * self.world_size
             with self.work_done.collective():
