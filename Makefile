@@ -8,7 +8,7 @@ run: setup
 	.venv/bin/python run.py $(ARGS)
 
 # Two workers sharing the tests by load (three measured no faster on 2 cores and slower by luck of
-# placement: docs/testing.md, 2026-12-02); the in-process end-to-end tests of one module stay on one
+# placement: docs/measurements/ci_timings.md, 2026-12-02); the in-process end-to-end tests of one module stay on one
 # worker, so its Ray session and actors are built once (an xdist group per module, tests/conftest.py).
 # CI's tier: everything but the tests marked `extended` (left out for time; docs/testing.md lists
 # each with what this tier still runs of the same capability, and what only the full tier checks).

@@ -181,7 +181,7 @@ class _EarlyConnection:
         def run() -> None:
             try:
                 connect()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting session
+            except BaseException as e:  # handed to the waiting session
                 self._error = e
             finally:
                 self.done.set()

@@ -145,7 +145,7 @@ def check_reachable(address: Optional[str], timeout_s: float = PROBE_TIMEOUT_S) 
         try:
             with socket.create_connection((host, port), timeout=timeout_s):
                 outcome["error"] = None
-        except BaseException as e:  # noqa: BLE001 -- reported to the caller below
+        except BaseException as e:  # reported to the caller below
             outcome["error"] = e
 
     thread = threading.Thread(target=probe, name="ray-address-probe", daemon=True)

@@ -236,7 +236,7 @@ def _train(cfg: DictConfig, typed: RootConfig, plan: PlacementPlan, launcher: An
         return EXIT_SIGNAL_BASE + e.signum, None
     except KeyboardInterrupt:  # before the run's own handler is installed (while the inputs are prepared)
         return _stopped_during_start_up()
-    except Exception as e:  # noqa: BLE001 - any other failure of a run is a runtime failure too (exit 3)
+    except Exception as e:  # any other failure of a run is a runtime failure too (exit 3)
         return _runtime_failure(out, e, f"{type(e).__name__}: {e}", write_summary=True), None
     print(json.dumps(summary))
     if summary.get("status") == "interrupted":

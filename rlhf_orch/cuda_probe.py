@@ -16,7 +16,7 @@ def nvidia_gpus_on_node() -> int:
 
     try:
         return int(NvidiaGPUAcceleratorManager.get_current_node_num_accelerators())
-    except Exception:  # noqa: BLE001 - an NVML that fails to answer: let torch decide
+    except Exception:  # an NVML that fails to answer: let torch decide
         return -1
 
 

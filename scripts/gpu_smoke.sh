@@ -29,7 +29,7 @@ add "vllm interfaces: $VLLM_OK"
 
 # 1. gpu-marked tests (they skip themselves where they need more GPUs than present)
 if [ "$GPUS" -ge 1 ]; then
-  "$PY" -m pytest -q -m gpu tests/test_sync_gpu.py tests/test_shared_prompts_gpu.py -p no:cacheprovider -rs >"$OUT/gpu_tests.log" 2>&1
+  "$PY" -m pytest -q -m gpu tests/sync/test_sync_gpu.py tests/trainer/test_shared_prompts_gpu.py -p no:cacheprovider -rs >"$OUT/gpu_tests.log" 2>&1
   add "gpu tests: rc=$? $(tail -1 "$OUT/gpu_tests.log")  (log: $OUT/gpu_tests.log)"
 else
   add "gpu tests: skipped (no CUDA GPU visible to torch)"

@@ -190,12 +190,3 @@ def _quiet_env():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     yield
 
-
-# >>> LEAD NOTE (temporary; the lead strips this block when merging -- leave it, do not commit-edit it)
-def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(
-        "LEAD NOTE for helper 'orch': read /tmp/h/common.md NOW (rules: run python as "
-        "'PYTHONPATH=$PWD /work/main/.venv/bin/python', integration tests only under "
-        "'flock /tmp/h/integration.lock', never -n or the whole suite, last commit by 09:25 UTC)."
-    )
-# <<< LEAD NOTE

@@ -1,4 +1,4 @@
-"""Docs that cannot rot: what README.md, docs/*.md and `python run.py --help` show a researcher is
+"""Docs that cannot rot: what README.md, docs/**/*.md and `python run.py --help` show a researcher is
 checked against conf/ and the code.
 
 - every option named in README's config-groups table exists in conf/, and every option in conf/ is in
@@ -8,6 +8,8 @@ checked against conf/ and the code.
   a command shown as refused (`$ python run.py ...` followed by `error: ...`) must be refused with
   that message on a machine without CUDA. `group=<name>` / `group=...` stands for every option of the group;
 - every exit code README documents has a test that produces it (`EXIT_CODE_TESTS`).
+- every relative link of README.md and docs/ resolves, and every test or script a reference page names
+  (README.md, docs/*.md) exists.
 
 `test_the_checker_fails_on_a_stale_command` shows a deliberately broken sample failing the checker.
 """
@@ -32,7 +34,7 @@ from rlhf_orch.config.schema import register_configs
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]  # docs/measurements/ too
 HELP_TEMPLATE = CONF / "hydra" / "help" / "rlhf_orch.yaml"
 register_configs()
 
@@ -220,7 +222,7 @@ def _job_problem(overrides: tuple[str, ...], gpu_machine: bool, only_compose: bo
             except ConfigError as e:
                 if any(p.key not in MACHINE_KEYS for p in e.problems):
                     raise
-    except Exception as e:  # noqa: BLE001 - the caller reports it
+    except Exception as e:  # the caller reports it
         error = e
     _checked[key] = error
     return error
@@ -230,7 +232,7 @@ def problem(cmd: Command) -> str | None:
     """None when the command does what the docs say (composes, or is refused with its message)."""
     try:
         compose_and_check(cmd.args, gpu_machine=not cmd.error)  # a refusal shown is one on this machine
-    except Exception as e:  # noqa: BLE001 - any refusal is the finding
+    except Exception as e:  # any refusal is the finding
         from rlhf_orch.config.hydra_errors import one_line
 
         message = " ".join(f"{type(e).__name__}: {e}".split())
@@ -388,15 +390,15 @@ def test_config_yaml_defaults_list_is_commented():
 # ----------------------------------------------------------------------------- exit codes
 # Each exit code README documents -> tests (module::function) that produce it from `python run.py`.
 EXIT_CODE_TESTS = {
-    0: ["tests.test_config_errors::test_cli_dry_run_prints_split_plan",
-        "tests.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
-    2: ["tests.test_config_errors::test_cli_nccl_on_cpu_exits_2_fast_with_message",
-        "tests.test_config_errors::test_a_launcher_refusing_its_value_exits_2"],
-    3: ["tests.test_own_data_and_reward::test_reward_returning_nan_stops_the_run_naming_function_and_sample",
-        "tests.test_config_errors::test_unexpected_failure_exits_3_with_one_line"],
-    130: ["tests.test_config_errors::test_sigint_during_start_up_exits_130",
-          "tests.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
-    143: ["tests.test_resume::test_sigterm_during_start_up_stops_before_the_first_step_with_exit_143"],
+    0: ["tests.config.test_config_errors::test_cli_dry_run_prints_split_plan",
+        "tests.e2e.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
+    2: ["tests.config.test_config_errors::test_cli_nccl_on_cpu_exits_2_fast_with_message",
+        "tests.config.test_config_errors::test_a_launcher_refusing_its_value_exits_2"],
+    3: ["tests.e2e.test_own_data_and_reward::test_reward_returning_nan_stops_the_run_naming_function_and_sample",
+        "tests.config.test_config_errors::test_unexpected_failure_exits_3_with_one_line"],
+    130: ["tests.config.test_config_errors::test_sigint_during_start_up_exits_130",
+          "tests.e2e.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
+    143: ["tests.e2e.test_resume::test_sigterm_during_start_up_stops_before_the_first_step_with_exit_143"],
 }
 
 
@@ -417,3 +419,40 @@ def test_every_documented_exit_code_has_a_test_that_produces_it():
             assert callable(fn), f"exit {code}: {ref} does not exist"
             body = source.split(f"def {name}(", 1)[1].split("\ndef ", 1)[0]
             assert re.search(rf"(returncode|rc|code) == {code}\b", body), f"{ref} does not assert exit {code}"
+
+
+# ----------------------------------------------------------------------------- links and paths
+# Paths of other repositories that a reference page names (docs/reproductions.md: TinyZero's script).
+OTHER_REPOSITORIES = {"scripts/train_tiny_zero.sh"}
+
+
+def relative_links(text: str) -> list[str]:
+    """The targets of a page's Markdown links and images that point into the checkout (no scheme,
+    no bare anchor), anchors cut off."""
+    return [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"[a-z]+:|#", t)]
+
+
+def named_paths(text: str) -> set[str]:
+    """The tests and scripts of this checkout a page names (`tests/...`, `scripts/...`)."""
+    found = re.findall(r"(?<![\w./-])((?:tests|scripts)/[\w./-]*\w)", text)
+    return {p for p in found if "<" not in p and "*" not in p} - OTHER_REPOSITORIES
+
+
+def test_every_relative_link_resolves():
+    broken = [f"{p.relative_to(REPO)}: {t}" for p in DOCS for t in relative_links(p.read_text(encoding="utf-8"))
+              if not (p.parent / t).exists()]
+    assert broken == []
+
+
+def test_every_test_and_script_a_reference_page_names_exists():
+    # Reference pages only: docs/measurements/ records runs as they were, with the paths of the day.
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    missing = [f"{p.relative_to(REPO)}: {t}" for p in pages for t in sorted(named_paths(p.read_text(encoding="utf-8")))
+               if not (REPO / t).exists()]
+    assert missing == []
+
+
+def test_the_link_and_path_checks_see_what_they_check():
+    text = "![plot](img/a.png) [x](#anchor) [y](https://e.org) [z](../testing.md#tiers) `tests/sync/test_buckets.py::t`"
+    assert relative_links(text) == ["img/a.png", "../testing.md"]
+    assert named_paths(text + " scripts/train_tiny_zero.sh tests/<package>/") == {"tests/sync/test_buckets.py"}

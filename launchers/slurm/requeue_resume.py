@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR, continuation_of  # noqa: E402
+from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR, continuation_of
 
 
 def requeue_resume(overrides: list[str], experiments_root: Path = Path("outputs")) -> str:

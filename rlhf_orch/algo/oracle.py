@@ -8,7 +8,7 @@ It shares no code with `advantages`, `losses` or the trainer -- only `AlgoConfig
 and the estimator classes' names (`ADVANTAGES`) -- so a test holding the
 trainer's result equal to this one checks the combination of strategies (transfer layout,
 micro-batch cut, ranks, epochs) against the algorithm, not the code against itself
-(`tests/test_oracle_matrix.py`).
+(`tests/algo/test_oracle_matrix.py`).
 
 What one update is, for a rollout of N sequences (prompt x_i, response y_i, score r_i, group g_i):
 

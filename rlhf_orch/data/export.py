@@ -3,7 +3,7 @@
 `export_digit_task(out_dir)` writes `verl/{train,test}.parquet` (veRL's layout: `data_source`,
 `prompt` as chat messages, `ability`, `reward_model.ground_truth`, `extra_info`) and
 `openrlhf/{train,test}.jsonl` (an input key and a label key). They train the tiny model with
-`data=files` exactly as `data=default` does (`scripts/make_digit_data.py`, the tests, README).
+`data=files` exactly as `data=default` does (`scripts/tools/make_digit_data.py`, the tests, README).
 """
 
 from __future__ import annotations

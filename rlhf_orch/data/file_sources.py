@@ -306,7 +306,7 @@ def local_column_values(spec: str, key: str, column: str) -> Optional[set[Any]]:
         else:
             values = [row.get(column) for row in read_rows(src)]
         return {v for v in values if v is not None}
-    except Exception:  # noqa: BLE001 - the data preparation says what is wrong with the file
+    except Exception:  # the data preparation says what is wrong with the file
         return None
 
 

@@ -154,7 +154,7 @@ class AgentRolloutSession:
         call = parse_request(body, self.server.model_name, self.temperature)
         try:
             prompt_ids = self._render(call.messages, call.tools)
-        except Exception as e:  # noqa: BLE001 - the template's error, to the agent
+        except Exception as e:  # the template's error, to the agent
             raise ChatAPIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}", "messages") from e
         t = time.perf_counter()
         with self._lock:

@@ -245,5 +245,5 @@ class EngineThread:
             fn, args, done = self._calls.get()
             try:
                 done.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
+            except BaseException as e:  # handed to the caller
                 done.set_exception(e)

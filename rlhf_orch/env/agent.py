@@ -89,7 +89,7 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
         fn = self.load()
         try:
             pickled_function(fn)
-        except Exception as e:  # noqa: BLE001 - what cloudpickle refuses: a lock, a client, a loaded model
+        except Exception as e:  # what cloudpickle refuses: a lock, a client, a loaded model
             raise EnvError(
                 f"env.name={self.name!r} in {self.path} cannot be sent to the process agents run in ({type(e).__name__}: {e}): "
                 "create clients, locks and models inside the function (or lazily), not at module level"

@@ -44,7 +44,7 @@ def load_user_module(path: str, key: str) -> ModuleType:
             sys.modules[spec.name] = module
             try:
                 spec.loader.exec_module(module)
-            except Exception as e:  # noqa: BLE001 - any error in the user's file, in one line
+            except Exception as e:  # any error in the user's file, in one line
                 sys.modules.pop(spec.name, None)
                 raise EnvError(f"{key}: importing failed: {describe_exception(e, resolved)}") from e
             _MODULES[resolved] = module
@@ -78,7 +78,7 @@ class CustomEnv(CustomEnvConfig, MultiTurnEnv):
         try:
             # a DictConfig, as SkyRL passes it: keys read as attributes or items
             return cls(env_config=OmegaConf.create(dict(self.env_config)), extras=row_extras(prompt))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise EnvError(f"env=custom: {self.name}(env_config=..., extras=...) failed: {describe_exception(e, os.path.realpath(self.path))}") from e
 
     def episode_class(self, key: str) -> Any:

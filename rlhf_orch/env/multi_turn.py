@@ -178,7 +178,7 @@ class MultiTurnEnv(MultiTurnEnvConfig, EnvGroup):
             cls = self.episode_class(key)
             try:
                 aggregated = (getattr(cls, "aggregate_metrics", None) or average_metrics)(metrics) or {}
-            except Exception:  # noqa: BLE001 - e.g. an instance method: the mean, as skyrl-gym's default
+            except Exception:  # e.g. an instance method: the mean, as skyrl-gym's default
                 aggregated = average_metrics(metrics)
             for name, value in aggregated.items():
                 if isinstance(value, (int, float)):

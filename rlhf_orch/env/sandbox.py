@@ -59,7 +59,7 @@ the host (no /proc/<pid>/environ of the caller), RLIMIT_NPROC counts the namespa
 alone on Linux >= 5.14 (per user namespace; older kernels count every process of the caller's
 uid, the engine's threads included, so the code could start none: measured here on 6.18 only) --
 the bootstrap, pid 1 and the code count: 3 + max_processes -- and every process it starts
-dies with it. Measured as uid 65534 here via `setpriv` (tests/test_sandbox_hostile_corpus.py: the
+dies with it. Measured as uid 65534 here via `setpriv` (tests/env/test_sandbox_hostile_corpus.py: the
 same 29 hostile programs as root, all held); a container whose seccomp profile refuses `unshare` or
 the new /proc falls back to what works. Where unprivileged user namespaces are off (a default Docker
 container) the code runs with a network namespace at most, no private filesystem, and only the

@@ -156,7 +156,7 @@ class SkyRLEnv(SkyRLEnvConfig, MultiTurnEnv):
             call_env(instance.init, prompt_messages(prompt))
         except EnvError:
             raise
-        except Exception as e:  # noqa: BLE001 - one line naming what the environment wanted
+        except Exception as e:  # one line naming what the environment wanted
             raise EnvError(f"env=skyrl: {self._class_of(prompt)} could not start on the first row: {type(e).__name__}: {e}") from e
         urls = [getattr(g, "search_url", None) for g in getattr(instance, "tool_groups", [])]
         getattr(instance, "close", lambda: None)()

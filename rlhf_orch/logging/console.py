@@ -217,7 +217,7 @@ class ConsoleLogger(StepLogger):
             from rlhf_orch.logging.plots import plot_run
 
             return plot_run(self.run_dir, self.name or None)
-        except Exception as e:  # noqa: BLE001 - a plot must never fail the run
+        except Exception as e:  # a plot must never fail the run
             self._say(f"plots: not written ({type(e).__name__}: {e})")
             return []
 
@@ -339,7 +339,7 @@ class LibraryOutput:
 
             self._logs_dir = Path(ray._private.worker._global_node.get_logs_dir_path())
             self._job_id = ray.get_runtime_context().get_job_id()
-        except Exception:  # noqa: BLE001 - only the copy at the end needs it
+        except Exception:  # only the copy at the end needs it
             self._logs_dir = None
         if self.log_path is not None:
             live = f"; live: {self._logs_dir}/worker-*" if self._logs_dir else ""

@@ -27,7 +27,7 @@ from rlhf_orch.topology.plan import PlacementPlan
 GB = 10**9
 #: placement.gpu_memory_gb is a GPU's size as it is sold and named ("80GB" A100 / H100), in GiB less
 #: the ~1 % the driver keeps: an H100 80GB reports 85.0175e9 bytes (torch's total_memory,
-#: docs/gpu_runs/2026-11-27-h100), an A100 40GB 42.505e9; 0.9895 GiB per "GB" gives 84.996e9 and
+#: docs/measurements/gpu_runs/2026-11-27-h100), an A100 40GB 42.505e9; 0.9895 GiB per "GB" gives 84.996e9 and
 #: 42.499e9, at most what they report (it was read as 1e9: 6 % short).
 GPU_SIZE_UNIT = int(0.9895 * GiB)
 #: What a GPU is assumed to hold when neither placement.gpu_memory_gb nor a GPU here says.
@@ -121,7 +121,7 @@ def gpu_memory(typed: RootConfig) -> tuple[int, str]:
 
         if torch.cuda.is_available():
             return int(torch.cuda.get_device_properties(0).total_memory), f"{torch.cuda.get_device_name(0)}"
-    except Exception:  # noqa: BLE001 - no usable CUDA: fall back to the assumption, said in the table
+    except Exception:  # no usable CUDA: fall back to the assumption, said in the table
         pass
     return int(ASSUMED_GPU_GB * GPU_SIZE_UNIT), f"assumed an {ASSUMED_GPU_GB:g}GB GPU (set placement.gpu_memory_gb)"
 

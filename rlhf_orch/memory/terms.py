@@ -39,7 +39,7 @@ ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I 
   * checkpoint load (CPU) the checkpoint's memory-mapped file pages, read while loading
   * runtime        what the process holds besides tensors (interpreter, torch, vLLM/DeepSpeed,
     CUDA context); measured on this machine's CPU processes (scripts/bench_memory.py); on a GPU the
-    trainer's measured on an H100 (scripts/bench_gpu.py), the others stated
+    trainer's measured on an H100 (scripts/bench/bench_gpu.py), the others stated
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from rlhf_orch.trainer.options import TrainerConfig
 
 GiB = 2**30
 # Bytes per logit that the log-probs' and the entropy's backward keep beyond the logits themselves:
-# a few floats per row only (`algo.vocab_reductions`; tests/test_memory_plan.py measures it with torch's
+# a few floats per row only (`algo.vocab_reductions`; tests/memory/test_memory_plan.py measures it with torch's
 # saved-tensors hooks). Written plainly with autograd they kept 4 and 17.
 VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT = 0
 ALWAYS, TRAIN, EXPERIENCE, GENERATE = "always", "train", "experience", "generate"
@@ -74,7 +74,7 @@ CPU_RUNTIME_BYTES = {"trainer": (int(0.60e9), int(0.16e9)), "forward": (int(0.42
                      "engine": (int(0.80e9), int(0.24e9)), "driver": (int(1.25e9), int(0.4e9))}
 # On a GPU: the CUDA context, cuBLAS/NCCL workspaces and what DeepSpeed allocates outside torch's
 # caching allocator, per process (nvidia-smi's figure less torch's reserve). The trainer's were measured
-# on an H100 (scripts/bench_gpu.py, 2026-11-27: 1.39 GB at ZeRO-0..2, 0.41 GB more at ZeRO-3); the
+# on an H100 (scripts/bench/bench_gpu.py, 2026-11-27: 1.39 GB at ZeRO-0..2, 0.41 GB more at ZeRO-3); the
 # forward-only and engine rows are not measured yet (the lent GPU machine had no vLLM; docs/memory.md).
 GPU_RUNTIME_BYTES = {"trainer": int(1.39e9), "forward": int(1.0 * GiB), "engine": int(1.0 * GiB)}
 GPU_ZERO3_RUNTIME_BYTES = int(0.41e9)
@@ -86,12 +86,12 @@ GPU_ENGINE_GRAPHS_BYTES = int(0.5 * GiB)  # vLLM's CUDA graphs when engine.enfor
 # One NCCL communicator's buffers on a GPU: NCCL_BUFFSIZE (4 MiB) for each of its protocols' send and
 # receive buffers, over up to 32 channels on NVLink (stated from NCCL's defaults; not measured here).
 NCCL_COMMUNICATOR_BYTES = int(0.5 * GiB)
-# A trainer keeping torch's default caching allocator (scripts/bench_gpu.py, docs/gpu_runs/) reserved
+# A trainer keeping torch's default caching allocator (scripts/bench/bench_gpu.py, docs/measurements/gpu_runs/) reserved
 # above its measured peak 13-31 % of it on an H100 (2026-11-27) and 18-46 % on an H200 (2026-11-28).
 # The term is a fraction of the *planned* peak, which over-counts the tensors (gradients planned as
 # always resident), so what it must cover is the process's GPU memory less the planned runtime, over
 # the planned peak, less 1: with the plan as it is now at most 30.5 % (H100, 0.5B ZeRO-3) and 26.4 %
-# (H200, 1.5B ZeRO-3 with gradient checkpointing); tests/test_memory_plan.py recomputes it from the
+# (H200, 1.5B ZeRO-3 with gradient checkpointing); tests/memory/test_memory_plan.py recomputes it from the
 # logs. (It was 17 %: the H100's against the plan of that day.) With expandable segments (the
 # trainers' default on GPUs) a process held at most 1.4 % more than planned: the margin
 # (launcher.memory_margin).

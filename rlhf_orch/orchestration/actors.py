@@ -111,7 +111,7 @@ class RoleActors:
                 raise RunEnding(f"the run's actors were removed: engine {e} is not replaced")
             try:
                 ray.kill(self.engines[e])
-            except Exception:  # noqa: BLE001 - already gone
+            except Exception:  # already gone
                 pass
             engine = self.start_engine(e)
             self._started[e] = engine
@@ -145,7 +145,7 @@ class RoleActors:
         """Stop what the engines serve to agents (env=agent): nothing listens once the run has ended."""
         try:
             ray.get([e.close_chat_endpoint.remote() for e in self.engines], timeout=10)
-        except Exception:  # noqa: BLE001 - a dead or hung engine: its process goes with ray.kill
+        except Exception:  # a dead or hung engine: its process goes with ray.kill
             pass
 
     def kill(self) -> None:
@@ -156,7 +156,7 @@ class RoleActors:
         for actor in actors:
             try:
                 ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone is fine when tearing down
+            except Exception:  # already gone is fine when tearing down
                 pass
 
 
@@ -243,7 +243,7 @@ def lost_processes(actors: Sequence[Any], timeout_s: float) -> list[int]:
 
 def trainer_process_env(env: dict[str, str], gpu_layout: bool, shares_cuda_memory: bool = False) -> dict[str, str]:
     """The environment of trainer and forward-only processes. On GPUs torch's caching allocator uses
-    expandable segments: one policy update on an H100 (scripts/bench_gpu.py) reserved 2.3-11.7 GB
+    expandable segments: one policy update on an H100 (scripts/bench/bench_gpu.py) reserved 2.3-11.7 GB
     above its peak with the default allocator and 0.05-4.0 GB with them. Not for engines: vLLM's
     sleep mode allocates from a memory pool that expandable segments break. Not when the sync hands
     engines CUDA IPC handles of the trainers' memory (`WeightSync.shares_cuda_memory`). A value the
@@ -320,7 +320,7 @@ def start_role_actors(
             actors.engines.extend(warm.engines)
             for _, _, _, name in roles:
                 getattr(actors, name).extend(getattr(warm, name))
-        except Exception as e:  # noqa: BLE001 - e.g. an engine with requests left in flight: start new ones
+        except Exception as e:  # e.g. an engine with requests left in flight: start new ones
             print(f"actors: the kept actors could not be reset ({type(e).__name__}): starting new ones", flush=True)
             warm.kill()
             warm = None

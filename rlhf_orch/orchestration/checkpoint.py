@@ -30,7 +30,7 @@ BREAKING_KEYS = (
     "seed",
 )
 # Keys that never affect the trained policy (placement.reference_in_actor: the same log-probs in
-# another process, bit for bit -- tests/test_warm_actors.py).
+# another process, bit for bit -- tests/orchestration/test_warm_actors.py).
 HARMLESS_KEYS = ("logger", "launcher", "checkpoint", "algo.num_steps", "eval", "experiment_name", "fault", "reference",
                  "placement.reference_in_actor")
 

@@ -109,5 +109,5 @@ def check_env(env: EnvGroup, task: PromptSource, tokenizer: Any) -> None:
         env.check(probe[0], tokenizer)
     except EnvError:
         raise
-    except Exception as e:  # noqa: BLE001 - the user's class or the row, in one line
+    except Exception as e:  # the user's class or the row, in one line
         raise EnvError(f"env: building the environment for the first prompt failed: {type(e).__name__}: {e}") from e

@@ -126,7 +126,7 @@ class RunRecord:
             return ""
         try:
             self._write(step, loop, actors, {**finished, "pending_rollout": None, "final": True, "exact": exact})
-        except Exception as e:  # noqa: BLE001 - the run has failed already; say why nothing was kept
+        except Exception as e:  # the run has failed already; say why nothing was kept
             return f"no final checkpoint: {named(e)}"
         return "" if exact else "final checkpoint: its resumed run re-generates the next step's rollout (not bit for bit)"
 

@@ -390,7 +390,7 @@ def _parked(run: _Run, placement: Any, actors: RoleActors) -> bool:
     leaves them to be killed; it does not fail the run)."""
     try:
         return warm_actors.park(run.warm_key, placement, actors)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"actors: not kept for the next run ({named(e)})", flush=True)
         return False
 

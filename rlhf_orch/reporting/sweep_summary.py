@@ -5,7 +5,7 @@
     write_summary(rows, out_dir, title)   # summary.csv, summary.md, summary.png (sweep_plot)
 
 `SweepSummary` is the Hydra callback (conf/config.yaml, `hydra.callbacks.sweep_summary`) that
-writes them into the sweep dir when a multirun ends; `scripts/compare_runs.py` does the same for
+writes them into the sweep dir when a multirun ends; `scripts/tools/compare_runs.py` does the same for
 run dirs given on the command line.
 
 A row comes from the run dir alone: `.hydra/overrides.yaml` (what the run changed), summary.json

@@ -118,7 +118,7 @@ class ReceiveBuckets(EngineStep):
 
     Up to `receive_ahead` later buckets are already being received while vLLM loads the current
     one, so the wire and the engine's load overlap (one per sender keeps every sender of a
-    multi-sender update busy). `load=False` (benchmark profiling only, scripts/bench_sync.py)
+    multi-sender update busy). `load=False` (benchmark profiling only, scripts/bench/bench_sync.py)
     receives and unpacks every bucket but skips vLLM's reload, to separate transport from load
     cost: the weights stay as they were.
     """

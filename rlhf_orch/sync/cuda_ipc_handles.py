@@ -1,5 +1,5 @@
 """CUDA IPC handles of packed buckets: what the `cuda_ipc` sync hands from a trainer rank to the engine
-worker on the same GPU (torch only: no Ray, no vLLM, so the GPU tests and `scripts/bench_gpu.py`
+worker on the same GPU (torch only: no Ray, no vLLM, so the GPU tests and `scripts/bench/bench_gpu.py`
 use it on a machine that has neither).
 
 The sender publishes a packed bucket's IPC handle (`torch.multiprocessing.reductions.reduce_tensor`)

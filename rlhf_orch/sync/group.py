@@ -144,7 +144,7 @@ def rendezvous_ip() -> str:
 
         if ray.is_initialized():
             return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - any failure means "not inside Ray"
+    except Exception:  # any failure means "not inside Ray"
         pass
     return "127.0.0.1"
 

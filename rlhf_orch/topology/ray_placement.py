@@ -77,7 +77,7 @@ class RayPlacement:
         for group in self._groups:
             try:
                 remove_placement_group(group)
-            except Exception:  # noqa: BLE001 - Ray may already be gone at interpreter exit
+            except Exception:  # Ray may already be gone at interpreter exit
                 pass
         self._groups = []
         self._real_node_ids = []

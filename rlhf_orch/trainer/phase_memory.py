@@ -9,7 +9,7 @@ GPU the trainers still hold at their training peak (7B PPO colocated under pipel
 an 80 GB GPU where the plan says 84.7). So at the end of its experience and update calls a trainer
 that shares its GPU (`PlacementPlan.shares_gpu`: `TrainerSpec.free_cache_between_phases`) empties
 the cache. What that costs on a GPU (the call, and the next phase allocating again) is not measured
-yet: `scripts/bench_gpu.py --parts memory` measures it (docs/memory.md).
+yet: `scripts/bench/bench_gpu.py --parts memory` measures it (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -44,5 +44,5 @@ def ends_a_phase(method: F) -> F:
             release_cached_memory()
         return result
 
-    ended.ends_a_phase = True  # (which calls end a phase: tests/test_phase_memory.py)
+    ended.ends_a_phase = True  # (which calls end a phase: tests/trainer/test_phase_memory.py)
     return ended  # type: ignore[return-value]

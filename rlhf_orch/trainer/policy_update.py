@@ -43,7 +43,7 @@ def train_policy(
     whole batch (all micro-batches, all ranks: `plan_optimizer_steps`), so the update does not
     depend on how the batch was cut. Micro-batches are reshuffled between epochs (the same
     permutation on every rank, a new one every step). `rlhf_orch.algo.oracle` is this update
-    written without micro-batches or ranks; `tests/test_oracle_matrix.py` holds the two equal.
+    written without micro-batches or ranks; `tests/algo/test_oracle_matrix.py` holds the two equal.
     """
     engine.train()
     accumulation = Accumulation(engine, work_done)

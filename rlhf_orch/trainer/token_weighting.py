@@ -7,7 +7,7 @@ weights each micro-batch's loss, normalised by its own denominator D_mb (`algo.l
 tokens for a token mean, sequences for the seq-means), by `D_mb / D_step x dp` (D_step summed over
 data-parallel ranks; DeepSpeed averages gradients over the dp ranks). The update is then the
 aggregation over the optimizer step's sequences, whatever the micro-batch cut -- so the same
-rollout gives the same loss and update under every transfer strategy (`tests/test_oracle_matrix.py`). Ranks agree on the step
+rollout gives the same loss and update under every transfer strategy (`tests/algo/test_oracle_matrix.py`). Ranks agree on the step
 boundaries because the planners give every rank the same number of micro-batches.
 
 Also the row view GAE needs: per-token experience of a packed micro-batch is laid out as

@@ -5,7 +5,7 @@ long-tailed distribution and fills every per-token field a PPO experience carrie
 old and reference logprobs, values, advantages, returns). The same (seed, sample index) always
 gives the same sequence, so every strategy moves the identical rollout. `TrainerSink` is a
 trainer rank without a model: it stages what it is sent and reports what it holds.
-Used by `scripts/bench_transfer.py` and the Ray tests of the strategies.
+Used by `scripts/bench/bench_transfer.py` and the Ray tests of the strategies.
 """
 
 from __future__ import annotations

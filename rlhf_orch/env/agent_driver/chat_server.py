@@ -156,7 +156,7 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
         # the client's delayed ACK of the headers (~40 ms per call on Linux).
         disable_nagle_algorithm = True
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        def log_message(self, format: str, *args: Any) -> None:  # the base class's name
             pass  # one line per call would flood the engine's log
 
         def _send(self, status: int, body: dict[str, Any]) -> None:
@@ -189,10 +189,10 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
                 self._send(200, route())
             except ChatAPIError as e:
                 self._send(e.status, e.body())
-            except Exception as e:  # noqa: BLE001 - the agent gets a message; the rollout goes on
+            except Exception as e:  # the agent gets a message; the rollout goes on
                 self._send(500, ChatAPIError(500, f"{type(e).__name__}: {e}", kind="server_error").body())
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:  # http.server's name
             if not self._authorised():
                 return
             if _MODELS.match(self.path):
@@ -200,7 +200,7 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             else:
                 self._send(404, ChatAPIError(404, f"no route GET {self.path}", kind="not_found").body())
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             if not self._authorised():  # before a byte of the body is read
                 return
             if self.headers.get("Transfer-Encoding"):

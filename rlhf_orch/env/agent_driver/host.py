@@ -271,7 +271,7 @@ class Host:
             # What exists now is shared with every fork: keep the collector from touching (and so
             # copying) its pages in each trajectory's process.
             gc.freeze()
-        except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it there
+        except BaseException as e:  # reported to the engine, which raises it there
             write_message(self.replies, ("init_failed", f"{type(e).__name__}: {e}"))
             return False
         write_message(self.replies, ("ready",))
@@ -399,7 +399,7 @@ class Host:
         else:
             try:
                 outcome.update(pickle.loads(bytes(t.data)))
-            except Exception:  # noqa: BLE001 - nothing, or half a result: the process died first
+            except Exception:  # nothing, or half a result: the process died first
                 outcome["error"] = exit_text(status)
         write_message(self.replies, ("done", outcome))
 
@@ -431,7 +431,7 @@ def _run_trajectory(host: Host, result_fd: int, row: Any, secret_fd: int, secret
         sys.stderr.flush()
         with os.fdopen(result_fd, "wb") as out:
             out.write(pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
-    except BaseException:  # noqa: BLE001 - the host reports a process that wrote no outcome
+    except BaseException:  # the host reports a process that wrote no outcome
         code = 1
     finally:
         sys.stdout.flush()
@@ -476,14 +476,14 @@ def _warm_up(ssl_context: Any) -> None:
     """One call through each kind of client to a stub server in this process, before any fork:
     what `openai` and `httpx` import and build at first use (resources, response models, transports,
     the event loop's machinery) is then done once here, not in every trajectory's process
-    (scripts/bench_agent.py: 39 ms per call over direct without this, 11 with). The stub's thread
+    (scripts/bench/bench_agent.py: 39 ms per call over direct without this, 11 with). The stub's thread
     ends before anything forks."""
     import asyncio
     import http.server
     import threading
 
     class Stub(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - the handler's API
+        def do_POST(self) -> None:  # the handler's API
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -508,7 +508,7 @@ def _warm_up(ssl_context: Any) -> None:
             await client.close()
 
         asyncio.run(call())
-    except Exception:  # noqa: BLE001 - only a cost: every trajectory then pays it itself
+    except Exception:  # only a cost: every trajectory then pays it itself
         pass
     finally:
         server.shutdown()
@@ -527,7 +527,7 @@ def _call(host: Host, row: Any, base_url: str, api_key: str) -> dict[str, Any]:
         result = asyncio.run(fn(row, **kwargs)) if is_async else fn(row, **kwargs)
         reward, metrics = reward_of(result)
         return {"reward": reward, "metrics": metrics}
-    except Exception as e:  # noqa: BLE001 - the agent's bug or its model's output: counted, scored 0
+    except Exception as e:  # the agent's bug or its model's output: counted, scored 0
         return {"error": f"{type(e).__name__}: {e}"}
 
 

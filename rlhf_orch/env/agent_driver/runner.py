@@ -179,7 +179,7 @@ def _read_outcomes(runner_ref: weakref.ref, host: subprocess.Popen) -> None:
             _, fields = read_message(host.stdout)
         except (EOFError, OSError):
             break
-        except BaseException as e:  # noqa: BLE001 - a message it cannot read: the rollout must not wait for ever
+        except BaseException as e:  # a message it cannot read: the rollout must not wait for ever
             crash = RuntimeError(f"the agents' host sent what could not be read: {type(e).__name__}: {e}")
             break
         runner = runner_ref()
@@ -187,7 +187,7 @@ def _read_outcomes(runner_ref: weakref.ref, host: subprocess.Popen) -> None:
             return
         try:
             runner._take(fields)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             crash = RuntimeError(f"an agent outcome could not be taken: {type(e).__name__}: {e}")
             break
         del runner

@@ -59,7 +59,7 @@ def start(fn: Callable[..., Any], *args: Any, name: str = "abandonable", **kwarg
                 with call.lock:
                     call.inside = False
                     _send(threading.get_ident(), None)  # an Abandoned sent as `fn` returned: dropped
-        except BaseException as e:  # noqa: BLE001 - the call's outcome, Abandoned included
+        except BaseException as e:  # the call's outcome, Abandoned included
             failed, outcome = True, e
         if failed:
             future.set_exception(outcome)

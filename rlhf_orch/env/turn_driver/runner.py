@@ -244,7 +244,7 @@ class MultiTurnRunner:
             return
         try:
             messages, first = future.result()
-        except Exception as e:  # noqa: BLE001 - named in one line for the driver
+        except Exception as e:  # named in one line for the driver
             raise EnvRuntimeError(f"the environment for sample {t.index} could not start: {type(e).__name__}: {e}") from e
         rewritten = first is not None and list(first) != messages
         if rewritten:
@@ -290,7 +290,7 @@ class MultiTurnRunner:
             return
         try:
             result = StepResult.of(future.result())
-        except Exception:  # noqa: BLE001 - the model's action broke the environment: counted, trajectory ends
+        except Exception:  # the model's action broke the environment: counted, trajectory ends
             counts.env_errors += 1
             t.turn_rewards.append(0.0)
             t.finish(truncated=True)
@@ -349,7 +349,7 @@ class MultiTurnRunner:
         try:
             ok, expected = self.renderer.matches_template(t.messages, t.turns, actual, t.turn_messages)
             why = ""
-        except Exception as e:  # noqa: BLE001 - a template that cannot render the conversation back
+        except Exception as e:  # a template that cannot render the conversation back
             ok, expected, why = False, [], f" ({type(e).__name__}: {e})"
         if ok:
             return
@@ -392,11 +392,11 @@ class MultiTurnRunner:
         if callable(get_metrics):
             try:
                 t.env_metrics = (env_class_key(type(env)), _plain(call_env(get_metrics, loop=loop) or {}))
-            except Exception as e:  # noqa: BLE001 - metrics never cost a trajectory
+            except Exception as e:  # metrics never cost a trajectory
                 logger.warning("sample %d: %s.get_metrics() raised %s: %s", t.index, type(env).__name__, type(e).__name__, e)
         try:
             call_env(getattr(env, "close", lambda: None), loop=loop)
-        except Exception:  # noqa: BLE001 - a failing close loses nothing of the trajectory
+        except Exception:  # a failing close loses nothing of the trajectory
             pass
 
     def _closed(self, entry: _Live, future: cf.Future, timed_out: bool) -> None:

@@ -1,0 +1,210 @@
+"""`env=agent` without an engine: the token record, the wire format (the endpoint's requests and
+replies, vLLM's tool-call and reasoning parsers) and the agent option's checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhf_orch.env.agent import AgentEnv
+from rlhf_orch.env.agent_driver.record import AgentLimits, AgentRecord, CallRefused
+from rlhf_orch.env.agent_driver.runner import accepted_keywords, reward_of
+from rlhf_orch.env.base import EnvError
+from rlhf_orch.env.agent_driver.chat_api import ChatAPIError, parse_request, parse_tool_calls
+from rlhf_orch.data.base import Prompt
+from rlhf_orch.transfer.plan import extra_sequence_index
+
+LIMITS = AgentLimits(max_prompt_tokens=8, max_response_tokens=20, max_tokens_per_call=5, max_calls=4)
+
+
+# --------------------------------------------------------------------------- the record
+def test_calls_that_extend_a_conversation_merge_into_one_masked_sequence():
+    r = AgentRecord(0, LIMITS)
+    r.add([1, 2, 3], [10, 11, 2], [-0.1, -0.2, -0.3], hit_length=False)
+    # the agent appended a tool message (tokens 7 8): context, then the model's second answer
+    r.add([1, 2, 3, 10, 11, 2, 7, 8], [12, 2], [-0.4, -0.5], hit_length=False)
+    (seq,) = r.sequences
+    assert seq.prompt_ids == [1, 2, 3]
+    assert seq.response_ids == [10, 11, 2, 7, 8, 12, 2]
+    assert seq.loss_mask == [1, 1, 1, 0, 0, 1, 1]
+    assert seq.logprobs == [-0.1, -0.2, -0.3, 0.0, 0.0, -0.4, -0.5]
+    assert (r.counts.calls, r.counts.unmerged_calls, r.counts.observation_tokens, r.counts.completion_tokens) == (2, 0, 2, 5)
+
+
+def test_a_call_that_rewrites_history_starts_a_sequence_and_is_counted():
+    r = AgentRecord(0, LIMITS)
+    r.add([1, 2, 3], [10, 2], [-0.1, -0.2], hit_length=False)
+    r.add([1, 2, 3, 99, 2, 7], [12], [-0.4], hit_length=True)  # the model's answer edited: 99 for 10
+    assert len(r.sequences) == 2 and r.counts.unmerged_calls == 1
+    # both train; the one with most of the model's tokens first (the first begun on a tie)
+    assert r.trained_sequences([1], eos_id=2) == [r.sequences[0], r.sequences[1]]
+    r.add([5, 6], [7, 8, 9], [-0.1] * 3, hit_length=False)  # a second conversation, longer
+    assert r.trained_sequences([1], eos_id=2) == [r.sequences[2], r.sequences[0], r.sequences[1]]
+
+
+def test_the_budget_caps_max_tokens_and_refuses_what_cannot_fit():
+    r = AgentRecord(0, LIMITS)
+    assert r.budget([1, 2, 3], None) == 5  # env.max_tokens_per_turn
+    assert r.budget([1, 2, 3], 2) == 2  # what the agent asked for, when smaller
+    with pytest.raises(CallRefused, match="data.prompt_max_len"):
+        r.budget(list(range(9)), None)
+    r.add([1, 2, 3], [4] * 5, [0.0] * 5, hit_length=True)
+    context = [1, 2, 3] + [4] * 5 + [9] * 12  # 17 of 20 response tokens used
+    assert r.budget(context, None) == 3
+    with pytest.raises(CallRefused, match="data.response_max_len"):
+        r.budget(context + [9, 9, 9], None)
+    for _ in range(3):
+        r.add([5], [6], [0.0], hit_length=False)
+    with pytest.raises(CallRefused, match="env.max_calls"):
+        r.budget([1, 2, 3], None)
+
+
+def test_an_agent_that_made_no_call_trains_nothing():
+    (seq,) = AgentRecord(0, LIMITS).trained_sequences([1, 2], eos_id=2)
+    assert seq.prompt_ids == [1, 2] and seq.response_ids == [2] and seq.loss_mask == [0]
+
+
+# --------------------------------------------------------------------------- the wire format
+def _body(**kw):
+    return {"model": "policy", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (_body(model="gpt-4o"), 404, "model"),
+    (_body(n=2), 400, "n"),
+    (_body(logprobs=False), 400, "logprobs"),
+    (_body(temperature=0.7), 400, "temperature"),
+    (_body(top_p=0.9), 400, "top_p"),
+    (_body(stream=True), 400, "stream"),
+    (_body(messages=[]), 400, "messages"),
+    (_body(max_tokens=0), 400, "max_tokens"),
+    (_body(best_of=3), 400, "best_of"),
+])
+def test_parameters_that_would_break_training_are_refused_with_a_message(body, status, param):
+    with pytest.raises(ChatAPIError) as e:
+        parse_request(body, "policy", temperature=1.0)
+    assert (e.value.status, e.value.param) == (status, param)
+    assert e.value.body()["error"]["message"]
+
+
+def test_what_training_can_use_is_accepted():
+    call = parse_request(_body(temperature=1.0, max_completion_tokens=7, stop="\n", tools=[{"type": "function"}], seed=3,
+                               messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                                         {"role": "assistant", "content": None, "tool_calls": [
+                                             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}]),
+                         "policy", temperature=1.0)
+    assert call.max_tokens == 7 and call.stop == ["\n"] and call.messages[0]["content"] == "ab"
+    assert call.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # as chat templates read it
+
+
+def test_hermes_tool_calls_become_openai_tool_calls():
+    content, calls = parse_tool_calls('Let me look. <tool_call>{"name": "lookup", "arguments": {"record": "3 1"}}</tool_call>', "hermes")
+    assert content == "Let me look."
+    assert calls[0]["function"] == {"name": "lookup", "arguments": '{"record": "3 1"}'} and calls[0]["type"] == "function"
+    assert parse_tool_calls("<tool_call>not json</tool_call>", "hermes") == ("<tool_call>not json</tool_call>", [])
+    assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>', "none")[1] == []
+
+
+# --------------------------------------------------------------------------- the runner
+def test_rewards_and_keywords():
+    assert reward_of(0.5) == (0.5, {})
+    assert reward_of({"score": 1, "calls": 3, "note": "x"}) == (1.0, {"calls": 3.0})
+    for bad in ("1", None, {"reward": 1}, float("nan"), True):
+        with pytest.raises(TypeError):
+            reward_of(bad)
+    assert accepted_keywords(lambda row, **kw: 0) == ("client", "base_url", "api_key")
+    assert accepted_keywords(lambda row, base_url, api_key=None: 0) == ("base_url", "api_key")
+
+
+def test_agent_option_refuses_what_it_cannot_call(tmp_path):
+    f = tmp_path / "agents.py"
+    f.write_text("class NotAFunction:\n    pass\n\ndef no_row(*, client):\n    return 0\n\nbroken = 1\n")
+    for name, match in (("missing", "defines no"), ("NotAFunction", "not a function"), ("no_row", "no positional")):
+        with pytest.raises(EnvError, match=match):
+            AgentEnv(path=str(f), name=name).load()
+    with pytest.raises(EnvError, match="env.path"):
+        AgentEnv(path=str(tmp_path / "nope.py"), name="x").load()
+    with pytest.raises(EnvError, match="env.tool_parser"):
+        AgentEnv(path=str(f), name="x", tool_parser="xml")
+
+
+def test_agent_option_refuses_a_function_that_cannot_reach_its_process(tmp_path):
+    """Before Ray: a function holding what cannot be pickled (a module-level lock) is refused in
+    the config check, naming the file, not at the first rollout on an engine."""
+    f = tmp_path / "locked.py"
+    f.write_text("import threading\nLOCK = threading.Lock()\n\ndef agent(row, client):\n    with LOCK:\n        return 0.0\n")
+    env = AgentEnv(path=str(f), name="agent")
+    with pytest.raises(EnvError, match="locked.py cannot be sent to the process agents run in"):
+        env.check(Prompt(text="q", label="1"), None)
+    (tmp_path / "fine.py").write_text("def agent(row, client):\n    return 0.0\n")
+    AgentEnv(path=str(tmp_path / "fine.py"), name="agent").check(Prompt(text="q", label="1"), None)
+
+
+def test_a_trajectory_s_further_sequences_share_its_advantage_and_count_once():
+    """GRPO over 2 prompts x 2 trajectories, trajectory 1 with two further sequences: the group's
+    mean and spread are over its trajectories (not weighted by sequences), every further sequence
+    takes its trajectory's advantage, and the metrics' rewards are the trajectories'."""
+    from hydra.utils import instantiate
+
+    from rlhf_orch.orchestration.loop import sample_values_by_index
+    from rlhf_orch.transfer.engine_side import RolloutMeta
+    from tests.conftest import compose_config
+
+    extras = [extra_sequence_index(1, 1), extra_sequence_index(1, 2)]
+    meta = RolloutMeta(indices=[0, 1, 2, 3, *extras], seq_lens=[5] * 6, response_lens=[3] * 6,
+                       rewards=[0.0, 1.0, 0.5, 0.5, 0.7, 0.2], truncated=[False] * 6, weight_versions=[0] * 6)
+    meta.share_trajectory_rewards()  # a reward model scored the further sequences alone
+    assert meta.rewards == [0.0, 1.0, 0.5, 0.5, 1.0, 1.0]
+    assert meta.trajectories_only().indices == [0, 1, 2, 3]
+    algo = instantiate(compose_config(["algo=grpo", "algo.samples_per_prompt=2"]).algo)
+    values, _ = sample_values_by_index(algo, meta, samples_per_prompt=2, response_max_len=8)
+    assert values[1] > 0 > values[0] and values[1] == pytest.approx(-values[0])  # a group of two, not four
+    assert values[extras[0]] == values[extras[1]] == values[1]
+    assert values[2] == values[3] == 0.0
+
+
+def test_the_endpoint_reads_tool_calls_with_vllm_s_parsers(smollm2_tokenizer):
+    """env.tool_parser=llama3_json (any vLLM tool parser): the completion's tool_calls as vLLM's own
+    OpenAI server would return them; an unknown name is refused before Ray."""
+    import copy
+
+    from rlhf_orch.env.base import EnvError
+    from rlhf_orch.env.tool_parsers import check_tool_parser
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"record": {"type": "string"}}}}}]
+    content, calls = parse_tool_calls('{"name": "lookup", "parameters": {"record": "3 1"}}', "llama3_json", tok, tools)
+    assert [c["function"]["name"] for c in calls] == ["lookup"] and json.loads(calls[0]["function"]["arguments"]) == {"record": "3 1"}
+    assert parse_tool_calls("just words", "llama3_json", tok, tools) == ("just words", [])
+    with pytest.raises(EnvError, match="env.tool_parser='hermes2'"):
+        check_tool_parser("env.tool_parser", "hermes2", ("hermes", "none"))
+
+
+def test_the_endpoint_separates_reasoning_with_vllm_s_parsers(smollm2_tokenizer):
+    """env.reasoning_parser=qwen3: <think>...</think> becomes the message's reasoning_content and the
+    tool calls are read from the rest."""
+    import copy
+
+    from rlhf_orch.env.agent_driver.chat_api import completion_body
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    text = '<think>The record is 3 1.</think>Looking it up. <tool_call>{"name": "lookup", "arguments": {"record": "3 1"}}</tool_call>'
+    message = completion_body("policy", text, "stop", 5, 9, "hermes", tok, None, "qwen3")["choices"][0]["message"]
+    assert message["reasoning_content"] == "The record is 3 1." and message["content"] == "Looking it up."
+    assert message["tool_calls"][0]["function"]["name"] == "lookup"
+    assert "reasoning_content" not in completion_body("policy", text, "stop", 5, 9, "hermes", tok)["choices"][0]["message"]
+
+
+def test_content_is_empty_text_without_tool_calls_and_null_beside_them():
+    from rlhf_orch.env.agent_driver.chat_api import completion_body
+
+    def message(text):
+        return completion_body("policy", text, "stop", 3, 1, "hermes")["choices"][0]["message"]
+
+    assert message("")["content"] == "" and "tool_calls" not in message("")
+    call_only = message('<tool_call>{"name": "lookup", "arguments": {"record": "3"}}</tool_call>')
+    assert call_only["content"] is None and call_only["tool_calls"][0]["function"]["name"] == "lookup"
+    assert message("hi")["content"] == "hi"

@@ -1,0 +1,284 @@
+"""`env=agent`: a whole rollout session over real HTTP with the `openai` client (a scripted generator
+stands in for vLLM; tests/env/test_env_integration.py runs the same on a real engine and in whole
+runs): every call recorded, conversations, calls made at once, empty replies, the engine's liveness."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import openai
+import pytest
+
+from rlhf_orch.engines.agent_rollout import AgentRolloutSession, CallOutput, trajectory_completions
+from rlhf_orch.env.agent_driver.record import AgentLimits
+from rlhf_orch.env.agent_driver.runner import AgentRunner
+from rlhf_orch.transfer.plan import extra_sequence_index
+
+from tests.env.agent_fakes import (EchoTokenizer, ScriptedGenerator, Seen, agent_rows, make_session,
+                                    three_calls_with_a_tool)
+
+
+def test_a_session_records_every_call_of_every_trajectory_as_one_sequence(server):
+    session, gen = make_session(three_calls_with_a_tool, server)
+    results = session.run(agent_rows(3))
+    assert len(gen.submitted) == 9
+    for r in results:
+        assert r.outcome.error is None and r.outcome.reward == pytest.approx(r.index / 10)
+        (seq,) = r.record.sequences
+        text = EchoTokenizer().decode(seq.prompt_ids + seq.response_ids)
+        assert text.startswith(f"u:q{r.index}|") and text.count("t:tool saw ") == 2
+        assert r.record.counts.calls == 3 and r.record.counts.unmerged_calls == 0
+        model_text = EchoTokenizer().decode([t for t, m in zip(seq.response_ids, seq.loss_mask) if m])
+        assert model_text.isdigit() and sum(seq.loss_mask) == r.record.counts.completion_tokens
+        # the model's tokens carry the engine's log-probs; context carries none
+        assert all((lp == -0.5) == bool(m) for lp, m in zip(seq.logprobs, seq.loss_mask))
+    # per-call seeds: from (step seed, trajectory, call number), the same whatever the order
+    seeds = {s for *_, s in gen.submitted}
+    assert len(seeds) == 9
+    fields = dict(trajectory_completions(results, {i: [1] for i in range(3)}, eos_id=0))
+    assert fields[2]["reward"] == pytest.approx(0.2) and fields[2]["stats"]["agent_metric/calls"] == 3.0
+
+
+def test_an_async_agent_and_its_failures_are_counted_and_scored_zero(server):
+    async def agent(row, client, **kwargs):
+        if row["prompt"] == "q1":
+            raise RuntimeError("the agent's bug")
+        if row["prompt"] == "q2":
+            await asyncio.sleep(30)
+        reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+        return 1.0 if reply.choices[0].message.content else 0.0
+
+    session, _ = make_session(agent, server, timeout_s=1.0)
+    t = time.perf_counter()
+    results = {r.index: r for r in session.run(agent_rows(3))}
+    assert time.perf_counter() - t < 10
+    assert results[0].outcome.reward == 1.0
+    assert results[1].outcome.error == "RuntimeError: the agent's bug" and results[1].outcome.reward == 0.0
+    assert results[2].outcome.timed_out and results[2].outcome.reward == 0.0
+    # the two that made no model call train nothing and leave their group's statistics (masked)
+    stats = {i: f["stats"] for i, f in trajectory_completions(list(results.values()), {i: [1] for i in range(3)}, eos_id=0)}
+    assert [stats[i]["masked"] for i in range(3)] == [0.0, 1.0, 1.0]
+
+
+def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server, tmp_path):
+    seen = Seen(tmp_path)
+
+    def agent(row, client, base_url, api_key, **kwargs):
+        def error(**kw):
+            try:
+                client.chat.completions.create(**{"model": "policy", "messages": [{"role": "user", "content": "x"}], **kw})
+            except openai.APIStatusError as e:
+                return e.status_code, e.message
+            return 200, ""
+
+        seen["n=2"] = error(n=2)
+        seen["model"] = error(model="another-model")
+        seen["key"] = None
+        try:
+            openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list()
+        except openai.AuthenticationError as e:
+            seen["key"] = (e.status_code, e.message)
+        seen["models"] = [m.id for m in client.models.list()]
+        seen["url"], seen["api_key"] = base_url, api_key
+        return 0.0
+
+    session, _ = make_session(agent, server)
+    session.run(agent_rows(1))
+    assert seen["n=2"][0] == 400 and "n=2" in seen["n=2"][1]
+    assert seen["model"][0] == 404 and "another-model" in seen["model"][1]
+    assert seen["key"][0] == 401 and "API key" in seen["key"][1]
+    assert seen["models"] == ["policy"]
+    # after the rollout: the trajectory's URL answers 410 with a message
+    late = openai.OpenAI(base_url=seen["url"], api_key=seen["api_key"], max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        late.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 410 and "ended" in e.value.message
+    port = server.port
+    server.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+
+
+def answer_then_check_in_a_new_conversation(row, client, **kwargs):
+    """Two conversations: the answer, then a fresh one asking to check it (extends nothing)."""
+    first = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    answer = first.choices[0].message.content
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"check {answer}"}])
+    return float(row["ground_truth"])
+
+
+def test_every_conversation_of_a_trajectory_trains_with_its_reward(server):
+    session, _ = make_session(answer_then_check_in_a_new_conversation, server)
+    results = session.run(agent_rows(3))
+    sequences = list(trajectory_completions(results, {i: [1] for i in range(3)}, eos_id=0))
+    assert len(sequences) == 6
+    by_index = dict(sequences)
+    for r in results:
+        assert r.record.counts.unmerged_calls == 1
+        extra = extra_sequence_index(r.index, 1)
+        first, second = by_index[r.index], by_index[extra]
+        assert first["reward"] == second["reward"] == pytest.approx(r.index / 10)
+        assert EchoTokenizer().decode(second["prompt_ids"]).startswith("u:check ")
+        assert sum(second["loss_mask"]) == len(second["response_ids"]) > 0  # the model's reply trains
+        # the trajectory's counters go with its first sequence only (the metrics divide by trajectories)
+        assert first["stats"]["trajectories"] == 1.0 and second["stats"] is None
+
+
+class SlowGenerator(ScriptedGenerator):
+    """Answers each call `hold_s` after it arrived: calls made at once are all in flight together
+    (what an agent fanning out with `asyncio.gather` does to the engine)."""
+
+    def __init__(self, hold_s: float):
+        super().__init__()
+        self.hold_s, self.due = hold_s, []
+
+    def submit(self, key, prompt_ids, max_tokens, seed, stop):
+        super().submit(key, prompt_ids, max_tokens, seed, stop)
+        self.due.append(time.perf_counter() + self.hold_s)
+
+    def poll(self):
+        now, out = time.perf_counter(), []
+        while self.pending and self.due[0] <= now:
+            out.append(self.pending.pop(0))
+            self.due.pop(0)
+        return out
+
+
+def _fan_out_session(server, agent, limits):
+    # concurrency 8: the client's connection pool (2 per trajectory at once) lets all 8 calls through
+    runner = AgentRunner(agent, concurrency=8, timeout_s=30.0)
+    gen = SlowGenerator(hold_s=1.0)
+    return AgentRolloutSession(server, gen, EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 30.0), gen
+
+
+def test_calls_made_at_once_count_against_max_calls_while_in_flight(server, tmp_path):
+    """env.max_calls=4 and an agent that fans out 8 calls at once: 4 answers, 4 refusals."""
+    seen = Seen(tmp_path)
+
+    async def fan_out(row, client, **kwargs):
+        async def one(k):
+            try:
+                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": f"c{k}"}])
+                return "answer"
+            except openai.BadRequestError as e:
+                assert "env.max_calls" in str(e)
+                return "refused"
+
+        seen["replies"] = await asyncio.gather(*(one(k) for k in range(8)))
+        return 1.0
+
+    limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
+    session, gen = _fan_out_session(server, fan_out, limits)
+    (result,) = session.run(agent_rows(1))
+    assert sorted(seen["replies"]) == ["answer"] * 4 + ["refused"] * 4, result.outcome
+    assert len(gen.submitted) == 4 and result.record.counts.calls == 4 and result.record.counts.refused_calls == 4
+
+
+def test_a_conversation_takes_one_call_at_a_time(server, tmp_path):
+    """Two calls at once that both extend one conversation: the second is refused (recorded after
+    the first, its prompt would no longer extend the conversation and would start a sequence past
+    data.prompt_max_len); calls on other conversations go on."""
+    seen = Seen(tmp_path)
+
+    async def two_at_once(row, client, **kwargs):
+        history = [{"role": "user", "content": "q" * 30}]
+        first = await client.chat.completions.create(model="policy", messages=history)
+        history += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "tool", "content": "t"}]
+
+        async def extend(tag):
+            try:
+                await client.chat.completions.create(model="policy", messages=[*history, {"role": "user", "content": tag}])
+                return "answer"
+            except openai.BadRequestError as e:
+                assert "still being answered" in str(e) and e.body["type"] == "conversation_busy"
+                return "refused"
+
+        seen["extensions"] = sorted(await asyncio.gather(extend("a"), extend("b")))
+        return 1.0
+
+    limits = AgentLimits(max_prompt_tokens=40, max_response_tokens=400, max_tokens_per_call=8, max_calls=8)
+    session, gen = _fan_out_session(server, two_at_once, limits)
+    (result,) = session.run(agent_rows(1))
+    assert seen.get("extensions") == ["answer", "refused"], result.outcome
+    (seq,) = result.record.sequences  # one conversation, nothing past data.prompt_max_len
+    assert len(seq.prompt_ids) <= 40 and result.record.counts.calls == 2 and result.record.counts.unmerged_calls == 0
+
+
+def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(monkeypatch):
+    """An agent session steps vLLM itself (no shared stepping): each step counts, so the driver's
+    `progress` question sees a busy engine move while `ping` waits behind the session."""
+    from types import SimpleNamespace
+
+    from rlhf_orch.engines import agent_rollout
+    from rlhf_orch.engines.request_steps import VLLMCalls
+    from rlhf_orch.engines.rollouts import VLLMRollouts
+    from rlhf_orch.engines.shared_steps import SharedEngineSteps
+    from rlhf_orch.engines.vllm_engine import VLLMEngine
+
+    vllm_engine = SimpleNamespace(step=lambda: [SimpleNamespace(finished=False)], has_unfinished_requests=lambda: True)
+    counted: list[int] = []
+    calls = VLLMCalls(SimpleNamespace(llm_engine=vllm_engine), 1.0, count_step=lambda: counted.append(1))
+    for _ in range(3):
+        assert calls.poll() == []
+    assert len(counted) == 3
+    # The engine hands the session its own count, the one `progress` answers.
+    engine = object.__new__(VLLMEngine)  # no vLLM: only what an agent rollout's start needs
+    engine.steps = SharedEngineSteps(None, lambda: None, finish_before_update=False, engine_thread=None)
+    agents = SimpleNamespace(chat_server=lambda env: None, runner=lambda env: None)
+    rollouts = VLLMRollouts(None, 0, engine.steps, agents)
+    handed = {}
+    monkeypatch.setattr(agent_rollout, "complete_agent_trajectories", lambda *args: handed.setdefault("count_step", args[-1]))
+    rollouts._complete_agents([], SimpleNamespace(env=None), step_seed=0)
+    handed["count_step"]()
+    handed["count_step"]()
+    assert engine.progress() == 2
+
+
+class EmptyFirstReply(ScriptedGenerator):
+    """The first call's completion is the end-of-turn token alone (an empty reply); later calls as
+    ScriptedGenerator's."""
+
+    def submit(self, key, prompt_ids, max_tokens, seed, stop):
+        super().submit(key, prompt_ids, max_tokens, seed, stop)
+        if len(self.submitted) == 1:
+            self.pending[-1] = CallOutput(key, [0], [-0.5], "stop")
+
+
+def test_an_empty_reply_reaches_the_agent_as_the_empty_string_it_trains_as(server, tmp_path):
+    """A completion with no text and no tool call: the agent gets content "" (as OpenAI returns an
+    empty text completion), not None, and the tokens trained for that call decode to the same "";
+    the agent sends it back as the assistant turn and its next call extends the conversation."""
+    seen = Seen(tmp_path)
+
+    def agent(row, client, **kwargs):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        replies = []
+        for _ in range(2):
+            reply = client.chat.completions.create(model="policy", messages=messages)
+            replies.append(reply.choices[0].message.content)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "again"}]
+        seen["replies"] = replies
+        return 1.0
+
+    limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=400, max_tokens_per_call=8, max_calls=4)
+    runner = AgentRunner(agent, concurrency=1, timeout_s=10.0)
+    session = AgentRolloutSession(server, EmptyFirstReply(), EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 10.0)
+    try:
+        (result,) = session.run(agent_rows(1))
+    finally:
+        runner.close()
+    assert result.outcome.error is None, result.outcome
+    (seq,) = result.record.sequences
+    spans, span = [], []
+    for t, m in zip(seq.response_ids, seq.loss_mask):
+        if m:
+            span.append(t)
+        elif span:
+            spans.append(span)
+            span = []
+    spans.append(span)
+    trained = [EchoTokenizer().decode(s) for s in spans]
+    assert seen["replies"] == trained == ["", "2"]
+    assert result.record.counts.unmerged_calls == 0
