@@ -50,8 +50,17 @@ class ClusterRayLauncher(RayLauncher):
                 f"launcher.num_cpus={num_cpus} cannot be applied to a running cluster: "
                 "give `ray start --num-cpus=N` on each node instead, or use launcher=local"
             )
-        super().__init__(dry_run, logical_gpus, num_cpus, address or "auto", startup_timeout_s, reuse_session, memory_check, keep_actors,
-                         memory_margin)
+        super().__init__(
+            dry_run,
+            logical_gpus,
+            num_cpus,
+            address or "auto",
+            startup_timeout_s,
+            reuse_session,
+            memory_check,
+            keep_actors,
+            memory_margin,
+        )
         self._asked: Optional[list[dict[str, float]]] = None  # the nodes' resources, read outside a session
 
     def gpus_present(self) -> int:

@@ -23,7 +23,6 @@ from rlhf_orch.topology.placement import MIN_LOGICAL_CPUS
 LOOPBACK = "127.0.0.1"
 
 
-
 class LocalRayLauncher(RayLauncher):
     """A private single-node Ray for this run; `logical_gpus` lets CPU machines test GPU layouts."""
 
@@ -44,8 +43,17 @@ class LocalRayLauncher(RayLauncher):
                 f"launcher.address={address!r} joins an existing cluster, which launcher=local never does: "
                 "use launcher=cluster launcher.address=... or leave address null"
             )
-        super().__init__(dry_run, logical_gpus, num_cpus, address, startup_timeout_s, reuse_session, memory_check, keep_actors,
-                         memory_margin)
+        super().__init__(
+            dry_run,
+            logical_gpus,
+            num_cpus,
+            address,
+            startup_timeout_s,
+            reuse_session,
+            memory_check,
+            keep_actors,
+            memory_margin,
+        )
 
     def gpus_present(self) -> int:
         cuda_gpus = cuda_device_count()
@@ -132,4 +140,3 @@ def _loopback_node_address() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
-

@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(job_id, flush=True)
     if not args.follow:
-        print(f"submitted: {entrypoint}\nlogs: ray job logs --address {args.address} --follow {job_id}", file=sys.stderr)
+        print(
+            f"submitted: {entrypoint}\nlogs: ray job logs --address {args.address} --follow {job_id}", file=sys.stderr
+        )
         return 0
     status = asyncio.run(follow(client, job_id))
     print(f"\njob {job_id} ended: {status.value}", file=sys.stderr)

@@ -117,8 +117,10 @@ def plan_line(typed: RootConfig, plan: PlacementPlan) -> str:
     hosted = {"reference": "(in actor)"} if plan.reference_in_actor else {}
     ranks = " ".join(f"{role}={plan.num_ranks(role)}{hosted.get(role, '')}" for role in plan.roles)
     a = typed.algo
-    return (f"plan: {picked} | {ranks} engine_tp={plan.engine_tp} GPUs={plan.total_gpus} | "
-            f"{a.num_steps} steps x {a.rollout_batch_size} prompts x {a.samples_per_prompt} samples")
+    return (
+        f"plan: {picked} | {ranks} engine_tp={plan.engine_tp} GPUs={plan.total_gpus} | "
+        f"{a.num_steps} steps x {a.rollout_batch_size} prompts x {a.samples_per_prompt} samples"
+    )
 
 
 def main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
@@ -169,17 +171,24 @@ def _main(cfg: DictConfig) -> tuple[int, dict[str, Any] | None]:
         if not memory.fits:
             print(memory.refusal())
             if typed.launcher.memory_check == "refuse":
-                print("error: the memory plan does not fit (launcher.memory_check=warn runs it anyway)", file=sys.stderr)
+                print(
+                    "error: the memory plan does not fit (launcher.memory_check=warn runs it anyway)", file=sys.stderr
+                )
                 return EXIT_CONFIG, None
         return 0, None
     if not memory.fits:
         if typed.launcher.memory_check == "refuse":
             print(memory.table(), file=sys.stderr)
             print(memory.refusal(), file=sys.stderr)
-            print("error: the memory plan does not fit; nothing was started (launcher.memory_check=warn runs it anyway)",
-                  file=sys.stderr)
+            print(
+                "error: the memory plan does not fit; nothing was started (launcher.memory_check=warn runs it anyway)",
+                file=sys.stderr,
+            )
             return EXIT_CONFIG, None
-        print(f"warning: the memory plan does not fit (launcher.memory_check=warn): {memory.summary_line()}", file=sys.stderr)
+        print(
+            f"warning: the memory plan does not fit (launcher.memory_check=warn): {memory.summary_line()}",
+            file=sys.stderr,
+        )
 
     # A checkpoint named by a hub id must be here; asked before the heavy imports below (~4 s).
     from rlhf_orch.models.hub import ModelSourceError, check_model_source
@@ -213,7 +222,9 @@ def _stopped_during_start_up() -> tuple[int, None]:
     return EXIT_SIGNAL_BASE + signal.SIGINT, None
 
 
-def _train(cfg: DictConfig, typed: RootConfig, plan: PlacementPlan, launcher: Any, out: Path) -> tuple[int, dict[str, Any] | None]:
+def _train(
+    cfg: DictConfig, typed: RootConfig, plan: PlacementPlan, launcher: Any, out: Path
+) -> tuple[int, dict[str, Any] | None]:
     # heavy imports only when training
     try:
         from rlhf_orch.checkpoint_dirs import ResumeError

@@ -156,7 +156,11 @@ def find_checkpoint(
     if resume == "auto":
         # A shared checkpoint.dir: every run's own directory in it (and checkpoints written
         # straight into it by earlier versions).
-        roots = [Path(checkpoint_dir), *sorted(p for p in Path(checkpoint_dir).glob("*") if p.is_dir())] if checkpoint_dir else []
+        roots = (
+            [Path(checkpoint_dir), *sorted(p for p in Path(checkpoint_dir).glob("*") if p.is_dir())]
+            if checkpoint_dir
+            else []
+        )
         roots += [p / "checkpoints" for p in Path(experiments_root).glob("*") if p.is_dir()]
         found = [c for r in roots for c in complete_checkpoints(r)]
         mine = [c for c in found if experiment_name is None or c.manifest.get("experiment_name") == experiment_name]
@@ -164,7 +168,8 @@ def find_checkpoint(
             others = f" ({len(found)} of other experiments)" if found else ""
             raise ResumeError(
                 f"resume=auto: no complete checkpoint of experiment_name={experiment_name!r} under "
-                f"{experiments_root}/*/checkpoints" + (f" or {checkpoint_dir}" if checkpoint_dir else "")
+                f"{experiments_root}/*/checkpoints"
+                + (f" or {checkpoint_dir}" if checkpoint_dir else "")
                 + f"{others}; start without resume= or name a run dir or checkpoint dir"
             )
         return max(mine, key=lambda c: (c.manifest.get("written_at", 0.0), c.step))
@@ -206,7 +211,9 @@ def continuation_of(
     return str(later[-1].path) if later else resume
 
 
-def run_dir_of(resume: Optional[str], default: str, experiment_name: Optional[str] = None, checkpoint_dir: Optional[str] = None) -> str:
+def run_dir_of(
+    resume: Optional[str], default: str, experiment_name: Optional[str] = None, checkpoint_dir: Optional[str] = None
+) -> str:
     """Where a run writes: the resumed run's own dir (metrics continue in place), else `default`.
 
     Registered as the `rlhf_run_dir` resolver of `hydra.run.dir`; anything unresolvable falls back to

@@ -143,7 +143,11 @@ class ProgressWatch:
     def stood(self, actors: Mapping[Hashable, Any]) -> list[Hashable]:
         """Of `actors` (key -> handle), the stuck ones by this look: their count stood since the
         last look (or they gave none); every key when `together` and none moved, else none."""
-        counts = self.read(actors) if self.read is not None else read_progress(ask_progress(actors), min(ANSWER_S, self.window_s))
+        counts = (
+            self.read(actors)
+            if self.read is not None
+            else read_progress(ask_progress(actors), min(ANSWER_S, self.window_s))
+        )
         counts = {k: counts.get(k) for k in actors}
         stood = [k for k, c in counts.items() if c is None or self.seen.get(k) == (actors[k], c)]
         self.seen.update({k: (actors[k], c) for k, c in counts.items() if c is not None})
@@ -163,7 +167,12 @@ class ProgressWatch:
             if self.stalled:
                 return []
 
-    def all_ready(self, waiting: Sequence[Any], actors: Mapping[Hashable, Any], on_ready: Callable[[list], Any] = lambda refs: None) -> bool:
+    def all_ready(
+        self,
+        waiting: Sequence[Any],
+        actors: Mapping[Hashable, Any],
+        on_ready: Callable[[list], Any] = lambda refs: None,
+    ) -> bool:
         """Wait until every one of `waiting` is ready (True), or a look finds `actors` stuck (False;
         `stalled` names them). `on_ready(refs)` sees each as it comes (the caller's `ray.get`, so an
         actor's failure is raised at once, not after its peers wait for it)."""

@@ -30,7 +30,9 @@ def one_line(error: BaseException | str, limit: int = MAX_CHARS) -> str:
     elif any(line.startswith(TRACEBACK) for line in lines):
         # A remote traceback: its frames are indented; the exception it ends with is not.
         start = next(k for k, line in enumerate(raw) if line.strip().startswith(TRACEBACK))
-        kept = [line.strip() for line in raw[start + 1:] if not line[0].isspace() and not _traceback_line(line.strip())][-1:]
+        kept = [
+            line.strip() for line in raw[start + 1 :] if not line[0].isspace() and not _traceback_line(line.strip())
+        ][-1:]
     else:
         kept = lines[:1]
     line = kept[0].rstrip(":") if kept else (type(error).__name__ if isinstance(error, BaseException) else "")

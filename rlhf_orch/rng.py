@@ -16,8 +16,13 @@ import torch
 def rng_state() -> dict[str, Any]:
     """This process's RNG states: Python, NumPy, torch CPU and CUDA."""
     name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    numpy_state = {"name": name, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    numpy_state = {
+        "name": name,
+        "key": torch.from_numpy(key.astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()

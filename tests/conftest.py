@@ -145,7 +145,9 @@ def start_trainer_ranks(cls, spec, ranks: int, runtime_env: dict) -> list:
 
     from rlhf_orch.liveness import actor_class
 
-    workers = [actor_class(cls).options(num_cpus=1, runtime_env=runtime_env).remote(spec, r, ranks) for r in range(ranks)]
+    workers = [
+        actor_class(cls).options(num_cpus=1, runtime_env=runtime_env).remote(spec, r, ranks) for r in range(ranks)
+    ]
     host, port = ray.get(workers[0].rendezvous_address.remote())
     ray.get([w.init_distributed.remote(host, port) for w in workers])
     return workers
@@ -189,4 +191,3 @@ def _quiet_env():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     yield
-

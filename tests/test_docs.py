@@ -82,10 +82,13 @@ def extract_commands(text: str, where: str) -> list[Command]:
                 joined = joined.rstrip()[:-1] + " " + lines[i].strip()
             m = _PYTHON_RUN.search(joined)
             if m:
-                rest = joined[m.end():]
+                rest = joined[m.end() :]
                 error = ""
                 if joined.lstrip().startswith("$") and i + 1 < len(lines) and lines[i + 1].startswith("error:"):
-                    error = " ".join(ln.strip() for ln in itertools.takewhile(lambda s: s.strip() and not s.startswith("$"), lines[i + 1:]))
+                    error = " ".join(
+                        ln.strip()
+                        for ln in itertools.takewhile(lambda s: s.strip() and not s.startswith("$"), lines[i + 1 :])
+                    )
                 found.append(Command(f"{where}:{lineno}", _args(rest), error))
             else:
                 for mk in _MAKE.finditer(joined):
@@ -96,7 +99,7 @@ def extract_commands(text: str, where: str) -> list[Command]:
                 if m:
                     found.append(Command(f"{where}:{lineno}", _args(m["rest"] or "")))
                     continue
-                mk = _MAKE.search(f"{span}\"" if span.count('"') == 1 else span)
+                mk = _MAKE.search(f'{span}"' if span.count('"') == 1 else span)
                 if mk:
                     found.append(Command(f"{where}:{lineno}", _args(mk["args"])))
         i += 1
@@ -111,7 +114,7 @@ def _template_commands() -> list[Command]:
     for n, line in enumerate(lines[start:], start + 1):
         m = _PYTHON_RUN.search(line)
         if m:
-            out.append(Command(f"{HELP_TEMPLATE.relative_to(REPO)}:{n}", _args(line[m.end():])))
+            out.append(Command(f"{HELP_TEMPLATE.relative_to(REPO)}:{n}", _args(line[m.end() :])))
     return out
 
 
@@ -146,8 +149,15 @@ class _DryRun:
 
 # Keys naming files or runs on the user's machine (README's /data/gsm8k/train.parquet): a docs
 # command is not refused for those not existing here.
-MACHINE_KEYS = {"model.name_or_path", "resume", "data.train_files", "data.val_files", "reward.path", "reward.model_path",
-                "checkpoint.dir"}
+MACHINE_KEYS = {
+    "model.name_or_path",
+    "resume",
+    "data.train_files",
+    "data.val_files",
+    "reward.path",
+    "reward.model_path",
+    "checkpoint.dir",
+}
 
 
 def job_overrides(args: tuple[str, ...]) -> list[list[str]]:
@@ -278,7 +288,10 @@ error: invalid configuration (1 problem):
 """
     cmds = extract_commands(sample, "sample.md")
     assert [c.args for c in cmds] == [
-        ("sync=gloo_bucketd", "experiment=quick"), ("algo.num_stepz=5",), ("placement=split_schema",), ("sync=gloo_bucketed",)
+        ("sync=gloo_bucketd", "experiment=quick"),
+        ("algo.num_stepz=5",),
+        ("placement=split_schema",),
+        ("sync=gloo_bucketed",),
     ]
     found = [problem(c) for c in cmds]
     assert all(found), found
@@ -286,15 +299,23 @@ error: invalid configuration (1 problem):
     assert "documented as refused" in found[3]
     # ... and the same lines, fixed, pass.
     assert problem(Command("fixed", ("sync=gloo_bucketed", "experiment=quick"))) is None
-    assert problem(Command("fixed", ("sync=nccl_bucketed", "data=long8k"), "error: invalid configuration (1 problem):")) is None
+    assert (
+        problem(Command("fixed", ("sync=nccl_bucketed", "data=long8k"), "error: invalid configuration (1 problem):"))
+        is None
+    )
 
 
 def test_extraction_handles_continuations_sweeps_and_placeholders():
-    text = "```bash\n.venv/bin/python run.py data=files \\\n    eval.every_n_steps=5   # a comment\n```\n" \
-           "See `python run.py -m sweep=<name> algo=grpo,rloo --cfg hydra` and `make run ARGS=\"algo.num_steps=5\"`."
+    text = (
+        "```bash\n.venv/bin/python run.py data=files \\\n    eval.every_n_steps=5   # a comment\n```\n"
+        'See `python run.py -m sweep=<name> algo=grpo,rloo --cfg hydra` and `make run ARGS="algo.num_steps=5"`.'
+    )
     cmds = extract_commands(text, "t.md")
-    assert [c.args for c in cmds] == [("data=files", "eval.every_n_steps=5"), ("-m", "sweep=<name>", "algo=grpo,rloo", "--cfg", "hydra"),
-                                      ("algo.num_steps=5",)]
+    assert [c.args for c in cmds] == [
+        ("data=files", "eval.every_n_steps=5"),
+        ("-m", "sweep=<name>", "algo=grpo,rloo", "--cfg", "hydra"),
+        ("algo.num_steps=5",),
+    ]
     jobs = job_overrides(cmds[1].args)
     assert len(jobs) == 2 * len(config_help.options("sweep")) and ["sweep=kl_coef", "algo=rloo"] in jobs
 
@@ -351,7 +372,9 @@ def test_every_option_has_a_one_line_description():
 
 
 def test_help_lists_only_real_options_with_descriptions_and_examples():
-    proc = subprocess.run([sys.executable, "run.py", "--help", "algo=grpo"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "run.py", "--help", "algo=grpo"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "schema" not in out.replace("(conf/<group>/<option>.yaml)", "")
@@ -362,7 +385,9 @@ def test_help_lists_only_real_options_with_descriptions_and_examples():
     for group in config_help.groups():
         for option in config_help.options(group):
             assert re.search(rf"\s{option}\s", listed), (group, option)
-    assert re.search(r"\* grpo\s+GRPO", out) and re.search(r"\* gloo_bucketed\s+Flat buckets", out)  # in use, overrides applied
+    assert re.search(r"\* grpo\s+GRPO", out) and re.search(
+        r"\* gloo_bucketed\s+Flat buckets", out
+    )  # in use, overrides applied
     assert not re.search(r"\* ppo\b", out)
     assert out.count("python run.py ") >= 4  # usage + three examples
 
@@ -371,7 +396,11 @@ def test_schemas_are_not_options():
     from hydra.errors import ConfigCompositionException
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        for override in ("placement=split_schema", "placement=split_schema".replace("_schema", "") + "x", "sync=bucketed"):
+        for override in (
+            "placement=split_schema",
+            "placement=split_schema".replace("_schema", "") + "x",
+            "sync=bucketed",
+        ):
             with pytest.raises(ConfigCompositionException):
                 compose(config_name="config", overrides=[override])
         from hydra.core.config_store import ConfigStore
@@ -390,14 +419,22 @@ def test_config_yaml_defaults_list_is_commented():
 # ----------------------------------------------------------------------------- exit codes
 # Each exit code README documents -> tests (module::function) that produce it from `python run.py`.
 EXIT_CODE_TESTS = {
-    0: ["tests.config.test_config_errors::test_cli_dry_run_prints_split_plan",
-        "tests.e2e.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
-    2: ["tests.config.test_config_errors::test_cli_nccl_on_cpu_exits_2_fast_with_message",
-        "tests.config.test_config_errors::test_a_launcher_refusing_its_value_exits_2"],
-    3: ["tests.e2e.test_own_data_and_reward::test_reward_returning_nan_stops_the_run_naming_function_and_sample",
-        "tests.config.test_config_errors::test_unexpected_failure_exits_3_with_one_line"],
-    130: ["tests.config.test_config_errors::test_sigint_during_start_up_exits_130",
-          "tests.e2e.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit"],
+    0: [
+        "tests.config.test_config_errors::test_cli_dry_run_prints_split_plan",
+        "tests.e2e.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit",
+    ],
+    2: [
+        "tests.config.test_config_errors::test_cli_nccl_on_cpu_exits_2_fast_with_message",
+        "tests.config.test_config_errors::test_a_launcher_refusing_its_value_exits_2",
+    ],
+    3: [
+        "tests.e2e.test_own_data_and_reward::test_reward_returning_nan_stops_the_run_naming_function_and_sample",
+        "tests.config.test_config_errors::test_unexpected_failure_exits_3_with_one_line",
+    ],
+    130: [
+        "tests.config.test_config_errors::test_sigint_during_start_up_exits_130",
+        "tests.e2e.test_resume::test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit",
+    ],
     143: ["tests.e2e.test_resume::test_sigterm_during_start_up_stops_before_the_first_step_with_exit_143"],
 }
 
@@ -439,16 +476,24 @@ def named_paths(text: str) -> set[str]:
 
 
 def test_every_relative_link_resolves():
-    broken = [f"{p.relative_to(REPO)}: {t}" for p in DOCS for t in relative_links(p.read_text(encoding="utf-8"))
-              if not (p.parent / t).exists()]
+    broken = [
+        f"{p.relative_to(REPO)}: {t}"
+        for p in DOCS
+        for t in relative_links(p.read_text(encoding="utf-8"))
+        if not (p.parent / t).exists()
+    ]
     assert broken == []
 
 
 def test_every_test_and_script_a_reference_page_names_exists():
     # Reference pages only: docs/measurements/ records runs as they were, with the paths of the day.
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-    missing = [f"{p.relative_to(REPO)}: {t}" for p in pages for t in sorted(named_paths(p.read_text(encoding="utf-8")))
-               if not (REPO / t).exists()]
+    missing = [
+        f"{p.relative_to(REPO)}: {t}"
+        for p in pages
+        for t in sorted(named_paths(p.read_text(encoding="utf-8")))
+        if not (REPO / t).exists()
+    ]
     assert missing == []
 
 

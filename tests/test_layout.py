@@ -131,11 +131,15 @@ def shared_defaults() -> dict[tuple[str, str], set[str]]:
         for node in ast.walk(ast.parse(path.read_text(), where)):
             pairs: list[tuple[str, ast.AST | None]] = []
             if isinstance(node, ast.ClassDef):
-                pairs = [(s.target.id, s.value) for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+                pairs = [
+                    (s.target.id, s.value)
+                    for s in node.body
+                    if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                ]
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = node.args
                 positional = args.posonlyargs + args.args
-                pairs = list(zip((a.arg for a in positional[len(positional) - len(args.defaults):]), args.defaults))
+                pairs = list(zip((a.arg for a in positional[len(positional) - len(args.defaults) :]), args.defaults))
                 pairs += [(a.arg, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
             for name, value in pairs:
                 text = literal(value)
@@ -160,10 +164,14 @@ def actor_methods(class_name: str) -> set[str]:
         done.add(name)
         cls = classes[name]
         methods |= {
-            s.name for s in cls.body
-            if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) and not (s.name.startswith("__") and s.name.endswith("__"))
+            s.name
+            for s in cls.body
+            if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and not (s.name.startswith("__") and s.name.endswith("__"))
         }
-        todo += [b.id if isinstance(b, ast.Name) else b.attr for b in cls.bases if isinstance(b, (ast.Name, ast.Attribute))]
+        todo += [
+            b.id if isinstance(b, ast.Name) else b.attr for b in cls.bases if isinstance(b, (ast.Name, ast.Attribute))
+        ]
     return methods
 
 

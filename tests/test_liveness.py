@@ -61,7 +61,9 @@ def watch_on(clock: Clock, together: bool = False) -> ProgressWatch:
         clock.now += timeout
         return [], list(refs)
 
-    return ProgressWatch(WINDOW, together=together, read=lambda actors: {k: a.count(clock.now) for k, a in actors.items()}, wait=wait)
+    return ProgressWatch(
+        WINDOW, together=together, read=lambda actors: {k: a.count(clock.now) for k, a in actors.items()}, wait=wait
+    )
 
 
 @pytest.mark.parametrize("together", [False, True])
@@ -117,7 +119,8 @@ def test_ranks_of_one_phase_move_together_while_any_of_them_moves():
     assert not watch.all_ready([Ref(at=1e9)], {"policy rank 0": standing(), "critic rank 0": standing()})
     assert clock.now == 2 * WINDOW and watch.stalled == ["policy rank 0", "critic rank 0"]
     assert no_progress_note(watch.stalled, WINDOW) == (
-        "policy rank 0, critic rank 0 made no progress within 10s (fault.step_timeout_s) or did not answer")
+        "policy rank 0, critic rank 0 made no progress within 10s (fault.step_timeout_s) or did not answer"
+    )
 
 
 def test_a_replaced_actor_starts_with_a_first_look():
@@ -182,9 +185,25 @@ def test_a_trainer_rank_busy_in_a_long_phase_is_not_lost_while_its_count_moves(s
     from rlhf_orch.trainer.policy import PolicyWorker
     from rlhf_orch.trainer.spec import TrainerSpec
 
-    spec = TrainerSpec(model_path="unused", dtype="float32", zero_stage=2, micro_batch_size=2, train_batch_size=2, data_parallel_size=1,
-                       pad_id=0, temperature=1.0, lr=1e-4, weight_decay=0.0, grad_clip=1.0, clip_eps=0.2, ppo_epochs=1, seed=0,
-                       torch_threads=1, optimizer="adamw", reference_memory="full")
+    spec = TrainerSpec(
+        model_path="unused",
+        dtype="float32",
+        zero_stage=2,
+        micro_batch_size=2,
+        train_batch_size=2,
+        data_parallel_size=1,
+        pad_id=0,
+        temperature=1.0,
+        lr=1e-4,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        clip_eps=0.2,
+        ppo_epochs=1,
+        seed=0,
+        torch_threads=1,
+        optimizer="adamw",
+        reference_memory="full",
+    )
     ranks = [actor_class(cls).options(num_cpus=0).remote(spec, 0, 1) for cls in (PolicyWorker, CriticWorker)]
     try:
         assert ray.get([r.ping.remote() for r in ranks], timeout=60) == [0, 0]
@@ -258,7 +277,14 @@ def test_a_new_engine_s_first_engine_step_compiles_nothing(shared_ray, tiny_mode
     spec = EngineSpec(model_path=tiny_model_path, dtype="float32", max_model_len=64, kv_cache_bytes=2**26)
     engine = VLLMEngineActor.options(num_cpus=0, runtime_env=env).remote(spec, 0)
     try:
-        job = RolloutJob(prompt_ids={0: [1, 5, 6]}, prompts={0: None}, samples_per_prompt=2, max_tokens=4, temperature=1.0, scorer=None)
+        job = RolloutJob(
+            prompt_ids={0: [1, 5, 6]},
+            prompts={0: None},
+            samples_per_prompt=2,
+            max_tokens=4,
+            temperature=1.0,
+            scorer=None,
+        )
         ray.get(engine.produce_scores.remote(whole_prompt_requests([0], 2), job), timeout=300)
         assert ray.get(engine.progress.remote()) > 0
         assert ray.get(engine.__ray_call__.remote(_compiled_frames)) == 0

@@ -11,7 +11,7 @@ RAY_ACTOR_DIED = (
 )
 RAY_TASK_ERROR = (
     "\x1b[36mray::PolicyWorker.run_weight_sync()\x1b[39m (pid=1, ip=127.0.0.1)\n"
-    "Traceback (most recent call last):\n  File \"x.py\", line 3, in send\n    raise WeightSyncError(...)\n"
+    'Traceback (most recent call last):\n  File "x.py", line 3, in send\n    raise WeightSyncError(...)\n'
     "rlhf_orch.sync.base.WeightSyncError: weight broadcast from policy rank 0 failed"
 )
 

@@ -20,9 +20,14 @@ from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR, continuation_of
 def requeue_resume(overrides: list[str], experiments_root: Path = Path("outputs")) -> str:
     values = dict(arg.split("=", 1) for arg in overrides if "=" in arg and not arg.startswith(("+", "~")))
     resume = values.get("resume")
-    if not resume or resume in (OWN_RUN_DIR, "auto"):  # (auto: the experiment's newest, which the earlier attempts wrote)
+    if not resume or resume in (
+        OWN_RUN_DIR,
+        "auto",
+    ):  # (auto: the experiment's newest, which the earlier attempts wrote)
         return resume or OWN_RUN_DIR
-    return continuation_of(resume, experiments_root, values.get("checkpoint.dir") or None, values.get("experiment_name"))
+    return continuation_of(
+        resume, experiments_root, values.get("checkpoint.dir") or None, values.get("experiment_name")
+    )
 
 
 if __name__ == "__main__":

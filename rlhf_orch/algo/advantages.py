@@ -32,9 +32,7 @@ from rlhf_orch.algo.ppo_math import WHITEN_EPS, token_rewards
 
 # --------------------------------------------------------------------------- GAE (PPO)
 @torch.no_grad()  # advantages and returns are fixed targets, never differentiated through
-def gae_advantages(
-    rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
+def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation over the real tokens of each row, in reverse time.
 
         delta_t = r_t + gamma * V_{t+1} - V_t
@@ -81,9 +79,7 @@ def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Ten
     divide by k - 1), as veRL's GRPO uses; a group of one has std 0.
     """
     if group_ids.shape != scores.shape or scores.dim() != 1:
-        raise ValueError(
-            f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must both be [B]"
-        )
+        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must both be [B]")
     scores = _as_float(scores)
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     n_groups = counts.numel()
@@ -101,9 +97,7 @@ def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Ten
 
 
 @torch.no_grad()
-def grpo_advantages(
-    scores: Tensor, group_ids: Tensor, norm_by_std: bool = True, eps: float = GRPOConfig.eps
-) -> Tensor:
+def grpo_advantages(scores: Tensor, group_ids: Tensor, norm_by_std: bool = True, eps: float = GRPOConfig.eps) -> Tensor:
     """GRPO's outcome advantage, one per sample `[B]`:
 
         A_i = (r_i - mean(r_group)) / (std(r_group) + eps)     (GRPO)
@@ -265,10 +259,7 @@ def overlong_reward_penalty(
     penalty is a step: 0 up to max, -penalty beyond.
     """
     if not 0 <= overlong_buffer <= max_response_len:
-        raise ValueError(
-            f"overlong_buffer={overlong_buffer} must be between 0 and "
-            f"max_response_len={max_response_len}"
-        )
+        raise ValueError(f"overlong_buffer={overlong_buffer} must be between 0 and max_response_len={max_response_len}")
     lens = response_lens.to(torch.float32)
     expected = float(max_response_len - overlong_buffer)
     if overlong_buffer > 0:
@@ -279,9 +270,7 @@ def overlong_reward_penalty(
 
 
 @torch.no_grad()
-def dynamic_sampling_keep(
-    scores: Tensor, group_ids: Tensor, keep_singletons: bool = False
-) -> Tensor:
+def dynamic_sampling_keep(scores: Tensor, group_ids: Tensor, keep_singletons: bool = False) -> Tensor:
     """DAPO's dynamic-sampling filter: True for samples of groups whose scores are not all equal.
 
     A group whose samples all scored the same (all right, all wrong) has advantage 0 everywhere

@@ -101,13 +101,17 @@ class Algorithm:
         return kl_divergence(r.old_logprobs, r.ref_logprobs, self.kl_estimator, mask=r.mask)
 
 
-def _whiten_globally(tensors: list[Tensor], masks: list[Tensor], all_reduce: AllReduce, shift_mean: bool = True) -> list[Tensor]:
+def _whiten_globally(
+    tensors: list[Tensor], masks: list[Tensor], all_reduce: AllReduce, shift_mean: bool = True
+) -> list[Tensor]:
     """Normalise over every masked token of every micro-batch of every data-parallel rank."""
     moments = torch.zeros(3, dtype=torch.float64)
     for x, m in zip(tensors, masks):
         moments += torch.stack(masked_moments(x, m)).to(torch.float64).cpu()
     total_sum, total_sq, count = all_reduce(moments).unbind()
-    return [whiten_with_moments(x, m, total_sum, total_sq, count, shift_mean=shift_mean) for x, m in zip(tensors, masks)]
+    return [
+        whiten_with_moments(x, m, total_sum, total_sq, count, shift_mean=shift_mean) for x, m in zip(tensors, masks)
+    ]
 
 
 @dataclass
@@ -189,7 +193,9 @@ class DAPO(DAPOConfig, _OutcomeAlgorithm):
     ) -> tuple[Tensor, dict[str, float]]:
         stats = {}
         if self.overlong_buffer > 0:
-            penalty = overlong_reward_penalty(response_lens, max_response_len, self.overlong_buffer, self.overlong_penalty)
+            penalty = overlong_reward_penalty(
+                response_lens, max_response_len, self.overlong_buffer, self.overlong_penalty
+            )
             scores = scores + penalty
             stats["reward/overlong_penalty"] = float(penalty.mean())
         return grpo_advantages(scores, group_ids, norm_by_std=self.norm_by_std, eps=self.eps), stats

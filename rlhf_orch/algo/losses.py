@@ -53,9 +53,7 @@ from rlhf_orch.algo.options import KL_DIVERGENCE_ESTIMATORS, LOSS_AGGREGATIONS, 
 
 def _check_mode(mode: str) -> None:
     if mode not in LOSS_AGGREGATIONS:
-        raise ValueError(
-            f"loss aggregation {mode!r} is not known; allowed values: {list(LOSS_AGGREGATIONS)}"
-        )
+        raise ValueError(f"loss aggregation {mode!r} is not known; allowed values: {list(LOSS_AGGREGATIONS)}")
 
 
 def _sequence_tokens(keep: Tensor, mode: str, sequence_ids: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -173,9 +171,7 @@ def aggregate_loss(
 # --------------------------------------------------------------------------- KL to the reference
 
 
-def kl_divergence(
-    logprobs: Tensor, ref_logprobs: Tensor, estimator: str, mask: Tensor | None = None
-) -> Tensor:
+def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, mask: Tensor | None = None) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs (input's shape).
 
         k1          logp - ref                                 unbiased, can be < 0
@@ -193,10 +189,7 @@ def kl_divergence(
     padding holding -inf cannot put NaN into gradients. Without it, padding values pass through.
     """
     if estimator not in KL_DIVERGENCE_ESTIMATORS:
-        raise ValueError(
-            f"KL estimator {estimator!r} is not known; "
-            f"allowed values: {list(KL_DIVERGENCE_ESTIMATORS)}"
-        )
+        raise ValueError(f"KL estimator {estimator!r} is not known; allowed values: {list(KL_DIVERGENCE_ESTIMATORS)}")
     if mask is not None:
         keep = mask.bool()
         zero = torch.zeros_like(logprobs)
@@ -276,12 +269,8 @@ def clipped_policy_loss(
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), keep),
-            "clipfrac_high": masked_mean(
-                ((ratio > 1.0 + clip_high) & (advantages > 0)).to(ratio.dtype), keep
-            ),
-            "clipfrac_low": masked_mean(
-                ((ratio < 1.0 - clip_low) & (advantages < 0)).to(ratio.dtype), keep
-            ),
+            "clipfrac_high": masked_mean(((ratio > 1.0 + clip_high) & (advantages > 0)).to(ratio.dtype), keep),
+            "clipfrac_low": masked_mean(((ratio < 1.0 - clip_low) & (advantages < 0)).to(ratio.dtype), keep),
             "approx_kl": masked_mean((ratio - 1.0) - log_ratio, keep),
             "ratio_mean": masked_mean(ratio, keep),
         }
@@ -317,9 +306,7 @@ def clipped_value_loss(
 
 
 @torch.no_grad()
-def truncated_is_weights(
-    old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float
-) -> Tensor:
+def truncated_is_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float) -> Tensor:
     """Truncated importance-sampling weights `[B, T]`: min(pi_old / pi_behaviour, cap), 0 masked.
 
     pi_behaviour is the policy that actually sampled the tokens (the inference engine's log-probs),
@@ -337,9 +324,7 @@ def truncated_is_weights(
 
 
 @torch.no_grad()
-def decoupled_is_weights(
-    old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float
-) -> Tensor:
+def decoupled_is_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cap: float) -> Tensor:
     """Behaviour importance weights `[B, T]` of AReaL's decoupled PPO objective (Fu et al. 2025):
     pi_prox / pi_behaviour where it is <= cap, 0 where it exceeds the cap and at masked positions.
 

@@ -16,6 +16,7 @@ from omegaconf import MISSING
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_DIVERGENCE_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
+
 @dataclass
 class AlgoConfig:
     """The RL algorithm: the schedule every option shares, the policy loss, the KL term.

@@ -206,7 +206,10 @@ def _whiten(per_seq: list[Tensor], masks: list[list[bool]], eps: float = WHITEN_
     real = torch.cat([x[torch.tensor(m, dtype=torch.bool)] for x, m in zip(per_seq, masks)]).double()
     mean = real.mean()
     var = real.var(unbiased=True) if real.numel() > 1 else real.var(unbiased=False)
-    return [torch.where(torch.tensor(m, dtype=torch.bool), ((x.double() - mean) / torch.sqrt(var + eps)).float(), 0.0) for x, m in zip(per_seq, masks)]
+    return [
+        torch.where(torch.tensor(m, dtype=torch.bool), ((x.double() - mean) / torch.sqrt(var + eps)).float(), 0.0)
+        for x, m in zip(per_seq, masks)
+    ]
 
 
 def _overlong_penalty(length: int, max_len: int, buffer: int, penalty: float) -> float:
@@ -234,7 +237,11 @@ class _Inputs:
         coef = a.kl_coef if (a.kl_placement == "in_reward" and a.kl_coef > 0) else 0.0
         out = []
         for i, score in enumerate(scores):
-            kl = kl_estimate(self.old[i], torch.tensor(self.rollout.ref_logprobs[i]), a.kl_estimator) if coef else torch.zeros_like(self.old[i])
+            kl = (
+                kl_estimate(self.old[i], torch.tensor(self.rollout.ref_logprobs[i]), a.kl_estimator)
+                if coef
+                else torch.zeros_like(self.old[i])
+            )
             placed = self.rollout.turn_rewards[i] if self.rollout.turn_rewards else None
             out.append(_token_rewards(score, kl, self.masks[i], coef, placed))
         return out
@@ -259,7 +266,9 @@ def _reinforce_pp(x: _Inputs) -> tuple[list[Tensor], None]:
 
 
 def _grpo(x: _Inputs) -> tuple[list[Tensor], None]:
-    return x.per_token(_group_centred(list(x.rollout.scores), x.rollout.group_ids, x.algo.norm_by_std, x.algo.eps)), None
+    return x.per_token(
+        _group_centred(list(x.rollout.scores), x.rollout.group_ids, x.algo.norm_by_std, x.algo.eps)
+    ), None
 
 
 def _rloo(x: _Inputs) -> tuple[list[Tensor], None]:
@@ -269,7 +278,10 @@ def _rloo(x: _Inputs) -> tuple[list[Tensor], None]:
 def _dapo(x: _Inputs) -> tuple[list[Tensor], None]:
     a, r = x.algo, x.rollout
     # the policy's own tokens: a multi-turn response's observations (holes) do not count
-    scores = [s + _overlong_penalty(sum(r.mask(i)), x.max_response_len, a.overlong_buffer, a.overlong_penalty) for i, s in enumerate(r.scores)]
+    scores = [
+        s + _overlong_penalty(sum(r.mask(i)), x.max_response_len, a.overlong_buffer, a.overlong_penalty)
+        for i, s in enumerate(r.scores)
+    ]
     return x.per_token(_group_centred(scores, r.group_ids, a.norm_by_std, a.eps)), None
 
 
@@ -368,7 +380,9 @@ def reference_update(
         old, _ = response_logprobs(policy, rollout.prompts, rollout.responses, temperature)
         values = response_values(critic, rollout.prompts, rollout.responses) if critic is not None else None
     adv, returns = advantages(algo, rollout, old, values, max_response_len)
-    metrics: dict[str, float] = {"advantages/abs_max": max((float(a.abs().max()) for a in adv if a.numel()), default=0.0)}
+    metrics: dict[str, float] = {
+        "advantages/abs_max": max((float(a.abs().max()) for a in adv if a.numel()), default=0.0)
+    }
     # The behaviour policy's log-probs against the recomputed ones (train/inference mismatch).
     diffs = [
         (old[i] - torch.tensor(rollout.engine_logprobs[i]))[torch.tensor(masks[i], dtype=torch.bool)].abs()
@@ -378,7 +392,9 @@ def reference_update(
     every = torch.cat(diffs) if diffs else torch.zeros(0)
     metrics["rollout/logprob_diff_max"] = float(every.max()) if diffs else 0.0
     metrics["rollout/logprob_diff_mean"] = float(every.mean()) if every.numel() else 0.0
-    metrics["rollout/logprob_diff_over_frac"] = float((every > LOGPROB_DIFF_THRESHOLD).float().mean()) if every.numel() else 0.0
+    metrics["rollout/logprob_diff_over_frac"] = (
+        float((every > LOGPROB_DIFF_THRESHOLD).float().mean()) if every.numel() else 0.0
+    )
     if algo.kl_placement != "off" and algo.kl_coef > 0:  # a KL term: the run has a reference
         metrics["kl"] = _token_mean([old[i] - torch.tensor(rollout.ref_logprobs[i]) for i in range(n)], masks)
 
@@ -388,8 +404,26 @@ def reference_update(
     per_step: dict[str, list[float]] = {}
     norms = []
     for members in policy_steps:
-        token_losses, stats = [], {k: [] for k in ("clipfrac", "approx_kl", "clipfrac_dual", "tis_weight", "tis_capped", "decoupled_weight", "decoupled_dropped", "kl_loss", "entropy")}
-        logps, entropies = response_logprobs(policy, [rollout.prompts[i] for i in members], [rollout.responses[i] for i in members], temperature)
+        token_losses, stats = (
+            [],
+            {
+                k: []
+                for k in (
+                    "clipfrac",
+                    "approx_kl",
+                    "clipfrac_dual",
+                    "tis_weight",
+                    "tis_capped",
+                    "decoupled_weight",
+                    "decoupled_dropped",
+                    "kl_loss",
+                    "entropy",
+                )
+            },
+        )
+        logps, entropies = response_logprobs(
+            policy, [rollout.prompts[i] for i in members], [rollout.responses[i] for i in members], temperature
+        )
         for i, logp, entropy in zip(members, logps, entropies):
             a = adv[i]
             log_ratio = torch.clamp(logp - old[i], -20.0, 20.0)
@@ -404,7 +438,9 @@ def reference_update(
                 stats["clipfrac_dual"].append(((a < 0) & (loss > bound)).float())
                 loss = torch.where(a < 0, torch.minimum(loss, bound), loss)
             if algo.tis_cap is not None:
-                weight = torch.exp(torch.clamp(old[i] - torch.tensor(rollout.engine_logprobs[i]), max=math.log(algo.tis_cap)))
+                weight = torch.exp(
+                    torch.clamp(old[i] - torch.tensor(rollout.engine_logprobs[i]), max=math.log(algo.tis_cap))
+                )
                 stats["tis_weight"].append(weight)
                 stats["tis_capped"].append((weight >= algo.tis_cap * (1 - 1e-6)).float())
                 loss = loss * weight
@@ -443,7 +479,9 @@ def reference_update(
         losses, clipfracs, norms = [], [], []
         for members in critic_steps:
             token_losses, clipped_flags = [], []
-            step_values = response_values(critic, [rollout.prompts[i] for i in members], [rollout.responses[i] for i in members])
+            step_values = response_values(
+                critic, [rollout.prompts[i] for i in members], [rollout.responses[i] for i in members]
+            )
             for i, v in zip(members, step_values):
                 v_clipped = torch.clamp(v, values[i] - value_clip_eps, values[i] + value_clip_eps)
                 unclipped_sq, clipped_sq = (v - returns[i]) ** 2, (v_clipped - returns[i]) ** 2

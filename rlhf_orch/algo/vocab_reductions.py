@@ -45,8 +45,15 @@ def _relative(chunk: Tensor, temperature: float, shift: Tensor | None = None) ->
     return (z / temperature if temperature != 1.0 else z), shift
 
 
-def _chunked_gradient(logits: Tensor, shift: Tensor, lse: Tensor, grad: Tensor, temperature: float, rows: int,
-                      local: Callable[[Tensor, Tensor, slice], Tensor]) -> Tensor:
+def _chunked_gradient(
+    logits: Tensor,
+    shift: Tensor,
+    lse: Tensor,
+    grad: Tensor,
+    temperature: float,
+    rows: int,
+    local: Callable[[Tensor, Tensor, slice], Tensor],
+) -> Tensor:
     """The gradient of a per-row reduction w.r.t. the logits, chunk by chunk: softmax recomputed from
     the saved shift and logsumexp, `local(p, z, rows)` the reduction's derivative w.r.t. z (it may
     overwrite p), times the incoming gradient / T (z = logits / T), cast to the logits' dtype."""
@@ -119,12 +126,16 @@ class _Entropy(torch.autograd.Function):
         return _chunked_gradient(logits, shift, lse, grad, ctx.temperature, ctx.rows, minus_p_times_centred), None, None
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = PLAIN_TEMPERATURE, max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+def token_logprobs(
+    logits: Tensor, tokens: Tensor, temperature: float = PLAIN_TEMPERATURE, max_chunk_elements: int = CHUNK_ELEMENTS
+) -> Tensor:
     """`log softmax(logits / temperature)[token]`, `[..., V]`, `[...]` -> float32 `[...]`."""
     vocab = logits.shape[-1]
     if tokens.numel() == 0:
         return logits.new_zeros(tokens.shape, dtype=torch.float32)
-    flat = _TokenLogprobs.apply(logits.reshape(-1, vocab), tokens.reshape(-1).long(), float(temperature), max_chunk_elements)
+    flat = _TokenLogprobs.apply(
+        logits.reshape(-1, vocab), tokens.reshape(-1).long(), float(temperature), max_chunk_elements
+    )
     return flat.reshape(tokens.shape)
 
 

@@ -27,13 +27,18 @@ from rlhf_orch.topology.plan import PlacementPlan
 
 
 def algorithm(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
-
     a = cfg.algo
     problems = []
     if a.loss_agg not in LOSS_AGGREGATIONS:
         problems.append(Problem("algo.loss_agg", a.loss_agg, f"use one of {', '.join(LOSS_AGGREGATIONS)}"))
     if a.kl_placement not in ("in_reward", "in_loss", "off"):
-        problems.append(Problem("algo.kl_placement", a.kl_placement, "use 'in_reward' (a reward penalty), 'in_loss' (a loss term) or 'off'"))
+        problems.append(
+            Problem(
+                "algo.kl_placement",
+                a.kl_placement,
+                "use 'in_reward' (a reward penalty), 'in_loss' (a loss term) or 'off'",
+            )
+        )
     elif a.kl_placement == "in_reward" and a.kl_estimator not in ("k1", "k2"):
         problems.append(
             Problem(
@@ -44,7 +49,9 @@ def algorithm(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
             )
         )
     elif a.kl_estimator not in KL_DIVERGENCE_ESTIMATORS:
-        problems.append(Problem("algo.kl_estimator", a.kl_estimator, f"use one of {', '.join(KL_DIVERGENCE_ESTIMATORS)}"))
+        problems.append(
+            Problem("algo.kl_estimator", a.kl_estimator, f"use one of {', '.join(KL_DIVERGENCE_ESTIMATORS)}")
+        )
     if a.compares_group_samples and a.samples_per_prompt < 2:
         problems.append(
             Problem(
@@ -93,10 +100,13 @@ def algorithm(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
         )
     if getattr(a, "overlong_buffer", 0) < 0 or getattr(a, "overlong_buffer", 0) >= cfg.data.response_max_len > 0:
         problems.append(
-            Problem("algo.overlong_buffer", a.overlong_buffer, f"must be in [0, data.response_max_len={cfg.data.response_max_len})")
+            Problem(
+                "algo.overlong_buffer",
+                a.overlong_buffer,
+                f"must be in [0, data.response_max_len={cfg.data.response_max_len})",
+            )
         )
     return problems
-
 
 
 def evaluation(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
@@ -114,29 +124,44 @@ def evaluation(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Probl
     if e.every_n_steps or e.before_train:
         if isinstance(d, DigitTaskConfig) and d.eval_size == 0:
             problems.append(
-                Problem("data.eval_size", 0, "evaluation is on (eval.every_n_steps/eval.before_train) but there are no "
-                        "held-out prompts: set data.eval_size > 0 (e.g. 64) or turn evaluation off")
+                Problem(
+                    "data.eval_size",
+                    0,
+                    "evaluation is on (eval.every_n_steps/eval.before_train) but there are no "
+                    "held-out prompts: set data.eval_size > 0 (e.g. 64) or turn evaluation off",
+                )
             )
         elif isinstance(d, FilesDataConfig) and not d.val_files:
             problems.append(
-                Problem("data.val_files", [], "evaluation is on (eval.every_n_steps/eval.before_train) but there is no "
-                        "validation set: set data.val_files=[...] or eval.every_n_steps=0 eval.before_train=false")
+                Problem(
+                    "data.val_files",
+                    [],
+                    "evaluation is on (eval.every_n_steps/eval.before_train) but there is no "
+                    "validation set: set data.val_files=[...] or eval.every_n_steps=0 eval.before_train=false",
+                )
             )
     scores = _rule_score_range(cfg)
     if scores is not None and is_real(e.pass_threshold):
         lo, hi = scores
         if e.pass_threshold > hi:
             problems.append(
-                Problem("eval.pass_threshold", e.pass_threshold, f"the reward scores at most {hi:g}, so no sample could "
-                        f"pass (pass@k always 0); use a threshold in ({lo:g}, {hi:g}], e.g. {hi:g}")
+                Problem(
+                    "eval.pass_threshold",
+                    e.pass_threshold,
+                    f"the reward scores at most {hi:g}, so no sample could "
+                    f"pass (pass@k always 0); use a threshold in ({lo:g}, {hi:g}], e.g. {hi:g}",
+                )
             )
         elif e.pass_threshold <= lo:
             problems.append(
-                Problem("eval.pass_threshold", e.pass_threshold, f"the reward scores at least {lo:g}, so every sample "
-                        f"would pass (pass@k always 1); use a threshold in ({lo:g}, {hi:g}], e.g. {hi:g}")
+                Problem(
+                    "eval.pass_threshold",
+                    e.pass_threshold,
+                    f"the reward scores at least {lo:g}, so every sample "
+                    f"would pass (pass@k always 1); use a threshold in ({lo:g}, {hi:g}], e.g. {hi:g}",
+                )
             )
     return problems
-
 
 
 def _rule_score_range(cfg: RootConfig) -> Optional[tuple[float, float]]:
@@ -150,37 +175,57 @@ def _rule_score_range(cfg: RootConfig) -> Optional[tuple[float, float]]:
     return None  # a user's function or a reward model: any real number
 
 
-
 def reward(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     r = cfg.reward
     problems = []
     if isinstance(r, (GSM8KRuleConfig, CountdownRuleConfig)) and is_real(r.score) and is_real(r.format_score):
         if r.score <= r.format_score:
             problems.append(
-                Problem("reward.score", r.score, f"a correct answer must score more than a wrong one "
-                        f"(reward.format_score={r.format_score:g}): use e.g. reward.score=1.0")
+                Problem(
+                    "reward.score",
+                    r.score,
+                    f"a correct answer must score more than a wrong one "
+                    f"(reward.format_score={r.format_score:g}): use e.g. reward.score=1.0",
+                )
             )
     if isinstance(r, CustomRewardConfig) and r.batched is True and is_int(r.pool_size) and r.pool_size > 0:
         problems.append(
-            Problem("reward.pool_size", r.pool_size, "reward.batched=true scores the whole batch in one call on the "
-                    "engine, never in a pool: set reward.pool_size=0 (or reward.batched=false to score per sample in the pool)")
+            Problem(
+                "reward.pool_size",
+                r.pool_size,
+                "reward.batched=true scores the whole batch in one call on the "
+                "engine, never in a pool: set reward.pool_size=0 (or reward.batched=false to score per sample in the pool)",
+            )
         )
     rules = {"reward": r, "reward.rule": getattr(r, "rule", None)}
     for key in [k for k, x in rules.items() if isinstance(x, ReasoningGymRuleConfig)]:
         if isinstance(cfg.data, ReasoningGymDataConfig):
             continue
         problems.append(
-            Problem(key, "reasoning_gym", "scores reasoning-gym entries, which only data=reasoning_gym gives as labels: "
-                    "use data=reasoning_gym data.task=<dataset>, or a reward for your data")
+            Problem(
+                key,
+                "reasoning_gym",
+                "scores reasoning-gym entries, which only data=reasoning_gym gives as labels: "
+                "use data=reasoning_gym data.task=<dataset>, or a reward for your data",
+            )
         )
     if isinstance(r, ModelRewardConfig):
         rule_weight = r.rule_weight if r.rule is not None else 0
         if r.weight == 0 and rule_weight == 0:
             problems.append(
-                Problem("reward.weight", r.weight, "with no rule (or reward.rule_weight=0) every score would be 0: "
-                        "use a weight != 0 (e.g. 1.0)")
+                Problem(
+                    "reward.weight",
+                    r.weight,
+                    "with no rule (or reward.rule_weight=0) every score would be 0: use a weight != 0 (e.g. 1.0)",
+                )
             )
         if is_local_path(r.model_path) and not Path(r.model_path).expanduser().exists():
-            problems.append(Problem("reward.model_path", r.model_path, "no such directory; give an existing "
-                                    "sequence-classification checkpoint, a hub id, or null (the tiny one)"))
+            problems.append(
+                Problem(
+                    "reward.model_path",
+                    r.model_path,
+                    "no such directory; give an existing "
+                    "sequence-classification checkpoint, a hub id, or null (the tiny one)",
+                )
+            )
     return problems

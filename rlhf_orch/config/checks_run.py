@@ -15,10 +15,12 @@ from rlhf_orch.topology.plan import PlacementPlan
 
 # Transports that need real CUDA devices, with the CPU alternative to name in the fix.
 _CUDA_BACKENDS = {
-    "nccl": ("NCCL", "use the gloo variant of the same strategy (e.g. sync=gloo_bucketed instead of sync=nccl_bucketed)"),
+    "nccl": (
+        "NCCL",
+        "use the gloo variant of the same strategy (e.g. sync=gloo_bucketed instead of sync=nccl_bucketed)",
+    ),
     "cuda_ipc": ("CUDA IPC", "use sync=gloo_bucketed (or sync=object_store where no collective group can be formed)"),
 }
-
 
 
 def sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
@@ -27,7 +29,9 @@ def sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pro
     backend = sync.backend
     # What the chosen strategy needs is declared on its schema (ClassVars), not listed here.
     if backend not in sync.backends:
-        problems.append(Problem("sync.backend", backend, f"this strategy supports {' or '.join(map(repr, sync.backends))}"))
+        problems.append(
+            Problem("sync.backend", backend, f"this strategy supports {' or '.join(map(repr, sync.backends))}")
+        )
     elif backend in _CUDA_BACKENDS and not hw.cuda:
         problems.append(
             Problem(
@@ -52,9 +56,12 @@ def sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pro
         if missing:
             where = ", ".join(f"engine{f.engine}/tp{f.tp_rank} on node {f.node} GPU {f.bundle}" for f in missing)
             problems.append(
-                Problem("placement.actor_ranks", cfg.placement.actor_ranks,
-                        f"CUDA IPC opens memory of the same GPU only, and no policy rank sits on {where}: raise "
-                        "placement.actor_ranks so every engine GPU has one, or use sync=nccl_bucketed")
+                Problem(
+                    "placement.actor_ranks",
+                    cfg.placement.actor_ranks,
+                    f"CUDA IPC opens memory of the same GPU only, and no policy rank sits on {where}: raise "
+                    "placement.actor_ranks so every engine GPU has one, or use sync=nccl_bucketed",
+                )
             )
     actor_ranks = len(plan.slots_for("actor"))
     if actor_ranks < sync.min_policy_ranks:
@@ -67,7 +74,6 @@ def sync_backend(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pro
             )
         )
     return problems
-
 
 
 def pipeline(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
@@ -98,7 +104,6 @@ def pipeline(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem
     return []
 
 
-
 def timeouts(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     """A shorter outer timeout makes an inner one unreachable."""
     step = lookup(cfg, "fault.step_timeout_s")
@@ -107,17 +112,25 @@ def timeouts(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem
     problems = []
     if is_real(cfg.sync.timeout_s) and cfg.sync.timeout_s > step:
         problems.append(
-            Problem("fault.step_timeout_s", step, f"a step waits on the weight sync, so sync.timeout_s="
-                    f"{cfg.sync.timeout_s:g} could never fire: use fault.step_timeout_s >= {cfg.sync.timeout_s:g} "
-                    "(or a lower sync.timeout_s)")
+            Problem(
+                "fault.step_timeout_s",
+                step,
+                f"a step waits on the weight sync, so sync.timeout_s="
+                f"{cfg.sync.timeout_s:g} could never fire: use fault.step_timeout_s >= {cfg.sync.timeout_s:g} "
+                "(or a lower sync.timeout_s)",
+            )
         )
     for key in ("reward.timeout_s", "reward.rule.timeout_s"):
         limit = lookup(cfg, key)
         if is_real(limit) and limit > step:
             problems.append(
-                Problem(key, limit, f"one sample's scoring limit exceeds fault.step_timeout_s={step:g}, the longest "
-                        "wait without progress (each scored sample counts as the engine's progress, one sample "
-                        "takes up to this): use less (typical 10)")
+                Problem(
+                    key,
+                    limit,
+                    f"one sample's scoring limit exceeds fault.step_timeout_s={step:g}, the longest "
+                    "wait without progress (each scored sample counts as the engine's progress, one sample "
+                    "takes up to this): use less (typical 10)",
+                )
             )
     tool = lookup(cfg, "env.tool_timeout_s")
     env_class = get_class(cfg.env._target_) if isinstance(getattr(cfg.env, "_target_", None), str) else None
@@ -125,7 +138,11 @@ def timeouts(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem
         # While every trajectory on an engine waits in a tool call the engine makes no step: past
         # fault.step_timeout_s it would be taken for a hung engine and the run restarted.
         problems.append(
-            Problem("env.tool_timeout_s", tool, f"one environment step may take {env_class.step_wait_s(tool):g}s, more than "
-                    f"fault.step_timeout_s={step:g}, the longest wait without an engine step: use less (or raise fault.step_timeout_s)")
+            Problem(
+                "env.tool_timeout_s",
+                tool,
+                f"one environment step may take {env_class.step_wait_s(tool):g}s, more than "
+                f"fault.step_timeout_s={step:g}, the longest wait without an engine step: use less (or raise fault.step_timeout_s)",
+            )
         )
     return problems

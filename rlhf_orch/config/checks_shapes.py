@@ -71,10 +71,8 @@ def batch_sizes(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Prob
     return problems
 
 
-
 def _largest_divisor_at_most(n: int, k: int) -> int:
     return max(d for d in range(1, max(min(n, k), 1) + 1) if n % d == 0)
-
 
 
 def lengths(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
@@ -91,19 +89,24 @@ def lengths(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]
             )
         )
     if is_int(cfg.algo.min_response_len) and cfg.algo.min_response_len > d.response_max_len:
-        problems.append(Problem(
-            "algo.min_response_len", cfg.algo.min_response_len,
-            f"a response cannot have more than data.response_max_len={d.response_max_len} tokens; "
-            f"set algo.min_response_len <= {d.response_max_len}",
-        ))
+        problems.append(
+            Problem(
+                "algo.min_response_len",
+                cfg.algo.min_response_len,
+                f"a response cannot have more than data.response_max_len={d.response_max_len} tokens; "
+                f"set algo.min_response_len <= {d.response_max_len}",
+            )
+        )
     if is_int(cfg.algo.min_response_len) and cfg.algo.min_response_len > 0 and isinstance(cfg.env, TRAJECTORY_ENVS):
-        problems.append(Problem(
-            "algo.min_response_len", cfg.algo.min_response_len,
-            "a multi-turn trajectory's turns end where the environment needs them to (a tool call, an answer); "
-            "a minimum length per response would run past them: leave algo.min_response_len=0 with env",
-        ))
+        problems.append(
+            Problem(
+                "algo.min_response_len",
+                cfg.algo.min_response_len,
+                "a multi-turn trajectory's turns end where the environment needs them to (a tool call, an answer); "
+                "a minimum length per response would run past them: leave algo.min_response_len=0 with env",
+            )
+        )
     return problems
-
 
 
 def transfer(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
@@ -111,12 +114,22 @@ def transfer(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem
     t, d, a = cfg.transfer, cfg.data, cfg.algo
     if not isinstance(t, PackedTransferConfig):
         if cfg.trainer.share_prompts:
-            return [Problem("trainer.share_prompts", True, "a shared prompt needs packed micro-batches (padded ones keep a row "
-                            "per sequence): use transfer=packed, or leave trainer.share_prompts null")]
+            return [
+                Problem(
+                    "trainer.share_prompts",
+                    True,
+                    "a shared prompt needs packed micro-batches (padded ones keep a row "
+                    "per sequence): use transfer=packed, or leave trainer.share_prompts null",
+                )
+            ]
         return []
     longest = d.prompt_max_len + d.response_max_len
     if t.token_budget < 0:
-        return [Problem("transfer.token_budget", t.token_budget, f"must be >= 0; 0 derives algo.micro_batch_size x {longest}")]
+        return [
+            Problem(
+                "transfer.token_budget", t.token_budget, f"must be >= 0; 0 derives algo.micro_batch_size x {longest}"
+            )
+        ]
     if 0 < t.token_budget < longest:
         return [
             Problem(
@@ -129,39 +142,49 @@ def transfer(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem
     return []
 
 
-
 def is_local_path(path: Any) -> bool:
     return isinstance(path, str) and path.startswith(("/", "./", "../", "~"))
-
 
 
 def model_source(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     problems = []
     path = getattr(cfg.model, "name_or_path", None)
     if is_local_path(path) and not Path(path).expanduser().exists():
-        problems.append(Problem("model.name_or_path", path, "no such directory; give an existing checkpoint directory or a hub id"))
+        problems.append(
+            Problem("model.name_or_path", path, "no such directory; give an existing checkpoint directory or a hub id")
+        )
     m = cfg.model
     if isinstance(m, TinyModelConfig) and m.num_heads >= 1 and m.hidden_size >= 1:
         if m.hidden_size % m.num_heads:
             problems.append(
-                Problem("model.num_heads", m.num_heads, f"must divide model.hidden_size={m.hidden_size} "
-                        f"(head_dim = hidden_size / num_heads); e.g. num_heads={max(1, m.hidden_size // _TINY_MIN_HEAD_DIM)}")
+                Problem(
+                    "model.num_heads",
+                    m.num_heads,
+                    f"must divide model.hidden_size={m.hidden_size} "
+                    f"(head_dim = hidden_size / num_heads); e.g. num_heads={max(1, m.hidden_size // _TINY_MIN_HEAD_DIM)}",
+                )
             )
         elif m.hidden_size // m.num_heads < _TINY_MIN_HEAD_DIM:
             problems.append(
-                Problem("model.num_heads", m.num_heads, f"head_dim = model.hidden_size / num_heads = "
-                        f"{m.hidden_size // m.num_heads} < {_TINY_MIN_HEAD_DIM}, which vLLM's CPU attention refuses; use "
-                        f"num_heads <= {max(1, m.hidden_size // _TINY_MIN_HEAD_DIM)} or a larger hidden_size")
+                Problem(
+                    "model.num_heads",
+                    m.num_heads,
+                    f"head_dim = model.hidden_size / num_heads = "
+                    f"{m.hidden_size // m.num_heads} < {_TINY_MIN_HEAD_DIM}, which vLLM's CPU attention refuses; use "
+                    f"num_heads <= {max(1, m.hidden_size // _TINY_MIN_HEAD_DIM)} or a larger hidden_size",
+                )
             )
         need = _tiny_min_vocab()
         if m.vocab_size < need:
             problems.append(
-                Problem("model.vocab_size", m.vocab_size, f"the tiny tokenizer needs >= {need} tokens (4 special tokens, "
-                        "the task's characters and one token per task word); use e.g. 64")
+                Problem(
+                    "model.vocab_size",
+                    m.vocab_size,
+                    f"the tiny tokenizer needs >= {need} tokens (4 special tokens, "
+                    "the task's characters and one token per task word); use e.g. 64",
+                )
             )
     return problems
-
-
 
 
 # vLLM's CPU attention kernels reject smaller heads (rlhf_orch.models.tiny_build.MIN_HEAD_DIM, not
@@ -169,9 +192,7 @@ def model_source(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pro
 _TINY_MIN_HEAD_DIM = 32
 
 
-
 _TINY_SPECIAL_TOKENS = 4  # tiny_build.SPECIAL_TOKENS: pad, bos, eos, unk
-
 
 
 def _tiny_min_vocab() -> int:
@@ -184,7 +205,6 @@ def _tiny_min_vocab() -> int:
     return _TINY_SPECIAL_TOKENS + len(alphabet) + merges
 
 
-
 def data(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     d = cfg.data
     problems = []
@@ -193,21 +213,41 @@ def data(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
         if d.min_digits > d.max_digits:
             problems.append(Problem("data.min_digits", d.min_digits, f"must be <= data.max_digits={d.max_digits}"))
         if d.long_tail_len > d.response_max_len:
-            problems.append(Problem("data.long_tail_len", d.long_tail_len, f"must be <= data.response_max_len={d.response_max_len}"))
+            problems.append(
+                Problem("data.long_tail_len", d.long_tail_len, f"must be <= data.response_max_len={d.response_max_len}")
+            )
         if bool(d.long_tail_frac) != bool(d.long_tail_len):
-            key, value = ("data.long_tail_len", d.long_tail_len) if d.long_tail_len else ("data.long_tail_frac", d.long_tail_frac)
-            problems.append(Problem(key, value, "does nothing alone: set both data.long_tail_frac (> 0) and data.long_tail_len (> 0), or neither"))
+            key, value = (
+                ("data.long_tail_len", d.long_tail_len)
+                if d.long_tail_len
+                else ("data.long_tail_frac", d.long_tail_frac)
+            )
+            problems.append(
+                Problem(
+                    key,
+                    value,
+                    "does nothing alone: set both data.long_tail_frac (> 0) and data.long_tail_len (> 0), or neither",
+                )
+            )
         prompt_tokens = 1 + d.filler_tokens + 1 + d.max_digits + 1  # BOS, filler, "rev", digits, "="
         if prompt_tokens > d.prompt_max_len:
             problems.append(
-                Problem("data.prompt_max_len", d.prompt_max_len, f"prompts take up to {prompt_tokens} tokens (BOS + "
-                        f"data.filler_tokens={d.filler_tokens} + rev + data.max_digits={d.max_digits} + =): raise it to "
-                        f">= {prompt_tokens} or lower filler_tokens/max_digits")
+                Problem(
+                    "data.prompt_max_len",
+                    d.prompt_max_len,
+                    f"prompts take up to {prompt_tokens} tokens (BOS + "
+                    f"data.filler_tokens={d.filler_tokens} + rev + data.max_digits={d.max_digits} + =): raise it to "
+                    f">= {prompt_tokens} or lower filler_tokens/max_digits",
+                )
             )
         if d.max_digits + 1 > d.response_max_len:
             problems.append(
-                Problem("data.response_max_len", d.response_max_len, f"the answer takes up to {d.max_digits + 1} tokens "
-                        f"(data.max_digits={d.max_digits} + EOS): raise it to >= {d.max_digits + 1}")
+                Problem(
+                    "data.response_max_len",
+                    d.response_max_len,
+                    f"the answer takes up to {d.max_digits + 1} tokens "
+                    f"(data.max_digits={d.max_digits} + EOS): raise it to >= {d.max_digits + 1}",
+                )
             )
     if isinstance(d, FilesDataConfig):
         from rlhf_orch.data.base import DataError
@@ -219,11 +259,21 @@ def data(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
             problems.append(Problem("data.prompt_template", d.prompt_template, str(e).split(": ", 1)[-1]))
         if d.label_columns is not None:
             if d.label_key is not None and d.label_key != DEFAULT_LABEL_KEY:
-                problems.append(Problem("data.label_key", d.label_key, "data.label_columns gives the label; set "
-                                        "data.label_key=null (or data.label_columns=null)"))
+                problems.append(
+                    Problem(
+                        "data.label_key",
+                        d.label_key,
+                        "data.label_columns gives the label; set data.label_key=null (or data.label_columns=null)",
+                    )
+                )
             if d.label_regex is not None:
-                problems.append(Problem("data.label_regex", d.label_regex, "applies to data.label_key only; remove it "
-                                        "or set data.label_columns=null"))
+                problems.append(
+                    Problem(
+                        "data.label_regex",
+                        d.label_regex,
+                        "applies to data.label_key only; remove it or set data.label_columns=null",
+                    )
+                )
         if d.label_regex is not None:
             try:
                 re.compile(d.label_regex)

@@ -79,7 +79,14 @@ def rows(choices: Optional[Mapping[str, Any]] = None, conf_dir: Path = CONF_DIR)
             by_text.setdefault(key, []).append(option)
         for key, names in by_text.items():
             text = "" if key.startswith("\0") else key
-            out.append((group, choices.get(group) in names, _merged(names), text or description(group, names[0], conf_dir) or ""))
+            out.append(
+                (
+                    group,
+                    choices.get(group) in names,
+                    _merged(names),
+                    text or description(group, names[0], conf_dir) or "",
+                )
+            )
     return out
 
 

@@ -24,7 +24,9 @@ from typing import Iterator
 
 EXIT_CONFIG_ERROR = 2
 
-_MISSING_OPTION = re.compile(r"Could not find '([^'/]+)/([^']+)'.*?Available options in '[^']+':\s*(.*?)(?:Config search path|$)", re.S)
+_MISSING_OPTION = re.compile(
+    r"Could not find '([^'/]+)/([^']+)'.*?Available options in '[^']+':\s*(.*?)(?:Config search path|$)", re.S
+)
 _FULL_KEY = re.compile(r"full_key: (\S+)")
 _NOT_IN = re.compile(r"Key '([^']+)' not in '([^']+)'")
 _SET_IN = re.compile(r"^In '([^']+)'")

@@ -221,9 +221,17 @@ class RootConfig:
 # `placement=<schema>` to pick). The root schema is `schema/root`, conf/config.yaml's first default.
 SCHEMA_GROUP = "schema"
 _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
-    "placement": {"cpu_local": CpuLocalPlacementConfig, "colocated": ColocatedPlacementConfig, "split": SplitPlacementConfig},
+    "placement": {
+        "cpu_local": CpuLocalPlacementConfig,
+        "colocated": ColocatedPlacementConfig,
+        "split": SplitPlacementConfig,
+    },
     "pipeline": {"base": PipelineConfig, "async": AsyncPipelineConfig},
-    "transfer": {"padded": PaddedTransferConfig, "packed": PackedTransferConfig, "micro_batched": MicroBatchedTransferConfig},
+    "transfer": {
+        "padded": PaddedTransferConfig,
+        "packed": PackedTransferConfig,
+        "micro_batched": MicroBatchedTransferConfig,
+    },
     "sync": {
         "per_tensor": PerTensorSyncConfig,
         "bucketed": BucketedSyncConfig,
@@ -231,8 +239,12 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "object_store": ObjectStoreSyncConfig,
         "cuda_ipc": CudaIpcSyncConfig,
     },
-    "data": {"digit_task": DigitTaskConfig, "lookup_task": LookupTaskConfig, "files": FilesDataConfig,
-             "reasoning_gym": ReasoningGymDataConfig},
+    "data": {
+        "digit_task": DigitTaskConfig,
+        "lookup_task": LookupTaskConfig,
+        "files": FilesDataConfig,
+        "reasoning_gym": ReasoningGymDataConfig,
+    },
     "reward": {
         "digit_rule": DigitRuleConfig,
         "gsm8k": GSM8KRuleConfig,
@@ -242,10 +254,22 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "custom": CustomRewardConfig,
         "model": ModelRewardConfig,
     },
-    "env": {"single_turn": SingleTurnEnvConfig, "custom": CustomEnvConfig, "skyrl": SkyRLEnvConfig, "python_tool": PythonToolEnvConfig,
-            "lookup": LookupEnvConfig, "agent": AgentEnvConfig},
+    "env": {
+        "single_turn": SingleTurnEnvConfig,
+        "custom": CustomEnvConfig,
+        "skyrl": SkyRLEnvConfig,
+        "python_tool": PythonToolEnvConfig,
+        "lookup": LookupEnvConfig,
+        "agent": AgentEnvConfig,
+    },
     "model": {"tiny": TinyModelConfig, "hf": HFModelConfig, "packaged_gguf": PackagedGGUFModelConfig},
-    "algo": {"ppo": PPOConfig, "grpo": GRPOConfig, "rloo": RLOOConfig, "reinforce_pp": ReinforcePPConfig, "dapo": DAPOConfig},
+    "algo": {
+        "ppo": PPOConfig,
+        "grpo": GRPOConfig,
+        "rloo": RLOOConfig,
+        "reinforce_pp": ReinforcePPConfig,
+        "dapo": DAPOConfig,
+    },
     "logger": {"console": ConsoleLoggerConfig, "wandb": WandbLoggerConfig},
     "launcher": {"local": LocalLauncherConfig, "cluster": ClusterLauncherConfig},
 }

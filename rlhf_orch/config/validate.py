@@ -23,7 +23,16 @@ from typing import Callable
 from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR
 from rlhf_orch.config.checks_algo import algorithm, evaluation, reward
 from rlhf_orch.config.checks_env import TRAJECTORY_ENVS, env
-from rlhf_orch.config.checks_placement import engine_memory, gpus, launcher, lora, offload, placement, reference_memory, roles
+from rlhf_orch.config.checks_placement import (
+    engine_memory,
+    gpus,
+    launcher,
+    lora,
+    offload,
+    placement,
+    reference_memory,
+    roles,
+)
 from rlhf_orch.config.checks_run import pipeline, sync_backend, timeouts
 from rlhf_orch.config.checks_shapes import batch_sizes, data, lengths, model_source, transfer
 from rlhf_orch.config.hardware import Hardware
@@ -33,7 +42,16 @@ from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.topology.plan import PlacementPlan
 
 # (importable from here as before)
-__all__ = ["CHECKS", "ConfigError", "Hardware", "Problem", "TRAJECTORY_ENVS", "check_run_dir_writable", "range_problems", "validate"]
+__all__ = [
+    "CHECKS",
+    "ConfigError",
+    "Hardware",
+    "Problem",
+    "TRAJECTORY_ENVS",
+    "check_run_dir_writable",
+    "range_problems",
+    "validate",
+]
 
 
 def _ranges(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
@@ -44,13 +62,29 @@ def _paths(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     problems = []
     resume = lookup(cfg, "resume")
     if isinstance(resume, str) and resume not in ("auto", OWN_RUN_DIR) and not Path(resume).expanduser().exists():
-        problems.append(Problem("resume", resume, "no such run or checkpoint directory; give an existing one, "
-                                f"'auto' (the latest checkpoint of this experiment_name), '{OWN_RUN_DIR}' (this run's own "
-                                "hydra.run.dir, if it has a checkpoint) or null"))
+        problems.append(
+            Problem(
+                "resume",
+                resume,
+                "no such run or checkpoint directory; give an existing one, "
+                f"'auto' (the latest checkpoint of this experiment_name), '{OWN_RUN_DIR}' (this run's own "
+                "hydra.run.dir, if it has a checkpoint) or null",
+            )
+        )
     ckpt = lookup(cfg, "checkpoint.dir")
-    if isinstance(ckpt, str) and ckpt.strip() and Path(ckpt).expanduser().exists() and not Path(ckpt).expanduser().is_dir():
-        problems.append(Problem("checkpoint.dir", ckpt, "is a file, not a directory; give a directory shared by every "
-                                "node (or null for <run dir>/checkpoints)"))
+    if (
+        isinstance(ckpt, str)
+        and ckpt.strip()
+        and Path(ckpt).expanduser().exists()
+        and not Path(ckpt).expanduser().is_dir()
+    ):
+        problems.append(
+            Problem(
+                "checkpoint.dir",
+                ckpt,
+                "is a file, not a directory; give a directory shared by every node (or null for <run dir>/checkpoints)",
+            )
+        )
     return problems
 
 
@@ -86,7 +120,6 @@ def validate(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> None:
         raise ConfigError(problems)
 
 
-
 # =========================================================================== the run directory
 def check_run_dir_writable(path: Path) -> None:
     """Refuse a run dir that cannot be created, or in which a small file cannot be written and deleted."""
@@ -103,6 +136,11 @@ def check_run_dir_writable(path: Path) -> None:
     except OSError as e:
         reason = e.strerror or type(e).__name__
         raise ConfigError(
-            [Problem("hydra.run.dir", str(path), f"cannot write there ({reason}); give a writable directory, "
-                     "e.g. hydra.run.dir=/tmp/rlhf_orch/run")]
+            [
+                Problem(
+                    "hydra.run.dir",
+                    str(path),
+                    f"cannot write there ({reason}); give a writable directory, e.g. hydra.run.dir=/tmp/rlhf_orch/run",
+                )
+            ]
         ) from e

@@ -101,7 +101,9 @@ class DigitReverseTask(PromptSource):
         # The long tail of reasoning rollouts: this fraction of training prompts must be answered
         # with at least long_tail_len tokens (the rest end where the model puts EOS).
         if not 0.0 <= long_tail_frac <= 1.0 or long_tail_len < 0 or long_tail_len > response_max_len:
-            raise ValueError(f"need 0 <= long_tail_frac <= 1 and 0 <= long_tail_len <= response_max_len, got {long_tail_frac}, {long_tail_len}")
+            raise ValueError(
+                f"need 0 <= long_tail_frac <= 1 and 0 <= long_tail_len <= response_max_len, got {long_tail_frac}, {long_tail_len}"
+            )
         self.long_tail_frac = long_tail_frac
         self.long_tail_len = long_tail_len
         self._batches_drawn = 0  # the sampler's whole state: batch k is a pure function of (seed, k)
@@ -168,7 +170,9 @@ class DigitReverseTask(PromptSource):
         prompts = [self._draw(rng) for _ in range(n)]
         if self.long_tail_frac and self.long_tail_len:
             tail = np.random.default_rng([self.seed, self._TAIL_STREAM, index]).random(n) < self.long_tail_frac
-            prompts = [dataclasses.replace(p, min_response_len=self.long_tail_len) if t else p for p, t in zip(prompts, tail)]
+            prompts = [
+                dataclasses.replace(p, min_response_len=self.long_tail_len) if t else p for p, t in zip(prompts, tail)
+            ]
         return prompts
 
     def corpus(self, n: int) -> list[str]:

@@ -16,16 +16,23 @@ from rlhf_orch.data.digit_task import DigitReverseTask
 
 
 def _task(seed: int) -> DigitReverseTask:
-    return DigitReverseTask(prompt_max_len=32, response_max_len=16, seed=seed, min_digits=3, max_digits=5, filler_tokens=0)
+    return DigitReverseTask(
+        prompt_max_len=32, response_max_len=16, seed=seed, min_digits=3, max_digits=5, filler_tokens=0
+    )
 
 
-def export_digit_task(out_dir: str | Path, train: int = 1024, test: int = 64, seed: int = DEFAULT_DATA_SEED) -> dict[str, dict[str, str]]:
+def export_digit_task(
+    out_dir: str | Path, train: int = 1024, test: int = 64, seed: int = DEFAULT_DATA_SEED
+) -> dict[str, dict[str, str]]:
     """Write both layouts; returns {layout: {split: path}}."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     task = _task(seed)
-    splits = {"train": task.batch(train, 1), "test": task.eval_prompts()[:test] if test <= task.eval_size else _task(seed + 1).batch(test, 0)}
+    splits = {
+        "train": task.batch(train, 1),
+        "test": task.eval_prompts()[:test] if test <= task.eval_size else _task(seed + 1).batch(test, 0),
+    }
     out = Path(out_dir)
     paths: dict[str, dict[str, str]] = {"verl": {}, "openrlhf": {}}
     for split, prompts in splits.items():

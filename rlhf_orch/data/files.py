@@ -95,8 +95,14 @@ class _Split:
         self.offsets = np.zeros(1, dtype=np.int64)
 
     def add(
-        self, text: str, label: Any, source: str, extra: Optional[dict], ids: Sequence[int],
-        messages: Optional[tuple] = None, env_fields: Optional[dict] = None,
+        self,
+        text: str,
+        label: Any,
+        source: str,
+        extra: Optional[dict],
+        ids: Sequence[int],
+        messages: Optional[tuple] = None,
+        env_fields: Optional[dict] = None,
     ) -> None:
         self.messages.append(messages)
         self.env_fields.append(env_fields)
@@ -161,8 +167,12 @@ class PromptDataset(PromptSource):
                 "data.train_files: is empty; set data.train_files=[/path/train.parquet] "
                 "(.parquet, .jsonl, .json or hf:<name>[:<config>]@<split>)"
             )
-        for name, value in (("prompt_key", prompt_key), ("label_key", label_key), ("source_key", source_key),
-                            ("extra_key", extra_key)):
+        for name, value in (
+            ("prompt_key", prompt_key),
+            ("label_key", label_key),
+            ("source_key", source_key),
+            ("extra_key", extra_key),
+        ):
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise DataError(f"data.{name}: expected a column name or null, got {value!r}")
         self.prompt_key = prompt_key
@@ -186,9 +196,7 @@ class PromptDataset(PromptSource):
         self.prompt_max_len = int(prompt_max_len)
         self.response_max_len = int(response_max_len)
         if not isinstance(hub_split_default, str) or not hub_split_default:
-            raise DataError(
-                f"data.hub_split_default: expected a split name such as train, got {hub_split_default!r}"
-            )
+            raise DataError(f"data.hub_split_default: expected a split name such as train, got {hub_split_default!r}")
         self.hub_split_default = hub_split_default
 
         self.prompt_template = prompt_template
@@ -197,13 +205,10 @@ class PromptDataset(PromptSource):
         self.label_columns = list(label_columns) if label_columns is not None else None
         if self.label_columns is not None:
             if not self.label_columns or not all(isinstance(c, str) and c for c in self.label_columns):
-                raise DataError(
-                    f"data.label_columns: expected a non-empty list of column names, got {label_columns!r}"
-                )
+                raise DataError(f"data.label_columns: expected a non-empty list of column names, got {label_columns!r}")
             if label_key is not None and label_key != DEFAULT_LABEL_KEY:
                 raise DataError(
-                    "data.label_key: set together with data.label_columns; "
-                    "set data.label_key=null to use the columns"
+                    "data.label_key: set together with data.label_columns; set data.label_key=null to use the columns"
                 )
             if label_regex is not None:
                 raise DataError(
@@ -292,7 +297,11 @@ class PromptDataset(PromptSource):
             self._pending_state = None
         logger.info(
             "data: %d training prompts from %d file(s), %d held-out; filtered as overlong (> %d tokens): %s",
-            len(train), len(train_src), len(val), self.prompt_max_len, self.filtered_overlong,
+            len(train),
+            len(train_src),
+            len(val),
+            self.prompt_max_len,
+            self.filtered_overlong,
         )
 
     def _load_split(self, sources: list[ResolvedFile], tokenizer: Any, split: str) -> _Split:
@@ -329,7 +338,10 @@ class PromptDataset(PromptSource):
         if self.filtered_overlong[split]:
             logger.warning(
                 "data: dropped %d of %d %s prompts longer than data.prompt_max_len=%d tokens",
-                self.filtered_overlong[split], total, split, self.prompt_max_len,
+                self.filtered_overlong[split],
+                total,
+                split,
+                self.prompt_max_len,
             )
         out.finish()
         return out
@@ -375,9 +387,7 @@ class PromptDataset(PromptSource):
         if self.label_key is None:
             self.label_column_present = False
             return "none"
-        present = _has_column(columns, self.label_key) and any(
-            _lookup(r, self.label_key) is not _MISSING for r in rows
-        )
+        present = _has_column(columns, self.label_key) and any(_lookup(r, self.label_key) is not _MISSING for r in rows)
         if present:
             return "key"
         if self.label_key != DEFAULT_LABEL_KEY:
@@ -473,7 +483,9 @@ class PromptDataset(PromptSource):
         if self.system_prompt and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+            )
         except Exception as exc:
             raise DataError(
                 f"data.chat_template: the chat template failed on row {i} of {src.spec} ({one_line(exc)}); "

@@ -55,11 +55,17 @@ class LookupTask(DigitReverseTask):
         length = int(rng.integers(self.min_digits, self.max_digits + 1))
         record = " ".join(str(int(d)) for d in rng.integers(0, 10, size=length))
         value = " ".join(str(int(d)) for d in rng.integers(0, 10, size=length))
-        return Prompt(text=f"{FIND_WORD} {record} {ANSWER_MARKER}", label=value, source=SOURCE, extra={"record": record})
+        return Prompt(
+            text=f"{FIND_WORD} {record} {ANSWER_MARKER}", label=value, source=SOURCE, extra={"record": record}
+        )
 
     def definition(self) -> dict[str, Any]:
-        return {**super().definition(), "task": SOURCE, "lookup_format_version": LOOKUP_FORMAT_VERSION,
-                "direct_fraction": self.direct_fraction}
+        return {
+            **super().definition(),
+            "task": SOURCE,
+            "lookup_format_version": LOOKUP_FORMAT_VERSION,
+            "direct_fraction": self.direct_fraction,
+        }
 
     # ----------------------------------------------------------------- the warm start's demonstrations
     def warm_start_examples(
@@ -87,5 +93,7 @@ class LookupTask(DigitReverseTask):
             copied = [d if rng.random() >= noise else str(int(rng.integers(0, 10))) for d in digits]
             answer = tokenizer(" ".join(copied), add_special_tokens=False).input_ids + [eos]
             sequences.append(prompt + call + observation + answer)
-            trained.append([False] * len(prompt) + [True] * len(call) + [False] * len(observation) + [True] * len(answer))
+            trained.append(
+                [False] * len(prompt) + [True] * len(call) + [False] * len(observation) + [True] * len(answer)
+            )
         return sequences, trained

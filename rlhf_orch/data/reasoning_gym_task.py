@@ -37,8 +37,10 @@ def _import_reasoning_gym() -> Any:
     try:
         import reasoning_gym
     except ImportError:
-        raise DataError("data=reasoning_gym needs the reasoning-gym package; run: make setup "
-                        "(or .venv/bin/pip install 'reasoning-gym==0.1.25')") from None
+        raise DataError(
+            "data=reasoning_gym needs the reasoning-gym package; run: make setup "
+            "(or .venv/bin/pip install 'reasoning-gym==0.1.25')"
+        ) from None
     return reasoning_gym
 
 
@@ -51,8 +53,10 @@ def system_prompt_text(system_prompt: Optional[str]) -> Optional[str]:
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     if system_prompt not in SYSTEM_PROMPTS and not any(c.isspace() for c in system_prompt.strip()):
-        raise DataError(f"data.system_prompt={system_prompt!r} is not one of reasoning-gym's prompts "
-                        f"({', '.join(SYSTEM_PROMPTS)}); a prompt of your own is text with at least two words")
+        raise DataError(
+            f"data.system_prompt={system_prompt!r} is not one of reasoning-gym's prompts "
+            f"({', '.join(SYSTEM_PROMPTS)}); a prompt of your own is text with at least two words"
+        )
     return SYSTEM_PROMPTS.get(system_prompt, system_prompt)
 
 
@@ -84,7 +88,9 @@ class ReasoningGymTask(PromptSource):
         self.system_prompt = system_prompt
         self.chat_template = chat_template
         if few_shot and not chat_template:
-            raise DataError("data.few_shot needs data.chat_template=true (the examples are earlier turns of the conversation)")
+            raise DataError(
+                "data.few_shot needs data.chat_template=true (the examples are earlier turns of the conversation)"
+            )
         self.few_shot = few_shot
         self._shots: list[dict] = []
         self._tokenizer: Any = None
@@ -103,11 +109,15 @@ class ReasoningGymTask(PromptSource):
         if self.task not in DATASETS:
             close = sorted(n for n in DATASETS if self.task.split("_")[0] in n)[:8]
             hint = f"; close: {', '.join(close)}" if close else ""
-            raise DataError(f"data.task={self.task!r} is not a reasoning-gym dataset ({len(DATASETS)} are registered{hint})")
+            raise DataError(
+                f"data.task={self.task!r} is not a reasoning-gym dataset ({len(DATASETS)} are registered{hint})"
+            )
         try:
             return rg.create_dataset(self.task, seed=seed, size=size, **self.task_config)
         except (TypeError, ValueError, AssertionError) as e:
-            raise DataError(f"data.task_config={self.task_config} for data.task={self.task}: {type(e).__name__}: {e}") from None
+            raise DataError(
+                f"data.task_config={self.task_config} for data.task={self.task}: {type(e).__name__}: {e}"
+            ) from None
 
     def _examples(self, index: int) -> list[dict]:
         """`data.few_shot` solved examples as earlier turns (user question, assistant answer in
@@ -115,7 +125,10 @@ class ReasoningGymTask(PromptSource):
         turns: list[dict] = []
         for j in range(self.few_shot):
             shot = self._shots[(index * self.few_shot + j) % len(self._shots)]
-            turns += [{"role": "user", "content": str(shot["question"])}, {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"}]
+            turns += [
+                {"role": "user", "content": str(shot["question"])},
+                {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"},
+            ]
         return turns
 
     def _prompt(self, entry: Mapping[str, Any]) -> Prompt:
@@ -124,9 +137,15 @@ class ReasoningGymTask(PromptSource):
         # Which examples: by the entry's index (a hash of its question where a dataset gives none).
         index = (entry.get("metadata") or {}).get("source_index")
         index = int(index) if isinstance(index, int) else zlib.crc32(question.encode())
-        messages = ([{"role": "system", "content": system}] if system else []) + self._examples(index) + [{"role": "user", "content": question}]
+        messages = (
+            ([{"role": "system", "content": system}] if system else [])
+            + self._examples(index)
+            + [{"role": "user", "content": question}]
+        )
         if self.chat_template:
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs)
+            text = self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+            )
             ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             text = f"{system}\n{question}" if system else question
@@ -139,15 +158,23 @@ class ReasoningGymTask(PromptSource):
     def bind(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._train = self._dataset(self.seed, self.size)
-        held = [self._dataset(self.seed + _EVAL_SEED_OFFSET, self.eval_size)[i] for i in range(self.eval_size)] if self.eval_size else []
+        held = (
+            [self._dataset(self.seed + _EVAL_SEED_OFFSET, self.eval_size)[i] for i in range(self.eval_size)]
+            if self.eval_size
+            else []
+        )
         self._held_out_questions = {str(e["question"]) for e in held}
         if self.few_shot:
             # Examples are never held-out questions: an evaluated question would carry its answer.
             shots = self._dataset(self.seed + _FEW_SHOT_SEED_OFFSET, _FEW_SHOT_POOL)
-            self._shots = [shots[i] for i in range(_FEW_SHOT_POOL) if shots[i]["question"] not in self._held_out_questions]
+            self._shots = [
+                shots[i] for i in range(_FEW_SHOT_POOL) if shots[i]["question"] not in self._held_out_questions
+            ]
             if not self._shots:
-                raise DataError(f"data.few_shot={self.few_shot}: every example drawn for {self.task} is a held-out question; "
-                                "lower data.eval_size or widen data.task_config")
+                raise DataError(
+                    f"data.few_shot={self.few_shot}: every example drawn for {self.task} is a held-out question; "
+                    "lower data.eval_size or widen data.task_config"
+                )
         self._held_out = [self._prompt(e) for e in held]
         probe = [self._prompt(self._train[i]) for i in range(min(_PROBE_ENTRIES, self.size))]
         for what, prompts in (("held-out", self._held_out), ("training", probe)):
@@ -194,7 +221,11 @@ class ReasoningGymTask(PromptSource):
         return list(self._held_out[:limit] if limit else self._held_out)
 
     def state_dict(self) -> dict:
-        return {"sampler": self._sampler.state_dict(), "skipped_overlap": self.skipped_overlap, "skipped_overlong": self.skipped_overlong}
+        return {
+            "sampler": self._sampler.state_dict(),
+            "skipped_overlap": self.skipped_overlap,
+            "skipped_overlong": self.skipped_overlong,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self._sampler.load_state_dict(state["sampler"])
@@ -207,11 +238,16 @@ class ReasoningGymTask(PromptSource):
 
     def describe(self) -> list[str]:
         config = f" {self.task_config}" if self.task_config else ""
-        system = f"system prompt {self.system_prompt!r}" if self.system_prompt in _known_prompt_names() else (
-            "a system prompt of your own" if self.system_prompt else "no system prompt")
+        system = (
+            f"system prompt {self.system_prompt!r}"
+            if self.system_prompt in _known_prompt_names()
+            else ("a system prompt of your own" if self.system_prompt else "no system prompt")
+        )
         shots = f", {self.few_shot} solved examples before each question" if self.few_shot else ""
-        return [f"reasoning-gym {self.task}{config}: {self.size} training entries (seed {self.seed}), "
-                f"{len(self._held_out)} held out (disjoint), {system}{shots}"]
+        return [
+            f"reasoning-gym {self.task}{config}: {self.size} training entries (seed {self.seed}), "
+            f"{len(self._held_out)} held out (disjoint), {system}{shots}"
+        ]
 
 
 def _known_prompt_names() -> tuple[str, ...]:

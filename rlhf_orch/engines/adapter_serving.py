@@ -51,10 +51,17 @@ def _why_not_served(arch: str) -> str | None:
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.model_executor.models import ModelRegistry, supports_lora
 
-    missing = [name for owner, name in ((LoRAModel, "from_lora_tensors"), (LoRAModelManager, "create_dummy_lora"),
-                                        (LoRAModelManager, "add_adapter"), (LoRAModelManager, "activate_adapter"),
-                                        (ModelRegistry, "_try_load_model_cls"))
-               if not hasattr(owner, name)]
+    missing = [
+        name
+        for owner, name in (
+            (LoRAModel, "from_lora_tensors"),
+            (LoRAModelManager, "create_dummy_lora"),
+            (LoRAModelManager, "add_adapter"),
+            (LoRAModelManager, "activate_adapter"),
+            (ModelRegistry, "_try_load_model_cls"),
+        )
+        if not hasattr(owner, name)
+    ]
     if missing:
         return f"this vLLM lacks {missing}, which serving an adapter from memory uses"
     # (vLLM's registry has no public per-architecture LoRA query; this imports that one model module.)
@@ -79,8 +86,12 @@ def vllm_lora_args(settings: LoraSettings, model_path: str) -> dict[str, Any]:
     it targets. Naming them keeps vLLM from wrapping the rest -- the output head above all, which
     no adapter here has: its LoRA logits path costs a [tokens, vocab] product per step, and on the
     CPU it breaks prompt log-probs (it expects one row per request)."""
-    return {"enable_lora": True, "max_lora_rank": settings.engine_max_rank(), "max_loras": 1,
-            "lora_target_modules": adapter_target_names(settings, model_path)}
+    return {
+        "enable_lora": True,
+        "max_lora_rank": settings.engine_max_rank(),
+        "max_loras": 1,
+        "lora_target_modules": adapter_target_names(settings, model_path),
+    }
 
 
 def adapter_target_names(settings: LoraSettings, model_path: str) -> list[str]:
@@ -98,7 +109,13 @@ def adapter_target_names(settings: LoraSettings, model_path: str) -> list[str]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     head = model.get_output_embeddings()
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head})
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and m is not head
+        }
+    )
 
 
 def peft_helper_dict(settings: LoraSettings) -> dict[str, Any]:
@@ -152,33 +169,47 @@ class AdapterUpdate:
         if not self.tensors:
             raise RuntimeError("an adapter update carried no tensor")
         manager = lora_manager._adapter_manager
-        helper = PEFTHelper.from_dict(dict(self.peft_helper, vllm_max_position_embeddings=lora_manager.max_position_embeddings))
+        helper = PEFTHelper.from_dict(
+            dict(self.peft_helper, vllm_max_position_embeddings=lora_manager.max_position_embeddings)
+        )
         helper.validate_legal(lora_manager.lora_config)
         # The names mapped and skipped as vLLM's own loader does (`WorkerLoRAManager._load_adapter`).
         mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
         adapter = LoRAModel.from_lora_tensors(
-            ADAPTER_ID, self.tensors, helper, device="cpu", dtype=lora_manager.lora_config.lora_dtype,
-            model_vocab_size=lora_manager.vocab_size, weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            ADAPTER_ID,
+            self.tensors,
+            helper,
+            device="cpu",
+            dtype=lora_manager.lora_config.lora_dtype,
+            model_vocab_size=lora_manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(manager.model, "lora_skip_prefixes", None),
         )
         # Checked before the served adapter is touched: a refused update leaves it serving.
-        missing, unknown = layer_coverage(manager.modules, manager.packed_modules, lora_manager.lora_config.target_modules,
-                                          adapter.loras)
+        missing, unknown = layer_coverage(
+            manager.modules, manager.packed_modules, lora_manager.lora_config.target_modules, adapter.loras
+        )
         if missing:  # vLLM would serve the bare base for them (activate_adapter resets a layer it finds no weights for)
             raise RuntimeError(
                 f"the adapter update lacks layers the engine serves the adapter on (model.lora.target_modules): {len(missing)} "
                 f"of them, e.g. {missing[:4]}; every update must carry every adapted layer (they would serve the base)"
             )
         if unknown:  # the trainer adapts a layer the engine does not: it would serve the base there
-            raise RuntimeError(f"the adapter update names layers the engine does not adapt: {len(unknown)} of them, e.g. {unknown[:3]}")
+            raise RuntimeError(
+                f"the adapter update names layers the engine does not adapt: {len(unknown)} of them, e.g. {unknown[:3]}"
+            )
         manager.remove_adapter(ADAPTER_ID)
         manager.add_adapter(adapter)  # fuses q/k/v and gate/up adapters as vLLM fuses those layers
         manager.activate_adapter(ADAPTER_ID)
         return len(adapter.loras)
 
 
-def layer_coverage(wrapped: Iterable[str], packed: Mapping[str, Sequence[str]], targets: Collection[str] | None,
-                   adapter_layers: Iterable[str]) -> tuple[list[str], list[str]]:
+def layer_coverage(
+    wrapped: Iterable[str],
+    packed: Mapping[str, Sequence[str]],
+    targets: Collection[str] | None,
+    adapter_layers: Iterable[str],
+) -> tuple[list[str], list[str]]:
     """(the layers the engine adapts that an update lacks, the update's layers the engine does not
     adapt), by module name. `wrapped`: the modules vLLM's LoRA manager wraps; `packed`: those that fuse
     several layers (qkv_proj: q, k and v_proj), each needing its parts the engine targets (`targets`:

@@ -67,8 +67,19 @@ class TrajectoryResult:
 
 
 class AgentRolloutSession:
-    def __init__(self, server: Any, generator: CallGenerator, tokenizer: Any, runner: AgentRunner, limits: AgentLimits,
-                 temperature: float, step_seed: int, tool_parser: str, call_timeout_s: float, reasoning_parser: str = "none"):
+    def __init__(
+        self,
+        server: Any,
+        generator: CallGenerator,
+        tokenizer: Any,
+        runner: AgentRunner,
+        limits: AgentLimits,
+        temperature: float,
+        step_seed: int,
+        tool_parser: str,
+        call_timeout_s: float,
+        reasoning_parser: str = "none",
+    ):
         self.server = server
         self.generator = generator
         self.tokenizer = tokenizer
@@ -102,7 +113,9 @@ class AgentRolloutSession:
         keys = self.server.issue_keys(list(ids.values()))
         self.server.serve(self.handle)
         try:
-            self.runner.start([(index, row, self.server.base_url(ids[index]), keys[ids[index]]) for index, row in items])
+            self.runner.start(
+                [(index, row, self.server.base_url(ids[index]), keys[ids[index]]) for index, row in items]
+            )
             while not self.runner.done():
                 if self.generator.busy():
                     self._feed()
@@ -115,7 +128,10 @@ class AgentRolloutSession:
                 self.runner.close()  # a rollout given up: its agents must not run on into the next one
             self._close()
         by_index = {r.index: r for r in self.records.values()}
-        return [TrajectoryResult(i, by_index[i], self.runner.outcomes.get(i, AgentOutcome(i, error="no outcome"))) for i, _ in items]
+        return [
+            TrajectoryResult(i, by_index[i], self.runner.outcomes.get(i, AgentOutcome(i, error="no outcome")))
+            for i, _ in items
+        ]
 
     def _feed(self, wait_s: float = 0.0) -> None:
         """Submit every queued call; with `wait_s`, first wait that long for one (the engine is idle)."""
@@ -150,12 +166,16 @@ class AgentRolloutSession:
     def handle(self, trajectory_id: str, body: Any) -> dict[str, Any]:
         record = self.records.get(trajectory_id)
         if record is None or not self._open:
-            raise ChatAPIError(410, f"trajectory {trajectory_id} is not part of the running rollout (its rollout ended)", kind="gone")
+            raise ChatAPIError(
+                410, f"trajectory {trajectory_id} is not part of the running rollout (its rollout ended)", kind="gone"
+            )
         call = parse_request(body, self.server.model_name, self.temperature)
         try:
             prompt_ids = self._render(call.messages, call.tools)
         except Exception as e:  # the template's error, to the agent
-            raise ChatAPIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}", "messages") from e
+            raise ChatAPIError(
+                400, f"the chat template could not render these messages: {type(e).__name__}: {e}", "messages"
+            ) from e
         t = time.perf_counter()
         with self._lock:
             if not self._open:
@@ -188,12 +208,23 @@ class AgentRolloutSession:
         else:  # vLLM's parsers read their markers, which may be special tokens (mistral's [TOOL_CALLS], <think>)
             ids = out.token_ids[:-1] if out.token_ids and out.token_ids[-1] in self._stop_ids else out.token_ids
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        return completion_body(self.server.model_name, text, out.finish_reason, len(prompt_ids), len(out.token_ids),
-                               self.tool_parser, self.tokenizer, call.tools, self.reasoning_parser)
+        return completion_body(
+            self.server.model_name,
+            text,
+            out.finish_reason,
+            len(prompt_ids),
+            len(out.token_ids),
+            self.tool_parser,
+            self.tokenizer,
+            call.tools,
+            self.reasoning_parser,
+        )
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         kwargs = {"tools": tools} if tools else {}
-        return token_ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs))
+        return token_ids(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        )
 
 
 def trajectory_completions(
@@ -214,15 +245,29 @@ def trajectory_completions(
         for k, v in r.outcome.metrics.items():
             stats[f"{AGENT_METRIC_PREFIX}{k}"] = v
         for k, seq in enumerate(sequences):
-            yield r.index if k == 0 else extra_sequence_index(r.index, k), {
-                "prompt_ids": seq.prompt_ids, "response_ids": seq.response_ids, "logprobs": seq.logprobs,
-                "loss_mask": seq.loss_mask, "truncated": seq.last_hit_length, "reward": r.outcome.reward,
-                "stats": stats if k == 0 else None,
-            }
+            yield (
+                r.index if k == 0 else extra_sequence_index(r.index, k),
+                {
+                    "prompt_ids": seq.prompt_ids,
+                    "response_ids": seq.response_ids,
+                    "logprobs": seq.logprobs,
+                    "loss_mask": seq.loss_mask,
+                    "truncated": seq.last_hit_length,
+                    "reward": r.outcome.reward,
+                    "stats": stats if k == 0 else None,
+                },
+            )
 
 
-def complete_agent_trajectories(llm: Any, server: Any, runner: AgentRunner, requests: Sequence[Any], job: Any, step_seed: int,
-                                count_step: Callable[[], None] | None = None) -> Iterator[list[Any]]:
+def complete_agent_trajectories(
+    llm: Any,
+    server: Any,
+    runner: AgentRunner,
+    requests: Sequence[Any],
+    job: Any,
+    step_seed: int,
+    count_step: Callable[[], None] | None = None,
+) -> Iterator[list[Any]]:
     """Every requested sample as an agent trajectory; yields each request's completions (every
     sequence of all its samples) in request order once every agent function has returned.
     `runner`: the engine's, for job.env (its host process outlives the rollout). `count_step`:
@@ -230,8 +275,16 @@ def complete_agent_trajectories(llm: Any, server: Any, runner: AgentRunner, requ
     env = job.env
     tokenizer = llm.get_tokenizer()
     session = AgentRolloutSession(
-        server, VLLMCalls(llm, job.temperature, count_step=count_step), tokenizer, runner, env.limits(job.max_tokens), job.temperature, step_seed,
-        env.tool_parser, env.timeout_s, env.reasoning_parser,
+        server,
+        VLLMCalls(llm, job.temperature, count_step=count_step),
+        tokenizer,
+        runner,
+        env.limits(job.max_tokens),
+        job.temperature,
+        step_seed,
+        env.tool_parser,
+        env.timeout_s,
+        env.reasoning_parser,
     )
     owner = {i: r for r in requests for i in r.indices(job.samples_per_prompt)}
     items = [(i, env.row(job.prompts[owner[i].prompt_index])) for i in owner]
@@ -239,10 +292,17 @@ def complete_agent_trajectories(llm: Any, server: Any, runner: AgentRunner, requ
     fallback = {i: job.prompt_ids[r.prompt_index] for i, r in owner.items()}
     done: dict[Any, list[Completion]] = {r: [] for r in requests}
     for index, f in trajectory_completions(results, fallback, tokenizer.eos_token_id):
-        done[owner[trajectory_of(index)]].append(Completion(
-            index, f["prompt_ids"], f["response_ids"], f["logprobs"],
-            fields={LOSS_MASK: torch.tensor(f["loss_mask"], dtype=torch.float32)},
-            truncated=f["truncated"], env_reward=f["reward"], env_stats=f["stats"],
-        ))
+        done[owner[trajectory_of(index)]].append(
+            Completion(
+                index,
+                f["prompt_ids"],
+                f["response_ids"],
+                f["logprobs"],
+                fields={LOSS_MASK: torch.tensor(f["loss_mask"], dtype=torch.float32)},
+                truncated=f["truncated"],
+                env_reward=f["reward"],
+                env_stats=f["stats"],
+            )
+        )
     for request in requests:
         yield sorted(done[request], key=lambda c: c.index)

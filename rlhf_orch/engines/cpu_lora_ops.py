@@ -18,7 +18,9 @@ import torch
 _PATCHED = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 
 
-def _shared_adapter(weights: torch.Tensor, indices: torch.Tensor, inputs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def _shared_adapter(
+    weights: torch.Tensor, indices: torch.Tensor, inputs: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | None:
     """The [out, in] matrix every token's index selects, when it is one and the same; else None."""
     if indices.dim() != 1 or indices.shape[0] != inputs.shape[0] or indices.numel() == 0:
         return None
@@ -61,11 +63,20 @@ def _bgmv_expand(original):
 
 
 def _bgmv_expand_slice(original):
-    def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset: int, slice_size: int,
-                          add_inputs: bool = True):
+    def bgmv_expand_slice(
+        inputs,
+        lora_b_weights,
+        output_tensor,
+        lora_indices_tensor,
+        slice_offset: int,
+        slice_size: int,
+        add_inputs: bool = True,
+    ):
         w = _shared_adapter(lora_b_weights, lora_indices_tensor, inputs, output_tensor.dtype)
         if w is None:
-            return original(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset, slice_size, add_inputs)
+            return original(
+                inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset, slice_size, add_inputs
+            )
         outputs = inputs.to(dtype=output_tensor.dtype) @ w.T
         if add_inputs:
             output_tensor[:, slice_offset : slice_offset + slice_size] += outputs[:]

@@ -143,7 +143,7 @@ def cpu_thread_binding(cpus: list[int], tp: int) -> str:
             f"use {len(cpus)} core(s) ({cpus}); lower placement.engine_tp"
         )
     per = len(cpus) // tp
-    groups = [cpus[i * per:(i + 1) * per] for i in range(tp)]
+    groups = [cpus[i * per : (i + 1) * per] for i in range(tp)]
     return "|".join(_core_range(g) for g in groups)
 
 

@@ -44,10 +44,18 @@ def check_vllm_interfaces() -> str:
     from vllm import LLM
 
     version = getattr(vllm, "__version__", "unknown")
-    missing = [f"LLM.{name}" for name in ("enqueue", "collective_rpc", "sleep", "wake_up", "reset_prefix_cache") if not hasattr(LLM, name)]
+    missing = [
+        f"LLM.{name}"
+        for name in ("enqueue", "collective_rpc", "sleep", "wake_up", "reset_prefix_cache")
+        if not hasattr(LLM, name)
+    ]
     try:
         layerwise = importlib.import_module("vllm.model_executor.model_loader.reload.layerwise")
-        missing += [f"layerwise.{n}" for n in ("initialize_layerwise_reload", "finalize_layerwise_reload") if not hasattr(layerwise, n)]
+        missing += [
+            f"layerwise.{n}"
+            for n in ("initialize_layerwise_reload", "finalize_layerwise_reload")
+            if not hasattr(layerwise, n)
+        ]
     except ImportError:
         missing.append("vllm.model_executor.model_loader.reload.layerwise (layer-wise reload)")
     from vllm.engine.arg_utils import EngineArgs
@@ -89,8 +97,13 @@ def start_llm(spec: Any, engine_index: int) -> tuple[Any, Any, bool]:
         extra["enable_sleep_mode"] = True
     from vllm.platforms import current_platform
 
-    extra.update(kv_cache_args(spec.kv_cache_bytes if spec.kv_cache_bytes is not None or not current_platform.is_cpu()
-                               else CPU_KV_CACHE_UNSIZED_BYTES))
+    extra.update(
+        kv_cache_args(
+            spec.kv_cache_bytes
+            if spec.kv_cache_bytes is not None or not current_platform.is_cpu()
+            else CPU_KV_CACHE_UNSIZED_BYTES
+        )
+    )
     # vLLM's legacy CPU variable would replace the size given (and planned): engine.kv_cache_gb sets it.
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     block_size = kv_block_size(spec.block_size, current_platform.is_cpu())

@@ -58,8 +58,13 @@ class VLLMCalls:
     """`CallGenerator` on a `vllm.LLM`: one request per call (n=1), from the call's token ids. With
     `stepping`, the engine's steps are shared with the other rollouts it generates at once."""
 
-    def __init__(self, llm: Any, temperature: float, stepping: SharedStepping | None = None,
-                 count_step: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        llm: Any,
+        temperature: float,
+        stepping: SharedStepping | None = None,
+        count_step: Callable[[], None] | None = None,
+    ):
         self.llm = llm
         self.engine = llm.llm_engine
         self.temperature = temperature
@@ -70,14 +75,20 @@ class VLLMCalls:
         self._outbox: list[Any] = []
         self._key_of: dict[str, int] = {}
 
-    def submit(self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str],
-               include_stop: bool = False) -> None:
+    def submit(
+        self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str], include_stop: bool = False
+    ) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(
-            n=1, max_tokens=max_tokens, temperature=self.temperature, logprobs=0, seed=seed,
-            stop=stop or None, detokenize=bool(stop),  # stop strings are matched on text
+            n=1,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            logprobs=0,
+            seed=seed,
+            stop=stop or None,
+            detokenize=bool(stop),  # stop strings are matched on text
             include_stop_str_in_output=include_stop,
         )
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))

@@ -49,8 +49,12 @@ class VLLMRollouts(RolloutProducer):
         # engine's own seed (LLM(seed=...)) makes runs reproducible instead.
         params = [
             SamplingParams(
-                n=r.count, max_tokens=job.max_tokens, min_tokens=max(job.min_tokens, _min_response_len(job.prompts[r.prompt_index])),
-                temperature=job.temperature, logprobs=0, detokenize=False,
+                n=r.count,
+                max_tokens=job.max_tokens,
+                min_tokens=max(job.min_tokens, _min_response_len(job.prompts[r.prompt_index])),
+                temperature=job.temperature,
+                logprobs=0,
+                detokenize=False,
             )
             for r in requests
         ]
@@ -72,11 +76,18 @@ class VLLMRollouts(RolloutProducer):
                     for j, comp in enumerate(sorted(out.outputs, key=lambda c: c.index)):
                         ids = list(comp.token_ids)
                         lps = [lp[tok].logprob for lp, tok in zip(comp.logprobs or [], ids)]
-                        completions.append(Completion(
-                            first + j, prompt_ids, ids, lps, truncated=comp.finish_reason == "length",
-                            weight_version=versions[key], interrupted=key in interrupted,
-                            token_version_mean=mean_version(comp.weight_versions, versions[key]),
-                        ))
+                        completions.append(
+                            Completion(
+                                first + j,
+                                prompt_ids,
+                                ids,
+                                lps,
+                                truncated=comp.finish_reason == "length",
+                                weight_version=versions[key],
+                                interrupted=key in interrupted,
+                                token_version_mean=mean_version(comp.weight_versions, versions[key]),
+                            )
+                        )
                     yield completions
         finally:
             steps.forget(list(by_id))  # a call that failed or was abandoned leaves nothing behind
@@ -130,8 +141,15 @@ class VLLMRollouts(RolloutProducer):
     def _complete_agents(self, requests, job: RolloutJob, step_seed: int):
         from rlhf_orch.engines.agent_rollout import complete_agent_trajectories
 
-        return complete_agent_trajectories(self.llm, self.agents.chat_server(job.env), self.agents.runner(job.env), requests, job,
-                                           step_seed, self.steps.count_step)
+        return complete_agent_trajectories(
+            self.llm,
+            self.agents.chat_server(job.env),
+            self.agents.runner(job.env),
+            requests,
+            job,
+            step_seed,
+            self.steps.count_step,
+        )
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """Logprob of every token after the first, as the engine's current weights score it."""

@@ -31,8 +31,14 @@ class SharedEngineSteps:
     actor (None: the caller's); `finish_before_update`: pipeline.partial_rollout=false.
     """
 
-    def __init__(self, llm: Any, weights_present: Callable[[], None], *, finish_before_update: bool,
-                 engine_thread: EngineThread | None):
+    def __init__(
+        self,
+        llm: Any,
+        weights_present: Callable[[], None],
+        *,
+        finish_before_update: bool,
+        engine_thread: EngineThread | None,
+    ):
         self.llm = llm
         self.weights_present = weights_present
         self.finish_before_update = finish_before_update
@@ -174,7 +180,10 @@ class SharedEngineSteps:
         from rlhf_orch.engines.request_steps import SharedStepping
 
         return SharedStepping(
-            enqueue=self.submit_in_session, step=self.advance, take=lambda outbox: self.take_versioned(outbox)[0], abort=self.abort,
+            enqueue=self.submit_in_session,
+            step=self.advance,
+            take=lambda outbox: self.take_versioned(outbox)[0],
+            abort=self.abort,
         )
 
     def wait_for_update(self, new_requests: bool = False) -> None:

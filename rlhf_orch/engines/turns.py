@@ -26,8 +26,14 @@ class VLLMTurns:
     A turn ended by one of `stop` (env.stop) keeps the stop string; the runner then closes the turn
     with the template's end-of-turn token as context (SkyRL appends EOS after a stop string)."""
 
-    def __init__(self, llm: Any, temperature: float, step_seed: int, stepping: SharedStepping | None = None,
-                 stop: Sequence[str] = ()):
+    def __init__(
+        self,
+        llm: Any,
+        temperature: float,
+        step_seed: int,
+        stepping: SharedStepping | None = None,
+        stop: Sequence[str] = (),
+    ):
         self.calls = VLLMCalls(llm, temperature, stepping)
         self.step_seed = step_seed
         self.stop = list(stop)
@@ -50,7 +56,11 @@ class VLLMTurns:
 
 
 def complete_trajectories(
-    llm: Any, requests: Sequence[CompletionRequest], job: RolloutJob, step_seed: int, stepping: SharedStepping | None = None
+    llm: Any,
+    requests: Sequence[CompletionRequest],
+    job: RolloutJob,
+    step_seed: int,
+    stepping: SharedStepping | None = None,
 ) -> Iterator[list[Completion]]:
     """Every requested sample as a multi-turn trajectory; yields each request's completions (all of
     its samples) once the last of them finishes, like the single-turn `_complete`."""
@@ -60,13 +70,23 @@ def complete_trajectories(
     stop_ids = generation_eos_ids(generator.tokenizer)
     renderer = env.renderer(generator.tokenizer, stop_ids)
     runner = MultiTurnRunner(
-        env.make, generator, renderer, env.limits(job.max_tokens), env.concurrency, env.step_timeout_s(),
-        env.tokenization_sanity_check_mode, env.action_decoder(generator.tokenizer, stop_ids),
+        env.make,
+        generator,
+        renderer,
+        env.limits(job.max_tokens),
+        env.concurrency,
+        env.step_timeout_s(),
+        env.tokenization_sanity_check_mode,
+        env.action_decoder(generator.tokenizer, stop_ids),
     )
     owner = {i: r for r in requests for i in r.indices(job.samples_per_prompt)}
     waiting = {r: r.count for r in requests}
     done: dict[CompletionRequest, list[Completion]] = {r: [] for r in requests}
-    items = [(i, job.prompts[r.prompt_index], job.prompt_ids[r.prompt_index]) for r in requests for i in r.indices(job.samples_per_prompt)]
+    items = [
+        (i, job.prompts[r.prompt_index], job.prompt_ids[r.prompt_index])
+        for r in requests
+        for i in r.indices(job.samples_per_prompt)
+    ]
     for t in runner.run(items):
         request = owner[t.index]
         mask = torch.tensor(t.loss_mask, dtype=torch.float32)
@@ -78,7 +98,10 @@ def complete_trajectories(
             fields[TURN_REWARDS] = torch.tensor(t.turn_reward_field(), dtype=torch.float32)
         done[request].append(
             Completion(
-                t.index, t.prompt_ids, t.response_ids, t.logprobs,
+                t.index,
+                t.prompt_ids,
+                t.response_ids,
+                t.logprobs,
                 fields=fields,
                 truncated=t.truncated or t.last_turn_hit_length,
                 env_reward=t.reward(env.reward),

@@ -44,7 +44,9 @@ class EngineSpec:
     max_model_len: int
     tensor_parallel_size: int = 1
     seed: int = 0
-    kv_cache_bytes: int | None = None  # per GPU / CPU worker (session.engine_kv_cache_bytes); None: vLLM sizes it (GPUs)
+    kv_cache_bytes: int | None = (
+        None  # per GPU / CPU worker (session.engine_kv_cache_bytes); None: vLLM sizes it (GPUs)
+    )
     gpu_memory_utilization: float = 0.5
     enable_prefix_caching: bool = True
     block_size: int | None = None  # engine.block_size (rlhf_orch.engines.launch.kv_block_size)
@@ -52,7 +54,9 @@ class EngineSpec:
     # vLLM's executor for tensor-parallel workers: "ray" on GPUs (workers in the engine's planned
     # bundles, see rlhf_orch.engines.launch), "mp" on CPU (worker processes); None at TP 1.
     distributed_executor_backend: str | None = None
-    sleep_level: int = NEVER_SLEEP  # vLLM sleep between a rollout and the next weight sync (0: never; -1: where available)
+    sleep_level: int = (
+        NEVER_SLEEP  # vLLM sleep between a rollout and the next weight sync (0: never; -1: where available)
+    )
     max_concurrency: int = 1  # rollouts generated at once (the Ray actor's max_concurrency; pipeline=async)
     # A weight update waits until the requests in flight finish (no new one starts meanwhile):
     # every sequence is drawn by one version (pipeline.partial_rollout=false).
@@ -81,16 +85,27 @@ class VLLMEngine:
         llm, resolved, serves_adapter = start_llm(spec, engine_index)
         self._assemble(llm, resolved, engine_index, serves_adapter, engine_thread)
 
-    def _assemble(self, llm: Any, spec: EngineSpec, engine_index: int, serves_adapter: bool,
-                  engine_thread: EngineThread | None = None) -> None:
+    def _assemble(
+        self,
+        llm: Any,
+        spec: EngineSpec,
+        engine_index: int,
+        serves_adapter: bool,
+        engine_thread: EngineThread | None = None,
+    ) -> None:
         """The engine's parts around `llm` (a started one, or a test's stand-in)."""
         self.llm, self.spec, self.index, self.serves_adapter = llm, spec, engine_index, serves_adapter
         self.power = SleepWake(llm, spec.sleep_level, engine_index)
         threaded = spec.max_concurrency > 1
-        self.steps = SharedEngineSteps(llm, self.power.weights_present, finish_before_update=spec.finish_before_update,
-                                       engine_thread=(engine_thread or EngineThread()) if threaded else None)
-        self.weights = WeightReceiving(llm, self.steps, self.power, engine_index,
-                                       workers_elsewhere=spec.tensor_parallel_size > 1)
+        self.steps = SharedEngineSteps(
+            llm,
+            self.power.weights_present,
+            finish_before_update=spec.finish_before_update,
+            engine_thread=(engine_thread or EngineThread()) if threaded else None,
+        )
+        self.weights = WeightReceiving(
+            llm, self.steps, self.power, engine_index, workers_elsewhere=spec.tensor_parallel_size > 1
+        )
         self._start_run()
 
     def _start_run(self) -> None:

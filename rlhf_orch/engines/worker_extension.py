@@ -51,7 +51,9 @@ class WeightSyncWorkerExtension:
         seeds them when a worker starts."""
         from vllm.utils.torch_utils import set_random_seed
 
-        self._rlhf = None  # groups, buffers, an update left open (the groups' sockets and stores close as they are collected)
+        self._rlhf = (
+            None  # groups, buffers, an update left open (the groups' sockets and stores close as they are collected)
+        )
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the dropped receive buffers, as a new engine would not hold them

@@ -65,7 +65,9 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
         if fn is None:
             raise EnvError(f"env.name={self.name!r}: {self.path} defines no {self.name!r}")
         if inspect.isclass(fn) or not callable(fn):
-            raise EnvError(f"env.name={self.name!r} in {self.path} is not a function: env=agent calls fn(row, client=..., ...)")
+            raise EnvError(
+                f"env.name={self.name!r} in {self.path} is not a function: env=agent calls fn(row, client=..., ...)"
+            )
         params = list(inspect.signature(fn).parameters.values())
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
         if not positional:
@@ -76,7 +78,9 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
         return fn
 
     def limits(self, response_max_len: int) -> AgentLimits:
-        return AgentLimits(self.prompt_max_len, response_max_len, self.max_tokens_per_turn or response_max_len, self.max_calls)
+        return AgentLimits(
+            self.prompt_max_len, response_max_len, self.max_tokens_per_turn or response_max_len, self.max_calls
+        )
 
     def row(self, prompt: Prompt) -> dict[str, Any]:
         return agent_row(prompt)
@@ -113,7 +117,13 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
             "env/agent_s_mean": stats.get("agent_seconds", 0.0) / n,  # in the agent's own code
             "env/generation_s_mean": stats.get("generation_seconds", 0.0) / n,  # its calls waiting for the engine
         }
-        metrics.update({f"env/{k[len(AGENT_METRIC_PREFIX):]}_mean": v / n for k, v in stats.items() if k.startswith(AGENT_METRIC_PREFIX)})
+        metrics.update(
+            {
+                f"env/{k[len(AGENT_METRIC_PREFIX) :]}_mean": v / n
+                for k, v in stats.items()
+                if k.startswith(AGENT_METRIC_PREFIX)
+            }
+        )
         return metrics
 
     def describe(self) -> list[str]:

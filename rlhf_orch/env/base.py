@@ -56,7 +56,9 @@ class StepResult:
     @staticmethod
     def of(raw: Any) -> "StepResult":
         if not isinstance(raw, Mapping):
-            raise TypeError(f"env.step must return a mapping (skyrl-gym's BaseTextEnvStepOutput), got {type(raw).__name__}")
+            raise TypeError(
+                f"env.step must return a mapping (skyrl-gym's BaseTextEnvStepOutput), got {type(raw).__name__}"
+            )
         observations = list(raw.get("observations") or [])
         for m in observations:
             if not isinstance(m, Mapping) or "content" not in m:
@@ -64,7 +66,10 @@ class StepResult:
         reward = float(raw.get("reward") or 0.0)
         action = raw.get("postprocessed_action")
         return StepResult(
-            [dict(m) for m in observations], reward, bool(raw.get("done")), dict(raw.get("metadata") or {}),
+            [dict(m) for m in observations],
+            reward,
+            bool(raw.get("done")),
+            dict(raw.get("metadata") or {}),
             None if action is None else str(action),
         )
 
@@ -97,7 +102,9 @@ def call_env(method: Callable[..., Any], *args: Any, loop: asyncio.AbstractEvent
 
 
 def is_async(env: Any) -> bool:
-    return inspect.iscoroutinefunction(getattr(env, "init", None)) or inspect.iscoroutinefunction(getattr(env, "step", None))
+    return inspect.iscoroutinefunction(getattr(env, "init", None)) or inspect.iscoroutinefunction(
+        getattr(env, "step", None)
+    )
 
 
 def env_class_key(cls: type) -> str:

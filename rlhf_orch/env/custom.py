@@ -59,7 +59,9 @@ def load_env_class(path: str, name: str) -> type:
         raise EnvError(f"env.name={name!r}: {path} defines no {name!r}")
     missing = [m for m in ("init", "step") if not callable(getattr(cls, m, None))]
     if missing:
-        raise EnvError(f"env.name={name!r} in {path} has no {' / '.join(missing)}: an environment needs init(prompt) and step(action)")
+        raise EnvError(
+            f"env.name={name!r} in {path} has no {' / '.join(missing)}: an environment needs init(prompt) and step(action)"
+        )
     return cls
 
 
@@ -79,7 +81,9 @@ class CustomEnv(CustomEnvConfig, MultiTurnEnv):
             # a DictConfig, as SkyRL passes it: keys read as attributes or items
             return cls(env_config=OmegaConf.create(dict(self.env_config)), extras=row_extras(prompt))
         except Exception as e:
-            raise EnvError(f"env=custom: {self.name}(env_config=..., extras=...) failed: {describe_exception(e, os.path.realpath(self.path))}") from e
+            raise EnvError(
+                f"env=custom: {self.name}(env_config=..., extras=...) failed: {describe_exception(e, os.path.realpath(self.path))}"
+            ) from e
 
     def episode_class(self, key: str) -> Any:
         """The user's class (its module is loaded from env.path, not importable by name)."""

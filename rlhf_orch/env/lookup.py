@@ -29,7 +29,12 @@ class LookupTrajectory:
         if action.split()[:1] == [CALL_WORD]:
             observation = {"role": "tool", "content": tool_answer(self.value)}
             return {"observations": [observation], "reward": 0.0, "done": False, "metadata": {"tool_calls": 1}}
-        return {"observations": [], "reward": score_response(self.value, action), "done": True, "metadata": {"tool_calls": 0}}
+        return {
+            "observations": [],
+            "reward": score_response(self.value, action),
+            "done": True,
+            "metadata": {"tool_calls": 0},
+        }
 
     def close(self) -> None:
         pass
@@ -37,7 +42,6 @@ class LookupTrajectory:
 
 @dataclass
 class LookupEnv(LookupEnvConfig, MultiTurnEnv):
-
     def make(self, prompt: Prompt) -> LookupTrajectory:
         return LookupTrajectory(str(row_extras(prompt)["reward_spec"]["ground_truth"]))
 

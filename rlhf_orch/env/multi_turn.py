@@ -79,13 +79,19 @@ class MultiTurnEnv(MultiTurnEnvConfig, EnvGroup):
         if any(not s for s in self.stop):
             raise EnvError("env.stop: an empty stop string would end every turn at once; remove it")
         if self.observation_format == "plain" and self.chat_template_kwargs:
-            raise EnvError("env.chat_template_kwargs: env.observation_format=plain renders no chat template; remove them")
+            raise EnvError(
+                "env.chat_template_kwargs: env.observation_format=plain renders no chat template; remove them"
+            )
 
     def renderer(self, tokenizer: Any, stop_ids: Any = ()) -> ObservationRenderer:
         """How this option's observations become tokens for `tokenizer` (`stop_ids`: the engine's
         end-of-turn ids beyond the tokenizer's EOS, from the model's generation config)."""
         return ObservationRenderer(
-            tokenizer, self.observation_format, self.observation_truncate_side, stop_ids, self.chat_template_kwargs,
+            tokenizer,
+            self.observation_format,
+            self.observation_truncate_side,
+            stop_ids,
+            self.chat_template_kwargs,
             FixedClock(self.template_time),
         )
 
@@ -101,7 +107,9 @@ class MultiTurnEnv(MultiTurnEnvConfig, EnvGroup):
 
     def limits(self, response_max_len: int) -> TrajectoryLimits:
         per_turn = self.max_tokens_per_turn or response_max_len
-        return TrajectoryLimits(self.max_turns, per_turn, response_max_len, self.max_observation_tokens, self.prompt_max_len)
+        return TrajectoryLimits(
+            self.max_turns, per_turn, response_max_len, self.max_observation_tokens, self.prompt_max_len
+        )
 
     def check(self, prompt: Prompt, tokenizer: Any) -> None:
         """The observation format renders with this tokenizer; the environment starts for `prompt`

@@ -92,12 +92,21 @@ def stop_token_ids(tokenizer: Any, extra: Iterable[int] = ()) -> set[int]:
 
 
 class ObservationRenderer:
-    def __init__(self, tokenizer: Any, fmt: str, truncate_side: str = "tail", stop_ids: Iterable[int] = (),
-                 template_kwargs: Mapping[str, Any] | None = None, clock: FixedClock | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        fmt: str,
+        truncate_side: str = "tail",
+        stop_ids: Iterable[int] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
+        clock: FixedClock | None = None,
+    ):
         if fmt not in FORMATS:
             raise EnvError(f"env.observation_format={fmt!r}: must be one of {', '.join(FORMATS)}")
         if truncate_side not in TRUNCATE_SIDES:
-            raise EnvError(f"env.observation_truncate_side={truncate_side!r}: must be one of {', '.join(TRUNCATE_SIDES)}")
+            raise EnvError(
+                f"env.observation_truncate_side={truncate_side!r}: must be one of {', '.join(TRUNCATE_SIDES)}"
+            )
         self.tokenizer = tokenizer
         self.format = fmt
         self.truncate_side = truncate_side
@@ -111,13 +120,21 @@ class ObservationRenderer:
     # ------------------------------------------------------------------ the template
     def _render(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool, tokenize: bool = True) -> Any:
         out = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=generation_prompt, tokenize=tokenize, **self._dated(), **self.template_kwargs
+            list(messages),
+            add_generation_prompt=generation_prompt,
+            tokenize=tokenize,
+            **self._dated(),
+            **self.template_kwargs,
         )
         return token_ids(out) if tokenize else out
 
     def _dated(self) -> dict[str, Any]:
         """The fixed clock, for a template that reads one (the others are rendered as they always were)."""
-        return {"strftime_now": self.clock} if "strftime_now" in str(getattr(self.tokenizer, "chat_template", "") or "") else {}
+        return (
+            {"strftime_now": self.clock}
+            if "strftime_now" in str(getattr(self.tokenizer, "chat_template", "") or "")
+            else {}
+        )
 
     def _tokens(self, text: str) -> list[int]:
         return token_ids(self.tokenizer(text, add_special_tokens=False))
@@ -163,7 +180,7 @@ class ObservationRenderer:
         base, close = self.frame()
         full = self._render([*_BASE, *messages], generation_prompt=True)
         if full[: len(base)] == base:
-            new = full[len(base):]  # no end-of-turn token in the template: whatever follows the base
+            new = full[len(base) :]  # no end-of-turn token in the template: whatever follows the base
         else:  # the assistant turn rendered otherwise once messages follow it (Qwen3's <think> block)
             new = self._after_turn(messages, close)
         return new if close is None or turn_closed else [close, *new]
@@ -173,7 +190,9 @@ class ObservationRenderer:
         for a template whose rendering of a conversation is no prefix of its continuation's: the
         turn's content is a marker, and the text after it is tokenised alone."""
         mark = _TURN_MARK.format(0)
-        text = self._render([_BASE[0], {"role": "assistant", "content": mark}, *messages], generation_prompt=True, tokenize=False)
+        text = self._render(
+            [_BASE[0], {"role": "assistant", "content": mark}, *messages], generation_prompt=True, tokenize=False
+        )
         _, found, after = text.partition(mark)
         ids = self._tokens(after)
         if not found or (close is not None and close not in ids):
@@ -181,7 +200,7 @@ class ObservationRenderer:
                 "env.observation_format=chat_template: this tokenizer's chat template does not render an assistant "
                 "turn's content as given, closed by its end-of-turn token; use env.observation_format=plain"
             )
-        return ids[ids.index(close) + 1:] if close is not None else ids
+        return ids[ids.index(close) + 1 :] if close is not None else ids
 
     def renders_turns_alike(self) -> bool:
         """A conversation's rendering is a prefix of its continuation's: the template renders an
@@ -196,7 +215,9 @@ class ObservationRenderer:
     def __call__(self, messages: Sequence[Mapping[str, Any]], turn_closed: bool = True) -> list[int]:
         return self.observation(messages, turn_closed, None).ids
 
-    def observation(self, messages: Sequence[Mapping[str, Any]], turn_closed: bool, max_tokens: int | None) -> RenderedObservation:
+    def observation(
+        self, messages: Sequence[Mapping[str, Any]], turn_closed: bool, max_tokens: int | None
+    ) -> RenderedObservation:
         """The tokens after a model turn: the messages rendered, their contents cut so that the whole
         fits `max_tokens` (the template's own tokens are never cut). No messages under a chat template
         still close the turn and open the next one (what the template renders for two turns in a row)."""
@@ -206,7 +227,11 @@ class ObservationRenderer:
         ids = self._delta(messages, turn_closed)
         empty = [{**m, "content": ""} for m in messages]
         roles = tuple(sorted({str(m.get("role")) for m in messages}))
-        if self.format == "chat_template" and roles not in self._rendered_roles and any(str(m.get("content", "")) for m in messages):
+        if (
+            self.format == "chat_template"
+            and roles not in self._rendered_roles
+            and any(str(m.get("content", "")) for m in messages)
+        ):
             if ids == self._delta(empty, turn_closed):
                 raise EnvError(
                     "env.observation_format=chat_template: this tokenizer's chat template renders none of the "
@@ -224,7 +249,10 @@ class ObservationRenderer:
         contents = [self._tokens(str(m.get("content", ""))) for m in messages]
         budget = max_tokens - frame
         for _ in range(8):  # re-tokenising cut text can merge differently: shrink until it fits
-            cut = [{**m, "content": self._cut(c, share)} for m, c, share in zip(messages, contents, _shares(contents, budget))]
+            cut = [
+                {**m, "content": self._cut(c, share)}
+                for m, c, share in zip(messages, contents, _shares(contents, budget))
+            ]
             ids = self._delta(cut, turn_closed)
             if len(ids) <= max_tokens:
                 return RenderedObservation(ids, True, cut, closing)
@@ -240,18 +268,23 @@ class ObservationRenderer:
         if self.truncate_side == "tail":
             return decode(content[:keep])
         if self.truncate_side == "head":
-            return decode(content[len(content) - keep:])
+            return decode(content[len(content) - keep :])
         mark = len(self._tokens(_MIDDLE_MARK))
         if keep <= mark + 1:  # no room for both ends and the marker: keep the start
             return decode(content[:keep])
         room = keep - mark
         head = (room + 1) // 2
         tail = room - head
-        return decode(content[:head]) + _MIDDLE_MARK + (decode(content[len(content) - tail:]) if tail else "")
+        return decode(content[:head]) + _MIDDLE_MARK + (decode(content[len(content) - tail :]) if tail else "")
 
     # ------------------------------------------------------------------ the tokenization check
-    def matches_template(self, messages: Sequence[Mapping[str, Any]], turns: Sequence[Sequence[int]], context: Sequence[int],
-                         turn_at: Sequence[int]) -> tuple[bool, list[int]]:
+    def matches_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        turns: Sequence[Sequence[int]],
+        context: Sequence[int],
+        turn_at: Sequence[int],
+    ) -> tuple[bool, list[int]]:
         """Is `context` the chat template's rendering of `messages` (assistant messages in order =
         the model's `turns`, kept as generated)? Two readings count: the template's text around each
         turn tokenised piece by piece, the turn's own tokens between (exact where a special token
@@ -286,6 +319,7 @@ class ObservationRenderer:
             piecewise += self._tokens(rest)
             whole += rest
         return piecewise == context or self._tokens(whole) == context, piecewise
+
 
 def _shares(lengths: Sequence[Sequence[int]], budget: int) -> list[int]:
     """Split `budget` tokens over messages: short ones whole, the rest an equal share of what is left."""

@@ -102,7 +102,6 @@ class LookupEnvConfig(MultiTurnEnvConfig):
     rewards_each_turn: ClassVar[bool] = False  # a tool call scores 0; the answer is scored
 
 
-
 @dataclass
 class PythonToolEnvConfig(MultiTurnEnvConfig):
     """The project's tool-calling environment: a sandboxed Python tool (rlhf_orch.env.python_tool)."""

@@ -36,8 +36,11 @@ PYTHON_TOOL = {
     "function": {
         "name": "python",
         "description": "Run Python code in a sandbox and return what it prints (stdout, then stderr).",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
-                       "required": ["code"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the program"}},
+            "required": ["code"],
+        },
     },
 }
 _TAGS = re.compile(r"<python>(.*?)</python>", re.DOTALL)
@@ -58,7 +61,9 @@ def parse_tool_calls(text: str, fmt: str, tokenizer: Any = None) -> list[tuple[s
             out.append((None, "unknown tool: the only tool is 'python' with arguments {\"code\": ...}"))
         else:
             code = call.arguments.get("code") if isinstance(call.arguments, dict) else None
-            out.append((code, None) if isinstance(code, str) else (None, "python tool call needs arguments {\"code\": \"...\"}"))
+            out.append(
+                (code, None) if isinstance(code, str) else (None, 'python tool call needs arguments {"code": "..."}')
+            )
     return out
 
 
@@ -121,7 +126,11 @@ class PythonToolTrajectory:
             # <tool_response> tags), and ~50 frames alone exceed env.max_observation_tokens.
             errors += unrun
             verb = "was" if unrun == 1 else "were"
-            observations.append(self._message(f"error: at most {MAX_CALLS_PER_TURN} tool calls per turn; the other {unrun} {verb} not run"))
+            observations.append(
+                self._message(
+                    f"error: at most {MAX_CALLS_PER_TURN} tool calls per turn; the other {unrun} {verb} not run"
+                )
+            )
         metadata = {"tool_calls": len(calls), "tool_errors": errors, "tool_timeouts": timeouts}
         return {"observations": observations, "reward": 0.0, "done": False, "metadata": metadata}
 
@@ -131,7 +140,6 @@ class PythonToolTrajectory:
 
 @dataclass
 class PythonToolEnv(PythonToolEnvConfig, MultiTurnEnv):
-
     @classmethod
     def host_problems(cls, config: Any) -> list[tuple[str, Any, str]]:
         """Before Ray (the config check): (key, value, why) when this host's sandbox lacks a boundary
@@ -151,7 +159,9 @@ class PythonToolEnv(PythonToolEnvConfig, MultiTurnEnv):
     def sandbox_limits(self) -> SandboxLimits:
         try:
             return SandboxLimits(
-                timeout_s=self.tool_timeout_s, cpu_s=self.tool_cpu_s, memory_mb=self.tool_memory_mb,
+                timeout_s=self.tool_timeout_s,
+                cpu_s=self.tool_cpu_s,
+                memory_mb=self.tool_memory_mb,
                 max_output_bytes=self.tool_max_output_bytes,
             )
         except ValueError as e:

@@ -37,7 +37,9 @@ def reasoning_parser(parser: str, tokenizer: Any) -> Any:
             try:
                 _PARSERS[key] = ReasoningParserManager.get_reasoning_parser(parser)(tokenizer)
             except (RuntimeError, KeyError, ValueError) as e:
-                raise EnvError(f"env.reasoning_parser={parser!r} cannot parse this model's turns: {type(e).__name__}: {e}") from e
+                raise EnvError(
+                    f"env.reasoning_parser={parser!r} cannot parse this model's turns: {type(e).__name__}: {e}"
+                ) from e
         return _PARSERS[key]
 
 

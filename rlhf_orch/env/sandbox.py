@@ -92,7 +92,15 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from rlhf_orch.env.sandbox_child import CODE_FILE, KEPT_DEVICES, MASKED_DIRS, SETUP_FAILED, SETUP_FAILED_EXIT, SYSTEM_DIRS, mount_points
+from rlhf_orch.env.sandbox_child import (
+    CODE_FILE,
+    KEPT_DEVICES,
+    MASKED_DIRS,
+    SETUP_FAILED,
+    SETUP_FAILED_EXIT,
+    SYSTEM_DIRS,
+    mount_points,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +258,11 @@ class SandboxSupport:
     @property
     def missing(self) -> list[str]:
         """The boundaries that do not work here."""
-        names = {"network_namespace": "network namespace", "private_filesystem": "private read-only filesystem",
-                 "separate_uid": "separate uid"}
+        names = {
+            "network_namespace": "network namespace",
+            "private_filesystem": "private read-only filesystem",
+            "separate_uid": "separate uid",
+        }
         return [name for field, name in names.items() if not getattr(self, field)]
 
     def describe(self) -> str:
@@ -301,7 +312,9 @@ def _note_timeout(timed_out: bool) -> None:
 
 
 def _full_support() -> SandboxSupport:
-    return SandboxSupport(network_namespace=True, private_filesystem=True, separate_uid=True, user_namespace=os.geteuid() != 0)
+    return SandboxSupport(
+        network_namespace=True, private_filesystem=True, separate_uid=True, user_namespace=os.geteuid() != 0
+    )
 
 
 def _probe_support() -> SandboxSupport:
@@ -326,8 +339,15 @@ def _probe_support() -> SandboxSupport:
             if result.output == "ok\n" and result.exit_code == 0:
                 return True
             _note_timeout(result.timed_out)
-            logger.warning("sandbox probe %s failed (attempt %d of %d, exit %s, timed out %s): %r", candidate,
-                           attempt, _PROBE_ATTEMPTS, result.exit_code, result.timed_out, result.output[-500:])
+            logger.warning(
+                "sandbox probe %s failed (attempt %d of %d, exit %s, timed out %s): %r",
+                candidate,
+                attempt,
+                _PROBE_ATTEMPTS,
+                result.exit_code,
+                result.timed_out,
+                result.output[-500:],
+            )
         return False
 
     full = _full_support()
@@ -343,7 +363,11 @@ def _child_sys_path() -> list[str]:
     """The sys.path of `sys.executable -I`: what the code may import, and so must reach."""
     out = subprocess.run(
         [sys.executable, "-I", "-c", "import json, sys; print(json.dumps(sys.path))"],
-        capture_output=True, text=True, timeout=60, check=True, env={"PATH": os.defpath},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={"PATH": os.defpath},
     )
     return [p for p in json.loads(out.stdout) if os.path.exists(p)]
 
@@ -363,14 +387,24 @@ def _interpreter_paths() -> list[str]:
     import sysconfig
 
     paths = _child_sys_path() + _link_chain(sys.executable)
-    for extra in (sysconfig.get_config_var("LIBDIR"), os.path.join(sys.base_prefix, "lib"), os.path.join(sys.prefix, "pyvenv.cfg")):
+    for extra in (
+        sysconfig.get_config_var("LIBDIR"),
+        os.path.join(sys.base_prefix, "lib"),
+        os.path.join(sys.prefix, "pyvenv.cfg"),
+    ):
         if extra and os.path.exists(extra):
             paths.append(extra)
     return paths
 
 
-def _read_only_tree(paths: list[str], private: list[str] = (), top_level: list[str] | None = None,
-                    is_dir=os.path.isdir, realpath=os.path.realpath, mounts: list[str] = ()) -> list[tuple[str, list[str]]]:
+def _read_only_tree(
+    paths: list[str],
+    private: list[str] = (),
+    top_level: list[str] | None = None,
+    is_dir=os.path.isdir,
+    realpath=os.path.realpath,
+    mounts: list[str] = (),
+) -> list[tuple[str, list[str]]]:
     """What the code may see of the filesystem: the system directories (SYSTEM_DIRS) and `paths`
     (the interpreter and what it imports). Every other directory on the way to them -- a checkout
     holding the datasets and run dirs, a home directory holding tokens and caches, a masked temp
@@ -472,8 +506,15 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, audit_hook
         # hide processes from root), write where the mounts allow, and undo the mounts themselves.
         message = f"{SANDBOX_UNAVAILABLE}the code would run as root ({support.describe()})"
         logger.error("%s", message)
-        return ToolResult(output=message + "\n", exit_code=SETUP_FAILED_EXIT, timed_out=False, truncated=False,
-                          error=True, seconds=0.0, timeout_s=limits.timeout_s)
+        return ToolResult(
+            output=message + "\n",
+            exit_code=SETUP_FAILED_EXIT,
+            timed_out=False,
+            truncated=False,
+            error=True,
+            seconds=0.0,
+            timeout_s=limits.timeout_s,
+        )
     return _run(code, limits, support, audit_hook)
 
 
@@ -512,15 +553,22 @@ def _run(code: str, limits: SandboxLimits, support: SandboxSupport, audit_hook: 
             "network_namespace": support.network_namespace,
             "user_namespace": support.user_namespace,
             "private_filesystem": support.private_filesystem,
-            "hidden_dirs": _merged(_hidden_dirs_plan if uid is not None else [], _read_only_plan if support.private_filesystem else []),
+            "hidden_dirs": _merged(
+                _hidden_dirs_plan if uid is not None else [], _read_only_plan if support.private_filesystem else []
+            ),
             "workdir_bytes": 8 * limits.max_file_bytes + len(source) + 64 * 1024,
             "limits": asdict(limits),
             "audit_hook": audit_hook,
         }
         proc = subprocess.Popen(
             [sys.executable, "-I", "-B", _BOOTSTRAP, json.dumps(config)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            cwd=workdir, env=_child_env(workdir), start_new_session=True, close_fds=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=_child_env(workdir),
+            start_new_session=True,
+            close_fds=True,
         )
         try:
             buffer = _OutputBuffer(limits.max_output_bytes)
@@ -539,8 +587,13 @@ def _run(code: str, limits: SandboxLimits, support: SandboxSupport, audit_hook: 
     if exit_code == SETUP_FAILED_EXIT and output.startswith(SETUP_FAILED):
         logger.warning("%s", output.strip())
     return ToolResult(
-        output=output, exit_code=exit_code, timed_out=timed_out, truncated=truncated,
-        error=timed_out or stopped or exit_code != 0, seconds=seconds, timeout_s=limits.timeout_s,
+        output=output,
+        exit_code=exit_code,
+        timed_out=timed_out,
+        truncated=truncated,
+        error=timed_out or stopped or exit_code != 0,
+        seconds=seconds,
+        timeout_s=limits.timeout_s,
         stopped_for_output=stopped,
     )
 

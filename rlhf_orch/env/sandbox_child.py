@@ -20,7 +20,9 @@ MASKED_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 # Top-level directories the code may read (the system's programs, libraries, configuration); every
 # other one -- home directories, checkouts, datasets, run dirs, /run, /mnt, /opt ... -- is hidden
 # behind an empty read-only tmpfs but for the entries on the way to the interpreter's own paths.
-SYSTEM_DIRS = frozenset({"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "sys", "var", "tmp", "dev"})
+SYSTEM_DIRS = frozenset(
+    {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "sys", "var", "tmp", "dev"}
+)
 # The device nodes the code keeps: /dev is replaced by these alone (no GPU, disk or /dev/kvm node).
 KEPT_DEVICES = ("null", "zero", "full", "random", "urandom", "fd", "stdin", "stdout", "stderr")
 SETUP_FAILED_EXIT = 125
@@ -70,12 +72,21 @@ class _Libc:
     def unshare(self, flags: int) -> None:
         self._check(self._libc.unshare(flags), f"unshare({flags:#x})")
 
-    def mount(self, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None,
-              allowed: tuple[int, ...] = ()) -> int:
+    def mount(
+        self,
+        source: str | None,
+        target: str,
+        fstype: str | None,
+        flags: int,
+        data: str | None = None,
+        allowed: tuple[int, ...] = (),
+    ) -> int:
         def c(s: str | None) -> bytes | None:
             return None if s is None else os.fsencode(s)
 
-        return self._check(self._libc.mount(c(source), c(target), c(fstype), flags, c(data)), f"mount {target}", allowed)
+        return self._check(
+            self._libc.mount(c(source), c(target), c(fstype), flags, c(data)), f"mount {target}", allowed
+        )
 
     def prctl(self, option: int, value: int) -> None:
         self._check(self._libc.prctl(option, value, 0, 0, 0), f"prctl({option})")
@@ -94,7 +105,11 @@ class _Libc:
             _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
         class Data(ctypes.Structure):
-            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+            _fields_ = [
+                ("effective", ctypes.c_uint32),
+                ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32),
+            ]
 
         self._check(self._libc.capset(ctypes.byref(Header(_CAPABILITY_VERSION_3, 0)), (Data * 2)()), "capset")
         with open("/proc/self/status") as f:
@@ -165,7 +180,9 @@ def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
             libc.mount(original, target, None, _MS_BIND | _MS_REC)
             # (a kept device node stays usable: its bind mount alone lacks nodev)
             device = directory == "/dev"
-            libc.mount(None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | (0 if device else _MS_NODEV))
+            libc.mount(
+                None, target, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | (0 if device else _MS_NODEV)
+            )
     for _, _, entry in exposed:  # every O_PATH descriptor of the originals, bound or not: the code runs in this process
         if not isinstance(entry, str):
             os.close(entry)
@@ -174,7 +191,13 @@ def _private_filesystem(libc: _Libc, config: dict, source: bytes) -> None:
     owner = f",uid={uid},gid={uid}" if uid is not None else ""
     libc.mount("tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV, f"mode=0700,size={size},nr_inodes=1024{owner}")
     for directory in new_mounts:  # (ENOENT: a masked dir under a hidden one, /dev/shm under /dev: gone)
-        libc.mount(None, directory, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, allowed=(errno.ENOENT, errno.EINVAL))
+        libc.mount(
+            None,
+            directory,
+            None,
+            _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV,
+            allowed=(errno.ENOENT, errno.EINVAL),
+        )
     # A new /proc that shows other users' processes to no one: their command lines may hold secrets.
     libc.mount("proc", "/proc", "proc", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
     code_file = os.path.join(workdir, CODE_FILE)
@@ -250,6 +273,7 @@ def _exit_as(status: int) -> None:
 
 def _limit_resources(limits: dict, processes_before: int = 1) -> None:
     """`processes_before`: the processes RLIMIT_NPROC already counts when the code starts."""
+
     def limit(which: int, soft: int, hard: int | None = None) -> None:
         resource.setrlimit(which, (soft, soft if hard is None else hard))
 
@@ -357,24 +381,87 @@ def _hide_bootstrap_frames(error: BaseException) -> None:
 # The audit hook (defence in depth: the OS boundaries above are the real ones)
 # ---------------------------------------------------------------------------------------------
 
-_PROCESS_EVENTS = frozenset({
-    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-    "os.killpg", "pty.spawn",
-})
+_PROCESS_EVENTS = frozenset(
+    {
+        "subprocess.Popen",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "os.killpg",
+        "pty.spawn",
+    }
+)
 # event -> (index of a path argument, index of its dir_fd argument or None), for calls that change files
 _PATH_EVENTS = {
-    "os.mkdir": ((0, 2),), "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.rename": ((0, 2), (1, 3)),
-    "os.link": ((0, 2), (1, 3)), "os.symlink": ((1, 2),), "os.chmod": ((0, 2),), "os.chown": ((0, 3),),
-    "os.utime": ((0, 3),), "os.truncate": ((0, None),), "os.setxattr": ((0, None),),
-    "os.removexattr": ((0, None),), "os.chflags": ((0, None),), "shutil.rmtree": ((0, 1),),
+    "os.mkdir": ((0, 2),),
+    "os.remove": ((0, 1),),
+    "os.rmdir": ((0, 1),),
+    "os.rename": ((0, 2), (1, 3)),
+    "os.link": ((0, 2), (1, 3)),
+    "os.symlink": ((1, 2),),
+    "os.chmod": ((0, 2),),
+    "os.chown": ((0, 3),),
+    "os.utime": ((0, 3),),
+    "os.truncate": ((0, None),),
+    "os.setxattr": ((0, None),),
+    "os.removexattr": ((0, None),),
+    "os.chflags": ((0, None),),
+    "shutil.rmtree": ((0, 1),),
 }
-_LIBC_DENIED = frozenset({
-    "fork", "vfork", "clone", "clone3", "execve", "execv", "execvp", "execvpe", "execl", "execlp", "execle",
-    "fexecve", "system", "popen", "posix_spawn", "posix_spawnp", "socket", "socketpair", "connect", "bind",
-    "sendto", "unshare", "setns", "mount", "umount", "umount2", "ptrace", "kill", "tgkill", "syscall", "prctl",
-    "open", "open64", "openat", "openat64", "creat", "creat64", "fopen", "fopen64", "rename", "renameat",
-    "unlink", "unlinkat", "symlink", "link", "chmod", "truncate",
-})
+_LIBC_DENIED = frozenset(
+    {
+        "fork",
+        "vfork",
+        "clone",
+        "clone3",
+        "execve",
+        "execv",
+        "execvp",
+        "execvpe",
+        "execl",
+        "execlp",
+        "execle",
+        "fexecve",
+        "system",
+        "popen",
+        "posix_spawn",
+        "posix_spawnp",
+        "socket",
+        "socketpair",
+        "connect",
+        "bind",
+        "sendto",
+        "unshare",
+        "setns",
+        "mount",
+        "umount",
+        "umount2",
+        "ptrace",
+        "kill",
+        "tgkill",
+        "syscall",
+        "prctl",
+        "open",
+        "open64",
+        "openat",
+        "openat64",
+        "creat",
+        "creat64",
+        "fopen",
+        "fopen64",
+        "rename",
+        "renameat",
+        "unlink",
+        "unlinkat",
+        "symlink",
+        "link",
+        "chmod",
+        "truncate",
+    }
+)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
@@ -393,14 +480,24 @@ def _make_audit_hook(root: str):
             base = _os.readlink(f"/proc/self/fd/{dir_fd}")
         full = _os.path.join(base, path)
         # Both the file and where its name lives: a symlink inside may point outside.
-        for resolved in (_os.path.realpath(full), _os.path.join(_os.path.realpath(_os.path.dirname(full)),
-                                                                 _os.path.basename(full))):
+        for resolved in (
+            _os.path.realpath(full),
+            _os.path.join(_os.path.realpath(_os.path.dirname(full)), _os.path.basename(full)),
+        ):
             if resolved != _root and not resolved.startswith(_root + "/"):
                 return False
         return True
 
-    def hook(event: str, args: tuple, _inside=inside, _process=_PROCESS_EVENTS, _paths=_PATH_EVENTS,
-             _libc=_LIBC_DENIED, _write=_WRITE_FLAGS, _getpid=os.getpid) -> None:
+    def hook(
+        event: str,
+        args: tuple,
+        _inside=inside,
+        _process=_PROCESS_EVENTS,
+        _paths=_PATH_EVENTS,
+        _libc=_LIBC_DENIED,
+        _write=_WRITE_FLAGS,
+        _getpid=os.getpid,
+    ) -> None:
         if event.startswith("socket."):
             raise PermissionError(f"sandbox: no network ({event})")
         if event in _process:

@@ -31,8 +31,11 @@ from rlhf_orch.env.options import SkyRLEnvConfig
 # environment, network and files), outside this project's sandbox (rlhf_orch.env.sandbox): refused
 # before anything starts unless env.allow_unsandboxed_code=true, whether env.env_class or the rows
 # choose them. (rlm: a REPL in the process, should a skyrl-gym version register it.)
-RUNS_MODEL_CODE = {"lcb": "runs the model's code to test it", "searchcode": "runs the model's Python",
-                   "rlm": "runs the model's Python in a REPL"}
+RUNS_MODEL_CODE = {
+    "lcb": "runs the model's code to test it",
+    "searchcode": "runs the model's Python",
+    "rlm": "runs the model's Python in a REPL",
+}
 ALLOW_KEY = "env.allow_unsandboxed_code"
 
 
@@ -40,9 +43,11 @@ def unsandboxed_code_refusal(chosen: dict[str, str]) -> str:
     """Why the environments in `chosen` (id -> what chose it) are refused, with the fix: one line."""
     names = " and ".join(f"{env_id} ({where})" for env_id, where in chosen.items())
     verb = "runs" if len(chosen) == 1 else "run"
-    return (f"skyrl-gym's {names} {verb} the model's code in the engine's process, with its environment, network and "
-            f"files, outside rlhf_orch's sandbox; set {ALLOW_KEY}=true to run it anyway, or train code with "
-            "env=python_tool (its code runs in the sandbox)")
+    return (
+        f"skyrl-gym's {names} {verb} the model's code in the engine's process, with its environment, network and "
+        f"files, outside rlhf_orch's sandbox; set {ALLOW_KEY}=true to run it anyway, or train code with "
+        "env=python_tool (its code runs in the sandbox)"
+    )
 
 
 def rows_running_model_code(data: Any) -> dict[str, str]:
@@ -157,12 +162,18 @@ class SkyRLEnv(SkyRLEnvConfig, MultiTurnEnv):
         except EnvError:
             raise
         except Exception as e:  # one line naming what the environment wanted
-            raise EnvError(f"env=skyrl: {self._class_of(prompt)} could not start on the first row: {type(e).__name__}: {e}") from e
+            raise EnvError(
+                f"env=skyrl: {self._class_of(prompt)} could not start on the first row: {type(e).__name__}: {e}"
+            ) from e
         urls = [getattr(g, "search_url", None) for g in getattr(instance, "tool_groups", [])]
         getattr(instance, "close", lambda: None)()
         for url in filter(None, urls):
             if not _answers(url):
-                key = "env.env_config.search_url" if "search_url" in self.config_for(self._class_of(prompt)) else "its search_url"
+                key = (
+                    "env.env_config.search_url"
+                    if "search_url" in self.config_for(self._class_of(prompt))
+                    else "its search_url"
+                )
                 raise EnvError(
                     f"env=skyrl: {self._class_of(prompt)} queries a retrieval server at {url} ({key}), which does not "
                     "answer; start one (SkyRL's retriever: skyrl-gym's search examples) and set env.env_config.search_url"

@@ -43,7 +43,9 @@ def check_tool_parser(key: str, name: str, built_in: Sequence[str]) -> None:
     except ImportError:  # no vLLM on this host: the engines check it before their first turn (ensure_tool_parser)
         return
     if name not in known:
-        raise EnvError(f"{key}={name!r}: must be one of {', '.join(built_in)} or a vLLM tool parser ({', '.join(known)})")
+        raise EnvError(
+            f"{key}={name!r}: must be one of {', '.join(built_in)} or a vLLM tool parser ({', '.join(known)})"
+        )
 
 
 def _arguments(raw: Any) -> Any:
@@ -64,7 +66,7 @@ def _hermes(text: str) -> tuple[str | None, list[ToolCall]]:
             calls.append(ToolCall(None, None, f"tool call is not JSON: {e.msg} at column {e.colno}"))
             continue
         if not isinstance(call, Mapping) or not isinstance(call.get("name"), str):
-            calls.append(ToolCall(None, None, "a tool call needs a \"name\""))
+            calls.append(ToolCall(None, None, 'a tool call needs a "name"'))
             continue
         calls.append(ToolCall(call["name"], _arguments(call.get("arguments", {}))))
     content = _HERMES.sub("", text).strip() if calls else text
@@ -90,7 +92,9 @@ def chat_request(tools: Sequence[Mapping[str, Any]] | None = None) -> Any:
     """The request object vLLM's output parsers read (the tools offered; nothing else matters to them)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    return ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": ""}], tools=list(tools) if tools else None)
+    return ChatCompletionRequest(
+        model="policy", messages=[{"role": "user", "content": ""}], tools=list(tools) if tools else None
+    )
 
 
 def vllm_parser(parser: str, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None) -> _Shared:
@@ -105,12 +109,16 @@ def vllm_parser(parser: str, tokenizer: Any, tools: Sequence[Mapping[str, Any]] 
                 shared = _Shared(ToolParserManager.get_tool_parser(parser)(tokenizer))
                 shared.parser.extract_tool_calls("", chat_request(tools))
             except (RuntimeError, NotImplementedError, KeyError, ValueError) as e:
-                raise EnvError(f"tool parser {parser!r} cannot parse this model's turns: {type(e).__name__}: {e}") from e
+                raise EnvError(
+                    f"tool parser {parser!r} cannot parse this model's turns: {type(e).__name__}: {e}"
+                ) from e
             _PARSERS[key] = shared
         return _PARSERS[key]
 
 
-def _vllm(text: str, parser: str, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None) -> tuple[str | None, list[ToolCall]]:
+def _vllm(
+    text: str, parser: str, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None
+) -> tuple[str | None, list[ToolCall]]:
     shared = vllm_parser(parser, tokenizer, tools)
     with shared.lock:
         info = shared.parser.extract_tool_calls(text, chat_request(tools))
@@ -125,8 +133,9 @@ def ensure_tool_parser(parser: str, tokenizer: Any, tools: Sequence[Mapping[str,
         vllm_parser(parser, tokenizer, tools)
 
 
-def extract_tool_calls(text: str, parser: str, tokenizer: Any = None,
-                       tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str | None, list[ToolCall]]:
+def extract_tool_calls(
+    text: str, parser: str, tokenizer: Any = None, tools: Sequence[Mapping[str, Any]] | None = None
+) -> tuple[str | None, list[ToolCall]]:
     """(the turn's content without its calls, the calls) of a model turn's text."""
     if parser == NONE:
         return text, []

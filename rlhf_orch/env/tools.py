@@ -21,8 +21,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("tool", choices=TOOLS, help="the tool to run; its input is read from stdin")
     parser.add_argument("--timeout-s", type=float, default=defaults.timeout_s, help="wall-clock limit")
     parser.add_argument("--memory-mb", type=int, default=defaults.memory_mb, help="address space limit")
-    parser.add_argument("--max-output-bytes", type=int, default=defaults.max_output_bytes,
-                        help="output the model sees; the rest is cut, with a marker")
+    parser.add_argument(
+        "--max-output-bytes",
+        type=int,
+        default=defaults.max_output_bytes,
+        help="output the model sees; the rest is cut, with a marker",
+    )
     return parser
 
 
@@ -30,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)  # exits with 2 on bad flags
     try:
-        limits = SandboxLimits(timeout_s=args.timeout_s, memory_mb=args.memory_mb,
-                               max_output_bytes=args.max_output_bytes)
+        limits = SandboxLimits(
+            timeout_s=args.timeout_s, memory_mb=args.memory_mb, max_output_bytes=args.max_output_bytes
+        )
     except ValueError as e:
         parser.error(str(e))  # exits with 2
     code = sys.stdin.buffer.read().decode("utf-8", "replace")

@@ -108,8 +108,13 @@ class _EtaColumn(ProgressColumn):
 
 
 class ConsoleLogger(StepLogger):
-    def __init__(self, plot_every_n_steps: int = LoggerConfig.plot_every_n_steps, verbose: bool = False, rollouts: bool = True,
-                 rollouts_per_step: int = LoggerConfig.rollouts_per_step) -> None:
+    def __init__(
+        self,
+        plot_every_n_steps: int = LoggerConfig.plot_every_n_steps,
+        verbose: bool = False,
+        rollouts: bool = True,
+        rollouts_per_step: int = LoggerConfig.rollouts_per_step,
+    ) -> None:
         if plot_every_n_steps < 0:
             raise ValueError(f"logger.plot_every_n_steps={plot_every_n_steps} must be >= 0 (0 = plots only at the end)")
         self.plot_every_n_steps = plot_every_n_steps
@@ -200,7 +205,9 @@ class ConsoleLogger(StepLogger):
         self._stamps.append((now, step))
         (t0, s0), (t1, s1) = self._stamps[0], self._stamps[-1]
         per_step = (t1 - t0) / (s1 - s0) if s1 > s0 else _num(metrics.get("time/step"))
-        latest = [f"{label} {fmt.format(v)}" for key, label, fmt in _BAR_KEYS if (v := _num(metrics.get(key))) is not None]
+        latest = [
+            f"{label} {fmt.format(v)}" for key, label, fmt in _BAR_KEYS if (v := _num(metrics.get(key))) is not None
+        ]
         if per_step:
             latest.append(f"{per_step:.1f}s/step")
         left = max(self.total_steps - step, 0)
@@ -302,7 +309,9 @@ class LibraryOutput:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._file = logging.FileHandler(self.log_path, encoding="utf-8")
             # Ray's own format (ray.init sets it on every handler of the "ray" logger anyway).
-            self._file.setFormatter(logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s"))
+            self._file.setFormatter(
+                logging.Formatter("%(asctime)s\t%(levelname)s %(filename)s:%(lineno)s -- %(message)s")
+            )
             ray_logger.addHandler(self._file)
             self._divert_raylet_notices()
 
@@ -324,8 +333,16 @@ class LibraryOutput:
             if data.get("pid") != "raylet" or not all(_DEAD_WORKER in line for line in lines):
                 return ray_print(data, ignore_prefix)  # anything else (an OOM kill's notice) stays on the console
             for line in lines:
-                file.handle(logging.makeLogRecord({"name": "ray", "levelname": "WARNING", "levelno": logging.WARNING,
-                                                   "msg": f"(raylet) {runlog.strip_ansi(line)}"}))
+                file.handle(
+                    logging.makeLogRecord(
+                        {
+                            "name": "ray",
+                            "levelname": "WARNING",
+                            "levelno": logging.WARNING,
+                            "msg": f"(raylet) {runlog.strip_ansi(line)}",
+                        }
+                    )
+                )
 
         self._ray_print = ray_print
         ray_worker.print_to_stdstream = print_to_stdstream
@@ -343,7 +360,10 @@ class LibraryOutput:
             self._logs_dir = None
         if self.log_path is not None:
             live = f"; live: {self._logs_dir}/worker-*" if self._logs_dir else ""
-            print(f"library output (Ray, vLLM, DeepSpeed): {self.log_path}{live} (logger.verbose=true shows it here)", flush=True)
+            print(
+                f"library output (Ray, vLLM, DeepSpeed): {self.log_path}{live} (logger.verbose=true shows it here)",
+                flush=True,
+            )
 
     def finish(self) -> None:
         """Call after ray.shutdown (the workers have exited and flushed their files)."""
@@ -383,7 +403,9 @@ def collect_worker_logs(logs_dir: Path, dest: Path, job_id: Optional[str] = None
         m = _WORKER_FILE.match(path.name)
         if not m or (job_id is not None and m["job"] != job_id) or path.stat().st_mtime < since:
             continue
-        lines = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n").splitlines()
+        lines = (
+            path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n").splitlines()
+        )
         actor = next((line.split(":", 2)[2] for line in lines[:5] if line.startswith(":actor_name:")), "worker")
         body = [line for line in lines if line.strip() and not _RAY_MARKER.match(line)]
         if body:

@@ -81,7 +81,9 @@ def smooth(values: list[float], window: int, skip: Optional[list[bool]] = None) 
     half = window // 2
     out = []
     for i in range(len(values)):
-        part = [v for v, s in zip(values[max(0, i - half) : i + half + 1], skip[max(0, i - half) : i + half + 1]) if not s]
+        part = [
+            v for v, s in zip(values[max(0, i - half) : i + half + 1], skip[max(0, i - half) : i + half + 1]) if not s
+        ]
         out.append(values[i] if skip[i] or not part else sum(part) / len(part))
     return out
 
@@ -130,7 +132,9 @@ def panels_for(rows: list[dict]) -> dict[str, list[Panel]]:
     reward = Panel("reward", "score per sample (reward units)", min_step=0)
     if has("reward/mean"):
         reward.lines.append(Line("reward/mean", "reward/mean (train rollouts)", "#1f77b4"))
-    eval_keys = sorted({k for r in rows for k in r if _EVAL_KEY.match(k)}, key=lambda k: (_EVAL_KEY.match(k)["source"], k))
+    eval_keys = sorted(
+        {k for r in rows for k in r if _EVAL_KEY.match(k)}, key=lambda k: (_EVAL_KEY.match(k)["source"], k)
+    )
     sources = sorted({_EVAL_KEY.match(k)["source"] for k in eval_keys})
     palette = ["#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#ff7f0e"]
     for key in eval_keys:
@@ -149,7 +153,11 @@ def panels_for(rows: list[dict]) -> dict[str, list[Panel]]:
     files["kl"] = [p for p in kl if has(p.lines[0].key)]
 
     loss = [
-        Panel("policy loss", "loss (as algo.loss_agg aggregates it, unitless)", [Line("loss/policy", "loss/policy", "#d62728")]),
+        Panel(
+            "policy loss",
+            "loss (as algo.loss_agg aggregates it, unitless)",
+            [Line("loss/policy", "loss/policy", "#d62728")],
+        ),
         Panel("value loss", "loss (per-token mean, reward units²)", [Line("loss/value", "loss/value", "#ff7f0e")]),
     ]
     files["loss"] = [p for p in loss if has(p.lines[0].key)]
@@ -173,8 +181,11 @@ def panels_for(rows: list[dict]) -> dict[str, list[Panel]]:
     files["throughput"] = [tput] if tput.lines else []
 
     env = Panel("multi-turn trajectories (env)", "per trajectory (mean)")
-    for key, label, color in (("env/turns_mean", "model turns", "#8c564b"), ("env/tool_calls_mean", "tool calls", "#e377c2"),
-                              ("env/calls_mean", "agent's model calls", "#17becf")):
+    for key, label, color in (
+        ("env/turns_mean", "model turns", "#8c564b"),
+        ("env/tool_calls_mean", "tool calls", "#e377c2"),
+        ("env/calls_mean", "agent's model calls", "#17becf"),
+    ):
         if has(key):
             env.lines.append(Line(key, f"{key} ({label})", color))
     files["env"] = [env] if env.lines else []
@@ -191,7 +202,11 @@ def phase_layers(rows: list[dict]) -> tuple[list[int], dict[str, list[float]], l
     happens while generating). A streaming transfer counts its part after generation
     (`time/transfer_after_generate`).
     """
-    by_step = {r["step"]: r for r in rows if isinstance(r.get("step"), int) and r["step"] >= 1 and _number(r.get("time/step")) is not None}
+    by_step = {
+        r["step"]: r
+        for r in rows
+        if isinstance(r.get("step"), int) and r["step"] >= 1 and _number(r.get("time/step")) is not None
+    }
     steps = sorted(by_step)
     total = [_number(by_step[s]["time/step"]) for s in steps]
     present = [p for p in PHASES if any(_number(by_step[s].get(f"time/{p}")) is not None for s in steps)]
@@ -235,9 +250,25 @@ def _draw_lines(ax, rows: list[dict], panel: Panel, window: int) -> None:
         w = min(window, smoothing_window(len(steps)))
         if w > 1:
             ax.plot(steps, values, style, color=line.color, alpha=0.25, linewidth=1)
-            ax.plot(steps, smooth(values, w, outliers(values) if line.warmup else None), style, color=line.color, linewidth=2, label=line.label)
+            ax.plot(
+                steps,
+                smooth(values, w, outliers(values) if line.warmup else None),
+                style,
+                color=line.color,
+                linewidth=2,
+                label=line.label,
+            )
         else:
-            ax.plot(steps, values, style, color=line.color, linewidth=2, marker="o" if few else None, markersize=4, label=line.label)
+            ax.plot(
+                steps,
+                values,
+                style,
+                color=line.color,
+                linewidth=2,
+                marker="o" if few else None,
+                markersize=4,
+                label=line.label,
+            )
     if len(panel.lines) > 1 or any(line.sparse for line in panel.lines):
         # Room above the data for the legend, so it never hides a line.
         y0, y1 = ax.get_ylim()
@@ -266,21 +297,42 @@ def _draw_stack(ax, rows: list[dict], window: int) -> None:
         label = "time/step (per step)" if w > 1 else "time/step"
         ax.plot(steps, total, color="black", alpha=0.4 if w > 1 else 0.8, linewidth=1, label=label)
     # A slow warm-up step would squash the rest: the scale fits the other steps, the cut-off ones are named.
-    off = [(s, t) for s, t, x in zip(steps, total, warm) if x and t > 1.5 * max((v for v, y in zip(total, warm) if not y), default=t)]
+    off = [
+        (s, t)
+        for s, t, x in zip(steps, total, warm)
+        if x and t > 1.5 * max((v for v, y in zip(total, warm) if not y), default=t)
+    ]
     shown = [t for s, t in zip(steps, total) if (s, t) not in off]
     top = max(shown, default=max(total)) * 1.05 or 1.0
     ax.set_ylim(0, top * (1.15 + 0.1 * math.ceil((len(names) + 1) / 4)))  # headroom for the legend
     if off:
-        text = ", ".join(f"step {s} {t:.1f} s" for s, t in off[:2]) + (f" (+{len(off) - 2} more)" if len(off) > 2 else "")
+        text = ", ".join(f"step {s} {t:.1f} s" for s, t in off[:2]) + (
+            f" (+{len(off) - 2} more)" if len(off) > 2 else ""
+        )
         # Above the frame's right end: the legend holds the top of the axes.
-        ax.annotate(f"off scale: {text}", xy=(1.0, 1.01), xycoords="axes fraction", ha="right", va="bottom", fontsize=7.5,
-                    color="#444444")
+        ax.annotate(
+            f"off scale: {text}",
+            xy=(1.0, 1.01),
+            xycoords="axes fraction",
+            ha="right",
+            va="bottom",
+            fontsize=7.5,
+            color="#444444",
+        )
     pad = 0.6 if bars else 0
     ax.set_xlim(steps[0] - pad, steps[-1] + pad)
     handles, labels = ax.get_legend_handles_labels()
     order = [labels.index(p) for p in names] + ([labels.index(label)] if label else [])
-    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=7.5, framealpha=0.9, loc="upper left",
-              ncol=4, columnspacing=1.0, handlelength=1.5)
+    ax.legend(
+        [handles[i] for i in order],
+        [labels[i] for i in order],
+        fontsize=7.5,
+        framealpha=0.9,
+        loc="upper left",
+        ncol=4,
+        columnspacing=1.0,
+        handlelength=1.5,
+    )
 
 
 def _draw(ax, rows: list[dict], panel: Panel, window: int) -> None:
@@ -366,7 +418,15 @@ def plot_run(run_dir: str | Path, name: Optional[str] = None, out_dir: str | Pat
     def finish(fig, title: str, size: float, path: Path) -> None:
         fig.suptitle(title, fontsize=size, fontweight="bold", y=1 - 0.12 / fig.get_figheight(), va="top")
         if note:
-            fig.text(1 - 0.1 / fig.get_figwidth(), 0.08 / fig.get_figheight(), note, fontsize=7.5, color="#555555", ha="right", va="bottom")
+            fig.text(
+                1 - 0.1 / fig.get_figwidth(),
+                0.08 / fig.get_figheight(),
+                note,
+                fontsize=7.5,
+                color="#555555",
+                ha="right",
+                va="bottom",
+            )
         written.append(_save(fig, path))
 
     panels = [p for ps in files.values() for p in ps]

@@ -69,22 +69,24 @@ class RolloutDump:
             index = int(seq["index"])
             prompt_index = group_of(index, samples_per_prompt)
             prompt = prompts[prompt_index] if prompts is not None and prompt_index < len(prompts) else None
-            lines.append({
-                "step": step,
-                "index": index,
-                "trajectory": trajectory_of(index),
-                "data_source": getattr(prompt, "source", None),
-                "turns": model_turns(action),
-                "reward": rewards.get(index),
-                "advantage": seq["advantage"],
-                "turn_advantages": seq.get("turn_advantages"),
-                **({"turn_rewards": seq["turn_rewards"]} if "turn_rewards" in seq else {}),
-                "response_tokens": sum(action),
-                "weight_version": seq.get("weight_version"),
-                "prompt": decode(ids[:first]),
-                "response": decode(ids[first:]),
-                "text": decode(ids),
-            })
+            lines.append(
+                {
+                    "step": step,
+                    "index": index,
+                    "trajectory": trajectory_of(index),
+                    "data_source": getattr(prompt, "source", None),
+                    "turns": model_turns(action),
+                    "reward": rewards.get(index),
+                    "advantage": seq["advantage"],
+                    "turn_advantages": seq.get("turn_advantages"),
+                    **({"turn_rewards": seq["turn_rewards"]} if "turn_rewards" in seq else {}),
+                    "response_tokens": sum(action),
+                    "weight_version": seq.get("weight_version"),
+                    "prompt": decode(ids[:first]),
+                    "response": decode(ids[first:]),
+                    "text": decode(ids),
+                }
+            )
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.path(step)
         tmp = path.with_suffix(".jsonl.tmp")

@@ -23,7 +23,12 @@ class WandbLogger(ConsoleLogger):
         rollouts: bool = True,
         rollouts_per_step: int = WandbLoggerConfig.rollouts_per_step,
     ):
-        super().__init__(plot_every_n_steps=plot_every_n_steps, verbose=verbose, rollouts=rollouts, rollouts_per_step=rollouts_per_step)
+        super().__init__(
+            plot_every_n_steps=plot_every_n_steps,
+            verbose=verbose,
+            rollouts=rollouts,
+            rollouts_per_step=rollouts_per_step,
+        )
         self.project = project
         self.mode = mode
         self.entity = entity
@@ -56,7 +61,10 @@ class WandbLogger(ConsoleLogger):
         self._logged_file = Path(run_dir) / "wandb" / LOGGED_STEPS_FILE
         self._logged_through = _logged_through(self._logged_file, self.run.id) if resume_id else 0
         self._sync_dir = getattr(self.run.settings, "sync_dir", None) if mode == "offline" else None
-        self.console.print(f"wandb: mode={mode}, run {self.run.id}{' (resumed)' if resume_id else ''}, files under {run_dir}/wandb", markup=False)
+        self.console.print(
+            f"wandb: mode={mode}, run {self.run.id}{' (resumed)' if resume_id else ''}, files under {run_dir}/wandb",
+            markup=False,
+        )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         super().log(step, metrics)

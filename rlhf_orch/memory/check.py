@@ -45,8 +45,10 @@ class MemoryVerdict:
         if self.plan is None:
             return f"memory: not planned ({self.skipped})"
         worst = self.plan.worst()
-        return (f"memory: {worst.device.name} needs {worst.need / 1e9:.1f} GB of {worst.device.capacity / 1e9:.1f} GB "
-                f"(headroom {worst.headroom / 1e9:.1f} GB; launcher.dry_run=true prints the plan)")
+        return (
+            f"memory: {worst.device.name} needs {worst.need / 1e9:.1f} GB of {worst.device.capacity / 1e9:.1f} GB "
+            f"(headroom {worst.headroom / 1e9:.1f} GB; launcher.dry_run=true prints the plan)"
+        )
 
 
 def check_memory(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, reward_model: bool) -> MemoryVerdict:

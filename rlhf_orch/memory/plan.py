@@ -16,11 +16,28 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from rlhf_orch.config.schema import RootConfig
-from rlhf_orch.engines.launch import CPU_MAX_SEQUENCES, SLEEP_WHERE_AVAILABLE, kv_block_size, kv_sequences_per_engine, memory_utilization, sleep_level
+from rlhf_orch.engines.launch import (
+    CPU_MAX_SEQUENCES,
+    SLEEP_WHERE_AVAILABLE,
+    kv_block_size,
+    kv_sequences_per_engine,
+    memory_utilization,
+    sleep_level,
+)
 from rlhf_orch.memory.shapes import ModelShape
 from rlhf_orch.memory.terms import (
-    ALWAYS, PHASES, RUNTIME_TERM_NAMES, GiB, ProcessMemory, Term, Workload, engine_terms, forward_only_terms, runtime_terms,
-    tokenizer_terms, trainer_terms,
+    ALWAYS,
+    PHASES,
+    RUNTIME_TERM_NAMES,
+    GiB,
+    ProcessMemory,
+    Term,
+    Workload,
+    engine_terms,
+    forward_only_terms,
+    runtime_terms,
+    tokenizer_terms,
+    trainer_terms,
 )
 from rlhf_orch.topology.plan import PlacementPlan
 
@@ -60,7 +77,9 @@ class DeviceLoad:
                 for t in p.terms:
                     if t.reclaimable:
                         shared[t.name] = max(shared.get(t.name, 0), t.bytes)
-            return sum(p.peak(resident=False) + p.peak(on_host=True, resident=False) for p in self.processes) + sum(shared.values())
+            return sum(p.peak(resident=False) + p.peak(on_host=True, resident=False) for p in self.processes) + sum(
+                shared.values()
+            )
         return max(sum(p.total((ALWAYS, phase)) for p in self.processes) for phase in PHASES)
 
     @property
@@ -141,12 +160,23 @@ def node_host_loads(
     for node_index in range(len(plan.nodes)):
         on_node = {(s.role, s.rank) for s in plan.slots if s.node == node_index}
         views = [
-            ProcessMemory(p.role, p.rank, [Term(t.name, t.bytes * (engine_tp if p.role == "engine" else 1))
-                                           for t in p.terms if t.on_host], p.note)
-            for key, p in processes.items() if key in on_node and any(t.on_host for t in p.terms)
+            ProcessMemory(
+                p.role,
+                p.rank,
+                [Term(t.name, t.bytes * (engine_tp if p.role == "engine" else 1)) for t in p.terms if t.on_host],
+                p.note,
+            )
+            for key, p in processes.items()
+            if key in on_node and any(t.on_host for t in p.terms)
         ]
         if views and capacity is not None:
-            loads.append(DeviceLoad(Device(f"host n{node_index}", *capacity, margin=margin_bytes(typed, capacity[0])), views, sums_phases=False))
+            loads.append(
+                DeviceLoad(
+                    Device(f"host n{node_index}", *capacity, margin=margin_bytes(typed, capacity[0])),
+                    views,
+                    sums_phases=False,
+                )
+            )
     return loads
 
 
@@ -191,19 +221,32 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
     if level == SLEEP_WHERE_AVAILABLE:
         level = 1 if on_gpu else 0  # vLLM's sleep mode needs CUDA (rlhf_orch.engines.vllm_engine)
     return Workload(
-        dtype=typed.model.dtype, max_seq_len=max_seq, micro_batch_size=a.micro_batch_size,
-        tokens_per_micro_batch=tokens, padded=padded, token_bound=0 if padded else tokens,
+        dtype=typed.model.dtype,
+        max_seq_len=max_seq,
+        micro_batch_size=a.micro_batch_size,
+        tokens_per_micro_batch=tokens,
+        padded=padded,
+        token_bound=0 if padded else tokens,
         # (each optimizer step's sequences are packed on their own: `plan_token_budget_micro_batches`)
         sequences_per_rank_step=a.train_batch_size // max(plan.num_ranks("actor"), 1),
-        zero_stage=t.zero_stage, optimizer=t.optimizer,
-        offload_optimizer=t.offload_optimizer, gradient_checkpointing=t.gradient_checkpointing, on_gpu=on_gpu,
-        engine_tp=plan.engine_tp, kv_cache_gb=e.kv_cache_gb,
-        gpu_memory_utilization=memory_utilization(e.gpu_memory_utilization, plan), gpu_memory_bytes=gpu_bytes,
-        sleep_level=level, enforce_eager=e.enforce_eager,
+        zero_stage=t.zero_stage,
+        optimizer=t.optimizer,
+        offload_optimizer=t.offload_optimizer,
+        gradient_checkpointing=t.gradient_checkpointing,
+        on_gpu=on_gpu,
+        engine_tp=plan.engine_tp,
+        kv_cache_gb=e.kv_cache_gb,
+        gpu_memory_utilization=memory_utilization(e.gpu_memory_utilization, plan),
+        gpu_memory_bytes=gpu_bytes,
+        sleep_level=level,
+        enforce_eager=e.enforce_eager,
         sequences_per_engine=-(-a.rollout_batch_size * a.samples_per_prompt // engines),
         kv_sequences=kv_sequences_per_engine(
-            a.rollout_batch_size * a.samples_per_prompt, getattr(typed.pipeline, "max_staleness", 0) + 1,
-            _eval_sequences(typed), engines),
+            a.rollout_batch_size * a.samples_per_prompt,
+            getattr(typed.pipeline, "max_staleness", 0) + 1,
+            _eval_sequences(typed),
+            engines,
+        ),
         kv_block_size=kv_block_size(e.block_size, is_cpu=True),  # read by the CPU engine's KV term only
         sync_bucket_bytes=int(getattr(typed.sync, "bucket_mb", 0) * 2**20),
         **(_sync_on_gpu(typed, plan) if on_gpu else {}),
@@ -227,9 +270,11 @@ def _sync_on_gpu(typed: RootConfig, plan: PlacementPlan) -> dict[str, Any]:
     sync = instantiate(OmegaConf.structured(typed.sync))
     sync.use_plan(plan)
     ranks, engines = max(plan.num_ranks("actor"), 1), max(plan.num_ranks("engine"), 1)
-    return {"sync_send_buffers": tuple(sorted(sync.send_buffers_on_gpu(ranks, engines).items())),
-            "sync_nccl_senders": frozenset(sync.nccl_senders(ranks, engines)),
-            "trainers_default_allocator": bool(sync.shares_cuda_memory)}
+    return {
+        "sync_send_buffers": tuple(sorted(sync.send_buffers_on_gpu(ranks, engines).items())),
+        "sync_nccl_senders": frozenset(sync.nccl_senders(ranks, engines)),
+        "trainers_default_allocator": bool(sync.shares_cuda_memory),
+    }
 
 
 def _eval_sequences(typed: RootConfig) -> int:
@@ -298,7 +343,11 @@ def plan_memory(
             # Inside the policy rank's process: its model and forward, not a second runtime; under
             # model.lora not a second model either (the reference is the policy's frozen base).
             lora = wl.lora_rank > 0
-            proc.terms = [t for t in proc.terms if t.name not in RUNTIME_TERM_NAMES and not (lora and t.name in ("weights", "checkpoint load"))]
+            proc.terms = [
+                t
+                for t in proc.terms
+                if t.name not in RUNTIME_TERM_NAMES and not (lora and t.name in ("weights", "checkpoint load"))
+            ]
             proc.note = f"inside actor{slot.rank}'s process" + (" (the policy's base: model.lora)" if lora else "")
         processes[(slot.role, slot.rank)] = proc
 
@@ -309,19 +358,29 @@ def plan_memory(
                 if not resources.get("GPU"):
                     continue
                 claims = plan.claims_on(node_index, bundle_index)
-                device = Device(f"gpu n{node_index}/b{bundle_index}", gpu_bytes, gpu_source, margin_bytes(typed, gpu_bytes))
+                device = Device(
+                    f"gpu n{node_index}/b{bundle_index}", gpu_bytes, gpu_source, margin_bytes(typed, gpu_bytes)
+                )
                 loads.append(DeviceLoad(device, [processes[(c.role, c.rank)] for c in claims]))
         loads += node_host_loads(typed, plan, processes, wl.engine_tp)
     else:
         host_bytes, host_source = host or host_memory()
-        driver = ProcessMemory("driver", 0, [*tokenizer_terms(shape, on_gpu=False), *runtime_terms("driver", on_gpu=False)],
-                               "run.py, Ray's raylet/GCS/workers")
+        driver = ProcessMemory(
+            "driver",
+            0,
+            [*tokenizer_terms(shape, on_gpu=False), *runtime_terms("driver", on_gpu=False)],
+            "run.py, Ray's raylet/GCS/workers",
+        )
         every = [driver, *processes.values()]
         for proc in every:
             if proc.role == "engine" and wl.engine_tp > 1:
                 # A CPU engine's TP workers are processes of their own, each with its shard, its own
                 # KV space (kv_cache_memory_bytes is per worker) and its runtime: tp times one GPU's terms.
                 proc.terms = [Term(t.name, t.bytes * wl.engine_tp, t.phase, t.on_host) for t in proc.terms]
-        loads.append(DeviceLoad(Device("host", host_bytes, host_source, margin_bytes(typed, host_bytes)), every, sums_phases=False))
+        loads.append(
+            DeviceLoad(
+                Device("host", host_bytes, host_source, margin_bytes(typed, host_bytes)), every, sums_phases=False
+            )
+        )
     ordered = [processes[(s.role, s.rank)] for role in plan.roles for s in plan.slots_for(role)]
     return MemoryPlan(model_source, shape, wl, ordered, loads, batch_quantities(typed, plan, wl))

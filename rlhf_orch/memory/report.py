@@ -15,8 +15,21 @@ COLUMNS: dict[str, tuple[str, ...]] = {
     "optimizer": ("master weights", "optimizer"),
     "activations": ("activations", "backward workspace", "logits", "entropy", "old log-probs", "forward activations"),
     "kv cache": ("kv cache",),
-    "other": ("workspace", "cuda graphs", "lora slots", "cpu weight packing", "sync buffers", "sync send buffers", "nccl buffers",
-              "allocator reserve", "tokenizer", "checkpoint load", "zero-3 runtime", "runtime", "shared libraries"),
+    "other": (
+        "workspace",
+        "cuda graphs",
+        "lora slots",
+        "cpu weight packing",
+        "sync buffers",
+        "sync send buffers",
+        "nccl buffers",
+        "allocator reserve",
+        "tokenizer",
+        "checkpoint load",
+        "zero-3 runtime",
+        "runtime",
+        "shared libraries",
+    ),
 }
 
 
@@ -37,7 +50,10 @@ def _row(proc: ProcessMemory, devices: str) -> list[str]:
 
 def _table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) if i > 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+    lines = [
+        "  ".join(cell.rjust(w) if i > 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return lines
 
@@ -68,16 +84,29 @@ def describe(plan: MemoryPlan) -> str:
     lines.append("")
     device_rows = [["device", "need", "capacity", "margin", "headroom", "", "capacity from"]]
     for load in plan.loads:
-        device_rows.append([load.device.name, _gb(load.need), _gb(load.device.capacity), _gb(load.device.margin), _gb(load.headroom),
-                            "ok" if load.fits else "DOES NOT FIT", load.device.capacity_source])
+        device_rows.append(
+            [
+                load.device.name,
+                _gb(load.need),
+                _gb(load.device.capacity),
+                _gb(load.device.margin),
+                _gb(load.headroom),
+                "ok" if load.fits else "DOES NOT FIT",
+                load.device.capacity_source,
+            ]
+        )
     lines += _table(device_rows)
     if not wl.on_gpu:
-        lines.append("total = each process's resident peak; need = the host's used memory: the shared libraries and checkpoint "
-                     "pages in each total are page cache shared between processes, counted once in need")
+        lines.append(
+            "total = each process's resident peak; need = the host's used memory: the shared libraries and checkpoint "
+            "pages in each total are page cache shared between processes, counted once in need"
+        )
     if wl.on_gpu:
-        lines.append("need = the worse of generation (engines awake) and training (activations; sleeping engines "
-                     "freed unless the pipeline generates during training); 'host' = held in host memory (offloaded "
-                     "states, a sleeping engine's weights)")
+        lines.append(
+            "need = the worse of generation (engines awake) and training (activations; sleeping engines "
+            "freed unless the pipeline generates during training); 'host' = held in host memory (offloaded "
+            "states, a sleeping engine's weights)"
+        )
     lines.append(worst_case(plan))
     notes = sorted({p.note for p in plan.processes if p.note and p.role == "engine"})
     lines += [f"engine: {note}" for note in notes]
@@ -117,12 +146,18 @@ def _how_likely(plan: MemoryPlan) -> str:
         per_step = max(wl.sequences_per_rank_step, 1)
         average = -(-wl.token_bound // per_step)
         if average > wl.max_seq_len:
-            return (f"{sized}: never full (a rank's {per_step} sequences of an optimizer step hold at most "
-                    f"{per_step * wl.max_seq_len} tokens)")
-        return (f"{sized}: likely (packed micro-batches of up to {wl.token_bound} tokens fill once a rank's "
-                f"{per_step} sequences of an optimizer step average {average} of their {wl.max_seq_len} tokens)")
-    return (f"{sized}: only when all {wl.micro_batch_size} sequences of a micro-batch are {wl.max_seq_len} tokens long "
-            "(prompt and response at their limits; transfer.token_budget bounds it in tokens)")
+            return (
+                f"{sized}: never full (a rank's {per_step} sequences of an optimizer step hold at most "
+                f"{per_step * wl.max_seq_len} tokens)"
+            )
+        return (
+            f"{sized}: likely (packed micro-batches of up to {wl.token_bound} tokens fill once a rank's "
+            f"{per_step} sequences of an optimizer step average {average} of their {wl.max_seq_len} tokens)"
+        )
+    return (
+        f"{sized}: only when all {wl.micro_batch_size} sequences of a micro-batch are {wl.max_seq_len} tokens long "
+        "(prompt and response at their limits; transfer.token_budget bounds it in tokens)"
+    )
 
 
 def refusal(plan: MemoryPlan, fixes: list[Fix], chain: list[Fix] = ()) -> str:
@@ -131,9 +166,11 @@ def refusal(plan: MemoryPlan, fixes: list[Fix], chain: list[Fix] = ()) -> str:
     lines = []
     if not worst.fits:
         terms = ", ".join(f"{name} {_gb(nbytes)}" for name, nbytes in worst.largest_terms())
-        lines.append(f"memory: {worst.device.name} needs {_gb(worst.need)} GB of {_gb(worst.device.capacity)} GB "
-                     f"({worst.device.capacity_source}; {_gb(worst.device.margin)} GB kept free: launcher.memory_margin); "
-                     f"largest terms (GB): {terms}")
+        lines.append(
+            f"memory: {worst.device.name} needs {_gb(worst.need)} GB of {_gb(worst.device.capacity)} GB "
+            f"({worst.device.capacity_source}; {_gb(worst.device.margin)} GB kept free: launcher.memory_margin); "
+            f"largest terms (GB): {terms}"
+        )
     lines += [f"memory: {problem}" for problem in plan.engine_problems]
     if fixes:
         lines.append("fixes, cheapest first (each one override to paste):")
@@ -148,7 +185,9 @@ def refusal(plan: MemoryPlan, fixes: list[Fix], chain: list[Fix] = ()) -> str:
         if last.fits:
             verdict = "fits"
         elif last.worst().headroom < 0:
-            verdict = f"still short by {-last.worst().headroom / GB:.1f} GB: a device with more memory, or a smaller model"
+            verdict = (
+                f"still short by {-last.worst().headroom / GB:.1f} GB: a device with more memory, or a smaller model"
+            )
         else:
             verdict = f"still refused: {'; '.join(last.engine_problems)}"
         lines.append(f"no single override fits; together: {together}   # {verdict}")

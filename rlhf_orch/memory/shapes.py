@@ -15,28 +15,90 @@ from typing import Any, Optional
 
 #: The fields of the published `config.json` of every hub model `conf/model/` names.
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
-    "Qwen/Qwen2.5-0.5B-Instruct": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896, num_attention_heads=14,
-                                       num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen/Qwen2.5-3B": dict(model_type="qwen2", num_hidden_layers=36, hidden_size=2048, num_attention_heads=16,
-                            num_key_value_heads=2, intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen/Qwen2.5-Math-7B": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, num_attention_heads=28,
-                                 num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-    "Qwen/Qwen2-7B-Instruct": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584, num_attention_heads=28,
-                                   num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-    "Qwen/Qwen2.5-32B": dict(model_type="qwen2", num_hidden_layers=64, hidden_size=5120, num_attention_heads=40,
-                             num_key_value_heads=8, intermediate_size=27648, vocab_size=152064, tie_word_embeddings=False),
-    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": dict(model_type="qwen2", num_hidden_layers=28, hidden_size=1536,
-                                                      num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
-                                                      vocab_size=151936, tie_word_embeddings=False),
-    "meta-llama/Meta-Llama-3-8B": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
-                                       num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False),
+    "Qwen/Qwen2.5-0.5B-Instruct": dict(
+        model_type="qwen2",
+        num_hidden_layers=24,
+        hidden_size=896,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen2.5-3B": dict(
+        model_type="qwen2",
+        num_hidden_layers=36,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        intermediate_size=11008,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen2.5-Math-7B": dict(
+        model_type="qwen2",
+        num_hidden_layers=28,
+        hidden_size=3584,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen2-7B-Instruct": dict(
+        model_type="qwen2",
+        num_hidden_layers=28,
+        hidden_size=3584,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen2.5-32B": dict(
+        model_type="qwen2",
+        num_hidden_layers=64,
+        hidden_size=5120,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        intermediate_size=27648,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": dict(
+        model_type="qwen2",
+        num_hidden_layers=28,
+        hidden_size=1536,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    "meta-llama/Meta-Llama-3-8B": dict(
+        model_type="llama",
+        num_hidden_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
 }
 # Fine-tunes keep their base model's shape.
 # Packaged GGUF models (model=smollm2_135m), keyed by the file's name: the checkpoint built from it
 # (rlhf_orch.models.gguf) is float32, with the release's config.json fields.
 KNOWN_CONFIGS["SmolLM2-135M-Instruct.Q4_1.gguf"] = dict(
-    model_type="llama", num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, torch_dtype="float32",
+    model_type="llama",
+    num_hidden_layers=30,
+    hidden_size=576,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    torch_dtype="float32",
 )
 KNOWN_CONFIGS["meta-llama/Meta-Llama-3-8B-Instruct"] = KNOWN_CONFIGS["meta-llama/Meta-Llama-3-8B"]
 KNOWN_CONFIGS["OpenRLHF/Llama-3-8b-sft-mixture"] = KNOWN_CONFIGS["meta-llama/Meta-Llama-3-8B"]
@@ -76,7 +138,9 @@ class ModelShape:
             vocab=int(config["vocab_size"]),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=bool(config.get("attention_bias", config.get("model_type") in _QKV_BIAS_TYPES)),
-            checkpoint_bytes_per_param=4 if str(config.get("torch_dtype") or config.get("dtype") or "bfloat16") == "float32" else 2,
+            checkpoint_bytes_per_param=4
+            if str(config.get("torch_dtype") or config.get("dtype") or "bfloat16") == "float32"
+            else 2,
         )
 
     # ---- parameter counts (elements)
@@ -114,8 +178,15 @@ class ModelShape:
         """(out, in) of each linear projection of one layer, by the name HF's Llama/Qwen2 give it."""
         q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
         h, i = self.hidden, self.intermediate
-        return {"q_proj": (q_out, h), "k_proj": (kv_out, h), "v_proj": (kv_out, h), "o_proj": (h, q_out),
-                "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        return {
+            "q_proj": (q_out, h),
+            "k_proj": (kv_out, h),
+            "v_proj": (kv_out, h),
+            "o_proj": (h, q_out),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+        }
 
     def lora_params(self, rank: int, targets: Any) -> int:
         """Parameters of rank-`rank` LoRA adapters on the targeted projections of every layer
@@ -137,20 +208,31 @@ def shape_of(model_cfg: Any) -> tuple[Optional[ModelShape], str]:
     """
     if hasattr(model_cfg, "num_layers"):  # model=tiny: built from these fields (rlhf_orch.models.tiny_build)
         return ModelShape(
-            layers=model_cfg.num_layers, hidden=model_cfg.hidden_size, heads=model_cfg.num_heads,
-            kv_heads=model_cfg.num_heads, head_dim=model_cfg.hidden_size // model_cfg.num_heads,
-            intermediate=model_cfg.intermediate_size, vocab=model_cfg.vocab_size, tied_embeddings=True,
+            layers=model_cfg.num_layers,
+            hidden=model_cfg.hidden_size,
+            heads=model_cfg.num_heads,
+            kv_heads=model_cfg.num_heads,
+            head_dim=model_cfg.hidden_size // model_cfg.num_heads,
+            intermediate=model_cfg.intermediate_size,
+            vocab=model_cfg.vocab_size,
+            tied_embeddings=True,
             checkpoint_bytes_per_param=4,  # saved in float32 (rlhf_orch.models.tiny_build)
         ), "model config"
     gguf_file = getattr(model_cfg, "gguf_file", None)
     if isinstance(gguf_file, str):  # a packaged model: its built checkpoint, else its known config
         from rlhf_orch.models.packaged import gguf_model_id
 
-        built = Path(model_cfg.cache_dir).expanduser() / gguf_model_id(model_cfg.distribution, model_cfg.version, gguf_file)
+        built = Path(model_cfg.cache_dir).expanduser() / gguf_model_id(
+            model_cfg.distribution, model_cfg.version, gguf_file
+        )
         if (built / "config.json").is_file():
             return _local_shape(built / "config.json"), str(built / "config.json")
         known = KNOWN_CONFIGS.get(Path(gguf_file).name)
-        return (ModelShape.from_config(known), f"published config of {Path(gguf_file).name}") if known else (None, f"{gguf_file} is not built yet")
+        return (
+            (ModelShape.from_config(known), f"published config of {Path(gguf_file).name}")
+            if known
+            else (None, f"{gguf_file} is not built yet")
+        )
     name = getattr(model_cfg, "name_or_path", None)
     if not isinstance(name, str):
         return None, "the model option names no checkpoint"

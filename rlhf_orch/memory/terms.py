@@ -70,8 +70,12 @@ BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 # raylet, GCS, dashboard and idle workers.
 # Re-measured 2026-11-27 (vLLM 0.32, torch 2.13, Ray 2.60): the trainer, engine and driver rows had
 # grown by 0.08, 0.17 and 0.15 GB since the first calibration (2026-11-25: 0.52, 0.63, 1.1).
-CPU_RUNTIME_BYTES = {"trainer": (int(0.60e9), int(0.16e9)), "forward": (int(0.42e9), int(0.16e9)),
-                     "engine": (int(0.80e9), int(0.24e9)), "driver": (int(1.25e9), int(0.4e9))}
+CPU_RUNTIME_BYTES = {
+    "trainer": (int(0.60e9), int(0.16e9)),
+    "forward": (int(0.42e9), int(0.16e9)),
+    "engine": (int(0.80e9), int(0.24e9)),
+    "driver": (int(1.25e9), int(0.4e9)),
+}
 # On a GPU: the CUDA context, cuBLAS/NCCL workspaces and what DeepSpeed allocates outside torch's
 # caching allocator, per process (nvidia-smi's figure less torch's reserve). The trainer's were measured
 # on an H100 (scripts/bench/bench_gpu.py, 2026-11-27: 1.39 GB at ZeRO-0..2, 0.41 GB more at ZeRO-3); the
@@ -175,7 +179,11 @@ class ProcessMemory:
 
     def total(self, phases: tuple[str, ...] = (ALWAYS, *PHASES), on_host: bool = False, resident: bool = True) -> int:
         """Bytes of the terms in `phases`; `resident=False` leaves out reclaimable page cache."""
-        return sum(t.bytes for t in self.terms if t.phase in phases and t.on_host == on_host and (resident or not t.reclaimable))
+        return sum(
+            t.bytes
+            for t in self.terms
+            if t.phase in phases and t.on_host == on_host and (resident or not t.reclaimable)
+        )
 
     def peak(self, on_host: bool = False, resident: bool = True) -> int:
         """The process's high-water mark: what it always holds plus its largest phase (a step's
@@ -259,7 +267,10 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
     if z == 0:
         terms.append(Term("gradients", trained * w))
         if w < 4:  # mixed precision without ZeRO: DeepSpeed's bf16 optimizer keeps fp32 gradients and master weights
-            terms += [Term("fp32 gradients", trained * 4, on_host=offload), Term("master weights", trained * 4, on_host=offload)]
+            terms += [
+                Term("fp32 gradients", trained * 4, on_host=offload),
+                Term("master weights", trained * 4, on_host=offload),
+            ]
     else:
         model_grads = trained * w if z == 1 else min(trained, REDUCE_BUCKET_ELEMENTS) * w
         if z == 2 and w < 4:
@@ -295,8 +306,12 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
 def forward_pass_terms(shape: ModelShape, wl: Workload, logits_name: str = "logits") -> list[Term]:
     """One forward without gradients over a micro-batch (old or reference log-probs): the logits in
     the model's dtype and one layer's transient tensors, in the experience phase."""
-    return [Term(logits_name, wl.tokens_per_micro_batch * shape.vocab * wl.w, EXPERIENCE),
-            Term("forward activations", wl.tokens_per_micro_batch * (2 * shape.hidden + shape.intermediate) * 4, EXPERIENCE)]
+    return [
+        Term(logits_name, wl.tokens_per_micro_batch * shape.vocab * wl.w, EXPERIENCE),
+        Term(
+            "forward activations", wl.tokens_per_micro_batch * (2 * shape.hidden + shape.intermediate) * 4, EXPERIENCE
+        ),
+    ]
 
 
 def gpu_trainer_terms(role: str, rank: int, terms: list[Term], wl: Workload, dp: int) -> list[Term]:
@@ -323,7 +338,10 @@ def allocator_reserve(terms: list[Term]) -> list[Term]:
     training peak is not held while a colocated engine generates. On a GPU of its own the same:
     its peak phase's reserve."""
     held = ProcessMemory("", 0, terms)
-    return [Term("allocator reserve", int(DEFAULT_ALLOCATOR_RESERVE * held.total((ALWAYS, phase))), phase) for phase in PHASES]
+    return [
+        Term("allocator reserve", int(DEFAULT_ALLOCATOR_RESERVE * held.total((ALWAYS, phase))), phase)
+        for phase in PHASES
+    ]
 
 
 def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: int = 1) -> list[Term]:
@@ -332,19 +350,25 @@ def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload, 
     -- and gathers up to DeepSpeed's live-parameter limit for its forward."""
     sharded = role == "reference" and wl.reference_memory != "full"
     if sharded:
-        terms = [Term("weights", params * wl.w // dp, on_host=wl.reference_memory == "offloaded" and wl.on_gpu),
-                 Term("gathered weights", min(params, ZERO3_LIVE_PARAMETERS) * wl.w, EXPERIENCE)]
+        terms = [
+            Term("weights", params * wl.w // dp, on_host=wl.reference_memory == "offloaded" and wl.on_gpu),
+            Term("gathered weights", min(params, ZERO3_LIVE_PARAMETERS) * wl.w, EXPERIENCE),
+        ]
     else:
         terms = [Term("weights", params * wl.w)]
     terms += checkpoint_load_term(params, shape, wl)
     forward = forward_pass_terms(shape, wl)
-    terms += forward if role == "reference" else [t for t in forward if t.name != "logits"]  # a reward model scores, no [T, V]
+    terms += (
+        forward if role == "reference" else [t for t in forward if t.name != "logits"]
+    )  # a reward model scores, no [T, V]
     if wl.on_gpu:
         if sharded and dp > 1:
             terms.append(Term("nccl buffers", NCCL_COMMUNICATOR_BYTES))  # its ranks' world
         if wl.trainers_default_allocator:  # (forward-only processes get the trainers' allocator setting)
             terms += allocator_reserve(terms)
-    if sharded and wl.on_gpu:  # a DeepSpeed engine's ZeRO-3 buffers (kept where the reference lives in the policy's process)
+    if (
+        sharded and wl.on_gpu
+    ):  # a DeepSpeed engine's ZeRO-3 buffers (kept where the reference lives in the policy's process)
         terms.append(Term("zero-3 runtime", GPU_ZERO3_RUNTIME_BYTES))
     terms += runtime_terms("forward", wl.on_gpu)  # no optimizer
     return terms
@@ -376,7 +400,10 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     # asks of it (`vllm_profile_sizes`).
     batched_tokens, max_seqs = vllm_profile_sizes(wl)
     # (one after the other: the larger counts)
-    workspace = max(batched_tokens * (2 * shape.hidden + shape.intermediate) * 4 // tp, max_seqs * shape.vocab * SAMPLER_BYTES_PER_LOGIT)
+    workspace = max(
+        batched_tokens * (2 * shape.hidden + shape.intermediate) * 4 // tp,
+        max_seqs * shape.vocab * SAMPLER_BYTES_PER_LOGIT,
+    )
     graphs = GPU_ENGINE_GRAPHS_BYTES if wl.on_gpu and not wl.enforce_eager else 0
     # model.lora served as an adapter: vLLM's LoRA buffers (one adapter slot at its max rank, A and B
     # of every adapted projection; counted as the adapter's own size at the rank vLLM rounds up to).
@@ -391,17 +418,29 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     elif wl.on_gpu:
         # vLLM takes gpu_memory_utilization of the GPU and gives the KV cache what the rest leaves.
         # (NCCL's buffers too: vLLM's profile counts memory outside torch against the budget)
-        kv = int(wl.gpu_memory_utilization * wl.gpu_memory_bytes) - weights - workspace - graphs - lora_slots - nccl - GPU_RUNTIME_BYTES["engine"]
+        kv = (
+            int(wl.gpu_memory_utilization * wl.gpu_memory_bytes)
+            - weights
+            - workspace
+            - graphs
+            - lora_slots
+            - nccl
+            - GPU_RUNTIME_BYTES["engine"]
+        )
     else:  # what the engine is given (rlhf_orch.orchestration.session.engine_kv_cache_bytes)
         kv = cpu_kv_cache_bytes(wl.kv_sequences, wl.max_seq_len, shape.kv_bytes_per_token(wl.w), tp, wl.kv_block_size)
     note = ""
     if kv < one_sequence_kv:
         left = "nothing" if kv <= 0 else f"{kv / GiB:.2f} GiB"
-        note = (f"its memory budget leaves {left} for the KV cache after weights and workspace, less than one "
-                f"{wl.max_seq_len}-token sequence ({one_sequence_kv / GiB:.3f} GiB): vLLM refuses to start")
+        note = (
+            f"its memory budget leaves {left} for the KV cache after weights and workspace, less than one "
+            f"{wl.max_seq_len}-token sequence ({one_sequence_kv / GiB:.3f} GiB): vLLM refuses to start"
+        )
     elif kv < wanted_kv:
-        note = (f"KV cache {kv / GiB:.2f} GiB < {wanted_kv / GiB:.2f} GiB for all {wl.sequences_per_engine} sequences "
-                "at once: vLLM runs them in waves (slower, fits)")
+        note = (
+            f"KV cache {kv / GiB:.2f} GiB < {wanted_kv / GiB:.2f} GiB for all {wl.sequences_per_engine} sequences "
+            "at once: vLLM runs them in waves (slower, fits)"
+        )
     # A sleeping engine (colocated GPUs) gives weights and KV cache back while the trainers train;
     # level 1 parks the weights in host memory.
     asleep = wl.on_gpu and wl.sleep_level > 0 and wl.engines_sleep

@@ -32,7 +32,13 @@ class PackagedGGUFModel(ModelSource):
     """A GGUF file in an installed package (`distribution`==`version`, at `gguf_file` inside it)."""
 
     def __init__(
-        self, context_len: int, dtype: str, distribution: str, version: str, gguf_file: str, cache_dir: str,
+        self,
+        context_len: int,
+        dtype: str,
+        distribution: str,
+        version: str,
+        gguf_file: str,
+        cache_dir: str,
         lora: LoraSettings | None = None,
     ) -> None:
         super().__init__(context_len, dtype, lora)
@@ -60,15 +66,32 @@ class PackagedGGUFModel(ModelSource):
 
     def _build(self, out_dir: Path) -> None:
         source = packaged_file(self.distribution, self.version, self.gguf_file)
-        print(f"model: building {self.model_id} once from {source.name} ({self.distribution} {self.version}): "
-              f"dequantizing to float32 into {self.checkpoint_dir} ...", file=sys.stderr, flush=True)
+        print(
+            f"model: building {self.model_id} once from {source.name} ({self.distribution} {self.version}): "
+            f"dequantizing to float32 into {self.checkpoint_dir} ...",
+            file=sys.stderr,
+            flush=True,
+        )
         started = time.perf_counter()
         build_from_gguf(source, out_dir, self.context_len)
         seconds = time.perf_counter() - started
-        (out_dir / "build_info.json").write_text(json.dumps(
-            {"distribution": self.distribution, "version": self.version, "gguf_file": self.gguf_file,
-             "format": GGUF_BUILD_FORMAT_VERSION, "build_seconds": round(seconds, 2)}, indent=1))
-        print(f"model: {self.model_id} built in {seconds:.0f} s; later runs load it from the cache offline", file=sys.stderr, flush=True)
+        (out_dir / "build_info.json").write_text(
+            json.dumps(
+                {
+                    "distribution": self.distribution,
+                    "version": self.version,
+                    "gguf_file": self.gguf_file,
+                    "format": GGUF_BUILD_FORMAT_VERSION,
+                    "build_seconds": round(seconds, 2),
+                },
+                indent=1,
+            )
+        )
+        print(
+            f"model: {self.model_id} built in {seconds:.0f} s; later runs load it from the cache offline",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 @contextmanager
@@ -112,7 +135,9 @@ def _convert(gguf_path: Path, out_dir: Path, context_len: int) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     result = model.load_state_dict(loaded.state_dict(), strict=True)
     if result.missing_keys or result.unexpected_keys:
-        raise RuntimeError(f"GGUF conversion of {name}: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+        raise RuntimeError(
+            f"GGUF conversion of {name}: missing {result.missing_keys}, unexpected {result.unexpected_keys}"
+        )
     if config.tie_word_embeddings:
         model.tie_weights()
     # The checkpoint's own limit, not the run's model.context_len (not part of the cache key: the

@@ -72,8 +72,14 @@ class LoraSettings:
 
     def peft_kwargs(self) -> dict[str, Any]:
         """`peft.LoraConfig(**...)`: what the trainer wraps the policy with."""
-        return {"r": self.rank, "lora_alpha": self.alpha, "lora_dropout": self.dropout, "target_modules": self.targets(),
-                "bias": "none", "task_type": "CAUSAL_LM"}
+        return {
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": self.targets(),
+            "bias": "none",
+            "task_type": "CAUSAL_LM",
+        }
 
     def engine_max_rank(self) -> int:
         """vLLM's `max_lora_rank` for this adapter (the smallest supported value >= rank)."""

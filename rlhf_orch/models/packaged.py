@@ -41,7 +41,9 @@ def packaged_file(distribution: str, version: str, file: str, key: str = "model"
     try:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise ModelSourceError(f"{key}: the package {distribution} (which ships {Path(file).name}) is not installed; run: {fix}") from None
+        raise ModelSourceError(
+            f"{key}: the package {distribution} (which ships {Path(file).name}) is not installed; run: {fix}"
+        ) from None
     if dist.version != version:
         raise ModelSourceError(
             f"{key}.version={version}: {distribution} {dist.version} is installed; set {key}.version={dist.version}, "
@@ -71,12 +73,20 @@ def gguf_model_id(distribution: str, version: str, gguf_file: str) -> str:
     """The built checkpoint's name in the model cache: the file's stem and a hash of everything the
     build depends on (the pinned package version names the file's bytes; the dtype a consumer loads
     with does not matter: the build is float32)."""
-    identity = {"format": GGUF_BUILD_FORMAT_VERSION, "distribution": distribution, "version": version, "file": gguf_file}
+    identity = {
+        "format": GGUF_BUILD_FORMAT_VERSION,
+        "distribution": distribution,
+        "version": version,
+        "file": gguf_file,
+    }
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     return f"{Path(gguf_file).name.split('.')[0]}-{key}"
 
 
 def check_packaged_gguf_option(model_cfg: Any) -> None:
     """`check_packaged_gguf` on the typed config (the app asks before its heavy imports)."""
-    built = (Path(model_cfg.cache_dir).expanduser() / gguf_model_id(model_cfg.distribution, model_cfg.version, model_cfg.gguf_file)).is_dir()
+    built = (
+        Path(model_cfg.cache_dir).expanduser()
+        / gguf_model_id(model_cfg.distribution, model_cfg.version, model_cfg.gguf_file)
+    ).is_dir()
     check_packaged_gguf(model_cfg.distribution, model_cfg.version, model_cfg.gguf_file, built)

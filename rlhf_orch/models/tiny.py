@@ -76,7 +76,9 @@ class TinyLlama(ModelSource):
     def path(self) -> str:
         """The checkpoint directory, built first if no process has built it yet."""
         return build_once(
-            self.cache_dir, self.model_id, lambda staging: build_tiny_checkpoint(staging, self.spec, self.task, self.recipe)
+            self.cache_dir,
+            self.model_id,
+            lambda staging: build_tiny_checkpoint(staging, self.spec, self.task, self.recipe),
         )
 
     def reward_model_path(self) -> str:

@@ -120,9 +120,7 @@ def train_tokenizer(task: DigitReverseTask, vocab_size: int, corpus_size: int) -
     tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False)
     # The vocabulary line is repeated so rare words (fillers never appear in the default corpus)
     # still earn their merge.
     vocabulary_line = " ".join(task.vocabulary_words())
@@ -286,9 +284,7 @@ def warm_start(
     return losses
 
 
-def build_tiny_checkpoint(
-    out_dir: Path, spec: TinyLlamaSpec, task: DigitReverseTask, recipe: WarmStartRecipe
-) -> None:
+def build_tiny_checkpoint(out_dir: Path, spec: TinyLlamaSpec, task: DigitReverseTask, recipe: WarmStartRecipe) -> None:
     """Write a loadable checkpoint (model, tokenizer, generation config, build_info.json) to out_dir."""
     spec.validate()
     started = time.perf_counter()

@@ -164,8 +164,11 @@ def ranks_named(actors: RoleActors, *roles: str) -> dict[str, Any]:
     """The trainer processes of `roles` (RoleActors fields: policy, critic, reference, reward) by the
     name a person reads ("policy rank 0"); a hosted reference is its policy rank's process."""
     names = {"policy": "policy", "critic": "critic", "reference": "reference", "reward": "reward-model"}
-    return {f"{names[role]} rank {r}": actor for role in roles
-            for r, actor in enumerate(getattr(actors, "own_reference" if role == "reference" else role, []))}
+    return {
+        f"{names[role]} rank {r}": actor
+        for role in roles
+        for r, actor in enumerate(getattr(actors, "own_reference" if role == "reference" else role, []))
+    }
 
 
 def not_answering(actors: Sequence[Any], timeout_s: float) -> list[int]:
@@ -235,9 +238,15 @@ def lost_processes(actors: Sequence[Any], timeout_s: float) -> list[int]:
     # (one wait for both looks; a look not answered -- dead since, or not even its monitor thread
     # answers -- leaves the engine lost)
     first, second = "first", "second"
-    counts = read_progress({**{(k, first): first_looks[k] for k in second_looks}, **{(k, second): ref for k, ref in second_looks.items()}},
-                           ANSWER_S)
-    busy = {k for k in second_looks if None not in (counts[k, first], counts[k, second]) and counts[k, second] > counts[k, first]}
+    counts = read_progress(
+        {**{(k, first): first_looks[k] for k in second_looks}, **{(k, second): ref for k, ref in second_looks.items()}},
+        ANSWER_S,
+    )
+    busy = {
+        k
+        for k in second_looks
+        if None not in (counts[k, first], counts[k, second]) and counts[k, second] > counts[k, first]
+    }
     return [k for k in silent if k not in busy]
 
 
@@ -306,16 +315,23 @@ def start_role_actors(
         ("reference", ReferenceWorker, reference_spec, "reference"),
         ("reward", RewardModelWorker, reward_spec, "reward"),
     )
-    roles = tuple(r for r in roles if r[2] is not None)  # a role without a spec starts no process (none planned, or hosted)
+    roles = tuple(
+        r for r in roles if r[2] is not None
+    )  # a role without a spec starts no process (none planned, or hosted)
     actors = RoleActors(start_engine=start_engine, startup_timeout_s=timeout_s)
     if warm is not None:
         try:
             gpu_layout = plan.total_gpus > 0
-            resets = [e.reset.remote(engine_options(placement, slot, engine_spec, env, gpu_layout)[1])
-                      for e, slot in zip(warm.engines, engine_slots)]
+            resets = [
+                e.reset.remote(engine_options(placement, slot, engine_spec, env, gpu_layout)[1])
+                for e, slot in zip(warm.engines, engine_slots)
+            ]
             # (the reward model's spec is the policy's: its ranks' count is its own)
-            resets += [a.reset.remote(replace(spec, data_parallel_size=len(plan.slots_for(role))))
-                       for role, _, spec, name in roles for a in getattr(warm, name)]
+            resets += [
+                a.reset.remote(replace(spec, data_parallel_size=len(plan.slots_for(role))))
+                for role, _, spec, name in roles
+                for a in getattr(warm, name)
+            ]
             ray.get(resets, timeout=timeout_s)
             actors.engines.extend(warm.engines)
             for _, _, _, name in roles:
@@ -330,7 +346,9 @@ def start_role_actors(
         for role, cls, spec, name in roles:
             slots = plan.slots_for(role)
             for slot in slots:
-                getattr(actors, name).append(_remote(cls, placement, slot, trainer_env).remote(spec, slot.rank, len(slots)))
+                getattr(actors, name).append(
+                    _remote(cls, placement, slot, trainer_env).remote(spec, slot.rank, len(slots))
+                )
 
     try:
         # DeepSpeed needs each role's ranks in one torch.distributed world (rank 0 hosts it): the
@@ -344,7 +362,11 @@ def start_role_actors(
             host, port = wait_starting([group[0].rendezvous_address.remote()], timeout_s, stopped)[0]
             inits += [a.init_distributed.remote(host, port) for a in group]
         wait_starting(inits, timeout_s, stopped)
-        wait_starting([a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference, *actors.reward)], timeout_s, stopped)
+        wait_starting(
+            [a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference, *actors.reward)],
+            timeout_s,
+            stopped,
+        )
         if plan.reference_in_actor:
             actors.reference = [HostedReference(p) for p in actors.policy]
         wait_starting([e.ping.remote() for e in actors.engines], timeout_s, stopped)

@@ -31,8 +31,17 @@ BREAKING_KEYS = (
 )
 # Keys that never affect the trained policy (placement.reference_in_actor: the same log-probs in
 # another process, bit for bit -- tests/orchestration/test_warm_actors.py).
-HARMLESS_KEYS = ("logger", "launcher", "checkpoint", "algo.num_steps", "eval", "experiment_name", "fault", "reference",
-                 "placement.reference_in_actor")
+HARMLESS_KEYS = (
+    "logger",
+    "launcher",
+    "checkpoint",
+    "algo.num_steps",
+    "eval",
+    "experiment_name",
+    "fault",
+    "reference",
+    "placement.reference_in_actor",
+)
 
 
 def config_drift(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str], list[str]]:
@@ -56,7 +65,11 @@ def _under(key: str, prefixes: Iterable[str]) -> bool:
 
 def _diff(a: Any, b: Any, key: str = "") -> set[str]:
     if isinstance(a, dict) and isinstance(b, dict):
-        return {k for sub in set(a) | set(b) for k in _diff(a.get(sub, _MISSING), b.get(sub, _MISSING), f"{key}.{sub}" if key else str(sub))}
+        return {
+            k
+            for sub in set(a) | set(b)
+            for k in _diff(a.get(sub, _MISSING), b.get(sub, _MISSING), f"{key}.{sub}" if key else str(sub))
+        }
     return set() if a == b else {key}
 
 
@@ -103,8 +116,10 @@ def load_driver_state(path: Path) -> dict[str, Any]:
             return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(str(path))) or str(e).splitlines()[0]
-        raise ResumeError(f"{path} holds more than data (it would import {unsafe} to load); "
-                          "resume only from checkpoints this project wrote") from None
+        raise ResumeError(
+            f"{path} holds more than data (it would import {unsafe} to load); "
+            "resume only from checkpoints this project wrote"
+        ) from None
 
 
 def load_resume(
@@ -129,9 +144,17 @@ def load_resume(
         # The rollout generated ahead is in the format of the pipeline that holds it and the
         # transfer that exported it: another one could not put it back. Its sequences carry their
         # rewards as env.reward placed them (per_turn: per token), which another value would not.
-        moved = [k for k in ("pipeline._target_", "transfer._target_", "env.reward") if _at(state["config"], k) != _at(config, k)]
-        if moved == ["pipeline._target_"] and str(_at(state["config"], moved[0])).endswith("OneStepOffPipeline") \
-                and str(_at(config, moved[0])).endswith("AsyncPipeline") and (_at(config, "pipeline.max_staleness") or 0) >= 1:
+        moved = [
+            k
+            for k in ("pipeline._target_", "transfer._target_", "env.reward")
+            if _at(state["config"], k) != _at(config, k)
+        ]
+        if (
+            moved == ["pipeline._target_"]
+            and str(_at(state["config"], moved[0])).endswith("OneStepOffPipeline")
+            and str(_at(config, moved[0])).endswith("AsyncPipeline")
+            and (_at(config, "pipeline.max_staleness") or 0) >= 1
+        ):
             moved = []  # the async pipeline takes a one-step-off rollout (staleness 1) as its first ready one
         if moved:
             held_by = ", ".join(f"{k}={_at(state['config'], k)}" for k in moved)
@@ -149,7 +172,9 @@ def load_resume(
     return ResumePoint(info, state, other + harmless, notes)
 
 
-def _within_the_staleness_bound(resume: str, info: CheckpointInfo, state: dict[str, Any], config: dict[str, Any]) -> list[str]:
+def _within_the_staleness_bound(
+    resume: str, info: CheckpointInfo, state: dict[str, Any], config: dict[str, Any]
+) -> list[str]:
     """Carried rollouts that would train above the resumed run's `pipeline.max_staleness` (lowered
     since the checkpoint) are not trained: the first such rollout and every later one are dropped
     and the sampler goes back to before the first one's prompts were drawn, so the resumed run
@@ -178,10 +203,14 @@ def _within_the_staleness_bound(resume: str, info: CheckpointInfo, state: dict[s
     state["data"] = before
     dropped = [h.step for h in rollouts[first:]]
     # Their positions belong to the draws dropped here: the resumed run records its own as it draws again.
-    state["data_before_pending"] = {s: d for s, d in (state.get("data_before_pending") or {}).items() if s not in dropped}
-    return [f"resume: the carried rollout{'s' if len(dropped) > 1 else ''} of step{'s' if len(dropped) > 1 else ''} "
-            f"{', '.join(map(str, dropped))} (up to {max(behind[first:])} versions behind) exceed pipeline.max_staleness={bound}: "
-            "drawn again (the sampler goes back to before their prompts)"]
+    state["data_before_pending"] = {
+        s: d for s, d in (state.get("data_before_pending") or {}).items() if s not in dropped
+    }
+    return [
+        f"resume: the carried rollout{'s' if len(dropped) > 1 else ''} of step{'s' if len(dropped) > 1 else ''} "
+        f"{', '.join(map(str, dropped))} (up to {max(behind[first:])} versions behind) exceed pipeline.max_staleness={bound}: "
+        "drawn again (the sampler goes back to before their prompts)"
+    ]
 
 
 def save_checkpoint(
@@ -208,13 +237,20 @@ def save_checkpoint(
 
 def export_policy(actors: Any, get: Any, directory: Path, timeout_s: float) -> None:
     """The policy in Hugging Face format (every rank takes part: ZeRO-3 gathers its shards)."""
-    get([rank.export_hf.remote(str(directory)) for rank in actors.policy], "exporting the policy", timeout=_checkpoint_timeout(timeout_s))
+    get(
+        [rank.export_hf.remote(str(directory)) for rank in actors.policy],
+        "exporting the policy",
+        timeout=_checkpoint_timeout(timeout_s),
+    )
 
 
 def restore_trainers(path: Path, actors: Any, get: Any, timeout_s: float) -> None:
     roles = (("policy", actors.policy), ("critic", actors.critic))
-    get([rank.load_checkpoint.remote(str(path / name)) for name, ranks in roles for rank in ranks], f"loading the checkpoint {path}",
-        timeout=_checkpoint_timeout(timeout_s))
+    get(
+        [rank.load_checkpoint.remote(str(path / name)) for name, ranks in roles for rank in ranks],
+        f"loading the checkpoint {path}",
+        timeout=_checkpoint_timeout(timeout_s),
+    )
 
 
 def _checkpoint_timeout(timeout_s: float) -> tuple[float, str]:

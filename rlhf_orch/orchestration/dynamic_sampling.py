@@ -30,7 +30,9 @@ class GroupFilter:
     max_rounds: int
 
 
-def generate(transfer: RolloutTransfer, request: RolloutRequest, route: Route, group_filter: GroupFilter | None) -> HeldRollout:
+def generate(
+    transfer: RolloutTransfer, request: RolloutRequest, route: Route, group_filter: GroupFilter | None
+) -> HeldRollout:
     """A step's rollout generated and held: in one round, or with `group_filter` in as many as
     dynamic sampling takes (packed transfer only: validated)."""
     if group_filter is None:
@@ -43,7 +45,12 @@ def generate(transfer: RolloutTransfer, request: RolloutRequest, route: Route, g
 
 
 def fill_with_informative_groups(
-    transfer: Any, request: RolloutRequest, route: Route, held: list[list[RolloutMeta]], shares: list[list[EngineShare]], f: GroupFilter,
+    transfer: Any,
+    request: RolloutRequest,
+    route: Route,
+    held: list[list[RolloutMeta]],
+    shares: list[list[EngineShare]],
+    f: GroupFilter,
 ) -> tuple[list[list[RolloutMeta]], int, int]:
     """DAPO's dynamic sampling: drop groups whose samples all scored the same, generate more
     prompts (the same number again) until `len(request.prompts)` informative groups are held or
@@ -80,5 +87,9 @@ def fill_with_informative_groups(
         chosen |= set(sorted(set(range(generated)) - chosen)[: need - len(chosen)])
     kept = [[m.where(lambda i: group_of(i, spp) in chosen) for m in parts] for parts in held]
     for engine_shares in shares:  # (a share left with no kept prompt holds nothing a replacement could lose)
-        engine_shares[:] = [s for s in (dataclasses.replace(s, prompts=[p for p in s.prompts if p in chosen]) for s in engine_shares) if s.prompts]
+        engine_shares[:] = [
+            s
+            for s in (dataclasses.replace(s, prompts=[p for p in s.prompts if p in chosen]) for s in engine_shares)
+            if s.prompts
+        ]
     return kept, rounds, generated - len(set(groups[:need]))

@@ -54,7 +54,12 @@ def eval_metrics(prompts: Sequence[Prompt], scores: Sequence[float], k: int, pas
 
 class Evaluator:
     def __init__(
-        self, settings: EvalSettings, prompts: list[Prompt], reward: RewardSetup, get: Callable[..., list[Any]], env: Any = None
+        self,
+        settings: EvalSettings,
+        prompts: list[Prompt],
+        reward: RewardSetup,
+        get: Callable[..., list[Any]],
+        env: Any = None,
     ):
         self.env = env  # multi-turn rollouts: held-out prompts are played as trajectories too
         self.settings = settings
@@ -99,17 +104,26 @@ class Evaluator:
 
         produce = "produce_and_hold" if self.reward.has_model else "produce_scores"
         made = route.on_engines(
-            lambda e, engine: getattr(engine, produce).remote(whole_prompt_requests(chunks[e], s.samples_per_prompt), job(chunks[e])),
-            used, "evaluating",
+            lambda e, engine: getattr(engine, produce).remote(
+                whole_prompt_requests(chunks[e], s.samples_per_prompt), job(chunks[e])
+            ),
+            used,
+            "evaluating",
         )
         parts = [made[e] for e in used]
-        meta = self._scored_by_reward_model(route, used, parts, reward_ranks) if self.reward.has_model else RolloutMeta.merge(parts)
+        meta = (
+            self._scored_by_reward_model(route, used, parts, reward_ranks)
+            if self.reward.has_model
+            else RolloutMeta.merge(parts)
+        )
         metrics = eval_metrics(self.prompts, meta.trajectories_only().rewards, s.samples_per_prompt, s.pass_threshold)
         metrics["eval/response_mean_len"] = sum(meta.response_lens) / max(len(meta.response_lens), 1)
         metrics["time/eval"] = time.perf_counter() - t
         return metrics
 
-    def _scored_by_reward_model(self, route: Route, used: list[int], held: list[RolloutMeta], reward_ranks) -> RolloutMeta:
+    def _scored_by_reward_model(
+        self, route: Route, used: list[int], held: list[RolloutMeta], reward_ranks
+    ) -> RolloutMeta:
         """Samples the engines `used` hold (`held`: their metadata), scored by the reward-model ranks."""
         meta = RolloutMeta.merge(held)
         ranks = len(reward_ranks)
@@ -121,11 +135,20 @@ class Evaluator:
             refs = route.engines[e].cut_for_ranks.options(num_returns=ranks).remote(members)
             pieces.append([refs] if ranks == 1 else list(refs))
         shard = [_EVAL_SHARD_BASE + r for r in range(ranks)]
-        self._get([rm.stage_pieces.remote(shard[r], plan[r], [p[r] for p in pieces]) for r, rm in enumerate(reward_ranks)], "evaluating")
-        scored = self._get([rm.score.remote(shard[r]) for r, rm in enumerate(reward_ranks)], "evaluating",
-                           progress_of={f"reward-model rank {r}": rm for r, rm in enumerate(reward_ranks)})  # (by their progress)
+        self._get(
+            [rm.stage_pieces.remote(shard[r], plan[r], [p[r] for p in pieces]) for r, rm in enumerate(reward_ranks)],
+            "evaluating",
+        )
+        scored = self._get(
+            [rm.score.remote(shard[r]) for r, rm in enumerate(reward_ranks)],
+            "evaluating",
+            progress_of={f"reward-model rank {r}": rm for r, rm in enumerate(reward_ranks)},
+        )  # (by their progress)
         model_score = {i: v for indices, values in scored for i, v in zip(indices, values)}
         rule = meta.rewards if self.reward.rule is not None else [0.0] * len(meta.rewards)
-        meta.rewards = [sample_reward(r, 1.0, model=model_score[i], model_weight=self.reward.model.weight) for r, i in zip(rule, meta.indices)]
+        meta.rewards = [
+            sample_reward(r, 1.0, model=model_score[i], model_weight=self.reward.model.weight)
+            for r, i in zip(rule, meta.indices)
+        ]
         meta.share_trajectory_rewards()
         return meta

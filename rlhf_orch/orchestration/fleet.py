@@ -29,7 +29,13 @@ from typing import Any, Callable
 from rlhf_orch.one_line import one_line
 from rlhf_orch.orchestration.actors import PROBE_TIMEOUT_S, dead_actors, dead_or_stuck, lost_processes
 from rlhf_orch.orchestration.checkpoint import engine_seed
-from rlhf_orch.orchestration.errors import ActorDiedError, ActorTimeoutError, EngineDiedError, EngineRestartBudgetError, StepFailedError
+from rlhf_orch.orchestration.errors import (
+    ActorDiedError,
+    ActorTimeoutError,
+    EngineDiedError,
+    EngineRestartBudgetError,
+    StepFailedError,
+)
 from rlhf_orch.orchestration.restart_decision import engine_restart_refusal
 from rlhf_orch.sync.base import SyncReport, WeightSync, WeightSyncError
 from rlhf_orch.transfer.base import Delivery, HeldRollout, Route
@@ -53,8 +59,16 @@ class TrainerVersion:
 class EngineFleet:
     """The engines of a run: who they are, what weights they hold, who replaces them and when."""
 
-    def __init__(self, actors: Any, sync: WeightSync, pipeline: Any, transfer: Any, settings: Any, trainers: TrainerVersion,
-                 get: Callable[..., list[Any]]):
+    def __init__(
+        self,
+        actors: Any,
+        sync: WeightSync,
+        pipeline: Any,
+        transfer: Any,
+        settings: Any,
+        trainers: TrainerVersion,
+        get: Callable[..., list[Any]],
+    ):
         self.actors = actors
         self.sync = sync
         self.pipeline = pipeline
@@ -65,7 +79,9 @@ class EngineFleet:
         self.version = 0  # the weights the engines hold
         self.last_sync: SyncReport | None = None
         self.closing = False  # the run is ending: engines that stop are not replaced
-        self._replacing = threading.Lock()  # one engine replacement at a time (async: several rollouts may find it dead)
+        self._replacing = (
+            threading.Lock()
+        )  # one engine replacement at a time (async: several rollouts may find it dead)
         # Held by whoever pushes weights or re-forms the weight groups: the main thread's push after
         # training and a rollout thread replacing a dead engine (async, one_step_off) never overlap.
         self._pushing = threading.RLock()
@@ -74,8 +90,12 @@ class EngineFleet:
         # the rollout's step: under one_step_off it is made during the step before.
         self.restart_log: dict[int, list[float]] = {}
         self.engine_restarts_before = 0  # replacements the run made before this invocation (a resumed run's)
-        self._restart_s: dict[int, float] = {}  # per step, the seconds this process spent replacing engines (time/engine_restart)
-        self._redrawn: dict[int, int] = {}  # per step, samples of its rollout drawn again after their engine was lost (fault/redrawn_samples)
+        self._restart_s: dict[
+            int, float
+        ] = {}  # per step, the seconds this process spent replacing engines (time/engine_restart)
+        self._redrawn: dict[
+            int, int
+        ] = {}  # per step, samples of its rollout drawn again after their engine was lost (fault/redrawn_samples)
 
     @property
     def trained(self) -> int:
@@ -99,7 +119,9 @@ class EngineFleet:
     def metrics(self, step: int) -> dict[str, Any]:
         """Step `step`'s fault metrics: replacements charged so far, the seconds spent replacing
         and the samples drawn again on replacements (the last two: this attempt's, once)."""
-        metrics: dict[str, Any] = {"fault/engine_restarts": sum(len(v) for k, v in self.restart_log.items() if k <= step)}
+        metrics: dict[str, Any] = {
+            "fault/engine_restarts": sum(len(v) for k, v in self.restart_log.items() if k <= step)
+        }
         if step in self._restart_s:  # this attempt's replacements (the log also holds a lost attempt's)
             metrics["time/engine_restart"] = self._restart_s[step]
         if step in self._redrawn:
@@ -250,9 +272,12 @@ class EngineFleet:
         took = time.perf_counter() - t
         self._restart_s[held.step] = self._restart_s.get(held.step, 0.0) + took
         self._redrawn[held.step] = self._redrawn.get(held.step, 0) + redrawn
-        print(f"{what}: {'their shares' if several else 'its share'} of step {held.step}'s rollout, lost with "
-              f"{'them' if several else 'it'}, {'held again' if held.samples is not None else 'drawn again'} on the "
-              f"replacement ({took:.1f}s)", flush=True)
+        print(
+            f"{what}: {'their shares' if several else 'its share'} of step {held.step}'s rollout, lost with "
+            f"{'them' if several else 'it'}, {'held again' if held.samples is not None else 'drawn again'} on the "
+            f"replacement ({took:.1f}s)",
+            flush=True,
+        )
 
     def replace(self, e: int, step: int, dead: Any = None) -> Any:
         """Engine `e` lost making step `step`'s rollout: its replacement (`Route.replace`)."""
@@ -297,7 +322,9 @@ class EngineFleet:
             self._charge_restarts([e], step, f"died during step {step}")
             self._wire_replacements([e], self.trained, step)
             engine = self.actors.engines[e]
-        self._get([engine.reseed.remote(engine_seed(s.seed, step, e))], "seeding the replacement engine", engine_call=True)
+        self._get(
+            [engine.reseed.remote(engine_seed(s.seed, step, e))], "seeding the replacement engine", engine_call=True
+        )
         took = time.perf_counter() - t
         self._restart_s[step] = self._restart_s.get(step, 0.0) + took
         print(
@@ -326,11 +353,17 @@ class EngineFleet:
                 f"weight version {version} while the rollout generated ahead for the next step was held"
             )
         t = time.perf_counter()
-        self._charge_restarts(counted, self.trained, f"lost {'before ' if before else ''}receiving weight version {version}")
+        self._charge_restarts(
+            counted, self.trained, f"lost {'before ' if before else ''}receiving weight version {version}"
+        )
         self._wire_replacements(lost, version, self.trained)
         took = time.perf_counter() - t
         self._restart_s[self.trained] = self._restart_s.get(self.trained, 0.0) + took
-        collateral = f" (engine{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} stuck in the broken broadcast)" if dead and stuck else ""
+        collateral = (
+            f" (engine{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} stuck in the broken broadcast)"
+            if dead and stuck
+            else ""
+        )
         print(
             f"engine{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost {'before ' if before else ''}receiving weight version {version}{collateral}: "
             f"replaced in {'their bundles' if len(lost) > 1 else 'its bundle'}, the version pushed again "
@@ -376,7 +409,12 @@ class EngineFleet:
                 dead, stuck = dead_or_stuck(self.actors.engines, timeout_s=PROBE_TIMEOUT_S)
                 if not dead and not stuck:
                     raise
-                self._charge_restarts(dead or stuck, step, f"lost while the weight groups were formed again for version {version}")
+                self._charge_restarts(
+                    dead or stuck, step, f"lost while the weight groups were formed again for version {version}"
+                )
                 replace = sorted(dead + stuck)
-                print(f"engine{'s' if len(replace) > 1 else ''} {', '.join(map(str, replace))} lost while the weight groups were "
-                      "formed again: replaced in turn", flush=True)
+                print(
+                    f"engine{'s' if len(replace) > 1 else ''} {', '.join(map(str, replace))} lost while the weight groups were "
+                    "formed again: replaced in turn",
+                    flush=True,
+                )

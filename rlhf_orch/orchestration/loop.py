@@ -37,7 +37,11 @@ from rlhf_orch.orchestration.dynamic_sampling import GroupFilter
 from rlhf_orch.orchestration.fleet import EngineFleet, TrainerVersion, rank_per_shard
 from rlhf_orch.orchestration.waits import ActorWaits
 from rlhf_orch.orchestration.errors import (  # noqa: F401 - raised here, and imported from here by callers
-    ActorDiedError, ActorTimeoutError, EngineDiedError, EngineRestartBudgetError, StepFailedError,
+    ActorDiedError,
+    ActorTimeoutError,
+    EngineDiedError,
+    EngineRestartBudgetError,
+    StepFailedError,
 )
 from rlhf_orch.orchestration.checkpoint import engine_seed
 from rlhf_orch.liveness import deferred
@@ -116,14 +120,20 @@ def non_finite(metrics: dict[str, Any]) -> list[str]:
 def _fleet_attr(name: str, doc: str) -> property:
     """A field of the loop's engine fleet, read and set through the loop (the pipeline, the run
     record and resume ask the loop)."""
-    return property(lambda self: getattr(self.fleet, name), lambda self, value: setattr(self.fleet, name, value), doc=doc)
+    return property(
+        lambda self: getattr(self.fleet, name), lambda self, value: setattr(self.fleet, name, value), doc=doc
+    )
 
 
 def _trainers_attr() -> property:
     def set_trained(self, value: int) -> None:
         self.trainers.trained = value
 
-    return property(lambda self: self.trainers.trained, set_trained, doc="updates the trainers made (= the version of their weights)")
+    return property(
+        lambda self: self.trainers.trained,
+        set_trained,
+        doc="updates the trainers made (= the version of their weights)",
+    )
 
 
 class TrainLoop:
@@ -163,8 +173,12 @@ class TrainLoop:
         # Each step's prompt objects by prompt index (the rollout dump's data sources); a list the
         # dynamic sampling extends in place. Kept for the steps in flight only.
         self._prompts_of_step: dict[int, list[Any]] = {}
-        self._drawing = threading.Lock()  # a rollout thread draws a step's prompts (one_step_off) while the main thread asks
-        self._data_before: dict[int, dict[str, Any]] = {}  # per step drawn, the sampler's position before (data_state_before)
+        self._drawing = (
+            threading.Lock()
+        )  # a rollout thread draws a step's prompts (one_step_off) while the main thread asks
+        self._data_before: dict[
+            int, dict[str, Any]
+        ] = {}  # per step drawn, the sampler's position before (data_state_before)
         self.updating = False  # an update of the trainers is in progress (or failed half-way): see _update
 
     # ------------------------------------------------------------------ one step
@@ -194,14 +208,25 @@ class TrainLoop:
             t = time.perf_counter()
             values_by_index, algo_stats = self._sample_values(delivery)
             values_ref = ray.put(values_by_index)  # one float per sample; every rank picks its own
-            ref_lp = [r.logprobs.remote(i) if r else None for i, r in enumerate(rank_per_shard(self.actors.reference, num_shards))]
-            values = [c.values.remote(i) if c else None for i, c in enumerate(rank_per_shard(self.actors.critic, num_shards))]
+            ref_lp = [
+                r.logprobs.remote(i) if r else None
+                for i, r in enumerate(rank_per_shard(self.actors.reference, num_shards))
+            ]
+            values = [
+                c.values.remote(i) if c else None for i, c in enumerate(rank_per_shard(self.actors.critic, num_shards))
+            ]
             made = [
                 # (deferred: the rank starts at once and waits for them itself, answering `progress` meanwhile)
-                rank.make_experience.options(num_returns=2).remote(i, deferred(ref_lp[i]), deferred(values[i]), algo, values_ref)
+                rank.make_experience.options(num_returns=2).remote(
+                    i, deferred(ref_lp[i]), deferred(values[i]), algo, values_ref
+                )
                 for i, rank in enumerate(self.actors.policy)
             ]
-            exp_stats = self._get([m[0] for m in made], "computing experience", progress_of=ranks_named(self.actors, "policy", "reference", "critic"))
+            exp_stats = self._get(
+                [m[0] for m in made],
+                "computing experience",
+                progress_of=ranks_named(self.actors, "policy", "reference", "critic"),
+            )
             returns = [m[1] for m in made]
             timings["experience"] = time.perf_counter() - t
 
@@ -234,9 +259,17 @@ class TrainLoop:
 
         if dumped is not None:
             t = time.perf_counter()
-            sequences = [seq for part in self._get(dumped, "reading the rollout dump", progress_of=ranks_named(self.actors, "policy")) for seq in part]
+            sequences = [
+                seq
+                for part in self._get(
+                    dumped, "reading the rollout dump", progress_of=ranks_named(self.actors, "policy")
+                )
+                for seq in part
+            ]
             rewards = dict(zip(delivery.meta.indices, delivery.meta.rewards))
-            self.rollout_dump.write(step, sequences, rewards, self._prompts_of_step.get(step), self.settings.samples_per_prompt)
+            self.rollout_dump.write(
+                step, sequences, rewards, self._prompts_of_step.get(step), self.settings.samples_per_prompt
+            )
             timings["rollout_dump"] = time.perf_counter() - t
         # pop, not a sweep: under one_step_off the rollout thread adds the next step's entry meanwhile.
         self._prompts_of_step.pop(step, None)
@@ -248,13 +281,19 @@ class TrainLoop:
         metrics.update(self.fleet.metrics(step))
         return metrics
 
-    def _update(self, policy_calls: list[ray.ObjectRef], critic_calls: list[ray.ObjectRef]) -> tuple[list[Any], list[Any]]:
+    def _update(
+        self, policy_calls: list[ray.ObjectRef], critic_calls: list[ray.ObjectRef]
+    ) -> tuple[list[Any], list[Any]]:
         """Wait for the policy's and the critic's update of this step. Only once both returned do
         the trainers hold the next version (`trained`); a failure in between leaves `updating`
         set: the policy may have stepped its optimizer while the critic did not (or the other way),
         a state no checkpoint may be written from."""
-        self.updating = True  # (the calls are in flight: until both return, one role may have stepped and the other not)
-        training = ranks_named(self.actors, "policy", "critic")  # (they train at once: each waits while the other moves)
+        self.updating = (
+            True  # (the calls are in flight: until both return, one role may have stepped and the other not)
+        )
+        training = ranks_named(
+            self.actors, "policy", "critic"
+        )  # (they train at once: each waits while the other moves)
         policy_stats = self._get(policy_calls, "training the policy", progress_of=training)
         critic_stats = self._get(critic_calls, "training the critic", progress_of=training)
         self.trainers.trained += 1
@@ -274,7 +313,11 @@ class TrainLoop:
         replaced engine draws what an uninterrupted run would have."""
         s = self.settings
         route = self.route(step)
-        route.on_engines(lambda e, engine: engine.reseed.remote(engine_seed(s.seed, step, e)), range(len(route.engines)), "seeding the engines")
+        route.on_engines(
+            lambda e, engine: engine.reseed.remote(engine_seed(s.seed, step, e)),
+            range(len(route.engines)),
+            "seeding the engines",
+        )
         with self._drawing:  # (the position and the draw, as one: data_state_before may ask meanwhile)
             self._data_before[step] = self.task.state_dict()
             prompts = self.task.sample_prompts(s.rollout_batch_size)
@@ -327,7 +370,8 @@ class TrainLoop:
             return
         t = time.perf_counter()
         parts = self._get(
-            [rm.score.remote(i) for i, rm in enumerate(rank_per_shard(self.actors.reward, num_shards))], "scoring with the reward model",
+            [rm.score.remote(i) for i, rm in enumerate(rank_per_shard(self.actors.reward, num_shards))],
+            "scoring with the reward model",
             progress_of=ranks_named(self.actors, "reward"),
         )
         model_score = {i: v for indices, values in parts for i, v in zip(indices, values)}
@@ -366,7 +410,9 @@ class TrainLoop:
         """DAPO's dynamic sampling: which groups to keep, and where more prompts come from."""
         if not self.algo.uses_dynamic_sampling:
             return None
-        return GroupFilter(keep=self.algo.keep_groups, more_prompts=self.task.sample_prompts, max_rounds=self.algo.max_gen_batches)
+        return GroupFilter(
+            keep=self.algo.keep_groups, more_prompts=self.task.sample_prompts, max_rounds=self.algo.max_gen_batches
+        )
 
     def _shards_of_critic(self, critic: int, num_shards: int) -> list[int]:
         return [i for i in range(num_shards) if i % len(self.actors.critic) == critic]

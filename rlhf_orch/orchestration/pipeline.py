@@ -120,7 +120,9 @@ class RolloutPipeline:
     def restore(self, loop: PipelineHost, held: HeldRollout | None) -> None:
         """A resumed checkpoint's pending rollout: put it back where `rollout` expects it."""
         if held is not None:
-            raise ValueError(f"{type(self).__name__} does not hold rollouts between steps, but the checkpoint carries one")
+            raise ValueError(
+                f"{type(self).__name__} does not hold rollouts between steps, but the checkpoint carries one"
+            )
 
     def close(self, loop: PipelineHost | None, wait: bool = False) -> None:
         """The run ends (normally or not): nothing more is generated. `wait`: return only once no
@@ -248,7 +250,9 @@ class AsyncPipeline(RolloutPipeline):
     engines_awake_in_training: ClassVar[bool] = True  # never idle (engines_idle does nothing), never asleep
     sleeps_engines: ClassVar[bool] = False
     one_version_per_rollout: ClassVar[bool] = False  # each new version reaches the rollouts in flight
-    redraws_lost_shares: ClassVar[bool] = True  # an engine lost costs its shares, not the run (sampling is timing-dependent anyway)
+    redraws_lost_shares: ClassVar[bool] = (
+        True  # an engine lost costs its shares, not the run (sampling is timing-dependent anyway)
+    )
 
     def __init__(self, max_staleness: int, partial_rollout: bool = True) -> None:
         if max_staleness < 0:

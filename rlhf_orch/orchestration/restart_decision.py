@@ -53,7 +53,10 @@ class RestartDecision:
 
 
 def decide_restart(
-    failure: Failure, earlier: list[FailurePoint] | tuple[FailurePoint, ...], trainer_restarts_used: int, max_trainer_restarts: int
+    failure: Failure,
+    earlier: list[FailurePoint] | tuple[FailurePoint, ...],
+    trainer_restarts_used: int,
+    max_trainer_restarts: int,
 ) -> RestartDecision:
     """The decision for `failure`, given the `earlier` failed attempts of this invocation and the
     trainer restart budget (fault.max_trainer_restarts; `trainer_restarts_used` of it so far).
@@ -85,22 +88,34 @@ def decide_restart(
     )
 
 
-def restart_line(where: str, error_line: str, resume_step: int | None, trainer_restarts_used: int, max_trainer_restarts: int) -> str:
+def restart_line(
+    where: str, error_line: str, resume_step: int | None, trainer_restarts_used: int, max_trainer_restarts: int
+) -> str:
     """The console line of a restart (`where`: "step N: " or empty)."""
-    source = f"the checkpoint of step {resume_step}" if resume_step is not None else "the initial weights (no checkpoint yet)"
-    return (f"{where}{error_line} -- restarting every role from {source} "
-            f"(restart {trainer_restarts_used}/{max_trainer_restarts})")
+    source = (
+        f"the checkpoint of step {resume_step}"
+        if resume_step is not None
+        else "the initial weights (no checkpoint yet)"
+    )
+    return (
+        f"{where}{error_line} -- restarting every role from {source} "
+        f"(restart {trainer_restarts_used}/{max_trainer_restarts})"
+    )
 
 
-def engine_restart_refusal(engines: list[int], what: str, engine_restarts_used: int, max_engine_restarts: int) -> str | None:
+def engine_restart_refusal(
+    engines: list[int], what: str, engine_restarts_used: int, max_engine_restarts: int
+) -> str | None:
     """Replacing `engines` (each one charged to fault.max_engine_restarts, `engine_restarts_used`
     of it so far): None when they fit, else EngineRestartBudgetError's line, naming the first
     engine that does not fit."""
     allowed = max_engine_restarts - engine_restarts_used
     if len(engines) <= allowed:
         return None
-    return (f"vLLM engine {engines[max(allowed, 0)]} {what} and the engine restart budget is used up "
-            f"(fault.max_engine_restarts={max_engine_restarts})")
+    return (
+        f"vLLM engine {engines[max(allowed, 0)]} {what} and the engine restart budget is used up "
+        f"(fault.max_engine_restarts={max_engine_restarts})"
+    )
 
 
 def failure_signature(error: BaseException) -> str:

@@ -24,14 +24,19 @@ class ForeignCheckpointError(RuntimeError):
 class RunRecord:
     """Metrics so far (a resumed run's included), where checkpoints go and which was last."""
 
-    def __init__(self, run_dir: Path, typed: RootConfig, config_dict: dict, logger: Any, task: Any, resume: ResumePoint | None):
+    def __init__(
+        self, run_dir: Path, typed: RootConfig, config_dict: dict, logger: Any, task: Any, resume: ResumePoint | None
+    ):
         ck = typed.checkpoint
         self.run_dir, self.typed, self.config_dict, self.logger, self.task = run_dir, typed, config_dict, logger, task
         # Under a shared checkpoint.dir, this run's own directory: other runs' saves and rotations never touch it.
         self.store = CheckpointStore(run_checkpoint_root(run_dir, ck.dir), ck.keep_last)
         if resume is not None:
             for moved in self.store.set_aside_after(resume.step):
-                print(f"resume: {moved.name.rsplit('-', 1)[0]} is of a timeline this run goes back past: kept in {moved.parent}", flush=True)
+                print(
+                    f"resume: {moved.name.rsplit('-', 1)[0]} is of a timeline this run goes back past: kept in {moved.parent}",
+                    flush=True,
+                )
         self.history: list[dict[str, Any]] = list(resume.state["metrics"]) if resume else []
         self.last_checkpoint: Path | None = resume.info.path if resume else None
         self._resumed_from: Path | None = resume.info.path if resume else None
@@ -50,8 +55,15 @@ class RunRecord:
         # the steps before it).
         self.engine_restart_log: dict[int, list[float]] | None = None
         # (resume=run_dir with no checkpoint yet: a fresh start over an earlier attempt's records)
-        self.metrics_file = MetricsFile(run_dir, keep_through_step=resume.step if resume else (-1 if typed.resume else None))
-        logger.start(str(run_dir), config_dict, typed.experiment_name, resume_id=resume.state.get("logger_run_id") if resume else None)
+        self.metrics_file = MetricsFile(
+            run_dir, keep_through_step=resume.step if resume else (-1 if typed.resume else None)
+        )
+        logger.start(
+            str(run_dir),
+            config_dict,
+            typed.experiment_name,
+            resume_id=resume.state.get("logger_run_id") if resume else None,
+        )
 
     @property
     def trainer_restarts_used(self) -> int:
@@ -100,7 +112,12 @@ class RunRecord:
         # pipeline.max_staleness draws those it may not train again (checkpoint._within_the_staleness_bound).
         carried = pending if isinstance(pending, list) else [pending] if pending is not None else []
         before = {h.step: loop.data_state_before(h.step) for h in carried}
-        self._write(step, loop, actors, {**self._driver_state(step, loop), "pending_rollout": pending, "data_before_pending": before})
+        self._write(
+            step,
+            loop,
+            actors,
+            {**self._driver_state(step, loop), "pending_rollout": pending, "data_before_pending": before},
+        )
 
     def final_checkpoint(self, loop: Any, actors: Any, exact_only: bool = False) -> str:
         """After a failure, while the trainers may still be alive: a checkpoint of the last
@@ -114,11 +131,15 @@ class RunRecord:
         if self.last_checkpoint_step == step:
             return ""
         if loop.updating:
-            return (f"no final checkpoint: the failure came while the trainers were updating after step {step} (one role "
-                    "may have applied the update, another not; the last checkpoint is the newest consistent state)")
+            return (
+                f"no final checkpoint: the failure came while the trainers were updating after step {step} (one role "
+                "may have applied the update, another not; the last checkpoint is the newest consistent state)"
+            )
         if loop.trained != finished["trained_version"]:
-            return (f"no final checkpoint: the trainers had already updated past step {step} "
-                    "(the last checkpoint is the newest consistent state)")
+            return (
+                f"no final checkpoint: the trainers had already updated past step {step} "
+                "(the last checkpoint is the newest consistent state)"
+            )
         # A rollout generated ahead (one_step_off) is gone with the failure: the resumed run makes
         # step k+1's again, with the newer weights -- close to, not bit for bit, the uninterrupted run.
         exact = not loop.pipeline.needs_held_rollouts
@@ -128,7 +149,9 @@ class RunRecord:
             self._write(step, loop, actors, {**finished, "pending_rollout": None, "final": True, "exact": exact})
         except Exception as e:  # the run has failed already; say why nothing was kept
             return f"no final checkpoint: {named(e)}"
-        return "" if exact else "final checkpoint: its resumed run re-generates the next step's rollout (not bit for bit)"
+        return (
+            "" if exact else "final checkpoint: its resumed run re-generates the next step's rollout (not bit for bit)"
+        )
 
     def _write(self, step: int, loop: Any, actors: Any, driver: dict[str, Any]) -> None:
         t = time.perf_counter()
@@ -140,10 +163,15 @@ class RunRecord:
             "logger_run_id": getattr(self.logger, "run_id", None),
             "config": self.config_dict,
         }
-        manifest = {"weight_version": driver["weight_version"], "run_dir": str(self.run_dir.resolve()),
-                    "experiment_name": self.typed.experiment_name}
+        manifest = {
+            "weight_version": driver["weight_version"],
+            "run_dir": str(self.run_dir.resolve()),
+            "experiment_name": self.typed.experiment_name,
+        }
         ck = self.typed.checkpoint
-        self.last_checkpoint = save_checkpoint(self.store, step, actors, loop._get, state, ck.export_hf, manifest, ck.timeout_s)
+        self.last_checkpoint = save_checkpoint(
+            self.store, step, actors, loop._get, state, ck.export_hf, manifest, ck.timeout_s
+        )
         self.last_checkpoint_step = step
         self._last_checkpoint_at = time.monotonic()
         print(f"checkpoint: step {step} -> {self.last_checkpoint} ({time.perf_counter() - t:.1f}s)", flush=True)
@@ -177,8 +205,14 @@ class RunRecord:
             self._rewind(0)
             return None
         ck = self.typed.checkpoint
-        resume = load_resume(str(self.last_checkpoint), self.run_dir.parent, ck.dir, self.config_dict, num_steps,
-                             self.typed.experiment_name)
+        resume = load_resume(
+            str(self.last_checkpoint),
+            self.run_dir.parent,
+            ck.dir,
+            self.config_dict,
+            num_steps,
+            self.typed.experiment_name,
+        )
         if not self._own(resume.info.path):  # never train on another run's weights
             raise ForeignCheckpointError(
                 f"the checkpoint {resume.info.path} to restart from is neither this run's (under {self.store.root}) nor the one "
@@ -193,7 +227,9 @@ class RunRecord:
         """A checkpoint this run may restart from: one it wrote (in its own store) or the one it
         was resumed from (which may be another run dir's: a sweep job, a moved run dir)."""
         path = Path(checkpoint).resolve()
-        return path.parent == self.store.root.resolve() or (self._resumed_from is not None and path == self._resumed_from.resolve())
+        return path.parent == self.store.root.resolve() or (
+            self._resumed_from is not None and path == self._resumed_from.resolve()
+        )
 
     def _rewind(self, step: int) -> None:
         self.history = [m for m in self.history if m.get("step", 0) <= step]
@@ -207,7 +243,10 @@ class RunRecord:
     def close(self, outcome: dict[str, Any], wall_s: float) -> dict[str, Any]:
         """Flush the metrics, end the logger's run and write summary.json (which it returns)."""
         self.metrics_file.close()
-        self.logger.close(exit_code=0 if outcome["status"] == "completed" else 1, preempted=outcome["status"] in ("interrupted", "aborted"))
+        self.logger.close(
+            exit_code=0 if outcome["status"] == "completed" else 1,
+            preempted=outcome["status"] in ("interrupted", "aborted"),
+        )
         summary = run_summary(self.run_dir, self.history, wall_s, outcome, self.last_checkpoint)
         summary["trainer_restarts"] = self.trainer_restarts
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -229,7 +268,11 @@ def run_summary(
 ) -> dict[str, Any]:
     """summary.json: how the run ended, first/last rewards and evaluations (resumed steps included)."""
     rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
-    evals = [{k: v for k, v in m.items() if k == "step" or k.startswith("eval/")} for m in history if any(k.startswith("eval/") for k in m)]
+    evals = [
+        {k: v for k, v in m.items() if k == "step" or k.startswith("eval/")}
+        for m in history
+        if any(k.startswith("eval/") for k in m)
+    ]
     k = max(1, min(5, len(rewards) // 3))
     return {
         "run_dir": str(run_dir),

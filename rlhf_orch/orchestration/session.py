@@ -19,7 +19,14 @@ from rlhf_orch.logging.rollout_dump import RolloutDump
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.one_line import named
 from rlhf_orch.orchestration import warm_actors
-from rlhf_orch.orchestration.actors import PROBE_TIMEOUT_S, ActorStartError, RoleActors, StartupStopped, lost_processes, start_role_actors
+from rlhf_orch.orchestration.actors import (
+    PROBE_TIMEOUT_S,
+    ActorStartError,
+    RoleActors,
+    StartupStopped,
+    lost_processes,
+    start_role_actors,
+)
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR, ResumeError, find_checkpoint
 from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
@@ -27,7 +34,12 @@ from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
 from rlhf_orch.orchestration.errors import ActorDiedError, ActorTimeoutError, EngineRestartBudgetError
 from rlhf_orch.orchestration.loop import LoopSettings, TrainLoop, non_finite
 from rlhf_orch.orchestration.restart_decision import (
-    Failure, FailurePoint, RestartDecision, decide_restart, failure_signature, restart_line,
+    Failure,
+    FailurePoint,
+    RestartDecision,
+    decide_restart,
+    failure_signature,
+    restart_line,
 )
 from rlhf_orch.orchestration.run_record import RunRecord
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
@@ -36,7 +48,9 @@ from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.trainer.spec import TrainerSpec
 
 
-def trainer_specs(cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id: int, lora: LoraSettings | None = None) -> dict[str, TrainerSpec]:
+def trainer_specs(
+    cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id: int, lora: LoraSettings | None = None
+) -> dict[str, TrainerSpec]:
     """Per trainer role, what its processes need (roles the algorithm has no use for get none).
     `lora`: the model option's adapters (model.lora), trained by the policy only."""
     a, t = cfg.algo, cfg.trainer
@@ -95,8 +109,14 @@ class RunFailed(RuntimeError):
     """Training stopped on a runtime failure; the message names the cause and how to resume."""
 
 
-def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipeline: Any = None, lora: LoraSettings | None = None,
-                eval_prompts: int = 0) -> EngineSpec:
+def engine_spec(
+    typed: RootConfig,
+    plan: PlacementPlan,
+    model_path: str,
+    pipeline: Any = None,
+    lora: LoraSettings | None = None,
+    eval_prompts: int = 0,
+) -> EngineSpec:
     """What every vLLM engine process needs (its slot's rank is given at start). The pipeline's
     `rollouts_at_once`: rollouts an engine generates together; with more than one, a weight update
     lands while requests are in flight and vLLM cannot drop their cached prefixes, which later
@@ -121,7 +141,9 @@ def engine_spec(typed: RootConfig, plan: PlacementPlan, model_path: str, pipelin
     )
 
 
-def engine_kv_cache_bytes(typed: RootConfig, plan: PlacementPlan, rollouts_at_once: int, eval_prompts: int) -> int | None:
+def engine_kv_cache_bytes(
+    typed: RootConfig, plan: PlacementPlan, rollouts_at_once: int, eval_prompts: int
+) -> int | None:
     """engine.kv_cache_gb in bytes; null: on GPUs None (vLLM sizes it from gpu_memory_utilization),
     on CPU what the engine holds at once (`cpu_kv_cache_bytes`; 1 GiB for a model of unknown shape)."""
     e = typed.engine
@@ -138,10 +160,19 @@ def engine_kv_cache_bytes(typed: RootConfig, plan: PlacementPlan, rollouts_at_on
         return None  # the engine's CPU_KV_CACHE_UNSIZED_BYTES
     a, v = typed.algo, typed.eval
     evaluating = v.enabled
-    sequences = kv_sequences_per_engine(a.rollout_batch_size * a.samples_per_prompt, rollouts_at_once,
-                                        eval_prompts * v.samples_per_prompt if evaluating else 0, plan.num_ranks("engine"))
-    return cpu_kv_cache_bytes(sequences, typed.data.prompt_max_len + typed.data.response_max_len,
-                              shape.kv_bytes_per_token(BYTES_PER_ELEMENT[typed.model.dtype]), plan.engine_tp, kv_block_size(e.block_size, True))
+    sequences = kv_sequences_per_engine(
+        a.rollout_batch_size * a.samples_per_prompt,
+        rollouts_at_once,
+        eval_prompts * v.samples_per_prompt if evaluating else 0,
+        plan.num_ranks("engine"),
+    )
+    return cpu_kv_cache_bytes(
+        sequences,
+        typed.data.prompt_max_len + typed.data.response_max_len,
+        shape.kv_bytes_per_token(BYTES_PER_ELEMENT[typed.model.dtype]),
+        plan.engine_tp,
+        kv_block_size(e.block_size, True),
+    )
 
 
 def loop_settings(typed: RootConfig, plan: PlacementPlan, engines: EngineSpec) -> LoopSettings:
@@ -173,19 +204,31 @@ def load_resume_point(typed: RootConfig, run_dir: Path, config_dict: dict, task:
     wanted = typed.resume
     if wanted == OWN_RUN_DIR:  # (a requeued Slurm job: its own run dir, never another job's)
         try:
-            wanted = str(find_checkpoint(str(run_dir), run_dir.parent, ck.dir).path)  # (load_resume reads it by its manifest)
+            wanted = str(
+                find_checkpoint(str(run_dir), run_dir.parent, ck.dir).path
+            )  # (load_resume reads it by its manifest)
         except ResumeError:
-            print(f"resume={OWN_RUN_DIR}: no complete checkpoint of {run_dir} yet: starting fresh there "
-                  "(the records of an earlier attempt stay in metrics.jsonl, marked superseded)", flush=True)
+            print(
+                f"resume={OWN_RUN_DIR}: no complete checkpoint of {run_dir} yet: starting fresh there "
+                "(the records of an earlier attempt stay in metrics.jsonl, marked superseded)",
+                flush=True,
+            )
             return None
     resume = load_resume(wanted, run_dir.parent, ck.dir, config_dict, typed.algo.num_steps, typed.experiment_name)
     task.load_state_dict(resume.state["data"])
     set_rng_state(resume.state["rng"])
-    which = f" (resume=auto: the newest checkpoint of experiment {typed.experiment_name!r})" if typed.resume == "auto" else ""
+    which = (
+        f" (resume=auto: the newest checkpoint of experiment {typed.experiment_name!r})"
+        if typed.resume == "auto"
+        else ""
+    )
     print(f"resuming from step {resume.step}: {resume.info.path}{which}", flush=True)
     if resume.state.get("exact") is False:
-        print(f"resume: the final checkpoint of a failed one-step-off run: step {resume.step + 1}'s rollout is generated "
-              "again with the checkpoint's weights (the uninterrupted run drew it one version earlier)", flush=True)
+        print(
+            f"resume: the final checkpoint of a failed one-step-off run: step {resume.step + 1}'s rollout is generated "
+            "again with the checkpoint's weights (the uninterrupted run drew it one version earlier)",
+            flush=True,
+        )
     if resume.changed:
         print(f"resume: changed since the checkpoint (allowed): {', '.join(resume.changed)}", flush=True)
     for note in resume.notes:
@@ -271,10 +314,15 @@ def use_lora_sync(actors: RoleActors, timeout_s: float) -> str:
     mode = modes.pop()
     ray.get([rank.use_lora_sync.remote(mode) for rank in actors.policy], timeout=timeout_s)
     info = ray.get(actors.policy[0].lora_summary.remote(), timeout=timeout_s)
-    carried = (f"the adapter ({info['adapter_bytes'] / 1e6:.2f} MB; vLLM serves it in memory)" if mode == "adapter"
-               else f"merged weights ({info['full_bytes'] / 1e6:.1f} MB: the engines cannot take an adapter)")
-    return (f"lora: rank {info['rank']}, alpha {info['alpha']:g}, {info['layers']} layers -- {info['trainable']:,} of "
-            f"{info['total']:,} weights train; each sync sends {carried} (model.lora.sync={info['sync']})")
+    carried = (
+        f"the adapter ({info['adapter_bytes'] / 1e6:.2f} MB; vLLM serves it in memory)"
+        if mode == "adapter"
+        else f"merged weights ({info['full_bytes'] / 1e6:.1f} MB: the engines cannot take an adapter)"
+    )
+    return (
+        f"lora: rank {info['rank']}, alpha {info['alpha']:g}, {info['layers']} layers -- {info['trainable']:,} of "
+        f"{info['total']:,} weights train; each sync sends {carried} (model.lora.sync={info['sync']})"
+    )
 
 
 @dataclass
@@ -302,7 +350,9 @@ class _Run:
     decision: RestartDecision | None = None
 
 
-def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: bool, warm: RoleActors | None = None) -> dict[str, Any]:
+def _attempt(
+    run: _Run, placement: Any, resume: ResumePoint | None, restarted: bool, warm: RoleActors | None = None
+) -> dict[str, Any]:
     """Start every role's actors in their bundles (or reset `warm`, an earlier run's) and train to
     the end (or a stop signal) from `resume` (None: step 1). Returns the outcome; a failure is
     raised with `run.decision` and `run.final_note` set while the actors are still there to ask."""
@@ -312,9 +362,17 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
     run.decision, run.final_note = None, ""
     try:
         actors = start_role_actors(
-            run.plan, placement, run.engines, run.specs["actor"], run.specs.get("critic"), run.specs.get("reference"),
-            typed.launcher.startup_timeout_s, run.reward_spec, warm=warm,
-            shares_cuda_memory=sync.shares_cuda_memory, stopped=lambda: run.stop.requested,
+            run.plan,
+            placement,
+            run.engines,
+            run.specs["actor"],
+            run.specs.get("critic"),
+            run.specs.get("reference"),
+            typed.launcher.startup_timeout_s,
+            run.reward_spec,
+            warm=warm,
+            shares_cuda_memory=sync.shares_cuda_memory,
+            stopped=lambda: run.stop.requested,
         )
     except StartupStopped:  # nothing ran, nothing to keep: the actors were killed mid-start
         print(f"{run.stop.name}: stopped during start-up (no step ran)", flush=True)
@@ -327,9 +385,24 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
             if not restarted:
                 print(line, flush=True)
         sync.prepare(actors.policy, actors.engines, run.plan.engine_tp)
-        dump = RolloutDump(run.run_dir, run.inputs.tokenizer, typed.logger.rollouts_per_step) if typed.logger.rollouts else None
-        loop = TrainLoop(actors, run.inputs.task, run.inputs.tokenizer, transfer, sync, instantiate(cfg.algo),
-                         loop_settings(typed, run.plan, run.engines), run.inputs.reward, pipeline, run.inputs.env, dump)
+        dump = (
+            RolloutDump(run.run_dir, run.inputs.tokenizer, typed.logger.rollouts_per_step)
+            if typed.logger.rollouts
+            else None
+        )
+        loop = TrainLoop(
+            actors,
+            run.inputs.task,
+            run.inputs.tokenizer,
+            transfer,
+            sync,
+            instantiate(cfg.algo),
+            loop_settings(typed, run.plan, run.engines),
+            run.inputs.reward,
+            pipeline,
+            run.inputs.env,
+            dump,
+        )
         if resume:
             resume_loop(loop, resume, actors, ck.timeout_s)
         if record.engine_restart_log is not None:  # a restart: the engine replacements of every attempt count
@@ -373,10 +446,15 @@ def _attempt(run: _Run, placement: Any, resume: ResumePoint | None, restarted: b
         # trainers still hold (the last finished step) in a final checkpoint where the decision allows.
         failure = describe_failure(e, actors, record.last_finished_step(), run.in_step)
         record.attempt_failed(loop)
-        run.decision = decide_restart(failure, run.failures, record.trainer_restarts_used, typed.fault.max_trainer_restarts)
+        run.decision = decide_restart(
+            failure, run.failures, record.trainer_restarts_used, typed.fault.max_trainer_restarts
+        )
         run.failures.append(failure.point)
-        run.final_note = (record.final_checkpoint(loop, actors, exact_only=run.decision.exact_only) if run.decision.final_checkpoint
-                          else run.decision.final_note)
+        run.final_note = (
+            record.final_checkpoint(loop, actors, exact_only=run.decision.exact_only)
+            if run.decision.final_checkpoint
+            else run.decision.final_note
+        )
         raise
     finally:
         keep = typed.launcher.keep_actors and completed
@@ -424,20 +502,44 @@ def run_training(
     reward_spec = None
     if inputs.reward_model_path:
         reward_spec = replace(
-            specs["actor"], lr=0.0, model_path=inputs.reward_model_path, micro_batch_size=inputs.reward.model.micro_batch_size,
+            specs["actor"],
+            lr=0.0,
+            model_path=inputs.reward_model_path,
+            micro_batch_size=inputs.reward.model.micro_batch_size,
             free_cache_between_phases=plan.shares_gpu("reward"),
         )
     stop = StopRequest("stopping after this step" + (", with a checkpoint" if ck.on_signal else ""))
-    run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora, len(inputs.eval_prompts)), stop,
-               callbacks, run_dir, time.perf_counter())
-    run.warm_key = warm_actors.warm_key(plan, run.engines, typed.engine.kv_cache_gb, [*specs, *(["reward"] if reward_spec else [])])
+    run = _Run(
+        cfg,
+        typed,
+        plan,
+        inputs,
+        record,
+        specs,
+        reward_spec,
+        engine_spec(
+            typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora, len(inputs.eval_prompts)
+        ),
+        stop,
+        callbacks,
+        run_dir,
+        time.perf_counter(),
+    )
+    run.warm_key = warm_actors.warm_key(
+        plan, run.engines, typed.engine.kv_cache_gb, [*specs, *(["reward"] if reward_spec else [])]
+    )
     outcome: dict[str, Any] = {"status": "failed"}
     try:
         # Installed before Ray starts (a signal during start-up stops the run before its first
         # step) and again after ray.init, which sets a SIGTERM handler of its own.
-        with stop.installed(), launcher.session(run_dir, typed.logger.verbose), stop.installed(), warm_actors.placement_for(
-            run.warm_key, plan, typed.launcher.startup_timeout_s, typed.launcher.keep_actors
-        ) as (placement, warm):
+        with (
+            stop.installed(),
+            launcher.session(run_dir, typed.logger.verbose),
+            stop.installed(),
+            warm_actors.placement_for(
+                run.warm_key, plan, typed.launcher.startup_timeout_s, typed.launcher.keep_actors
+            ) as (placement, warm),
+        ):
             restarted = False
             while True:
                 try:
@@ -453,8 +555,16 @@ def run_training(
                         raise
                     failed_at = run.in_step
                     resume, restarted, warm = _restart_point(run, e), True, None
-                    print(restart_line(_where(failed_at), named(e), resume.step if resume else None,
-                                       record.trainer_restarts_used, typed.fault.max_trainer_restarts), flush=True)
+                    print(
+                        restart_line(
+                            _where(failed_at),
+                            named(e),
+                            resume.step if resume else None,
+                            record.trainer_restarts_used,
+                            typed.fault.max_trainer_restarts,
+                        ),
+                        flush=True,
+                    )
     except SignalAbort as e:
         outcome = {"status": "aborted", "signal": e.name}
         raise

@@ -36,8 +36,12 @@ class ActorWaits:
         try:
             if progress_of is not None and timeout is None and remaining_s is None:
                 watch = ProgressWatch(timeout_s, together=True)
-                if not watch.all_ready(refs, progress_of, on_ready=ray.get):  # (ray.get: a failure is raised as it comes)
-                    raise ActorTimeoutError(f"no answer within {timeout_s:g}s ({key}) while {what}: {no_progress_note(watch.stalled, timeout_s)}")
+                if not watch.all_ready(
+                    refs, progress_of, on_ready=ray.get
+                ):  # (ray.get: a failure is raised as it comes)
+                    raise ActorTimeoutError(
+                        f"no answer within {timeout_s:g}s ({key}) while {what}: {no_progress_note(watch.stalled, timeout_s)}"
+                    )
             return ray.get(refs, timeout=timeout_s if remaining_s is None else remaining_s)
         except ray.exceptions.RayActorError as e:
             who, why = dead_actor(e)

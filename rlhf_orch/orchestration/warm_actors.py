@@ -46,11 +46,15 @@ def warm_key(plan: PlacementPlan, engines: EngineSpec, kv_cache_gb: float | None
     several rollouts at once, eager mode -- which turns torch.compile off in the process).
     Everything else (the model, lengths, seeds, trainer settings, the KV-cache bytes derived for a
     CPU engine: part of EngineSpec, so a new `vllm.LLM` on reset) is set again by the resets."""
-    return repr((plan, kv_cache_gb, engines.max_concurrency, engines.tensor_parallel_size, engines.enforce_eager, sorted(roles)))
+    return repr(
+        (plan, kv_cache_gb, engines.max_concurrency, engines.tensor_parallel_size, engines.enforce_eager, sorted(roles))
+    )
 
 
 @contextmanager
-def placement_for(key: str, plan: PlacementPlan, ready_timeout_s: float, keep: bool) -> Iterator[tuple[RayPlacement, RoleActors | None]]:
+def placement_for(
+    key: str, plan: PlacementPlan, ready_timeout_s: float, keep: bool
+) -> Iterator[tuple[RayPlacement, RoleActors | None]]:
     """The run's placement groups, with the actors in them when `keep` and a run before parked some
     under `key` (else None: new ones start); removed at the end unless the run parked them again."""
     taken = take(key) if keep else None
@@ -84,8 +88,11 @@ def take(key: str) -> tuple[RayPlacement, RoleActors] | None:
         if parked.session != _session_id():
             return None  # Ray was restarted: those actors and groups went with it
         if parked.key != key:
-            print("actors: the previous run's kept actors do not fit this run (another placement plan, roles or "
-                  "engine process settings): starting new ones", flush=True)
+            print(
+                "actors: the previous run's kept actors do not fit this run (another placement plan, roles or "
+                "engine process settings): starting new ones",
+                flush=True,
+            )
         elif not_answering(parked.actors.all(), _ANSWER_TIMEOUT_S):
             print("actors: a kept actor of the previous run does not answer: starting new ones", flush=True)
         else:

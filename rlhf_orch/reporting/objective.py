@@ -115,7 +115,9 @@ def job_result(run: Callable[[], tuple[int, Optional[Mapping[str, Any]]]]) -> Op
     if code >= SIGNAL_BASE:
         from rlhf_orch.reporting.sweep_summary import write_sweep_summary
 
-        print(f"job {hc.job.num} was stopped by a signal (exit {code}): the sweep stops here", file=sys.stderr, flush=True)
+        print(
+            f"job {hc.job.num} was stopped by a signal (exit {code}): the sweep stops here", file=sys.stderr, flush=True
+        )
         try:
             written = write_sweep_summary(Path(hc.sweep.dir))
             print(f"sweep summary so far: {written['md']}", file=sys.stderr, flush=True)

@@ -95,7 +95,9 @@ def plot_summary(rows: Sequence[RunRow], path: str | Path, title: str, best: Opt
             ax_r.plot(steps, values, style, color=c, alpha=0.22, linewidth=1)
             ax_r.plot(steps, smooth(values, w), style, color=c, linewidth=width, label=label)
         else:
-            ax_r.plot(steps, values, style, color=c, linewidth=width, marker="o", markersize=4.5 + 1.6 * below, label=label)
+            ax_r.plot(
+                steps, values, style, color=c, linewidth=width, marker="o", markersize=4.5 + 1.6 * below, label=label
+            )
         drawn += 1
     ax_r.set_xlabel("training step")
     ax_r.set_ylabel("reward/mean (score per sample, reward units)")
@@ -109,9 +111,23 @@ def plot_summary(rows: Sequence[RunRow], path: str | Path, title: str, best: Opt
         if drawn <= 6:
             ax_r.legend(fontsize=8, framealpha=0.85, loc="best")
         else:  # many runs: beside the axes, not over the curves
-            ax_r.legend(fontsize=7.5, framealpha=0.85, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if drawn <= 16 else 2)
+            ax_r.legend(
+                fontsize=7.5,
+                framealpha=0.85,
+                loc="upper left",
+                bbox_to_anchor=(1.01, 1.0),
+                ncol=1 if drawn <= 16 else 2,
+            )
     else:
-        ax_r.text(0.5, 0.5, "no run logged a training step", transform=ax_r.transAxes, ha="center", va="center", color="#666666")
+        ax_r.text(
+            0.5,
+            0.5,
+            "no run logged a training step",
+            transform=ax_r.transAxes,
+            ha="center",
+            va="center",
+            color="#666666",
+        )
 
     # ---- step-time breakdown, one bar per run (top to bottom in job order)
     present = [p for p in (*PHASES, "other") if any(r.stack_s.get(p, 0.0) > 0 for r in rows)]
@@ -120,8 +136,16 @@ def plot_summary(rows: Sequence[RunRow], path: str | Path, title: str, best: Opt
     for p in present:
         lefts = [sum(r.stack_s.get(q, 0.0) for q in present[: present.index(p)]) for r in rows]
         widths = [r.stack_s.get(p, 0.0) for r in rows]
-        ax_t.barh(ypos, widths, left=lefts, height=0.62, color=PHASE_COLORS.get(p, "#999999"), label=p, edgecolor="white",
-                  linewidth=0.5)
+        ax_t.barh(
+            ypos,
+            widths,
+            left=lefts,
+            height=0.62,
+            color=PHASE_COLORS.get(p, "#999999"),
+            label=p,
+            edgecolor="white",
+            linewidth=0.5,
+        )
     for y, r in zip(ypos, rows):
         total = sum(r.stack_s.values())
         why = "" if r.status == "completed" else " ".join((r.status + (f": {r.reason}" if r.reason else "")).split())
@@ -130,8 +154,15 @@ def plot_summary(rows: Sequence[RunRow], path: str | Path, title: str, best: Opt
             star = "*" if r.timed_steps == 0 else ""
             few = f" ({r.timed_steps} step{'s' if r.timed_steps != 1 else ''})" if 0 < r.timed_steps < 5 else ""
             text = f"{r.step_s if r.step_s is not None else total:.2f} s{star}{few}"
-            ax_t.text(total + right * 0.01, y, text + (f"  {_clip(why, 48)}" if why else ""), va="center", ha="left", fontsize=7.5,
-                      color=color if why else "#333333")
+            ax_t.text(
+                total + right * 0.01,
+                y,
+                text + (f"  {_clip(why, 48)}" if why else ""),
+                va="center",
+                ha="left",
+                fontsize=7.5,
+                color=color if why else "#333333",
+            )
         elif why:  # no step was timed: the reason takes the row
             ax_t.text(right * 0.01, y, _clip(why, 110), va="center", ha="left", fontsize=7.5, color=color)
     ax_t.set_yticks(ypos, [_name(r) + (" ★" if r is best else "") for r in rows], fontsize=8)
@@ -145,10 +176,21 @@ def plot_summary(rows: Sequence[RunRow], path: str | Path, title: str, best: Opt
     ax_t.grid(axis="x", alpha=0.3, linewidth=0.6)
     ax_t.spines[["top", "right"]].set_visible(False)
     if present:
-        ax_t.legend(fontsize=7.5, ncol=len(present), loc="upper left", framealpha=0.9, handlelength=1.2, columnspacing=0.9)
+        ax_t.legend(
+            fontsize=7.5, ncol=len(present), loc="upper left", framealpha=0.9, handlelength=1.2, columnspacing=0.9
+        )
     if any(r.timed_steps == 0 and r.stack_s for r in rows):
-        ax_t.annotate("* only the warm-up step was timed", xy=(1.0, 0.0), xycoords="axes fraction", xytext=(0, 2),
-                      textcoords="offset points", ha="right", va="bottom", fontsize=7, color="#555555")
+        ax_t.annotate(
+            "* only the warm-up step was timed",
+            xy=(1.0, 0.0),
+            xycoords="axes fraction",
+            xytext=(0, 2),
+            textcoords="offset points",
+            ha="right",
+            va="bottom",
+            fontsize=7,
+            color="#555555",
+        )
 
     fig.suptitle(textwrap.shorten(title, 140) + f"\n{tally(rows)}", fontsize=11.5, fontweight="bold")
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")

@@ -193,13 +193,21 @@ def read_run(run_dir: str | Path, job: str = "") -> RunRow:
             status = "failed"
         reason = ""
         if status == "failed":
-            reason = str(summary.get("error") or "") or last_line(run_dir / "error.log") or "failed (summary.json names no error)"
+            reason = (
+                str(summary.get("error") or "")
+                or last_line(run_dir / "error.log")
+                or "failed (summary.json names no error)"
+            )
         elif status in ("interrupted", "aborted"):
             reason = f"stopped by {summary.get('signal') or 'a signal'}"
             if status == "aborted":
                 reason += " (second signal: the step in progress was abandoned)"
         steps = summary.get("steps")
-        steps = int(steps) if isinstance(steps, (int, float)) and not isinstance(steps, bool) else max((s for s, _ in rewards), default=0)
+        steps = (
+            int(steps)
+            if isinstance(steps, (int, float)) and not isinstance(steps, bool)
+            else max((s for s, _ in rewards), default=0)
+        )
         reward_first, reward_last = _number(summary.get("reward_first")), _number(summary.get("reward_last"))
         evaluation = summary.get("eval_last") if isinstance(summary.get("eval_last"), dict) else None
         wall = _number(summary.get("wall_s"))
@@ -335,7 +343,9 @@ def label_rows(rows: Sequence[RunRow]) -> list[RunRow]:
     where that does not tell runs apart."""
     common = set(common_overrides(rows))
     for r in rows:
-        r.label = ",".join(_short_value(o) for o in r.overrides if o not in common) or ("(no overrides)" if len(rows) == 1 else "")
+        r.label = ",".join(_short_value(o) for o in r.overrides if o not in common) or (
+            "(no overrides)" if len(rows) == 1 else ""
+        )
     seen: dict[str, int] = {}
     for r in rows:
         seen[r.label] = seen.get(r.label, 0) + 1
@@ -401,7 +411,9 @@ def _sec(v: Optional[float]) -> str:
     return f"{v:.2f}" if v < 100 else f"{v:.0f}"
 
 
-def markdown_text(rows: Sequence[RunRow], title: str, info: Optional[dict[str, Any]] = None, plot: Optional[str] = "summary.png") -> str:
+def markdown_text(
+    rows: Sequence[RunRow], title: str, info: Optional[dict[str, Any]] = None, plot: Optional[str] = "summary.png"
+) -> str:
     info = info or {}
     best = best_row(rows, info)
     lines = [f"# {title}", "", tally(rows) + "."]
@@ -411,7 +423,10 @@ def markdown_text(rows: Sequence[RunRow], title: str, info: Optional[dict[str, A
     if "best_value" in info:
         params = ", ".join(f"`{k}={v}`" for k, v in info.get("best_params", {}).items())
         where = f" (job {best.job})" if best else ""
-        lines += ["", f"Best trial{where}: {params} with objective {info['best_value']:.4g} (optimization_results.yaml)."]
+        lines += [
+            "",
+            f"Best trial{where}: {params} with objective {info['best_value']:.4g} (optimization_results.yaml).",
+        ]
     lines += [
         "",
         "| job | overrides | status | steps | reward first → last | eval | step s | "

@@ -15,12 +15,36 @@ from typing import Any, Optional
 # `eval/<source>/mean@<k>` and `pass@<k>` exist per data source.
 LOGGED_METRICS = frozenset(
     {
-        "reward/mean", "reward/max", "reward/solved_frac", "reward/model", "reward/rule", "kl",
-        "loss/policy", "loss/value", "loss/kl", "policy/clipfrac", "policy/approx_kl", "policy/entropy",
-        "response/mean_len", "response/max_len", "perf/tokens_per_s", "perf/gen_tokens_per_s",
-        "time/step", "time/generate", "time/transfer", "time/experience", "time/train", "time/sync",
-        "share/generate", "share/transfer", "share/experience", "share/train", "share/sync",
-        "sync/bytes_per_engine", "sync/gb_per_s", "transfer/wire_bytes",
+        "reward/mean",
+        "reward/max",
+        "reward/solved_frac",
+        "reward/model",
+        "reward/rule",
+        "kl",
+        "loss/policy",
+        "loss/value",
+        "loss/kl",
+        "policy/clipfrac",
+        "policy/approx_kl",
+        "policy/entropy",
+        "response/mean_len",
+        "response/max_len",
+        "perf/tokens_per_s",
+        "perf/gen_tokens_per_s",
+        "time/step",
+        "time/generate",
+        "time/transfer",
+        "time/experience",
+        "time/train",
+        "time/sync",
+        "share/generate",
+        "share/transfer",
+        "share/experience",
+        "share/train",
+        "share/sync",
+        "sync/bytes_per_engine",
+        "sync/gb_per_s",
+        "transfer/wire_bytes",
     }
 )
 _EVAL_METRIC = re.compile(r"^eval/[^@]+/(mean|pass)@\d+$")
@@ -70,7 +94,9 @@ class Reference:
 
 def load_reference(experiment: str, block: Any) -> Reference:
     if not block:
-        raise ReferenceError(f"experiment={experiment}: no `reference:` block; it is not a reproduction of a published run")
+        raise ReferenceError(
+            f"experiment={experiment}: no `reference:` block; it is not a reproduction of a published run"
+        )
     block = dict(block)
     numbers = []
     for i, raw in enumerate(block.get("numbers") or []):

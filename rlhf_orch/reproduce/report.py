@@ -114,8 +114,13 @@ def render_report(
     if not comparisons:
         lines.append("| (none published) | | | | | |")
     if projections:
-        lines += ["", "## Projected for the published hardware (cost models, not measured)", "",
-                  "| figure | projected | published | basis |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "## Projected for the published hardware (cost models, not measured)",
+            "",
+            "| figure | projected | published | basis |",
+            "|---|---|---|---|",
+        ]
         for p in projections:
             lines.append(f"| {p['figure']} | projected: {p['projected']} | {p.get('published', '-')} | {p['basis']} |")
     for study in studies:
@@ -124,7 +129,13 @@ def render_report(
     if reductions:
         lines += ["", "## Scaled to this machine: what was reduced and why", ""] + [f"- {r}" for r in reductions]
     if differences:
-        lines += ["", "## Exact config differences (published -> this run)", "", "| key | published | this run |", "|---|---|---|"]
+        lines += [
+            "",
+            "## Exact config differences (published -> this run)",
+            "",
+            "| key | published | this run |",
+            "|---|---|---|",
+        ]
         lines += [f"| `{k}` | {_fmt(a)} | {_fmt(b)} |" for k, a, b in differences]
     if reference.not_modelled:
         lines += ["", "## Published settings this system does not model", ""]

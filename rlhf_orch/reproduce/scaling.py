@@ -15,7 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 
 # CPU backends of the GPU-only sync strategies: the same strategy class over gloo where it can run
 # with the scaled layout's single policy rank (multi-sender needs two; CUDA IPC needs CUDA).
-_CPU_SYNC = {"per_tensor": "gloo_per_tensor", "bucketed": "gloo_bucketed", "multi_sender": "gloo_bucketed", "cuda_ipc": "gloo_bucketed"}
+_CPU_SYNC = {
+    "per_tensor": "gloo_per_tensor",
+    "bucketed": "gloo_bucketed",
+    "multi_sender": "gloo_bucketed",
+    "cuda_ipc": "gloo_bucketed",
+}
 _SYNC_OPTION = {
     "rlhf_orch.sync.per_tensor.PerTensorBroadcastSync": "per_tensor",
     "rlhf_orch.sync.bucketed.BucketedBroadcastSync": "bucketed",
@@ -44,9 +49,17 @@ def scale_to_cpu(cfg: DictConfig, steps: int, data_files: dict[str, str]) -> Sca
     critic = bool(OmegaConf.select(cfg, "algo.critic_lr") is not None)
 
     # Model and data: the tiny policy and the embedded task, through the same data class (files).
-    o += ["model=tiny", "data=files", f"data.train_files=[{data_files['train']}]", f"data.val_files=[{data_files['test']}]",
-          "data.prompt_max_len=32", "data.response_max_len=16"]
-    why.append(f"model: {cfg.model.get('name_or_path', cfg.model._target_)} -> the tiny local Llama (no download possible; 2 CPU cores)")
+    o += [
+        "model=tiny",
+        "data=files",
+        f"data.train_files=[{data_files['train']}]",
+        f"data.val_files=[{data_files['test']}]",
+        "data.prompt_max_len=32",
+        "data.response_max_len=16",
+    ]
+    why.append(
+        f"model: {cfg.model.get('name_or_path', cfg.model._target_)} -> the tiny local Llama (no download possible; 2 CPU cores)"
+    )
     if cfg.reward.get("model_path", "absent") != "absent":
         # A reward-model role stays a reward-model role: the tiny one, built for the tiny policy.
         o += ["reward=model", "reward.model_path=null"]
@@ -54,22 +67,43 @@ def scale_to_cpu(cfg: DictConfig, steps: int, data_files: dict[str, str]) -> Sca
         why.append(f"data: {cfg.data._target_.rsplit('.', 1)[-1]} -> the digit task in veRL's parquet layout")
     else:
         o.append("reward=digit_reverse")
-        why.append(f"data/reward: {cfg.data._target_.rsplit('.', 1)[-1]} + {cfg.reward._target_.rsplit('.', 1)[-1]} -> the digit task "
-                   "in veRL's parquet layout + its rule (the only task the tiny model can learn)")
+        why.append(
+            f"data/reward: {cfg.data._target_.rsplit('.', 1)[-1]} + {cfg.reward._target_.rsplit('.', 1)[-1]} -> the digit task "
+            "in veRL's parquet layout + its rule (the only task the tiny model can learn)"
+        )
 
     # Placement: the same layout on the fewest logical GPUs that keep its shape.
     layout = p._target_.rsplit(".", 1)[-1]
     nodes, gpus = int(p.get("nodes", 1)), int(p.get("gpus_per_node", 0))
     if layout == "ColocatedPlacement":
-        o += ["placement.nodes=1", "placement.gpus_per_node=1", "placement.actor_ranks=1", "placement.critic_ranks=1",
-              "placement.reference_ranks=1", "placement.engines=1", "placement.engine_tp=1", "launcher.logical_gpus=1"]
-        why.append(f"placement: colocated on {nodes} x {gpus} GPUs -> colocated on 1 logical GPU (every role shares it, as published)")
+        o += [
+            "placement.nodes=1",
+            "placement.gpus_per_node=1",
+            "placement.actor_ranks=1",
+            "placement.critic_ranks=1",
+            "placement.reference_ranks=1",
+            "placement.engines=1",
+            "placement.engine_tp=1",
+            "launcher.logical_gpus=1",
+        ]
+        why.append(
+            f"placement: colocated on {nodes} x {gpus} GPUs -> colocated on 1 logical GPU (every role shares it, as published)"
+        )
     elif layout == "SplitPlacement":
-        o += ["placement.nodes=1", "placement.ratio=null", "placement.actor_gpus=1", f"placement.critic_gpus={1 if critic else 0}",
-              "placement.vllm_gpus=1", "placement.engine_tp=1", f"launcher.logical_gpus={3 if critic else 2}"]
+        o += [
+            "placement.nodes=1",
+            "placement.ratio=null",
+            "placement.actor_gpus=1",
+            f"placement.critic_gpus={1 if critic else 0}",
+            "placement.vllm_gpus=1",
+            "placement.engine_tp=1",
+            f"launcher.logical_gpus={3 if critic else 2}",
+        ]
         o.append(f"placement.gpus_per_node={3 if critic else 2}")
-        why.append(f"placement: split on {nodes} x {gpus} GPUs -> split on {3 if critic else 2} logical GPUs "
-                   "(trainer and vLLM GPUs still disjoint; one of each role: 2 cores)")
+        why.append(
+            f"placement: split on {nodes} x {gpus} GPUs -> split on {3 if critic else 2} logical GPUs "
+            "(trainer and vLLM GPUs still disjoint; one of each role: 2 cores)"
+        )
     else:
         o += ["placement=cpu_local"]
     if int(p.get("engine_tp", 1)) > 1:
@@ -84,17 +118,26 @@ def scale_to_cpu(cfg: DictConfig, steps: int, data_files: dict[str, str]) -> Sca
     updates = max(1, (int(a.rollout_batch_size) * spp) // int(a.train_batch_size))
     train = _largest_divisor_at_most(sequences, max(1, sequences // updates))
     micro = _largest_divisor_at_most(train, min(int(a.micro_batch_size), train))
-    o += [f"algo.rollout_batch_size={SCALED_PROMPTS}", f"algo.samples_per_prompt={spp_here}", f"algo.train_batch_size={train}",
-          f"algo.micro_batch_size={micro}", f"algo.num_steps={steps}"]
-    why.append(f"algo.rollout_batch_size: {a.rollout_batch_size} -> {SCALED_PROMPTS} prompts; optimizer steps per rollout kept "
-               f"({updates}: train_batch_size {a.train_batch_size} -> {train}); micro_batch_size {a.micro_batch_size} -> {micro}")
+    o += [
+        f"algo.rollout_batch_size={SCALED_PROMPTS}",
+        f"algo.samples_per_prompt={spp_here}",
+        f"algo.train_batch_size={train}",
+        f"algo.micro_batch_size={micro}",
+        f"algo.num_steps={steps}",
+    ]
+    why.append(
+        f"algo.rollout_batch_size: {a.rollout_batch_size} -> {SCALED_PROMPTS} prompts; optimizer steps per rollout kept "
+        f"({updates}: train_batch_size {a.train_batch_size} -> {train}); micro_batch_size {a.micro_batch_size} -> {micro}"
+    )
     why.append(f"algo.num_steps: {a.num_steps} -> {steps}")
     buffer = int(a.get("overlong_buffer", 0) or 0)
     if buffer:
         # DAPO's overlong ramp keeps its share of the response length.
         scaled_buffer = max(1, round(buffer * 16 / int(cfg.data.response_max_len)))
         o.append(f"algo.overlong_buffer={scaled_buffer}")
-        why.append(f"algo.overlong_buffer: {buffer} of {cfg.data.response_max_len} tokens -> {scaled_buffer} of 16 (the same share)")
+        why.append(
+            f"algo.overlong_buffer: {buffer} of {cfg.data.response_max_len} tokens -> {scaled_buffer} of 16 (the same share)"
+        )
     if cfg.eval.every_n_steps or cfg.eval.before_train:
         o += ["eval.every_n_steps=1", "eval.num_prompts=8", "eval.samples_per_prompt=1", "eval.temperature=0"]
 
@@ -109,10 +152,14 @@ def scale_to_cpu(cfg: DictConfig, steps: int, data_files: dict[str, str]) -> Sca
         why.append("trainer.zero_stage: 3 kept (gloo)")
     if cfg.trainer.get("offload_optimizer"):
         o.append("trainer.offload_optimizer=false")
-        why.append("trainer.offload_optimizer: true -> false (it saves GPU memory; on CPU the states are in host memory already)")
+        why.append(
+            "trainer.offload_optimizer: true -> false (it saves GPU memory; on CPU the states are in host memory already)"
+        )
     if cfg.trainer.get("reference_memory", "full") != "full":
         o.append("trainer.reference_memory=full")
-        why.append(f"trainer.reference_memory: {cfg.trainer.reference_memory} -> full (one reference rank here: nothing to shard it over)")
+        why.append(
+            f"trainer.reference_memory: {cfg.trainer.reference_memory} -> full (one reference rank here: nothing to shard it over)"
+        )
     return out
 
 
@@ -133,4 +180,6 @@ def config_differences(published: DictConfig, scaled: DictConfig) -> list[tuple[
     a, b = flat(published), flat(scaled)
     skip = ("reference", "hydra")
     keys = sorted(k for k in set(a) | set(b) if not k.startswith(skip))
-    return [(k, a.get(k, "(absent)"), b.get(k, "(absent)")) for k in keys if a.get(k, "(absent)") != b.get(k, "(absent)")]
+    return [
+        (k, a.get(k, "(absent)"), b.get(k, "(absent)")) for k in keys if a.get(k, "(absent)") != b.get(k, "(absent)")
+    ]

@@ -47,7 +47,9 @@ class RewardModel:
         """Refuse what cannot serve as a reward model for this policy, before any actor starts."""
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
-            raise RewardModelError(f"reward.model_path={path!r}: no config.json there; give a Hugging Face checkpoint directory")
+            raise RewardModelError(
+                f"reward.model_path={path!r}: no config.json there; give a Hugging Face checkpoint directory"
+            )
         config = json.loads(config_file.read_text())
         architectures = config.get("architectures") or []
         if not any(a.endswith("ForSequenceClassification") for a in architectures):
@@ -57,7 +59,9 @@ class RewardModel:
             )
         labels = config.get("num_labels", len(config.get("id2label", {}) or {}) or 1)
         if labels != 1:
-            raise RewardModelError(f"reward.model_path={path!r} has {labels} labels; a reward model has exactly one (a scalar score)")
+            raise RewardModelError(
+                f"reward.model_path={path!r} has {labels} labels; a reward model has exactly one (a scalar score)"
+            )
         from transformers import AutoTokenizer
 
         # The reward model reads the policy's token ids as they are: the vocabularies must agree.

@@ -38,7 +38,9 @@ class ReasoningGymRule(RewardFunction):
 
         entry = prompt.label
         if not isinstance(entry, dict) or "answer" not in entry or "metadata" not in entry:
-            raise ValueError(f"reward=reasoning_gym needs a reasoning-gym entry as the label (data=reasoning_gym), got {type(entry).__name__}")
+            raise ValueError(
+                f"reward=reasoning_gym needs a reasoning-gym entry as the label (data=reasoning_gym), got {type(entry).__name__}"
+            )
         dataset = entry["metadata"].get("source_dataset") or prompt.source
         score = float(_scorer(dataset)(extract_answer(response.text), entry))
         return score if self.partial_credit or score >= 1.0 else 0.0

@@ -73,8 +73,12 @@ class GSM8KRule(RewardFunction):
     name = "gsm8k"
     METHODS = ("strict", "flexible")
 
-    def __init__(self, method: str = GSM8KRuleConfig.method, format_score: float = GSM8KRuleConfig.format_score,
-                 score: float = GSM8KRuleConfig.score):
+    def __init__(
+        self,
+        method: str = GSM8KRuleConfig.method,
+        format_score: float = GSM8KRuleConfig.format_score,
+        score: float = GSM8KRuleConfig.score,
+    ):
         if method not in self.METHODS:
             raise ValueError(f"method must be one of {self.METHODS}, got {method!r}")
         self.method = method
@@ -338,7 +342,9 @@ class CountdownRule(RewardFunction):
 
     name = "countdown"
 
-    def __init__(self, format_score: float = CountdownRuleConfig.format_score, score: float = CountdownRuleConfig.score):
+    def __init__(
+        self, format_score: float = CountdownRuleConfig.format_score, score: float = CountdownRuleConfig.score
+    ):
         self.format_score = check_number("format_score", format_score)
         self.correct_score = check_number("score", score)
 

@@ -39,7 +39,9 @@ class RuleScoring:
     def name(self) -> str:
         return self.fn.name
 
-    def __call__(self, prompts: Sequence[Any], responses: Sequence[Response], on_scored: Callable[[], None] = lambda: None) -> ScoredBatch:
+    def __call__(
+        self, prompts: Sequence[Any], responses: Sequence[Response], on_scored: Callable[[], None] = lambda: None
+    ) -> ScoredBatch:
         """`on_scored`: called as the batch moves (the engine's liveness count, `score_batch`)."""
         scored = score_batch(self.fn, prompts, responses, self.timeout_s, self.pool_size, on_scored=on_scored)
         if self.weight != 1.0:

@@ -108,7 +108,9 @@ class WeightSync(abc.ABC):
         # Every engine joins its groups in the same order, so no two groups wait on each other.
         for spec, address in zip(specs, addresses):
             joins.append(policy_ranks[spec.sender].join_weight_group.remote(address, 0))
-            joins += [engines[e].join_weight_group.remote(address, 1 + j * engine_tp) for j, e in enumerate(spec.engines)]
+            joins += [
+                engines[e].join_weight_group.remote(address, 1 + j * engine_tp) for j, e in enumerate(spec.engines)
+            ]
         self._wait(joins, "forming the weight-sync groups")
 
     def push(self, version: int) -> SyncReport:
@@ -125,7 +127,9 @@ class WeightSync(abc.ABC):
         versions = self._wait([e.get_weight_version.remote() for e in self._engines], "reading engine versions")
         stale = [i for i, v in enumerate(versions) if v != version]
         if stale:
-            raise WeightSyncError(f"engines {stale} report weight versions {[versions[i] for i in stale]}, expected {version}")
+            raise WeightSyncError(
+                f"engines {stale} report weight versions {[versions[i] for i in stale]}, expected {version}"
+            )
 
     def _wait(self, refs: list[ray.ObjectRef], what: str) -> list[Any]:
         try:
@@ -143,7 +147,9 @@ class WeightSync(abc.ABC):
             raise WeightSyncError(f"{what}: {named(e)}") from e
 
     # ------------------------------------------------------------------ sender side (policy rank)
-    def run_send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:
+    def run_send(
+        self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int
+    ) -> dict[str, Any]:
         """`send`, with transport failures turned into a WeightSyncError that says what happened."""
         try:
             return self.send(weights, group, engines, version, rank)
@@ -156,7 +162,9 @@ class WeightSync(abc.ABC):
             ) from e
 
     @abc.abstractmethod
-    def send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:
+    def send(
+        self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int
+    ) -> dict[str, Any]:
         """Run inside policy rank `rank`; `group` is None on ranks that do not send."""
 
     def _engine_calls(self, refs: list[ray.ObjectRef], what: str) -> list[Any]:

@@ -48,7 +48,9 @@ class BucketedBroadcastSync(WeightSync):
         # (gloo packs in host memory).
         if self.backend != "nccl":
             return {}
-        return {spec.sender: _SEND_BUFFERS * int(self.bucket_mb * 2**20) for spec in self.group_specs(policy_ranks, engines)}
+        return {
+            spec.sender: _SEND_BUFFERS * int(self.bucket_mb * 2**20) for spec in self.group_specs(policy_ranks, engines)
+        }
 
     # ------------------------------------------------------------------ routing (overridden by multi-sender)
     def plan(self, weights) -> list[Bucket]:
@@ -63,7 +65,9 @@ class BucketedBroadcastSync(WeightSync):
         return 1
 
     # ------------------------------------------------------------------ sender side
-    def send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:
+    def send(
+        self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int
+    ) -> dict[str, Any]:
         buckets = self.plan(weights)
         specs = self._specs  # formed by prepare() on the driver; travels with this object
         route = self.route(buckets, len(engines))
@@ -76,7 +80,11 @@ class BucketedBroadcastSync(WeightSync):
                 step = ReceiveBuckets(buckets, routes, version, self.receive_ahead(), self.engine_loads)
                 calls.append(engine.receive_weights.remote(step))
         stats = {"pack_s": 0.0, "wire_wait_s": 0.0, "gather_s": 0.0}
-        buffers = reusable_buffers(weights, bucket_capacity([buckets[i] for i in mine]), group.device, _SEND_BUFFERS) if mine else []
+        buffers = (
+            reusable_buffers(weights, bucket_capacity([buckets[i] for i in mine]), group.device, _SEND_BUFFERS)
+            if mine
+            else []
+        )
         in_flight: deque = deque()
         sent = 0
         for bucket in buckets:

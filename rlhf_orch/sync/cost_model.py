@@ -51,7 +51,9 @@ class CostModel:
         """Extra wire time per extra engine, relative to one engine (gloo: the root sends each copy)."""
         return self.wire_b_s_per_gb / max(self.wire_a_s_per_gb, 1e-12)
 
-    def project(self, nbytes: int, tensors: int, engines: int, link_gbps: float, bucket_mb: float, senders: int) -> dict:
+    def project(
+        self, nbytes: int, tensors: int, engines: int, link_gbps: float, bucket_mb: float, senders: int
+    ) -> dict:
         """Seconds per update on GPUs whose links run at `link_gbps` (assumptions: docs/measurements/benchmarks.md).
 
         - per-call latency: as measured here (host-side Ray RPC + collective launch + vLLM per call),

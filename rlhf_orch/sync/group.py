@@ -192,7 +192,9 @@ class BroadcastGroup:
         self.rank = rank
         self.name = address.name
         self.world_size = address.world_size
-        self.device = torch.device("cuda", torch.cuda.current_device()) if address.backend == "nccl" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if address.backend == "nccl" else torch.device("cpu")
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int):
         """Start a broadcast; returns the Work handle (call .wait())."""

@@ -72,9 +72,7 @@ class HandoverSync(WeightSync):
 
     def __init__(self, *, backend: str, timeout_s: float, bucket_mb: float):
         if backend != self.transport:
-            raise ValueError(
-                f"sync.backend={backend!r}: {type(self).__name__} has one transport, {self.transport!r}"
-            )
+            raise ValueError(f"sync.backend={backend!r}: {type(self).__name__} has one transport, {self.transport!r}")
         super().__init__(backend=backend, timeout_s=timeout_s)
         self.bucket_mb = bucket_mb
         #: (engine, tp rank) -> the policy rank that publishes to that worker; None: rank 0 feeds all.
@@ -118,7 +116,9 @@ class HandoverSync(WeightSync):
     def publish(self, packed: torch.Tensor) -> Any:
         """A picklable payload (a `BucketPayload`) giving engines this bucket's bytes."""
 
-    def send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:
+    def send(
+        self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int
+    ) -> dict[str, Any]:
         buckets = self.plan(weights)
         feeds = self.feed_of(len(engines))
         senders = sorted(set(feeds.values()))
@@ -129,7 +129,10 @@ class HandoverSync(WeightSync):
         capacity = bucket_capacity(buckets)
         stats = {"pack_s": 0.0, "publish_s": 0.0, "engine_wait_s": 0.0}
         if lead:
-            self._engine_calls([e.receive_weights.remote(OpenHandover(buckets)) for e in engines], "opening the engines' reload session")
+            self._engine_calls(
+                [e.receive_weights.remote(OpenHandover(buckets)) for e in engines],
+                "opening the engines' reload session",
+            )
         if feeding:
             buffers = reusable_buffers(weights, capacity, self.buffer_device(), _SEND_BUFFERS)
         in_flight: deque[list] = deque()
@@ -154,7 +157,9 @@ class HandoverSync(WeightSync):
                 by_rank = _all_gather(payload) if coordinated else [payload]
                 if lead:
                     calls = [
-                        e.receive_weights.remote(LoadBucket(bucket, _engine_payload(by_rank, feeds, i, self._engine_tp), capacity))
+                        e.receive_weights.remote(
+                            LoadBucket(bucket, _engine_payload(by_rank, feeds, i, self._engine_tp), capacity)
+                        )
                         for i, e in enumerate(engines)
                     ]
                     in_flight.append(calls)
@@ -164,7 +169,9 @@ class HandoverSync(WeightSync):
         while in_flight:
             self._engine_calls(in_flight.popleft(), "engines loading the last buckets")
         stats["engine_wait_s"] += time.perf_counter() - t0
-        reports = self._engine_calls([e.receive_weights.remote(CloseSession(version)) for e in engines], "closing the reload session")
+        reports = self._engine_calls(
+            [e.receive_weights.remote(CloseSession(version)) for e in engines], "closing the reload session"
+        )
         return {
             "bytes": sum(b.nbytes for b in buckets),
             "buckets": len(buckets),

@@ -82,9 +82,7 @@ class MultiSenderBroadcastSync(BucketedBroadcastSync):
 
     def group_specs(self, policy_ranks: int, engines: int) -> list[GroupSpec]:
         n = self.active_senders(policy_ranks, engines)
-        return [
-            GroupSpec(f"{DEFAULT_GROUP}/sender{s}", s, self._sharding.engines_of(s, n, engines)) for s in range(n)
-        ]
+        return [GroupSpec(f"{DEFAULT_GROUP}/sender{s}", s, self._sharding.engines_of(s, n, engines)) for s in range(n)]
 
     def route(self, buckets: list[Bucket], engines: int) -> list[list[int]]:
         return self._sharding.route(buckets, engines, len(self._specs))

@@ -20,11 +20,15 @@ from rlhf_orch.sync.receive import CloseSession, EngineStep, OpenSession, Worker
 
 
 class PerTensorBroadcastSync(WeightSync):
-    def send(self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int) -> dict[str, Any]:
+    def send(
+        self, weights, group: BroadcastGroup | None, engines: list[Any], version: int, rank: int
+    ) -> dict[str, Any]:
         sent = 0
         is_sender = rank == 0
         if is_sender:
-            self._engine_calls([e.receive_weights.remote(OpenSession()) for e in engines], "opening the engines' reload session")
+            self._engine_calls(
+                [e.receive_weights.remote(OpenSession()) for e in engines], "opening the engines' reload session"
+            )
         for meta in weights.metas():
             with weights.gathered([meta.name]) as tensors:  # collective under ZeRO-3: all ranks
                 if not is_sender:
@@ -34,7 +38,9 @@ class PerTensorBroadcastSync(WeightSync):
                 self._engine_calls(calls, f"loading {meta.name}")
                 sent += meta.nbytes
         if is_sender:
-            self._engine_calls([e.receive_weights.remote(CloseSession(version)) for e in engines], "closing the reload session")
+            self._engine_calls(
+                [e.receive_weights.remote(CloseSession(version)) for e in engines], "closing the reload session"
+            )
         return {"bytes": sent, "calls": len(weights.metas()) * len(engines) if is_sender else 0}
 
 

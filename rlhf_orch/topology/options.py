@@ -52,7 +52,9 @@ class ColocatedPlacementConfig(RankedPlacementConfig):
     critic_fraction: float = 0.25
     reference_fraction: float = 0.15
     engine_fraction: float = 0.35
-    gpu_memory_gb: Optional[float] = None  # one GPU as sold: 80 for an 80GB A100/H100; null = this machine's GPU (the memory plan)
+    gpu_memory_gb: Optional[float] = (
+        None  # one GPU as sold: 80 for an 80GB A100/H100; null = this machine's GPU (the memory plan)
+    )
     # one node's RAM as sold (GiB; null = this machine's where it has CUDA GPUs, else not planned): what
     # offloaded optimizer states and sleeping engines' weights take on the host (the memory plan)
     host_memory_gb: Optional[float] = None
@@ -74,7 +76,9 @@ class SplitPlacementConfig(PlacementConfig):
     critic_gpus: int = 2
     vllm_gpus: int = 2
     reference_fraction: float = 0.25
-    gpu_memory_gb: Optional[float] = None  # one GPU as sold: 80 for an 80GB A100/H100; null = this machine's GPU (the memory plan)
+    gpu_memory_gb: Optional[float] = (
+        None  # one GPU as sold: 80 for an 80GB A100/H100; null = this machine's GPU (the memory plan)
+    )
     # one node's RAM as sold (GiB; null = this machine's where it has CUDA GPUs, else not planned): what
     # offloaded optimizer states and sleeping engines' weights take on the host (the memory plan)
     host_memory_gb: Optional[float] = None

@@ -38,7 +38,9 @@ class _Placement:
         `critic` / `reference`: the algorithm has a critic / a KL term (otherwise those roles get no
         ranks and no GPUs)."""
         kwargs = {k: v for k, v in asdict(self).items() if k not in self.derived and k != "reference_in_actor"}
-        plan = type(self).planner(**kwargs, reward="model" if reward_model else "function", critic=critic, reference=reference)
+        plan = type(self).planner(
+            **kwargs, reward="model" if reward_model else "function", critic=critic, reference=reference
+        )
         return with_reference_hosting(plan, self.reference_in_actor)
 
 

@@ -134,8 +134,11 @@ class PlacementPlan:
             return self.shares_gpu("actor")
         for slot in self.slots_for(role):
             for bundle in slot.bundles:
-                others = {(c.role, c.rank) for c in self.claims_on(slot.node, bundle)
-                          if not (self.reference_in_actor and c.role == "reference")} - {(slot.role, slot.rank)}
+                others = {
+                    (c.role, c.rank)
+                    for c in self.claims_on(slot.node, bundle)
+                    if not (self.reference_in_actor and c.role == "reference")
+                } - {(slot.role, slot.rank)}
                 if self.nodes[slot.node][bundle].get("GPU") and others:
                     return True
         return False
@@ -182,7 +185,11 @@ class PlacementPlan:
                         format_amount(claimed) if gpu_layout else "-",
                         " ".join(
                             (f"{claim.label}({format_amount(claim.num_gpus)})" if gpu_layout else claim.label)
-                            + (f"[in actor{claim.rank}]" if self.reference_in_actor and claim.role == "reference" else "")
+                            + (
+                                f"[in actor{claim.rank}]"
+                                if self.reference_in_actor and claim.role == "reference"
+                                else ""
+                            )
                             for claim in claims
                         ),
                     )
@@ -198,7 +205,6 @@ class PlacementPlan:
         return self.describe()
 
 
-
 def format_amount(value: float) -> str:
     """A count or GPU share as the plan's tables print it (1, 0.25, 0.3333)."""
     return f"{value:g}" if float(value).is_integer() else f"{value:.4g}"
@@ -210,7 +216,6 @@ def text_table(rows: list[tuple[str, ...]]) -> list[str]:
     rendered = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     rendered.insert(1, "  ".join("-" * width for width in widths))
     return rendered
-
 
 
 # --------------------------------------------------------------------------- CUDA IPC feeds

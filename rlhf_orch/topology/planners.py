@@ -29,9 +29,7 @@ def _require_fraction(key: str, value: float, *, allow_one: bool = True) -> None
     upper_ok = value <= 1 if allow_one else value < 1
     if not (value > 0 and upper_ok):
         bound = "(0, 1]" if allow_one else "(0, 1)"
-        raise PlacementError(
-            f"placement.{key}={value} must be a GPU fraction in {bound}: set {key} to e.g. 0.25"
-        )
+        raise PlacementError(f"placement.{key}={value} must be a GPU fraction in {bound}: set {key} to e.g. 0.25")
 
 
 def _require_reward_kind(reward: str) -> None:
@@ -271,8 +269,12 @@ def split_gpu_counts(
     capacity = nodes * gpus_per_node
     if not critic:
         counts = split_gpu_counts(
-            nodes=nodes, gpus_per_node=gpus_per_node, ratio=ratio, actor_gpus=actor_gpus,
-            critic_gpus=max(critic_gpus, 1), vllm_gpus=vllm_gpus,
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            ratio=ratio,
+            actor_gpus=actor_gpus,
+            critic_gpus=max(critic_gpus, 1),
+            vllm_gpus=vllm_gpus,
         )
         if ratio is None:
             return SplitGpuCounts(counts.actor, 0, counts.vllm + critic_gpus)
@@ -448,4 +450,3 @@ def _parse_ratio(ratio: str) -> tuple[int, int]:
             "write it like '3:1', or set ratio=null and give actor_gpus/critic_gpus/vllm_gpus"
         )
     return trainer, vllm
-

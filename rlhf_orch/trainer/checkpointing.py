@@ -27,7 +27,10 @@ def load_checkpoint(engine, directory: str, rank: int, role: str, adapters_only:
     """What `save_checkpoint` wrote, back into `engine` and this rank's RNG."""
     with work_done.collective():
         path, _ = engine.load_checkpoint(
-            directory, tag="state", load_optimizer_states=True, load_lr_scheduler_states=True,
+            directory,
+            tag="state",
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
             # (the adapters' checkpoint has no base weights; a checkpoint of another model.lora is
             # refused before any actor starts: `model` keys are breaking, orchestration/checkpoint.py)
             load_module_strict=not adapters_only,

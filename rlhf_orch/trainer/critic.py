@@ -40,7 +40,10 @@ class CriticWorker(TrainerWorker):
     def values(self, shard: int) -> list[torch.Tensor]:
         self.engine.eval()
         share = shares_prompts(self.spec.share_prompts, self.device)
-        vals = [sequence_values(self.engine, mb, share).float() for mb in self.work_done.each(staged_micro_batches(self._staged, shard))]
+        vals = [
+            sequence_values(self.engine, mb, share).float()
+            for mb in self.work_done.each(staged_micro_batches(self._staged, shard))
+        ]
         self._old_values[shard] = vals
         return [v.cpu() for v in vals]
 
@@ -57,7 +60,13 @@ class CriticWorker(TrainerWorker):
             for mb, old_v, ret in zip(staged_micro_batches(self._staged, shard), self._old_values[shard], returns)
         ]
         stats, self.last_step_members = train_values(
-            self.engine, work, self.spec, self.world_size, shares_prompts(self.spec.share_prompts, self.device), self.device, self.work_done
+            self.engine,
+            work,
+            self.spec,
+            self.world_size,
+            shares_prompts(self.spec.share_prompts, self.device),
+            self.device,
+            self.work_done,
         )
         self.drop_staged()
         self._old_values.clear()

@@ -38,7 +38,9 @@ def deepspeed_config(
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if zero_stage == 3:
         # Gather-on-demand is what makes ZeRO-3 useful; keep prefetch modest for small models.
-        config["zero_optimization"].update({"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e4})
+        config["zero_optimization"].update(
+            {"stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e4}
+        )
     return config
 
 
@@ -49,8 +51,12 @@ def frozen_model_config(*, dtype: str, data_parallel_size: int, offload_params: 
     optimizer: the batch keys only satisfy DeepSpeed's checks."""
     # memory_efficient_linear off: it replaces torch's linear for the whole process (a hosted
     # reference would change the policy's own training kernels).
-    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 1e4, "stage3_prefetch_bucket_size": 5e7,
-                            "memory_efficient_linear": False}
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_prefetch_bucket_size": 5e7,
+        "memory_efficient_linear": False,
+    }
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config: dict[str, Any] = {

@@ -27,7 +27,11 @@ from torch import Tensor, nn
 
 from rlhf_orch.algo.ppo_math import logprobs_from_logits
 from rlhf_orch.trainer.shared_prompts import (
-    BatchedBlockAttention, BranchLoopAttention, SharedPromptLayout, attention_for, shared_prompt_layout,
+    BatchedBlockAttention,
+    BranchLoopAttention,
+    SharedPromptLayout,
+    attention_for,
+    shared_prompt_layout,
 )
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch
 
@@ -53,11 +57,14 @@ def varlen_sdpa_attention(
 
     if shared_prompt_attention is not None:
         groups = getattr(module, "num_key_value_groups", 1)
-        out = shared_prompt_attention(query, repeat_kv(key, groups), repeat_kv(value, groups), scaling,
-                                      dropout if module.training else 0.0)
+        out = shared_prompt_attention(
+            query, repeat_kv(key, groups), repeat_kv(value, groups), scaling, dropout if module.training else 0.0
+        )
         return out.transpose(1, 2).contiguous(), None
     if cu_seq_lens_q is None:  # padded (or single unpadded) batch: HF's own sdpa path
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one row [1, N], got batch {query.shape[0]}")
     groups = getattr(module, "num_key_value_groups", 1)
@@ -141,8 +148,11 @@ def _(mb: PackedBatch) -> dict[str, Tensor | int]:
 
 @model_inputs.register
 def _(layout: SharedPromptLayout) -> dict[str, Any]:
-    return {"input_ids": layout.input_ids.unsqueeze(0), "position_ids": layout.position_ids.unsqueeze(0),
-            "shared_prompt_attention": attention_for(layout)}
+    return {
+        "input_ids": layout.input_ids.unsqueeze(0),
+        "position_ids": layout.position_ids.unsqueeze(0),
+        "shared_prompt_attention": attention_for(layout),
+    }
 
 
 def _forward_layout(model: nn.Module, mb: PaddedBatch | PackedBatch, share_prompts: bool) -> SharedPromptLayout | None:
@@ -152,8 +162,10 @@ def _forward_layout(model: nn.Module, mb: PaddedBatch | PackedBatch, share_promp
     impl = attention_implementation(model)
     if impl is not None and impl != VARLEN_SDPA:
         # Any other attention would drop the row's attention and mix its branches, silently.
-        raise ValueError(f"trainer.share_prompts needs the {VARLEN_SDPA!r} attention, the model has {impl!r}: "
-                         "load it with packed_attention_impl() off flash_attn, or set trainer.share_prompts=false")
+        raise ValueError(
+            f"trainer.share_prompts needs the {VARLEN_SDPA!r} attention, the model has {impl!r}: "
+            "load it with packed_attention_impl() off flash_attn, or set trainer.share_prompts=false"
+        )
     return shared_prompt_layout(mb)
 
 
@@ -190,13 +202,19 @@ def _predicts_next(mb: PackedBatch) -> Tensor:
 
 
 # --------------------------------------------------------------------------- public forwards
-def sequence_logprobs(model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float, share_prompts: bool = False) -> Tensor:
+def sequence_logprobs(
+    model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float, share_prompts: bool = False
+) -> Tensor:
     """Logprob of token t+1 given tokens <= t, aligned with `mb.action_mask` ([b, L-1] or [N])."""
     return sequence_logprobs_and_entropy(model, mb, temperature, entropy=False, share_prompts=share_prompts)[0]
 
 
 def sequence_logprobs_and_entropy(
-    model: nn.Module, mb: PaddedBatch | PackedBatch, temperature: float, entropy: bool = True, share_prompts: bool = False
+    model: nn.Module,
+    mb: PaddedBatch | PackedBatch,
+    temperature: float,
+    entropy: bool = True,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """`sequence_logprobs` and, when asked, the entropy of each next-token distribution (same layout).
 
@@ -286,7 +304,9 @@ class CriticModel(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None, **varlen: Any) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None, **varlen: Any
+    ) -> Tensor:
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **varlen
         ).last_hidden_state
@@ -312,7 +332,9 @@ def load_policy(path: str, dtype: str, device: torch.device | str | None = None)
 def load_critic(path: str, dtype: str, device: torch.device | str | None = None) -> CriticModel:
     from transformers import AutoModel
 
-    backbone = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=packed_attention_impl(device))
+    backbone = AutoModel.from_pretrained(
+        path, dtype=getattr(torch, dtype), attn_implementation=packed_attention_impl(device)
+    )
     critic = CriticModel(backbone, backbone.config.hidden_size)
     return critic.to(getattr(torch, dtype))
 

@@ -43,12 +43,19 @@ def reference_model(spec: TrainerSpec, device: torch.device, world_size: int, wo
     # Loaded whole in host memory (each rank's, once, at start), then partitioned parameter by
     # parameter by zero.Init onto this rank's device -- or its host memory when offloaded -- so a
     # GPU never holds the whole model (deepspeed.initialize alone would move it there first).
-    model = count_layers(frozen(load_policy(spec.model_path, spec.dtype, device)), work_done)  # (the device picks the attention kernel)
+    model = count_layers(
+        frozen(load_policy(spec.model_path, spec.dtype, device)), work_done
+    )  # (the device picks the attention kernel)
     skip_muon_import()
     offload = spec.reference_memory == "offloaded"
     config = frozen_model_config(dtype=spec.dtype, data_parallel_size=world_size, offload_params=offload)
-    deepspeed.zero.Init(module=model, config_dict_or_path=config, remote_device="cpu" if offload else None, pin_memory=offload,
-                        mem_efficient_linear=False)
+    deepspeed.zero.Init(
+        module=model,
+        config_dict_or_path=config,
+        remote_device="cpu" if offload else None,
+        pin_memory=offload,
+        mem_efficient_linear=False,
+    )
     for buffer in model.buffers():  # (zero.Init moves parameters only; initialize no longer moves the model)
         buffer.data = buffer.data.to(device)
     engine, *_ = deepspeed.initialize(model=model, config=config)
@@ -82,8 +89,10 @@ def frozen_logprobs(
         if failure is not None:
             raise failure
         if len(set(counts)) > 1:
-            raise RuntimeError(f"shard {shard}: the sharded reference's ranks hold {counts} micro-batches (-1: failed); "
-                               "its forwards are collective and need as many on every rank")
+            raise RuntimeError(
+                f"shard {shard}: the sharded reference's ranks hold {counts} micro-batches (-1: failed); "
+                "its forwards are collective and need as many on every rank"
+            )
     else:
         mbs = micro_batches()
     return [sequence_logprobs(model, mb, spec.temperature, share_prompts).float().cpu() for mb in work_done.each(mbs)]

@@ -46,7 +46,9 @@ def apply_lora(model: nn.Module, settings: LoraSettings, seed: int) -> nn.Module
         peft_model = get_peft_model(model, LoraConfig(**settings.peft_kwargs()))
     not_linear = [n for n, m in peft_model.named_modules() if isinstance(m, LoraLayer) and _ADAPTER not in m.lora_A]
     if not_linear:  # an embedding's adapter: neither merged nor sent here (the config check refuses the names)
-        raise ValueError(f"model.lora.target_modules={settings.target_modules!r} adapts non-linear layers {not_linear[:2]}: target linear layers")
+        raise ValueError(
+            f"model.lora.target_modules={settings.target_modules!r} adapts non-linear layers {not_linear[:2]}: target linear layers"
+        )
     return peft_model
 
 
@@ -70,7 +72,10 @@ def adapted_layers(peft_model: nn.Module) -> dict[str, AdaptedLayer]:
         if isinstance(module, LoraLayer) and _ADAPTER in module.lora_A:
             name = _checkpoint_name(f"{module_name}.weight")
             layers[name] = AdaptedLayer(
-                name, module.get_base_layer().weight, module.lora_A[_ADAPTER].weight, module.lora_B[_ADAPTER].weight,
+                name,
+                module.get_base_layer().weight,
+                module.lora_A[_ADAPTER].weight,
+                module.lora_B[_ADAPTER].weight,
                 float(module.scaling[_ADAPTER]),
             )
     return layers
@@ -78,7 +83,7 @@ def adapted_layers(peft_model: nn.Module) -> dict[str, AdaptedLayer]:
 
 def _checkpoint_name(peft_name: str) -> str:
     """A PEFT model's parameter name as the base checkpoint names it."""
-    name = peft_name[len(_PEFT_PREFIX):] if peft_name.startswith(_PEFT_PREFIX) else peft_name
+    name = peft_name[len(_PEFT_PREFIX) :] if peft_name.startswith(_PEFT_PREFIX) else peft_name
     return name.replace(".base_layer.", ".")
 
 
@@ -96,7 +101,9 @@ class MergedLoraWeights:
         # Every parameter that is neither an adapter nor an adapted base weight passes as it is
         # (named_parameters() drops duplicates: a tied head goes once, as embed_tokens).
         self._plain: dict[str, nn.Parameter] = {
-            _checkpoint_name(n): p for n, p in module.named_parameters() if ".lora_" not in n and _checkpoint_name(n) not in self._layers
+            _checkpoint_name(n): p
+            for n, p in module.named_parameters()
+            if ".lora_" not in n and _checkpoint_name(n) not in self._layers
         }
         self._order = [_checkpoint_name(n) for n, _ in module.named_parameters() if ".lora_" not in n]
         # An adapted layer whose weight is shared with another (a head tied to the embedding) is

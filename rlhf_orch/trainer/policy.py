@@ -82,8 +82,15 @@ class PolicyWorker(TrainerWorker):
         share = shares_prompts(self.spec.share_prompts, self.device)
 
         def logprobs(model: torch.nn.Module) -> list[torch.Tensor]:
-            return frozen_logprobs(model, lambda: staged_micro_batches(self._staged, shard), shard, self.spec, self.world_size,
-                                   share, self.work_done)
+            return frozen_logprobs(
+                model,
+                lambda: staged_micro_batches(self._staged, shard),
+                shard,
+                self.spec,
+                self.world_size,
+                share,
+                self.work_done,
+            )
 
         if self.spec.lora is not None:
             self.engine.eval()
@@ -111,14 +118,25 @@ class PolicyWorker(TrainerWorker):
         stats and the critic's returns. `ref_logprobs` / `values` may come `Deferred`: fetched here."""
         ref_logprobs, values = resolved(ref_logprobs), resolved(values)
         return make_experience(
-            self.engine, staged_micro_batches(self._staged, shard), ref_logprobs, values, algo, sample_values, self.spec,
-            self.device, self.world_size, shares_prompts(self.spec.share_prompts, self.device), self.work_done,
+            self.engine,
+            staged_micro_batches(self._staged, shard),
+            ref_logprobs,
+            values,
+            algo,
+            sample_values,
+            self.spec,
+            self.device,
+            self.world_size,
+            shares_prompts(self.spec.share_prompts, self.device),
+            self.work_done,
         )
 
     def sequences(self, shard: int, indices: list[int]) -> list[dict]:
         """The sequences `indices` of `shard` as this rank trained them (the rollout dump,
         logger.rollouts; after make_experience, which set the advantages): `trained_sequences`."""
-        return trained_sequences(self.work_done.each(staged_micro_batches(self._staged, shard)), indices, self.spec.pad_id)
+        return trained_sequences(
+            self.work_done.each(staged_micro_batches(self._staged, shard)), indices, self.spec.pad_id
+        )
 
     @ends_a_phase
     def train(self, shard: int, algo: Algorithm, norm_len: int) -> dict[str, float]:
@@ -126,8 +144,14 @@ class PolicyWorker(TrainerWorker):
         staged experience is dropped after."""
         self.last_step_members = []
         stats, self.last_step_members = train_policy(
-            self.engine, staged_micro_batches(self._staged, shard), algo, norm_len, self.spec, self.world_size,
-            shares_prompts(self.spec.share_prompts, self.device), self.work_done,
+            self.engine,
+            staged_micro_batches(self._staged, shard),
+            algo,
+            norm_len,
+            self.spec,
+            self.world_size,
+            shares_prompts(self.spec.share_prompts, self.device),
+            self.work_done,
         )
         self.drop_staged()
         return stats
@@ -155,4 +179,6 @@ class PolicyWorker(TrainerWorker):
     def export_hf(self, directory: str) -> None:
         """The policy in Hugging Face format (`checkpointing.export_hf`). Every rank calls (ZeRO-3
         gathers are collective); rank 0 writes."""
-        checkpointing.export_hf(self.engine, self.weight_views, directory, self.rank, self.spec.model_path, self.work_done)
+        checkpointing.export_hf(
+            self.engine, self.weight_views, directory, self.rank, self.spec.model_path, self.work_done
+        )

@@ -73,8 +73,12 @@ def train_policy(
             with counting_saved_tensors(work_done):  # (its backward moves the count too)
                 loss_mat, stats = policy_token_loss(engine, mb, algo, spec.temperature, share_prompts)
             local = denominator(mb)
-            loss = aggregate_loss(loss_mat, mb.action_mask, algo.loss_agg, denominator=local, sequence_ids=mb.sequence_ids)
-            totals["policy_loss"] = totals.get("policy_loss", 0.0) + accumulation.backward(plan, position, loss, plan.weight(position, local))
+            loss = aggregate_loss(
+                loss_mat, mb.action_mask, algo.loss_agg, denominator=local, sequence_ids=mb.sequence_ids
+            )
+            totals["policy_loss"] = totals.get("policy_loss", 0.0) + accumulation.backward(
+                plan, position, loss, plan.weight(position, local)
+            )
             # Token means over the step's action tokens, whatever the loss aggregation and the cut.
             token_weight = plan.token_weight(position, float(mb.action_mask.sum()))
             for key, value in stats.items():
@@ -87,7 +91,9 @@ def policy_token_loss(
     model, mb: PaddedBatch | PackedBatch, algo: Algorithm, temperature: float, share_prompts: bool
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-token policy loss of one micro-batch and its token-mean statistics."""
-    logprobs, entropy = sequence_logprobs_and_entropy(model, mb, temperature, entropy=algo.entropy_coef > 0, share_prompts=share_prompts)
+    logprobs, entropy = sequence_logprobs_and_entropy(
+        model, mb, temperature, entropy=algo.entropy_coef > 0, share_prompts=share_prompts
+    )
     mask = mb.action_mask
     old_logprobs = mb.fields["old_logprobs"]
     # The engine's log-probs are the behaviour policy (stale under one_step_off); old_logprobs
@@ -98,7 +104,15 @@ def policy_token_loss(
     elif algo.decoupled_is_cap is not None:
         is_weights = decoupled_is_weights(old_logprobs, mb.fields[ENGINE_LOGPROBS], mask, algo.decoupled_is_cap)
     loss_mat, stats = clipped_policy_loss(
-        logprobs, old_logprobs, mb.fields["advantages"], mask, algo.clip_low, algo.clip_high, algo.loss_agg, is_weights, algo.clip_ratio_c
+        logprobs,
+        old_logprobs,
+        mb.fields["advantages"],
+        mask,
+        algo.clip_low,
+        algo.clip_high,
+        algo.loss_agg,
+        is_weights,
+        algo.clip_ratio_c,
     )
     stats = {k: stats[k] for k in ("clipfrac", "approx_kl", "clipfrac_dual") if k in stats}
     if algo.tis_cap is not None:

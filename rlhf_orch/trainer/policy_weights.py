@@ -48,8 +48,12 @@ class PolicyWeights:
         params = list(self.module.parameters())
         numel = lambda p: int(getattr(p, "ds_numel", p.numel()))  # noqa: E731 (ZeRO-3 keeps the full count here)
         return {
-            "rank": lora.rank, "alpha": lora.alpha, "sync": lora.sync, "layers": len(self.adapter.metas()) // 2,
-            "trainable": sum(numel(p) for p in params if p.requires_grad), "total": sum(numel(p) for p in params),
+            "rank": lora.rank,
+            "alpha": lora.alpha,
+            "sync": lora.sync,
+            "layers": len(self.adapter.metas()) // 2,
+            "trainable": sum(numel(p) for p in params if p.requires_grad),
+            "total": sum(numel(p) for p in params),
             "adapter_bytes": sum(m.nbytes for m in self.adapter.metas()),
             "full_bytes": sum(m.nbytes for m in self.full.metas()),
         }

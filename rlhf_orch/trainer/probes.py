@@ -17,7 +17,9 @@ def single(seq: list[int]) -> Sample:
 
 
 @torch.no_grad()
-def logprobs_of(model: torch.nn.Module, sequences: list[list[int]], pad_id: int, device: torch.device) -> list[list[float]]:
+def logprobs_of(
+    model: torch.nn.Module, sequences: list[list[int]], pad_id: int, device: torch.device
+) -> list[list[float]]:
     """Logprob of every token after the first, one sequence at a time (no padding at all)."""
     model.eval()
     out = []
@@ -30,7 +32,9 @@ def logprobs_of(model: torch.nn.Module, sequences: list[list[int]], pad_id: int,
 
 
 @torch.no_grad()
-def scores_of(reward_model: torch.nn.Module, sequences: list[list[int]], pad_id: int, device: torch.device) -> list[float]:
+def scores_of(
+    reward_model: torch.nn.Module, sequences: list[list[int]], pad_id: int, device: torch.device
+) -> list[float]:
     """Scores of whole token sequences, one forward each (tests compare with a plain HF forward)."""
     out = []
     for seq in sequences:

@@ -59,7 +59,8 @@ def count_layers(model: torch.nn.Module, progress: WorkCount) -> torch.nn.Module
             hidden.register_hook(progress.tick)  # returns None: the gradient is left as it is
 
     for module in counted_modules(model):
-        module.register_forward_pre_hook(lambda m, args, kwargs: tick_with_gradient(args or kwargs.get("hidden_states")),
-                                         with_kwargs=True)
+        module.register_forward_pre_hook(
+            lambda m, args, kwargs: tick_with_gradient(args or kwargs.get("hidden_states")), with_kwargs=True
+        )
         module.register_forward_hook(lambda m, args, output: tick_with_gradient(output))
     return model

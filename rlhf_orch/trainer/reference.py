@@ -24,7 +24,14 @@ class ReferenceWorker(TrainerWorker):
     @ends_a_phase
     @torch.no_grad()
     def logprobs(self, shard: int) -> list[torch.Tensor]:
-        out = frozen_logprobs(self.model, lambda: staged_micro_batches(self._staged, shard), shard, self.spec, self.world_size,
-                              shares_prompts(self.spec.share_prompts, self.device), self.work_done)
+        out = frozen_logprobs(
+            self.model,
+            lambda: staged_micro_batches(self._staged, shard),
+            shard,
+            self.spec,
+            self.world_size,
+            shares_prompts(self.spec.share_prompts, self.device),
+            self.work_done,
+        )
         self._staged.pop(shard, None)
         return out

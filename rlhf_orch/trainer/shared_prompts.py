@@ -64,7 +64,7 @@ def shared_prompt_layout(mb: PackedBatch) -> SharedPromptLayout | None:
     for b, (a, z) in enumerate(zip(bounds[:-1], bounds[1:])):
         offset = first_action[b]
         # A sequence without model tokens shares nothing (its own key).
-        key = tuple(ids[a:a + offset + 1]) if offset is not None else ("alone", b)
+        key = tuple(ids[a : a + offset + 1]) if offset is not None else ("alone", b)
         groups.setdefault(key, []).append(b)
     if len(groups) == len(bounds) - 1:
         return None
@@ -77,16 +77,16 @@ def shared_prompt_layout(mb: PackedBatch) -> SharedPromptLayout | None:
         first = members[0]
         a, z = bounds[first], bounds[first + 1]
         prefix = (first_action[first] + 1) if len(members) > 1 else z - a
-        row += ids[a:a + prefix]
+        row += ids[a : a + prefix]
         positions += range(prefix)
         branches = []
         for b in members:
             a, z = bounds[b], bounds[b + 1]
-            model_position[a:a + prefix] = torch.arange(start, start + prefix)
+            model_position[a : a + prefix] = torch.arange(start, start + prefix)
             if len(members) > 1:
                 length = z - a - prefix
-                model_position[a + prefix:z] = torch.arange(len(row), len(row) + length)
-                row += ids[a + prefix:z]
+                model_position[a + prefix : z] = torch.arange(len(row), len(row) + length)
+                row += ids[a + prefix : z]
                 positions += range(prefix, prefix + length)
                 branches.append(length)
         segments.append(Segment(start, prefix, tuple(branches)))
@@ -170,8 +170,13 @@ class BatchedBlockAttention:
         outs = []
         for batch in self.batches:
             out = F.scaled_dot_product_attention(
-                q[:, batch.query_index].transpose(0, 1), k[:, batch.key_index].transpose(0, 1),
-                v[:, batch.key_index].transpose(0, 1), attn_mask=batch.mask, dropout_p=dropout_p, scale=scale)
+                q[:, batch.query_index].transpose(0, 1),
+                k[:, batch.key_index].transpose(0, 1),
+                v[:, batch.key_index].transpose(0, 1),
+                attn_mask=batch.mask,
+                dropout_p=dropout_p,
+                scale=scale,
+            )
             outs.append(out.transpose(0, 1)[:, batch.query_valid])  # [heads, valid queries, head_dim]
         return torch.cat(outs, dim=1)[:, self.inverse].unsqueeze(0)
 
@@ -197,13 +202,20 @@ class _BlockBatch:
         j = torch.arange(k_len).view(1, -1)
         query_valid = i < own_len
         query_index = torch.where(query_valid, own_start + i, 0)
-        key_index = torch.where(j < ctx_len, ctx_start + j, torch.where(j < ctx_len + own_len, own_start + j - ctx_len, 0))
-        mask = (j.unsqueeze(1) <= ctx_len.unsqueeze(2) + i.unsqueeze(2))  # causal, lower right
+        key_index = torch.where(
+            j < ctx_len, ctx_start + j, torch.where(j < ctx_len + own_len, own_start + j - ctx_len, 0)
+        )
+        mask = j.unsqueeze(1) <= ctx_len.unsqueeze(2) + i.unsqueeze(2)  # causal, lower right
         mask &= (j < ctx_len + own_len).unsqueeze(1)
         # A padded query row keeps one key, so SDPA's softmax has no all-masked row (its output is dropped).
         mask |= (~query_valid).unsqueeze(2) & (j == 0).unsqueeze(1)
-        return cls(query_index.to(device), key_index.to(device), mask.unsqueeze(1).to(device), query_valid.to(device),
-                   query_index[query_valid].to(device))
+        return cls(
+            query_index.to(device),
+            key_index.to(device),
+            mask.unsqueeze(1).to(device),
+            query_valid.to(device),
+            query_index[query_valid].to(device),
+        )
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -222,8 +234,9 @@ def attention_for(layout: SharedPromptLayout) -> BranchLoopAttention | BatchedBl
     return _attention_class(layout.input_ids.device).of(layout)
 
 
-def shared_prompt_attention(query: Tensor, key: Tensor, value: Tensor, segments: tuple[Segment, ...],
-                            scale: float | None, dropout_p: float) -> Tensor:
+def shared_prompt_attention(
+    query: Tensor, key: Tensor, value: Tensor, segments: tuple[Segment, ...], scale: float | None, dropout_p: float
+) -> Tensor:
     """Attention over a shared-prompt row (`[1, heads, M, head_dim]` each, keys and values already
     repeated for grouped-query heads): each prefix causally, each branch over its prefix and
     itself (causal, aligned to the bottom right: its j-th token sees the prefix and its first j+1)."""
@@ -232,14 +245,30 @@ def shared_prompt_attention(query: Tensor, key: Tensor, value: Tensor, segments:
     outs = []
     for seg in segments:
         p0, p1 = seg.start, seg.start + seg.prefix
-        outs.append(F.scaled_dot_product_attention(query[:, :, p0:p1], key[:, :, p0:p1], value[:, :, p0:p1],
-                                                   dropout_p=dropout_p, is_causal=True, scale=scale))
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, p0:p1],
+                key[:, :, p0:p1],
+                value[:, :, p0:p1],
+                dropout_p=dropout_p,
+                is_causal=True,
+                scale=scale,
+            )
+        )
         b0 = p1
         for length in seg.branches:
             b1 = b0 + length
             keys = torch.cat([key[:, :, p0:p1], key[:, :, b0:b1]], dim=2)
             values = torch.cat([value[:, :, p0:p1], value[:, :, b0:b1]], dim=2)
-            outs.append(F.scaled_dot_product_attention(query[:, :, b0:b1], keys, values, dropout_p=dropout_p, scale=scale,
-                                                       attn_mask=causal_lower_right(length, seg.prefix + length)))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    query[:, :, b0:b1],
+                    keys,
+                    values,
+                    dropout_p=dropout_p,
+                    scale=scale,
+                    attn_mask=causal_lower_right(length, seg.prefix + length),
+                )
+            )
             b0 = b1
     return torch.cat(outs, dim=2)

@@ -48,5 +48,7 @@ def respecced(current: TrainerSpec, new: TrainerSpec | None, role: str, world_si
     if new is None:
         return current
     if new.data_parallel_size != world_size:
-        raise ValueError(f"a {role} group of {world_size} ranks cannot take data_parallel_size={new.data_parallel_size}")
+        raise ValueError(
+            f"a {role} group of {world_size} ranks cannot take data_parallel_size={new.data_parallel_size}"
+        )
     return new

@@ -83,12 +83,19 @@ def plan_optimizer_steps(
     (global_sequences,) = all_reduce_sum([sequences], world_size)
     num_steps = max(1, min(len(mbs), int(round(global_sequences)) // max(train_batch_size, 1)))
     groups = near_equal_ranges(len(mbs), num_steps)
-    local = [sum(denominator(mbs[p]) for p in g) for g in groups] + [sum(action_tokens(mbs[p]) for p in g) for g in groups]
+    local = [sum(denominator(mbs[p]) for p in g) for g in groups] + [
+        sum(action_tokens(mbs[p]) for p in g) for g in groups
+    ]
     summed = all_reduce_sum(local, world_size)
     members = tuple(tuple(int(i) for p in g for i in mbs[p].indices.tolist() if i >= 0) for g in groups)
     step_of = tuple(k for k, g in enumerate(groups) for _ in g)
     return OptimizerStepPlan(
-        step_of, frozenset(g[-1] for g in groups), tuple(summed[:num_steps]), tuple(summed[num_steps:]), world_size, members
+        step_of,
+        frozenset(g[-1] for g in groups),
+        tuple(summed[:num_steps]),
+        tuple(summed[num_steps:]),
+        world_size,
+        members,
     )
 
 

@@ -45,7 +45,9 @@ class ModuleWeightSource:
 
 
 @contextlib.contextmanager
-def gathered_parameters(params: list[nn.Parameter], zero_stage: int, modifier_rank: int | None = None) -> Iterator[None]:
+def gathered_parameters(
+    params: list[nn.Parameter], zero_stage: int, modifier_rank: int | None = None
+) -> Iterator[None]:
     """`params` whole for the duration of the block: all-gathered under ZeRO-3 (collective: every
     rank enters), as they are otherwise. `modifier_rank` as `ModuleWeightSource.gathered` takes it."""
     if zero_stage == 3:

@@ -112,7 +112,9 @@ class TrainerWorker(ExperienceInbox):
         bind_interfaces_towards(host)
         # torch's own tcp:// store would listen on every interface; this one listens on `host` only.
         store = tcp_store(host, port, self.world_size, self.rank == 0, default_pg_timeout)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=default_pg_timeout)
+        dist.init_process_group(
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=default_pg_timeout
+        )
         if self.device.type == "cpu":
             skip_shm_comm_op()
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # reuses the initialised group
@@ -135,5 +137,6 @@ class TrainerWorker(ExperienceInbox):
         checkpointing.save_checkpoint(self.engine, directory, self.rank, self.spec.lora is not None, self.work_done)
 
     def load_checkpoint(self, directory: str) -> None:
-        checkpointing.load_checkpoint(self.engine, directory, self.rank, self.role, self.spec.lora is not None, self.work_done)
-
+        checkpointing.load_checkpoint(
+            self.engine, directory, self.rank, self.role, self.spec.lora is not None, self.work_done
+        )

@@ -117,10 +117,14 @@ class Route:
     def stall_note(self) -> str:
         """Which engines the last wait found stuck, for the one-line error."""
         engines = ", ".join(map(str, self.stalled))
-        return (f"vLLM engine{'s' if len(self.stalled) > 1 else ''} {engines} made no engine step within "
-                f"{self.timeout_s:g}s (fault.step_timeout_s) or did not answer")
+        return (
+            f"vLLM engine{'s' if len(self.stalled) > 1 else ''} {engines} made no engine step within "
+            f"{self.timeout_s:g}s (fault.step_timeout_s) or did not answer"
+        )
 
-    def on_engines(self, submit: Callable[[int, Any], ray.ObjectRef], engines: Sequence[int], what: str) -> dict[int, Any]:
+    def on_engines(
+        self, submit: Callable[[int, Any], ray.ObjectRef], engines: Sequence[int], what: str
+    ) -> dict[int, Any]:
         """Per engine index, the result of `submit(e, engine)`.
 
         An engine that dies is replaced and its call submitted again to the replacement: what it

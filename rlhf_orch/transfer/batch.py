@@ -147,9 +147,7 @@ class PaddedBatch:
 
     # -- construction and conversion
     @classmethod
-    def from_samples(
-        cls, samples: Sequence[Sample], pad_id: int, pad_to: int | None = None
-    ) -> PaddedBatch:
+    def from_samples(cls, samples: Sequence[Sample], pad_id: int, pad_to: int | None = None) -> PaddedBatch:
         """Pad `samples` (kept in the given order) to the longest, or to `pad_to` tokens."""
         return PackedBatch.from_samples(samples).to_padded(pad_id, pad_to)
 

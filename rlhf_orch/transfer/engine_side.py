@@ -121,7 +121,9 @@ def rollout_meta(
         truncated=[s.truncated for s in samples],
         weight_versions=[int(s.weight_version) for s in samples],
         interrupted=[bool(s.interrupted) for s in samples],
-        token_version_means=[float(s.weight_version) if s.token_version_mean is None else s.token_version_mean for s in samples],
+        token_version_means=[
+            float(s.weight_version) if s.token_version_mean is None else s.token_version_mean for s in samples
+        ],
         env_stats=list(env_stats),
         env_metrics=list(env_metrics),
         model_token_lens=[model_tokens(s.response_ids, s.fields) for s in samples],
@@ -130,7 +132,9 @@ def rollout_meta(
 
 def score_samples(samples: Sequence[Sample], texts: Sequence[str], job: RolloutJob) -> ScoredBatch:
     """Score decoded samples with the job's scorer and write each reward into its sample."""
-    scored = _score([s.index for s in samples], [len(s.response_ids) for s in samples], [s.truncated for s in samples], texts, job)
+    scored = _score(
+        [s.index for s in samples], [len(s.response_ids) for s in samples], [s.truncated for s in samples], texts, job
+    )
     for sample, score in zip(samples, scored.scores):
         sample.reward = float(score)
     return scored
@@ -152,7 +156,9 @@ class RolloutProducer(abc.ABC):
         counts it, so a slow verifier scoring a large share is not taken for a stuck engine."""
 
     # ------------------------------------------------------------------ shared
-    def _samples(self, completions: Sequence[Completion], job: RolloutJob) -> tuple[list[Sample], float, ScoredBatch | None]:
+    def _samples(
+        self, completions: Sequence[Completion], job: RolloutJob
+    ) -> tuple[list[Sample], float, ScoredBatch | None]:
         t = time.perf_counter()
         samples = [
             Sample(
@@ -172,8 +178,12 @@ class RolloutProducer(abc.ABC):
             for c in completions
         ]
         scored = _final_scores(
-            [c.index for c in completions], [len(c.response_ids) for c in completions], [c.truncated for c in completions],
-            [c.env_reward for c in completions], lambda: self._decode([c.response_ids for c in completions]), job,
+            [c.index for c in completions],
+            [len(c.response_ids) for c in completions],
+            [c.truncated for c in completions],
+            [c.env_reward for c in completions],
+            lambda: self._decode([c.response_ids for c in completions]),
+            job,
             self._sample_scored,
         )
         if scored is not None:
@@ -212,7 +222,10 @@ class RolloutProducer(abc.ABC):
                 num_slots=work.num_slots,
                 batch=ray.put(batch),
                 meta=rollout_meta(
-                    samples, score_s, scored=scored, env_stats=[c.env_stats for c in finished],
+                    samples,
+                    score_s,
+                    scored=scored,
+                    env_stats=[c.env_stats for c in finished],
                     env_metrics=[c.env_metrics for c in finished],
                 ),
                 nbytes=batch.nbytes,
@@ -230,7 +243,9 @@ class RolloutProducer(abc.ABC):
             self._held[slot] = PackedBuffer()
         return self._held[slot]
 
-    def produce_and_hold(self, requests: Sequence[CompletionRequest], job: RolloutJob, slot: int = ONLY_SLOT) -> RolloutMeta:
+    def produce_and_hold(
+        self, requests: Sequence[CompletionRequest], job: RolloutJob, slot: int = ONLY_SLOT
+    ) -> RolloutMeta:
         """Generate, packing each sequence into this engine's flat buffers (of `slot`) as it
         finishes; score; return only the metadata. Added to what is held: dynamic sampling may ask
         for several rounds before one cut (an index generated again replaces the one held)."""
@@ -257,8 +272,13 @@ class RolloutProducer(abc.ABC):
                 version = self.weight_version if c.weight_version is None else c.weight_version
                 rows.append(
                     held.append(
-                        last_prompt[1], c.response_ids, c.logprobs, c.fields,
-                        index=c.index, weight_version=version, truncated=c.truncated,
+                        last_prompt[1],
+                        c.response_ids,
+                        c.logprobs,
+                        c.fields,
+                        index=c.index,
+                        weight_version=version,
+                        truncated=c.truncated,
                     )
                 )
                 versions.append(version)
@@ -281,8 +301,13 @@ class RolloutProducer(abc.ABC):
         truncated = [info["truncated"][k] for k in order]
         rewards = [float("nan")] * len(rows)  # scored here, or elsewhere (the padded baseline's driver)
         scored = _final_scores(
-            indices, response_lens, truncated, [env_rewards[k] for k in order],
-            lambda: self._decode([texts_of[k] for k in order]), job, self._sample_scored,
+            indices,
+            response_lens,
+            truncated,
+            [env_rewards[k] for k in order],
+            lambda: self._decode([texts_of[k] for k in order]),
+            job,
+            self._sample_scored,
         )
         if scored is not None:
             rewards = [float(x) for x in scored.scores]
@@ -321,8 +346,14 @@ class RolloutProducer(abc.ABC):
         held.reserve(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples), len(samples))
         for s in samples:
             held.append(
-                s.prompt_ids, s.response_ids, s.engine_logprobs, s.fields,
-                index=s.index, weight_version=s.weight_version, truncated=s.truncated, reward=float(s.reward),
+                s.prompt_ids,
+                s.response_ids,
+                s.engine_logprobs,
+                s.fields,
+                index=s.index,
+                weight_version=s.weight_version,
+                truncated=s.truncated,
+                reward=float(s.reward),
             )
         held.reserve_cut()
 
@@ -331,9 +362,18 @@ class RolloutProducer(abc.ABC):
         completions = [c for done in self._complete(requests, job) for c in done]
         completions = sorted(completions, key=lambda c: c.index)
         samples, score_s, scored = self._samples(completions, job)
-        return rollout_meta(samples, score_s, time.time(), scored, [c.env_stats for c in completions], [c.env_metrics for c in completions])
+        return rollout_meta(
+            samples,
+            score_s,
+            time.time(),
+            scored,
+            [c.env_stats for c in completions],
+            [c.env_metrics for c in completions],
+        )
 
-    def cut_for_ranks(self, members_per_rank: Sequence[Sequence[Sequence[int]]], slot: int = ONLY_SLOT, release: bool = True) -> Any:
+    def cut_for_ranks(
+        self, members_per_rank: Sequence[Sequence[Sequence[int]]], slot: int = ONLY_SLOT, release: bool = True
+    ) -> Any:
         """One packed piece per rank (None where this engine holds nothing for it).
 
         `members_per_rank[rank][micro_batch]`: the sequences this engine holds for that
@@ -351,7 +391,11 @@ class RolloutProducer(abc.ABC):
         if release:
             self.release_held(slot)
         # Ray writes the pieces into the object store after this returns (not timed here).
-        self._last_cut = {"start": start, "gathered": time.time(), "nbytes": sum(p.nbytes for p in pieces if p is not None)}
+        self._last_cut = {
+            "start": start,
+            "gathered": time.time(),
+            "nbytes": sum(p.nbytes for p in pieces if p is not None),
+        }
         return pieces[0] if len(pieces) == 1 else tuple(pieces)
 
     def release_held(self, slot: int = ONLY_SLOT) -> None:
@@ -366,7 +410,11 @@ class RolloutProducer(abc.ABC):
 
 
 def _score(
-    indices: Sequence[int], response_lens: Sequence[int], truncated: Sequence[bool], texts: Sequence[str], job: RolloutJob,
+    indices: Sequence[int],
+    response_lens: Sequence[int],
+    truncated: Sequence[bool],
+    texts: Sequence[str],
+    job: RolloutJob,
     on_scored: Callable[[], None] = lambda: None,
 ) -> ScoredBatch:
     prompts = [job.prompts[group_of(i, job.samples_per_prompt)] for i in indices]

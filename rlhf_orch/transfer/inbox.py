@@ -37,7 +37,9 @@ def empty_micro_batch(pad_id: int) -> PackedBatch:
     )
 
 
-def assemble_packed(pieces: Sequence[PackedBatch | None], plan: Sequence[Sequence[int]], pad_id: int) -> list[PackedBatch]:
+def assemble_packed(
+    pieces: Sequence[PackedBatch | None], plan: Sequence[Sequence[int]], pad_id: int
+) -> list[PackedBatch]:
     """This rank's micro-batches from the engines' pieces, following `plan` (global indices).
 
     Each piece lists its sequences micro-batch after micro-batch (`cut_for_ranks`); its part of
@@ -67,7 +69,9 @@ def assemble_packed(pieces: Sequence[PackedBatch | None], plan: Sequence[Sequenc
         else:
             batch = PackedBatch.concat(parts[k]) if parts[k] else empty_micro_batch(pad_id)
         if batch.indices.tolist() != ([-1] if not mb else list(mb)):
-            raise ValueError(f"micro-batch {k}: pieces hold {batch.indices.tolist()[:8]}..., the plan {list(mb)[:8]}...")
+            raise ValueError(
+                f"micro-batch {k}: pieces hold {batch.indices.tolist()[:8]}..., the plan {list(mb)[:8]}..."
+            )
         out.append(batch)
     return out
 

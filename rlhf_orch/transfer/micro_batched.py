@@ -30,7 +30,9 @@ class MicroBatchedTransfer(RolloutTransfer):
             raise ValueError(f"transfer.max_in_flight={max_in_flight} must be >= 1")
         self.max_in_flight = max_in_flight
 
-    def layout(self, samples: Sequence[Sample], num_shards: int, micro_batch_size: int, pad_id: int) -> list[list[MicroBatch]]:
+    def layout(
+        self, samples: Sequence[Sample], num_shards: int, micro_batch_size: int, pad_id: int
+    ) -> list[list[MicroBatch]]:
         return [
             [PaddedBatch.from_samples(mb, pad_id) for mb in shard]
             for shard in count_micro_batches(samples, num_shards, micro_batch_size)
@@ -47,9 +49,13 @@ class MicroBatchedTransfer(RolloutTransfer):
 
         def open_stream(e: int, share):
             needed = sorted({r.prompt_index for w in share for r in w.requests})
-            return route.engines[e].produce_micro_batches.options(
-                num_returns="streaming", _generator_backpressure_num_objects=self.max_in_flight
-            ).remote(share, request.job(needed, request.scorer), batch_format)
+            return (
+                route.engines[e]
+                .produce_micro_batches.options(
+                    num_returns="streaming", _generator_backpressure_num_objects=self.max_in_flight
+                )
+                .remote(share, request.job(needed, request.scorer), batch_format)
+            )
 
         active = {open_stream(e, share): e for e, share in shares.items()}
         handed: set[tuple[int, int]] = set()  # (shard, slot) of every micro-batch staged or on its way

@@ -118,7 +118,11 @@ def plan_token_budget_micro_batches(
     def pack(run: list[int]) -> list[list[int]]:
         if not run:
             return []
-        return _first_fit_decreasing(run, lengths, token_budget) if groups is None else _grouped_or_plain(run, lengths, token_budget, groups)
+        return (
+            _first_fit_decreasing(run, lengths, token_budget)
+            if groups is None
+            else _grouped_or_plain(run, lengths, token_budget, groups)
+        )
 
     ordered = [sorted(m) for m in members]
     runs = [[[m[k] for k in part] for part in near_equal_ranges(len(m), steps)] for m in ordered]
@@ -138,9 +142,7 @@ def _balance_over_ranks(order: list[int], lengths: Sequence[int], num_ranks: int
     return members
 
 
-def _first_fit_decreasing(
-    members: list[int], lengths: Sequence[int], budget: int
-) -> list[list[int]]:
+def _first_fit_decreasing(members: list[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(members, key=lambda i: (-lengths[i], i)):
@@ -192,7 +194,9 @@ def _grouped_first_fit_decreasing(
     return _in_turns(bins)
 
 
-def _grouped_or_plain(members: list[int], lengths: Sequence[int], budget: int, groups: Sequence[int]) -> list[list[int]]:
+def _grouped_or_plain(
+    members: list[int], lengths: Sequence[int], budget: int, groups: Sequence[int]
+) -> list[list[int]]:
     """Grouped micro-batches, unless they outnumber first-fit-decreasing over the whole rank by
     more than one per further group (groups of complementary lengths could): then those."""
     grouped = _grouped_first_fit_decreasing(members, lengths, budget, groups)
@@ -230,7 +234,7 @@ def _equalise(micro_batches: list[list[int]], lengths: Sequence[int], target: in
             result.append([])  # explicit empty micro-batch, see the planner's docstring
             continue
         b = max(splittable, key=lambda b: (len(result[b]), sum(lengths[i] for i in result[b]), -b))
-        result[b:b + 1] = _halve_by_tokens(result[b], lengths)
+        result[b : b + 1] = _halve_by_tokens(result[b], lengths)
     return result
 
 

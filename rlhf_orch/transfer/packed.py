@@ -20,11 +20,27 @@ from typing import Any, Sequence
 
 import ray
 
-from rlhf_orch.transfer.base import Delivery, EngineShare, HeldRollout, MicroBatch, RolloutRequest, RolloutTransfer, Route
+from rlhf_orch.transfer.base import (
+    Delivery,
+    EngineShare,
+    HeldRollout,
+    MicroBatch,
+    RolloutRequest,
+    RolloutTransfer,
+    Route,
+)
 from rlhf_orch.transfer.batch import PackedBatch, Sample
 from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.inbox import assemble_packed
-from rlhf_orch.transfer.plan import derive_token_budget, optimizer_steps, group_of, pieces_per_engine, plan_packed, prompt_chunks, whole_prompt_requests
+from rlhf_orch.transfer.plan import (
+    derive_token_budget,
+    optimizer_steps,
+    group_of,
+    pieces_per_engine,
+    plan_packed,
+    prompt_chunks,
+    whole_prompt_requests,
+)
 
 
 class PackedTransfer(RolloutTransfer):
@@ -51,7 +67,10 @@ class PackedTransfer(RolloutTransfer):
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in ordered]
         budget = self.budget(micro_batch_size, max(lengths))
         steps = optimizer_steps(len(lengths), train_batch_size)
-        plan = _engine_ordered(plan_packed([s.index for s in ordered], lengths, budget, num_shards, held_by_engine, steps=steps), held_by_engine)
+        plan = _engine_ordered(
+            plan_packed([s.index for s in ordered], lengths, budget, num_shards, held_by_engine, steps=steps),
+            held_by_engine,
+        )
         whole = PackedBatch.from_samples(ordered)
         position = {s.index: k for k, s in enumerate(ordered)}
         shards = []
@@ -68,8 +87,14 @@ class PackedTransfer(RolloutTransfer):
         return self.held_rollout(request, held, shares, time.perf_counter() - t, rounds=1, dropped=None)
 
     def held_rollout(
-        self, request: RolloutRequest, held: list[list[RolloutMeta]], shares: list[list[EngineShare]], generate_s: float,
-        *, rounds: int, dropped: int | None,
+        self,
+        request: RolloutRequest,
+        held: list[list[RolloutMeta]],
+        shares: list[list[EngineShare]],
+        generate_s: float,
+        *,
+        rounds: int,
+        dropped: int | None,
     ) -> HeldRollout:
         """The rollout the engines hold after its rounds (`held`: per engine, the metadata of what
         it keeps; `rounds`, `dropped`: DAPO's dynamic sampling, `rlhf_orch.orchestration.dynamic_sampling`)."""
@@ -100,7 +125,9 @@ class PackedTransfer(RolloutTransfer):
         steps = optimizer_steps(len(meta.seq_lens), held.train_batch_size)
         # Micro-batches within one engine's sequences where that costs nothing (the trainer then
         # uses its part of that engine's piece as it is).
-        plan = _engine_ordered(plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards, held.held, steps=steps), held.held)
+        plan = _engine_ordered(
+            plan_packed(meta.indices, meta.seq_lens, budget, held.num_shards, held.held, steps=steps), held.held
+        )
         cut = pieces_per_engine(plan, held.held)
         timings["plan"] = time.perf_counter() - t
         pieces = []  # pieces[engine][rank]: object refs, owned here, data in the engine's store
@@ -128,13 +155,23 @@ class PackedTransfer(RolloutTransfer):
         )
 
     def export_held(self, held: HeldRollout, route: Route) -> HeldRollout:
-        samples = route.get([engine.held_samples.remote(held.slot) for engine in route.engines], "reading the held rollout", engine_call=True)
+        samples = route.get(
+            [engine.held_samples.remote(held.slot) for engine in route.engines],
+            "reading the held rollout",
+            engine_call=True,
+        )
         return held.for_checkpoint(samples)
 
     def import_held(self, held: HeldRollout, route: Route) -> HeldRollout:
-        route.get([engine.hold_samples.remote(s, held.slot) for engine, s in zip(route.engines, held.held)], "restoring the held rollout", engine_call=True)
+        route.get(
+            [engine.hold_samples.remote(s, held.slot) for engine, s in zip(route.engines, held.held)],
+            "restoring the held rollout",
+            engine_call=True,
+        )
         return dataclasses.replace(
-            held, held=[[s.index for s in samples] for samples in held.held], samples=held.held,
+            held,
+            held=[[s.index for s in samples] for samples in held.held],
+            samples=held.held,
             shares=[[EngineShare(engine, [])] for engine in route.engines],  # (held again from `samples` if lost)
         )
 
@@ -146,17 +183,27 @@ class PackedTransfer(RolloutTransfer):
         `held.meta` -- every sequence of their prompts', a trajectory's further ones included -- are
         replaced by the new ones, and `held.held` follows. Returns the samples made or held again."""
         if held.samples is not None:  # (one share per engine: the checkpoint's samples)
-            route.on_engines(lambda e, engine: engine.hold_samples.remote(held.samples[e], held.slot), engines, "holding a lost engine's samples again")
+            route.on_engines(
+                lambda e, engine: engine.hold_samples.remote(held.samples[e], held.slot),
+                engines,
+                "holding a lost engine's samples again",
+            )
             for e in engines:
                 held.shares[e] = [EngineShare(route.engines[e], [])]
             return sum(len(held.samples[e]) for e in engines)
         request = held.request
         spp = request.samples_per_prompt
         before = {e: route.engines[e] for e in engines}
-        lost = {e: sorted({p for share in held.shares[e] if share.engine is not before[e] for p in share.prompts}) for e in engines}
+        lost = {
+            e: sorted({p for share in held.shares[e] if share.engine is not before[e] for p in share.prompts})
+            for e in engines
+        }
         made = route.on_engines(
-            lambda e, engine: engine.produce_and_hold.remote(whole_prompt_requests(lost[e], spp), request.job(lost[e], request.scorer), held.slot),
-            [e for e in engines if lost[e]], "drawing a lost engine's share again",
+            lambda e, engine: engine.produce_and_hold.remote(
+                whole_prompt_requests(lost[e], spp), request.job(lost[e], request.scorer), held.slot
+            ),
+            [e for e in engines if lost[e]],
+            "drawing a lost engine's share again",
         )
         gone = {p for prompts in lost.values() for p in prompts}
         held.meta = RolloutMeta.merge([held.meta.where(lambda i: group_of(i, spp) not in gone), *made.values()])
@@ -180,13 +227,19 @@ class PackedTransfer(RolloutTransfer):
 
         def submit(e, engine):
             chunk = chunks[e]
-            return engine.produce_and_hold.remote(whole_prompt_requests(chunk, request.samples_per_prompt), request.job(chunk, request.scorer), request.slot)
+            return engine.produce_and_hold.remote(
+                whole_prompt_requests(chunk, request.samples_per_prompt),
+                request.job(chunk, request.scorer),
+                request.slot,
+            )
 
         metas = route.on_engines(submit, list(chunks), "generating")
         return [[metas[e]] if e in metas else [] for e in range(len(route.engines))]
 
     @classmethod
-    def generate_round(cls, request: RolloutRequest, route: Route, prompts: range, shares: list[list[EngineShare]]) -> list[list[RolloutMeta]]:
+    def generate_round(
+        cls, request: RolloutRequest, route: Route, prompts: range, shares: list[list[EngineShare]]
+    ) -> list[list[RolloutMeta]]:
         """Prompts `prompts` (indices into request.prompts) generated, scored and held on the
         engines; per engine, their metadata. Notes in `shares` which engine process made which
         prompts' samples (the process that answered: a replacement, when one died on the way, holds
@@ -195,7 +248,9 @@ class PackedTransfer(RolloutTransfer):
         spp = request.samples_per_prompt
         for e, parts in enumerate(made):
             if parts:
-                shares[e].append(EngineShare(route.engines[e], sorted({group_of(i, spp) for m in parts for i in m.indices})))
+                shares[e].append(
+                    EngineShare(route.engines[e], sorted({group_of(i, spp) for m in parts for i in m.indices}))
+                )
         return made
 
 
@@ -211,7 +266,9 @@ def release_held(engines: Sequence[Any], slot: int, timeout_s: float) -> None:
             pass
 
 
-def _engine_ordered(plan: list[list[list[int]]], held_by_engine: Sequence[Sequence[int]] | None) -> list[list[list[int]]]:
+def _engine_ordered(
+    plan: list[list[list[int]]], held_by_engine: Sequence[Sequence[int]] | None
+) -> list[list[list[int]]]:
     """Each micro-batch's members engine after engine (ascending within an engine): the order the
     trainer concatenates the engines' pieces in, for a micro-batch that spans engines."""
     if held_by_engine is None:

@@ -17,8 +17,13 @@ from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, PackedBatch, Sample
 
 _TOKEN_DTYPES = {"input_ids": np.int64, "position_ids": np.int64, "action_mask": np.bool_}
 _ROW_DTYPES = {
-    "start": np.int64, "seq_len": np.int64, "prompt_len": np.int64, "score": np.float32,
-    "index": np.int64, "weight_version": np.int64, "truncated": np.bool_,
+    "start": np.int64,
+    "seq_len": np.int64,
+    "prompt_len": np.int64,
+    "score": np.float32,
+    "index": np.int64,
+    "weight_version": np.int64,
+    "truncated": np.bool_,
 }
 _ALIGN = 64  # bytes: every tensor of a cut starts on a cache line
 

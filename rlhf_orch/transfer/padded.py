@@ -12,7 +12,15 @@ from typing import Sequence
 
 import ray
 
-from rlhf_orch.transfer.base import Delivery, HeldRollout, MicroBatch, RolloutRequest, RolloutTransfer, Route, count_micro_batches
+from rlhf_orch.transfer.base import (
+    Delivery,
+    HeldRollout,
+    MicroBatch,
+    RolloutRequest,
+    RolloutTransfer,
+    Route,
+    count_micro_batches,
+)
 from rlhf_orch.transfer.batch import PaddedBatch, Sample
 from rlhf_orch.transfer.engine_side import rollout_meta, score_samples
 from rlhf_orch.transfer.plan import prompt_chunks, whole_prompt_requests
@@ -21,7 +29,9 @@ from rlhf_orch.transfer.plan import prompt_chunks, whole_prompt_requests
 class PaddedTransfer(RolloutTransfer):
     scores_on_engines = False  # the driver scores the gathered samples (the baseline's point)
 
-    def layout(self, samples: Sequence[Sample], num_shards: int, micro_batch_size: int, pad_id: int) -> list[list[MicroBatch]]:
+    def layout(
+        self, samples: Sequence[Sample], num_shards: int, micro_batch_size: int, pad_id: int
+    ) -> list[list[MicroBatch]]:
         global_max = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         return [
             [PaddedBatch.from_samples(mb, pad_id, pad_to=global_max) for mb in shard]
@@ -33,7 +43,9 @@ class PaddedTransfer(RolloutTransfer):
         t = time.perf_counter()
         chunks = {e: c for e, c in enumerate(prompt_chunks(len(request.prompts), len(route.engines))) if len(c)}
         parts = route.on_engines(
-            lambda e, engine: engine.produce_samples.remote(whole_prompt_requests(chunks[e], request.samples_per_prompt), request.job(chunks[e], None)),
+            lambda e, engine: engine.produce_samples.remote(
+                whole_prompt_requests(chunks[e], request.samples_per_prompt), request.job(chunks[e], None)
+            ),
             list(chunks),
             "generating",
         ).values()
@@ -63,7 +75,10 @@ class PaddedTransfer(RolloutTransfer):
         waited = held.waited()
         shards = self.layout(held.held, held.num_shards, held.micro_batch_size, held.pad_id)
         refs = [ray.put(shard) for shard in shards]
-        route.get(self._stage_all(route, lambda shard, actor: actor.stage.remote(shard, refs[shard])), "handing experience to the trainers")
+        route.get(
+            self._stage_all(route, lambda shard, actor: actor.stage.remote(shard, refs[shard])),
+            "handing experience to the trainers",
+        )
         self._timed(timings, "hand_over", t)
         # From "generation finished" to "every trainer holds its data": the gather to the driver,
         # scoring there, padding, one put per shard, and the trainers' fetch.

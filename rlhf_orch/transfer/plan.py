@@ -17,7 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from rlhf_orch.transfer.micro_batches import near_equal_ranges, plan_token_budget_micro_batches, shard_for_ranks, split_by_count
+from rlhf_orch.transfer.micro_batches import (
+    near_equal_ranges,
+    plan_token_budget_micro_batches,
+    shard_for_ranks,
+    split_by_count,
+)
 
 
 # Above every index a rollout's prompts can reach (dynamic sampling's rounds included), and small
@@ -102,7 +107,9 @@ def plan_count_micro_batches(
         parts = split_by_count(len(rows), micro_batch_size)
         for slot, part in enumerate(parts):
             indices = range(rows.start + part.start, rows.start + part.stop)
-            works.append(MicroBatchWork(shard, slot, len(parts), indices, requests_for_indices(indices, samples_per_prompt)))
+            works.append(
+                MicroBatchWork(shard, slot, len(parts), indices, requests_for_indices(indices, samples_per_prompt))
+            )
     return works
 
 

@@ -54,14 +54,18 @@ class RolloutMeta:
     truncated: list[bool] = per_sample(lambda row: False)  # hit max_tokens (or a turn/context limit)
     weight_versions: list[int] = per_sample(lambda row: 0)  # the engine weights that sampled it (its first token)
     model_rewards: list[float] | None = per_sample(optional=True)  # reward-model scores (before weighting)
-    rule_rewards: list[float] | None = per_sample(optional=True)  # the weighted rule term, when a reward model adds to it
+    rule_rewards: list[float] | None = per_sample(
+        optional=True
+    )  # the weighted rule term, when a reward model adds to it
     # Multi-turn rollouts: the trajectory's env counters (None: none), and its environment's own
     # episode metrics (skyrl-gym's get_metrics) as (class, dict) (None: none).
     env_stats: list[dict[str, float] | None] = per_sample(lambda row: None)
     env_metrics: list[tuple[str, dict] | None] = per_sample(lambda row: None)
     # A weight update reached the sequence while it was generating (pipeline=async).
     interrupted: list[bool] = per_sample(lambda row: False)
-    token_version_means: list[float] = per_sample(lambda row: float(row["weight_versions"]))  # its tokens' mean weight version
+    token_version_means: list[float] = per_sample(
+        lambda row: float(row["weight_versions"])
+    )  # its tokens' mean weight version
     # The tokens the policy generated (a multi-turn response without its observations: what DAPO's
     # overlong penalty counts).
     model_token_lens: list[int] = per_sample(lambda row: row["response_lens"])
@@ -101,7 +105,11 @@ class RolloutMeta:
         metrics = state.get("env_metrics")
         if isinstance(metrics, list) and len(metrics) != n:
             state["env_metrics"] = (list(metrics) + [None] * n)[:n] if len(metrics) <= n else []
-        defaults = {f.name: f.default_factory() for f in dataclasses.fields(self) if f.default_factory is not dataclasses.MISSING}
+        defaults = {
+            f.name: f.default_factory()
+            for f in dataclasses.fields(self)
+            if f.default_factory is not dataclasses.MISSING
+        }
         self.__dict__.update({**defaults, **state})
         self.__post_init__()
 
@@ -142,7 +150,9 @@ class RolloutMeta:
         rows = sorted(((i, p, r) for p in parts for r, i in enumerate(p.indices)), key=lambda row: row[0])
         indices = [i for i, _, _ in rows]
         if len(set(indices)) != len(indices):
-            raise RolloutMetaError(f"cannot merge rollout records holding the same sample twice ({len(indices) - len(set(indices))} repeated)")
+            raise RolloutMetaError(
+                f"cannot merge rollout records holding the same sample twice ({len(indices) - len(set(indices))} repeated)"
+            )
         merged: dict[str, Any] = {}
         for f in fields:
             if any(getattr(p, f.name) is None for p in parts if p.indices):

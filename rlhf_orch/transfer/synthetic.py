@@ -50,7 +50,9 @@ class LengthModel:
 
 
 class SyntheticEngine(RolloutProducer):
-    def __init__(self, lengths: LengthModel, vocab_size: int = 32000, seed: int = 0, fields: Sequence[str] = PPO_FIELDS):
+    def __init__(
+        self, lengths: LengthModel, vocab_size: int = 32000, seed: int = 0, fields: Sequence[str] = PPO_FIELDS
+    ):
         self.lengths = lengths
         self.vocab_size = vocab_size
         self.seed = seed
@@ -94,7 +96,9 @@ class ZeroReward(RewardFunction):
         return 0.0
 
 
-zero_reward = RuleScoring(ZeroReward(), weight=1.0, timeout_s=10.0, pool_size=0)  # the scorer engines run (inline, like a rule)
+zero_reward = RuleScoring(
+    ZeroReward(), weight=1.0, timeout_s=10.0, pool_size=0
+)  # the scorer engines run (inline, like a rule)
 
 
 class TrainerSink(ExperienceInbox):

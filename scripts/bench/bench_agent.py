@@ -98,7 +98,9 @@ def main() -> None:
 
     def env_for(mode: str, concurrency: int):
         if mode == "direct":
-            return LookupEnv(max_turns=3, max_tokens_per_turn=per_call, observation_format="plain", concurrency=concurrency)
+            return LookupEnv(
+                max_turns=3, max_tokens_per_turn=per_call, observation_format="plain", concurrency=concurrency
+            )
         path_, name = (example, "lookup_agent") if mode == "agent_async" else (str(sync_file), "lookup_agent_sync")
         env = AgentEnv(path=path_, name=name, max_tokens_per_turn=per_call, max_calls=3, concurrency=concurrency)
         env.bind(task)
@@ -109,8 +111,12 @@ def main() -> None:
     for concurrency in args.concurrency:
         for mode in ("direct", "agent_async", "agent_sync"):
             job = RolloutJob(
-                prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)}, prompts=dict(enumerate(prompts)),
-                samples_per_prompt=args.samples, max_tokens=response_len, temperature=1.0, scorer=None,
+                prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)},
+                prompts=dict(enumerate(prompts)),
+                samples_per_prompt=args.samples,
+                max_tokens=response_len,
+                temperature=1.0,
+                scorer=None,
                 env=env_for(mode, concurrency),
             )
             walls, calls, tokens, rewards, drawn = [], [], [], [], []
@@ -129,9 +135,17 @@ def main() -> None:
                 rewards.append(statistics.fmean(float(s.reward) for s in samples))
                 drawn.append([s.response_ids[s.fields["loss_mask"] > 0].tolist() for s in samples])
             wall = statistics.median(walls)
-            rows.append({"mode": mode, "concurrency": concurrency, "wall_s": wall, "calls": statistics.fmean(calls),
-                         "calls_per_s": statistics.fmean(calls) / wall, "tokens_per_s": statistics.fmean(tokens) / wall,
-                         "reward": statistics.fmean(rewards)})
+            rows.append(
+                {
+                    "mode": mode,
+                    "concurrency": concurrency,
+                    "wall_s": wall,
+                    "calls": statistics.fmean(calls),
+                    "calls_per_s": statistics.fmean(calls) / wall,
+                    "tokens_per_s": statistics.fmean(tokens) / wall,
+                    "reward": statistics.fmean(rewards),
+                }
+            )
             tokens_drawn[(mode, concurrency)] = drawn
             print(f"  {mode:12s} concurrency {concurrency:3d}: {wall:.2f}s", flush=True)
     engine_server = getattr(engine, "_server", None)
@@ -142,21 +156,32 @@ def main() -> None:
     for r in rows:
         d = direct[r["concurrency"]]
         # per-call seeds = per-turn seeds: the agent draws exactly the tokens env=lookup draws
-        r["same_tokens_as_direct"] = tokens_drawn[(r["mode"], r["concurrency"])] == tokens_drawn[("direct", r["concurrency"])]
+        r["same_tokens_as_direct"] = (
+            tokens_drawn[(r["mode"], r["concurrency"])] == tokens_drawn[("direct", r["concurrency"])]
+        )
         r["overhead_ms_per_call"] = 1000 * (r["wall_s"] - d["wall_s"]) / r["calls"] if r["mode"] != "direct" else 0.0
         r["share"] = max(0.0, (r["wall_s"] - d["wall_s"]) / r["wall_s"]) if r["mode"] != "direct" else 0.0
-    print(f"\n{args.prompts} prompts x {args.samples} samples, tool-use task, tiny tool model, median of {args.rounds} rollouts")
-    print(f"{'mode':12s} {'conc':>5s} {'wall s':>7s} {'calls':>6s} {'calls/s':>8s} {'tok/s':>7s} {'reward':>7s} "
-          f"{'ms/call over direct':>20s} {'share':>6s} {'same tokens':>12s}")
+    print(
+        f"\n{args.prompts} prompts x {args.samples} samples, tool-use task, tiny tool model, median of {args.rounds} rollouts"
+    )
+    print(
+        f"{'mode':12s} {'conc':>5s} {'wall s':>7s} {'calls':>6s} {'calls/s':>8s} {'tok/s':>7s} {'reward':>7s} "
+        f"{'ms/call over direct':>20s} {'share':>6s} {'same tokens':>12s}"
+    )
     for r in rows:
-        print(f"{r['mode']:12s} {r['concurrency']:5d} {r['wall_s']:7.2f} {r['calls']:6.0f} {r['calls_per_s']:8.1f} "
-              f"{r['tokens_per_s']:7.0f} {r['reward']:7.3f} {r['overhead_ms_per_call']:20.2f} {100 * r['share']:5.0f}% "
-              f"{'yes' if r['same_tokens_as_direct'] else 'NO':>12s}")
+        print(
+            f"{r['mode']:12s} {r['concurrency']:5d} {r['wall_s']:7.2f} {r['calls']:6.0f} {r['calls_per_s']:8.1f} "
+            f"{r['tokens_per_s']:7.0f} {r['reward']:7.3f} {r['overhead_ms_per_call']:20.2f} {100 * r['share']:5.0f}% "
+            f"{'yes' if r['same_tokens_as_direct'] else 'NO':>12s}"
+        )
     best = min((r for r in rows if r["mode"] == "agent_async"), key=lambda r: r["wall_s"])
     result = {
-        "bench": "agent_endpoint", "concurrency": best["concurrency"],
-        "calls_per_s_agent": round(best["calls_per_s"], 1), "calls_per_s_direct": round(direct[best["concurrency"]]["calls_per_s"], 1),
-        "overhead_ms_per_call": round(best["overhead_ms_per_call"], 2), "endpoint_share_of_rollout": round(best["share"], 3),
+        "bench": "agent_endpoint",
+        "concurrency": best["concurrency"],
+        "calls_per_s_agent": round(best["calls_per_s"], 1),
+        "calls_per_s_direct": round(direct[best["concurrency"]]["calls_per_s"], 1),
+        "overhead_ms_per_call": round(best["overhead_ms_per_call"], 2),
+        "endpoint_share_of_rollout": round(best["share"], 3),
         "same_tokens_as_direct": all(r["same_tokens_as_direct"] for r in rows),
         "rows": rows,
     }

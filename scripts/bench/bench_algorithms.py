@@ -30,10 +30,15 @@ def run(algo: str, steps: int, out: Path, extra: list[str]) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "run.py", f"algo={algo}", f"algo.num_steps={steps}", f"hydra.run.dir={run_dir}", *extra],
-        cwd=REPO, capture_output=True, text=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     if proc.returncode != 0:
-        return {"algo": algo, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+        return {
+            "algo": algo,
+            "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}",
+        }
     rows = read_metrics(run_dir)
     rewards = [r["reward/mean"] for r in rows]
     k = min(5, len(rewards))
@@ -59,7 +64,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_algorithms_") as tmp:
         results = [run(a, args.steps, Path(tmp), args.overrides) for a in args.algos]
     ppo = next((r for r in results if r["algo"] == "ppo" and "error" not in r), None)
-    print(f"{'algo':<22} {'reward first':>12} {'reward last':>12} {'step (med)':>11} {'vs ppo':>7} {'train':>7} {'experience':>10}")
+    print(
+        f"{'algo':<22} {'reward first':>12} {'reward last':>12} {'step (med)':>11} {'vs ppo':>7} {'train':>7} {'experience':>10}"
+    )
     for r in results:
         if "error" in r:
             print(f"{r['algo']:<22} error: {r['error']}")

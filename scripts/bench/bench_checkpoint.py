@@ -41,8 +41,14 @@ def _qwen05b_shaped(root: Path) -> str:
     path = root / "qwen2_5_0_5b_shaped"
     if not (path / "config.json").exists():
         config = Qwen2Config(
-            hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-            num_key_value_heads=2, vocab_size=151936, max_position_embeddings=2048, tie_word_embeddings=True,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
         )
         Qwen2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
         _tokenizer_like_tiny(path)
@@ -64,10 +70,23 @@ def _free_port() -> int:
 
 def measure(name: str, model_path: str, work: Path) -> dict:
     spec = TrainerSpec(
-        model_path=model_path, dtype="float32", zero_stage=2, micro_batch_size=1, train_batch_size=1,
-        data_parallel_size=1, pad_id=0, temperature=1.0, lr=1e-5, weight_decay=0.0, grad_clip=1.0,
-        clip_eps=0.2, ppo_epochs=1, seed=1, torch_threads=max(os.cpu_count() or 1, 1),
-        optimizer="adamw", reference_memory="full",
+        model_path=model_path,
+        dtype="float32",
+        zero_stage=2,
+        micro_batch_size=1,
+        train_batch_size=1,
+        data_parallel_size=1,
+        pad_id=0,
+        temperature=1.0,
+        lr=1e-5,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        clip_eps=0.2,
+        ppo_epochs=1,
+        seed=1,
+        torch_threads=max(os.cpu_count() or 1, 1),
+        optimizer="adamw",
+        reference_memory="full",
     )
     worker = PolicyWorker(spec, 0, 1)
     if not torch.distributed.is_initialized():
@@ -120,7 +139,15 @@ def engine_restart() -> dict:
 
     import ray
 
-    cfg = compose_config(["experiment=quick", "algo.num_steps=3", "placement.engines=2", "transfer=packed", "checkpoint.export_final=false"])
+    cfg = compose_config(
+        [
+            "experiment=quick",
+            "algo.num_steps=3",
+            "placement.engines=2",
+            "transfer=packed",
+            "checkpoint.export_final=false",
+        ]
+    )
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
 
@@ -157,7 +184,9 @@ def main() -> None:
 
         paths = {"tiny": lambda: instantiate(compose_config().model).path(), "qwen05b": lambda: _qwen05b_shaped(work)}
         rows = [measure(name, paths[name](), work) for name in args.models.split(",")]
-        print(f"{'model':<9}{'params':>12}{'ckpt MB':>10}{'save s':>9}{'restore s':>11}{'export s':>10}{'plain save s':>14}{'save/plain':>12}")
+        print(
+            f"{'model':<9}{'params':>12}{'ckpt MB':>10}{'save s':>9}{'restore s':>11}{'export s':>10}{'plain save s':>14}{'save/plain':>12}"
+        )
         for r in rows:
             print(
                 f"{r['model']:<9}{r['params']:>12,}{r['checkpoint_bytes'] / 1e6:>10.1f}{r['save_s']:>9.2f}{r['restore_s']:>11.2f}"

@@ -54,13 +54,22 @@ class MemoryCase:
     @property
     def label(self) -> str:
         short = self.model.split("/")[-1]
-        return f"{short} z{self.zero_stage}{' gc' if self.gradient_checkpointing else ''} {self.sequences}x{self.seq_len}"
+        return (
+            f"{short} z{self.zero_stage}{' gc' if self.gradient_checkpointing else ''} {self.sequences}x{self.seq_len}"
+        )
 
     def workload(self) -> Workload:
         return Workload(
-            dtype="bfloat16", max_seq_len=self.seq_len, micro_batch_size=self.sequences,
-            tokens_per_micro_batch=self.sequences * self.seq_len, padded=False, zero_stage=self.zero_stage,
-            optimizer="adamw", offload_optimizer=False, gradient_checkpointing=self.gradient_checkpointing, on_gpu=True,
+            dtype="bfloat16",
+            max_seq_len=self.seq_len,
+            micro_batch_size=self.sequences,
+            tokens_per_micro_batch=self.sequences * self.seq_len,
+            padded=False,
+            zero_stage=self.zero_stage,
+            optimizer="adamw",
+            offload_optimizer=False,
+            gradient_checkpointing=self.gradient_checkpointing,
+            on_gpu=True,
         )
 
     def planned(self) -> dict[str, int]:
@@ -85,7 +94,9 @@ def _gpu_used_by(pid: int) -> int | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=30,
+            capture_output=True,
+            text=True,
+            timeout=30,
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -122,19 +133,31 @@ def _memory_case(case: MemoryCase, port: int, results, release) -> None:
     deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False)
     config = _hf_config(case.model)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=packed_attention_impl("cuda")).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=packed_attention_impl("cuda")).to(
+            torch.bfloat16
+        )
     model.config.use_cache = False
     if case.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0, betas=(0.9, 0.95))
-    ds_config = deepspeed_config(zero_stage=case.zero_stage, micro_batch_size=1, train_batch_size=1, data_parallel_size=1,
-                                 grad_clip=1.0, dtype="bfloat16")
+    ds_config = deepspeed_config(
+        zero_stage=case.zero_stage,
+        micro_batch_size=1,
+        train_batch_size=1,
+        data_parallel_size=1,
+        grad_clip=1.0,
+        dtype="bfloat16",
+    )
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     g = torch.Generator().manual_seed(0)
     prompt = case.seq_len // 4
     samples = [
-        Sample(prompt_ids=torch.randint(0, config.vocab_size, (prompt,), generator=g),
-               response_ids=torch.randint(0, config.vocab_size, (case.seq_len - prompt,), generator=g), reward=1.0, index=i)
+        Sample(
+            prompt_ids=torch.randint(0, config.vocab_size, (prompt,), generator=g),
+            response_ids=torch.randint(0, config.vocab_size, (case.seq_len - prompt,), generator=g),
+            reward=1.0,
+            index=i,
+        )
         for i in range(case.sequences)
     ]
     batch = PackedBatch.from_samples(samples).to("cuda")
@@ -154,17 +177,24 @@ def _memory_case(case: MemoryCase, port: int, results, release) -> None:
     torch.cuda.reset_peak_memory_stats()
     seconds = step()
     out = {
-        "states": states, "peak": torch.cuda.max_memory_allocated(), "reserved_peak": torch.cuda.max_memory_reserved(),
-        "reserved_now": torch.cuda.memory_reserved(), "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                                                                     for p in model.parameters()),
-        "step_s": seconds, "pid": os.getpid(),
+        "states": states,
+        "peak": torch.cuda.max_memory_allocated(),
+        "reserved_peak": torch.cuda.max_memory_reserved(),
+        "reserved_now": torch.cuda.memory_reserved(),
+        "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
+        "step_s": seconds,
+        "pid": os.getpid(),
     }
     # What a trainer sharing its GPU does as each phase ends (rlhf_orch/trainer/phase_memory.py): the
     # call, what stays reserved after it, and the next update allocating again what it gave back.
     t0 = time.perf_counter()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
-    out.update(empty_cache_s=time.perf_counter() - t0, reserved_after_empty=torch.cuda.memory_reserved(), step_after_empty_s=step())
+    out.update(
+        empty_cache_s=time.perf_counter() - t0,
+        reserved_after_empty=torch.cuda.memory_reserved(),
+        step_after_empty_s=step(),
+    )
     out["reserved_now"] = torch.cuda.memory_reserved()  # (what nvidia-smi is read against)
     results.put(out)
     release.wait(120)  # the parent reads nvidia-smi for this process meanwhile
@@ -204,24 +234,36 @@ def run_memory(cases: list[MemoryCase]) -> list[dict]:
             proc.kill()
             proc.join(10)
         plan = case.planned()
-        row = {"case": case.label, "params": got["params"], "step_s": round(got["step_s"], 3),
-               "states_gb": got["states"] / GB, "plan_always_gb": plan["always"] / GB,
-               "train_gb": (got["peak"] - got["states"]) / GB, "plan_train_gb": plan["train"] / GB,
-               "peak_gb": got["peak"] / GB, "plan_peak_gb": (plan["always"] + plan["train"]) / GB,
-               "reserved_over_peak_gb": (got["reserved_peak"] - got["peak"]) / GB,
-               "runtime_gb": None if smi is None else (smi - got["reserved_now"]) / GB, "plan_runtime_gb": plan["runtime"] / GB,
-               "plan_terms_gb": {k: round(v / GB, 3) for k, v in plan["terms"].items()},
-               "empty_cache_s": round(got["empty_cache_s"], 4), "reserved_after_empty_gb": got["reserved_after_empty"] / GB,
-               "step_after_empty_s": round(got["step_after_empty_s"], 3)}
+        row = {
+            "case": case.label,
+            "params": got["params"],
+            "step_s": round(got["step_s"], 3),
+            "states_gb": got["states"] / GB,
+            "plan_always_gb": plan["always"] / GB,
+            "train_gb": (got["peak"] - got["states"]) / GB,
+            "plan_train_gb": plan["train"] / GB,
+            "peak_gb": got["peak"] / GB,
+            "plan_peak_gb": (plan["always"] + plan["train"]) / GB,
+            "reserved_over_peak_gb": (got["reserved_peak"] - got["peak"]) / GB,
+            "runtime_gb": None if smi is None else (smi - got["reserved_now"]) / GB,
+            "plan_runtime_gb": plan["runtime"] / GB,
+            "plan_terms_gb": {k: round(v / GB, 3) for k, v in plan["terms"].items()},
+            "empty_cache_s": round(got["empty_cache_s"], 4),
+            "reserved_after_empty_gb": got["reserved_after_empty"] / GB,
+            "step_after_empty_s": round(got["step_after_empty_s"], 3),
+        }
         row["peak_error"] = row["plan_peak_gb"] / row["peak_gb"] - 1
         if row["runtime_gb"] is not None:  # the process's own GPU memory at its peak, as nvidia-smi counts it
             row["process_gb"] = (got["reserved_peak"] + smi - got["reserved_now"]) / GB
             row["plan_process_gb"] = row["plan_peak_gb"] + row["plan_runtime_gb"]
             row["process_error"] = row["plan_process_gb"] / row["process_gb"] - 1
         rows.append(row)
-        print(f"  {case.label}: measured peak {row['peak_gb']:.2f} GB, planned {row['plan_peak_gb']:.2f} GB; empty_cache "
-              f"{row['empty_cache_s']:.4f} s, {row['reserved_after_empty_gb']:.2f} GB reserved after it (states "
-              f"{row['states_gb']:.2f}), the next step {row['step_after_empty_s']:.2f} s (against {row['step_s']:.2f})", flush=True)
+        print(
+            f"  {case.label}: measured peak {row['peak_gb']:.2f} GB, planned {row['plan_peak_gb']:.2f} GB; empty_cache "
+            f"{row['empty_cache_s']:.4f} s, {row['reserved_after_empty_gb']:.2f} GB reserved after it (states "
+            f"{row['states_gb']:.2f}), the next step {row['step_after_empty_s']:.2f} s (against {row['step_s']:.2f})",
+            flush=True,
+        )
     return rows
 
 
@@ -334,10 +376,20 @@ def run_ipc(model: str, bucket_mbs: list[int], reps: int) -> dict:
             inbox.put("checksums")
             received = outbox.get(timeout=300)
             mismatched = [n for n, v in expected.items() if received.get(n) != v]
-            rows.append({"bucket_mb": mb, "buckets": len(buckets), "sync_s": seconds, "gbps": nbytes / seconds / GB,
-                         "mismatched": mismatched})
-            print(f"  {mb} MB buckets: {len(buckets)} buckets, {seconds:.3f} s ({nbytes / seconds / GB:.0f} GB/s), "
-                  f"{len(mismatched)} tensors differ", flush=True)
+            rows.append(
+                {
+                    "bucket_mb": mb,
+                    "buckets": len(buckets),
+                    "sync_s": seconds,
+                    "gbps": nbytes / seconds / GB,
+                    "mismatched": mismatched,
+                }
+            )
+            print(
+                f"  {mb} MB buckets: {len(buckets)} buckets, {seconds:.3f} s ({nbytes / seconds / GB:.0f} GB/s), "
+                f"{len(mismatched)} tensors differ",
+                flush=True,
+            )
         inbox.put("stop")
         engine.join(60)
     finally:
@@ -345,8 +397,15 @@ def run_ipc(model: str, bucket_mbs: list[int], reps: int) -> dict:
             engine.kill()
             engine.join(10)
     # The path copies every byte three times (pack, the engine's copy out of the handle, the load).
-    return {"model": model, "bytes": nbytes, "tensors": len(weights), "copy_gbps": copy_gbps,
-            "copy_floor_s": nbytes / (copy_gbps * GB), "three_copies_s": 3 * nbytes / (copy_gbps * GB), "rows": rows}
+    return {
+        "model": model,
+        "bytes": nbytes,
+        "tensors": len(weights),
+        "copy_gbps": copy_gbps,
+        "copy_floor_s": nbytes / (copy_gbps * GB),
+        "three_copies_s": 3 * nbytes / (copy_gbps * GB),
+        "rows": rows,
+    }
 
 
 # --------------------------------------------------------------------------- report
@@ -367,32 +426,44 @@ def _f(x, digits=2) -> str:
 
 def print_memory(rows: list[dict]) -> None:
     print("\nMemory plan vs one DeepSpeed policy update on this GPU (GB = 1e9 bytes; allocated by torch)")
-    print(f"{'case':<42} {'states':>7} {'plan':>7} {'train':>7} {'plan':>7} {'peak':>7} {'plan':>7} {'err':>6} "
-          f"{'reserve+':>8} {'runtime':>7} {'plan':>5} {'s/step':>6}")
+    print(
+        f"{'case':<42} {'states':>7} {'plan':>7} {'train':>7} {'plan':>7} {'peak':>7} {'plan':>7} {'err':>6} "
+        f"{'reserve+':>8} {'runtime':>7} {'plan':>5} {'s/step':>6}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['case']:<42} FAILED: {r['error']}")
             continue
-        print(f"{r['case']:<42} {_f(r['states_gb']):>7} {_f(r['plan_always_gb']):>7} {_f(r['train_gb']):>7} "
-              f"{_f(r['plan_train_gb']):>7} {_f(r['peak_gb']):>7} {_f(r['plan_peak_gb']):>7} {r['peak_error']:>+6.1%} "
-              f"{_f(r['reserved_over_peak_gb']):>8} {_f(r['runtime_gb']):>7} {_f(r['plan_runtime_gb'], 1):>5} {r['step_s']:>6.2f}")
+        print(
+            f"{r['case']:<42} {_f(r['states_gb']):>7} {_f(r['plan_always_gb']):>7} {_f(r['train_gb']):>7} "
+            f"{_f(r['plan_train_gb']):>7} {_f(r['peak_gb']):>7} {_f(r['plan_peak_gb']):>7} {r['peak_error']:>+6.1%} "
+            f"{_f(r['reserved_over_peak_gb']):>8} {_f(r['runtime_gb']):>7} {_f(r['plan_runtime_gb'], 1):>5} {r['step_s']:>6.2f}"
+        )
     # scripts/bench_memory.py's table: the plan's process total against what the process held on the GPU
     print(f"\n{'configuration':42s} {'process':11s} {'predicted GB':>12s} {'measured GB':>12s} {'error':>8s}")
     for r in rows:
         if "process_gb" in r:
-            print(f"{r['case']:42s} {'actor':11s} {r['plan_process_gb']:12.2f} {r['process_gb']:12.2f} {r['process_error']:+8.1%}")
+            print(
+                f"{r['case']:42s} {'actor':11s} {r['plan_process_gb']:12.2f} {r['process_gb']:12.2f} {r['process_error']:+8.1%}"
+            )
 
 
 def print_ipc(result: dict) -> None:
-    print(f"\ncuda_ipc sync of {result['model']} ({result['bytes'] / GB:.2f} GB, {result['tensors']} tensors, bf16) "
-          f"between two processes on one GPU; limit: one device copy at {result['copy_gbps']:.0f} GB/s = "
-          f"{result['copy_floor_s']:.3f} s")
+    print(
+        f"\ncuda_ipc sync of {result['model']} ({result['bytes'] / GB:.2f} GB, {result['tensors']} tensors, bf16) "
+        f"between two processes on one GPU; limit: one device copy at {result['copy_gbps']:.0f} GB/s = "
+        f"{result['copy_floor_s']:.3f} s"
+    )
     print(f"(the path copies each byte three times: {result['three_copies_s']:.3f} s at that rate)")
-    print(f"{'bucket MB':>9} {'buckets':>7} {'sync s':>7} {'GB/s':>6} {'x 1 copy':>8} {'x 3 copies':>10} {'checked':>9}")
+    print(
+        f"{'bucket MB':>9} {'buckets':>7} {'sync s':>7} {'GB/s':>6} {'x 1 copy':>8} {'x 3 copies':>10} {'checked':>9}"
+    )
     for r in result["rows"]:
         checked = "equal" if not r["mismatched"] else f"{len(r['mismatched'])} differ"
-        print(f"{r['bucket_mb']:>9} {r['buckets']:>7} {r['sync_s']:>7.3f} {r['gbps']:>6.0f} {r['sync_s'] / result['copy_floor_s']:>8.2f} "
-              f"{r['sync_s'] / result['three_copies_s']:>10.2f} {checked:>9}")
+        print(
+            f"{r['bucket_mb']:>9} {r['buckets']:>7} {r['sync_s']:>7.3f} {r['gbps']:>6.0f} {r['sync_s'] / result['copy_floor_s']:>8.2f} "
+            f"{r['sync_s'] / result['three_copies_s']:>10.2f} {checked:>9}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,10 +477,14 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gpu: no CUDA GPU visible to torch; nothing measured", file=sys.stderr)
         return 2
     parts = set(args.parts.split(","))
-    report = {"bench": "gpu", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"),
-              "gpu_memory_gb": torch.cuda.get_device_properties(0).total_memory / GB,
-              "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    report = {
+        "bench": "gpu",
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu_memory_gb": torch.cuda.get_device_properties(0).total_memory / GB,
+        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+    }
     try:
         import deepspeed
         import transformers
@@ -442,10 +517,13 @@ def ipc_part(quick: bool) -> dict:
     result = run_ipc(model, [512] if quick else [128, 512, 2048], reps=1 if quick else 3)
     print_ipc(result)
     default = next(r for r in result["rows"] if r["bucket_mb"] == 512)
-    return {"ipc": result, "ipc_sync_s_512mb": default["sync_s"],
-            "ipc_x_copy_limit_512mb": default["sync_s"] / result["copy_floor_s"],
-            "ipc_x_three_copies_512mb": default["sync_s"] / result["three_copies_s"],
-            "ipc_checked_equal": all(not r["mismatched"] for r in result["rows"])}
+    return {
+        "ipc": result,
+        "ipc_sync_s_512mb": default["sync_s"],
+        "ipc_x_copy_limit_512mb": default["sync_s"] / result["copy_floor_s"],
+        "ipc_x_three_copies_512mb": default["sync_s"] / result["three_copies_s"],
+        "ipc_checked_equal": all(not r["mismatched"] for r in result["rows"]),
+    }
 
 
 if __name__ == "__main__":

@@ -87,13 +87,17 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(11 if has_eval else 6, 4), squeeze=False)
     for name, r in results.items():
         window = max(1, len(r["reward"]) // 10)
-        smooth = [statistics.mean(r["reward"][max(0, i - window + 1): i + 1]) for i in range(len(r["reward"]))]
+        smooth = [statistics.mean(r["reward"][max(0, i - window + 1) : i + 1]) for i in range(len(r["reward"]))]
         # merged and adapter serve the same policy: the same curve, drawn dashed over the other
         style = {"linestyle": "--"} if name == "merged" else {}
         axes[0][0].plot(range(1, len(smooth) + 1), smooth, label=name, **style)
         if has_eval and r["eval"]:
             axes[0][1].plot(*zip(*r["eval"]), marker="o", label=name, **style)
-    axes[0][0].set(xlabel="step", ylabel=f"training reward (mean of the last {window} steps)" if window > 1 else "training reward", title=title)
+    axes[0][0].set(
+        xlabel="step",
+        ylabel=f"training reward (mean of the last {window} steps)" if window > 1 else "training reward",
+        title=title,
+    )
     axes[0][0].legend()
     if has_eval:
         axes[0][1].set(xlabel="step", ylabel="held-out mean@4", title="held-out score")
@@ -109,11 +113,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="algo.num_steps (default: the recipe's)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--variants", default="full,adapter,merged")
-    parser.add_argument("--reuse", action="store_true", help="take a variant's completed run in --work-dir instead of running it again")
-    parser.add_argument("--work-dir", default=os.environ.get("RLHF_ORCH_BENCH_DIR", str(Path(tempfile.gettempdir()) / "rlhf_orch_bench_lora")))
+    parser.add_argument(
+        "--reuse", action="store_true", help="take a variant's completed run in --work-dir instead of running it again"
+    )
+    parser.add_argument(
+        "--work-dir",
+        default=os.environ.get("RLHF_ORCH_BENCH_DIR", str(Path(tempfile.gettempdir()) / "rlhf_orch_bench_lora")),
+    )
     args = parser.parse_args()
     work = Path(args.work_dir) / args.model
-    base = [*([] if args.model == "tiny" else [f"model={args.model}"]), *RECIPES[args.model]["base"], f"seed={args.seed}"]
+    base = [
+        *([] if args.model == "tiny" else [f"model={args.model}"]),
+        *RECIPES[args.model]["base"],
+        f"seed={args.seed}",
+    ]
     if args.steps:
         base.append(f"algo.num_steps={args.steps}")
     chosen = {k: v for k, v in variants(args.rank, args.model).items() if k in args.variants.split(",")}
@@ -123,32 +136,49 @@ def main() -> None:
         results[name] = run(base + extra, work / name, args.reuse)
         if results[name]["lora_line"]:
             print("  " + results[name]["lora_line"], flush=True)
-    header = f"{'variant':8s} {'bytes/sync':>12s} {'sync s':>8s} {'step s':>8s} " + " ".join(f"{p + ' s':>11s}" for p in PHASES)
+    header = f"{'variant':8s} {'bytes/sync':>12s} {'sync s':>8s} {'step s':>8s} " + " ".join(
+        f"{p + ' s':>11s}" for p in PHASES
+    )
     print("\n" + header + f" {'policy GB':>10s} {'reward first5 -> last5':>24s}")
     for name, r in results.items():
         rw = r["reward"]
         first, last = statistics.mean(rw[:5]), statistics.mean(rw[-5:])
         peak = f"{r['policy_peak_gb']:10.2f}" if r["policy_peak_gb"] is not None else f"{'-':>10s}"
-        print(f"{name:8s} {r['bytes_per_sync'] / 1e6:10.2f}MB {r['sync_s']:8.3f} {r['step_s']:8.2f} "
-              + " ".join(f"{r[p + '_s']:11.3f}" for p in PHASES) + f" {peak} {first:10.3f} -> {last:.3f}"
-              + (f"   held-out {r['eval'][0][1]:.3f} -> {r['eval'][-1][1]:.3f}" if r["eval"] else ""))
+        print(
+            f"{name:8s} {r['bytes_per_sync'] / 1e6:10.2f}MB {r['sync_s']:8.3f} {r['step_s']:8.2f} "
+            + " ".join(f"{r[p + '_s']:11.3f}" for p in PHASES)
+            + f" {peak} {first:10.3f} -> {last:.3f}"
+            + (f"   held-out {r['eval'][0][1]:.3f} -> {r['eval'][-1][1]:.3f}" if r["eval"] else "")
+        )
     plot_path = work / "reward_curves.png"
     plot(results, plot_path, f"{args.model}: full vs LoRA rank {args.rank}")
     print(f"plot: {plot_path}")
-    out = {"benchmark": "lora", "model": args.model, "rank": args.rank, "seed": args.seed,
-           **{name: {k: v for k, v in r.items() if k not in ("lora_line",)} for name, r in results.items()}}
+    out = {
+        "benchmark": "lora",
+        "model": args.model,
+        "rank": args.rank,
+        "seed": args.seed,
+        **{name: {k: v for k, v in r.items() if k not in ("lora_line",)} for name, r in results.items()},
+    }
     if "full" in results and "adapter" in results:
         full, adapter = results["full"], results["adapter"]
-        out.update({
-            "bytes_ratio_full_over_adapter": round(full["bytes_per_sync"] / adapter["bytes_per_sync"], 2),
-            "goal_bytes_ratio": 25 if args.model == "smollm2_135m" else None,
-            "sync_time_ratio_full_over_adapter": round(full["sync_s"] / adapter["sync_s"], 2),
-            "step_time_ratio_adapter_over_full": round(adapter["step_s"] / full["step_s"], 3),
-            "policy_memory_ratio_adapter_over_full": (round(adapter["policy_peak_gb"] / full["policy_peak_gb"], 3)
-                                                      if full["policy_peak_gb"] and adapter["policy_peak_gb"] else None),
-        })
+        out.update(
+            {
+                "bytes_ratio_full_over_adapter": round(full["bytes_per_sync"] / adapter["bytes_per_sync"], 2),
+                "goal_bytes_ratio": 25 if args.model == "smollm2_135m" else None,
+                "sync_time_ratio_full_over_adapter": round(full["sync_s"] / adapter["sync_s"], 2),
+                "step_time_ratio_adapter_over_full": round(adapter["step_s"] / full["step_s"], 3),
+                "policy_memory_ratio_adapter_over_full": (
+                    round(adapter["policy_peak_gb"] / full["policy_peak_gb"], 3)
+                    if full["policy_peak_gb"] and adapter["policy_peak_gb"]
+                    else None
+                ),
+            }
+        )
     if "merged" in results and "adapter" in results:
-        out["sync_time_ratio_merged_over_adapter"] = round(results["merged"]["sync_s"] / results["adapter"]["sync_s"], 2)
+        out["sync_time_ratio_merged_over_adapter"] = round(
+            results["merged"]["sync_s"] / results["adapter"]["sync_s"], 2
+        )
     print(json.dumps(out))
 
 

@@ -47,28 +47,64 @@ from rlhf_orch.memory.terms import ProcessMemory
 
 GB = 1e9
 QWEN05B = "Qwen/Qwen2.5-0.5B-Instruct"
-SHORT_RUN = ["launcher.memory_check=warn", "algo.num_steps=1", "checkpoint.at_end=false", "checkpoint.export_final=false", "logger.plot_every_n_steps=0"]
-ROLE_OF_ACTOR_CLASS = {"VLLMEngine": "engine", "PolicyWorker": "actor", "CriticWorker": "critic",
-                       "ReferenceWorker": "reference", "RewardModelWorker": "reward"}
+SHORT_RUN = [
+    "launcher.memory_check=warn",
+    "algo.num_steps=1",
+    "checkpoint.at_end=false",
+    "checkpoint.export_final=false",
+    "logger.plot_every_n_steps=0",
+]
+ROLE_OF_ACTOR_CLASS = {
+    "VLLMEngine": "engine",
+    "PolicyWorker": "actor",
+    "CriticWorker": "critic",
+    "ReferenceWorker": "reference",
+    "RewardModelWorker": "reward",
+}
 
 
 def configurations(qwen_dir: str) -> dict[str, list[str]]:
     # float32: DeepSpeed's bf16 training on this CPU took over 600 s for one step's first micro-batches.
-    qwen = ["model=hf", f"model.name_or_path={qwen_dir}", "model.context_len=32768", "model.dtype=float32", "fault.step_timeout_s=3000",
-            "algo.rollout_batch_size=8", "algo.train_batch_size=32", "algo.micro_batch_size=8"]
+    qwen = [
+        "model=hf",
+        f"model.name_or_path={qwen_dir}",
+        "model.context_len=32768",
+        "model.dtype=float32",
+        "fault.step_timeout_s=3000",
+        "algo.rollout_batch_size=8",
+        "algo.train_batch_size=32",
+        "algo.micro_batch_size=8",
+    ]
     return {
         "tiny_zero2": ["trainer.zero_stage=2"],
-        "tiny_zero3_colocated": ["trainer.zero_stage=3", "placement=colocated", "placement.gpus_per_node=2",
-                                 "launcher.logical_gpus=2", "placement.engines=1"],
-        "tiny_zero2_split": ["placement=split", "placement.gpus_per_node=4", "placement.actor_gpus=2", "placement.critic_gpus=1",
-                             "placement.vllm_gpus=1", "launcher.logical_gpus=4"],
+        "tiny_zero3_colocated": [
+            "trainer.zero_stage=3",
+            "placement=colocated",
+            "placement.gpus_per_node=2",
+            "launcher.logical_gpus=2",
+            "placement.engines=1",
+        ],
+        "tiny_zero2_split": [
+            "placement=split",
+            "placement.gpus_per_node=4",
+            "placement.actor_gpus=2",
+            "placement.critic_gpus=1",
+            "placement.vllm_gpus=1",
+            "launcher.logical_gpus=4",
+        ],
         "tiny_long_context": ["experiment=long8k_packed"],
         # No KL reference (DAPO): with GRPO's reference (~2.5 GB more) this host ran out of memory
         # and Ray's memory monitor killed the policy in one run of two -- no figure to compare.
         "qwen05b_zero2": [*qwen, "algo=dapo", "algo.dynamic_sampling=false", "trainer.zero_stage=2"],
         # ZeRO-3 without the reference (DAPO has no KL term) and with plain SGD: with AdamW's moments this
         # machine runs out of memory (measured: Ray killed the policy at 17 GB; the plan refuses it).
-        "qwen05b_zero3_sgd": [*qwen, "algo=dapo", "algo.dynamic_sampling=false", "trainer.zero_stage=3", "trainer.optimizer=sgd"],
+        "qwen05b_zero3_sgd": [
+            *qwen,
+            "algo=dapo",
+            "algo.dynamic_sampling=false",
+            "trainer.zero_stage=3",
+            "trainer.optimizer=sgd",
+        ],
     }
 
 
@@ -83,8 +119,13 @@ def build_qwen_shape(directory: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     fields = {k: v for k, v in KNOWN_CONFIGS[QWEN05B].items() if k != "model_type"}
     tokenizer.add_tokens([f"<x{i}>" for i in range(fields["vocab_size"] - len(tokenizer))])
-    config = Qwen2Config(**fields, max_position_embeddings=32768, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        **fields,
+        max_position_embeddings=32768,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     directory.mkdir(parents=True, exist_ok=True)
@@ -102,14 +143,22 @@ def predicted(overrides: list[str]) -> tuple[dict[str, float], float, float]:
     """(per process (role+rank, 'driver'): the plan's total, the host's need, its capacity), bytes."""
     cfg = compose_config(overrides)
     typed = OmegaConf.to_object(cfg)
-    plan = instantiate(cfg.placement).plan(reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference)
+    plan = instantiate(cfg.placement).plan(
+        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
+    )
     verdict = check_memory(typed, plan, on_gpu=False, reward_model=False)
     load = verdict.plan.loads[0]
     by_process: dict[str, list] = {}
     for p in load.processes:
         # A reference inside the policy rank's process (placement.reference_in_actor) is measured in
         # it: one process, whose peak is its largest phase of both roles' terms together.
-        name = "driver" if p.role == "driver" else f"actor{p.rank}" if p.role == "reference" and plan.reference_in_actor else f"{p.role}{p.rank}"
+        name = (
+            "driver"
+            if p.role == "driver"
+            else f"actor{p.rank}"
+            if p.role == "reference" and plan.reference_in_actor
+            else f"{p.role}{p.rank}"
+        )
         by_process.setdefault(name, []).extend(p.terms)
     totals = {name: ProcessMemory(name, 0, terms).peak() for name, terms in by_process.items()}
     return totals, load.need, load.device.capacity
@@ -225,8 +274,13 @@ def measure(overrides: list[str], run_dir: Path) -> tuple[dict[str, float], int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated configuration names")
-    parser.add_argument("--work-dir", default=os.environ.get("RLHF_ORCH_BENCH_DIR", str(Path(tempfile.gettempdir()) / "rlhf_orch_bench_memory")))
-    parser.add_argument("--gpu", action="store_true", help="measure on a CUDA GPU (scripts/bench/bench_gpu.py --parts memory)")
+    parser.add_argument(
+        "--work-dir",
+        default=os.environ.get("RLHF_ORCH_BENCH_DIR", str(Path(tempfile.gettempdir()) / "rlhf_orch_bench_memory")),
+    )
+    parser.add_argument(
+        "--gpu", action="store_true", help="measure on a CUDA GPU (scripts/bench/bench_gpu.py --parts memory)"
+    )
     args = parser.parse_args()
     if args.gpu:
         sys.path.insert(0, str(ROOT / "scripts" / "bench"))
@@ -245,11 +299,22 @@ def main() -> None:
         meas, rc, used = measure(configs[name], work / "runs" / name)
         fits = need <= capacity
         # A plan that does not fit is run anyway (launcher.memory_check=warn): does the run agree?
-        hosts.append({"config": name, "host_need_gb": round(need / GB, 2), "host_capacity_gb": round(capacity / GB, 2),
-                      "plan_fits": fits, "host_used_gb": round(used / GB, 2), "exit": rc})
+        hosts.append(
+            {
+                "config": name,
+                "host_need_gb": round(need / GB, 2),
+                "host_capacity_gb": round(capacity / GB, 2),
+                "plan_fits": fits,
+                "host_used_gb": round(used / GB, 2),
+                "exit": rc,
+            }
+        )
         verdict = "fits" if fits else "does NOT fit"
-        print(f"{name:22s} host        need      {need / GB:6.2f} GB  of {capacity / GB:.2f} GB ({verdict})  used {used / GB:6.2f} GB  "
-              f"(above the machine's use before the run)  exit {rc}", flush=True)
+        print(
+            f"{name:22s} host        need      {need / GB:6.2f} GB  of {capacity / GB:.2f} GB ({verdict})  used {used / GB:6.2f} GB  "
+            f"(above the machine's use before the run)  exit {rc}",
+            flush=True,
+        )
         for proc in sorted(pred, key=lambda k: (k != "driver", k)):
             m = meas.get(proc, 0)
             err = (pred[proc] - m) / m if m else float("nan")
@@ -258,7 +323,10 @@ def main() -> None:
                 if proc != "driver":
                     role_errors.append(abs(err))
             rows.append((name, proc, pred[proc] / GB, m / GB, err, rc))
-            print(f"{name:22s} {proc:11s} predicted {pred[proc] / GB:6.2f} GB  measured {m / GB:6.2f} GB  error {err:+.1%}  (exit {rc})", flush=True)
+            print(
+                f"{name:22s} {proc:11s} predicted {pred[proc] / GB:6.2f} GB  measured {m / GB:6.2f} GB  error {err:+.1%}  (exit {rc})",
+                flush=True,
+            )
         for proc in sorted(k for k in meas if k.endswith(" helpers")):
             print(f"{name:22s} {proc:11s} (not planned: short-lived) measured {meas[proc] / GB:6.2f} GB", flush=True)
             helpers.append({"config": name, "process": proc, "measured_gb": round(meas[proc] / GB, 3)})
@@ -277,7 +345,10 @@ def main() -> None:
         "goal_max_abs_error_fraction": 0.2,
         "hosts": hosts,
         "helpers": helpers,
-        "rows": [{"config": n, "process": pr, "predicted_gb": round(p, 3), "measured_gb": round(m, 3), "exit": rc} for n, pr, p, m, _, rc in rows],
+        "rows": [
+            {"config": n, "process": pr, "predicted_gb": round(p, 3), "measured_gb": round(m, 3), "exit": rc}
+            for n, pr, p, m, _, rc in rows
+        ],
     }
     print(json.dumps(result))
 

@@ -62,32 +62,53 @@ _HELD_OUT = ["eval.before_train=true", "eval.temperature=1.0"]
 # evaluation (prompts; before training, every `eval_every` steps and after the last).
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": {
-        "base": ["algo=grpo"], "key": "", "label": "tiny model, digit task",
+        "base": ["algo=grpo"],
+        "key": "",
+        "label": "tiny model, digit task",
         "settings": {
-            "default": {"overrides": [], "steps": 30, "eval_every": 10, "eval": ["eval.num_prompts=64", "eval.samples_per_prompt=4"]},
-            "generation_heavy": {"overrides": ["algo.min_response_len=256", "data.response_max_len=256"], "steps": 8,
-                                 "eval_every": 8, "eval": ["eval.num_prompts=32", "eval.samples_per_prompt=4"]},
+            "default": {
+                "overrides": [],
+                "steps": 30,
+                "eval_every": 10,
+                "eval": ["eval.num_prompts=64", "eval.samples_per_prompt=4"],
+            },
+            "generation_heavy": {
+                "overrides": ["algo.min_response_len=256", "data.response_max_len=256"],
+                "steps": 8,
+                "eval_every": 8,
+                "eval": ["eval.num_prompts=32", "eval.samples_per_prompt=4"],
+            },
         },
     },
     "smollm2_135m": {
-        "base": ["experiment=smollm2_arith"], "key": "real_", "label": "SmolLM2-135M-Instruct, reasoning-gym sums",
+        "base": ["experiment=smollm2_arith"],
+        "key": "real_",
+        "label": "SmolLM2-135M-Instruct, reasoning-gym sums",
         "settings": {
             # The experiment's own evaluation: 64 held-out prompts x 4 samples, every 7 steps.
             "default": {"overrides": [], "steps": 14, "eval_every": 7, "eval": ["eval.samples_per_prompt=4"]},
             # Micro-batches of 8 (TRL: per-device batch 8, 4 accumulation steps): 16 x 448 tokens
             # do not fit this 24 GB host's memory plan beside the engine.
-            "generation_heavy": {"overrides": ["algo.min_response_len=256", "data.response_max_len=256", "algo.micro_batch_size=8"],
-                                 "steps": 3, "eval_every": 3, "eval": ["eval.num_prompts=32", "eval.samples_per_prompt=2"]},
+            "generation_heavy": {
+                "overrides": ["algo.min_response_len=256", "data.response_max_len=256", "algo.micro_batch_size=8"],
+                "steps": 3,
+                "eval_every": 3,
+                "eval": ["eval.num_prompts=32", "eval.samples_per_prompt=2"],
+            },
         },
     },
 }
 # Our fastest configuration per model and setting on this machine (2 cores), from `--search`
 # (docs/measurements/benchmarks.md has the search's figures); `identical` is always pipeline=sync.
 OURS_BEST: dict[str, dict[str, list[str]]] = {
-    "tiny": {"default": ["pipeline=async", "trainer.torch_threads=1", "algo.tis_cap=2.0"],
-             "generation_heavy": ["pipeline=one_step_off", "trainer.torch_threads=1", "algo.tis_cap=2.0"]},
-    "smollm2_135m": {"default": ["pipeline=sync", "trainer.torch_threads=2"],
-                     "generation_heavy": ["pipeline=one_step_off", "trainer.torch_threads=2", "algo.tis_cap=2.0"]},
+    "tiny": {
+        "default": ["pipeline=async", "trainer.torch_threads=1", "algo.tis_cap=2.0"],
+        "generation_heavy": ["pipeline=one_step_off", "trainer.torch_threads=1", "algo.tis_cap=2.0"],
+    },
+    "smollm2_135m": {
+        "default": ["pipeline=sync", "trainer.torch_threads=2"],
+        "generation_heavy": ["pipeline=one_step_off", "trainer.torch_threads=2", "algo.tis_cap=2.0"],
+    },
 }
 # What --search tries (each for --search-steps steps, one seed).
 SEARCH: dict[str, list[str]] = {  # (trainer threads: Ray gives each actor one core; sync leaves the engine's idle)
@@ -141,8 +162,14 @@ def measure(cmd: list[str], is_step_line, log: Path, keep=lambda line: False) ->
     its step lines (and the lines `keep` accepts, in order), peak memory and wall time. Output is
     kept in `log`."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     memory = ProcessTreeMemory(proc.pid)
     first, steps, kept = None, [], []
     with open(log, "w") as out:
@@ -194,14 +221,23 @@ def shared_inputs(overrides: list[str], steps: int, seed: int) -> dict[str, Any]
         "reward": {"target": target, "kwargs": reward},
         "eval": {
             "prompts": [{"text": p.text, "label": p.label, "ids": list(p.prompt_ids)} for p in held_out],
-            "samples_per_prompt": e.samples_per_prompt, "temperature": e.temperature,
-            "before_train": e.before_train, "every": e.every_n_steps,
+            "samples_per_prompt": e.samples_per_prompt,
+            "temperature": e.temperature,
+            "before_train": e.before_train,
+            "every": e.every_n_steps,
         },
         "settings": {
-            "rollout_batch_size": a.rollout_batch_size, "samples_per_prompt": a.samples_per_prompt,
-            "train_batch_size": a.train_batch_size, "micro_batch_size": a.micro_batch_size, "lr": a.actor_lr,
-            "grad_clip": a.grad_clip, "response_max_len": d.response_max_len, "min_response_len": a.min_response_len,
-            "temperature": a.temperature, "kl_coef": a.kl_coef, "clip": a.clip_low,
+            "rollout_batch_size": a.rollout_batch_size,
+            "samples_per_prompt": a.samples_per_prompt,
+            "train_batch_size": a.train_batch_size,
+            "micro_batch_size": a.micro_batch_size,
+            "lr": a.actor_lr,
+            "grad_clip": a.grad_clip,
+            "response_max_len": d.response_max_len,
+            "min_response_len": a.min_response_len,
+            "temperature": a.temperature,
+            "kl_coef": a.kl_coef,
+            "clip": a.clip_low,
             "max_model_len": d.prompt_max_len + d.response_max_len,
         },
     }
@@ -217,11 +253,23 @@ def _wall_per_step(walls: list[float], skip: int) -> float:
 
 def run_ours(name: str, overrides: list[str], steps: int, seed: int, out: Path, skip: int) -> dict[str, Any]:
     run_dir = out / f"{name}_seed{seed}"
-    cmd = [sys.executable, "run.py", *overrides, f"seed={seed}", f"algo.num_steps={steps}",
-           "checkpoint.at_end=false", "checkpoint.export_final=false", "logger.plot_every_n_steps=0",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "run.py",
+        *overrides,
+        f"seed={seed}",
+        f"algo.num_steps={steps}",
+        "checkpoint.at_end=false",
+        "checkpoint.export_final=false",
+        "logger.plot_every_n_steps=0",
+        f"hydra.run.dir={run_dir}",
+    ]
     # (a training step's console line; "step    0/N" is the evaluation before training)
-    m = measure(cmd, lambda line: line.startswith("step ") and not line.split()[1].startswith("0/"), out / f"{name}_seed{seed}.log")
+    m = measure(
+        cmd,
+        lambda line: line.startswith("step ") and not line.split()[1].startswith("0/"),
+        out / f"{name}_seed{seed}.log",
+    )
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("step", 0) >= 1]
     startup_in_run = train[0]["time/startup"]
@@ -239,24 +287,41 @@ def run_ours(name: str, overrides: list[str], steps: int, seed: int, out: Path, 
     steady = train[skip:]
     tokens = [r["response/mean_len"] * r["rollout/samples"] for r in steady]
     wall = _wall_per_step(walls, skip)
-    phases = {k: statistics.median(r.get(f"time/{k}", 0.0) for r in steady)
-              for k in ("step", "generate", "hand_over", "experience", "train", "sync")}
+    phases = {
+        k: statistics.median(r.get(f"time/{k}", 0.0) for r in steady)
+        for k in ("step", "generate", "hand_over", "experience", "train", "sync")
+    }
     before = rows[0].get("time/eval", 0.0) if rows[0].get("step", 0) == 0 else 0.0
     return {  # start-up: command to first step, less the evaluation before training (both sides)
-        "overrides": overrides, "startup_s": m["startup_s"] - before, "peak_gb": m["peak_gb"], "wall_per_step_s": wall,
+        "overrides": overrides,
+        "startup_s": m["startup_s"] - before,
+        "peak_gb": m["peak_gb"],
+        "wall_per_step_s": wall,
         "gen_tokens_per_s": sum(tokens) / sum(r["time/generate"] for r in steady),
         "trained_tokens_per_s": statistics.mean(tokens) / wall,
-        "rewards": [r["reward/mean"] for r in train], "walls": walls, "evals": evals, "phases": phases,
+        "rewards": [r["reward/mean"] for r in train],
+        "walls": walls,
+        "evals": evals,
+        "phases": phases,
         "response_len": statistics.mean(r["response/mean_len"] for r in steady),
     }
 
 
 def run_trl(spec: dict, name: str, seed: int, out: Path, skip: int, generation: str) -> dict[str, Any]:
-    spec = {**spec, "torch_threads": TORCH_THREADS_TRL, "generation": generation, "output_dir": str(out / f"{name}_seed{seed}")}
+    spec = {
+        **spec,
+        "torch_threads": TORCH_THREADS_TRL,
+        "generation": generation,
+        "output_dir": str(out / f"{name}_seed{seed}"),
+    }
     spec_path = out / f"{name}_seed{seed}.json"
     spec_path.write_text(json.dumps(spec))
-    m = measure([sys.executable, "scripts/peers/trl_grpo.py", str(spec_path)], lambda line: line.startswith('{"step"'),
-                out / f"{name}_seed{seed}.log", keep=lambda line: line.startswith('{"'))
+    m = measure(
+        [sys.executable, "scripts/peers/trl_grpo.py", str(spec_path)],
+        lambda line: line.startswith('{"step"'),
+        out / f"{name}_seed{seed}.log",
+        keep=lambda line: line.startswith('{"'),
+    )
     lines = [json.loads(line) for line in m["kept"]]
     begin = next(line["train_begin"] for line in lines if "train_begin" in line)
     # Training wall at each step: from train_begin (after the evaluation before training), less the
@@ -265,7 +330,9 @@ def run_trl(spec: dict, name: str, seed: int, out: Path, skip: int, generation: 
     for line in lines:
         if "eval_step" in line:
             evals_since += line["eval_s"] if line["eval_step"] else 0.0
-            evals.append({"step": line["eval_step"], "wall_s": walls[-1] if line["eval_step"] else 0.0, "score": line["score"]})
+            evals.append(
+                {"step": line["eval_step"], "wall_s": walls[-1] if line["eval_step"] else 0.0, "score": line["score"]}
+            )
         elif "step" in line:
             rows.append(line)
             walls.append(line["t"] - begin - evals_since)
@@ -273,10 +340,15 @@ def run_trl(spec: dict, name: str, seed: int, out: Path, skip: int, generation: 
     steady = rows[skip:]
     wall = _wall_per_step(walls, skip)
     return {
-        "generation": generation, "startup_s": m["startup_s"] - before, "peak_gb": m["peak_gb"], "wall_per_step_s": wall,
+        "generation": generation,
+        "startup_s": m["startup_s"] - before,
+        "peak_gb": m["peak_gb"],
+        "wall_per_step_s": wall,
         "gen_tokens_per_s": sum(r["gen_tokens"] for r in steady) / sum(r["gen_s"] for r in steady),
         "trained_tokens_per_s": statistics.mean(r["trained_tokens"] for r in steady) / wall,
-        "rewards": [r["reward"] for r in rows], "walls": walls, "evals": evals,
+        "rewards": [r["reward"] for r in rows],
+        "walls": walls,
+        "evals": evals,
         "response_len": statistics.mean(r["response_len"] for r in steady),
     }
 
@@ -287,11 +359,17 @@ def run_parts(spec: dict, name: str, out: Path, steps: int, skip: int) -> dict[s
     spec_path.write_text(json.dumps(spec))
     timed = {}
     for part, key in (("generate", "gen_s"), ("train", "train_s")):
-        m = measure([sys.executable, "scripts/peers/bare_parts.py", str(spec_path), part, str(sequences)],
-                    lambda line: line.startswith("{"), out / f"parts_{name}_{part}.log")
+        m = measure(
+            [sys.executable, "scripts/peers/bare_parts.py", str(spec_path), part, str(sequences)],
+            lambda line: line.startswith("{"),
+            out / f"parts_{name}_{part}.log",
+        )
         timed.update(json.loads(m["steps"][-1]))
-    return {"gen_s": statistics.median(timed["gen_s"][skip:]), "train_s": statistics.median(timed["train_s"][skip:]),
-            "response_len": timed["response_len"]}
+    return {
+        "gen_s": statistics.median(timed["gen_s"][skip:]),
+        "train_s": statistics.median(timed["train_s"][skip:]),
+        "response_len": timed["response_len"],
+    }
 
 
 # --------------------------------------------------------------------------- report
@@ -309,14 +387,25 @@ def plot(results: dict, path: Path, label: str) -> None:
     for row, (name, by_system) in zip(axes, results.items()):
         for system, runs in by_system.items():
             for seed, r in runs.items():
-                style = {"color": COLORS[system], "linestyle": "-" if seed == min(runs) else "--", "label": f"{system} seed {seed}"}
+                style = {
+                    "color": COLORS[system],
+                    "linestyle": "-" if seed == min(runs) else "--",
+                    "label": f"{system} seed {seed}",
+                }
                 row[0].plot(range(1, len(r["rewards"]) + 1), r["rewards"], **style)
                 if r["evals"]:
                     row[1].plot([e["step"] for e in r["evals"]], [e["score"] for e in r["evals"]], marker="o", **style)
-                    row[2].plot([e["wall_s"] for e in r["evals"]], [e["score"] for e in r["evals"]], marker="o", **style)
-        for ax, (title, xlabel, ylabel) in zip(row, (("training reward per step", "step", "reward/mean"),
-                                                     ("held-out score per step", "step", "held-out mean@k"),
-                                                     ("held-out score per training wall second", "training wall s (no evaluation)", "held-out mean@k"))):
+                    row[2].plot(
+                        [e["wall_s"] for e in r["evals"]], [e["score"] for e in r["evals"]], marker="o", **style
+                    )
+        for ax, (title, xlabel, ylabel) in zip(
+            row,
+            (
+                ("training reward per step", "step", "reward/mean"),
+                ("held-out score per step", "step", "held-out mean@k"),
+                ("held-out score per training wall second", "training wall s (no evaluation)", "held-out mean@k"),
+            ),
+        ):
             ax.set_title(f"{name}: {title}")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
@@ -343,22 +432,41 @@ def _keep(out: Path, name: str, result: dict) -> None:
 
 def search(args, model: dict, out: Path) -> None:
     """Each SEARCH configuration for --search-steps steps, one seed: wall per step after one warm-up."""
-    print(f"searching our configurations ({args.search_steps} steps each, seed {args.seeds[0]}; per-step wall after 1 warm-up step)")
+    print(
+        f"searching our configurations ({args.search_steps} steps each, seed {args.seeds[0]}; per-step wall after 1 warm-up step)"
+    )
     rows = []
     for name in args.settings:
         setting = model["settings"][name]
         for label, extra in SEARCH.items():
             if args.search_configs and label not in args.search_configs:
                 continue
-            overrides = [*model["base"], *setting["overrides"], *extra, "eval.before_train=false", "eval.every_n_steps=0"]
+            overrides = [
+                *model["base"],
+                *setting["overrides"],
+                *extra,
+                "eval.before_train=false",
+                "eval.every_n_steps=0",
+            ]
             tag = f"search_{name}_{label.split(',')[0].split(' ')[0]}_{extra[1].split('=')[1]}t"
             try:
                 r = run_ours(tag, overrides, args.search_steps, args.seeds[0], out, 1)
             except SystemExit as e:
                 print(f"  {name:17s} {label:40s} failed: {str(e).splitlines()[0]}")
                 continue
-            rows.append({"setting": name, "config": label, "overrides": extra, "wall_per_step_s": r["wall_per_step_s"], "phases": r["phases"]})
-            print(f"  {name:17s} {label:40s} {r['wall_per_step_s']:8.2f} s/step  (gen {r['phases']['generate']:.2f}, train {r['phases']['train']:.2f})", flush=True)
+            rows.append(
+                {
+                    "setting": name,
+                    "config": label,
+                    "overrides": extra,
+                    "wall_per_step_s": r["wall_per_step_s"],
+                    "phases": r["phases"],
+                }
+            )
+            print(
+                f"  {name:17s} {label:40s} {r['wall_per_step_s']:8.2f} s/step  (gen {r['phases']['generate']:.2f}, train {r['phases']['train']:.2f})",
+                flush=True,
+            )
     (out / "search.json").write_text(json.dumps(rows, indent=2))
     print(json.dumps({"search": {f"{r['setting']}: {r['config']}": round(r["wall_per_step_s"], 3) for r in rows}}))
 
@@ -366,14 +474,31 @@ def search(args, model: dict, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny", choices=list(MODELS))
-    ap.add_argument("--settings", nargs="+", default=["default", "generation_heavy"], choices=["default", "generation_heavy"])
+    ap.add_argument(
+        "--settings", nargs="+", default=["default", "generation_heavy"], choices=["default", "generation_heavy"]
+    )
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: per model and setting)")
-    ap.add_argument("--skip", type=int, default=None, help="warm-up steps left out of the per-step figures (default 2 tiny, 1 SmolLM2)")
-    ap.add_argument("--variants", nargs="+", default=["best", "identical"], choices=["best", "identical"],
-                    help="our configurations: best (OURS_BEST) and identical (pipeline=sync); run once when they are the same")
+    ap.add_argument(
+        "--skip",
+        type=int,
+        default=None,
+        help="warm-up steps left out of the per-step figures (default 2 tiny, 1 SmolLM2)",
+    )
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["best", "identical"],
+        choices=["best", "identical"],
+        help="our configurations: best (OURS_BEST) and identical (pipeline=sync); run once when they are the same",
+    )
     ap.add_argument("--trl-generation", default="generate", choices=["generate", "paged"])
-    ap.add_argument("--parts-steps", type=int, default=4, help="steps the bare parts are timed over (tiny model; the first is warm-up)")
+    ap.add_argument(
+        "--parts-steps",
+        type=int,
+        default=4,
+        help="steps the bare parts are timed over (tiny model; the first is warm-up)",
+    )
     ap.add_argument("--search", action="store_true", help="time our SEARCH configurations instead of the comparison")
     ap.add_argument("--search-steps", type=int, default=3)
     ap.add_argument("--search-configs", nargs="+", default=None, help="which SEARCH entries (default: all)")
@@ -400,7 +525,13 @@ def main() -> None:
         setting = model["settings"][name]
         steps = args.steps or setting["steps"]
         every = setting["eval_every"] if steps % setting["eval_every"] == 0 else steps  # the last step is evaluated
-        configured = [*model["base"], *setting["overrides"], *_HELD_OUT, *setting["eval"], f"eval.every_n_steps={every}"]
+        configured = [
+            *model["base"],
+            *setting["overrides"],
+            *_HELD_OUT,
+            *setting["eval"],
+            f"eval.every_n_steps={every}",
+        ]
         variants = {"ours_identical": [*configured, "pipeline=sync"]} if "identical" in args.variants else {}
         best = [*configured, *OURS_BEST[args.model][name]]
         if "best" in args.variants and best != variants.get("ours_identical"):
@@ -412,17 +543,24 @@ def main() -> None:
                 t = time.perf_counter()
                 results[name][variant][seed] = run_ours(f"{variant}_{name}", overrides, steps, seed, args.out, skip)
                 _keep(args.out, f"{variant}_{name}_seed{seed}", results[name][variant][seed])
-                print(f"  {name:17s} {variant:15s} seed {seed}: {steps} steps in {time.perf_counter() - t:.0f}s", flush=True)
+                print(
+                    f"  {name:17s} {variant:15s} seed {seed}: {steps} steps in {time.perf_counter() - t:.0f}s",
+                    flush=True,
+                )
             t = time.perf_counter()
-            results[name]["trl"][seed] = run_trl({**spec, "steps": steps}, f"trl_{name}", seed, args.out, skip, args.trl_generation)
+            results[name]["trl"][seed] = run_trl(
+                {**spec, "steps": steps}, f"trl_{name}", seed, args.out, skip, args.trl_generation
+            )
             _keep(args.out, f"trl_{name}_seed{seed}", results[name]["trl"][seed])
             print(f"  {name:17s} {'trl':15s} seed {seed}: {steps} steps in {time.perf_counter() - t:.0f}s", flush=True)
             if args.model == "tiny" and seed == args.seeds[0]:
                 parts[name] = run_parts(spec, name, args.out, args.parts_steps, 1)
 
     print(f"\nrlhf_orch vs TRL {trl.__version__} (GRPO, {model['label']}; machine: {os.cpu_count()} cores, no GPU)")
-    header = (f"{'setting':17s}{'system':15s}{'seed':>5s}{'startup s':>10s}{'s/step':>8s}{'gen tok/s':>10s}{'train tok/s':>12s}"
-              f"{'peak GB':>8s}{'resp len':>9s}{'reward last':>12s}{'held-out':>18s}{'gain/wall s':>12s}")
+    header = (
+        f"{'setting':17s}{'system':15s}{'seed':>5s}{'startup s':>10s}{'s/step':>8s}{'gen tok/s':>10s}{'train tok/s':>12s}"
+        f"{'peak GB':>8s}{'resp len':>9s}{'reward last':>12s}{'held-out':>18s}{'gain/wall s':>12s}"
+    )
     print(header)
     print("-" * len(header))
     for name, by_system in results.items():
@@ -430,11 +568,15 @@ def main() -> None:
             for seed, r in runs.items():
                 held = f"{r['evals'][0]['score']:.3f} -> {r['evals'][-1]['score']:.3f}" if r["evals"] else "-"
                 gain = gain_per_wall_s(r)
-                print(f"{name:17s}{system:15s}{seed:5d}{r['startup_s']:10.1f}{r['wall_per_step_s']:8.3f}{r['gen_tokens_per_s']:10.0f}"
-                      f"{r['trained_tokens_per_s']:12.0f}{r['peak_gb']:8.2f}{r['response_len']:9.1f}{statistics.mean(r['rewards'][-LAST:]):12.3f}"
-                      f"{held:>18s}{(f'{gain:.2e}' if gain is not None else '-'):>12s}")
+                print(
+                    f"{name:17s}{system:15s}{seed:5d}{r['startup_s']:10.1f}{r['wall_per_step_s']:8.3f}{r['gen_tokens_per_s']:10.0f}"
+                    f"{r['trained_tokens_per_s']:12.0f}{r['peak_gb']:8.2f}{r['response_len']:9.1f}{statistics.mean(r['rewards'][-LAST:]):12.3f}"
+                    f"{held:>18s}{(f'{gain:.2e}' if gain is not None else '-'):>12s}"
+                )
     print("\nour step's phases (median seconds; other = step - generate - hand-over - experience - train - sync)")
-    print(f"{'setting':17s}{'system':15s}{'step':>7s}{'gen':>7s}{'handover':>9s}{'exp':>7s}{'train':>7s}{'sync':>7s}{'other':>7s}")
+    print(
+        f"{'setting':17s}{'system':15s}{'step':>7s}{'gen':>7s}{'handover':>9s}{'exp':>7s}{'train':>7s}{'sync':>7s}{'other':>7s}"
+    )
     for name, by_system in results.items():
         for system, runs in by_system.items():
             if system == "trl":
@@ -444,17 +586,23 @@ def main() -> None:
             # Under one_step_off / async the next rollout generates while this step trains: no remainder to show.
             # (medians of the parts need not add up exactly: a small negative remainder reads 0)
             other_text = f"{max(other, 0.0):7.3f}" if other > -0.05 * ph["step"] else f"{'overlap':>8s}"
-            print(f"{name:17s}{system:15s}{ph['step']:7.3f}{ph['generate']:7.3f}{ph['hand_over']:9.3f}{ph['experience']:7.3f}"
-                  f"{ph['train']:7.3f}{ph['sync']:7.3f}{other_text}")
+            print(
+                f"{name:17s}{system:15s}{ph['step']:7.3f}{ph['generate']:7.3f}{ph['hand_over']:9.3f}{ph['experience']:7.3f}"
+                f"{ph['train']:7.3f}{ph['sync']:7.3f}{other_text}"
+            )
     overhead = {}
     if parts:
-        print("\nrlhf_orch (identical: pipeline=sync) against its parts alone (median s; bare vLLM with our block size 32)")
+        print(
+            "\nrlhf_orch (identical: pipeline=sync) against its parts alone (median s; bare vLLM with our block size 32)"
+        )
         for name in parts:
             if "ours_identical" not in results[name]:
                 continue
             ours, p = results[name]["ours_identical"][args.seeds[0]], parts[name]
             overhead[name] = ours["wall_per_step_s"] / (p["gen_s"] + p["train_s"])
-            print(f"{name:17s} step {ours['wall_per_step_s']:.3f} | bare gen {p['gen_s']:.3f} bare train {p['train_s']:.3f} | overhead {overhead[name]:.2f}")
+            print(
+                f"{name:17s} step {ours['wall_per_step_s']:.3f} | bare gen {p['gen_s']:.3f} bare train {p['train_s']:.3f} | overhead {overhead[name]:.2f}"
+            )
     plot(results, args.out / "rewards.png", model["label"])
 
     def mean_of(name: str, system: str, key: str) -> float:
@@ -462,40 +610,61 @@ def main() -> None:
 
     ours = {name: "ours_best" if "ours_best" in results[name] else "ours_identical" for name in results}
     key = model["key"]
-    summary: dict[str, Any] = {"model": args.model, "trl_version": trl.__version__, "trl_generation": args.trl_generation,
-                               "seeds": args.seeds, "out": str(args.out)}
+    summary: dict[str, Any] = {
+        "model": args.model,
+        "trl_version": trl.__version__,
+        "trl_generation": args.trl_generation,
+        "seeds": args.seeds,
+        "out": str(args.out),
+    }
     for name in results:
         trl_wall = mean_of(name, "trl", "wall_per_step_s")
         summary[f"speedup_vs_trl_{key}{name}"] = round(trl_wall / mean_of(name, ours[name], "wall_per_step_s"), 3)
         if "ours_identical" in results[name]:
-            summary[f"speedup_vs_trl_{key}{name}_identical"] = round(trl_wall / mean_of(name, "ours_identical", "wall_per_step_s"), 3)
+            summary[f"speedup_vs_trl_{key}{name}_identical"] = round(
+                trl_wall / mean_of(name, "ours_identical", "wall_per_step_s"), 3
+            )
         summary[f"ours_config_{name}"] = OURS_BEST[args.model][name] if ours[name] == "ours_best" else ["pipeline=sync"]
         for system, tag in ((ours[name], "ours"), ("trl", "trl")):
             runs = results[name][system].values()
             summary[f"reward_last_{tag}_{name}"] = [round(statistics.mean(r["rewards"][-LAST:]), 3) for r in runs]
             gains = [gain_per_wall_s(r) for r in runs]
             summary[f"reward_per_wall_s_{tag}_{name}"] = [round(g, 6) if g is not None else None for g in gains]
-            summary[f"held_out_{tag}_{name}"] = [[round(r["evals"][0]["score"], 3), round(r["evals"][-1]["score"], 3)] if r["evals"] else None
-                                                 for r in runs]
+            summary[f"held_out_{tag}_{name}"] = [
+                [round(r["evals"][0]["score"], 3), round(r["evals"][-1]["score"], 3)] if r["evals"] else None
+                for r in runs
+            ]
         if name in overhead:
             summary[f"overhead_vs_parts_{name}"] = round(overhead[name], 3)
     first = "default" if "default" in results else next(iter(results))
-    summary.update({
-        "startup_s_ours": round(mean_of(first, ours[first], "startup_s"), 2),
-        "startup_s_trl": round(mean_of(first, "trl", "startup_s"), 2),
-        "peak_gb_ours": round(mean_of(first, ours[first], "peak_gb"), 2),
-        "peak_gb_trl": round(mean_of(first, "trl", "peak_gb"), 2),
-        "reward_last_ours": summary[f"reward_last_ours_{first}"],
-        "reward_last_trl": summary[f"reward_last_trl_{first}"],
-        "reward_per_wall_s_ours": summary[f"reward_per_wall_s_ours_{first}"],
-        "reward_per_wall_s_trl": summary[f"reward_per_wall_s_trl_{first}"],
-    })
+    summary.update(
+        {
+            "startup_s_ours": round(mean_of(first, ours[first], "startup_s"), 2),
+            "startup_s_trl": round(mean_of(first, "trl", "startup_s"), 2),
+            "peak_gb_ours": round(mean_of(first, ours[first], "peak_gb"), 2),
+            "peak_gb_trl": round(mean_of(first, "trl", "peak_gb"), 2),
+            "reward_last_ours": summary[f"reward_last_ours_{first}"],
+            "reward_last_trl": summary[f"reward_last_trl_{first}"],
+            "reward_per_wall_s_ours": summary[f"reward_per_wall_s_ours_{first}"],
+            "reward_per_wall_s_trl": summary[f"reward_per_wall_s_trl_{first}"],
+        }
+    )
     if first in overhead:
         summary["overhead_vs_parts"] = overhead[first]
-    summary["goals"] = ({"speedup_vs_trl_real_default": 1.3, "speedup_vs_trl_real_generation_heavy": 2.0} if key else
-                        {"speedup_vs_trl_default": 1.0, "speedup_vs_trl_generation_heavy": 1.0, "startup_s_ours": 12.0,
-                         "peak_gb_ours": 2.5, "overhead_vs_parts": 1.15})
-    (args.out / "summary.json").write_text(json.dumps({"summary": summary, "results": results, "parts": parts}, indent=2))
+    summary["goals"] = (
+        {"speedup_vs_trl_real_default": 1.3, "speedup_vs_trl_real_generation_heavy": 2.0}
+        if key
+        else {
+            "speedup_vs_trl_default": 1.0,
+            "speedup_vs_trl_generation_heavy": 1.0,
+            "startup_s_ours": 12.0,
+            "peak_gb_ours": 2.5,
+            "overhead_vs_parts": 1.15,
+        }
+    )
+    (args.out / "summary.json").write_text(
+        json.dumps({"summary": summary, "results": results, "parts": parts}, indent=2)
+    )
     print(f"\nplot: {args.out / 'rewards.png'}; everything: {args.out / 'summary.json'}")
     print(json.dumps(summary))
 

@@ -53,15 +53,31 @@ from rlhf_orch.logging.base import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 SETTINGS = {
     "long_tail": [
-        "transfer=packed", "algo=reinforce_pp", "algo.kl_coef=0", "algo.rollout_batch_size=64", "algo.samples_per_prompt=1",
-        "algo.train_batch_size=64", "algo.micro_batch_size=64", "algo.min_response_len=32", "data.response_max_len=264",
-        "data.long_tail_frac=0.05", "data.long_tail_len=256",
+        "transfer=packed",
+        "algo=reinforce_pp",
+        "algo.kl_coef=0",
+        "algo.rollout_batch_size=64",
+        "algo.samples_per_prompt=1",
+        "algo.train_batch_size=64",
+        "algo.micro_batch_size=64",
+        "algo.min_response_len=32",
+        "data.response_max_len=264",
+        "data.long_tail_frac=0.05",
+        "data.long_tail_len=256",
     ],
     "multi_turn": ["experiment=tool_use"],
     "generation_heavy": [
-        "transfer=packed", "algo=grpo", "algo.kl_coef=0", "algo.rollout_batch_size=8", "algo.samples_per_prompt=4",
-        "algo.train_batch_size=32", "algo.micro_batch_size=16", "data.min_digits=24", "data.max_digits=32",
-        "data.prompt_max_len=64", "data.response_max_len=96",
+        "transfer=packed",
+        "algo=grpo",
+        "algo.kl_coef=0",
+        "algo.rollout_batch_size=8",
+        "algo.samples_per_prompt=4",
+        "algo.train_batch_size=32",
+        "algo.micro_batch_size=16",
+        "data.min_digits=24",
+        "data.max_digits=32",
+        "data.prompt_max_len=64",
+        "data.response_max_len=96",
     ],
     "default": ["transfer=packed"],
 }
@@ -79,13 +95,24 @@ PHASES = ("generate", "hand_over", "experience", "train", "sync", "rollout_wait"
 
 def run(setting: str, pipeline: str, steps: int, seed: int, out: Path) -> list[dict]:
     run_dir = out / f"{setting}_{pipeline}_{seed}"
-    cmd = [sys.executable, "run.py", *SETTINGS[setting], *PIPELINES[pipeline], f"algo.num_steps={steps}", f"seed={seed}",
-           "checkpoint.at_end=false", "checkpoint.export_final=false", "logger.plot_every_n_steps=0",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "run.py",
+        *SETTINGS[setting],
+        *PIPELINES[pipeline],
+        f"algo.num_steps={steps}",
+        f"seed={seed}",
+        "checkpoint.at_end=false",
+        "checkpoint.export_final=false",
+        "logger.plot_every_n_steps=0",
+        f"hydra.run.dir={run_dir}",
+    ]
     t = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ))
     if done.returncode != 0:
-        raise SystemExit(f"{setting}/{pipeline} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise SystemExit(
+            f"{setting}/{pipeline} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     print(f"  {setting:16s} {pipeline:14s} seed {seed}: {steps} steps in {time.perf_counter() - t:.0f}s", flush=True)
     return read_metrics(run_dir)
 
@@ -109,7 +136,8 @@ def summarise(rows: list[dict], skip: int) -> dict:
         "engine_idle_frac": phases["engine_idle_s"] / wall,
         "staleness_max": max(r.get("rollout/staleness_max", 0) for r in rows),
         "token_staleness_mean": statistics.mean(r["rollout/token_staleness_mean"] for r in steady)
-        if "rollout/token_staleness_mean" in steady[0] else None,
+        if "rollout/token_staleness_mean" in steady[0]
+        else None,
         "interrupted_per_step": statistics.mean(r.get("rollout/interrupted", 0) for r in steady),
         "reward_first": sum(rewards[:k]) / k,
         "reward_last": sum(rewards[-k:]) / k,
@@ -129,7 +157,9 @@ def projections(by: dict[str, dict]) -> dict[str, float]:
     if THE_ASYNC in by:
         # The engines hold max_staleness + 1 rollouts at once: at best one rollout's generation
         # costs a (max_staleness + 1)-th of the sync run's (its tail hidden behind the others').
-        rollouts_at_once = 1 + int(next(o for o in PIPELINES[THE_ASYNC] if o.startswith("pipeline.max_staleness=")).split("=")[1])
+        rollouts_at_once = 1 + int(
+            next(o for o in PIPELINES[THE_ASYNC] if o.startswith("pipeline.max_staleness=")).split("=")[1]
+        )
         out["async"] = sequential / max(sync["generate_s"] / rollouts_at_once, trainer_side(sync))
     return out
 
@@ -155,22 +185,30 @@ def main() -> None:
     rewards_by_seed: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
         for setting in settings:
-            results[setting] = {p: summarise(run(setting, p, args.steps, seeds[0], Path(tmp)), args.skip) for p in pipelines}
+            results[setting] = {
+                p: summarise(run(setting, p, args.steps, seeds[0], Path(tmp)), args.skip) for p in pipelines
+            }
             for p in ("sync", THE_ASYNC):
                 if p in pipelines and len(seeds) > 1:
                     again = [summarise(run(setting, p, args.steps, s, Path(tmp)), args.skip) for s in seeds[1:]]
-                    rewards_by_seed.setdefault(setting, {})[p] = [results[setting][p]["reward_last"]] + [a["reward_last"] for a in again]
+                    rewards_by_seed.setdefault(setting, {})[p] = [results[setting][p]["reward_last"]] + [
+                        a["reward_last"] for a in again
+                    ]
 
     print()
-    print("| setting | pipeline | wall/step s | wall/1k tokens s | generate | experience | train | sync | trainers idle | engines idle | staleness max | token staleness | interrupted/step | reward first -> last |")
+    print(
+        "| setting | pipeline | wall/step s | wall/1k tokens s | generate | experience | train | sync | trainers idle | engines idle | staleness max | token staleness | interrupted/step | reward first -> last |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for setting, by in results.items():
         for pipeline, r in by.items():
             tok = "-" if r["token_staleness_mean"] is None else f"{r['token_staleness_mean']:.2f}"
-            print(f"| {setting} | {pipeline} | {r['wall_per_step_s']:.3f} | {r['wall_per_kilotoken_s']:.3f} | {r['generate_s']:.3f} | "
-                  f"{r['experience_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | {r['trainer_idle_frac']:.0%} | "
-                  f"{r['engine_idle_frac']:.0%} | {r['staleness_max']} | {tok} | {r['interrupted_per_step']:.1f} | "
-                  f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} |")
+            print(
+                f"| {setting} | {pipeline} | {r['wall_per_step_s']:.3f} | {r['wall_per_kilotoken_s']:.3f} | {r['generate_s']:.3f} | "
+                f"{r['experience_s']:.3f} | {r['train_s']:.3f} | {r['sync_s']:.3f} | {r['trainer_idle_frac']:.0%} | "
+                f"{r['engine_idle_frac']:.0%} | {r['staleness_max']} | {tok} | {r['interrupted_per_step']:.1f} | "
+                f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} |"
+            )
     summary: dict[str, object] = {"steps": args.steps, "skip": args.skip, "seeds": seeds, "results": results}
     print()
     for setting, by in results.items():
@@ -185,7 +223,9 @@ def main() -> None:
                 summary[f"{key}{suffix}"] = round(by["sync"]["wall_per_step_s"] / by[other]["wall_per_step_s"], 3)
                 line.append(f"{other} {summary[f'{key}{suffix}']:.2f}x sync")
         if THE_ASYNC in by and "one_step_off" in by:
-            summary[f"speedup_async_vs_one_step_off{suffix}"] = round(by["one_step_off"]["wall_per_step_s"] / by[THE_ASYNC]["wall_per_step_s"], 3)
+            summary[f"speedup_async_vs_one_step_off{suffix}"] = round(
+                by["one_step_off"]["wall_per_step_s"] / by[THE_ASYNC]["wall_per_step_s"], 3
+            )
             line.append(f"{THE_ASYNC} {summary[f'speedup_async_vs_one_step_off{suffix}']:.2f}x one_step_off")
         line.append("(measured); projected split-GPU: " + ", ".join(f"{k} {v:.2f}x" for k, v in proj.items()))
         print(" ".join(line))
@@ -196,8 +236,10 @@ def main() -> None:
             summary[f"reward_last{suffix}"] = {p: [round(x, 4) for x in v] for p, v in noise.items()}
             summary[f"reward_noise{suffix}"] = round(spread, 4)
             summary[f"reward_gap_async_vs_sync{suffix}"] = round(gap, 4)
-            print(f"  reward over the last 5 steps: sync {noise['sync']} (spread {spread:.3f} = the noise), "
-                  f"{THE_ASYNC} {noise[THE_ASYNC]} (mean gap to sync {gap:.3f})")
+            print(
+                f"  reward over the last 5 steps: sync {noise['sync']} (spread {spread:.3f} = the noise), "
+                f"{THE_ASYNC} {noise[THE_ASYNC]} (mean gap to sync {gap:.3f})"
+            )
     if "speedup_async_vs_sync" in summary:
         summary["goal_speedup_async_vs_sync"] = 2.0
         summary["goal_met_async_vs_sync"] = summary["speedup_async_vs_sync"] >= 2.0

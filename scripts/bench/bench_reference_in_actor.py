@@ -72,8 +72,15 @@ class PeakSampler:
 
 
 def one_run(overrides: list[str], reference_in_actor: str, work: Path) -> dict:
-    cfg = compose_config([*overrides, "checkpoint.export_final=false", "launcher.reuse_session=true",
-                          "launcher.keep_actors=false", f"placement.reference_in_actor={reference_in_actor}"])
+    cfg = compose_config(
+        [
+            *overrides,
+            "checkpoint.export_final=false",
+            "launcher.reuse_session=true",
+            "launcher.keep_actors=false",
+            f"placement.reference_in_actor={reference_in_actor}",
+        ]
+    )
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     assert plan.reference_in_actor == (reference_in_actor == "null"), "the plan does not host the reference"
@@ -81,14 +88,26 @@ def one_run(overrides: list[str], reference_in_actor: str, work: Path) -> dict:
     first_step: list[float] = []
     cpu0, t0 = busy_cpu_seconds(), time.perf_counter()
     with PeakSampler() as memory:
-        summary = run_training(cfg, typed, plan, launcher, run_dir,
-                               callbacks=[lambda step, loop: first_step.append(time.perf_counter()) if step == 1 else None])
+        summary = run_training(
+            cfg,
+            typed,
+            plan,
+            launcher,
+            run_dir,
+            callbacks=[lambda step, loop: first_step.append(time.perf_counter()) if step == 1 else None],
+        )
     wall, cpu = time.perf_counter() - t0, busy_cpu_seconds() - cpu0
     assert summary["status"] == "completed", summary
     rows = read_metrics(run_dir)
     later = [r["time/step"] for r in rows[1:]]
-    return {"startup_s": first_step[0] - t0, "wall_s": wall, "cpu_s": cpu, "peak_gb": memory.peak / 1e9,
-            "step_s": statistics.median(later) if later else float("nan"), "metrics": _comparable(rows)}
+    return {
+        "startup_s": first_step[0] - t0,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "peak_gb": memory.peak / 1e9,
+        "step_s": statistics.median(later) if later else float("nan"),
+        "metrics": _comparable(rows),
+    }
 
 
 def main() -> None:
@@ -110,20 +129,32 @@ def main() -> None:
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in results[mode])
 
-    keys = [("startup_s", "start-up s"), ("wall_s", "wall s"), ("cpu_s", "busy CPU-s"), ("peak_gb", "peak GB"), ("step_s", "s/step")]
+    keys = [
+        ("startup_s", "start-up s"),
+        ("wall_s", "wall s"),
+        ("cpu_s", "busy CPU-s"),
+        ("peak_gb", "peak GB"),
+        ("step_s", "s/step"),
+    ]
     print(f"{'reference':<24} {'runs':>4} " + " ".join(f"{label:>11}" for _, label in keys))
     for mode in MODES:
         print(f"{mode:<24} {len(results[mode]):>4} " + " ".join(f"{med(mode, k):>11.2f}" for k, _ in keys))
     print(f"metrics of every run equal (clocks aside): {same}")
     base, hosted = MODES
-    print(json.dumps({
-        "bench": "reference_in_actor", "overrides": args.overrides, "runs": args.runs,
-        **{f"baseline_{k}": round(med(base, k), 2) for k, _ in keys},
-        **{f"hosted_{k}": round(med(hosted, k), 2) for k, _ in keys},
-        "cpu_saved_s": round(med(base, "cpu_s") - med(hosted, "cpu_s"), 1),
-        "peak_saved_gb": round(med(base, "peak_gb") - med(hosted, "peak_gb"), 2),
-        "metrics_equal": same,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "reference_in_actor",
+                "overrides": args.overrides,
+                "runs": args.runs,
+                **{f"baseline_{k}": round(med(base, k), 2) for k, _ in keys},
+                **{f"hosted_{k}": round(med(hosted, k), 2) for k, _ in keys},
+                "cpu_saved_s": round(med(base, "cpu_s") - med(hosted, "cpu_s"), 1),
+                "peak_saved_gb": round(med(base, "peak_gb") - med(hosted, "peak_gb"), 2),
+                "metrics_equal": same,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

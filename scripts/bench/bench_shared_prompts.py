@@ -53,10 +53,17 @@ def micro_batch(vocab: int, prompts: int, group: int, prompt_len: int, response_
             length = max(1, response_len // 2 + (response_len // 2) * i // max(1, group - 1))
             samples.append((p, length))
     prompt_ids = [torch.randint(3, vocab, (prompt_len,), generator=g) for _ in range(prompts)]
-    return PackedBatch.from_samples([
-        Sample(prompt_ids=prompt_ids[p], response_ids=torch.randint(3, vocab, (length,), generator=g), reward=1.0, index=k)
-        for k, (p, length) in enumerate(samples)
-    ]).to(device)
+    return PackedBatch.from_samples(
+        [
+            Sample(
+                prompt_ids=prompt_ids[p],
+                response_ids=torch.randint(3, vocab, (length,), generator=g),
+                reward=1.0,
+                index=k,
+            )
+            for k, (p, length) in enumerate(samples)
+        ]
+    ).to(device)
 
 
 @contextlib.contextmanager
@@ -114,9 +121,13 @@ def measure(model, mb: PackedBatch, share: bool, device: str, reps: int) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--model", default=None, help="a KNOWN_CONFIGS key (default: Qwen2.5-0.5B on cuda, SmolLM2-135M on cpu)")
+    parser.add_argument(
+        "--model", default=None, help="a KNOWN_CONFIGS key (default: Qwen2.5-0.5B on cuda, SmolLM2-135M on cpu)"
+    )
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--cases", default=None, help=f"PROMPTSxGROUPxPROMPT_LENxRESPONSE_LEN,... (cuda: {GPU_CASES}; cpu: {CPU_CASES})")
+    parser.add_argument(
+        "--cases", default=None, help=f"PROMPTSxGROUPxPROMPT_LENxRESPONSE_LEN,... (cuda: {GPU_CASES}; cpu: {CPU_CASES})"
+    )
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -130,25 +141,36 @@ def main() -> None:
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=packed_attention_impl(args.device)).to(dtype)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=packed_attention_impl(args.device)).to(
+            dtype
+        )
     model.config.use_cache = False
     model.train()
     device_name = torch.cuda.get_device_name() if cuda else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"{model_key} (random weights, {str(dtype).removeprefix('torch.')}) on {device_name}, "
-          f"attention {model.config._attn_implementation}, torch {torch.__version__}")
+    print(
+        f"{model_key} (random weights, {str(dtype).removeprefix('torch.')}) on {device_name}, "
+        f"attention {model.config._attn_implementation}, torch {torch.__version__}"
+    )
 
     rows = []
-    print(f"{'case (prompts x group x prompt x response)':<44}{'tokens':>8}{'shared':>8}{'plain s':>9}{'loop s':>9}{'batched s':>10}"
-          f"{'x loop':>8}{'x batched':>10}{'default':>9}{'plain GB':>10}{'loop GB':>9}{'batched GB':>11}{'max |dlogp|':>12}")
+    print(
+        f"{'case (prompts x group x prompt x response)':<44}{'tokens':>8}{'shared':>8}{'plain s':>9}{'loop s':>9}{'batched s':>10}"
+        f"{'x loop':>8}{'x batched':>10}{'default':>9}{'plain GB':>10}{'loop GB':>9}{'batched GB':>11}{'max |dlogp|':>12}"
+    )
     for prompts, group, prompt_len, response_len in cases:
         mb = micro_batch(config.vocab_size, prompts, group, prompt_len, response_len, args.device)
         layout = shared_prompt_layout(mb)  # None where the device's default runs the plain row
         shared_tokens = shared_prompt_layout_tokens(mb)
         scored = mb.action_mask.bool()
         plain = measure(model, mb, False, args.device, args.reps)
-        row = {"case": f"{prompts}x{group}x{prompt_len}x{response_len}", "tokens": mb.num_tokens,
-               "shared_tokens": shared_tokens, "plain_step_s": round(plain["step_s"], 4),
-               "plain_peak_gb": None if plain["peak_gb"] is None else round(plain["peak_gb"], 3), "max_abs_logprob_diff": 0.0}
+        row = {
+            "case": f"{prompts}x{group}x{prompt_len}x{response_len}",
+            "tokens": mb.num_tokens,
+            "shared_tokens": shared_tokens,
+            "plain_step_s": round(plain["step_s"], 4),
+            "plain_peak_gb": None if plain["peak_gb"] is None else round(plain["peak_gb"], 3),
+            "max_abs_logprob_diff": 0.0,
+        }
         device_type = torch.device(args.device).type
         default = shared_prompts.ATTENTION_BY_DEVICE.get(device_type, BranchLoopAttention)
         row["default"] = next((m for m, a in MODES.items() if a is default), "?") if layout is not None else "plain"
@@ -165,15 +187,31 @@ def main() -> None:
         def gb(v, w):
             return f"{v:>{w}.2f}" if v is not None else f"{'-':>{w}}"
 
-        print(f"{row['case']:<44}{row['tokens']:>8}{row['shared_tokens']:>8}{row['plain_step_s']:>9.3f}{row['loop_step_s']:>9.3f}"
-              f"{row['batched_step_s']:>10.3f}{row['speedup_loop']:>8.2f}{row['speedup_batched']:>10.2f}{row['default']:>9}"
-              f"{gb(row['plain_peak_gb'], 10)}{gb(row['loop_peak_gb'], 9)}{gb(row['batched_peak_gb'], 11)}"
-              f"{row['max_abs_logprob_diff']:>12.2e}")
+        print(
+            f"{row['case']:<44}{row['tokens']:>8}{row['shared_tokens']:>8}{row['plain_step_s']:>9.3f}{row['loop_step_s']:>9.3f}"
+            f"{row['batched_step_s']:>10.3f}{row['speedup_loop']:>8.2f}{row['speedup_batched']:>10.2f}{row['default']:>9}"
+            f"{gb(row['plain_peak_gb'], 10)}{gb(row['loop_peak_gb'], 9)}{gb(row['batched_peak_gb'], 11)}"
+            f"{row['max_abs_logprob_diff']:>12.2e}"
+        )
         del mb, layout, plain, shared
-    print(json.dumps({"bench": "shared_prompts", "device": device_name, "model": model_key,
-                      "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-                      "date": time.strftime("%Y-%m-%d"), "rows": rows,
-                      **{f"{k}_{mode}": f(r[f"speedup_{mode}"] for r in rows) for mode in MODES for k, f in (("min_speedup", min), ("max_speedup", max))}}))
+    print(
+        json.dumps(
+            {
+                "bench": "shared_prompts",
+                "device": device_name,
+                "model": model_key,
+                "dtype": str(dtype).removeprefix("torch."),
+                "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d"),
+                "rows": rows,
+                **{
+                    f"{k}_{mode}": f(r[f"speedup_{mode}"] for r in rows)
+                    for mode in MODES
+                    for k, f in (("min_speedup", min), ("max_speedup", max))
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -186,9 +186,23 @@ class DropRawBuffer(EngineStep):
 
 def trainer_spec(path: str) -> TrainerSpec:
     return TrainerSpec(
-        model_path=path, dtype="bfloat16", zero_stage=0, micro_batch_size=1, train_batch_size=1,
-        data_parallel_size=1, pad_id=0, temperature=1.0, lr=0.0, weight_decay=0.0, grad_clip=1.0,
-        clip_eps=0.2, ppo_epochs=1, seed=0, torch_threads=1, optimizer="adamw", reference_memory="full",
+        model_path=path,
+        dtype="bfloat16",
+        zero_stage=0,
+        micro_batch_size=1,
+        train_batch_size=1,
+        data_parallel_size=1,
+        pad_id=0,
+        temperature=1.0,
+        lr=0.0,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        clip_eps=0.2,
+        ppo_epochs=1,
+        seed=0,
+        torch_threads=1,
+        optimizer="adamw",
+        reference_memory="full",
     )
 
 
@@ -207,7 +221,9 @@ def strategies(bucket_mb: float, senders: int) -> dict:
         "bucketed": (1, lambda: BucketedBroadcastSync(backend="gloo", timeout_s=600, bucket_mb=bucket_mb)),
         "multi_sender": (
             senders,
-            lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=600, bucket_mb=bucket_mb, senders=senders, shard_by="buckets"),
+            lambda: MultiSenderBroadcastSync(
+                backend="gloo", timeout_s=600, bucket_mb=bucket_mb, senders=senders, shard_by="buckets"
+            ),
         ),
         "multi_sender_engines": (
             senders,
@@ -246,10 +262,15 @@ def measure_limit(trainers, engines, nbytes: int, reps: int) -> tuple[float, lis
     times = []
     for rep in range(reps + 1):
         t0 = time.perf_counter()
-        ray.get([trainers[0].send_raw_broadcast.remote(nbytes)] + [e.receive_weights.remote(ReceiveRaw(nbytes)) for e in engines])
+        ray.get(
+            [trainers[0].send_raw_broadcast.remote(nbytes)]
+            + [e.receive_weights.remote(ReceiveRaw(nbytes)) for e in engines]
+        )
         if rep:  # rep 0 warms up (allocates the receive buffers)
             times.append(time.perf_counter() - t0)
-    ray.get([trainers[0].drop_raw_broadcast_buffer.remote()] + [e.receive_weights.remote(DropRawBuffer()) for e in engines])
+    ray.get(
+        [trainers[0].drop_raw_broadcast_buffer.remote()] + [e.receive_weights.remote(DropRawBuffer()) for e in engines]
+    )
     return statistics.median(times), times
 
 
@@ -281,7 +302,10 @@ def measure_strategy(factory, trainers, engines, reps: int) -> tuple[float, dict
 def measure_engine_count(shape, count, nbytes, trainers, engines, chosen, reps, rows, limits, started) -> None:
     limit_s, _ = measure_limit(trainers, engines, nbytes, reps)
     limits[(shape, count)] = limit_s
-    print(f"[{time.time() - started:6.0f}s] {shape} x{count}: limit {limit_s:.3f}s ({nbytes / limit_s / 1e9:.2f} GB/s)", flush=True)
+    print(
+        f"[{time.time() - started:6.0f}s] {shape} x{count}: limit {limit_s:.3f}s ({nbytes / limit_s / 1e9:.2f} GB/s)",
+        flush=True,
+    )
     per_tensor_s = None
     for name, (need, factory) in chosen.items():
         seconds, profile, _ = measure_strategy(factory, trainers[:need], engines, reps)
@@ -289,7 +313,9 @@ def measure_engine_count(shape, count, nbytes, trainers, engines, chosen, reps, 
         if name == "per_tensor":
             per_tensor_s = seconds
         ratio = round(per_tensor_s / seconds, 3) if per_tensor_s else None
-        rows.append(Row(shape, count, name, round(seconds, 4), round(gbps, 3), ratio, round(limit_s / seconds, 3), profile))
+        rows.append(
+            Row(shape, count, name, round(seconds, 4), round(gbps, 3), ratio, round(limit_s / seconds, 3), profile)
+        )
         print(f"[{time.time() - started:6.0f}s]   {name:24s} {seconds:7.3f}s {gbps:6.2f} GB/s  {profile}", flush=True)
 
 
@@ -360,7 +386,9 @@ def main() -> None:
     for shape in shapes:
         path = paths[shape]
         ranks = max(n for n, _ in chosen.values()) if chosen else 1
-        trainers = [actor_class(BenchTrainer).options(num_cpus=1).remote(trainer_spec(path), r, ranks) for r in range(ranks)]
+        trainers = [
+            actor_class(BenchTrainer).options(num_cpus=1).remote(trainer_spec(path), r, ranks) for r in range(ranks)
+        ]
         sizes[shape] = ray.get([t.build.remote() for t in trainers])[0]
         tensors[shape] = ray.get(trainers[0].tensor_count.remote())
         memcpy = memcpy or ray.get(trainers[0].memcpy_gbps.remote())
@@ -372,7 +400,9 @@ def main() -> None:
                 engines += new  # listed before they are up, so they are killed below whatever happens
                 ray.get([e.ping.remote() for e in new])
                 memory[f"{shape}_{count}_engines_available_gb"] = round(mem_available_gb(), 2)
-                measure_engine_count(shape, count, sizes[shape], trainers, engines, chosen, args.reps, rows, limits, started)
+                measure_engine_count(
+                    shape, count, sizes[shape], trainers, engines, chosen, args.reps, rows, limits, started
+                )
             except (ray.exceptions.OutOfMemoryError, ray.exceptions.RayActorError, WeightSyncError) as e:
                 # Several ~1 GB engines may not fit beside each other: say so and go on with the rest.
                 memory[f"{shape}_{count}_engines"] = f"did not fit / failed: {type(e).__name__}"
@@ -384,15 +414,21 @@ def main() -> None:
 
     # ---- table
     print()
-    header = f"{'shape':9s} {'eng':>3s} {'strategy':22s} {'seconds':>8s} {'GB/s':>6s} {'x per-tensor':>12s} {'of limit':>8s}"
+    header = (
+        f"{'shape':9s} {'eng':>3s} {'strategy':22s} {'seconds':>8s} {'GB/s':>6s} {'x per-tensor':>12s} {'of limit':>8s}"
+    )
     print(header)
     print("-" * len(header))
     for (shape, count), limit_s in sorted(limits.items()):
-        print(f"{shape:9s} {count:3d} {'limit (raw broadcast)':22s} {limit_s:8.3f} {sizes[shape] / limit_s / 1e9:6.2f} {'':>12s} {1.0:8.2f}")
+        print(
+            f"{shape:9s} {count:3d} {'limit (raw broadcast)':22s} {limit_s:8.3f} {sizes[shape] / limit_s / 1e9:6.2f} {'':>12s} {1.0:8.2f}"
+        )
         for r in rows:
             if (r.shape, r.engines) == (shape, count):
                 ratio = f"{r.ratio_to_per_tensor:.2f}" if r.ratio_to_per_tensor else "-"
-                print(f"{'':9s} {'':3s} {r.strategy:22s} {r.seconds:8.3f} {r.gb_per_s:6.2f} {ratio:>12s} {r.fraction_of_limit:8.2f}")
+                print(
+                    f"{'':9s} {'':3s} {r.strategy:22s} {r.seconds:8.3f} {r.gb_per_s:6.2f} {ratio:>12s} {r.fraction_of_limit:8.2f}"
+                )
 
     # ---- cost model and projection
     result: dict = {
@@ -403,7 +439,10 @@ def main() -> None:
         "bytes": sizes,
         "tensors": tensors,
         "memory": memory,
-        "limit": {f"{s}/{e}": {"seconds": round(t, 4), "gb_per_s": round(sizes[s] / t / 1e9, 3)} for (s, e), t in limits.items()},
+        "limit": {
+            f"{s}/{e}": {"seconds": round(t, 4), "gb_per_s": round(sizes[s] / t / 1e9, 3)}
+            for (s, e), t in limits.items()
+        },
         "results": {f"{r.shape}/{r.engines}/{r.strategy}": asdict(r) for r in rows},
     }
     if len(sizes) >= 2 or "per_tensor" in chosen:

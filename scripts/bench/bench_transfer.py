@@ -212,9 +212,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--strategies", default="padded,micro_batched,packed")
     ap.add_argument("--sweep", default="64x8,128x16,256x16,512x16", help="'none' or PROMPTSxSAMPLES,...")
     ap.add_argument("--sweep-strategies", default="packed,micro_batched,padded")
-    ap.add_argument("--padded-max-seqs", type=int, default=4096,
-                    help="sweep: skip padded above this many sequences (512x16 padded needs ~3.3 GB on the driver "
-                         "plus as much in the store, and minutes, on a 23 GB box)")
+    ap.add_argument(
+        "--padded-max-seqs",
+        type=int,
+        default=4096,
+        help="sweep: skip padded above this many sequences (512x16 padded needs ~3.3 GB on the driver "
+        "plus as much in the store, and minutes, on a 23 GB box)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default="", help="also write the final JSON to this file")
     args = ap.parse_args(argv)
@@ -232,7 +236,9 @@ def main(argv: list[str] | None = None) -> dict:
     engines = [ray.remote(num_cpus=0)(SyntheticEngine).remote(lengths, seed=args.seed) for _ in range(args.engines)]
     sinks = [ray.remote(num_cpus=0, num_gpus=1)(TrainerSink).remote(pad_id=0) for _ in range(args.trainers)]
     ray.get([a.ping.remote() for a in (*engines, *sinks)])
-    route = Route(engines=engines, consumers=[[s] for s in sinks], get=lambda refs, what="", engine_call=False: ray.get(refs))
+    route = Route(
+        engines=engines, consumers=[[s] for s in sinks], get=lambda refs, what="", engine_call=False: ray.get(refs)
+    )
 
     def request(prompts: int, samples: int) -> RolloutRequest:
         return RolloutRequest(
@@ -254,8 +260,11 @@ def main(argv: list[str] | None = None) -> dict:
         knobs = {"micro_batched": {"max_in_flight": args.max_in_flight}, "packed": {"token_budget": args.token_budget}}
         return STRATEGIES[name](**knobs.get(name, {}))
 
-    print(f"seed scenario {args.prompts}x{args.samples}, max_len {max_len}, {args.engines} engines -> "
-          f"{args.trainers} trainers, object store {args.object_store_gb:g} GB", flush=True)
+    print(
+        f"seed scenario {args.prompts}x{args.samples}, max_len {max_len}, {args.engines} engines -> "
+        f"{args.trainers} trainers, object store {args.object_store_gb:g} GB",
+        flush=True,
+    )
     print(HEADER, flush=True)
     seed_results: dict[str, Result] = {}
     for name in args.strategies.split(","):
@@ -263,13 +272,26 @@ def main(argv: list[str] | None = None) -> dict:
         seed_results[name] = r
         print(r.row(), flush=True)
         if "engine_gather" in r.breakdown:
-            parts = ("metadata_to_driver", "plan", "engine_gather", "store_and_fetch", "trainer_assemble", "driver_and_rpc")
-            print("         hand-over: " + ", ".join(f"{k} {r.breakdown[k]:.3f}" for k in parts if k in r.breakdown), flush=True)
+            parts = (
+                "metadata_to_driver",
+                "plan",
+                "engine_gather",
+                "store_and_fetch",
+                "trainer_assemble",
+                "driver_and_rpc",
+            )
+            print(
+                "         hand-over: " + ", ".join(f"{k} {r.breakdown[k]:.3f}" for k in parts if k in r.breakdown),
+                flush=True,
+            )
 
     packed = seed_results.get("packed")
     memcpy_s = memcpy_limit_s(packed.wire_bytes) if packed else float("nan")
     if packed:
-        print(f"memcpy limit: {packed.wire_bytes / 1e9:.3f} GB in {memcpy_s:.3f} s ({packed.wire_bytes / memcpy_s / 1e9:.1f} GB/s)", flush=True)
+        print(
+            f"memcpy limit: {packed.wire_bytes / 1e9:.3f} GB in {memcpy_s:.3f} s ({packed.wire_bytes / memcpy_s / 1e9:.1f} GB/s)",
+            flush=True,
+        )
 
     sweep: list[Result] = []
     if args.sweep != "none":
@@ -279,7 +301,10 @@ def main(argv: list[str] | None = None) -> dict:
             prompts, samples = map(int, size.lower().split("x"))
             for name in args.sweep_strategies.split(","):
                 if name == "padded" and prompts * samples > args.padded_max_seqs:
-                    print(f"{prompts:>4}x{samples:<3} padded         skipped (--padded-max-seqs {args.padded_max_seqs})", flush=True)
+                    print(
+                        f"{prompts:>4}x{samples:<3} padded         skipped (--padded-max-seqs {args.padded_max_seqs})",
+                        flush=True,
+                    )
                     continue
                 same = seed_results.get(name) if (prompts, samples) == (args.prompts, args.samples) else None
                 r = same or measure(name, build(name), request(prompts, samples), route, sinks)
@@ -288,10 +313,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     summary: dict = {
         "scenario": {
-            "prompts": args.prompts, "samples": args.samples, "max_len": max_len, "prompt_max": args.prompt_max,
-            "response_max": args.response_max, "mean_response_target": args.mean_response, "sigma": args.sigma,
-            "engines": args.engines, "trainers": args.trainers, "object_store_gb": args.object_store_gb,
-            "micro_batch_size": args.micro_batch_size, "token_budget": args.token_budget or args.micro_batch_size * max_len,
+            "prompts": args.prompts,
+            "samples": args.samples,
+            "max_len": max_len,
+            "prompt_max": args.prompt_max,
+            "response_max": args.response_max,
+            "mean_response_target": args.mean_response,
+            "sigma": args.sigma,
+            "engines": args.engines,
+            "trainers": args.trainers,
+            "object_store_gb": args.object_store_gb,
+            "micro_batch_size": args.micro_batch_size,
+            "token_budget": args.token_budget or args.micro_batch_size * max_len,
             "max_in_flight": args.max_in_flight,
         },
         "results": {k: vars(v) for k, v in seed_results.items()},

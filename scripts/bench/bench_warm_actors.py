@@ -41,8 +41,14 @@ def busy_cpu_seconds() -> float:
 
 
 def one_run(overrides: list[str], keep: bool, work: Path) -> dict:
-    cfg = compose_config([*overrides, "checkpoint.export_final=false", "launcher.reuse_session=true",
-                          f"launcher.keep_actors={str(keep).lower()}"])
+    cfg = compose_config(
+        [
+            *overrides,
+            "checkpoint.export_final=false",
+            "launcher.reuse_session=true",
+            f"launcher.keep_actors={str(keep).lower()}",
+        ]
+    )
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     run_dir = work / f"run_{time.monotonic_ns()}"
@@ -75,16 +81,26 @@ def main() -> None:
     print(f"{'mode':<34} {'runs':>4} {'wall s':>8} {'busy CPU-s':>11}")
     print(f"{'new actors (keep_actors=false)':<34} {len(new):>4} {med(new, 'wall_s'):>8.1f} {med(new, 'cpu_s'):>11.1f}")
     print(f"{'first run, keep_actors=true':<34} {1:>4} {first_kept['wall_s']:>8.1f} {first_kept['cpu_s']:>11.1f}")
-    print(f"{'kept actors (keep_actors=true)':<34} {len(kept):>4} {med(kept, 'wall_s'):>8.1f} {med(kept, 'cpu_s'):>11.1f}")
+    print(
+        f"{'kept actors (keep_actors=true)':<34} {len(kept):>4} {med(kept, 'wall_s'):>8.1f} {med(kept, 'cpu_s'):>11.1f}"
+    )
     print(f"metrics of every run equal (clocks aside): {same}")
-    print(json.dumps({
-        "bench": "warm_actors", "overrides": args.overrides, "runs": args.runs,
-        "baseline_wall_s": round(med(new, "wall_s"), 2), "baseline_cpu_s": round(med(new, "cpu_s"), 1),
-        "kept_wall_s": round(med(kept, "wall_s"), 2), "kept_cpu_s": round(med(kept, "cpu_s"), 1),
-        "wall_ratio": round(med(new, "wall_s") / med(kept, "wall_s"), 1),
-        "cpu_ratio": round(med(new, "cpu_s") / med(kept, "cpu_s"), 1),
-        "metrics_equal": same,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "warm_actors",
+                "overrides": args.overrides,
+                "runs": args.runs,
+                "baseline_wall_s": round(med(new, "wall_s"), 2),
+                "baseline_cpu_s": round(med(new, "cpu_s"), 1),
+                "kept_wall_s": round(med(kept, "wall_s"), 2),
+                "kept_cpu_s": round(med(kept, "cpu_s"), 1),
+                "wall_ratio": round(med(new, "wall_s") / med(kept, "wall_s"), 1),
+                "cpu_ratio": round(med(new, "cpu_s") / med(kept, "cpu_s"), 1),
+                "metrics_equal": same,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

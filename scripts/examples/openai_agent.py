@@ -70,15 +70,24 @@ async def lookup_agent(row, client, **kwargs):
     records = {row["extra_info"]["record"]: row["ground_truth"]}  # the tool's database, for this row
     messages = list(row["messages"])
     for _ in range(3):
-        reply = (await client.chat.completions.create(model=MODEL, messages=messages, tools=[LOOKUP_TOOL], max_tokens=8)).choices[0].message
+        reply = (
+            (await client.chat.completions.create(model=MODEL, messages=messages, tools=[LOOKUP_TOOL], max_tokens=8))
+            .choices[0]
+            .message
+        )
         messages.append(reply.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True))
         calls = reply.tool_calls or []
         if calls:
             for call in calls:
                 record = json.loads(call.function.arguments or "{}").get("record", "")
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": f" got {records.get(record, '?')} ="})
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "content": f" got {records.get(record, '?')} ="}
+                )
         elif (reply.content or "").split()[:1] == ["call"]:
             messages.append({"role": "tool", "content": f" got {records[row['extra_info']['record']]} ="})
         else:
-            return {"score": digit_score(row["ground_truth"], reply.content or ""), "tool_calls": len(messages) // 2 - 1}
+            return {
+                "score": digit_score(row["ground_truth"], reply.content or ""),
+                "tool_calls": len(messages) // 2 - 1,
+            }
     return {"score": 0.0, "tool_calls": 3}

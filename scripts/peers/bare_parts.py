@@ -38,16 +38,26 @@ def generate(spec: dict, sequences_path: str) -> None:
     prompts = spec["prompts"]
     n_prompts, n_samples = s["rollout_batch_size"], s["samples_per_prompt"]
     llm = LLM(
-        model=spec["model_path"], dtype="float32", max_model_len=s["max_model_len"], seed=spec["seed"], enforce_eager=True,
-        enable_prefix_caching=True, gpu_memory_utilization=0.5, block_size=32,  # rlhf_orch's CPU engines' block size
+        model=spec["model_path"],
+        dtype="float32",
+        max_model_len=s["max_model_len"],
+        seed=spec["seed"],
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        gpu_memory_utilization=0.5,
+        block_size=32,  # rlhf_orch's CPU engines' block size
     )
     params = SamplingParams(
-        n=n_samples, max_tokens=s["response_max_len"], min_tokens=s["min_response_len"], temperature=s["temperature"],
-        logprobs=0, detokenize=False,
+        n=n_samples,
+        max_tokens=s["response_max_len"],
+        min_tokens=s["min_response_len"],
+        temperature=s["temperature"],
+        logprobs=0,
+        detokenize=False,
     )
     gen_s, sequences = [], []
     for step in range(spec["steps"]):
-        batch = prompts[step * n_prompts:(step + 1) * n_prompts]
+        batch = prompts[step * n_prompts : (step + 1) * n_prompts]
         t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p["ids"]) for p in batch], params, use_tqdm=False)
         gen_s.append(time.perf_counter() - t)
@@ -78,15 +88,15 @@ def train(spec: dict, sequences_path: str) -> None:
 
     def micro_batches(seqs):
         for i in range(0, len(seqs), micro):
-            chunk = seqs[i:i + micro]
+            chunk = seqs[i : i + micro]
             width = max(len(p) + len(c) for p, c in chunk)
             ids = torch.full((len(chunk), width), pad, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
             action = torch.zeros((len(chunk), width - 1))
             for row, (p, c) in enumerate(chunk):
-                ids[row, :len(p) + len(c)] = torch.tensor(p + c)
-                mask[row, :len(p) + len(c)] = 1
-                action[row, len(p) - 1:len(p) + len(c) - 1] = 1
+                ids[row, : len(p) + len(c)] = torch.tensor(p + c)
+                mask[row, : len(p) + len(c)] = 1
+                action[row, len(p) - 1 : len(p) + len(c) - 1] = 1
             yield ids, mask, action
 
     train_s = []
@@ -102,7 +112,7 @@ def train(spec: dict, sequences_path: str) -> None:
         for k, (ids, mask, action) in enumerate(mbs):
             new = logprobs(policy, ids, mask)
             ratio = torch.exp(new - old[k])
-            adv = advantages[k * micro:(k + 1) * micro, None]
+            adv = advantages[k * micro : (k + 1) * micro, None]
             clipped = torch.minimum(ratio * adv, ratio.clamp(1 - s["clip"], 1 + s["clip"]) * adv)
             kl = torch.exp(ref[k] - new) - (ref[k] - new) - 1
             loss = ((-clipped + s["kl_coef"] * kl) * action).sum() / action.sum().clamp(min=1) / per_step

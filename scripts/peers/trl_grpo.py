@@ -63,13 +63,19 @@ def main(spec_path: str) -> None:
     rule = getattr(importlib.import_module(module), name)(**spec["reward"]["kwargs"])
 
     def score(prompt_text: str, label, text: str, num_tokens: int, truncated: bool) -> float:
-        return float(rule.score(Prompt(text=prompt_text, label=label), Response(text=text, num_tokens=num_tokens, truncated=truncated)))
+        return float(
+            rule.score(
+                Prompt(text=prompt_text, label=label), Response(text=text, num_tokens=num_tokens, truncated=truncated)
+            )
+        )
 
     def run_reward(prompts, completions, label, completion_ids=None, **kwargs):
         ids = completion_ids or [[] for _ in completions]
         limit = spec["settings"]["response_max_len"]
-        return [score(p, json.loads(want), text, len(i), len(i) >= limit and tokenizer.eos_token_id not in i)
-                for p, want, text, i in zip(prompts, label, completions, ids)]
+        return [
+            score(p, json.loads(want), text, len(i), len(i) >= limit and tokenizer.eos_token_id not in i)
+            for p, want, text, i in zip(prompts, label, completions, ids)
+        ]
 
     s = spec["settings"]
     generation_batch = s["rollout_batch_size"] * s["samples_per_prompt"]
@@ -138,20 +144,40 @@ def main(spec_path: str) -> None:
         held = evaluation["prompts"]
         batch = tokenizer.pad({"input_ids": [p["ids"] for p in held]}, return_tensors="pt")
         k = evaluation["samples_per_prompt"]
-        out = model.generate(**batch, max_new_tokens=s["response_max_len"], do_sample=True, temperature=evaluation["temperature"],
-                             top_k=0, top_p=1.0, num_return_sequences=k, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            **batch,
+            max_new_tokens=s["response_max_len"],
+            do_sample=True,
+            temperature=evaluation["temperature"],
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=k,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         tokenizer.padding_side = side
-        answers = out[:, batch["input_ids"].shape[1]:].tolist()
+        answers = out[:, batch["input_ids"].shape[1] :].tolist()
         scores, lengths = [], []
         for j, ids in enumerate(answers):
             ended = tokenizer.eos_token_id in ids
             ids = ids[: ids.index(tokenizer.eos_token_id) + 1] if ended else ids
             lengths.append(len(ids))
             p = held[j // k]
-            scores.append(score(p["text"], p["label"], tokenizer.decode(ids, skip_special_tokens=True), len(ids), not ended))
+            scores.append(
+                score(p["text"], p["label"], tokenizer.decode(ids, skip_special_tokens=True), len(ids), not ended)
+            )
         model.train(was_training)
-        print(json.dumps({"eval_step": step, "t": time.perf_counter() - T_PROCESS, "score": sum(scores) / len(scores),
-                          "eval_s": time.perf_counter() - t, "response_len": sum(lengths) / len(lengths)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "eval_step": step,
+                    "t": time.perf_counter() - T_PROCESS,
+                    "score": sum(scores) / len(scores),
+                    "eval_s": time.perf_counter() - t,
+                    "response_len": sum(lengths) / len(lengths),
+                }
+            ),
+            flush=True,
+        )
 
     class RolloutSteps(TrainerCallback):
         """One JSON line per rollout step (every `optimizer_steps_per_rollout` optimizer steps); the
@@ -193,7 +219,11 @@ def main(spec_path: str) -> None:
                 evaluate(kwargs["model"], line["step"])
 
     trainer = TimedGRPOTrainer(
-        model=model, reward_funcs=[run_reward], args=args, train_dataset=dataset, processing_class=tokenizer,
+        model=model,
+        reward_funcs=[run_reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
         callbacks=[RolloutSteps()],
     )
     trainer.train()

@@ -108,7 +108,9 @@ class Injector:
         for ahead in range(1, self.GENERATION_LEAD + 1):
             fault = self.by_step.get(step + ahead)
             if fault is not None and (ahead == 1 or fault.kind == "generation") and fault.fired_at is None:
-                armed = vars(loop).setdefault("_chaos_armed", set())  # on the loop: once per attempt (a restart builds a new one)
+                armed = vars(loop).setdefault(
+                    "_chaos_armed", set()
+                )  # on the loop: once per attempt (a restart builds a new one)
                 if fault.step not in armed:
                     armed.add(fault.step)
                     self._arm(fault, loop)
@@ -213,7 +215,9 @@ class OutsideKiller:
             self.fired.append((round(time.perf_counter() - self._t0, 1), role, index))
 
 
-def outside_schedule(spec: str, seed: int, train_s: float, engines: int, policy_ranks: int) -> list[tuple[float, str, int]]:
+def outside_schedule(
+    spec: str, seed: int, train_s: float, engines: int, policy_ranks: int
+) -> list[tuple[float, str, int]]:
     """`engine:3,trainer:1` -> that many kills at seeded times within 5-80 % of `train_s` (the
     undisturbed run's training time, from its first step's end to its last)."""
     rng = random.Random(seed)
@@ -223,7 +227,9 @@ def outside_schedule(spec: str, seed: int, train_s: float, engines: int, policy_
         if role not in ("engine", "trainer"):
             raise SystemExit(f"chaos.py: --outside {spec!r}: roles are engine and trainer")
         for _ in range(int(count)):
-            kills.append((rng.uniform(0.05, 0.80) * train_s, role, rng.randrange(engines if role == "engine" else policy_ranks)))
+            kills.append(
+                (rng.uniform(0.05, 0.80) * train_s, role, rng.randrange(engines if role == "engine" else policy_ranks))
+            )
     return sorted(kills)
 
 
@@ -294,14 +300,27 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--faults", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint-every", type=int, default=5, help="checkpoint.every_n_steps (the restarts' loss bound)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=5, help="checkpoint.every_n_steps (the restarts' loss bound)"
+    )
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--spread-seeds", type=int, default=None,
-                        help="undisturbed runs with seeds 1..K beside the chaos run, the spread its reward must stay in "
-                             "(default 3 under async with max_staleness > 0, else 0)")
-    parser.add_argument("--outside", default=None, help="kills from outside at random times instead of the step-bound faults, "
-                        "e.g. engine:3,trainer:1")
-    parser.add_argument("--default-budgets", action="store_true", help="keep fault.max_engine_restarts / max_trainer_restarts at their defaults")
+    parser.add_argument(
+        "--spread-seeds",
+        type=int,
+        default=None,
+        help="undisturbed runs with seeds 1..K beside the chaos run, the spread its reward must stay in "
+        "(default 3 under async with max_staleness > 0, else 0)",
+    )
+    parser.add_argument(
+        "--outside",
+        default=None,
+        help="kills from outside at random times instead of the step-bound faults, e.g. engine:3,trainer:1",
+    )
+    parser.add_argument(
+        "--default-budgets",
+        action="store_true",
+        help="keep fault.max_engine_restarts / max_trainer_restarts at their defaults",
+    )
     parser.add_argument("overrides", nargs="*", help="more config overrides for both runs, e.g. pipeline=one_step_off")
     args = parser.parse_args()
     if args.spread_seeds is not None and args.spread_seeds < 0:
@@ -314,12 +333,22 @@ def main() -> int:
     # Budgets for every fault either way: an engine killed "while generating" may die only after
     # its rollout was delivered (while handing it over), which restarts every role instead.
     engine_faults = restart_faults = len(faults)
-    budgets = [] if args.default_budgets else [f"fault.max_engine_restarts={engine_faults}", f"fault.max_trainer_restarts={restart_faults}"]
+    budgets = (
+        []
+        if args.default_budgets
+        else [f"fault.max_engine_restarts={engine_faults}", f"fault.max_trainer_restarts={restart_faults}"]
+    )
     overrides = [
-        "experiment=quick", f"algo.num_steps={args.steps}", f"placement.engines={engines}",
-        f"placement.actor_ranks={policy_ranks}", f"checkpoint.every_n_steps={args.checkpoint_every}",
-        f"eval.every_n_steps={args.eval_every}", "eval.num_prompts=16", "checkpoint.export_final=false",
-        *budgets, *args.overrides,
+        "experiment=quick",
+        f"algo.num_steps={args.steps}",
+        f"placement.engines={engines}",
+        f"placement.actor_ranks={policy_ranks}",
+        f"checkpoint.every_n_steps={args.checkpoint_every}",
+        f"eval.every_n_steps={args.eval_every}",
+        "eval.num_prompts=16",
+        "checkpoint.export_final=false",
+        *budgets,
+        *args.overrides,
     ]
     from tests.conftest import compose_config
 
@@ -342,16 +371,22 @@ def main() -> int:
         if args.outside:
             train_s = clean[-1]["time/elapsed"] - clean[0]["time/elapsed"]
             outside = OutsideKiller(outside_schedule(args.outside, args.seed, train_s, engines, policy_ranks))
-            print(f"kills from outside (seed {args.seed}; seconds after the first step): "
-                  + ", ".join(f"{who} {i} at {at:.1f}s" for at, who, i in outside.kills))
+            print(
+                f"kills from outside (seed {args.seed}; seconds after the first step): "
+                + ", ".join(f"{who} {i} at {at:.1f}s" for at, who, i in outside.kills)
+            )
         try:
-            chaos, summary, chaos_wall = _train(overrides, Path(work) / "chaos", callbacks=[outside or Injector(faults)])
+            chaos, summary, chaos_wall = _train(
+                overrides, Path(work) / "chaos", callbacks=[outside or Injector(faults)]
+            )
         finally:
             if outside is not None:
                 outside.stop()
         steps_rerun = _steps_rerun(Path(work) / "chaos", faults)
         per_step_samples = composed.algo.rollout_batch_size * composed.algo.samples_per_prompt
-        dumps_whole = _dumps_whole(Path(work) / "chaos", args.steps, min(per_step_samples, composed.logger.rollouts_per_step))
+        dumps_whole = _dumps_whole(
+            Path(work) / "chaos", args.steps, min(per_step_samples, composed.logger.rollouts_per_step)
+        )
         spread_seeds = args.spread_seeds if args.spread_seeds is not None else (0 if exact else 3)
         if not exact and spread_seeds < 1:
             sys.exit("chaos.py: under async the verdict needs the seed spread: --spread-seeds >= 1 (default 3)")
@@ -369,10 +404,15 @@ def main() -> int:
     # reward/mean, for the chaos run and for each other seed's undisturbed run (the spread it must stay in).
     gap = {name: round(_curve_gap(rows, clean), 4) for name, rows in runs[1:]}
     seeds = [name for name, _ in runs[2:]]
-    within = {
-        "run_mean": abs(reward["chaos"] - reward["undisturbed"]) <= max(abs(reward[s] - reward["undisturbed"]) for s in seeds),
-        "curve": gap["chaos"] <= max(gap[s] for s in seeds),
-    } if seeds else None
+    within = (
+        {
+            "run_mean": abs(reward["chaos"] - reward["undisturbed"])
+            <= max(abs(reward[s] - reward["undisturbed"]) for s in seeds),
+            "curve": gap["chaos"] <= max(gap[s] for s in seeds),
+        }
+        if seeds
+        else None
+    )
     verdict = equal if exact else once and within is not None and all(within.values())
     fired = len(outside.fired) if outside is not None else sum(f.fired_at is not None for f in faults)
     planned = len(outside.kills) if outside is not None else len(faults)
@@ -381,7 +421,9 @@ def main() -> int:
         "pipeline": composed.pipeline._target_.rsplit(".", 1)[-1],
         "exact_expected": exact,
         "steps": args.steps,
-        "faults": {k: sum(f.kind == k for f in faults) for k in KINDS} if outside is None else {"outside": args.outside},
+        "faults": {k: sum(f.kind == k for f in faults) for k in KINDS}
+        if outside is None
+        else {"outside": args.outside},
         "faults_fired": fired,
         "kills_from_outside": outside.fired if outside is not None else None,
         "steps_completed": len(chaos),
@@ -407,7 +449,10 @@ def main() -> int:
     print(f"{'trainer restarts':<28}{0:>12}{result['trainer_restarts']:>10}")
     print(f"{'every sample once':<28}{'':>12}{str(once):>10}")
     print(f"{'metrics equal, every step':<28}{'':>12}{str(equal):>10}")
-    others_note = lambda values: f"   (undisturbed {', '.join(f'{s}: {values[s]:.4f}' for s in seeds)})" if seeds else ""  # noqa: E731
+
+    def others_note(values):
+        return f"   (undisturbed {', '.join(f'{s}: {values[s]:.4f}' for s in seeds)})" if seeds else ""
+
     print(f"{'reward/mean, run mean':<28}{reward['undisturbed']:>12.4f}{reward['chaos']:>10.4f}" + others_note(reward))
     if seeds:
         print(f"{'reward curve gap (mean |d|)':<28}{'':>12}{gap['chaos']:>10.4f}" + others_note(gap))

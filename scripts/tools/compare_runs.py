@@ -30,8 +30,11 @@ from rlhf_orch.reporting.sweep_summary import (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="\n".join(__doc__.splitlines()[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("runs", nargs="+", type=Path, help="run dirs (or sweep dirs)")
     parser.add_argument("--out", type=Path, default=None, help="where the summary goes (default: see above)")
     parser.add_argument("--title", default=None, help="title of summary.md and summary.png")

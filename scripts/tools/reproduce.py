@@ -95,7 +95,9 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def _median(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get("step", 0) >= 2 and r.get(key) is not None] or [r[key] for r in rows if r.get(key) is not None]
+    values = [r[key] for r in rows if r.get("step", 0) >= 2 and r.get(key) is not None] or [
+        r[key] for r in rows if r.get(key) is not None
+    ]
     return statistics.median(values) if values else None
 
 
@@ -106,18 +108,37 @@ def weight_sync_study(out: Path, steps: int, ref: Reference) -> tuple[str, list[
     published 8 engines."""
     from rlhf_orch.sync.cost_model import LINKS_GBPS, LLAMA3_8B, RECORDED_FIT
 
-    shape = ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8", "model.intermediate_size=1376",
-             "model.warmup_steps=0", "algo.rollout_batch_size=8", "algo.samples_per_prompt=4", "algo.train_batch_size=32",
-             "algo.micro_batch_size=16", f"algo.num_steps={steps}"]
+    shape = [
+        "model.hidden_size=512",
+        "model.num_layers=8",
+        "model.num_heads=8",
+        "model.intermediate_size=1376",
+        "model.warmup_steps=0",
+        "algo.rollout_batch_size=8",
+        "algo.samples_per_prompt=4",
+        "algo.train_batch_size=32",
+        "algo.micro_batch_size=16",
+        f"algo.num_steps={steps}",
+    ]
     measured = {}
     for sync in ("gloo_per_tensor", "gloo_bucketed"):
         run_dir = out / f"sync_study_{sync}"
-        code = subprocess.run([sys.executable, "run.py", *shape, f"sync={sync}", f"hydra.run.dir={run_dir}"], cwd=REPO,
-                              capture_output=True, text=True).returncode
+        code = subprocess.run(
+            [sys.executable, "run.py", *shape, f"sync={sync}", f"hydra.run.dir={run_dir}"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        ).returncode
         rows = _rows(run_dir)
-        measured[sync] = {"exit": code, "share/sync": _median(rows, "share/sync"), "time/sync": _median(rows, "time/sync"),
-                          "time/step": _median(rows, "time/step")}
-    ib = RECORDED_FIT.project(LLAMA3_8B["bytes"], LLAMA3_8B["tensors"], 8, LINKS_GBPS["infiniband_class"], 512.0, 1)["pipelined"]
+        measured[sync] = {
+            "exit": code,
+            "share/sync": _median(rows, "share/sync"),
+            "time/sync": _median(rows, "time/sync"),
+            "time/step": _median(rows, "time/step"),
+        }
+    ib = RECORDED_FIT.project(LLAMA3_8B["bytes"], LLAMA3_8B["tensors"], 8, LINKS_GBPS["infiniband_class"], 512.0, 1)[
+        "pipelined"
+    ]
     per_tensor, bucketed = ib["per_tensor_s"], ib["bucketed_s"]
     # The rest of the published step is not published; the > 40 % share bounds it.
     t_other = per_tensor * 0.6 / 0.4
@@ -150,37 +171,72 @@ def weight_sync_study(out: Path, steps: int, ref: Reference) -> tuple[str, list[
     for rest in (t_other, 15.0, 30.0, 60.0):
         lines.append(f"| {rest:.1f} s | {per_tensor / (per_tensor + rest):.1%} | {bucketed / (bucketed + rest):.1%} |")
     projections = [
-        {"figure": "sync per update, per-tensor (Llama-3-8B, 8 engines, IB)", "projected": f"{per_tensor:.2f} s",
-         "published": "> 40 % of step time", "basis": "cost model RECORDED_FIT (rlhf_orch/sync/cost_model.py)"},
-        {"figure": "sync per update, bucketed (same)", "projected": f"{bucketed:.2f} s", "published": "-",
-         "basis": "same cost model; pack, wire and load overlapped"},
+        {
+            "figure": "sync per update, per-tensor (Llama-3-8B, 8 engines, IB)",
+            "projected": f"{per_tensor:.2f} s",
+            "published": "> 40 % of step time",
+            "basis": "cost model RECORDED_FIT (rlhf_orch/sync/cost_model.py)",
+        },
+        {
+            "figure": "sync per update, bucketed (same)",
+            "projected": f"{bucketed:.2f} s",
+            "published": "-",
+            "basis": "same cost model; pack, wire and load overlapped",
+        },
     ]
     per_tensor_share = measured["gloo_per_tensor"]["share/sync"]
     bucketed_share = measured["gloo_bucketed"]["share/sync"]
     if per_tensor_share is not None and bucketed_share is not None:
         verdict = "as published" if per_tensor_share > bucketed_share else "NOT as published"
-        lines += ["", f"Measured here: per-tensor {per_tensor_share:.1%} vs bucketed {bucketed_share:.1%} of the step "
-                  f"({verdict}: per-tensor costs the larger share). On 2 CPU cores the engines' own weight load "
-                  "(vLLM's CPU repacking) is a fixed cost both strategies pay, so the measured gap is smaller than on GPUs."]
+        lines += [
+            "",
+            f"Measured here: per-tensor {per_tensor_share:.1%} vs bucketed {bucketed_share:.1%} of the step "
+            f"({verdict}: per-tensor costs the larger share). On 2 CPU cores the engines' own weight load "
+            "(vLLM's CPU repacking) is a fixed cost both strategies pay, so the measured gap is smaller than on GPUs.",
+        ]
     return "\n".join(lines), projections
 
 
 def rollout_transfer_study(out: Path, steps: int, ref: Reference) -> tuple[str, list[dict]]:
     """The transfer benchmark at the published scale (256 prompts x 16 samples, max length 8192)."""
     json_out = out / "bench_transfer.json"
-    proc = subprocess.run([sys.executable, "scripts/bench/bench_transfer.py", "--sweep", "none", "--strategies", "padded,packed",
-                           "--json-out", str(json_out)], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench/bench_transfer.py",
+            "--sweep",
+            "none",
+            "--strategies",
+            "padded,packed",
+            "--json-out",
+            str(json_out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0 or not json_out.exists():
-        return f"## Rollout-transfer study\n\nbench_transfer.py failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}", []
+        return (
+            f"## Rollout-transfer study\n\nbench_transfer.py failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}",
+            [],
+        )
     result = json.loads(json_out.read_text())
-    lines = ["## Rollout-transfer study: measured here at the published scale (256 x 16, max length 8192)", "",
-             "`python scripts/bench/bench_transfer.py --sweep none --strategies padded,packed` (4 synthetic engines -> 4 "
-             "trainer actors on Ray logical GPUs, the real transfer code):", "", "```", proc.stdout.strip()[-3000:], "```", "",
-             f"Padded through the driver (as published) vs packed actor to actor: speedup "
-             f"{result.get('speedup_packed_vs_padded', 0):.1f}x, spilled bytes with packed {result.get('spilled_bytes_packed')}, "
-             f"driver memory growth with packed {result.get('driver_rss_growth_mb_packed', 0):.1f} MB (padded: "
-             f"{result['results']['padded']['driver_rss_growth_mb']:.0f} MB). On 4 synthetic engines and 2 cores the padded hand-over "
-             "takes seconds, not the published > 10 minutes: this box holds neither a real cluster's driver load nor its network."]
+    lines = [
+        "## Rollout-transfer study: measured here at the published scale (256 x 16, max length 8192)",
+        "",
+        "`python scripts/bench/bench_transfer.py --sweep none --strategies padded,packed` (4 synthetic engines -> 4 "
+        "trainer actors on Ray logical GPUs, the real transfer code):",
+        "",
+        "```",
+        proc.stdout.strip()[-3000:],
+        "```",
+        "",
+        f"Padded through the driver (as published) vs packed actor to actor: speedup "
+        f"{result.get('speedup_packed_vs_padded', 0):.1f}x, spilled bytes with packed {result.get('spilled_bytes_packed')}, "
+        f"driver memory growth with packed {result.get('driver_rss_growth_mb_packed', 0):.1f} MB (padded: "
+        f"{result['results']['padded']['driver_rss_growth_mb']:.0f} MB). On 4 synthetic engines and 2 cores the padded hand-over "
+        "takes seconds, not the published > 10 minutes: this box holds neither a real cluster's driver load nor its network.",
+    ]
     return "\n".join(lines), []
 
 
@@ -251,11 +307,15 @@ def reproduce(name: str, scale: str | None, steps: int, out: Path | None, studie
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", nargs="?")
-    parser.add_argument("--list", action="store_true", help="list the committed experiments and their published numbers")
+    parser.add_argument(
+        "--list", action="store_true", help="list the committed experiments and their published numbers"
+    )
     parser.add_argument("--scale", choices=["cpu"], help="run scaled to this machine")
     parser.add_argument("--steps", type=int, default=4, help="steps of a scaled run (default 4)")
     parser.add_argument("--out", type=Path, help="run dir (default outputs/reproduce/<name>/<time>)")
-    parser.add_argument("--skip-studies", action="store_true", help="skip the systems studies of the two seed experiments")
+    parser.add_argument(
+        "--skip-studies", action="store_true", help="skip the systems studies of the two seed experiments"
+    )
     args = parser.parse_args(argv)
     if args.list:
         return list_all()

@@ -244,5 +244,12 @@ def test_dynamic_sampling_keep():
     assert keep.dtype == torch.bool
     assert keep.tolist() == [False, True, False, False, True, False, False, False]
     assert dynamic_sampling_keep(scores, groups, keep_singletons=True).tolist() == [
-        False, True, False, False, True, False, False, True,
+        False,
+        True,
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
     ]

@@ -48,8 +48,10 @@ def test_aggregation_modes_on_ragged_rows_by_hand():
     close(agg("seq-mean-token-sum-norm"), 21 / 9)
     close(agg("seq-mean-token-sum-norm", norm_len=7), 1.0)  # 21 / (3 * 7)
     # The pieces: weights and denominators.
-    close(aggregation_weights(RAGGED_MASK, "seq-mean-token-mean"),
-          [[1 / 3, 1 / 3, 1 / 3], [1, 0, 0], [0.5, 0.5, 0], [0, 0, 0]])
+    close(
+        aggregation_weights(RAGGED_MASK, "seq-mean-token-mean"),
+        [[1 / 3, 1 / 3, 1 / 3], [1, 0, 0], [0.5, 0.5, 0], [0, 0, 0]],
+    )
     close(loss_denominator(RAGGED_MASK, "token-mean"), 6.0)
     close(loss_denominator(RAGGED_MASK, "seq-mean-token-sum"), 3.0)
     close(loss_denominator(RAGGED_MASK, "seq-mean-token-sum-norm", norm_len=7), 21.0)
@@ -113,7 +115,7 @@ def test_value_clip_counts_no_rounding_tie_as_clipped():
     # from V for ~4 % of these values, and that rounding used to count as "clipped" (and to pick
     # the rounded term, with no gradient) although nothing was clipped.
     gen = torch.Generator().manual_seed(0)
-    old = (torch.sign(torch.randn(4096, generator=gen)) * 10 ** (torch.rand(4096, generator=gen) * 9 - 8))
+    old = torch.sign(torch.randn(4096, generator=gen)) * 10 ** (torch.rand(4096, generator=gen) * 9 - 8)
     values = (old + (torch.rand(4096, generator=gen) - 0.5) * 0.39).to(torch.bfloat16)  # |V - V_old| < 0.2
     old, returns = old.to(torch.bfloat16), (torch.randn(4096, generator=gen) * 3).to(torch.bfloat16)
     loss_mat, stats = clipped_value_loss(values, old, returns, torch.ones(4096), clip_eps=0.2)
@@ -126,8 +128,7 @@ def test_aggregation_of_nothing_is_zero(mode):
     out = aggregate_loss(RAGGED_LOSS, torch.zeros(4, 3), mode)
     assert torch.equal(out, torch.tensor(0.0))
     # An all-padding micro-batch with a global denominator also contributes exactly 0.
-    assert torch.equal(aggregate_loss(RAGGED_LOSS, torch.zeros(4, 3), mode, denominator=5.0),
-                       torch.tensor(0.0))
+    assert torch.equal(aggregate_loss(RAGGED_LOSS, torch.zeros(4, 3), mode, denominator=5.0), torch.tensor(0.0))
 
 
 def test_unknown_aggregation_mode():
@@ -345,8 +346,13 @@ def test_the_trainer_s_forward_keeps_no_copy_of_the_logits_for_its_backward():
         def forward(self, input_ids, logits_to_keep, **_):  # as HF's causal LMs: the kept positions' logits
             return type("Out", (), {"logits": self.embed(input_ids[:, logits_to_keep])})()
 
-    mb = PaddedBatch.from_samples([Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7], reward=0.0),
-                                   Sample(prompt_ids=[1, 2], response_ids=[4, 5], reward=0.0)], 0)
+    mb = PaddedBatch.from_samples(
+        [
+            Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7], reward=0.0),
+            Sample(prompt_ids=[1, 2], response_ids=[4, 5], reward=0.0),
+        ],
+        0,
+    )
     big: list[int] = []
 
     def keep(t):

@@ -50,7 +50,9 @@ def _rollout() -> tuple[Rollout, list[torch.Tensor], list[torch.Tensor]]:
 
 
 def _rows(per_seq: list, width: int) -> torch.Tensor:
-    return torch.stack([torch.nn.functional.pad(torch.as_tensor(x, dtype=torch.float32), (0, width - len(x))) for x in per_seq])
+    return torch.stack(
+        [torch.nn.functional.pad(torch.as_tensor(x, dtype=torch.float32), (0, width - len(x))) for x in per_seq]
+    )
 
 
 def test_every_algo_option_has_a_specification():
@@ -82,10 +84,14 @@ def test_oracle_advantages_equal_the_estimators_on_masks_with_holes(name):
     )
     (targets,) = algo.token_targets([rows], lambda t: t)
     expected_adv, expected_ret = advantages(algo, rollout, old, values if algo.needs_critic else None, MAX_LEN)
-    torch.testing.assert_close(torch.where(mask, targets.advantages, 0.0), _rows(expected_adv, MAX_LEN), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.where(mask, targets.advantages, 0.0), _rows(expected_adv, MAX_LEN), atol=1e-5, rtol=1e-5
+    )
     assert float(_rows(expected_adv, MAX_LEN).abs().sum()) > 0.1  # something to compare
     if algo.needs_critic:
-        torch.testing.assert_close(torch.where(mask, targets.returns, 0.0), _rows(expected_ret, MAX_LEN), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            torch.where(mask, targets.returns, 0.0), _rows(expected_ret, MAX_LEN), atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)

@@ -155,12 +155,29 @@ def _transfer(name: str, token_budget: int):
     return instantiate(compose_config(overrides).transfer)
 
 
-def _spec(model_path: str, ranks: int, cut: str, optimizer: str, epochs: int, critic: bool, lora: LoraSettings | None = None) -> TrainerSpec:
+def _spec(
+    model_path: str, ranks: int, cut: str, optimizer: str, epochs: int, critic: bool, lora: LoraSettings | None = None
+) -> TrainerSpec:
     micro, train_batch, _ = CUTS[cut]
     return TrainerSpec(
-        model_path=model_path, dtype="float32", zero_stage=2, micro_batch_size=micro, train_batch_size=train_batch,
-        data_parallel_size=ranks, pad_id=0, temperature=1.0, lr=LR[optimizer] * (4 if critic else 1), weight_decay=0.0,
-        grad_clip=1.0, clip_eps=0.2, ppo_epochs=epochs, seed=SEED, torch_threads=1, optimizer=optimizer, reference_memory="full", lora=None if critic else lora,
+        model_path=model_path,
+        dtype="float32",
+        zero_stage=2,
+        micro_batch_size=micro,
+        train_batch_size=train_batch,
+        data_parallel_size=ranks,
+        pad_id=0,
+        temperature=1.0,
+        lr=LR[optimizer] * (4 if critic else 1),
+        weight_decay=0.0,
+        grad_clip=1.0,
+        clip_eps=0.2,
+        ppo_epochs=epochs,
+        seed=SEED,
+        torch_threads=1,
+        optimizer=optimizer,
+        reference_memory="full",
+        lora=None if critic else lora,
         share_prompts=True,  # the run's default: packed micro-batches run a shared prompt once (padded ones cannot)
     )
 
@@ -172,12 +189,18 @@ def _group(cls, model_path: str, ranks: int) -> list:
 @pytest.fixture(scope="module")
 def actors(tiny_model_path):
     ray.init(address="local", num_cpus=6, num_gpus=0, include_dashboard=False, runtime_env=ENV, log_to_driver=False)
-    groups = {(role, n): _group(cls, tiny_model_path, n) for role, cls in (("policy", PolicyWorker), ("critic", CriticWorker)) for n in (1, 2)}
+    groups = {
+        (role, n): _group(cls, tiny_model_path, n)
+        for role, cls in (("policy", PolicyWorker), ("critic", CriticWorker))
+        for n in (1, 2)
+    }
     yield groups
     ray.shutdown()
 
 
-def _submit_update(actors, model_path, algo, transfer_name, ranks, cut, optimizer, train_critic: bool, lora: LoraSettings | None = None) -> dict:
+def _submit_update(
+    actors, model_path, algo, transfer_name, ranks, cut, optimizer, train_critic: bool, lora: LoraSettings | None = None
+) -> dict:
     """Submit one update through the transfer layout and the trainer actors; returns the pending
     results. Nothing waits here: an actor runs its calls in the order submitted, so the cases of
     a test queue up behind each other and the driver checks one while the actors run the next."""
@@ -205,7 +228,9 @@ def _submit_update(actors, model_path, algo, transfer_name, ranks, cut, optimize
         "policy_stats": [w.train.remote(rank, algo, MAX_RESPONSE_LEN) for rank, w in enumerate(policy)],
         # (model.lora: the adapters, the only weights that train)
         "policy": (policy[0].adapter_weights if lora else policy[0].full_weights).remote(),
-        "policy_rest": [(w.adapter_weights if lora else w.full_weights).remote() for w in policy[1:]],  # every rank calls (ZeRO-3 gathers)
+        "policy_rest": [
+            (w.adapter_weights if lora else w.full_weights).remote() for w in policy[1:]
+        ],  # every rank calls (ZeRO-3 gathers)
         "policy_steps": [w.step_members.remote() for w in policy],
         **_submit_critic_update(critic if train_critic else [], made),
     }
@@ -255,20 +280,42 @@ def _oracle(model_path, algo, optimizer, policy_steps, critic_steps, lora: LoraS
         loss_masks=[[int(m) for m in s.fields[LOSS_MASK]] for s in SAMPLES],
         turn_rewards=[list(s.fields[TURN_REWARDS]) for s in SAMPLES],
     )
-    opt = Optimization(actor_lr=LR[optimizer], critic_lr=LR[optimizer] * 4, optimizer=optimizer, weight_decay=0.0, grad_clip=1.0,
-                       temperature=1.0, norm_len=MAX_RESPONSE_LEN)
+    opt = Optimization(
+        actor_lr=LR[optimizer],
+        critic_lr=LR[optimizer] * 4,
+        optimizer=optimizer,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        temperature=1.0,
+        norm_len=MAX_RESPONSE_LEN,
+    )
     policy = copy.deepcopy(_initial_model(model_path, "policy")).train()
     if lora is not None:  # the same adapters the trainer starts from (A drawn from the spec's seed)
         policy = apply_lora(policy, lora, SEED)
     critic = copy.deepcopy(_initial_model(model_path, "critic")).train() if algo.needs_critic else None
     critic_steps = critic_steps or []  # [] = the critic gives the old values and is not trained
-    result = reference_update(algo, rollout, policy, opt, policy_steps, critic, critic_steps, value_clip_eps=0.2,
-                              max_response_len=MAX_RESPONSE_LEN)
+    result = reference_update(
+        algo,
+        rollout,
+        policy,
+        opt,
+        policy_steps,
+        critic,
+        critic_steps,
+        value_clip_eps=0.2,
+        max_response_len=MAX_RESPONSE_LEN,
+    )
     return result
 
 
-def _assert_weights_close(system: dict[str, torch.Tensor], oracle: torch.nn.Module, initial: dict[str, torch.Tensor], optimizer: str, what: str,
-                          adapters: bool = False):
+def _assert_weights_close(
+    system: dict[str, torch.Tensor],
+    oracle: torch.nn.Module,
+    initial: dict[str, torch.Tensor],
+    optimizer: str,
+    what: str,
+    adapters: bool = False,
+):
     expected = _adapters(oracle) if adapters else dict(oracle.named_parameters())
     assert set(system) == set(expected), what
     diff = torch.cat([(system[n] - expected[n].detach()).flatten().abs() for n in sorted(system)])
@@ -276,7 +323,9 @@ def _assert_weights_close(system: dict[str, torch.Tensor], oracle: torch.nn.Modu
     assert float(update.max()) > 5e-5, f"{what}: the update barely moved the weights"  # Adam's first step: ~lr
     if optimizer == "sgd":
         tol = 2e-6 + 1e-3 * float(update.max())
-        assert float(diff.max()) <= tol, f"{what}: weights differ by {float(diff.max()):.3g} (> {tol:.3g}; largest update {float(update.max()):.3g})"
+        assert float(diff.max()) <= tol, (
+            f"{what}: weights differ by {float(diff.max()):.3g} (> {tol:.3g}; largest update {float(update.max()):.3g})"
+        )
     else:
         tail = float(diff.quantile(0.999))
         tol = 2e-6 + 2e-3 * float(update.max())
@@ -292,8 +341,10 @@ def _adapters(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # The metrics of the correction for the engine's sampling, which both sides must log.
-CORRECTION_METRICS = {"tis": {"policy/tis_weight", "policy/tis_capped_frac"},
-                      "decoupled": {"policy/decoupled_weight", "policy/decoupled_dropped_frac"}}
+CORRECTION_METRICS = {
+    "tis": {"policy/tis_weight", "policy/tis_capped_frac"},
+    "decoupled": {"policy/decoupled_weight", "policy/decoupled_dropped_frac"},
+}
 
 
 def _assert_metrics_close(system: dict[str, float], oracle: dict[str, float], what: str, correction: str):
@@ -302,7 +353,9 @@ def _assert_metrics_close(system: dict[str, float], oracle: dict[str, float], wh
     assert CORRECTION_METRICS[correction] <= set(system), what
     for key in sorted(system):
         rel = 1e-3 if key.endswith("grad_norm") else 1e-4
-        assert system[key] == pytest.approx(oracle[key], rel=rel, abs=1e-6), f"{what}: {key} = {system[key]!r}, the oracle says {oracle[key]!r}"
+        assert system[key] == pytest.approx(oracle[key], rel=rel, abs=1e-6), (
+            f"{what}: {key} = {system[key]!r}, the oracle says {oracle[key]!r}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +390,9 @@ CI_CASES = [(name, LOSS_AGGREGATIONS[i % len(LOSS_AGGREGATIONS)]) for i, name in
 
 
 @pytest.mark.parametrize(
-    "name,agg", [pytest.param(*c, marks=[] if c in CI_CASES else [pytest.mark.extended]) for c in CASES], ids=[f"{a}-{g}" for a, g in CASES]
+    "name,agg",
+    [pytest.param(*c, marks=[] if c in CI_CASES else [pytest.mark.extended]) for c in CASES],
+    ids=[f"{a}-{g}" for a, g in CASES],
 )
 def test_trainer_matches_the_oracle(actors, initial_weights, tiny_model_path, name, agg):
     """All transfers x ranks x cuts x epochs x optimizers for one algo and one loss aggregation."""
@@ -363,7 +418,9 @@ def test_trainer_matches_the_oracle_with_decoupled_ppo(actors, initial_weights, 
     assert all(0.0 < m["policy/decoupled_dropped_frac"] < 0.5 for m in metrics)
 
 
-def _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, agg, case, correction, lora=None, settings_of=None) -> list[dict]:
+def _check_against_the_oracle(
+    actors, initial_weights, tiny_model_path, name, agg, case, correction, lora=None, settings_of=None
+) -> list[dict]:
     """Every setting of `_settings(case)` (or `settings_of(case)`) through the system, each held to
     the oracle; returns the system's metrics of each setting. `lora`: the policy trains LoRA adapters."""
     settings_of = settings_of or _settings
@@ -371,7 +428,18 @@ def _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, ag
     # token-mean; the other aggregations' cases use its values for GAE and leave it untrained.
     train_critic = agg == "token-mean"
     pending = [
-        (settings, _submit_update(actors, tiny_model_path, _algo(name, agg, settings[0], correction), *settings[2:], settings[1], train_critic, lora))
+        (
+            settings,
+            _submit_update(
+                actors,
+                tiny_model_path,
+                _algo(name, agg, settings[0], correction),
+                *settings[2:],
+                settings[1],
+                train_critic,
+                lora,
+            ),
+        )
         for settings in settings_of(case)
     ]
     oracles, checked = {}, []
@@ -383,18 +451,26 @@ def _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, ag
         steps = system["policy_steps"]
         per_epoch = len(steps) // epochs
         for e in range(epochs):  # every epoch's steps partition the rollout
-            assert sorted(i for step in steps[e * per_epoch : (e + 1) * per_epoch] for i in step) == list(range(len(SAMPLES))), what
+            assert sorted(i for step in steps[e * per_epoch : (e + 1) * per_epoch] for i in step) == list(
+                range(len(SAMPLES))
+            ), what
         # The oracle depends on the cut only through which sequences shared a step.
         key = (epochs, optimizer, str(system["policy_steps"]), str(system["critic_steps"]))
         if key not in oracles:
-            oracles[key] = _oracle(tiny_model_path, algo, optimizer, system["policy_steps"], system["critic_steps"], lora)
+            oracles[key] = _oracle(
+                tiny_model_path, algo, optimizer, system["policy_steps"], system["critic_steps"], lora
+            )
         oracle = oracles[key]
         _assert_metrics_close(system["metrics"], oracle.metrics, what, correction)
         checked.append(system["metrics"])
         initial = initial_weights["policy"] if lora is None else initial_weights["adapters"]
-        _assert_weights_close(system["policy"], oracle.policy, initial, optimizer, what + " (policy)", adapters=lora is not None)
+        _assert_weights_close(
+            system["policy"], oracle.policy, initial, optimizer, what + " (policy)", adapters=lora is not None
+        )
         if algo.needs_critic and train_critic:
-            _assert_weights_close(system["critic"], oracle.critic, initial_weights["critic"], optimizer, what + " (critic)")
+            _assert_weights_close(
+                system["critic"], oracle.critic, initial_weights["critic"], optimizer, what + " (critic)"
+            )
     return checked
 
 
@@ -414,8 +490,17 @@ def _lora_settings(case: int) -> list[tuple]:
 @pytest.mark.parametrize("name,agg", LORA_CASES, ids=[f"{a}-{g}" for a, g in LORA_CASES])
 def test_trainer_matches_the_oracle_with_lora(actors, initial_weights, tiny_model_path, name, agg):
     """The adapters' update through the system (DeepSpeed ZeRO-2 over the PEFT model) is the oracle's."""
-    _check_against_the_oracle(actors, initial_weights, tiny_model_path, name, agg, LORA_CASES.index((name, agg)), "tis",
-                              lora=LORA, settings_of=_lora_settings)
+    _check_against_the_oracle(
+        actors,
+        initial_weights,
+        tiny_model_path,
+        name,
+        agg,
+        LORA_CASES.index((name, agg)),
+        "tis",
+        lora=LORA,
+        settings_of=_lora_settings,
+    )
 
 
 def test_the_packed_cases_run_shared_prompts():

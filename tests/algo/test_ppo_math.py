@@ -28,8 +28,7 @@ def t(values, dtype=torch.float32):
 
 
 def close(actual, expected, atol=1e-6):
-    torch.testing.assert_close(actual, t(expected) if not torch.is_tensor(expected) else expected,
-                               atol=atol, rtol=0)
+    torch.testing.assert_close(actual, t(expected) if not torch.is_tensor(expected) else expected, atol=atol, rtol=0)
 
 
 # --------------------------------------------------------------------------- KL estimators
@@ -252,8 +251,7 @@ def test_logprobs_from_logits_chunked_matches_log_softmax_with_grad():
     close(chunked, reference, atol=1e-5)
     close(grad_chunked, grad_ref, atol=1e-5)
     # Packed layout ([N, V], [N]) gives the same numbers.
-    close(logprobs_from_logits(logits.reshape(15, 11), tokens.reshape(15)),
-          reference.reshape(15), atol=1e-5)
+    close(logprobs_from_logits(logits.reshape(15, 11), tokens.reshape(15)), reference.reshape(15), atol=1e-5)
 
 
 def test_logprobs_from_logits_bf16_is_computed_in_float32():

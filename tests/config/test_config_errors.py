@@ -42,24 +42,53 @@ def test_per_turn_rewards_are_taken_by_estimators_that_read_rewards_per_token(al
 # (overrides, key named in the message, words of the fix)
 BAD = [
     (["algo.min_response_len=17"], "algo.min_response_len=17", "set algo.min_response_len <= 16"),
-    (["env=lookup", "data=lookup", "model=tiny_tool", "algo.min_response_len=2"], "algo.min_response_len=2", "leave algo.min_response_len=0 with env"),
-    (["env=agent", "env.path=scripts/examples/openai_agent.py", "env.name=three_tries", "env.max_tokens_per_turn=17"],
-     "env.max_tokens_per_turn=17", "set env.max_tokens_per_turn <= 16"),
+    (
+        ["env=lookup", "data=lookup", "model=tiny_tool", "algo.min_response_len=2"],
+        "algo.min_response_len=2",
+        "leave algo.min_response_len=0 with env",
+    ),
+    (
+        [
+            "env=agent",
+            "env.path=scripts/examples/openai_agent.py",
+            "env.name=three_tries",
+            "env.max_tokens_per_turn=17",
+        ],
+        "env.max_tokens_per_turn=17",
+        "set env.max_tokens_per_turn <= 16",
+    ),
     (["env=agent"], "env.path='???'", "required by the option chosen: set env.path=<value>"),
-    (["env=skyrl", "algo=grpo", "env.reward=per_turn"], "env.reward='per_turn'",
-     "use env.reward=sum, or an algorithm whose advantages read rewards per token"),
-    (["env=lookup", "data=lookup", "model=tiny_tool", "env.reward=per_turn"], "env.reward='per_turn'",
-     "env LookupEnv rewards only the final answer"),
+    (
+        ["env=skyrl", "algo=grpo", "env.reward=per_turn"],
+        "env.reward='per_turn'",
+        "use env.reward=sum, or an algorithm whose advantages read rewards per token",
+    ),
+    (
+        ["env=lookup", "data=lookup", "model=tiny_tool", "env.reward=per_turn"],
+        "env.reward='per_turn'",
+        "env LookupEnv rewards only the final answer",
+    ),
     (["env=skyrl", "env.max_turns=1", "env.reward=per_turn"], "env.reward='per_turn'", "with env.max_turns=1"),
     (["env=lookup", "data=lookup", "model=tiny_tool", "env.reward=each"], "env.reward='each'", "'per_turn'"),
-    (["env=agent", "env.path=scripts/examples/openai_agent.py", "env.name=three_tries", "env.host=public"],
-     "env.host='public'", "'loopback' or 'node'"),
+    (
+        ["env=agent", "env.path=scripts/examples/openai_agent.py", "env.name=three_tries", "env.host=public"],
+        "env.host='public'",
+        "'loopback' or 'node'",
+    ),
     (["algo.train_batch_size=48"], "algo.train_batch_size=48", "divisor of 128"),
     (["algo.micro_batch_size=24"], "algo.micro_batch_size=24", "micro_batch_size dividing"),
     (["placement.actor_ranks=3"], "placement.actor_ranks=3", "do not split over 3 actor ranks"),
     (["placement.actor_ranks=2", "placement.critic_ranks=4"], "placement.critic_ranks=4", "divides 2"),
-    (["placement=split", "launcher.logical_gpus=8", "placement.actor_ranks=3"], "placement.actor_ranks=3", "set placement.actor_gpus"),
-    (["placement=split", "launcher.logical_gpus=8", "placement.engines=2"], "placement.engines=2", "set placement.vllm_gpus"),
+    (
+        ["placement=split", "launcher.logical_gpus=8", "placement.actor_ranks=3"],
+        "placement.actor_ranks=3",
+        "set placement.actor_gpus",
+    ),
+    (
+        ["placement=split", "launcher.logical_gpus=8", "placement.engines=2"],
+        "placement.engines=2",
+        "set placement.vllm_gpus",
+    ),
     (["data.response_max_len=9000"], "data.response_max_len=9000", "exceeds model.context_len=8192"),
     (["algo.kl_estimator=k3"], "algo.kl_estimator='k3'", "algo.kl_placement=in_loss"),
     (["algo.kl_placement=in_loss", "algo.kl_estimator=k9"], "algo.kl_estimator='k9'", "k1, k2, k3, low_var_kl"),
@@ -74,17 +103,36 @@ BAD = [
     (["algo.value_clip_eps=0"], "algo.value_clip_eps=0", "> 0"),
     (["algo=dapo", "transfer=padded"], "algo.dynamic_sampling=True", "transfer=packed"),
     (["algo=dapo", "transfer=packed", "reward=model"], "algo.dynamic_sampling=True", "rule reward"),
-    (["pipeline=one_step_off", "transfer=micro_batched"], "transfer='MicroBatchedTransfer'", "use transfer=packed (or padded), or pipeline=sync"),
-    (["pipeline=async", "transfer=micro_batched"], "transfer='MicroBatchedTransfer'", "use transfer=packed (or padded), or pipeline=sync"),
+    (
+        ["pipeline=one_step_off", "transfer=micro_batched"],
+        "transfer='MicroBatchedTransfer'",
+        "use transfer=packed (or padded), or pipeline=sync",
+    ),
+    (
+        ["pipeline=async", "transfer=micro_batched"],
+        "transfer='MicroBatchedTransfer'",
+        "use transfer=packed (or padded), or pipeline=sync",
+    ),
     (["pipeline=async", "pipeline.max_staleness=-1"], "pipeline.max_staleness=-1", "must be in [0, 64]"),
-    (["pipeline=async", "algo=dapo"], "pipeline.max_staleness=1", "use pipeline=one_step_off, or pipeline.max_staleness=0"),
+    (
+        ["pipeline=async", "algo=dapo"],
+        "pipeline.max_staleness=1",
+        "use pipeline=one_step_off, or pipeline.max_staleness=0",
+    ),
     (["data.long_tail_frac=0.05"], "data.long_tail_frac=0.05", "does nothing alone"),
     (["data.long_tail_frac=0.05", "data.long_tail_len=64"], "data.long_tail_len=64", "<= data.response_max_len=16"),
     (["data.long_tail_frac=1.5", "data.long_tail_len=8"], "data.long_tail_frac=1.5", "must be in [0, 1]"),
     (["algo.tis_cap=0.5"], "algo.tis_cap=0.5", "null (off) or >= 1"),
-    (["algo.tis_cap=2", "algo.decoupled_is_cap=5"], "algo.decoupled_is_cap=5.0",
-     "set algo.tis_cap=null (it is 2) for AReaL's decoupled PPO, or algo.decoupled_is_cap=null for truncated IS"),
-    (["algo=dapo", "transfer=packed", "algo.overlong_buffer=16"], "algo.overlong_buffer=16", "data.response_max_len=16"),
+    (
+        ["algo.tis_cap=2", "algo.decoupled_is_cap=5"],
+        "algo.decoupled_is_cap=5.0",
+        "set algo.tis_cap=null (it is 2) for AReaL's decoupled PPO, or algo.decoupled_is_cap=null for truncated IS",
+    ),
+    (
+        ["algo=dapo", "transfer=packed", "algo.overlong_buffer=16"],
+        "algo.overlong_buffer=16",
+        "data.response_max_len=16",
+    ),
     (["trainer.zero_stage=4"], "trainer.zero_stage=4", "0, 1, 2 or 3"),
     (["sync.bucket_mb=0"], "sync.bucket_mb=0", "must be > 0"),
     (["algo.temperature=0"], "algo.temperature=0", "must be in (0, 2]"),
@@ -92,11 +140,23 @@ BAD = [
     (["eval.samples_per_prompt=0"], "eval.samples_per_prompt=0", "must be >= 1"),
     (["eval.samples_per_prompt=4"], "eval.samples_per_prompt=4", "set eval.temperature > 0"),
     (["eval.every_n_steps=-1"], "eval.every_n_steps=-1", "must be >= 0"),
-    (["model=qwen2_5_0_5b", "model.name_or_path=/no/such/checkpoint"], "model.name_or_path='/no/such/checkpoint'", "no such directory"),
+    (
+        ["model=qwen2_5_0_5b", "model.name_or_path=/no/such/checkpoint"],
+        "model.name_or_path='/no/such/checkpoint'",
+        "no such directory",
+    ),
     (["algo.ppo_epochs=0"], "algo.ppo_epochs=0", "must be >= 1"),
     # Hydra appends `+key=value` to a structured node; nothing would read a key the option lacks.
-    (["transfer=padded", "+transfer.token_budget=4096"], "transfer.token_budget=4096", "transfer (PaddedTransfer) has no such key"),
-    (["+engine.kv_cache_space=2"], "engine.kv_cache_space=2", "(it takes: block_size, enable_prefix_caching, enforce_eager"),
+    (
+        ["transfer=padded", "+transfer.token_budget=4096"],
+        "transfer.token_budget=4096",
+        "transfer (PaddedTransfer) has no such key",
+    ),
+    (
+        ["+engine.kv_cache_space=2"],
+        "engine.kv_cache_space=2",
+        "(it takes: block_size, enable_prefix_caching, enforce_eager",
+    ),
 ]
 
 
@@ -128,7 +188,15 @@ def test_gpu_placement_without_gpus_suggests_logical_gpus():
 
 def test_impossible_split_is_a_placement_error():
     with pytest.raises(PlacementError) as err:
-        _check(["placement=split", "placement.critic_gpus=1", "placement.vllm_gpus=3", "placement.engine_tp=2", "launcher.logical_gpus=8"])
+        _check(
+            [
+                "placement=split",
+                "placement.critic_gpus=1",
+                "placement.vllm_gpus=3",
+                "placement.engine_tp=2",
+                "launcher.logical_gpus=8",
+            ]
+        )
     assert "placement.vllm_gpus" in str(err.value) and "placement.engine_tp" in str(err.value)
 
 
@@ -147,18 +215,31 @@ def test_hydra_refuses_unknown_keys_bad_types_and_options(override):
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "run.py", *args, "hydra.run.dir=${oc.env:TMPDIR,/tmp}/rlhf_orch_cli_${now:%H%M%S%f}"],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 
 # (overrides, the one line's start, words of its suggestion)
 HYDRA_MISTAKES = [
-    (["algo.clip_ratio=0.3"], "error: algo.clip_ratio: no such key in algo (PPOConfig); did you mean algo.clip_ratio_c",
-     "`python run.py --cfg job` shows every key of algo"),
-    (["algo=grpoo"], "error: algo=grpoo: no such option in algo; did you mean algo=grpo", "options: dapo, dr_grpo, grpo, ppo"),
+    (
+        ["algo.clip_ratio=0.3"],
+        "error: algo.clip_ratio: no such key in algo (PPOConfig); did you mean algo.clip_ratio_c",
+        "`python run.py --cfg job` shows every key of algo",
+    ),
+    (
+        ["algo=grpoo"],
+        "error: algo=grpoo: no such option in algo; did you mean algo=grpo",
+        "options: dapo, dr_grpo, grpo, ppo",
+    ),
     (["algoo=ppo"], "error: algoo: no such key; did you mean algo?", "--cfg job"),
-    (["experiment=tool_use", "env=agent"], "error: env.max_turns (set in experiment/tool_use): no such key in env (AgentEnvConfig)",
-     "env.max_calls?"),
+    (
+        ["experiment=tool_use", "env=agent"],
+        "error: env.max_turns (set in experiment/tool_use): no such key in env (AgentEnvConfig)",
+        "env.max_calls?",
+    ),
     (["data.prompt_max_len"], "error: 'data.prompt_max_len' is not an override", "write key=value"),
     (["algo.num_steps=abc"], "error: algo.num_steps='abc': not a valid int", ""),
 ]
@@ -174,8 +255,14 @@ def test_hydra_s_mistakes_are_one_line_with_the_closest_names_and_exit_2(overrid
 
 
 def test_hydra_full_error_set_by_the_user_keeps_hydra_s_report():
-    proc = subprocess.run([sys.executable, "run.py", "algo=grpoo"], cwd=REPO, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    proc = subprocess.run(
+        [sys.executable, "run.py", "algo=grpoo"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "HYDRA_FULL_ERROR": "1"},
+    )
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "MissingConfigException" in proc.stderr
 
 
@@ -204,15 +291,27 @@ print("heavy", sorted(m for m in ("torch", "transformers", "vllm", "deepspeed") 
 
 
 @pytest.mark.skipif(has_cuda(), reason="on a GPU machine torch is asked how many GPUs it can use")
-@pytest.mark.parametrize("overrides", [
-    ["sync=nccl_bucketed", "data=long8k"],  # a relation between keys (no GPUs here)
-    ["algo.actor_lr=-1"],  # one key's range
-    ["model=hf", "model.name_or_path=nobody/missing-model"],  # a hub id not in the local cache
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["sync=nccl_bucketed", "data=long8k"],  # a relation between keys (no GPUs here)
+        ["algo.actor_lr=-1"],  # one key's range
+        ["model=hf", "model.name_or_path=nobody/missing-model"],  # a hub id not in the local cache
+    ],
+)
 def test_config_errors_import_no_torch(overrides):
     proc = subprocess.run(
-        [sys.executable, "-c", _IMPORTS_AFTER_RUN, *overrides, "hydra.run.dir=${oc.env:TMPDIR,/tmp}/rlhf_orch_cli_${now:%H%M%S%f}"],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
+        [
+            sys.executable,
+            "-c",
+            _IMPORTS_AFTER_RUN,
+            *overrides,
+            "hydra.run.dir=${oc.env:TMPDIR,/tmp}/rlhf_orch_cli_${now:%H%M%S%f}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert "exit 2" in proc.stdout, proc.stdout + proc.stderr
     assert "heavy []" in proc.stdout, proc.stdout
@@ -235,8 +334,16 @@ def test_cli_dry_run_prints_split_plan():
 def _skyrl_rows(path: Path, env_classes: list[str]) -> str:
     import pandas as pd
 
-    pd.DataFrame([{"prompt": [{"role": "user", "content": "Add the two numbers."}], "env_class": c,
-                   "reward_spec": {"method": "rule", "ground_truth": "[]"}} for c in env_classes]).to_parquet(path)
+    pd.DataFrame(
+        [
+            {
+                "prompt": [{"role": "user", "content": "Add the two numbers."}],
+                "env_class": c,
+                "reward_spec": {"method": "rule", "ground_truth": "[]"},
+            }
+            for c in env_classes
+        ]
+    ).to_parquet(path)
     return str(path)
 
 
@@ -262,13 +369,26 @@ def test_skyrl_environments_that_run_the_model_s_code_are_refused_in_a_dry_run(c
 
 def test_skyrl_environments_that_run_the_model_s_code_run_when_allowed(tmp_path):
     rows = _skyrl_rows(tmp_path / "train.parquet", ["lcb"])
-    proc = _run("env=skyrl", "env.env_class=lcb", "data=files", f"data.train_files=[{rows}]",
-                "data.label_key=reward_spec.ground_truth", "env.allow_unsandboxed_code=true", "launcher.dry_run=true")
+    proc = _run(
+        "env=skyrl",
+        "env.env_class=lcb",
+        "data=files",
+        f"data.train_files=[{rows}]",
+        "data.label_key=reward_spec.ground_truth",
+        "env.allow_unsandboxed_code=true",
+        "launcher.dry_run=true",
+    )
     assert proc.returncode == 0, proc.stderr
 
 
 def test_cli_cfg_job_prints_composed_config():
-    proc = subprocess.run([sys.executable, "run.py", "--cfg", "job", "sync=gloo_per_tensor"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "run.py", "--cfg", "job", "sync=gloo_per_tensor"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0
     assert "PerTensorBroadcastSync" in proc.stdout and "placement:" in proc.stdout
 
@@ -352,11 +472,15 @@ def test_a_reward_model_has_no_rule_execution_keys(key):
 
 def test_a_batched_custom_reward_refuses_a_pool(tmp_path):
     batched = tmp_path / "batched_reward.py"
-    batched.write_text("def compute_score(data_sources, solution_strs, ground_truths, extra_infos=None):\n"
-                       "    return [1.0] * len(solution_strs)\n")
+    batched.write_text(
+        "def compute_score(data_sources, solution_strs, ground_truths, extra_infos=None):\n"
+        "    return [1.0] * len(solution_strs)\n"
+    )
     overrides = ["reward=custom", f"reward.path={batched}", "reward.batched=true"]
     _check(overrides)
-    with pytest.raises(ConfigError, match=r"reward.pool_size=2: reward.batched=true scores the whole batch in one call"):
+    with pytest.raises(
+        ConfigError, match=r"reward.pool_size=2: reward.batched=true scores the whole batch in one call"
+    ):
         _check([*overrides, "reward.pool_size=2"])
 
 
@@ -384,12 +508,13 @@ def test_a_cpu_only_head_node_plans_a_gpu_cluster_on_its_gpus():
     testing) refuses NCCL and plans host processes. (Before: both followed the driver's CUDA.)"""
     from rlhf_orch.app import memory_verdict
 
-    overrides = ["placement=split", "sync=nccl_bucketed",
-                 "model=qwen2_5_0_5b", "launcher=cluster"]
+    overrides = ["placement=split", "sync=nccl_bucketed", "model=qwen2_5_0_5b", "launcher=cluster"]
     cfg = compose_config(overrides)
     typed, plan = check(cfg, _ClusterFromACpuHead(real=True))
     assert plan.total_gpus == 8
-    assert "memory plan (GB = 1e9 bytes; GPU;" in memory_verdict(cfg, typed, plan, _ClusterFromACpuHead(real=True)).table()
+    assert (
+        "memory plan (GB = 1e9 bytes; GPU;" in memory_verdict(cfg, typed, plan, _ClusterFromACpuHead(real=True)).table()
+    )
     with pytest.raises(ConfigError, match="NCCL needs CUDA GPUs"):
         check(cfg, _ClusterFromACpuHead(real=False))
     cpu = compose_config([*overrides[:-2], "sync=gloo_bucketed", "launcher=cluster"])
@@ -407,8 +532,10 @@ def test_ray_detected_gpus_are_the_ones_with_a_type():
 
 def _user_env(tmp_path) -> str:
     path = tmp_path / "my_env.py"
-    path.write_text("class MyEnv:\n    def init(self, prompt):\n        return prompt, {}\n"
-                    "    def step(self, action):\n        return {'observations': [], 'reward': 0.0, 'done': True}\n")
+    path.write_text(
+        "class MyEnv:\n    def init(self, prompt):\n        return prompt, {}\n"
+        "    def step(self, action):\n        return {'observations': [], 'reward': 0.0, 'done': True}\n"
+    )
     return str(path)
 
 
@@ -421,20 +548,33 @@ def test_raw_prompts_with_chat_template_observations_are_refused_naming_both_key
     rows = tmp_path / "train.jsonl"
     rows.write_text('{"prompt": "What is 6 times 7?"}\n')
     files = ["data=files", f"data.train_files=[{rows}]"]
-    for data, why in ((["data=default"], "data DigitReverseTask gives raw-text prompts"),
-                      ([*files, "data.chat_template=false"], "data.chat_template=false renders the prompts as plain text"),
-                      (["data=reasoning_gym", "data.task=chain_sum", "data.chat_template=false"], "data.chat_template=false")):
+    for data, why in (
+        (["data=default"], "data DigitReverseTask gives raw-text prompts"),
+        ([*files, "data.chat_template=false"], "data.chat_template=false renders the prompts as plain text"),
+        (["data=reasoning_gym", "data.task=chain_sum", "data.chat_template=false"], "data.chat_template=false"),
+    ):
         with pytest.raises(ConfigError) as err:
             _check(["model=smollm2_135m", *data, *env, "env.observation_format=chat_template"])
         (problem,) = err.value.problems
-        assert problem.key == "env.observation_format" and why in problem.fix and "env.observation_format=plain" in problem.fix
+        assert (
+            problem.key == "env.observation_format"
+            and why in problem.fix
+            and "env.observation_format=plain" in problem.fix
+        )
     _check(["model=smollm2_135m", "data=default", *env, "env.observation_format=plain"])
     _check(["model=smollm2_135m", *files, *env])  # chat-templated rows under chat-template observations
 
 
 def test_cli_dry_run_refuses_raw_prompts_with_chat_template_observations(tmp_path):
-    proc = _run("model=smollm2_135m", "data=default", "env=custom", f"env.path={_user_env(tmp_path)}", "env.name=MyEnv",
-                "env.observation_format=chat_template", "launcher.dry_run=true")
+    proc = _run(
+        "model=smollm2_135m",
+        "data=default",
+        "env=custom",
+        f"env.path={_user_env(tmp_path)}",
+        "env.name=MyEnv",
+        "env.observation_format=chat_template",
+        "launcher.dry_run=true",
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if "env.observation_format" in x]

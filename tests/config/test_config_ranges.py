@@ -113,7 +113,10 @@ MORE_BAD = [
     (["algo.clip_ratio_c=1.0"], "algo.clip_ratio_c=1.0"),  # the dual-clip bound must exceed 1
     (["algo.decoupled_is_cap=1.0"], "algo.decoupled_is_cap=1.0"),  # AReaL's drop threshold must exceed 1
     # every group of one: every advantage 0, the run would train on nothing
-    (["algo=reinforce_pp_baseline", "algo.samples_per_prompt=1", "algo.rollout_batch_size=64"], "algo.samples_per_prompt=1"),
+    (
+        ["algo=reinforce_pp_baseline", "algo.samples_per_prompt=1", "algo.rollout_batch_size=64"],
+        "algo.samples_per_prompt=1",
+    ),
     (["trainer.optimizer=lion"], "trainer.optimizer='lion'"),
     (["algo=dapo", "algo.overlong_penalty=-1"], "algo.overlong_penalty=-1"),
     (["algo=dapo", "algo.max_gen_batches=0"], "algo.max_gen_batches=0"),
@@ -124,7 +127,10 @@ MORE_BAD = [
     (["fault.step_timeout_s=nan"], "fault.step_timeout_s=nan"),
     (["reward.timeout_s=1000"], "reward.timeout_s=1000"),  # beyond the whole step's limit
     # a tool call makes no engine step: past the step's limit the engine reads as hung
-    (["env=python_tool", "env.allow_weak_sandbox=true", "fault.step_timeout_s=150", "env.tool_timeout_s=40"], "env.tool_timeout_s=40"),
+    (
+        ["env=python_tool", "env.allow_weak_sandbox=true", "fault.step_timeout_s=150", "env.tool_timeout_s=40"],
+        "env.tool_timeout_s=40",
+    ),
     # fractions
     (["engine.gpu_memory_utilization=0"], "engine.gpu_memory_utilization=0"),
     # sizes and counts
@@ -273,14 +279,34 @@ def test_validate_itself_reports_values_refused_earlier(overrides, expected, def
 
 
 def test_every_problem_is_reported_at_once():
-    overrides = ["algo.critic_lr=-1", "sync.timeout_s=0", "engine.gpu_memory_utilization=2", "engine.kv_cache_gb=0",
-                 "data.min_digits=0", "seed=-3", "checkpoint.keep_last=0", "eval.temperature=-1", "logger=wandb",
-                 "logger.mode=loud", "trainer.weight_decay=-1"]
+    overrides = [
+        "algo.critic_lr=-1",
+        "sync.timeout_s=0",
+        "engine.gpu_memory_utilization=2",
+        "engine.kv_cache_gb=0",
+        "data.min_digits=0",
+        "seed=-3",
+        "checkpoint.keep_last=0",
+        "eval.temperature=-1",
+        "logger=wandb",
+        "logger.mode=loud",
+        "trainer.weight_decay=-1",
+    ]
     with pytest.raises(ConfigError) as err:
         _check(overrides)
     keys = {p.key for p in err.value.problems}
-    for key in ("algo.critic_lr", "sync.timeout_s", "engine.gpu_memory_utilization", "engine.kv_cache_gb",
-                "data.min_digits", "seed", "checkpoint.keep_last", "eval.temperature", "logger.mode", "trainer.weight_decay"):
+    for key in (
+        "algo.critic_lr",
+        "sync.timeout_s",
+        "engine.gpu_memory_utilization",
+        "engine.kv_cache_gb",
+        "data.min_digits",
+        "seed",
+        "checkpoint.keep_last",
+        "eval.temperature",
+        "logger.mode",
+        "trainer.weight_decay",
+    ):
         assert key in keys, (key, keys)
 
 
@@ -289,11 +315,23 @@ def test_every_range_row_names_a_schema_key():
 
     from rlhf_orch.config import schema
 
-    known = {f"{group}.{f.name}" for group, options in schema._GROUP_SCHEMAS.items() for node in options.values()
-             for f in fields(node)}
-    known |= {f"{name}.{f.name}" for name, node in (("trainer", schema.TrainerConfig), ("engine", schema.EngineConfig),
-                                                     ("eval", schema.EvalConfig), ("checkpoint", schema.CheckpointConfig),
-                                                     ("fault", schema.FaultConfig)) for f in fields(node)}
+    known = {
+        f"{group}.{f.name}"
+        for group, options in schema._GROUP_SCHEMAS.items()
+        for node in options.values()
+        for f in fields(node)
+    }
+    known |= {
+        f"{name}.{f.name}"
+        for name, node in (
+            ("trainer", schema.TrainerConfig),
+            ("engine", schema.EngineConfig),
+            ("eval", schema.EvalConfig),
+            ("checkpoint", schema.CheckpointConfig),
+            ("fault", schema.FaultConfig),
+        )
+        for f in fields(node)
+    }
     known |= {f.name for f in fields(schema.RootConfig)}
     known |= {f"model.lora.{f.name}" for f in fields(schema.LoraConfig)}  # a node every model option has
     assert [r.key for r in RANGES if r.key not in known] == []
@@ -448,23 +486,35 @@ def test_one_seed_sets_the_data_order_the_engines_and_the_trainers():
     assert (pinned.data.seed, pinned.trainer.seed) == (3, 7)
 
 
-COLOCATED = ["placement=colocated", "placement.gpus_per_node=2", "launcher.logical_gpus=2", "placement.engines=1"]  # sleep needs GPUs
+COLOCATED = [
+    "placement=colocated",
+    "placement.gpus_per_node=2",
+    "launcher.logical_gpus=2",
+    "placement.engines=1",
+]  # sleep needs GPUs
 
 
 def test_lora_keys_are_checked_and_do_nothing_at_rank_zero():
     typed, _ = _check(["model.lora.rank=16"])
     assert typed.model.lora.alpha is None  # null: 4 x rank
-    for overrides, key in ((["model.lora.alpha=32"], "model.lora.alpha"), (["model.lora.sync=merged"], "model.lora.sync"),
-                           (["model.lora.target_modules=[q_proj]"], "model.lora.target_modules"),
-                           (["model.lora.rank=-1"], "model.lora.rank"), (["model.lora.rank=600"], "model.lora.rank"),
-                           (["model.lora.rank=8", "model.lora.dropout=1.0"], "model.lora.dropout"),
-                           (["model.lora.rank=8", "model.lora.alpha=0"], "model.lora.alpha"),
-                           (["model.lora.rank=8", "model.lora.sync=both"], "model.lora.sync"),
-                           (["model.lora.rank=8", "model.lora.target_modules=[]"], "model.lora.target_modules"),
-                           (["model.lora.rank=8", "model.lora.target_modules=[embed_tokens,q_proj]"], "model.lora.target_modules"),
-                           (["model.lora.rank=8", "model.lora.target_modules=[lm_head,q_proj]", "model.lora.sync=merged"], "model.lora.target_modules"),
-                           (["model.lora.rank=8", "model.lora.target_modules=q_proj"], "model.lora.target_modules"),  # a PEFT regex
-                           (["model.lora.rank=8", "engine.sleep_level=2", *COLOCATED], "engine.sleep_level")):
+    for overrides, key in (
+        (["model.lora.alpha=32"], "model.lora.alpha"),
+        (["model.lora.sync=merged"], "model.lora.sync"),
+        (["model.lora.target_modules=[q_proj]"], "model.lora.target_modules"),
+        (["model.lora.rank=-1"], "model.lora.rank"),
+        (["model.lora.rank=600"], "model.lora.rank"),
+        (["model.lora.rank=8", "model.lora.dropout=1.0"], "model.lora.dropout"),
+        (["model.lora.rank=8", "model.lora.alpha=0"], "model.lora.alpha"),
+        (["model.lora.rank=8", "model.lora.sync=both"], "model.lora.sync"),
+        (["model.lora.rank=8", "model.lora.target_modules=[]"], "model.lora.target_modules"),
+        (["model.lora.rank=8", "model.lora.target_modules=[embed_tokens,q_proj]"], "model.lora.target_modules"),
+        (
+            ["model.lora.rank=8", "model.lora.target_modules=[lm_head,q_proj]", "model.lora.sync=merged"],
+            "model.lora.target_modules",
+        ),
+        (["model.lora.rank=8", "model.lora.target_modules=q_proj"], "model.lora.target_modules"),  # a PEFT regex
+        (["model.lora.rank=8", "engine.sleep_level=2", *COLOCATED], "engine.sleep_level"),
+    ):
         with pytest.raises(ConfigError) as err:
             _check(overrides)
         assert key in {p.key for p in err.value.problems}, (overrides, err.value)
@@ -475,7 +525,14 @@ def test_lora_keys_are_checked_and_do_nothing_at_rank_zero():
 def test_a_tool_timeout_whose_step_wait_fits_the_step_timeout_passes():
     """env.tool_timeout_s=35 under python_tool: one step may take 4 x 35 + 5 = 145 s, within
     fault.step_timeout_s=150 (40 s would be 165 s: refused, MORE_BAD)."""
-    cfg = _fast_config(["env=python_tool", "env.allow_weak_sandbox=true", "fault.step_timeout_s=150", "env.tool_timeout_s=35",
-                        "env.observation_format=plain"])  # (the default data's prompts are raw text)
+    cfg = _fast_config(
+        [
+            "env=python_tool",
+            "env.allow_weak_sandbox=true",
+            "fault.step_timeout_s=150",
+            "env.tool_timeout_s=35",
+            "env.observation_format=plain",
+        ]
+    )  # (the default data's prompts are raw text)
     typed, _ = check(cfg, instantiate(cfg.launcher))
     assert typed.env.tool_timeout_s == 35

@@ -153,7 +153,9 @@ def test_nested_label_key_and_label_regex(tmp_path, tok):
 
 def test_prompt_template_plain_chat_and_columns(tmp_path, tok):
     plain = write_jsonl(tmp_path / "p.jsonl", [{"question": "what is 1 + 2 ?", "answer": "3"}])
-    ds = make([plain], prompt_key="question", label_key="answer", prompt_template="{prompt} think step by step \\boxed{{}}")
+    ds = make(
+        [plain], prompt_key="question", label_key="answer", prompt_template="{prompt} think step by step \\boxed{{}}"
+    )
     ds.bind(tok)
     assert ds.sample_prompts(1)[0].text == "<user> what is 1 + 2 ? think step by step \\boxed{} <assistant>"
 
@@ -164,8 +166,14 @@ def test_prompt_template_plain_chat_and_columns(tmp_path, tok):
 
     # Countdown style: no prompt column, the template builds the prompt; the label is several columns.
     cd = write_parquet(tmp_path / "cd.parquet", [{"target": 7, "nums": [3, 4]}])
-    ds = make([cd], prompt_key=None, label_key=None, label_columns=["target", "nums"], chat_template=False,
-              prompt_template="use {nums} to make {target}")
+    ds = make(
+        [cd],
+        prompt_key=None,
+        label_key=None,
+        label_columns=["target", "nums"],
+        chat_template=False,
+        prompt_template="use {nums} to make {target}",
+    )
     ds.bind(tok)
     p = ds.sample_prompts(1)[0]
     assert p.text == "use [3, 4] to make 7" and p.label == {"target": 7, "nums": [3, 4]}
@@ -173,8 +181,16 @@ def test_prompt_template_plain_chat_and_columns(tmp_path, tok):
 
 
 def test_chat_template_false_and_system_prompt(tmp_path, tok):
-    rows = [{"prompt": [{"role": "user", "content": "what is"}, {"role": "assistant", "content": "3"},
-                        {"role": "user", "content": "1 + 2 ?"}], "reward_model": {"ground_truth": "3"}}]
+    rows = [
+        {
+            "prompt": [
+                {"role": "user", "content": "what is"},
+                {"role": "assistant", "content": "3"},
+                {"role": "user", "content": "1 + 2 ?"},
+            ],
+            "reward_model": {"ground_truth": "3"},
+        }
+    ]
     f = write_parquet(tmp_path / "chat.parquet", rows)
     ds = make([f], chat_template=False)
     ds.bind(tok)

@@ -35,16 +35,28 @@ def main(export: str, base: str, sequence: str) -> None:
     merged_vllm = engine_logprobs(LLM(export, dtype="float32", max_model_len=256, enforce_eager=True, seed=0))
     with open(f"{export}/adapter/adapter_config.json") as f:
         rank = json.load(f)["r"]
-    served = LLM(base, dtype="float32", max_model_len=256, enforce_eager=True, seed=0, enable_lora=True, max_lora_rank=max(rank, 8),
-                 lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    served = LLM(
+        base,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        seed=0,
+        enable_lora=True,
+        max_lora_rank=max(rank, 8),
+        lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     adapter_vllm = engine_logprobs(served, lora_request=LoRARequest("exported", 1, f"{export}/adapter"))
     diff = lambda a, b: float((a - b).abs().max())  # noqa: E731
-    print(json.dumps({
-        "merged_hf_vs_peft": diff(merged_hf, peft_hf),
-        "merged_hf_vs_merged_vllm": diff(merged_hf, merged_vllm),
-        "merged_hf_vs_adapter_vllm": diff(merged_hf, adapter_vllm),
-        "merged_vs_base": diff(merged_hf, base_hf),
-    }))
+    print(
+        json.dumps(
+            {
+                "merged_hf_vs_peft": diff(merged_hf, peft_hf),
+                "merged_hf_vs_merged_vllm": diff(merged_hf, merged_vllm),
+                "merged_hf_vs_adapter_vllm": diff(merged_hf, adapter_vllm),
+                "merged_vs_base": diff(merged_hf, base_hf),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

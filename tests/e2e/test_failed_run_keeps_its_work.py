@@ -27,7 +27,13 @@ from tests.e2e.test_resume import _comparable
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 # No periodic checkpoint (every_n_steps=0, the default; every_n_minutes' 30 minutes never come),
 # and no engine restart allowed: losing an engine ends the run.
-RUN = ["experiment=quick", "algo.num_steps=4", "checkpoint.export_final=false", "fault.max_engine_restarts=0", *SHARED_RAY]
+RUN = [
+    "experiment=quick",
+    "algo.num_steps=4",
+    "checkpoint.export_final=false",
+    "fault.max_engine_restarts=0",
+    *SHARED_RAY,
+]
 FAULT_COUNTERS = ("fault/",)
 ASYNC_ONLY = ("rollout/interrupted", "async/", "time/engine_idle")  # the async pipeline's own metrics
 
@@ -64,7 +70,9 @@ def test_a_lost_trainer_rank_restarts_every_role_from_the_last_checkpoint_and_th
     faults = []
 
     def kill(step: int, loop) -> None:
-        victim = {(1, 0): loop.actors.policy[0], (2, 1): loop.actors.engines[0], (3, 2): loop.actors.policy[0]}.get((step, len(faults)))
+        victim = {(1, 0): loop.actors.policy[0], (2, 1): loop.actors.engines[0], (3, 2): loop.actors.policy[0]}.get(
+            (step, len(faults))
+        )
         if victim is not None:
             faults.append(step)
             ray.kill(victim)
@@ -80,7 +88,13 @@ def test_a_lost_trainer_rank_restarts_every_role_from_the_last_checkpoint_and_th
     assert [r["fault/engine_restarts"] for r in rows] == [0, 0, 1, 1]
     every = read_metrics(run_dir, include_superseded=True)
     assert [(r["step"], r.get("superseded", False)) for r in every] == [
-        (1, True), (1, False), (2, False), (3, True), (3, False), (4, False)]
+        (1, True),
+        (1, False),
+        (2, False),
+        (3, True),
+        (3, False),
+        (4, False),
+    ]
     assert _without_fault_counters(_comparable(rows)) == _without_fault_counters(whole)
     assert all_resources_free()
 
@@ -101,7 +115,9 @@ def test_the_same_failure_at_the_same_step_twice_stops_instead_of_spending_the_r
     with pytest.raises(RunFailed) as failed:
         _train(run_dir, "algo.num_steps=2", "fault.max_trainer_restarts=3", callbacks=[kill_the_policy])
     message = str(failed.value)
-    assert message.startswith("step 2: CrashLoopError: the same failure twice at step 2, so a restart would repeat it: ")
+    assert message.startswith(
+        "step 2: CrashLoopError: the same failure twice at step 2, so a restart would repeat it: "
+    )
     assert "not restarting (1/3 restarts used)" in message and "\n" not in message
     assert json.loads((run_dir / "summary.json").read_text())["trainer_restarts"] == 1
     assert all_resources_free()
@@ -142,13 +158,18 @@ def test_a_run_failing_after_step_k_keeps_a_checkpoint_of_step_k_that_resumes_ex
     with pytest.raises(RunFailed) as failed:
         _train(cut, callbacks=[kill_the_engine])
     message = str(failed.value)
-    assert message.startswith("step 3: EngineRestartBudgetError: vLLM engine 0 died during step 3 and the engine restart budget is used up")
+    assert message.startswith(
+        "step 3: EngineRestartBudgetError: vLLM engine 0 died during step 3 and the engine restart budget is used up"
+    )
     assert "\n" not in message and "\x1b" not in message and "Traceback" not in message
     checkpoint = cut / "checkpoints" / "step_00000002"
     assert message.endswith(f"(continue with: python run.py resume={checkpoint})")
     summary = json.loads((cut / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].startswith("step 3: EngineRestartBudgetError: ")
-    assert summary["last_checkpoint"] == str(checkpoint) and summary["resume_command"] == f"python run.py resume={checkpoint}"
+    assert (
+        summary["last_checkpoint"] == str(checkpoint)
+        and summary["resume_command"] == f"python run.py resume={checkpoint}"
+    )
     assert [r["step"] for r in _metrics(cut)] == [1, 2]
     assert all_resources_free()
 
@@ -208,7 +229,9 @@ def test_an_engine_lost_while_receiving_weights_is_replaced_and_the_run_goes_on(
 
     run_dir = tmp_path / "run"
     try:
-        summary = _train(run_dir, "placement.engines=2", "fault.max_engine_restarts=1", callbacks=[lose_an_engine_in_the_next_sync])
+        summary = _train(
+            run_dir, "placement.engines=2", "fault.max_engine_restarts=1", callbacks=[lose_an_engine_in_the_next_sync]
+        )
     finally:
         warm_actors.release()  # the patched engine is never kept for another test's run
     assert summary["status"] == "completed" and summary["trainer_restarts"] == 0 and lost == [3]
@@ -216,7 +239,10 @@ def test_an_engine_lost_while_receiving_weights_is_replaced_and_the_run_goes_on(
     assert [r["fault/engine_restarts"] for r in rows] == [0, 0, 1, 1] and rows[2]["time/engine_restart"] > 0
     assert [r["weight_version"] for r in rows] == [1, 2, 3, 4]
     assert rows[3]["rollout/logprob_diff_max"] < 1e-4
-    assert "engine 1 lost receiving weight version 3: replaced in its bundle, the version pushed again" in capsys.readouterr().out
+    assert (
+        "engine 1 lost receiving weight version 3: replaced in its bundle, the version pushed again"
+        in capsys.readouterr().out
+    )
 
 
 def _hang(worker) -> None:
@@ -238,13 +264,23 @@ def test_a_hung_trainer_rank_is_found_by_the_step_timeout_and_restarted_like_a_d
             loop.actors.policy[0].__ray_call__.remote(_hang)
 
     run_dir = tmp_path / "run"
-    summary = _train(run_dir, "checkpoint.every_n_steps=2", "fault.step_timeout_s=8", "sync.timeout_s=8", "reward.timeout_s=4", callbacks=[hang_the_policy])
+    summary = _train(
+        run_dir,
+        "checkpoint.every_n_steps=2",
+        "fault.step_timeout_s=8",
+        "sync.timeout_s=8",
+        "reward.timeout_s=4",
+        callbacks=[hang_the_policy],
+    )
     assert summary["status"] == "completed" and summary["trainer_restarts"] == 1 and len(hung) == 1
     rows = _metrics(run_dir)
     assert [r["fault/trainer_restarts"] for r in rows] == [0, 0, 1, 1]
     assert _without_fault_counters(_comparable(rows)) == _without_fault_counters(whole)
     out = capsys.readouterr().out
-    assert "no answer within 8s (fault.step_timeout_s)" in out and "restarting every role from the checkpoint of step 2" in out
+    assert (
+        "no answer within 8s (fault.step_timeout_s)" in out
+        and "restarting every role from the checkpoint of step 2" in out
+    )
     with pytest.raises(ray.exceptions.RayActorError):  # the hung process did not outlive the restart
         ray.get(hung[0].ping.remote(), timeout=30)
     assert all_resources_free()
@@ -289,8 +325,16 @@ def test_a_trainer_phase_longer_than_the_step_timeout_that_moves_is_waited_for(t
 
     run_dir = tmp_path / "run"
     try:  # (micro_batched: micro-batches of micro_batch_size sequences, however short)
-        summary = _train(run_dir, "algo.num_steps=2", "transfer=micro_batched", "algo.micro_batch_size=2", "fault.step_timeout_s=4", "sync.timeout_s=4",
-                         "reward.timeout_s=2", callbacks=[slow_the_policy])
+        summary = _train(
+            run_dir,
+            "algo.num_steps=2",
+            "transfer=micro_batched",
+            "algo.micro_batch_size=2",
+            "fault.step_timeout_s=4",
+            "sync.timeout_s=4",
+            "reward.timeout_s=2",
+            callbacks=[slow_the_policy],
+        )
     finally:
         warm_actors.release()  # the slowed rank is never kept for another test's run
     assert slowed == [1] and summary["status"] == "completed" and summary["trainer_restarts"] == 0
@@ -319,16 +363,24 @@ def test_a_trainer_rank_hung_inside_a_phase_is_found_by_its_progress_and_restart
 
     run_dir = tmp_path / "run"
     try:
-        summary = _train(run_dir, "checkpoint.every_n_steps=2", "fault.step_timeout_s=4", "sync.timeout_s=4", "reward.timeout_s=2",
-                         callbacks=[hang_the_policy])
+        summary = _train(
+            run_dir,
+            "checkpoint.every_n_steps=2",
+            "fault.step_timeout_s=4",
+            "sync.timeout_s=4",
+            "reward.timeout_s=2",
+            callbacks=[hang_the_policy],
+        )
     finally:
         warm_actors.release()
     assert summary["status"] == "completed" and summary["trainer_restarts"] == 1 and len(hung) == 1
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["fault/trainer_restarts"] for r in rows] == [0, 0, 1, 1]
     out = capsys.readouterr().out
-    assert ("step 3: ActorTimeoutError: no answer within 4s (fault.step_timeout_s) while computing experience: "
-            "policy rank 0, critic rank 0 made no progress within 4s (fault.step_timeout_s) or did not answer") in out
+    assert (
+        "step 3: ActorTimeoutError: no answer within 4s (fault.step_timeout_s) while computing experience: "
+        "policy rank 0, critic rank 0 made no progress within 4s (fault.step_timeout_s) or did not answer"
+    ) in out
     assert "restarting every role from the checkpoint of step 2" in out
     with pytest.raises(ray.exceptions.RayActorError):  # the hung process did not outlive the restart
         ray.get(hung[0].ping.remote(), timeout=30)
@@ -356,8 +408,15 @@ def test_scoring_that_keeps_scoring_for_several_step_timeouts_is_never_taken_for
     reward = tmp_path / "slow_reward.py"
     reward.write_text(SLOW_REWARD.format(seconds=0.75))
     run_dir = tmp_path / "run"
-    summary = _train(run_dir, "algo.num_steps=2", "reward=custom", f"reward.path={reward}", "reward.timeout_s=2",
-                     "fault.step_timeout_s=4", "sync.timeout_s=4")
+    summary = _train(
+        run_dir,
+        "algo.num_steps=2",
+        "reward=custom",
+        f"reward.path={reward}",
+        "reward.timeout_s=2",
+        "fault.step_timeout_s=4",
+        "sync.timeout_s=4",
+    )
     assert summary["status"] == "completed" and summary["trainer_restarts"] == 0
     rows = _metrics(run_dir)
     assert [r["fault/trainer_restarts"] for r in rows] == [0, 0] and all(r["reward/timeouts"] == 0 for r in rows)
@@ -403,9 +462,15 @@ def test_a_generation_making_tokens_is_never_timed_out_and_a_stuck_engine_is_fou
 
     run_dir = tmp_path / "run"
     try:
-        summary = _train(run_dir, "fault.step_timeout_s=6", "sync.timeout_s=6", "reward.timeout_s=4", "checkpoint.every_n_steps=2",
-                         "algo.min_response_len=16",
-                         callbacks=[slow_then_stuck])
+        summary = _train(
+            run_dir,
+            "fault.step_timeout_s=6",
+            "sync.timeout_s=6",
+            "reward.timeout_s=4",
+            "checkpoint.every_n_steps=2",
+            "algo.min_response_len=16",
+            callbacks=[slow_then_stuck],
+        )
     finally:
         warm_actors.release()  # the patched engine is never kept for another test's run
     assert summary["status"] == "completed" and summary["trainer_restarts"] == 1
@@ -413,8 +478,10 @@ def test_a_generation_making_tokens_is_never_timed_out_and_a_stuck_engine_is_fou
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and [r["fault/trainer_restarts"] for r in rows] == [0, 0, 1, 1]
     assert rows[1]["time/generate"] > 12  # two timeouts: waited for, since the engine made steps
     out = capsys.readouterr().out
-    assert ("step 3: ActorTimeoutError: no answer within 6s (fault.step_timeout_s) while generating: "
-            "vLLM engine 0 made no engine step within 6s") in out
+    assert (
+        "step 3: ActorTimeoutError: no answer within 6s (fault.step_timeout_s) while generating: "
+        "vLLM engine 0 made no engine step within 6s"
+    ) in out
     assert "restarting every role from the checkpoint of step 2" in out
     assert all_resources_free()
 
@@ -448,14 +515,22 @@ def test_an_evaluation_making_tokens_is_never_timed_out(tmp_path, capsys):
     evaluation after step 2 takes several timeouts, making engine steps all along -- waited for
     by its progress like a training rollout, no restart. (Before, one wall-clock window: the
     evaluation was a hung engine and every role restarted, again and again.)"""
+
     def slow_evaluations(step: int, loop) -> None:
         if step == 1:
             ray.get(loop.actors.engines[0].__ray_call__.remote(_slow_greedy_steps, 2.0))
 
     run_dir = tmp_path / "run"
     try:
-        summary = _train(run_dir, "fault.step_timeout_s=4", "sync.timeout_s=4", "reward.timeout_s=2", "eval.every_n_steps=2", "eval.num_prompts=4",
-                         callbacks=[slow_evaluations])
+        summary = _train(
+            run_dir,
+            "fault.step_timeout_s=4",
+            "sync.timeout_s=4",
+            "reward.timeout_s=2",
+            "eval.every_n_steps=2",
+            "eval.num_prompts=4",
+            callbacks=[slow_evaluations],
+        )
     finally:
         warm_actors.release()  # the slowed engine is never kept for another test's run
     assert summary["status"] == "completed" and summary["trainer_restarts"] == 0
@@ -484,9 +559,19 @@ def test_with_partial_rollout_false_a_push_waits_for_a_generation_longer_than_th
 
     run_dir = tmp_path / "run"
     try:
-        summary = _train(run_dir, "algo.num_steps=3", "pipeline=async", "pipeline.max_staleness=1", "pipeline.partial_rollout=false",
-                         "algo.decoupled_is_cap=5", "fault.step_timeout_s=6", "sync.timeout_s=6", "reward.timeout_s=4",
-                         "algo.min_response_len=16", callbacks=[slow_engine])
+        summary = _train(
+            run_dir,
+            "algo.num_steps=3",
+            "pipeline=async",
+            "pipeline.max_staleness=1",
+            "pipeline.partial_rollout=false",
+            "algo.decoupled_is_cap=5",
+            "fault.step_timeout_s=6",
+            "sync.timeout_s=6",
+            "reward.timeout_s=4",
+            "algo.min_response_len=16",
+            callbacks=[slow_engine],
+        )
     finally:
         warm_actors.release()  # the slowed engine is never kept for another test's run
     assert slowed == [1]
@@ -529,7 +614,13 @@ def test_async_runs_ahead_within_the_bound_and_a_lost_trainer_restarts_from_the_
             ray.kill(loop.actors.policy[0])
 
     run_dir = tmp_path / "run"
-    extra = ["algo.num_steps=5", "pipeline=async", "pipeline.max_staleness=2", "algo.decoupled_is_cap=5", "checkpoint.every_n_steps=2"]
+    extra = [
+        "algo.num_steps=5",
+        "pipeline=async",
+        "pipeline.max_staleness=2",
+        "algo.decoupled_is_cap=5",
+        "checkpoint.every_n_steps=2",
+    ]
     summary = _train(run_dir, *extra, callbacks=[kill_the_trainer])
     assert summary["status"] == "completed" and killed == [2]
     assert summary["trainer_restarts"] == 1
@@ -548,7 +639,9 @@ def _idle(engine) -> bool:
 # slow (~90 s): a run whose engine is replaced mid-rollouts.
 @pytest.mark.extended
 @pytest.mark.slow
-def test_async_an_engine_lost_after_making_its_share_while_another_still_generates_has_its_shares_drawn_again(tmp_path, capsys):
+def test_async_an_engine_lost_after_making_its_share_while_another_still_generates_has_its_shares_drawn_again(
+    tmp_path, capsys
+):
     """pipeline=async, max_staleness=2, two engines. From step 2 on, engine 1 makes each step
     2 s slower, so the rollouts of steps 5-7 are still being generated by it after step 4 while
     engine 0 has made its shares of them. Engine 0 is then lost and replaced in place, as a rollout
@@ -575,8 +668,15 @@ def test_async_an_engine_lost_after_making_its_share_while_another_still_generat
             loop.fleet._replace_engine(0, 5, dead=engine)
 
     run_dir = tmp_path / "run"
-    extra = ["algo.num_steps=7", "pipeline=async", "pipeline.max_staleness=2", "algo.decoupled_is_cap=5", "placement.engines=2",
-             "algo.min_response_len=16", "fault.max_engine_restarts=1"]
+    extra = [
+        "algo.num_steps=7",
+        "pipeline=async",
+        "pipeline.max_staleness=2",
+        "algo.decoupled_is_cap=5",
+        "placement.engines=2",
+        "algo.min_response_len=16",
+        "fault.max_engine_restarts=1",
+    ]
     try:
         summary = _train(run_dir, *extra, callbacks=[slow_engine_1_then_lose_engine_0])
     finally:
@@ -588,7 +688,11 @@ def test_async_an_engine_lost_after_making_its_share_while_another_still_generat
     rows = _metrics(run_dir)
     assert read_metrics(run_dir, include_superseded=True) == rows  # no step was run twice
     assert [r["step"] for r in rows] == list(range(1, 8)) and [r["weight_version"] for r in rows] == list(range(1, 8))
-    assert [r.get("fault/redrawn_samples", 0) > 0 for r in rows[4:]] == [True, True, True]  # steps 5-7: engine 0's half, again
+    assert [r.get("fault/redrawn_samples", 0) > 0 for r in rows[4:]] == [
+        True,
+        True,
+        True,
+    ]  # steps 5-7: engine 0's half, again
     assert all_resources_free()
 
 
@@ -602,7 +706,9 @@ def _engines_idle(loop, timeout_s: float = 120.0) -> None:
 
 # ~60-110 s: one async run of six steps with three engines lost; no restart of any role but the engines.
 @pytest.mark.slow
-def test_async_engines_lost_while_training_receiving_weights_and_holding_rollouts_are_replaced_in_place(tmp_path, capsys):
+def test_async_engines_lost_while_training_receiving_weights_and_holding_rollouts_are_replaced_in_place(
+    tmp_path, capsys
+):
     """pipeline=async, max_staleness=2, two engines, the default budgets. Three engines are killed
     from outside: engine 0 while the trainers train on step 2 (it holds or generates the rollouts
     of steps 3-5), engine 1 while it receives step 3's weights, engine 0 after step 4 once
@@ -638,8 +744,15 @@ def test_async_engines_lost_while_training_receiving_weights_and_holding_rollout
             _kill_and_wait(loop.actors.engines[0])
 
     run_dir = tmp_path / "run"
-    extra = ["algo.num_steps=6", "pipeline=async", "pipeline.max_staleness=2", "algo.decoupled_is_cap=5", "placement.engines=2",
-             "fault.max_engine_restarts=3", "logger.rollouts_per_step=16"]
+    extra = [
+        "algo.num_steps=6",
+        "pipeline=async",
+        "pipeline.max_staleness=2",
+        "algo.decoupled_is_cap=5",
+        "placement.engines=2",
+        "fault.max_engine_restarts=3",
+        "logger.rollouts_per_step=16",
+    ]
     try:
         summary = _train(run_dir, *extra, callbacks=[lose_engines])
     finally:
@@ -654,7 +767,9 @@ def test_async_engines_lost_while_training_receiving_weights_and_holding_rollout
     assert sum(r.get("fault/redrawn_samples", 0) for r in rows[4:]) > 0
     assert max(r["rollout/staleness_max"] for r in rows) <= 2
     for step in range(1, 7):  # every sample of every step trained, once
-        dumped = [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        dumped = [
+            json.loads(line) for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        ]
         assert sorted(d["index"] for d in dumped) == list(range(16))
     out = capsys.readouterr().out
     assert "drawn again on the replacement" in out and "restarting" not in out

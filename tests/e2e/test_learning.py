@@ -42,8 +42,14 @@ PIPELINES = {"sync": [], "one_step_off": ["pipeline=one_step_off", "algo.tis_cap
 
 def _openrlhf_jsonl(files: dict) -> list[str]:
     """The digit task as OpenRLHF's jsonl (input/label keys), the rule reward, the padded transfer."""
-    return ["data=files", f"data.train_files=[{files['openrlhf']['train']}]", "data.prompt_key=input", "data.label_key=label",
-            "reward=digit_reverse", "transfer=padded"]
+    return [
+        "data=files",
+        f"data.train_files=[{files['openrlhf']['train']}]",
+        "data.prompt_key=input",
+        "data.label_key=label",
+        "reward=digit_reverse",
+        "transfer=padded",
+    ]
 
 
 # The two PPO runs one after the other: they share a plan, so the second runs on the first's kept
@@ -51,13 +57,21 @@ def _openrlhf_jsonl(files: dict) -> list[str]:
 # PPO's two cases run in the full tier only (`make test-full`); CI's tier runs GRPO's here and PPO
 # learning tool use under pipeline=async (tests/env/test_env_integration.py). README's CLI run with the
 # default PPO (test_own_data_and_reward) is in the full tier too.
-@pytest.mark.parametrize("algo,pipeline", [pytest.param("ppo", "sync", marks=pytest.mark.extended),
-                                           pytest.param("ppo", "one_step_off", marks=pytest.mark.extended), ("grpo", "sync")])
+@pytest.mark.parametrize(
+    "algo,pipeline",
+    [
+        pytest.param("ppo", "sync", marks=pytest.mark.extended),
+        pytest.param("ppo", "one_step_off", marks=pytest.mark.extended),
+        ("grpo", "sync"),
+    ],
+)
 def test_reward_rises(tmp_path, algo, pipeline, digit_files):
     roles = {}
 
     def record_roles(step: int, loop) -> None:
-        roles.update(critic=len(loop.actors.critic), reference=len(loop.actors.reference), policy=len(loop.actors.policy))
+        roles.update(
+            critic=len(loop.actors.critic), reference=len(loop.actors.reference), policy=len(loop.actors.policy)
+        )
 
     # GRPO learns from the task written as OpenRLHF's jsonl, through the padded transfer (the PPO runs:
     # the embedded task, packed): one run shows the files' loader and the baseline transfer learn too.
@@ -76,7 +90,10 @@ def test_reward_rises(tmp_path, algo, pipeline, digit_files):
 @pytest.mark.extended
 def test_dapo_dynamic_sampling_fills_every_batch(tmp_path):
     # Under one_step_off: the sampling rounds of the next rollout run while the trainers train.
-    rows = _run(["experiment=quick", "algo=dapo", "algo.num_steps=3", "algo.samples_per_prompt=2", "pipeline=one_step_off"], tmp_path)
+    rows = _run(
+        ["experiment=quick", "algo=dapo", "algo.num_steps=3", "algo.samples_per_prompt=2", "pipeline=one_step_off"],
+        tmp_path,
+    )
     for row in rows:
         assert row["rollout/samples"] == 8 * 2  # rollout_batch_size x samples_per_prompt, every step
         assert row["rollout/uniform_groups"] == 0, row  # every group trained on has scores that differ

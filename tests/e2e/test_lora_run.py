@@ -21,8 +21,14 @@ from tests.e2e.test_resume import _comparable, _metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
-RUN = ["experiment=quick", "model.lora.rank=8", "algo.num_steps=3", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3",
-       *SHARED_RAY]
+RUN = [
+    "experiment=quick",
+    "model.lora.rank=8",
+    "algo.num_steps=3",
+    "checkpoint.every_n_steps=1",
+    "checkpoint.keep_last=3",
+    *SHARED_RAY,
+]
 FLOAT32_AGREEMENT = 1e-4  # nats
 
 
@@ -36,7 +42,9 @@ def lora_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("lora_whole")
 
     def record(step: int, loop) -> None:
-        HOSTED.append(bool(loop.actors.reference) and all(isinstance(r, HostedReference) for r in loop.actors.reference))
+        HOSTED.append(
+            bool(loop.actors.reference) and all(isinstance(r, HostedReference) for r in loop.actors.reference)
+        )
 
     summary = train_in_process(RUN, run_dir, callbacks=[record])
     assert summary["status"] == "completed"
@@ -87,8 +95,19 @@ def test_resumed_from_a_checkpoint_it_is_the_uninterrupted_run_bit_for_bit(lora_
 @pytest.mark.extended
 def test_the_export_loads_merged_and_as_an_adapter_in_transformers_peft_and_vllm(lora_run, tiny_model_path):
     script = Path(__file__).with_name("lora_export_check.py")
-    out = subprocess.run([sys.executable, str(script), str(lora_run / "policy_hf"), tiny_model_path, json.dumps([1, 30, 31, 38, 33, 35, 29, 5, 6])],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(lora_run / "policy_hf"),
+            tiny_model_path,
+            json.dumps([1, 30, 31, 38, 33, 35, 29, 5, 6]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("merged_hf_vs_peft", "merged_hf_vs_merged_vllm", "merged_hf_vs_adapter_vllm"):
@@ -111,8 +130,14 @@ def test_a_lora_run_killed_with_sigkill_resumes_to_the_uninterrupted_run_bit_for
     cli = [*[o for o in RUN if o not in SHARED_RAY], "algo.num_steps=4"]
 
     def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "run.py", *cli, f"hydra.run.dir={run_dir}", *extra], cwd=repo,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "run.py", *cli, f"hydra.run.dir={run_dir}", *extra],
+            cwd=repo,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     rc, out = _finish(start(whole))
@@ -133,8 +158,15 @@ def test_a_lora_run_killed_with_sigkill_resumes_to_the_uninterrupted_run_bit_for
 # checkpoint (which carries step 2's rollout): the adapters' partitions and optimizer states restored.
 @pytest.mark.extended
 def test_zero3_two_ranks_one_step_off_lora_resumes_exactly(tmp_path):
-    overrides = [*RUN, "trainer.zero_stage=3", "placement.actor_ranks=2", "placement.reference_ranks=2",
-                 "pipeline=one_step_off", "algo.tis_cap=2", "launcher.keep_actors=false"]
+    overrides = [
+        *RUN,
+        "trainer.zero_stage=3",
+        "placement.actor_ranks=2",
+        "placement.reference_ranks=2",
+        "pipeline=one_step_off",
+        "algo.tis_cap=2",
+        "launcher.keep_actors=false",
+    ]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert train_in_process(overrides, whole)["status"] == "completed"
     rows = _metrics(whole)

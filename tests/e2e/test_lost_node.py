@@ -54,10 +54,17 @@ def test_a_lost_node_moves_the_run_to_the_node_left_then_the_run_stops_with_its_
             cluster.remove_node(workers[node])
             _wait_until_dead(node)  # as a real loss is seen: the cluster knows before the next step
 
-    cfg = compose_config([
-        "experiment=quick", "algo.num_steps=5", "checkpoint.every_n_steps=1", "checkpoint.export_final=false",
-        "launcher=cluster", f"launcher.address={cluster.address}", "launcher.startup_timeout_s=45",
-    ])
+    cfg = compose_config(
+        [
+            "experiment=quick",
+            "algo.num_steps=5",
+            "checkpoint.every_n_steps=1",
+            "checkpoint.export_final=false",
+            "launcher=cluster",
+            f"launcher.address={cluster.address}",
+            "launcher.startup_timeout_s=45",
+        ]
+    )
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     run_dir = tmp_path / "run"

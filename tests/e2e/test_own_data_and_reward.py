@@ -65,8 +65,13 @@ def test_cli_verl_parquet_custom_reward_with_eval_learns_packed(digit_files, tmp
         "data=files",
         f"data.train_files=[{digit_files['verl']['train']}]",
         f"data.val_files=[{digit_files['verl']['test']}]",
-        "reward=custom", f"reward.path={REWARD_FILE}", "reward.name=compute_score",
-        "eval.every_n_steps=5", "transfer=packed", "algo.num_steps=30", f"hydra.run.dir={run_dir}",
+        "reward=custom",
+        f"reward.path={REWARD_FILE}",
+        "reward.name=compute_score",
+        "eval.every_n_steps=5",
+        "transfer=packed",
+        "algo.num_steps=30",
+        f"hydra.run.dir={run_dir}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _metrics(run_dir)
@@ -91,8 +96,16 @@ def test_verl_parquet_evaluated_before_training_trains_dr_grpo_packed(digit_file
     oracle matrix's: tests/algo/test_oracle_matrix.py, every algorithm x aggregation x transfer.)"""
     run_dir = tmp_path / "run"
     _train(
-        ["experiment=quick", "algo=dr_grpo", "data=files", f"data.train_files=[{digit_files['verl']['train']}]",
-         f"data.val_files=[{digit_files['verl']['test']}]", "transfer=packed", "eval.before_train=true", "eval.num_prompts=8"],
+        [
+            "experiment=quick",
+            "algo=dr_grpo",
+            "data=files",
+            f"data.train_files=[{digit_files['verl']['train']}]",
+            f"data.val_files=[{digit_files['verl']['test']}]",
+            "transfer=packed",
+            "eval.before_train=true",
+            "eval.num_prompts=8",
+        ],
         run_dir,
     )
     rows = _metrics(run_dir)
@@ -121,8 +134,19 @@ def test_raising_and_hanging_rewards_score_zero_are_counted_and_the_step_complet
     )
     t0 = time.perf_counter()
     # Dr. GRPO: the previous test's plan, so its kept actors serve this run (launcher.keep_actors).
-    _train(["experiment=quick", "algo=dr_grpo", "algo.num_steps=1", "algo.rollout_batch_size=16", "reward=custom", f"reward.path={flaky}",
-            "reward.timeout_s=0.5", f"reward.pool_size={pool_size}"], tmp_path / "run")
+    _train(
+        [
+            "experiment=quick",
+            "algo=dr_grpo",
+            "algo.num_steps=1",
+            "algo.rollout_batch_size=16",
+            "reward=custom",
+            f"reward.path={flaky}",
+            "reward.timeout_s=0.5",
+            f"reward.pool_size={pool_size}",
+        ],
+        tmp_path / "run",
+    )
     row = _metrics(tmp_path / "run")[0]
     assert row["reward/errors"] > 0 and row["reward/timeouts"] > 0, row
     assert row["rollout/samples"] == 32
@@ -143,9 +167,18 @@ def test_reward_model_role_with_a_rule_term_scores_like_hugging_face(tmp_path, s
             seen["actor"] = ray.get(loop.actors.reward[0].scores_of.remote(sequences))
 
     summary = _train(
-        ["experiment=quick", "reward=model", "+reward@reward.rule=digit_reverse", "reward.rule_weight=0.5", "reward.weight=2.0",
-         "transfer=packed", "eval.every_n_steps=2", "eval.num_prompts=8"],
-        tmp_path, [compare_with_hf],
+        [
+            "experiment=quick",
+            "reward=model",
+            "+reward@reward.rule=digit_reverse",
+            "reward.rule_weight=0.5",
+            "reward.weight=2.0",
+            "transfer=packed",
+            "eval.every_n_steps=2",
+            "eval.num_prompts=8",
+        ],
+        tmp_path,
+        [compare_with_hf],
     )
     rows = _metrics(tmp_path)
     for row in rows:
@@ -163,7 +196,12 @@ def test_reward_model_role_with_a_rule_term_scores_like_hugging_face(tmp_path, s
 def test_dry_run_shows_the_reward_model_placed(capsys):
     from rlhf_orch import app
 
-    assert app.main(compose_config(["reward=model", "placement=split", "launcher.logical_gpus=8", "launcher.dry_run=true"]))[0] == 0
+    assert (
+        app.main(
+            compose_config(["reward=model", "placement=split", "launcher.logical_gpus=8", "launcher.dry_run=true"])
+        )[0]
+        == 0
+    )
     out = capsys.readouterr().out
     assert [line for line in out.splitlines() if line.strip().startswith("reward")], out
     assert app.main(compose_config(["placement=split", "launcher.logical_gpus=8", "launcher.dry_run=true"]))[0] == 0
@@ -208,8 +246,12 @@ def test_missing_data_file(refused):
 
 def test_rule_reward_without_labels(digit_files, refused):
     # OpenRLHF rows read with the veRL default label key: no labels, and the digit rule needs them.
-    refused("data=files", f"data.train_files=[{digit_files['openrlhf']['train']}]", "data.prompt_key=input",
-            words=("reward=digit_reverse", "label", "data.label_key"))
+    refused(
+        "data=files",
+        f"data.train_files=[{digit_files['openrlhf']['train']}]",
+        "data.prompt_key=input",
+        words=("reward=digit_reverse", "label", "data.label_key"),
+    )
 
 
 def test_custom_reward_file_missing_and_name_missing(tmp_path, refused):
@@ -218,12 +260,18 @@ def test_custom_reward_file_missing_and_name_missing(tmp_path, refused):
 
 
 def test_reward_model_path_that_is_not_a_classifier(tiny_model_path, refused):
-    refused("reward=model", f"reward.model_path={tiny_model_path}", words=("reward.model_path", "sequence-classification"))
+    refused(
+        "reward=model", f"reward.model_path={tiny_model_path}", words=("reward.model_path", "sequence-classification")
+    )
 
 
 def test_hf_model_not_in_the_local_cache(refused):
-    refused("model=hf", "model.name_or_path=nobody/no-such-model", "model.dtype=float32",
-            words=("model.name_or_path", "local Hugging Face cache"))
+    refused(
+        "model=hf",
+        "model.name_or_path=nobody/no-such-model",
+        "model.dtype=float32",
+        words=("model.name_or_path", "local Hugging Face cache"),
+    )
 
 
 @pytest.mark.extended
@@ -233,7 +281,9 @@ def test_reward_returning_nan_stops_the_run_naming_function_and_sample(tmp_path,
     from rlhf_orch import app
 
     bad = tmp_path / "nan_reward.py"
-    bad.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n")
+    bad.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n"
+    )
     monkeypatch.setattr(app, "run_dir", lambda: tmp_path / "run")
     err = io.StringIO()
     with redirect_stderr(err):

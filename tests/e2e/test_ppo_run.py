@@ -28,6 +28,7 @@ from hydra.utils import instantiate
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
+
 def _metrics(run_dir: Path) -> list[dict]:
     return read_metrics(run_dir)
 
@@ -39,14 +40,28 @@ def test_sweep_runs_each_job_in_its_own_dir_and_summarises_every_job(tmp_path):
     # Two jobs: one trains, one is refused before Ray (NCCL on a CPU machine); the sweep goes on.
     proc = subprocess.run(
         # GRPO: no critic process to start (the sweep is what is tested, not the algorithm)
-        [sys.executable, "run.py", "-m", "experiment=quick", "algo=grpo", "algo.num_steps=1",
-         "sync=gloo_per_tensor,nccl_bucketed", f"hydra.sweep.dir={sweep_dir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "run.py",
+            "-m",
+            "experiment=quick",
+            "algo=grpo",
+            "algo.num_steps=1",
+            "sync=gloo_per_tensor,nccl_bucketed",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     job_dirs = sorted(p.parent for p in sweep_dir.glob("*/metrics.jsonl"))
     assert len(job_dirs) == 1 and len(_metrics(job_dirs[0])) == 1
-    assert OmegaConf.load(job_dirs[0] / ".hydra" / "config.yaml").sync._target_ == "rlhf_orch.sync.per_tensor.PerTensorBroadcastSync"
+    assert (
+        OmegaConf.load(job_dirs[0] / ".hydra" / "config.yaml").sync._target_
+        == "rlhf_orch.sync.per_tensor.PerTensorBroadcastSync"
+    )
     # The sweep summary (a Hydra callback): one row per job, the failed one with its reason.
     with (sweep_dir / "summary.csv").open() as fh:
         rows = {r["overrides"].split("sync=")[1].split()[0]: r for r in csv.DictReader(fh)}
@@ -84,7 +99,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 # start-up), then steps run until the NaN -- each part is what the test proves.
 @pytest.mark.extended
 @pytest.mark.slow
-def test_engine_dying_mid_overlap_restarts_from_the_carried_rollout_and_a_nan_stops_the_run(tmp_path, shared_ray, capsys):
+def test_engine_dying_mid_overlap_restarts_from_the_carried_rollout_and_a_nan_stops_the_run(
+    tmp_path, shared_ray, capsys
+):
     """pipeline=one_step_off: step 3's rollout is generated with v1 while the trainers make v2 from
     step 2's; an engine dies in it. v1 is gone from the trainers, so a replacement would draw its
     share with v2 -- not the uninterrupted run's rollout: every role restarts from step 1's
@@ -92,11 +109,21 @@ def test_engine_dying_mid_overlap_restarts_from_the_carried_rollout_and_a_nan_st
     sample of step 3 drawn by v1). Step 4's rollout overflows and the run stops before logging it."""
     kill, huge = tmp_path / "kill_an_engine", tmp_path / "huge_rewards"
     (tmp_path / "reward.py").write_text(FAULTY_REWARD.format(kill=str(kill), huge=str(huge)))
-    cfg = compose_config([
-        "experiment=quick", "algo.num_steps=4", "placement.engines=2", "transfer=packed", "pipeline=one_step_off",
-        "algo.tis_cap=2", "reward=custom", f"reward.path={tmp_path / 'reward.py'}", "checkpoint.every_n_steps=1",
-        "checkpoint.export_final=false", *shared_ray,
-    ])
+    cfg = compose_config(
+        [
+            "experiment=quick",
+            "algo.num_steps=4",
+            "placement.engines=2",
+            "transfer=packed",
+            "pipeline=one_step_off",
+            "algo.tis_cap=2",
+            "reward=custom",
+            f"reward.path={tmp_path / 'reward.py'}",
+            "checkpoint.every_n_steps=1",
+            "checkpoint.export_final=false",
+            *shared_ray,
+        ]
+    )
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     run_dir = tmp_path / "run"
@@ -114,7 +141,9 @@ def test_engine_dying_mid_overlap_restarts_from_the_carried_rollout_and_a_nan_st
         if step == 2:
             Path(str(huge) + ".armed").write_text("")  # step 4's rewards overflow
 
-    with pytest.raises(RunFailed, match=r"step 4: NonFiniteError: .*(loss/value|advantages/abs_max)=(nan|inf).*step_00000003.*resume="):
+    with pytest.raises(
+        RunFailed, match=r"step 4: NonFiniteError: .*(loss/value|advantages/abs_max)=(nan|inf).*step_00000003.*resume="
+    ):
         run_training(cfg, typed, plan, launcher, run_dir, callbacks=[arm])
     assert not exposed, exposed
     rows = _metrics(run_dir)
@@ -143,10 +172,29 @@ def test_engine_dying_mid_overlap_restarts_from_the_carried_rollout_and_a_nan_st
 
 def test_engine_restart_budget_is_a_hard_limit():
     fleet = EngineFleet.__new__(EngineFleet)
-    fleet.settings = LoopSettings(1, 1, 1, 1, 1, 1.0, 0, 1.0, max_seq_len=0, max_engine_restarts=2, engine_tp=1, engines_sleep=False,
-                                  min_response_len=0, train_batch_size=0)
+    fleet.settings = LoopSettings(
+        1,
+        1,
+        1,
+        1,
+        1,
+        1.0,
+        0,
+        1.0,
+        max_seq_len=0,
+        max_engine_restarts=2,
+        engine_tp=1,
+        engines_sleep=False,
+        min_response_len=0,
+        train_batch_size=0,
+    )
     fleet.restart_log, fleet.closing = {3: [1.0], 5: [1.0]}, False
-    fleet._replacing, fleet.trainers, fleet._pushing, fleet.pipeline = threading.Lock(), TrainerVersion(4), threading.RLock(), SyncPipeline()
+    fleet._replacing, fleet.trainers, fleet._pushing, fleet.pipeline = (
+        threading.Lock(),
+        TrainerVersion(4),
+        threading.RLock(),
+        SyncPipeline(),
+    )
     fleet.version = 4
     fleet.engine_restarts_before = 0  # (a fresh invocation: both earlier replacements were its own)
     with pytest.raises(EngineDiedError, match=r"engine 1 died during step 7 .*fault.max_engine_restarts=2"):
@@ -155,14 +203,26 @@ def test_engine_restart_budget_is_a_hard_limit():
 
 LAYOUTS = {
     # One logical GPU shared by every role, each with its fraction.
-    "colocated": ["placement=colocated", "placement.gpus_per_node=1", "placement.actor_ranks=1",
-                  "placement.critic_ranks=1", "placement.reference_ranks=1", "placement.engines=1",
-                  "launcher.logical_gpus=1"],
+    "colocated": [
+        "placement=colocated",
+        "placement.gpus_per_node=1",
+        "placement.actor_ranks=1",
+        "placement.critic_ranks=1",
+        "placement.reference_ranks=1",
+        "placement.engines=1",
+        "launcher.logical_gpus=1",
+    ],
     # Disjoint trainer and vLLM GPUs; the reference shares the actor's GPU, in a process of its own
     # here (the colocated layout hosts it in the actor's process, the default).
-    "split": ["placement=split", "placement.gpus_per_node=3", "placement.actor_gpus=1",
-              "placement.critic_gpus=1", "placement.vllm_gpus=1", "launcher.logical_gpus=3",
-              "placement.reference_in_actor=false"],
+    "split": [
+        "placement=split",
+        "placement.gpus_per_node=3",
+        "placement.actor_gpus=1",
+        "placement.critic_gpus=1",
+        "placement.vllm_gpus=1",
+        "launcher.logical_gpus=3",
+        "placement.reference_in_actor=false",
+    ],
 }
 
 
@@ -302,7 +362,10 @@ def test_a_wait_that_gives_up_on_a_stuck_engine_names_it_and_not_the_busy_one(sh
     try:
         with pytest.raises(TimeoutError) as error:
             route.on_engines(lambda e, engine: engine.hold.remote(60), [0, 1], "generating")
-        assert str(error.value) == "generating: vLLM engine 0 made no engine step within 1s (fault.step_timeout_s) or did not answer"
+        assert (
+            str(error.value)
+            == "generating: vLLM engine 0 made no engine step within 1s (fault.step_timeout_s) or did not answer"
+        )
     finally:
         for a in (stuck, busy):
             ray.kill(a)

@@ -30,7 +30,12 @@ from rlhf_orch.orchestration.session import run_training
 from tests.conftest import SHARED_RAY, compose_config
 from rlhf_orch.logging.base import read_metrics
 
-pytestmark = [pytest.mark.integration, pytest.mark.real_model, pytest.mark.extended, pytest.mark.usefixtures("shared_ray")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.real_model,
+    pytest.mark.extended,
+    pytest.mark.usefixtures("shared_ray"),
+]
 
 # float32 kernels (vLLM's CPU attention vs transformers' sdpa over 30 layers): measured 4e-5..2e-4.
 FLOAT32_AGREEMENT = 2e-3
@@ -51,16 +56,41 @@ def smollm2_run(tmp_path_factory, smollm2_path):
     # A learning rate that moves every weight visibly in one step (a sync that missed one would show),
     # and an entropy term: with 8 samples every group may score alike (no advantage), the update must
     # still happen.
-    rows = _run(["model=smollm2_135m", "algo=grpo", "data=files", f"data.train_files=[{parquet}]", f"data.val_files=[{parquet}]",
-                 "data.label_key=reward_spec.ground_truth", "data.prompt_max_len=256", "data.response_max_len=112",
-                 "env=skyrl", "env.env_class=text2sql", f"env.env_config.db_path={db_path}", "env.max_turns=3",
-                 "env.max_tokens_per_turn=32", "env.max_observation_tokens=40", "env.observation_truncate_side=middle",
-                 "env.stop=['</sql>','</solution>']",
-                 "algo.num_steps=2", "algo.rollout_batch_size=2", "algo.samples_per_prompt=2", "algo.temperature=0.7",
-                 "algo.train_batch_size=4", "algo.micro_batch_size=2", "algo.actor_lr=1e-4", "algo.entropy_coef=0.01",
-                 "algo.kl_placement=off", "algo.kl_coef=0.0", "eval.every_n_steps=0", "logger.rollouts_per_step=4",
-                 "checkpoint.at_end=false",  # 1.6 GB of DeepSpeed state (~5 s) no check reads; the export is checked
-                 "trainer.torch_threads=1"], run_dir)  # the suite's other worker has the second core
+    rows = _run(
+        [
+            "model=smollm2_135m",
+            "algo=grpo",
+            "data=files",
+            f"data.train_files=[{parquet}]",
+            f"data.val_files=[{parquet}]",
+            "data.label_key=reward_spec.ground_truth",
+            "data.prompt_max_len=256",
+            "data.response_max_len=112",
+            "env=skyrl",
+            "env.env_class=text2sql",
+            f"env.env_config.db_path={db_path}",
+            "env.max_turns=3",
+            "env.max_tokens_per_turn=32",
+            "env.max_observation_tokens=40",
+            "env.observation_truncate_side=middle",
+            "env.stop=['</sql>','</solution>']",
+            "algo.num_steps=2",
+            "algo.rollout_batch_size=2",
+            "algo.samples_per_prompt=2",
+            "algo.temperature=0.7",
+            "algo.train_batch_size=4",
+            "algo.micro_batch_size=2",
+            "algo.actor_lr=1e-4",
+            "algo.entropy_coef=0.01",
+            "algo.kl_placement=off",
+            "algo.kl_coef=0.0",
+            "eval.every_n_steps=0",
+            "logger.rollouts_per_step=4",
+            "checkpoint.at_end=false",  # 1.6 GB of DeepSpeed state (~5 s) no check reads; the export is checked
+            "trainer.torch_threads=1",
+        ],
+        run_dir,
+    )  # the suite's other worker has the second core
     return run_dir, rows
 
 
@@ -77,9 +107,14 @@ def test_two_grpo_steps_of_text2sql_with_the_engine_agreeing_with_the_trainer_af
     # Step 1 ended with the whole model pushed (135M float32 parameters), so step 2 was drawn by the
     # engine holding the synced weights of step 1's update (on-policy: staleness 0).
     assert rows[1]["weight_version"] == 2 and rows[1]["rollout/staleness_max"] == 0
-    diffs = {k: rows[1][k] for k in ("rollout/logprob_diff_max", "rollout/logprob_diff_mean", "rollout/logprob_diff_over_frac")}
+    diffs = {
+        k: rows[1][k]
+        for k in ("rollout/logprob_diff_max", "rollout/logprob_diff_mean", "rollout/logprob_diff_over_frac")
+    }
     assert diffs["rollout/logprob_diff_max"] < FLOAT32_AGREEMENT, diffs
-    assert diffs["rollout/logprob_diff_mean"] < FLOAT32_AGREEMENT / 10 and diffs["rollout/logprob_diff_over_frac"] == 0.0, diffs
+    assert (
+        diffs["rollout/logprob_diff_mean"] < FLOAT32_AGREEMENT / 10 and diffs["rollout/logprob_diff_over_frac"] == 0.0
+    ), diffs
     assert rows[0]["sync/bytes_per_engine"] > 500e6
 
 
@@ -97,14 +132,17 @@ def test_the_rollout_dump_reads_as_the_chat_template_renders_the_conversation(sm
         for line in lines:
             text = line["text"]
             assert text == line["prompt"] + line["response"] and line["data_source"] == "synthetic_spider"
-            tail = text[sum(len(m.group(0)) for m in _TURN.finditer(text)):]
+            tail = text[sum(len(m.group(0)) for m in _TURN.finditer(text)) :]
             messages = [{"role": m.group(1), "content": m.group(2)} for m in _TURN.finditer(text)]
             closed = tail == ""
             if not closed:  # the last turn: the model's, still open (cut at its limit) or closed without "\n"
                 body = tail.removeprefix("<|im_start|>assistant\n")
                 messages.append({"role": "assistant", "content": body.removesuffix("<|im_end|>")})
             rendered = smollm2_tokenizer.apply_chat_template(messages, tokenize=False)
-            assert rendered.startswith(text) and rendered[len(text):] in ("", "\n", "<|im_end|>\n"), (text[-200:], rendered[-200:])
+            assert rendered.startswith(text) and rendered[len(text) :] in ("", "\n", "<|im_end|>\n"), (
+                text[-200:],
+                rendered[-200:],
+            )
             assert line["turns"] == sum(m["role"] == "assistant" for m in messages) >= 1
             turns_seen += line["turns"]
             for m in messages:
@@ -121,8 +159,13 @@ def test_the_exported_policy_loads_in_transformers_and_vllm_with_equal_logprobs(
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(script), str(export), smollm2_path, line["prompt"], line["response"]],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    out = subprocess.run(
+        [sys.executable, str(script), str(export), smollm2_path, line["prompt"], line["response"]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["max_diff_hf_vs_vllm"] < FLOAT32_AGREEMENT, result

@@ -27,9 +27,21 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["experiment=quick", "algo.num_steps=5", "checkpoint.every_n_steps=1", "checkpoint.keep_last=3"]
 STEP_KEYS = {
-    "reward/mean", "kl", "loss/policy", "loss/value", "perf/tokens_per_s", "weight_version", "fault/engine_restarts",
-    "policy/grad_norm", "advantages/abs_max", "time/generate", "time/experience", "time/transfer", "time/train",
-    "time/sync", "time/step",
+    "reward/mean",
+    "kl",
+    "loss/policy",
+    "loss/value",
+    "perf/tokens_per_s",
+    "weight_version",
+    "fault/engine_restarts",
+    "policy/grad_norm",
+    "advantages/abs_max",
+    "time/generate",
+    "time/experience",
+    "time/transfer",
+    "time/train",
+    "time/sync",
+    "time/step",
 }
 # Wall-clock measurements differ between any two runs; everything else must be identical.
 TIMING_PREFIXES = ("time/", "perf/", "share/", "sync/gb_per_s", "transfer/metadata")
@@ -55,7 +67,11 @@ def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
     # as a node failure would.
     return subprocess.Popen(
         [sys.executable, "run.py", *RUN, f"hydra.run.dir={run_dir}", *extra],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -122,7 +138,7 @@ def test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit
     assert log.count("plan: algo=ppo placement=cpu_local") == 2 and f"-> {cut}" in log
     shown = [line for line in out.splitlines() if line.startswith("step ")]
     logged = [line for line in log.splitlines() if line.startswith("step ")]
-    assert shown and logged[-len(shown):] == shown and f"step {stopped_at:>4}/5" in log
+    assert shown and logged[-len(shown) :] == shown and f"step {stopped_at:>4}/5" in log
     assert "SIGINT received" in log and "Started a local Ray instance" not in log
     assert [r["step"] for r in _metrics(cut)] == list(range(1, stopped_at + 1))
     assert summary["last_checkpoint"].endswith(f"step_{stopped_at:08d}")
@@ -140,7 +156,9 @@ def test_sigkill_then_sigint_then_resume_gives_the_uninterrupted_run_bit_for_bit
     # equal log-probs is test_real_model's, on the real model.)
     from safetensors.torch import load_file
 
-    exported = {name: load_file(str(d / "policy_hf" / "model.safetensors")) for name, d in (("whole", whole), ("cut", cut))}
+    exported = {
+        name: load_file(str(d / "policy_hf" / "model.safetensors")) for name, d in (("whole", whole), ("cut", cut))
+    }
     assert exported["cut"].keys() == exported["whole"].keys()
     assert all(exported["cut"][k].equal(exported["whole"][k]) for k in exported["whole"])
 
@@ -155,9 +173,19 @@ def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path, shared_ray
     2's rollout, generated ahead with the initial weights; the resumed run trains on that very
     rollout (redrawing it with the checkpoint's weights would change every metric)."""
     # (two reference ranks: each inside its ZeRO-3 policy rank's process, placement.reference_in_actor)
-    overrides = [*RUN, "algo.num_steps=3", "trainer.zero_stage=3", "placement.actor_ranks=2", "placement.reference_ranks=2",
-                 "checkpoint.export_final=false",
-                 "pipeline=one_step_off", "transfer=packed", "algo.tis_cap=2", *shared_ray, "launcher.keep_actors=false"]
+    overrides = [
+        *RUN,
+        "algo.num_steps=3",
+        "trainer.zero_stage=3",
+        "placement.actor_ranks=2",
+        "placement.reference_ranks=2",
+        "checkpoint.export_final=false",
+        "pipeline=one_step_off",
+        "transfer=packed",
+        "algo.tis_cap=2",
+        *shared_ray,
+        "launcher.keep_actors=false",
+    ]
     cfg = compose_config(overrides)
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)

@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 import ray
 
-from rlhf_orch.engines.launch import SLEEP_WHERE_AVAILABLE, cpu_thread_binding, engine_launch, memory_utilization, sleep_level
+from rlhf_orch.engines.launch import (
+    SLEEP_WHERE_AVAILABLE,
+    cpu_thread_binding,
+    engine_launch,
+    memory_utilization,
+    sleep_level,
+)
 from rlhf_orch.sync.handover import WorkerPayloads, _engine_payload
 from rlhf_orch.sync.receive import CloseSession, OpenSession
 from rlhf_orch.topology.plan import PlacementError, describe_feeds, feed_table, ipc_feeds
@@ -28,9 +34,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def _colocated(engines: int, engine_tp: int, nodes: int, gpus_per_node: int, actor_ranks: int | None = None):
     gpus = nodes * gpus_per_node
     return plan_colocated(
-        actor_ranks=actor_ranks or gpus, critic_ranks=gpus, reference_ranks=gpus, engines=engines, engine_tp=engine_tp,
-        reward="function", nodes=nodes, gpus_per_node=gpus_per_node, actor_fraction=0.25, critic_fraction=0.25,
-        reference_fraction=0.15, engine_fraction=0.35,
+        actor_ranks=actor_ranks or gpus,
+        critic_ranks=gpus,
+        reference_ranks=gpus,
+        engines=engines,
+        engine_tp=engine_tp,
+        reward="function",
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        actor_fraction=0.25,
+        critic_fraction=0.25,
+        reference_fraction=0.15,
+        engine_fraction=0.35,
     )
 
 
@@ -73,9 +88,19 @@ def test_tp_engine_gets_one_payload_per_worker_from_its_feeders():
 
 def test_dry_run_prints_which_rank_feeds_which_engine():
     out = subprocess.run(
-        [sys.executable, "run.py", "placement=colocated", "placement.gpus_per_node=4", "launcher.logical_gpus=4",
-         "sync=cuda_ipc", "launcher.dry_run=true"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "run.py",
+            "placement=colocated",
+            "placement.gpus_per_node=4",
+            "launcher.logical_gpus=4",
+            "sync=cuda_ipc",
+            "launcher.dry_run=true",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     assert "CUDA IPC feeds" in out.stdout
@@ -90,9 +115,23 @@ def test_tp_engine_launch_names_its_bundles_and_claims_no_gpu_itself():
     launch = engine_launch(second, gpu_layout=True)
     assert launch.actor_num_gpus == 0 and launch.executor == "ray"
     assert launch.env == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "0.35"}
-    assert engine_launch(plan_split(nodes=1, gpus_per_node=4, engine_tp=1, reward="function", ratio=None, actor_gpus=1,
-                                    critic_gpus=1, vllm_gpus=2, reference_fraction=0.25).slots_for("engine")[0],
-                         gpu_layout=True).actor_num_gpus == 1.0
+    assert (
+        engine_launch(
+            plan_split(
+                nodes=1,
+                gpus_per_node=4,
+                engine_tp=1,
+                reward="function",
+                ratio=None,
+                actor_gpus=1,
+                critic_gpus=1,
+                vllm_gpus=2,
+                reference_fraction=0.25,
+            ).slots_for("engine")[0],
+            gpu_layout=True,
+        ).actor_num_gpus
+        == 1.0
+    )
     assert engine_launch(first, gpu_layout=False).executor == "mp"
 
 
@@ -110,8 +149,13 @@ class _EngineStub:
         indices = [int(i) for i in os.environ["VLLM_RAY_BUNDLE_INDICES"].split(",")]
         per_worker = float(os.environ["VLLM_RAY_PER_WORKER_GPUS"])
         self.workers = [
-            _Worker.options(num_cpus=0, num_gpus=per_worker, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_bundle_index=i, placement_group_capture_child_tasks=True)).remote()
+            _Worker.options(
+                num_cpus=0,
+                num_gpus=per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=i, placement_group_capture_child_tasks=True
+                ),
+            ).remote()
             for i in indices
         ]
         return ray.get([w.gpus.remote() for w in self.workers], timeout=60)
@@ -142,7 +186,8 @@ def test_tp_workers_land_on_the_engines_planned_gpus_with_every_role_placed():
         with RayPlacement(plan, ready_timeout_s=60) as placement:
             others = {
                 slot: _Worker.options(**placement.options_for(slot)).remote()
-                for slot in plan.slots if slot.role != "engine"
+                for slot in plan.slots
+                if slot.role != "engine"
             }
             actor_gpus = {s.rank: ray.get(a.gpus.remote(), timeout=60) for s, a in others.items() if s.role == "actor"}
             spec = EngineSpec(model_path="unused", dtype="float32", max_model_len=8, tensor_parallel_size=2)
@@ -185,11 +230,24 @@ def test_every_rendezvous_uses_rays_node_ip_not_the_hostname(monkeypatch):
 # ----------------------------------------------------------------------------- memory: utilisation and sleep
 def test_engine_memory_defaults_follow_the_plan():
     colocated = _colocated(1, 1, 1, 1)
-    split = plan_split(nodes=1, gpus_per_node=4, engine_tp=1, reward="function", ratio=None, actor_gpus=1,
-                       critic_gpus=1, vllm_gpus=2, reference_fraction=0.25)
+    split = plan_split(
+        nodes=1,
+        gpus_per_node=4,
+        engine_tp=1,
+        reward="function",
+        ratio=None,
+        actor_gpus=1,
+        critic_gpus=1,
+        vllm_gpus=2,
+        reference_fraction=0.25,
+    )
     assert memory_utilization(None, colocated) == 0.35 and memory_utilization(None, split) == 0.9
     assert memory_utilization(0.2, colocated) == 0.2
-    assert sleep_level(None, colocated) == SLEEP_WHERE_AVAILABLE and sleep_level(None, split) == 0 and sleep_level(2, split) == 2
+    assert (
+        sleep_level(None, colocated) == SLEEP_WHERE_AVAILABLE
+        and sleep_level(None, split) == 0
+        and sleep_level(2, split) == 2
+    )
 
 
 def test_validation_checks_memory_against_the_planned_share():
@@ -203,6 +261,7 @@ def test_validation_checks_memory_against_the_planned_share():
     register_configs()
     base = ["placement=colocated", "placement.gpus_per_node=4", "launcher.dry_run=true"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+
         def run(extra):
             cfg = compose(config_name="config", overrides=base + extra)
             return check(cfg, instantiate(cfg.launcher))
@@ -239,7 +298,9 @@ def _engine(sleep_level: int):
     llm = _FakeLLM()
     llm.reset_prefix_cache = lambda reset_running_requests=False: None
     llm.llm_engine = type("Labels", (), {"set_weight_version": lambda self, version: None})()
-    engine._assemble(llm, EngineSpec(model_path="x", dtype="float32", max_model_len=8, sleep_level=sleep_level), 0, False)
+    engine._assemble(
+        llm, EngineSpec(model_path="x", dtype="float32", max_model_len=8, sleep_level=sleep_level), 0, False
+    )
     return engine
 
 
@@ -277,7 +338,9 @@ def test_idle_engines_sleep_after_the_rollout_is_handed_over_not_between_generat
     from rlhf_orch.orchestration.pipeline import OneStepOffPipeline, SyncPipeline
 
     calls = []
-    loop = SimpleNamespace(sleep_engines=lambda: calls.append("sleep"), generate=lambda step: calls.append(f"generate {step}") or step)
+    loop = SimpleNamespace(
+        sleep_engines=lambda: calls.append("sleep"), generate=lambda step: calls.append(f"generate {step}") or step
+    )
     SyncPipeline().engines_idle(loop)
     assert calls == ["sleep"]
     calls.clear()
@@ -319,7 +382,12 @@ def test_the_kv_cache_is_the_configured_size_or_on_cpu_what_the_engine_holds_at_
     at full length (a rollout's share, rollouts generated together, an evaluation) with headroom."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from rlhf_orch.engines.launch import CPU_KV_CACHE_MIN_BYTES, cpu_kv_cache_bytes, kv_cache_args, kv_sequences_per_engine
+    from rlhf_orch.engines.launch import (
+        CPU_KV_CACHE_MIN_BYTES,
+        cpu_kv_cache_bytes,
+        kv_cache_args,
+        kv_sequences_per_engine,
+    )
 
     assert kv_cache_args(int(6.5 * 2**30)) == {"kv_cache_memory_bytes": int(6.5 * 2**30)} and kv_cache_args(None) == {}
     assert set(kv_cache_args(1)) <= set(EngineArgs.__dataclass_fields__)  # a vLLM argument, by that name
@@ -340,16 +408,30 @@ def test_an_eager_cpu_engine_runs_vllms_compiled_helpers_eagerly_and_its_tp_work
     assert not skips_torch_compile(is_cpu=True, enforce_eager=False)  # the user asked for compilation
     assert not skips_torch_compile(is_cpu=False, enforce_eager=True)  # GPUs keep vLLM's compiled kernels
     probe = "import torch._dynamo.config as c; print(c.disable)"
-    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **TORCH_COMPILE_OFF_ENV}, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env={**os.environ, **TORCH_COMPILE_OFF_ENV}, capture_output=True, text=True
+    )
     assert out.stdout.strip() == "True", out.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
     "overrides, key, words",
     [
-        (["placement=colocated", "launcher.logical_gpus=8", "engine.kv_cache_gb=4", "engine.gpu_memory_utilization=0.3"],
-         "engine.gpu_memory_utilization=0.3", "leave one of the two null"),
-        (["engine.gpu_memory_utilization=0.5"], "engine.gpu_memory_utilization=0.5", "leave it null with placement=cpu_local"),
+        (
+            [
+                "placement=colocated",
+                "launcher.logical_gpus=8",
+                "engine.kv_cache_gb=4",
+                "engine.gpu_memory_utilization=0.3",
+            ],
+            "engine.gpu_memory_utilization=0.3",
+            "leave one of the two null",
+        ),
+        (
+            ["engine.gpu_memory_utilization=0.5"],
+            "engine.gpu_memory_utilization=0.5",
+            "leave it null with placement=cpu_local",
+        ),
     ],
 )
 def test_kv_cache_and_memory_fraction_that_would_do_nothing_are_refused(overrides, key, words):

@@ -33,7 +33,11 @@ def test_an_update_pauses_generation_until_its_version_is_published():
     assert weights.receive(OpenSession()) is None
     assert steps._updating and steps.weight_version == 0
     report = weights.receive(CloseSession(7))
-    assert llm.calls == [("rlhf_receive", "OpenSession"), ("rlhf_receive", "CloseSession"),
-                         ("reset_prefix_cache", True), ("version", "7")]
+    assert llm.calls == [
+        ("rlhf_receive", "OpenSession"),
+        ("rlhf_receive", "CloseSession"),
+        ("reset_prefix_cache", True),
+        ("version", "7"),
+    ]
     assert not steps._updating and steps.weight_version == 7 and steps._interrupted == {"generating"}
     assert report["engine"] == 0 and report["version"] == 7 and report["bytes"] == 0

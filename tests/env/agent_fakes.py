@@ -57,8 +57,12 @@ class EchoTokenizer:
     eos_token_id = 0
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, **kwargs):
-        text = "".join(f"a:{m.get('content') or ''}\x00" if m["role"] == "assistant" else f"{m['role'][0]}:{m.get('content') or ''}|"
-                       for m in messages)
+        text = "".join(
+            f"a:{m.get('content') or ''}\x00"
+            if m["role"] == "assistant"
+            else f"{m['role'][0]}:{m.get('content') or ''}|"
+            for m in messages
+        )
         return [ord(c) for c in text + ("a:" if add_generation_prompt else "")]
 
     def decode(self, ids, skip_special_tokens=True):
@@ -98,8 +102,10 @@ def three_calls_with_a_tool(row, client, **kwargs):
     messages = [{"role": "user", "content": row["prompt"]}]
     for _ in range(3):
         reply = client.chat.completions.create(model="policy", messages=messages)
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                     {"role": "tool", "content": f"tool saw {reply.choices[0].message.content}"}]
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "tool", "content": f"tool saw {reply.choices[0].message.content}"},
+        ]
     return {"score": float(row["ground_truth"]), "calls": 3}
 
 

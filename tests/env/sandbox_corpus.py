@@ -67,7 +67,7 @@ class Planted:
     def may_show(self, directory: str) -> set[str]:
         """The entries of a hidden `directory` on the way to the interpreter's paths."""
         directory = directory.rstrip("/")
-        return {p[len(directory) + 1:].split("/")[0] for p in self.interpreter_paths if p.startswith(directory + "/")}
+        return {p[len(directory) + 1 :].split("/")[0] for p in self.interpreter_paths if p.startswith(directory + "/")}
 
 
 def _interpreter_paths() -> tuple[str, ...]:
@@ -133,7 +133,9 @@ def _runs_as_no_root_of_the_host(result: Any, planted: Planted) -> str | None:
     of the host that are not 0 (in a user namespace its 0 maps to the caller's ids: the caller's
     then), with no capability."""
     seen = re.findall(r"^(code|child) uid (\S+) gid (\S+) caps (\S+)$", result.output, re.M)
-    expected = ["code"] if re.search(r"^no child sandbox: no other processes", result.output, re.M) else ["child", "code"]
+    expected = (
+        ["code"] if re.search(r"^no child sandbox: no other processes", result.output, re.M) else ["child", "code"]
+    )
     if sorted(who for who, *_ in seen) != expected:
         return f"the ids of the code and its child were not printed: {seen}"
     problems = []
@@ -156,7 +158,11 @@ def _forks_within_the_limit(result: Any, planted: Planted) -> str | None:
     found = re.search(r"^forked (\d+)$", result.output, re.M)
     if found is None:
         return "no fork count printed"
-    return None if int(found.group(1)) <= MAX_PROCESSES else f"{found.group(1)} processes started (max_processes={MAX_PROCESSES})"
+    return (
+        None
+        if int(found.group(1)) <= MAX_PROCESSES
+        else f"{found.group(1)} processes started (max_processes={MAX_PROCESSES})"
+    )
 
 
 def _ended_by_its_signal(result: Any, planted: Planted) -> str | None:
@@ -164,91 +170,174 @@ def _ended_by_its_signal(result: Any, planted: Planted) -> str | None:
 
 
 def _ended_by_sigkill(result: Any, planted: Planted) -> str | None:
-    return None if result.exit_code == -9 else f"exit code {result.exit_code}, not -9 (SIGKILL): {result.output[-200:]!r}"
+    return (
+        None if result.exit_code == -9 else f"exit code {result.exit_code}, not -9 (SIGKILL): {result.output[-200:]!r}"
+    )
 
 
 CORPUS = [
-    Snippet("fork_bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", True),
+    Snippet(
+        "fork_bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", True
+    ),
     Snippet("busy_loop", "while True:\n    pass\n", True),
     Snippet("allocate_10_gb", "x = bytearray(10 * 1024 ** 3)\nprint(len(x))\n", True),
     Snippet("huge_output", "while True:\n    print('x' * 10000)\n", True),
-    Snippet("fill_the_disk", "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * 1_000_000)\n", True),
-    Snippet("count_forks", "import os, time\nn = 0\nfor _ in range(50):\n    try:\n        if os.fork() == 0:\n"
-                           "            time.sleep(5)\n            os._exit(0)\n    except OSError:\n        break\n    n += 1\n"
-                           "print('forked', n, flush=True)\n", check=_forks_within_the_limit),
-    Snippet("signal_itself", "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n", True, check=_ended_by_its_signal),
-    Snippet("sigkill_itself", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", True, check=_ended_by_sigkill),
-    Snippet("interrupt_its_init", "import os, signal\nfor pid in (1, os.getppid()):\n    try:\n        os.kill(pid, signal.SIGINT)\n"
-                                  "    except OSError as e:\n        print('refused', pid, e)\nimport time\ntime.sleep(0.5)\nprint('still here')\n",
-            check=lambda result, planted: None if "still here" in result.output and result.exit_code == 0 else
-            f"ended early: exit {result.exit_code}, {result.output[-200:]!r}"),
-    Snippet("escape_the_kill", "import ctypes, os, time\ntry:\n    os.setsid()\nexcept OSError as e:\n    print('setsid', e)\n"
-                               "print('prctl', ctypes.CDLL(None).prctl(1, 0, 0, 0, 0))  # no parent-death signal\n"
-                               "print('detached', flush=True)\ntime.sleep(60)\n", True),
-    Snippet("threads", "import threading, time\nts = [threading.Thread(target=time.sleep, args=(30,)) for _ in range(200)]\n"
-                       "[t.start() for t in ts]\n", True),
-    Snippet("write_outside", "for d in {write_dirs!r}:\n    try:\n        open(d + '/written_by_code', 'w').write('x')\n"
-                             "    except OSError as e:\n        print('refused', d, e)\n"),
-    Snippet("write_temp_dirs", "for d in ('/tmp', '/var/tmp', '/dev/shm'):\n    try:\n"
-                               "        open(d + '/{marker}', 'w').write('x')\n    except OSError as e:\n        print('refused', d, e)\n"),
-    Snippet("read_secret_files", "for p in {secret_files!r}:\n    try:\n        print(open(p).read())\n"
-                                 "    except OSError as e:\n        print('refused', p, e)\n"),
-    Snippet("list_the_checkout", "import json, os\nfor d in ({repo!r}, *{hidden_top_level!r}):\n"
-                                 "    try:\n        print(d, json.dumps(sorted(os.listdir(d))))\n    except OSError as e:\n"
-                                 "        print('refused', d, e)\n", check=_lists_nothing_hidden),
-    Snippet("read_environ_of_others", "import os\nfor pid in [{helper_pid}, os.getppid(), 1] + [p for p in os.listdir('/proc') if p.isdigit()]:\n"
-                                      "    try:\n        print(pid, open(f'/proc/{{pid}}/environ', 'rb').read())\n"
-                                      "    except OSError as e:\n        print('refused', pid, e)\n"),
-    Snippet("posixsubprocess", "import _posixsubprocess, os\nargs = [b'/bin/sh', b'-c', b'for d in {write_dirs_sh}; do echo x > $d/by_shell; done; sleep 30 # {marker}']\n"
-                               "r, w = os.pipe()\nfor extra in ((True,), ()):\n    try:\n"
-                               "        pid = _posixsubprocess.fork_exec(args, [b'/bin/sh'], True, (), None, None, -1, -1, -1, -1, -1, -1, r, w,"
-                               " True, True, -1, None, None, None, -1, None, *extra)\n        print('started', pid)\n        break\n"
-                               "    except TypeError:\n        continue\n    except OSError as e:\n        print('refused', e)\n        break\n"
-                               "import time\ntime.sleep(1)\n"),
-    Snippet("ctypes_system", "import ctypes\nprint(ctypes.CDLL(None).system(b'for d in {write_dirs_sh}; do echo x > $d/by_system; done # {marker}'))\n"),
-    Snippet("ctypes_open", "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nfor d in {write_dirs!r}:\n"
-                           "    fd = libc.open((d + '/by_ctypes').encode(), os.O_CREAT | os.O_WRONLY, 0o644)\n"
-                           "    print(d, fd, ctypes.get_errno())\n"),
-    Snippet("open_with_dir_fd", "import os\nfor d in {write_dirs!r}:\n    try:\n        fd = os.open(d, os.O_RDONLY)\n"
-                                "        os.close(os.open('by_dir_fd', os.O_CREAT | os.O_WRONLY, dir_fd=fd))\n"
-                                "    except OSError as e:\n        print('refused', d, e)\n"),
-    Snippet("tcp_to_the_host", "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hello')\n"
-                               "except OSError as e:\n    print('refused', e)\n"),
-    Snippet("abstract_unix_socket", "import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n"
-                                    "    s.connect('\\0{unix_name}')\n    s.sendall(b'hello')\nexcept OSError as e:\n    print('refused', e)\n"),
-    Snippet("signal_everyone", "import os, signal\nfor pid in ({helper_pid}, os.getppid(), -1):\n    try:\n"
-                               "        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n        print('refused', pid, e)\n"),
-    Snippet("ptrace_the_helper", "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                                 "print(libc.ptrace(16, {helper_pid}, 0, 0), ctypes.get_errno())\n"),  # PTRACE_ATTACH
-    Snippet("setsid_grandchild", "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-                                 "        os.execv('/bin/sleep', ['/bin/sleep', '60', '{marker}'])\n    os._exit(0)\ntime.sleep(0.5)\n"),
-    Snippet("device_nodes", "import json, os\nprint('dev', json.dumps(sorted(os.listdir('/dev'))))\nfor name in os.listdir('/dev'):\n"
-                            "    try:\n        open('/dev/' + name, 'rb').close()\n        print('opened', name)\n    except OSError:\n"
-                            "        pass\ntry:\n"
-                            "    os.mknod('null2', 0o20666, os.makedev(1, 3))\n    open('null2', 'wb').write(b'x')\n    print('made a device node')\n"
-                            "except OSError as e:\n    print('refused', e)\n", check=_only_the_allowed_devices),
-    Snippet("who_runs_the_code", "import os\ndef host_id(kind, inner):\n    for line in open(f'/proc/self/{{kind}}_map'):\n"
-                                 "        first, outside, count = map(int, line.split())\n        if first <= inner < first + count:\n"
-                                 "            return outside + inner - first\n"
-                                 "def say(who):\n    caps = [line.split()[1] for line in open('/proc/self/status') if line.startswith('CapEff:')][0]\n"
-                                 "    print(who, 'uid', host_id('uid', os.getuid()), 'gid', host_id('gid', os.getgid()), 'caps', caps, flush=True)\n"
-                                 "say('code')\ntry:\n    pid = os.fork()\nexcept OSError as e:  # (the audit hook)\n    print('no child', e)\n"
-                                 "else:\n    if pid == 0:\n        say('child')\n        os._exit(0)\n    os.waitpid(pid, 0)\n",
-            check=_runs_as_no_root_of_the_host),
-    Snippet("sysv_shared_memory", "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
-                                  "for how, shmid in (('by key', libc.shmget({shm_key}, 0, 0)), ('by id', {shm_id})):\n"
-                                  "    address = libc.shmat(shmid, None, 0o10000) if shmid >= 0 else None  # SHM_RDONLY\n"
-                                  "    if address in (None, ctypes.c_void_p(-1).value):\n"
-                                  "        print('refused', how, ctypes.get_errno())\n        continue\n"
-                                  "    print(how, ctypes.string_at(address, 64))\n", check=_both_refused),
-    Snippet("undo_the_mounts", "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                               "for attempt in ('as it is', 'in a user namespace of its own'):\n"
-                               "    if attempt != 'as it is':\n"
-                               "        print('unshare', libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())\n"
-                               "    for d in ({repo!r}, '/opt', '/tmp', '/'):\n"
-                               "        print('umount', d, libc.umount2(d.encode(), 2), ctypes.get_errno())\n"
-                               "    for p in {secret_files!r}:\n        try:\n            print(open(p).read())\n"
-                               "        except OSError as e:\n            print('refused', p, e)\n"),
+    Snippet(
+        "fill_the_disk", "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * 1_000_000)\n", True
+    ),
+    Snippet(
+        "count_forks",
+        "import os, time\nn = 0\nfor _ in range(50):\n    try:\n        if os.fork() == 0:\n"
+        "            time.sleep(5)\n            os._exit(0)\n    except OSError:\n        break\n    n += 1\n"
+        "print('forked', n, flush=True)\n",
+        check=_forks_within_the_limit,
+    ),
+    Snippet(
+        "signal_itself", "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n", True, check=_ended_by_its_signal
+    ),
+    Snippet(
+        "sigkill_itself", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", True, check=_ended_by_sigkill
+    ),
+    Snippet(
+        "interrupt_its_init",
+        "import os, signal\nfor pid in (1, os.getppid()):\n    try:\n        os.kill(pid, signal.SIGINT)\n"
+        "    except OSError as e:\n        print('refused', pid, e)\nimport time\ntime.sleep(0.5)\nprint('still here')\n",
+        check=lambda result, planted: None
+        if "still here" in result.output and result.exit_code == 0
+        else f"ended early: exit {result.exit_code}, {result.output[-200:]!r}",
+    ),
+    Snippet(
+        "escape_the_kill",
+        "import ctypes, os, time\ntry:\n    os.setsid()\nexcept OSError as e:\n    print('setsid', e)\n"
+        "print('prctl', ctypes.CDLL(None).prctl(1, 0, 0, 0, 0))  # no parent-death signal\n"
+        "print('detached', flush=True)\ntime.sleep(60)\n",
+        True,
+    ),
+    Snippet(
+        "threads",
+        "import threading, time\nts = [threading.Thread(target=time.sleep, args=(30,)) for _ in range(200)]\n"
+        "[t.start() for t in ts]\n",
+        True,
+    ),
+    Snippet(
+        "write_outside",
+        "for d in {write_dirs!r}:\n    try:\n        open(d + '/written_by_code', 'w').write('x')\n"
+        "    except OSError as e:\n        print('refused', d, e)\n",
+    ),
+    Snippet(
+        "write_temp_dirs",
+        "for d in ('/tmp', '/var/tmp', '/dev/shm'):\n    try:\n"
+        "        open(d + '/{marker}', 'w').write('x')\n    except OSError as e:\n        print('refused', d, e)\n",
+    ),
+    Snippet(
+        "read_secret_files",
+        "for p in {secret_files!r}:\n    try:\n        print(open(p).read())\n"
+        "    except OSError as e:\n        print('refused', p, e)\n",
+    ),
+    Snippet(
+        "list_the_checkout",
+        "import json, os\nfor d in ({repo!r}, *{hidden_top_level!r}):\n"
+        "    try:\n        print(d, json.dumps(sorted(os.listdir(d))))\n    except OSError as e:\n"
+        "        print('refused', d, e)\n",
+        check=_lists_nothing_hidden,
+    ),
+    Snippet(
+        "read_environ_of_others",
+        "import os\nfor pid in [{helper_pid}, os.getppid(), 1] + [p for p in os.listdir('/proc') if p.isdigit()]:\n"
+        "    try:\n        print(pid, open(f'/proc/{{pid}}/environ', 'rb').read())\n"
+        "    except OSError as e:\n        print('refused', pid, e)\n",
+    ),
+    Snippet(
+        "posixsubprocess",
+        "import _posixsubprocess, os\nargs = [b'/bin/sh', b'-c', b'for d in {write_dirs_sh}; do echo x > $d/by_shell; done; sleep 30 # {marker}']\n"
+        "r, w = os.pipe()\nfor extra in ((True,), ()):\n    try:\n"
+        "        pid = _posixsubprocess.fork_exec(args, [b'/bin/sh'], True, (), None, None, -1, -1, -1, -1, -1, -1, r, w,"
+        " True, True, -1, None, None, None, -1, None, *extra)\n        print('started', pid)\n        break\n"
+        "    except TypeError:\n        continue\n    except OSError as e:\n        print('refused', e)\n        break\n"
+        "import time\ntime.sleep(1)\n",
+    ),
+    Snippet(
+        "ctypes_system",
+        "import ctypes\nprint(ctypes.CDLL(None).system(b'for d in {write_dirs_sh}; do echo x > $d/by_system; done # {marker}'))\n",
+    ),
+    Snippet(
+        "ctypes_open",
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nfor d in {write_dirs!r}:\n"
+        "    fd = libc.open((d + '/by_ctypes').encode(), os.O_CREAT | os.O_WRONLY, 0o644)\n"
+        "    print(d, fd, ctypes.get_errno())\n",
+    ),
+    Snippet(
+        "open_with_dir_fd",
+        "import os\nfor d in {write_dirs!r}:\n    try:\n        fd = os.open(d, os.O_RDONLY)\n"
+        "        os.close(os.open('by_dir_fd', os.O_CREAT | os.O_WRONLY, dir_fd=fd))\n"
+        "    except OSError as e:\n        print('refused', d, e)\n",
+    ),
+    Snippet(
+        "tcp_to_the_host",
+        "import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'hello')\n"
+        "except OSError as e:\n    print('refused', e)\n",
+    ),
+    Snippet(
+        "abstract_unix_socket",
+        "import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n"
+        "    s.connect('\\0{unix_name}')\n    s.sendall(b'hello')\nexcept OSError as e:\n    print('refused', e)\n",
+    ),
+    Snippet(
+        "signal_everyone",
+        "import os, signal\nfor pid in ({helper_pid}, os.getppid(), -1):\n    try:\n"
+        "        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n        print('refused', pid, e)\n",
+    ),
+    Snippet(
+        "ptrace_the_helper",
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.ptrace(16, {helper_pid}, 0, 0), ctypes.get_errno())\n",
+    ),  # PTRACE_ATTACH
+    Snippet(
+        "setsid_grandchild",
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        os.execv('/bin/sleep', ['/bin/sleep', '60', '{marker}'])\n    os._exit(0)\ntime.sleep(0.5)\n",
+    ),
+    Snippet(
+        "device_nodes",
+        "import json, os\nprint('dev', json.dumps(sorted(os.listdir('/dev'))))\nfor name in os.listdir('/dev'):\n"
+        "    try:\n        open('/dev/' + name, 'rb').close()\n        print('opened', name)\n    except OSError:\n"
+        "        pass\ntry:\n"
+        "    os.mknod('null2', 0o20666, os.makedev(1, 3))\n    open('null2', 'wb').write(b'x')\n    print('made a device node')\n"
+        "except OSError as e:\n    print('refused', e)\n",
+        check=_only_the_allowed_devices,
+    ),
+    Snippet(
+        "who_runs_the_code",
+        "import os\ndef host_id(kind, inner):\n    for line in open(f'/proc/self/{{kind}}_map'):\n"
+        "        first, outside, count = map(int, line.split())\n        if first <= inner < first + count:\n"
+        "            return outside + inner - first\n"
+        "def say(who):\n    caps = [line.split()[1] for line in open('/proc/self/status') if line.startswith('CapEff:')][0]\n"
+        "    print(who, 'uid', host_id('uid', os.getuid()), 'gid', host_id('gid', os.getgid()), 'caps', caps, flush=True)\n"
+        "say('code')\ntry:\n    pid = os.fork()\nexcept OSError as e:  # (the audit hook)\n    print('no child', e)\n"
+        "else:\n    if pid == 0:\n        say('child')\n        os._exit(0)\n    os.waitpid(pid, 0)\n",
+        check=_runs_as_no_root_of_the_host,
+    ),
+    Snippet(
+        "sysv_shared_memory",
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+        "for how, shmid in (('by key', libc.shmget({shm_key}, 0, 0)), ('by id', {shm_id})):\n"
+        "    address = libc.shmat(shmid, None, 0o10000) if shmid >= 0 else None  # SHM_RDONLY\n"
+        "    if address in (None, ctypes.c_void_p(-1).value):\n"
+        "        print('refused', how, ctypes.get_errno())\n        continue\n"
+        "    print(how, ctypes.string_at(address, 64))\n",
+        check=_both_refused,
+    ),
+    Snippet(
+        "undo_the_mounts",
+        "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "for attempt in ('as it is', 'in a user namespace of its own'):\n"
+        "    if attempt != 'as it is':\n"
+        "        print('unshare', libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())\n"
+        "    for d in ({repo!r}, '/opt', '/tmp', '/'):\n"
+        "        print('umount', d, libc.umount2(d.encode(), 2), ctypes.get_errno())\n"
+        "    for p in {secret_files!r}:\n        try:\n            print(open(p).read())\n"
+        "        except OSError as e:\n            print('refused', p, e)\n",
+    ),
 ]
 
 
@@ -350,7 +439,7 @@ def _watching_output(secret: str) -> Iterator[dict[str, bool]]:
         def add(self, chunk: bytes) -> None:
             window = self._carry + chunk
             seen["secret"] = seen["secret"] or needle in window
-            self._carry = window[-(len(needle) - 1):]
+            self._carry = window[-(len(needle) - 1) :]
             super().add(chunk)
 
     sandbox._OutputBuffer = Watching
@@ -360,8 +449,9 @@ def _watching_output(secret: str) -> Iterator[dict[str, bool]]:
         sandbox._OutputBuffer = cut
 
 
-def run_corpus(repo: str, token: str, planted_dirs: list[str], audit_hook: bool = False,
-               names: list[str] | None = None) -> dict[str, str | None]:
+def run_corpus(
+    repo: str, token: str, planted_dirs: list[str], audit_hook: bool = False, names: list[str] | None = None
+) -> dict[str, str | None]:
     from rlhf_orch.env.sandbox import SandboxLimits, run_python, sandbox_support
 
     support = sandbox_support()
@@ -369,7 +459,9 @@ def run_corpus(repo: str, token: str, planted_dirs: list[str], audit_hook: bool 
         return {s.name: f"not run: {support.describe()}" for s in CORPUS}
     planted = [Path(d) for d in planted_dirs]
     about = Planted(repo, tuple(planted_dirs), os.getuid(), _interpreter_paths())
-    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, "CORPUS_SECRET": token})
+    helper = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, "CORPUS_SECRET": token}
+    )
     listeners = _Listeners()
     shared = _SharedMemory(token)
     watching = contextlib.ExitStack()
@@ -377,8 +469,14 @@ def run_corpus(repo: str, token: str, planted_dirs: list[str], audit_hook: bool 
     me = os.getuid()
     before = set(_processes())
     results: dict[str, str | None] = {}
-    limits = SandboxLimits(timeout_s=TIMEOUT_S, cpu_s=2, memory_mb=256, max_processes=MAX_PROCESSES, max_output_bytes=4000,
-                           max_file_bytes=1_000_000)
+    limits = SandboxLimits(
+        timeout_s=TIMEOUT_S,
+        cpu_s=2,
+        memory_mb=256,
+        max_processes=MAX_PROCESSES,
+        max_output_bytes=4000,
+        max_file_bytes=1_000_000,
+    )
     try:
         deadline = time.monotonic() + 10
         while token.encode() not in Path(f"/proc/{helper.pid}/environ").read_bytes() and time.monotonic() < deadline:
@@ -389,9 +487,17 @@ def run_corpus(repo: str, token: str, planted_dirs: list[str], audit_hook: bool 
             marker = f"corpus_marker_{uuid.uuid4().hex}"
             write_dirs = [str(d) for d in planted]
             code = snippet.code.format(
-                secret_files=[str(d / "secret.txt") for d in planted], write_dirs=write_dirs, write_dirs_sh=" ".join(write_dirs),
-                helper_pid=helper.pid, port=listeners.port, unix_name=listeners.unix_name, repo=repo, marker=marker,
-                hidden_top_level=HIDDEN_TOP_LEVEL, shm_key=shared.key, shm_id=shared.id,
+                secret_files=[str(d / "secret.txt") for d in planted],
+                write_dirs=write_dirs,
+                write_dirs_sh=" ".join(write_dirs),
+                helper_pid=helper.pid,
+                port=listeners.port,
+                unix_name=listeners.unix_name,
+                repo=repo,
+                marker=marker,
+                hidden_top_level=HIDDEN_TOP_LEVEL,
+                shm_key=shared.key,
+                shm_id=shared.id,
             )
             seen["secret"] = False
             # Its working directory names its processes (a forked copy of the bootstrap shows it in its
@@ -419,8 +525,11 @@ def run_corpus(repo: str, token: str, planted_dirs: list[str], audit_hook: bool 
                 problems.append("the helper process was killed")
             time.sleep(0.05)  # (a process killed a moment ago leaves /proc)
             ours = [marker] + ([workdir.group(1)] if workdir else [])
-            left = {pid: cmd for pid, (uid, cmd) in _processes().items()
-                    if pid not in before and (any(tag in cmd for tag in ours) or (uid == me and me != 0))}
+            left = {
+                pid: cmd
+                for pid, (uid, cmd) in _processes().items()
+                if pid not in before and (any(tag in cmd for tag in ours) or (uid == me and me != 0))
+            }
             if left:
                 problems.append(f"processes left: {left}")
             results[snippet.name] = "; ".join(problems) + f" (output: {result.output[-300:]!r})" if problems else None

@@ -15,7 +15,7 @@ from rlhf_orch.env.agent_driver.chat_server import ChatServer
 from rlhf_orch.env.agent_driver.record import AgentLimits
 from rlhf_orch.env.agent_driver.runner import AgentRunner
 
-from tests.env.agent_fakes import (EchoTokenizer, ScriptedGenerator, Seen, agent_rows, make_session)
+from tests.env.agent_fakes import EchoTokenizer, ScriptedGenerator, Seen, agent_rows, make_session
 
 
 def _raw(server, request: bytes, timeout_s: float = 5.0) -> tuple[bytes, bool]:
@@ -38,25 +38,40 @@ def test_the_endpoint_checks_the_key_and_the_length_before_it_reads_a_body(serve
     from rlhf_orch.env.agent_driver.chat_server import MAX_BODY_BYTES
 
     path = "/trajectories/abc/v1/chat/completions"
-    no_key, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES}\r\n\r\n".encode())
+    no_key, closed = _raw(
+        server, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES}\r\n\r\n".encode()
+    )
     assert no_key.startswith(b"HTTP/1.1 401") and closed  # its 16 MiB never sent: not waited for
     key = f"Authorization: Bearer {server.issue_keys(['abc'])['abc']}\r\n"  # (what a rollout hands trajectory abc)
     bad_length, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: ten\r\n\r\n".encode())
     assert bad_length.startswith(b"HTTP/1.1 400") and b"not a number" in bad_length and closed
-    too_big, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode())
+    too_big, closed = _raw(
+        server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode()
+    )
     assert too_big.startswith(b"HTTP/1.1 413") and closed
     # a refusal with part of a body already sent: answered, then closed (the server drains what came,
     # since a close with unread bytes may reset the connection; on loopback here the answer arrives
     # either way, so this does not show the drain is needed)
-    partial, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n".encode() + b"x" * 50000)
+    partial, closed = _raw(
+        server, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n".encode() + b"x" * 50000
+    )
     assert partial.startswith(b"HTTP/1.1 401") and closed
-    superscript, _ = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: \u00b2\r\n\r\n".encode("latin-1"))
+    superscript, _ = _raw(
+        server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: \u00b2\r\n\r\n".encode("latin-1")
+    )
     assert superscript.startswith(b"HTTP/1.1 400")
-    chunked, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n".encode())
+    chunked, closed = _raw(
+        server,
+        f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n".encode(),
+    )
     assert chunked.startswith(b"HTTP/1.1 411") and closed
     # with the key and a body: read, and answered on a connection that stays open (keep-alive)
     body = b'{"model": "policy", "messages": []}'
-    ok, closed = _raw(server, f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: {len(body)}\r\n\r\n".encode() + body, timeout_s=2.0)
+    ok, closed = _raw(
+        server,
+        f"POST {path} HTTP/1.1\r\nHost: x\r\n{key}Content-Length: {len(body)}\r\n\r\n".encode() + body,
+        timeout_s=2.0,
+    )
     assert ok.startswith(b"HTTP/1.1 410") and not closed  # no rollout runs: gone, the connection kept
 
 
@@ -71,7 +86,9 @@ def test_the_endpoint_refuses_connections_past_its_limit():
             sock.close()
         time.sleep(0.3)  # their threads end and give their places back
         key = server.issue_keys(["t"])["t"]
-        again, _ = _raw(server, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode(), timeout_s=2.0)
+        again, _ = _raw(
+            server, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode(), timeout_s=2.0
+        )
         assert again.startswith(b"HTTP/1.1 200")
     finally:
         server.close()
@@ -89,7 +106,8 @@ def test_each_trajectory_has_its_own_key_and_cannot_call_as_another(server, tmp_
         other_url, _ = seen.wait_for(1 - index)  # both trajectories are live
         try:
             openai.OpenAI(base_url=other_url, api_key=api_key, max_retries=0).chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": "x"}])
+                model="policy", messages=[{"role": "user", "content": "x"}]
+            )
             seen[10 + index] = ("called as the other", "")
         except openai.AuthenticationError as e:
             seen[10 + index] = ("refused", str(e.status_code))
@@ -156,7 +174,9 @@ def test_an_agent_s_process_holds_its_own_key_and_no_other_trajectory_s(server, 
         regions, found = _key_shaped_strings_in_own_memory()
         reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
         seen[row["prompt"]] = {
-            "key": api_key, "url": base_url, "regions": regions,
+            "key": api_key,
+            "url": base_url,
+            "regions": regions,
             "keys": sorted(f.decode() for f in found if f.startswith(b"rlhf-")),
             "urls": sorted(f.decode() for f in found if f.startswith(b"/trajectories/")),
         }
@@ -175,8 +195,10 @@ def test_an_agent_s_process_holds_its_own_key_and_no_other_trajectory_s(server, 
     for i in range(16):
         report = seen[f"q{i}"]
         assert report["key"] in issued.values() and report["url"] in urls
-        assert report["keys"] == [report["key"]], f"trajectory {i} holds {len(report['keys']) - 1} other trajectories' keys"
-        own_path = report["url"][report["url"].index("/trajectories/"):-len("v1")]
+        assert report["keys"] == [report["key"]], (
+            f"trajectory {i} holds {len(report['keys']) - 1} other trajectories' keys"
+        )
+        own_path = report["url"][report["url"].index("/trajectories/") : -len("v1")]
         assert report["urls"] == [own_path], f"trajectory {i} holds {len(report['urls']) - 1} other trajectories' URLs"
 
 

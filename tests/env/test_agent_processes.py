@@ -12,7 +12,7 @@ from rlhf_orch.engines.agent_rollout import AgentRolloutSession
 from rlhf_orch.env.agent_driver.record import AgentLimits
 from rlhf_orch.env.agent_driver.runner import AgentHostError, AgentRunner
 
-from tests.env.agent_fakes import (EchoTokenizer, ScriptedGenerator, Seen, agent_rows, make_session)
+from tests.env.agent_fakes import EchoTokenizer, ScriptedGenerator, Seen, agent_rows, make_session
 
 
 def _children(pid: int) -> list[int]:
@@ -27,6 +27,7 @@ def test_a_hung_agent_is_killed_at_its_deadline_and_the_next_trajectory_gets_its
     """env.concurrency=1, a plain agent function: trajectory 0's spins past env.timeout_s and its
     process is killed; trajectory 1's then runs with its whole timeout (counted from its own start,
     not from the rollout's) and scores. No trajectory's process is left, the host stays for the next rollout."""
+
     def agent(row, client, **kwargs):
         if row["prompt"] == "q0":
             while True:
@@ -51,6 +52,7 @@ def test_an_agent_that_exits_or_crashes_its_process_scores_zero_and_the_rest_go_
     """`os._exit(1)` in one trajectory's agent and a segfault in another's (a C extension
     crashing): those score 0 with the cause counted as an error; the other trajectories score, and
     the same runner serves the next rollout (the engine, were this inside it, is untouched)."""
+
     def agent(row, client, **kwargs):
         reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}])
         if row["prompt"] == "q0":
@@ -113,6 +115,7 @@ def test_a_process_an_agent_leaves_behind_neither_holds_its_outcome_nor_outlives
 def test_an_outcome_of_a_rollout_given_up_is_not_taken_for_the_next_one(tmp_path):
     """concurrency 1: rollout 1's trajectory 0 (slow, scores 5) is given up; rollout 2's
     trajectory 0 (fast, scores 1) queues behind it. Rollout 2 gets its own outcome, not the slow one's."""
+
     def agent(row, **kwargs):
         if row["kind"] == "slow":
             time.sleep(1.0)
@@ -148,7 +151,10 @@ def test_a_function_the_host_cannot_load_fails_the_rollout_with_the_reason():
     runner = AgentRunner(agent, concurrency=1, timeout_s=5.0)
     try:
         runner.start([(0, {}, "http://127.0.0.1:9/v1", "k")])
-        with pytest.raises(AgentHostError, match="could not be loaded in its process: RuntimeError: this function cannot be loaded here"):
+        with pytest.raises(
+            AgentHostError,
+            match="could not be loaded in its process: RuntimeError: this function cannot be loaded here",
+        ):
             runner.wait(10)
     finally:
         runner.close()
@@ -161,7 +167,9 @@ def test_a_host_that_dies_fails_its_rollout_and_the_next_rollout_starts_another(
 
     runner = AgentRunner(agent, concurrency=2, timeout_s=20.0)
     try:
-        runner.start([(0, {"sleep": 30}, "http://127.0.0.1:9/v1", "k"), (1, {"sleep": 30}, "http://127.0.0.1:9/v1", "k")])
+        runner.start(
+            [(0, {"sleep": 30}, "http://127.0.0.1:9/v1", "k"), (1, {"sleep": 30}, "http://127.0.0.1:9/v1", "k")]
+        )
         time.sleep(0.3)
         os.kill(runner._host.pid, 9)
         runner._host.wait()  # (dead before the next start looks at it)

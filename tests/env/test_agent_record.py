@@ -29,7 +29,12 @@ def test_calls_that_extend_a_conversation_merge_into_one_masked_sequence():
     assert seq.response_ids == [10, 11, 2, 7, 8, 12, 2]
     assert seq.loss_mask == [1, 1, 1, 0, 0, 1, 1]
     assert seq.logprobs == [-0.1, -0.2, -0.3, 0.0, 0.0, -0.4, -0.5]
-    assert (r.counts.calls, r.counts.unmerged_calls, r.counts.observation_tokens, r.counts.completion_tokens) == (2, 0, 2, 5)
+    assert (r.counts.calls, r.counts.unmerged_calls, r.counts.observation_tokens, r.counts.completion_tokens) == (
+        2,
+        0,
+        2,
+        5,
+    )
 
 
 def test_a_call_that_rewrites_history_starts_a_sequence_and_is_counted():
@@ -70,17 +75,20 @@ def _body(**kw):
     return {"model": "policy", "messages": [{"role": "user", "content": "hi"}], **kw}
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (_body(model="gpt-4o"), 404, "model"),
-    (_body(n=2), 400, "n"),
-    (_body(logprobs=False), 400, "logprobs"),
-    (_body(temperature=0.7), 400, "temperature"),
-    (_body(top_p=0.9), 400, "top_p"),
-    (_body(stream=True), 400, "stream"),
-    (_body(messages=[]), 400, "messages"),
-    (_body(max_tokens=0), 400, "max_tokens"),
-    (_body(best_of=3), 400, "best_of"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (_body(model="gpt-4o"), 404, "model"),
+        (_body(n=2), 400, "n"),
+        (_body(logprobs=False), 400, "logprobs"),
+        (_body(temperature=0.7), 400, "temperature"),
+        (_body(top_p=0.9), 400, "top_p"),
+        (_body(stream=True), 400, "stream"),
+        (_body(messages=[]), 400, "messages"),
+        (_body(max_tokens=0), 400, "max_tokens"),
+        (_body(best_of=3), 400, "best_of"),
+    ],
+)
 def test_parameters_that_would_break_training_are_refused_with_a_message(body, status, param):
     with pytest.raises(ChatAPIError) as e:
         parse_request(body, "policy", temperature=1.0)
@@ -89,19 +97,37 @@ def test_parameters_that_would_break_training_are_refused_with_a_message(body, s
 
 
 def test_what_training_can_use_is_accepted():
-    call = parse_request(_body(temperature=1.0, max_completion_tokens=7, stop="\n", tools=[{"type": "function"}], seed=3,
-                               messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                                         {"role": "assistant", "content": None, "tool_calls": [
-                                             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}]),
-                         "policy", temperature=1.0)
+    call = parse_request(
+        _body(
+            temperature=1.0,
+            max_completion_tokens=7,
+            stop="\n",
+            tools=[{"type": "function"}],
+            seed=3,
+            messages=[
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+                },
+            ],
+        ),
+        "policy",
+        temperature=1.0,
+    )
     assert call.max_tokens == 7 and call.stop == ["\n"] and call.messages[0]["content"] == "ab"
     assert call.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # as chat templates read it
 
 
 def test_hermes_tool_calls_become_openai_tool_calls():
-    content, calls = parse_tool_calls('Let me look. <tool_call>{"name": "lookup", "arguments": {"record": "3 1"}}</tool_call>', "hermes")
+    content, calls = parse_tool_calls(
+        'Let me look. <tool_call>{"name": "lookup", "arguments": {"record": "3 1"}}</tool_call>', "hermes"
+    )
     assert content == "Let me look."
-    assert calls[0]["function"] == {"name": "lookup", "arguments": '{"record": "3 1"}'} and calls[0]["type"] == "function"
+    assert (
+        calls[0]["function"] == {"name": "lookup", "arguments": '{"record": "3 1"}'} and calls[0]["type"] == "function"
+    )
     assert parse_tool_calls("<tool_call>not json</tool_call>", "hermes") == ("<tool_call>not json</tool_call>", [])
     assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>', "none")[1] == []
 
@@ -133,7 +159,9 @@ def test_agent_option_refuses_a_function_that_cannot_reach_its_process(tmp_path)
     """Before Ray: a function holding what cannot be pickled (a module-level lock) is refused in
     the config check, naming the file, not at the first rollout on an engine."""
     f = tmp_path / "locked.py"
-    f.write_text("import threading\nLOCK = threading.Lock()\n\ndef agent(row, client):\n    with LOCK:\n        return 0.0\n")
+    f.write_text(
+        "import threading\nLOCK = threading.Lock()\n\ndef agent(row, client):\n    with LOCK:\n        return 0.0\n"
+    )
     env = AgentEnv(path=str(f), name="agent")
     with pytest.raises(EnvError, match="locked.py cannot be sent to the process agents run in"):
         env.check(Prompt(text="q", label="1"), None)
@@ -152,8 +180,14 @@ def test_a_trajectory_s_further_sequences_share_its_advantage_and_count_once():
     from tests.conftest import compose_config
 
     extras = [extra_sequence_index(1, 1), extra_sequence_index(1, 2)]
-    meta = RolloutMeta(indices=[0, 1, 2, 3, *extras], seq_lens=[5] * 6, response_lens=[3] * 6,
-                       rewards=[0.0, 1.0, 0.5, 0.5, 0.7, 0.2], truncated=[False] * 6, weight_versions=[0] * 6)
+    meta = RolloutMeta(
+        indices=[0, 1, 2, 3, *extras],
+        seq_lens=[5] * 6,
+        response_lens=[3] * 6,
+        rewards=[0.0, 1.0, 0.5, 0.5, 0.7, 0.2],
+        truncated=[False] * 6,
+        weight_versions=[0] * 6,
+    )
     meta.share_trajectory_rewards()  # a reward model scored the further sequences alone
     assert meta.rewards == [0.0, 1.0, 0.5, 0.5, 1.0, 1.0]
     assert meta.trajectories_only().indices == [0, 1, 2, 3]
@@ -174,9 +208,19 @@ def test_the_endpoint_reads_tool_calls_with_vllm_s_parsers(smollm2_tokenizer):
 
     tok = copy.deepcopy(smollm2_tokenizer)
     tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
-    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"record": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "parameters": {"type": "object", "properties": {"record": {"type": "string"}}},
+            },
+        }
+    ]
     content, calls = parse_tool_calls('{"name": "lookup", "parameters": {"record": "3 1"}}', "llama3_json", tok, tools)
-    assert [c["function"]["name"] for c in calls] == ["lookup"] and json.loads(calls[0]["function"]["arguments"]) == {"record": "3 1"}
+    assert [c["function"]["name"] for c in calls] == ["lookup"] and json.loads(calls[0]["function"]["arguments"]) == {
+        "record": "3 1"
+    }
     assert parse_tool_calls("just words", "llama3_json", tok, tools) == ("just words", [])
     with pytest.raises(EnvError, match="env.tool_parser='hermes2'"):
         check_tool_parser("env.tool_parser", "hermes2", ("hermes", "none"))
@@ -195,7 +239,9 @@ def test_the_endpoint_separates_reasoning_with_vllm_s_parsers(smollm2_tokenizer)
     message = completion_body("policy", text, "stop", 5, 9, "hermes", tok, None, "qwen3")["choices"][0]["message"]
     assert message["reasoning_content"] == "The record is 3 1." and message["content"] == "Looking it up."
     assert message["tool_calls"][0]["function"]["name"] == "lookup"
-    assert "reasoning_content" not in completion_body("policy", text, "stop", 5, 9, "hermes", tok)["choices"][0]["message"]
+    assert (
+        "reasoning_content" not in completion_body("policy", text, "stop", 5, 9, "hermes", tok)["choices"][0]["message"]
+    )
 
 
 def test_content_is_empty_text_without_tool_calls_and_null_beside_them():

@@ -16,8 +16,14 @@ from rlhf_orch.env.agent_driver.record import AgentLimits
 from rlhf_orch.env.agent_driver.runner import AgentRunner
 from rlhf_orch.transfer.plan import extra_sequence_index
 
-from tests.env.agent_fakes import (EchoTokenizer, ScriptedGenerator, Seen, agent_rows, make_session,
-                                    three_calls_with_a_tool)
+from tests.env.agent_fakes import (
+    EchoTokenizer,
+    ScriptedGenerator,
+    Seen,
+    agent_rows,
+    make_session,
+    three_calls_with_a_tool,
+)
 
 
 def test_a_session_records_every_call_of_every_trajectory_as_one_sequence(server):
@@ -58,7 +64,9 @@ def test_an_async_agent_and_its_failures_are_counted_and_scored_zero(server):
     assert results[1].outcome.error == "RuntimeError: the agent's bug" and results[1].outcome.reward == 0.0
     assert results[2].outcome.timed_out and results[2].outcome.reward == 0.0
     # the two that made no model call train nothing and leave their group's statistics (masked)
-    stats = {i: f["stats"] for i, f in trajectory_completions(list(results.values()), {i: [1] for i in range(3)}, eos_id=0)}
+    stats = {
+        i: f["stats"] for i, f in trajectory_completions(list(results.values()), {i: [1] for i in range(3)}, eos_id=0)
+    }
     assert [stats[i]["masked"] for i in range(3)] == [0.0, 1.0, 1.0]
 
 
@@ -68,7 +76,9 @@ def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server, 
     def agent(row, client, base_url, api_key, **kwargs):
         def error(**kw):
             try:
-                client.chat.completions.create(**{"model": "policy", "messages": [{"role": "user", "content": "x"}], **kw})
+                client.chat.completions.create(
+                    **{"model": "policy", "messages": [{"role": "user", "content": "x"}], **kw}
+                )
             except openai.APIStatusError as e:
                 return e.status_code, e.message
             return 200, ""
@@ -185,11 +195,16 @@ def test_a_conversation_takes_one_call_at_a_time(server, tmp_path):
     async def two_at_once(row, client, **kwargs):
         history = [{"role": "user", "content": "q" * 30}]
         first = await client.chat.completions.create(model="policy", messages=history)
-        history += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "tool", "content": "t"}]
+        history += [
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "tool", "content": "t"},
+        ]
 
         async def extend(tag):
             try:
-                await client.chat.completions.create(model="policy", messages=[*history, {"role": "user", "content": tag}])
+                await client.chat.completions.create(
+                    model="policy", messages=[*history, {"role": "user", "content": tag}]
+                )
                 return "answer"
             except openai.BadRequestError as e:
                 assert "still being answered" in str(e) and e.body["type"] == "conversation_busy"
@@ -229,7 +244,9 @@ def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(
     agents = SimpleNamespace(chat_server=lambda env: None, runner=lambda env: None)
     rollouts = VLLMRollouts(None, 0, engine.steps, agents)
     handed = {}
-    monkeypatch.setattr(agent_rollout, "complete_agent_trajectories", lambda *args: handed.setdefault("count_step", args[-1]))
+    monkeypatch.setattr(
+        agent_rollout, "complete_agent_trajectories", lambda *args: handed.setdefault("count_step", args[-1])
+    )
     rollouts._complete_agents([], SimpleNamespace(env=None), step_seed=0)
     handed["count_step"]()
     handed["count_step"]()
@@ -258,7 +275,10 @@ def test_an_empty_reply_reaches_the_agent_as_the_empty_string_it_trains_as(serve
         for _ in range(2):
             reply = client.chat.completions.create(model="policy", messages=messages)
             replies.append(reply.choices[0].message.content)
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "again"}]
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": "again"},
+            ]
         seen["replies"] = replies
         return 1.0
 

@@ -21,14 +21,14 @@ pytestmark = pytest.mark.real_model
 QWEN25_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
     "{%- else %}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}{%- endif %}"
-    "{{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
-    "with function signatures within <tools></tools> XML tags:\\n<tools>\" }}{%- for tool in tools %}{{- \"\\n\" }}"
-    "{{- tool | tojson }}{%- endfor %}{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function "
-    "name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided '
+    'with function signatures within <tools></tools> XML tags:\\n<tools>" }}{%- for tool in tools %}{{- "\\n" }}'
+    '{{- tool | tojson }}{%- endfor %}{{- "\\n</tools>\\n\\nFor each function call, return a json object with function '
+    'name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
     "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}{%- else %}{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are "
     "Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- endif %}"
-    "{%- for message in messages %}{%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+    '{%- for message in messages %}{%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
     "(message.role == \"assistant\" and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\\n' + "
     "message.content + '<|im_end|>' + '\\n' }}{%- elif message.role == \"tool\" %}{%- if (loop.index0 == 0) or "
     "(messages[loop.index0 - 1].role != \"tool\") %}{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' }}"
@@ -41,8 +41,16 @@ LLAMA3_TEMPLATE = (
     "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
     "{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
-TOOLS = [{"type": "function", "function": {"name": "python", "description": "run code",
-                                           "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "run code",
+            "parameters": {"type": "object", "properties": {"code": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(params=["smollm2", "qwen25_tools", "llama3"])
@@ -54,7 +62,9 @@ def template(request, smollm2_tokenizer):
     if request.param == "qwen25_tools":
         tok.chat_template = QWEN25_TEMPLATE
         return tok, {"tools": TOOLS}, "tool"
-    tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+    )
     tok.bos_token, tok.eos_token = "<|begin_of_text|>", "<|eot_id|>"
     tok.chat_template = LLAMA3_TEMPLATE
     return tok, {}, "user"
@@ -81,7 +91,9 @@ class Answering:
         return out
 
 
-def _run(tok, kwargs, env, turns, *, obs_tokens=256, per_turn=64, side="tail", check="strict", prompt_ids=None, messages=None):
+def _run(
+    tok, kwargs, env, turns, *, obs_tokens=256, per_turn=64, side="tail", check="strict", prompt_ids=None, messages=None
+):
     """One trajectory; turn k generates `turns[k]` (token ids, cut to the turn's budget). The prompt's
     ids are what data=files renders for the row: the template without env.chat_template_kwargs."""
     messages = messages or [{"role": "user", "content": "What is 6 times 7? Use the tool."}]
@@ -90,7 +102,9 @@ def _run(tok, kwargs, env, turns, *, obs_tokens=256, per_turn=64, side="tail", c
     generator = ScriptedGenerator({(0, k): t for k, t in enumerate(turns)})
     generator.decode = lambda t: tok.decode(t, skip_special_tokens=True)
     renderer = ObservationRenderer(tok, "chat_template", side, (), kwargs)  # re-renders the prompt with kwargs
-    runner = MultiTurnRunner(lambda p: env, generator, renderer, TrajectoryLimits(len(turns), per_turn, 2048, obs_tokens), 1, 5.0, check)
+    runner = MultiTurnRunner(
+        lambda p: env, generator, renderer, TrajectoryLimits(len(turns), per_turn, 2048, obs_tokens), 1, 5.0, check
+    )
     (t,) = list(runner.run([(0, Prompt(text="q", messages=tuple(messages)), ids)]))
     return t, generator, messages
 
@@ -118,8 +132,14 @@ def _same(tok, context, conversation, kwargs):
 def test_each_turn_is_generated_from_what_the_template_renders(template):
     tok, kwargs, role = template
     env = Answering(role, turns=3)
-    t, gen, messages = _run(tok, kwargs, env, [_turn(tok, "Let me check."), _turn(tok, "Again."), _turn(tok, "It is 42.")])
-    conversation = [*messages, {"role": "assistant", "content": "Let me check."}, {"role": role, "content": "result: 42"}]
+    t, gen, messages = _run(
+        tok, kwargs, env, [_turn(tok, "Let me check."), _turn(tok, "Again."), _turn(tok, "It is 42.")]
+    )
+    conversation = [
+        *messages,
+        {"role": "assistant", "content": "Let me check."},
+        {"role": role, "content": "result: 42"},
+    ]
     assert _same(tok, gen.contexts[(0, 1)], conversation, kwargs)
     conversation += [{"role": "assistant", "content": "Again."}, {"role": role, "content": "result: 42"}]
     assert _same(tok, gen.contexts[(0, 2)], conversation, kwargs)
@@ -135,7 +155,11 @@ def test_a_turn_cut_at_its_token_limit_gets_the_end_of_turn_token_as_context(tem
     long_turn = _turn(tok, "Let me think about this for a long while before I answer", close=False)
     t, gen, messages = _run(tok, kwargs, Answering(role), [long_turn, _turn(tok, "42")], per_turn=6)
     cut = long_turn[:6]
-    conversation = [*messages, {"role": "assistant", "content": tok.decode(cut)}, {"role": role, "content": "result: 42"}]
+    conversation = [
+        *messages,
+        {"role": "assistant", "content": tok.decode(cut)},
+        {"role": role, "content": "result: 42"},
+    ]
     context = gen.contexts[(0, 1)]
     assert context[: len(t.prompt_ids) + 6] == t.prompt_ids + cut
     assert context[len(t.prompt_ids) + 6] == tok.eos_token_id  # the turn is closed before the observation
@@ -143,25 +167,34 @@ def test_a_turn_cut_at_its_token_limit_gets_the_end_of_turn_token_as_context(tem
     assert t.counts.tokenization_mismatches == 0
     # what follows the model's tokens is what the template renders after a turn
     rendered = _chat(tok, conversation, kwargs)
-    assert context[len(t.prompt_ids) + 6:] == rendered[len(rendered) - (len(context) - len(t.prompt_ids) - 6):]
+    assert context[len(t.prompt_ids) + 6 :] == rendered[len(rendered) - (len(context) - len(t.prompt_ids) - 6) :]
 
 
 @pytest.mark.parametrize("side", ["tail", "head", "middle"])
 def test_a_long_observation_is_cut_on_its_content_and_the_template_still_closes_it(template, side):
     tok, kwargs, role = template
     output = "".join(f"line {i}: value {i * i}\n" for i in range(300))  # ~2.5k tokens of tool output
-    t, gen, messages = _run(tok, kwargs, Answering(role, reply=output), [_turn(tok, "Run it."), _turn(tok, "Done.")],
-                            obs_tokens=64, side=side)
+    t, gen, messages = _run(
+        tok,
+        kwargs,
+        Answering(role, reply=output),
+        [_turn(tok, "Run it."), _turn(tok, "Done.")],
+        obs_tokens=64,
+        side=side,
+    )
     context = gen.contexts[(0, 1)]
-    observation = context[len(t.prompt_ids) + len(t.turns[0]):]
+    observation = context[len(t.prompt_ids) + len(t.turns[0]) :]
     assert len(observation) <= 64 and t.counts.observations_truncated == 1
     # the next turn starts after the template's generation prompt, not inside the tool message
     header = _chat(tok, [{"role": "user", "content": "x"}], kwargs)
-    header_tail = header[len(_chat(tok, [{"role": "user", "content": "x"}], kwargs, generation_prompt=False)):]
-    assert context[-len(header_tail):] == header_tail
+    header_tail = header[len(_chat(tok, [{"role": "user", "content": "x"}], kwargs, generation_prompt=False)) :]
+    assert context[-len(header_tail) :] == header_tail
     text = tok.decode(observation)
-    kept = {"tail": "line 0:" in text and "line 299" not in text, "head": "line 299" in text and "line 0:" not in text,
-            "middle": "line 0:" in text and "line 299" in text and "\n...\n" in text}
+    kept = {
+        "tail": "line 0:" in text and "line 299" not in text,
+        "head": "line 299" in text and "line 0:" not in text,
+        "middle": "line 0:" in text and "line 299" in text and "\n...\n" in text,
+    }
     assert kept[side], text
     assert t.counts.tokenization_mismatches == 0
 
@@ -181,12 +214,19 @@ def test_a_turn_the_environment_shortened_ends_properly(smollm2_tokenizer):
 def test_a_prompt_with_assistant_messages_of_its_own_is_checked_around_them(smollm2_tokenizer):
     """Few-shot examples (or a conversation's history) in the prompt are not the model's turns."""
     tok = smollm2_tokenizer
-    few_shot = [{"role": "user", "content": "What is 2 times 3?"}, {"role": "assistant", "content": "6"},
-                {"role": "user", "content": "What is 6 times 7?"}]
+    few_shot = [
+        {"role": "user", "content": "What is 2 times 3?"},
+        {"role": "assistant", "content": "6"},
+        {"role": "user", "content": "What is 6 times 7?"},
+    ]
     t, gen, _ = _run(tok, {}, Answering("user"), [_turn(tok, "Let me check."), _turn(tok, "42")], messages=few_shot)
     assert t.counts.tokenization_mismatches == 0 and t.turn_messages == [3, 5]
-    assert _same(tok, gen.contexts[(0, 1)], [*few_shot, {"role": "assistant", "content": "Let me check."},
-                                              {"role": "user", "content": "result: 42"}], {})
+    assert _same(
+        tok,
+        gen.contexts[(0, 1)],
+        [*few_shot, {"role": "assistant", "content": "Let me check."}, {"role": "user", "content": "result: 42"}],
+        {},
+    )
 
 
 def test_a_step_without_observations_still_closes_the_turn_and_opens_the_next(smollm2_tokenizer):
@@ -203,8 +243,11 @@ def test_the_check_refuses_a_prompt_that_is_not_the_template_s(smollm2_tokenizer
     tok = smollm2_tokenizer
     plain = tok("What is 6 times 7? Use the tool.", add_special_tokens=False)["input_ids"]  # data.chat_template=false
     turns = [_turn(tok, "Let me check."), _turn(tok, "42")]
-    with pytest.raises(TokenizationMismatch, match=r"at token 0 of \d+, inside the prompt: the prompt was not chat-templated .*"
-                                                   r"set env.observation_format=plain or chat-template the prompts") as refused:
+    with pytest.raises(
+        TokenizationMismatch,
+        match=r"at token 0 of \d+, inside the prompt: the prompt was not chat-templated .*"
+        r"set env.observation_format=plain or chat-template the prompts",
+    ) as refused:
         _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="strict")
     assert "mode=warn" not in str(refused.value)
     t, _, _ = _run(tok, {}, Answering("user"), turns, prompt_ids=plain, check="warn")
@@ -232,8 +275,17 @@ def _text2sql_prompts(tmp_path, tok):
     from tests.env.text2sql_rows import make_text2sql
 
     parquet, db_path = make_text2sql(tmp_path)
-    cfg = compose_config(["data=files", f"data.train_files=[{parquet}]", f"data.val_files=[{parquet}]", "data.prompt_max_len=512",
-                          "data.label_key=reward_spec.ground_truth", "env=skyrl", f"env.env_config.db_path={db_path}"])
+    cfg = compose_config(
+        [
+            "data=files",
+            f"data.train_files=[{parquet}]",
+            f"data.val_files=[{parquet}]",
+            "data.prompt_max_len=512",
+            "data.label_key=reward_spec.ground_truth",
+            "env=skyrl",
+            f"env.env_config.db_path={db_path}",
+        ]
+    )
     data = instantiate(cfg.data)
     data.bind(tok)
     return data.sample_prompts(8), instantiate(cfg.env)
@@ -248,8 +300,10 @@ def test_text2sql_runs_unchanged_on_rows_in_skyrl_sql_s_layout(tmp_path, smollm2
     prompt = next(p for p in prompts if "How many singers" in p.messages[-1]["content"])
     made = env.make(prompt)
     assert type(made).__name__ == "SQLEnv" and made.db_id == "concert_singer" and made.max_turns == 3
-    turns = [_turn(tok, "<think>Look at the table.</think><sql>SELECT name, age FROM singer</sql>"),
-             _turn(tok, "<think>Six rows.</think><solution>SELECT count(*) FROM singer</solution>")]
+    turns = [
+        _turn(tok, "<think>Look at the table.</think><sql>SELECT name, age FROM singer</sql>"),
+        _turn(tok, "<think>Six rows.</think><solution>SELECT count(*) FROM singer</solution>"),
+    ]
     generator = ScriptedGenerator({(0, k): t for k, t in enumerate(turns)})
     generator.decode = lambda t: tok.decode(t, skip_special_tokens=True)
     runner = MultiTurnRunner(env.make, generator, env.renderer(tok), env.limits(512), 1, 10.0, "strict")
@@ -258,7 +312,9 @@ def test_text2sql_runs_unchanged_on_rows_in_skyrl_sql_s_layout(tmp_path, smollm2
     assert t.reward("last") == 1.0 and t.counts.tokenization_mismatches == 0
     context = tok.decode(generator.contexts[(0, 1)])
     assert "Joe Sharp" in context and "Tribal King" in context  # the database answered
-    assert context.endswith("</sql><|im_end|>\n<|im_start|>user\n" + t.messages[3]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
+    assert context.endswith(
+        "</sql><|im_end|>\n<|im_start|>user\n" + t.messages[3]["content"] + "<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_environment_metrics_are_aggregated_by_the_environment_s_class(smollm2_tokenizer):
@@ -268,8 +324,12 @@ def test_environment_metrics_are_aggregated_by_the_environment_s_class(smollm2_t
 
     tok = smollm2_tokenizer
     env = SkyRLEnv(env_class="gsm8k_multi_turn")
-    prompt = Prompt(text="q", label="42", messages=({"role": "user", "content": "What is 6 times 7?"},),
-                    env_fields={"reward_spec": {"method": "rule", "ground_truth": "42"}, "extra_info": {"max_turns": 3}})
+    prompt = Prompt(
+        text="q",
+        label="42",
+        messages=({"role": "user", "content": "What is 6 times 7?"},),
+        env_fields={"reward_spec": {"method": "rule", "ground_truth": "42"}, "extra_info": {"max_turns": 3}},
+    )
     ids = _chat(tok, list(prompt.messages), {})
     scripts = {(0, 0): _turn(tok, "#### 42"), (1, 0): _turn(tok, "I think 40"), (1, 1): _turn(tok, "#### 42")}
     generator = ScriptedGenerator(scripts)
@@ -293,8 +353,12 @@ def test_per_turn_rewards_sit_on_each_turn_s_last_token(smollm2_tokenizer):
     tok = smollm2_tokenizer
     env = SkyRLEnv(env_class="gsm8k_multi_turn", reward="per_turn", max_turns=3)
     assert env.places_turn_rewards and not SkyRLEnv(env_class="gsm8k_multi_turn", reward="sum").places_turn_rewards
-    prompt = Prompt(text="q", label="42", messages=({"role": "user", "content": "What is 6 times 7?"},),
-                    env_fields={"reward_spec": {"method": "rule", "ground_truth": "42"}, "extra_info": {"max_turns": 3}})
+    prompt = Prompt(
+        text="q",
+        label="42",
+        messages=({"role": "user", "content": "What is 6 times 7?"},),
+        env_fields={"reward_spec": {"method": "rule", "ground_truth": "42"}, "extra_info": {"max_turns": 3}},
+    )
     scripts = {(0, 0): _turn(tok, "I think 40"), (0, 1): _turn(tok, "#### 41"), (0, 2): _turn(tok, "#### 42")}
     generator = ScriptedGenerator(scripts)
     generator.decode = lambda t: tok.decode(t, skip_special_tokens=True)
@@ -303,7 +367,9 @@ def test_per_turn_rewards_sit_on_each_turn_s_last_token(smollm2_tokenizer):
     assert t.turn_rewards == pytest.approx([0.0, 0.2 / 3, 1.0]) and t.reward("per_turn") == pytest.approx(0.2 / 3 + 1.0)
     placed = t.turn_reward_field()
     ends = [k for k, r in enumerate(placed) if r]
-    assert [t.response_ids[k] for k in ends] == [tok.convert_tokens_to_ids("<|im_end|>")] * 2  # turns 2 and 3 close there
+    assert [t.response_ids[k] for k in ends] == [
+        tok.convert_tokens_to_ids("<|im_end|>")
+    ] * 2  # turns 2 and 3 close there
     assert [placed[k] for k in ends] == pytest.approx([0.2 / 3, 1.0]) and all(t.loss_mask[k] for k in ends)
     assert ends[-1] == len(t.response_ids) - 1
 
@@ -350,8 +416,12 @@ class ManyToolMessages:
         self.steps += 1
         if self.steps > 1:
             return {"observations": [], "reward": 1.0, "done": True}
-        return {"observations": [{"role": "tool", "content": f"out {k}"} for k in range(self.calls)], "reward": 0.0,
-                "done": False, "metadata": {"tool_calls": self.calls}}
+        return {
+            "observations": [{"role": "tool", "content": f"out {k}"} for k in range(self.calls)],
+            "reward": 0.0,
+            "done": False,
+            "metadata": {"tool_calls": self.calls},
+        }
 
 
 def test_a_turn_whose_tool_messages_cannot_fit_ends_its_trajectory_truncated_not_the_run(smollm2_tokenizer):
@@ -414,7 +484,9 @@ def test_a_date_stamped_template_renders_the_run_s_date_across_midnight(tmp_path
             return PastMidnight("user", turns=2)
 
     tok = copy.deepcopy(smollm2_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+    )
     tok.bos_token, tok.eos_token = "<|begin_of_text|>", "<|eot_id|>"
     tok.chat_template = DATED_TEMPLATE
     env = Dated(template_time=now[0].timestamp())  # built on the driver, before midnight
@@ -479,7 +551,10 @@ def test_a_qwen3_style_template_runs_in_warn_mode_and_strict_is_refused_before_r
     obs = ObservationRenderer(tok, "chat_template").observation([{"role": "tool", "content": "result: 42"}], True, 256)
     assert tok.decode(obs.ids) == after_turn and not obs.truncated
 
-    turns = [_turn(tok, "<think>\nI need the tool.\n</think>\n\nLet me check."), _turn(tok, "<think>\nIt said 42.\n</think>\n\n42")]
+    turns = [
+        _turn(tok, "<think>\nI need the tool.\n</think>\n\nLet me check."),
+        _turn(tok, "<think>\nIt said 42.\n</think>\n\n42"),
+    ]
     t, gen, _ = _run(tok, {}, Answering("tool"), turns, check="warn")
     assert t.counts.turns == 2 and t.done and not t.truncated and t.turn_rewards == [1.0, 1.0]
     second = tok.decode(gen.contexts[(0, 1)])  # the first turn as generated, reasoning kept, then the tool turn
@@ -494,8 +569,11 @@ def test_a_qwen3_style_template_runs_in_warn_mode_and_strict_is_refused_before_r
             return Answering("tool")
 
     prompt = Prompt(text="q", messages=({"role": "user", "content": "What is 6 times 7?"},))
-    with pytest.raises(EnvError, match=r"^env.tokenization_sanity_check_mode=strict: this tokenizer's chat template renders the last "
-                                       r"assistant turn otherwise than earlier ones .* set env.tokenization_sanity_check_mode=warn"):
+    with pytest.raises(
+        EnvError,
+        match=r"^env.tokenization_sanity_check_mode=strict: this tokenizer's chat template renders the last "
+        r"assistant turn otherwise than earlier ones .* set env.tokenization_sanity_check_mode=warn",
+    ):
         Tool().check(prompt, tok)  # the default: strict
     Tool(tokenization_sanity_check_mode="warn").check(prompt, tok)
     Tool(tokenization_sanity_check_mode="off").check(prompt, tok)

@@ -35,7 +35,13 @@ from tests.conftest import SHARED_RAY, compose_config
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("shared_ray")]
 
 TOLERANCE = 1e-4  # nats, float32 on both sides (as the weight-sync tests)
-ENGINE_ENV = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
+ENGINE_ENV = {
+    "env_vars": {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+}
 
 DIGIT_RETRY = '''
 from rlhf_orch.data.digit_task import score_response
@@ -68,8 +74,15 @@ def env_file(tmp_path_factory) -> str:
 
 
 def _env_overrides(env_file: str) -> list[str]:
-    return ["env=custom", f"env.path={env_file}", "env.name=DigitRetry", "env.observation_format=plain", "env.max_turns=2",
-            "env.max_tokens_per_turn=12", "data.response_max_len=40"]
+    return [
+        "env=custom",
+        f"env.path={env_file}",
+        "env.name=DigitRetry",
+        "env.observation_format=plain",
+        "env.max_turns=2",
+        "env.max_tokens_per_turn=12",
+        "data.response_max_len=40",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +119,13 @@ def test_trajectories_keep_the_engines_tokens_and_mask_observations(engine, env_
     prompts = _digit_prompts(tokenizer, 4)
     env = CustomEnv(path=env_file, name="DigitRetry", max_turns=2, max_tokens_per_turn=10, observation_format="plain")
     job = RolloutJob(
-        prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)}, prompts=dict(enumerate(prompts)),
-        samples_per_prompt=2, max_tokens=32, temperature=1.0, scorer=None, env=env,
+        prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)},
+        prompts=dict(enumerate(prompts)),
+        samples_per_prompt=2,
+        max_tokens=32,
+        temperature=1.0,
+        scorer=None,
+        env=env,
     )
     requests = whole_prompt_requests(range(4), 2)
     ray.get(engine.reseed.remote(123))
@@ -128,7 +146,9 @@ def test_trajectories_keep_the_engines_tokens_and_mask_observations(engine, env_
         # the trainer's view of the same ids: log-probs of the model's tokens equal the engine's
         _assert_trainer_logprobs_equal_the_engine_s(model, s)
         # the environment's reward: the digit score of the second try
-        assert s.reward == pytest.approx(score_response(prompt.label, tokenizer.decode(ids[end:], skip_special_tokens=True)))
+        assert s.reward == pytest.approx(
+            score_response(prompt.label, tokenizer.decode(ids[end:], skip_special_tokens=True))
+        )
         # what re-tokenising the transcript would have trained on instead
         text = tokenizer.decode(ids, skip_special_tokens=True)
         re_encoding_changes_ids += tokenizer(text, add_special_tokens=False)["input_ids"] != ids
@@ -179,8 +199,13 @@ def test_an_openai_agent_s_calls_train_as_the_engine_generated_them(engine, tiny
     path.write_text(AGENT_LOG.format(examples=str(Path(EXAMPLE_AGENT).parent), log=str(log)))
     env = AgentEnv(path=str(path), name="three_tries_logged", max_tokens_per_turn=8, prompt_max_len=32)
     job = RolloutJob(
-        prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)}, prompts=dict(enumerate(prompts)),
-        samples_per_prompt=2, max_tokens=40, temperature=1.0, scorer=None, env=env,
+        prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)},
+        prompts=dict(enumerate(prompts)),
+        samples_per_prompt=2,
+        max_tokens=40,
+        temperature=1.0,
+        scorer=None,
+        env=env,
     )
     ray.get(engine.reseed.remote(5))
     samples, _ = ray.get(engine.produce_samples.remote(whole_prompt_requests(range(3), 2), job))
@@ -236,11 +261,27 @@ def test_a_skyrl_gym_environment_trains_from_a_skyrl_parquet_and_evaluates(tmp_p
     observation is skyrl's own follow-up, evaluation plays held-out rows the same way."""
     train = _skyrl_parquet(digit_files["verl"]["train"], tmp_path / "train.parquet")
     val = _skyrl_parquet(digit_files["verl"]["test"], tmp_path / "val.parquet")
-    rows = _run(["env=skyrl", "env.observation_format=plain", "env.max_turns=2", "env.max_tokens_per_turn=12",
-                 "env.max_observation_tokens=24", "data=files", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-                 "data.label_key=reward_spec.ground_truth", "data.response_max_len=48", "data.prompt_max_len=32",
-                 "experiment=quick", "algo.num_steps=2", "eval.every_n_steps=2", "eval.num_prompts=8",
-                 "checkpoint.export_final=false"], tmp_path / "run")
+    rows = _run(
+        [
+            "env=skyrl",
+            "env.observation_format=plain",
+            "env.max_turns=2",
+            "env.max_tokens_per_turn=12",
+            "env.max_observation_tokens=24",
+            "data=files",
+            f"data.train_files=[{train}]",
+            f"data.val_files=[{val}]",
+            "data.label_key=reward_spec.ground_truth",
+            "data.response_max_len=48",
+            "data.prompt_max_len=32",
+            "experiment=quick",
+            "algo.num_steps=2",
+            "eval.every_n_steps=2",
+            "eval.num_prompts=8",
+            "checkpoint.export_final=false",
+        ],
+        tmp_path / "run",
+    )
     train_rows = [r for r in rows if r["step"] > 0]
     for r in train_rows:
         assert r["env/turns_mean"] == 2.0 and r["env/step_errors"] == 0
@@ -254,12 +295,25 @@ def test_one_step_off_multi_turn_resume_is_exact(tmp_path, env_file):
     its turn's last token (the rollout dump reads them back from the rank). The step-1 checkpoint
     carries step 2's held multi-turn rollout (loss masks, turn rewards and env counters included);
     the resumed run's metrics equal the uninterrupted run's."""
-    overrides = [*_env_overrides(env_file), "env.reward=per_turn", "experiment=quick", "algo.num_steps=3", "checkpoint.every_n_steps=1",
-                 "checkpoint.keep_last=3", "checkpoint.export_final=false", "pipeline=one_step_off", "algo.tis_cap=2"]
+    overrides = [
+        *_env_overrides(env_file),
+        "env.reward=per_turn",
+        "experiment=quick",
+        "algo.num_steps=3",
+        "checkpoint.every_n_steps=1",
+        "checkpoint.keep_last=3",
+        "checkpoint.export_final=false",
+        "pipeline=one_step_off",
+        "algo.tis_cap=2",
+    ]
     whole = tmp_path / "whole"
     rows = _run(overrides, whole)
     assert all(r["env/turns_mean"] == 2.0 for r in rows)
-    dumped = [json.loads(line) for p in sorted((whole / "rollouts").glob("step_*.jsonl")) for line in p.read_text().splitlines()]
+    dumped = [
+        json.loads(line)
+        for p in sorted((whole / "rollouts").glob("step_*.jsonl"))
+        for line in p.read_text().splitlines()
+    ]
     assert dumped and all(d["turns"] == 2 and len(d["turn_rewards"]) == len(d["turn_advantages"]) == 2 for d in dumped)
     assert all(sum(d["turn_rewards"]) == pytest.approx(d["reward"], abs=1e-5) for d in dumped)
     assert any(d["turn_rewards"][0] > 0 for d in dumped), "no first try was rewarded on its own turn"
@@ -285,7 +339,9 @@ def test_tool_use_learns_to_call_the_lookup_tool_under_the_async_pipeline(tmp_pa
     (max_staleness=1): multi-turn rollouts generated a step ahead, the weights landing between
     turns, corrected by AReaL's decoupled PPO -- the sync pipeline's multi-turn runs are the
     other tests of this file."""
-    rows = _run(["experiment=tool_use", "checkpoint.export_final=false", "pipeline=async", "algo.decoupled_is_cap=5"], tmp_path)
+    rows = _run(
+        ["experiment=tool_use", "checkpoint.export_final=false", "pipeline=async", "algo.decoupled_is_cap=5"], tmp_path
+    )
     assert max(r["rollout/staleness_max"] for r in rows) == 1
     rewards = [r["reward/mean"] for r in rows]
     fifth = max(len(rewards) // 5, 1)
@@ -295,7 +351,9 @@ def test_tool_use_learns_to_call_the_lookup_tool_under_the_async_pipeline(tmp_pa
     assert rows[-1]["env/tool_calls_mean"] > rows[0]["env/tool_calls_mean"]
 
 
-KILLING_ENV = DIGIT_RETRY + '''
+KILLING_ENV = (
+    DIGIT_RETRY
+    + '''
 
 import os
 
@@ -314,6 +372,7 @@ class DigitRetryThatKillsItsEngine(DigitRetry):
                 os._exit(1)
         return super().step(action)
 '''
+)
 
 
 # slow (~60-100 s): two engines, one killed inside an environment step and started again (a second
@@ -327,8 +386,14 @@ def test_an_engine_dying_inside_an_environment_step_is_replaced(tmp_path):
     marker = tmp_path / "kill"
     path = tmp_path / "killing_env.py"
     path.write_text(KILLING_ENV.replace("{marker!r}", repr(str(marker))))
-    cfg_overrides = [*_env_overrides(str(path)), "env.name=DigitRetryThatKillsItsEngine", "experiment=quick", "algo.num_steps=3",
-                     "placement.engines=2", "checkpoint.export_final=false"]
+    cfg_overrides = [
+        *_env_overrides(str(path)),
+        "env.name=DigitRetryThatKillsItsEngine",
+        "experiment=quick",
+        "algo.num_steps=3",
+        "placement.engines=2",
+        "checkpoint.export_final=false",
+    ]
     cfg = compose_config([*cfg_overrides, *SHARED_RAY])
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
@@ -357,9 +422,20 @@ def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
     listens where the engines served the agents, and no agent host process is left."""
     import socket
 
-    cfg = compose_config(["experiment=quick", "algo.num_steps=2", "checkpoint.export_final=false", "env=agent",
-                          f"env.path={EXAMPLE_AGENT}", "env.name=three_tries", "env.max_tokens_per_turn=8",
-                          "data.response_max_len=40", *AGENT_PLAN, *SHARED_RAY])
+    cfg = compose_config(
+        [
+            "experiment=quick",
+            "algo.num_steps=2",
+            "checkpoint.export_final=false",
+            "env=agent",
+            f"env.path={EXAMPLE_AGENT}",
+            "env.name=three_tries",
+            "env.max_tokens_per_turn=8",
+            "data.response_max_len=40",
+            *AGENT_PLAN,
+            *SHARED_RAY,
+        ]
+    )
     launcher = instantiate(cfg.launcher)
     typed, plan = check(cfg, launcher)
     endpoints = []
@@ -368,7 +444,9 @@ def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
 
     def where(step: int, loop) -> None:
         endpoints.extend(e for e in ray.get([engine.chat_endpoint.remote() for engine in loop.actors.engines]) if e)
-        engine_pids.update(ray.get([engine.__ray_call__.remote(lambda self: os.getpid()) for engine in loop.actors.engines]))
+        engine_pids.update(
+            ray.get([engine.__ray_call__.remote(lambda self: os.getpid()) for engine in loop.actors.engines])
+        )
 
     summary = run_training(cfg, typed, plan, launcher, tmp_path, callbacks=[where])
     assert summary["status"] == "completed"
@@ -376,7 +454,9 @@ def test_the_example_agent_trains_and_leaves_no_listener(tmp_path):
     for r in rows:
         assert r["env/calls_mean"] > 2.5 and r["env/unmerged_calls"] == 0 and r["env/agent_errors"] == 0
         assert r["env/tries_mean"] == r["env/calls_mean"] and r["rollout/samples"] == 16
-    assert rows[-1]["policy/grad_norm"] > 0  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)
+    assert (
+        rows[-1]["policy/grad_norm"] > 0
+    )  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)
     assert len({(e["host"], e["port"]) for e in endpoints}) == 2  # one server per engine, for the engine's life
     for e in endpoints:
         with pytest.raises(ConnectionRefusedError):
@@ -432,14 +512,27 @@ def test_an_agent_that_ends_its_process_scores_zero_and_the_step_completes(tmp_p
     process), every step completes and trains."""
     path = tmp_path / "agent.py"
     path.write_text(EXITING_AGENT.format(examples=str(Path(EXAMPLE_AGENT).parent)))
-    rows = _run(["experiment=quick", "algo.num_steps=2", "checkpoint.export_final=false", "env=agent", f"env.path={path}",
-                 "env.name=answer_or_exit", "env.max_tokens_per_turn=8", "data.response_max_len=16", *AGENT_PLAN],
-                tmp_path / "run")
+    rows = _run(
+        [
+            "experiment=quick",
+            "algo.num_steps=2",
+            "checkpoint.export_final=false",
+            "env=agent",
+            f"env.path={path}",
+            "env.name=answer_or_exit",
+            "env.max_tokens_per_turn=8",
+            "data.response_max_len=16",
+            *AGENT_PLAN,
+        ],
+        tmp_path / "run",
+    )
     assert len(rows) == 2
     for r in rows:
         assert r["rollout/samples"] == 16 and r["fault/engine_restarts"] == 0
         assert 0 < r["env/agent_errors"] < 16 and r["env/calls_mean"] == 1.0
-    assert rows[-1]["policy/grad_norm"] > 0  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)
+    assert (
+        rows[-1]["policy/grad_norm"] > 0
+    )  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)
 
 
 @pytest.mark.parametrize("transfer", ["packed", pytest.param("micro_batched", marks=pytest.mark.extended)])
@@ -450,11 +543,25 @@ def test_every_conversation_of_an_agent_trains_on_every_rank_layout(tmp_path, tr
     trainer's log-probs of every sequence equal the engine's."""
     path = tmp_path / "agent.py"
     path.write_text(TWO_CONVERSATIONS.format(examples=str(Path(EXAMPLE_AGENT).parent)))
-    rows = _run(["experiment=quick", "algo.num_steps=2", "checkpoint.export_final=false", "env=agent", f"env.path={path}",
-                 "env.name=answer_then_retry_afresh", "env.max_tokens_per_turn=8", "data.response_max_len=16",
-                 *AGENT_PLAN, f"transfer={transfer}"], tmp_path / "run")
+    rows = _run(
+        [
+            "experiment=quick",
+            "algo.num_steps=2",
+            "checkpoint.export_final=false",
+            "env=agent",
+            f"env.path={path}",
+            "env.name=answer_then_retry_afresh",
+            "env.max_tokens_per_turn=8",
+            "data.response_max_len=16",
+            *AGENT_PLAN,
+            f"transfer={transfer}",
+        ],
+        tmp_path / "run",
+    )
     for r in rows:
         assert r["rollout/samples"] == 16 and r["rollout/sequences"] == 32
         assert r["env/calls_mean"] == 2.0 and r["env/unmerged_calls"] == 16 and r["env/agent_errors"] == 0
         assert r["rollout/logprob_diff_max"] < TOLERANCE
-    assert rows[-1]["policy/grad_norm"] > 0  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)
+    assert (
+        rows[-1]["policy/grad_norm"] > 0
+    )  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)

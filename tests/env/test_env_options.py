@@ -36,9 +36,20 @@ def test_the_default_is_single_turn():
     assert not instantiate(compose_config([]).env).multi_turn
 
 
-@pytest.mark.parametrize("key,value", [("max_turns", 0), ("max_tokens_per_turn", 0), ("max_observation_tokens", 0),
-                                       ("tool_timeout_s", 0), ("concurrency", 0), ("reward", "mean"),
-                                       ("observation_format", "xml"), ("tool_format", ""), ("tool_memory_mb", 1)])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("max_turns", 0),
+        ("max_tokens_per_turn", 0),
+        ("max_observation_tokens", 0),
+        ("tool_timeout_s", 0),
+        ("concurrency", 0),
+        ("reward", "mean"),
+        ("observation_format", "xml"),
+        ("tool_format", ""),
+        ("tool_memory_mb", 1),
+    ],
+)
 def test_env_keys_out_of_range_are_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=f"env.{key}="):
         validate_values(_typed(["env=python_tool", f"env.{key}={value}"]))
@@ -103,8 +114,11 @@ def test_a_hung_init_in_the_check_before_ray_is_refused_in_one_line_at_the_deadl
     )
     env = CustomEnv(path=str(path), name="Hangs", observation_format="plain", tool_timeout_s=1.0)
     t0 = time.monotonic()
-    with pytest.raises(EnvError, match=r"env.tool_timeout_s=1: starting the environment for the first prompt \(env.make, env.init\) "
-                                      r"took longer"):
+    with pytest.raises(
+        EnvError,
+        match=r"env.tool_timeout_s=1: starting the environment for the first prompt \(env.make, env.init\) "
+        r"took longer",
+    ):
         env.check(Prompt(text="q", label="1"), _ChatMLTokenizer())
     assert time.monotonic() - t0 < 20  # (the init lasts 30 s unless given up)
 
@@ -113,7 +127,9 @@ def test_a_hung_init_in_the_check_before_ray_is_refused_in_one_line_at_the_deadl
 def _skyrl_row_prompt() -> Prompt:
     messages = ({"role": "user", "content": "What is 6 times 7? Answer as #### N."},)
     return Prompt(
-        text="What is 6 times 7?", label="42", messages=messages,
+        text="What is 6 times 7?",
+        label="42",
+        messages=messages,
         env_fields={"env_class": "gsm8k_multi_turn", "reward_spec": {"method": "rule", "ground_truth": "42"}},
         extra={"max_turns": 3},
     )
@@ -164,24 +180,32 @@ def test_skyrl_rows_choosing_an_environment_that_runs_model_code_are_refused_onc
     from rlhf_orch.env.skyrl import SkyRLEnv
 
     def rows(path, classes):
-        pd.DataFrame([{"prompt": "q", "env_class": c, "reward_spec": {"method": "rule", "ground_truth": "1"}}
-                      for c in classes]).to_parquet(path)
+        pd.DataFrame(
+            [{"prompt": "q", "env_class": c, "reward_spec": {"method": "rule", "ground_truth": "1"}} for c in classes]
+        ).to_parquet(path)
         return str(path)
 
-    task = PromptDataset(train_files=[rows(tmp_path / "train.parquet", ["gsm8k", "gsm8k"])],
-                         val_files=[rows(tmp_path / "val.parquet", ["searchcode"])],
-                         label_key="reward_spec.ground_truth", chat_template=False)
+    task = PromptDataset(
+        train_files=[rows(tmp_path / "train.parquet", ["gsm8k", "gsm8k"])],
+        val_files=[rows(tmp_path / "val.parquet", ["searchcode"])],
+        label_key="reward_spec.ground_truth",
+        chat_template=False,
+    )
     task.bind(tiny_model.tokenizer())
     assert task.env_field_values("env_class") == {"gsm8k", "searchcode"}
     with pytest.raises(EnvError) as refused:
         SkyRLEnv().bind(task)
-    assert str(refused.value).startswith("env.allow_unsandboxed_code=false: skyrl-gym's searchcode (the data's env_class column) "
-                                         "runs the model's code in the engine's process")
+    assert str(refused.value).startswith(
+        "env.allow_unsandboxed_code=false: skyrl-gym's searchcode (the data's env_class column) "
+        "runs the model's code in the engine's process"
+    )
     assert "\n" not in str(refused.value) and "set env.allow_unsandboxed_code=true" in str(refused.value)
     allowed = SkyRLEnv(allow_unsandboxed_code=True)
     allowed.bind(task)
-    assert any("searchcode" in line and "outside rlhf_orch's sandbox (env.allow_unsandboxed_code=true" in line
-               for line in allowed.describe())
+    assert any(
+        "searchcode" in line and "outside rlhf_orch's sandbox (env.allow_unsandboxed_code=true" in line
+        for line in allowed.describe()
+    )
     plain = SkyRLEnv()
     plain.bind(SimpleNamespace(prompt_max_len=8, env_field_values=lambda name: {"gsm8k"}))
     assert not any("sandbox" in line for line in plain.describe())
@@ -201,7 +225,9 @@ class _ChatMLTokenizer:
     """A character-level stand-in with a ChatML-like template (what Qwen's renders)."""
 
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True):
-        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        text = "".join(f"<{m['role']}>{m['content']}</>" for m in messages) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
         return [ord(c) for c in text]
 
     def __call__(self, text, add_special_tokens=False):
@@ -212,7 +238,9 @@ def test_chat_template_renders_only_the_new_messages():
     render = ObservationRenderer(_ChatMLTokenizer(), "chat_template")
     ids = render([{"role": "tool", "content": "42"}])
     assert "".join(map(chr, ids)) == "<tool>42</><assistant>"
-    assert "".join(map(chr, ObservationRenderer(_ChatMLTokenizer(), "plain")([{"role": "tool", "content": "42"}]))) == "42"
+    assert (
+        "".join(map(chr, ObservationRenderer(_ChatMLTokenizer(), "plain")([{"role": "tool", "content": "42"}]))) == "42"
+    )
 
 
 def test_a_template_that_drops_tool_turns_is_refused_with_the_fix(tiny_model):
@@ -220,7 +248,9 @@ def test_a_template_that_drops_tool_turns_is_refused_with_the_fix(tiny_model):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model.path())
     # a template that renders the user's turns only (the tiny model's renders conversations)
-    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
     with pytest.raises(EnvError, match="env.observation_format=plain"):
         ObservationRenderer(tokenizer, "chat_template")([{"role": "tool", "content": "1 2"}])
 
@@ -228,7 +258,9 @@ def test_a_template_that_drops_tool_turns_is_refused_with_the_fix(tiny_model):
 # --------------------------------------------------------------------------- the trainer's mask
 def test_loss_mask_travels_as_a_field_and_becomes_holes_in_the_action_mask():
     samples = [
-        Sample([1, 2], [3, 4, 5, 6], 1.0, engine_logprobs=[-1.0] * 4, index=0, fields={LOSS_MASK: [1.0, 0.0, 0.0, 1.0]}),
+        Sample(
+            [1, 2], [3, 4, 5, 6], 1.0, engine_logprobs=[-1.0] * 4, index=0, fields={LOSS_MASK: [1.0, 0.0, 0.0, 1.0]}
+        ),
         Sample([1], [7, 8], 0.0, engine_logprobs=[-1.0] * 2, index=1, fields={LOSS_MASK: [1.0, 1.0]}),
     ]
     for batch in (PaddedBatch.from_samples(samples, 0), PackedBatch.from_samples(samples)):

@@ -14,21 +14,34 @@ from rlhf_orch.env.python_tool import MAX_CALLS_PER_TURN, PythonToolEnv, final_a
 
 
 def _call(code: str) -> str:
-    return f'<tool_call>{json.dumps({"name": "python", "arguments": {"code": code}})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': 'python', 'arguments': {'code': code}})}</tool_call>"
 
 
 def test_hermes_calls_are_parsed_and_bad_ones_explained():
-    text = _call("print(1)") + " and " + '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"x=2\\"}"}</tool_call>'
+    text = (
+        _call("print(1)")
+        + " and "
+        + '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"x=2\\"}"}</tool_call>'
+    )
     assert parse_tool_calls(text, "hermes") == [("print(1)", None), ("x=2", None)]
     assert parse_tool_calls("<tool_call>{not json}</tool_call>", "hermes")[0][1].startswith("tool call is not JSON")
-    assert "unknown tool" in parse_tool_calls('<tool_call>{"name": "bash", "arguments": {}}</tool_call>', "hermes")[0][1]
-    assert "needs arguments" in parse_tool_calls('<tool_call>{"name": "python", "arguments": {}}</tool_call>', "hermes")[0][1]
+    assert (
+        "unknown tool" in parse_tool_calls('<tool_call>{"name": "bash", "arguments": {}}</tool_call>', "hermes")[0][1]
+    )
+    assert (
+        "needs arguments"
+        in parse_tool_calls('<tool_call>{"name": "python", "arguments": {}}</tool_call>', "hermes")[0][1]
+    )
     assert parse_tool_calls("no call here", "hermes") == []
 
 
 def test_tag_calls_and_final_answers():
     assert parse_tool_calls("<python>\nprint(2)\n</python>", "tags") == [("print(2)", None)]
-    assert final_answer("so #### 42 ") == "42" and final_answer("<answer> 7 </answer> done") == "7" and final_answer(" 5\n") == "5"
+    assert (
+        final_answer("so #### 42 ") == "42"
+        and final_answer("<answer> 7 </answer> done") == "7"
+        and final_answer(" 5\n") == "5"
+    )
 
 
 def _env(**kw) -> PythonToolEnv:
@@ -48,7 +61,9 @@ def test_a_call_runs_in_the_sandbox_and_comes_back_as_a_tool_message():
 
 def test_tags_format_wraps_the_output_for_models_without_a_tool_role():
     env = _env(tool_format="tags").make(Prompt(text="q", label="1"))
-    assert env.step("<python>print('hi')</python>")["observations"] == [{"role": "tool", "content": "<output>hi\n</output>"}]
+    assert env.step("<python>print('hi')</python>")["observations"] == [
+        {"role": "tool", "content": "<output>hi\n</output>"}
+    ]
 
 
 def test_hostile_and_broken_calls_give_error_observations_and_counts():
@@ -61,7 +76,9 @@ def test_hostile_and_broken_calls_give_error_observations_and_counts():
     assert time.monotonic() - t0 < 30
     assert out["metadata"] == {"tool_calls": 3, "tool_errors": 3, "tool_timeouts": 1}
     texts = [o["content"] for o in out["observations"]]
-    assert "timed out" in texts[0] and "ValueError: no" in texts[1] and texts[2].startswith("error: tool call is not JSON")
+    assert (
+        "timed out" in texts[0] and "ValueError: no" in texts[1] and texts[2].startswith("error: tool call is not JSON")
+    )
 
 
 def test_calls_beyond_the_per_turn_limit_are_not_run():
@@ -92,7 +109,9 @@ def test_fifty_calls_in_one_turn_fold_into_one_message_and_the_trajectory_goes_o
     tok = copy.deepcopy(smollm2_tokenizer)
     tok.chat_template = QWEN25_TEMPLATE
     trajectory_env = env.make(Prompt(text="q", label="42"))
-    t, gen, _ = _run(tok, env.chat_template_kwargs, trajectory_env, [_turn(tok, turn), _turn(tok, "#### 42")], per_turn=2048)
+    t, gen, _ = _run(
+        tok, env.chat_template_kwargs, trajectory_env, [_turn(tok, turn), _turn(tok, "#### 42")], per_turn=2048
+    )
     assert t.counts.turns == 2 and not t.truncated and t.counts.observations_too_long == 0
     assert t.turn_rewards == [0.0, 1.0] and t.counts.tool_calls == 50 and t.counts.tool_errors == 46
     assert "at most 4 tool calls per turn" in tok.decode(gen.contexts[(0, 1)])
@@ -113,13 +132,22 @@ def test_tool_formats_beyond_hermes_are_vllm_s_parsers(smollm2_tokenizer):
 
     from rlhf_orch.env.base import EnvError
 
-    with pytest.raises(EnvError, match=r"env.tool_format='json': must be one of hermes, tags or a vLLM tool parser \(.*llama3_json"):
+    with pytest.raises(
+        EnvError, match=r"env.tool_format='json': must be one of hermes, tags or a vLLM tool parser \(.*llama3_json"
+    ):
         _env(tool_format="json")
     # the turn as the environment gets it: decoded without special tokens (skyrl-gym's contract)
     cases = {
-        "llama3_json": ('<|python_tag|>{"name": "python", "parameters": {"code": "print(6*7)"}}', ["<|python_tag|>"], True),
-        "qwen3_coder": ("<tool_call>\n<function=python>\n<parameter=code>\nprint(6*7)\n</parameter>\n</function>\n</tool_call>",
-                        ["<tool_call>", "</tool_call>"], False),  # added, not special, as in Qwen's tokenizers
+        "llama3_json": (
+            '<|python_tag|>{"name": "python", "parameters": {"code": "print(6*7)"}}',
+            ["<|python_tag|>"],
+            True,
+        ),
+        "qwen3_coder": (
+            "<tool_call>\n<function=python>\n<parameter=code>\nprint(6*7)\n</parameter>\n</function>\n</tool_call>",
+            ["<tool_call>", "</tool_call>"],
+            False,
+        ),  # added, not special, as in Qwen's tokenizers
     }
     for fmt, (turn, markers, special) in cases.items():
         tok = copy.deepcopy(smollm2_tokenizer)
@@ -153,12 +181,21 @@ def test_a_tool_format_whose_marker_is_a_special_token_reads_the_turn_with_it(sm
     env = _env(tool_format="mistral")
     env.attach(tok)
     eos = [tok.eos_token_id]
-    call = tok('[TOOL_CALLS][{"name": "python", "arguments": {"code": "print(6*7)"}}]', add_special_tokens=False)["input_ids"] + eos
-    assert parse_tool_calls(tok.decode(call, skip_special_tokens=True), "mistral", tok) == []  # what skyrl-gym's action holds
+    call = (
+        tok('[TOOL_CALLS][{"name": "python", "arguments": {"code": "print(6*7)"}}]', add_special_tokens=False)[
+            "input_ids"
+        ]
+        + eos
+    )
+    assert (
+        parse_tool_calls(tok.decode(call, skip_special_tokens=True), "mistral", tok) == []
+    )  # what skyrl-gym's action holds
     generator = ScriptedGenerator({(0, 0): call, (0, 1): tok("#### 42", add_special_tokens=False)["input_ids"] + eos})
     generator.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
     prompt = Prompt(text="q", label="42", messages=({"role": "user", "content": "What is 6 times 7?"},))
-    runner = MultiTurnRunner(env.make, generator, env.renderer(tok), env.limits(256), 1, 30.0, "strict", env.action_decoder(tok))
+    runner = MultiTurnRunner(
+        env.make, generator, env.renderer(tok), env.limits(256), 1, 30.0, "strict", env.action_decoder(tok)
+    )
     (t,) = list(runner.run([(0, prompt, [])]))
     assert (t.counts.turns, t.counts.tool_calls, t.counts.tool_errors) == (2, 1, 0) and t.turn_rewards == [0.0, 1.0]
     assert "42" in tok.decode(generator.contexts[(0, 1)])  # the tool's output is the second turn's context
@@ -180,7 +217,9 @@ def test_a_host_whose_sandbox_lacks_a_boundary_is_refused_before_ray_unless_allo
     monkeypatch.setattr(python_tool, "sandbox_support", lambda: weak)
 
     def checked(*overrides: str):
-        cfg = compose_config(["env=python_tool", "env.observation_format=plain", *overrides])  # (the default data is raw text)
+        cfg = compose_config(
+            ["env=python_tool", "env.observation_format=plain", *overrides]
+        )  # (the default data is raw text)
         return check(cfg, instantiate(cfg.launcher))
 
     with pytest.raises(ConfigError) as refused:

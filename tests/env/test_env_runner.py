@@ -79,8 +79,12 @@ class OneTokenPerMessage:
 
     def observation(self, messages, turn_closed, max_tokens):
         ids = [900 + len(str(m["content"])) for m in messages]
-        return SimpleNamespace(ids=ids[:max_tokens], truncated=len(ids) > max_tokens, messages=list(messages)[:max_tokens],
-                               closing_added=False)
+        return SimpleNamespace(
+            ids=ids[:max_tokens],
+            truncated=len(ids) > max_tokens,
+            messages=list(messages)[:max_tokens],
+            closing_added=False,
+        )
 
     def closes_turn(self, ids):
         return bool(ids) and ids[-1] == 7
@@ -239,13 +243,22 @@ def test_a_prompt_rewritten_by_init_past_data_prompt_max_len_is_refused_naming_t
 
     def runner(longest, envs):
         made = iter(envs)
-        return MultiTurnRunner(lambda p: next(made), ScriptedGenerator(), TokenPerMessage(),
-                               TrajectoryLimits(4, 8, 64, 16, max_prompt_tokens=longest), 8, 5.0)
+        return MultiTurnRunner(
+            lambda p: next(made),
+            ScriptedGenerator(),
+            TokenPerMessage(),
+            TrajectoryLimits(4, 8, 64, 16, max_prompt_tokens=longest),
+            8,
+            5.0,
+        )
 
     items = [(i, Prompt(text=f"p{i}"), [50, 51]) for i in range(2)]
     done = list(runner(21, [CountdownEnv(), LongInit()]).run(items))  # at the limit: runs
     assert sorted(len(t.prompt_ids) for t in done) == [2, 21]
-    with pytest.raises(EnvRuntimeError, match=r"sample 1: the environment's init made the prompt 21 tokens, more than data.prompt_max_len=20"):
+    with pytest.raises(
+        EnvRuntimeError,
+        match=r"sample 1: the environment's init made the prompt 21 tokens, more than data.prompt_max_len=20",
+    ):
         list(runner(20, [CountdownEnv(), LongInit()]).run(items))
 
     class WithTools(TokenPerMessage):  # env.chat_template_kwargs (tools) re-render every prompt, longer
@@ -255,8 +268,17 @@ def test_a_prompt_rewritten_by_init_past_data_prompt_max_len_is_refused_naming_t
         def renders_prompts(self):
             return True
 
-    tools = MultiTurnRunner(lambda p: CountdownEnv(), ScriptedGenerator(), WithTools(), TrajectoryLimits(4, 8, 64, 16, max_prompt_tokens=20), 8, 5.0)
-    with pytest.raises(EnvRuntimeError, match=r"sample 0: the chat template with env.chat_template_kwargs made the prompt 30 tokens"):
+    tools = MultiTurnRunner(
+        lambda p: CountdownEnv(),
+        ScriptedGenerator(),
+        WithTools(),
+        TrajectoryLimits(4, 8, 64, 16, max_prompt_tokens=20),
+        8,
+        5.0,
+    )
+    with pytest.raises(
+        EnvRuntimeError, match=r"sample 0: the chat template with env.chat_template_kwargs made the prompt 30 tokens"
+    ):
         list(tools.run(items))
 
 

@@ -61,7 +61,9 @@ def test_an_exception_gives_its_traceback_and_an_error():
     assert result.output.startswith("before\nTraceback (most recent call last):\n")
     assert 'File "main.py", line 4, in <module>' in result.output
     assert result.output.endswith("ValueError: bad value\n")
-    assert "sandbox_child.py" not in result.output and "sandbox.py" not in result.output  # the bootstrap's frames are hidden
+    assert (
+        "sandbox_child.py" not in result.output and "sandbox.py" not in result.output
+    )  # the bootstrap's frames are hidden
     assert result.observation() == result.output + "[exit code 1]"
 
 
@@ -92,8 +94,11 @@ def test_cpu_time_is_limited():
     assert result.observation() == "[killed by signal SIGXCPU: CPU time limit]"
 
 
-@pytest.mark.parametrize("code", ["x = bytearray(10**10)\n", "x = []\nwhile True:\n    x.append(bytearray(10**6))\n"],
-                         ids=["one_huge_allocation", "growing_list"])
+@pytest.mark.parametrize(
+    "code",
+    ["x = bytearray(10**10)\n", "x = []\nwhile True:\n    x.append(bytearray(10**6))\n"],
+    ids=["one_huge_allocation", "growing_list"],
+)
 def test_a_memory_bomb_fails_inside_the_sandbox(code):
     result = run_python(code, SandboxLimits(memory_mb=256, timeout_s=4.0))
     assert result.error and not result.timed_out
@@ -152,12 +157,18 @@ def test_writing_outside_the_working_directory_is_refused(audit_hook, where):
     _needs(audit_hook, "private_filesystem")
     name = f"rlhf_orch_sandbox_escape_{uuid.uuid4().hex}"
     target = {"absolute": f"/tmp/{name}", "relative": f"../{name}", "symlink": f"link/{name}"}[where]
-    code = (f"import os\nos.symlink('/tmp', 'link')\nopen('inside.txt', 'w').write('ok')\nprint('inside ok')\n"
-            f"open({target!r}, 'w').write('escaped')\n")
+    code = (
+        f"import os\nos.symlink('/tmp', 'link')\nopen('inside.txt', 'w').write('ok')\nprint('inside ok')\n"
+        f"open({target!r}, 'w').write('escaped')\n"
+    )
     result = run_python(code, audit_hook=audit_hook)
     assert result.output.startswith("inside ok\n")  # the working directory itself is writable
     assert result.error
-    refusal = "PermissionError: sandbox: writing is allowed only in the working directory" if audit_hook else "Read-only file system"
+    refusal = (
+        "PermissionError: sandbox: writing is allowed only in the working directory"
+        if audit_hook
+        else "Read-only file system"
+    )
     assert refusal in result.output
     assert not os.path.exists(f"/tmp/{name}")
     assert not os.path.exists(os.path.join(tempfile.gettempdir(), name))
@@ -245,8 +256,13 @@ def test_the_parents_secrets_are_not_visible(monkeypatch):
 
 def test_the_cli_prints_exactly_the_observation():
     code = "print('from the cli')\nraise RuntimeError('and an error')\n"
-    cli = subprocess.run([sys.executable, "-m", "rlhf_orch.env.tools", "python", "--timeout-s", "4"],
-                         input=code.encode(), capture_output=True, cwd=REPO, timeout=60)
+    cli = subprocess.run(
+        [sys.executable, "-m", "rlhf_orch.env.tools", "python", "--timeout-s", "4"],
+        input=code.encode(),
+        capture_output=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert cli.returncode == 0, cli.stderr.decode()
     assert cli.stdout.decode() == run_python(code, SandboxLimits(timeout_s=4)).observation()
     assert cli.stdout.decode().endswith("RuntimeError: and an error\n[exit code 1]")
@@ -254,15 +270,31 @@ def test_the_cli_prints_exactly_the_observation():
 
 @pytest.mark.parametrize("flags", [["--memory-mb", "1"], ["--timeout-s", "soon"], ["--nonsense"]])
 def test_the_cli_refuses_bad_flags_with_exit_code_2(flags):
-    cli = subprocess.run([sys.executable, "-m", "rlhf_orch.env.tools", "python", *flags],
-                         input=b"print(1)", capture_output=True, cwd=REPO, timeout=60)
+    cli = subprocess.run(
+        [sys.executable, "-m", "rlhf_orch.env.tools", "python", *flags],
+        input=b"print(1)",
+        capture_output=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert cli.returncode == 2 and cli.stdout == b""
 
 
-@pytest.mark.parametrize("field, value", [
-    ("timeout_s", 0), ("timeout_s", float("inf")), ("cpu_s", 0), ("memory_mb", 8), ("max_processes", -1),
-    ("max_processes", 5000), ("max_output_bytes", 0), ("max_file_bytes", -1), ("cpu_s", 2.5), ("memory_mb", True),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("timeout_s", 0),
+        ("timeout_s", float("inf")),
+        ("cpu_s", 0),
+        ("memory_mb", 8),
+        ("max_processes", -1),
+        ("max_processes", 5000),
+        ("max_output_bytes", 0),
+        ("max_file_bytes", -1),
+        ("cpu_s", 2.5),
+        ("memory_mb", True),
+    ],
+)
 def test_bad_limits_raise_a_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SandboxLimits\.{field}={value!r}: must be"):
         SandboxLimits(**{field: value})
@@ -270,7 +302,9 @@ def test_bad_limits_raise_a_value_error_naming_the_field(field, value):
 
 def test_the_observation_ends_with_one_plain_status_line():
     def result(**kwargs) -> ToolResult:
-        fields = dict(output="out\n", exit_code=0, timed_out=False, truncated=False, error=False, seconds=0.1, timeout_s=5.0)
+        fields = dict(
+            output="out\n", exit_code=0, timed_out=False, truncated=False, error=False, seconds=0.1, timeout_s=5.0
+        )
         return ToolResult(**{**fields, **kwargs})
 
     assert result().observation() == "out\n"
@@ -289,7 +323,11 @@ def test_as_root_without_a_separate_uid_the_code_is_refused_not_run_as_root(monk
 
     started = []
     monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(sandbox, "sandbox_support", lambda: SandboxSupport(network_namespace=True, private_filesystem=False, separate_uid=False))
+    monkeypatch.setattr(
+        sandbox,
+        "sandbox_support",
+        lambda: SandboxSupport(network_namespace=True, private_filesystem=False, separate_uid=False),
+    )
     monkeypatch.setattr(sandbox, "_run", lambda *a, **k: started.append(a))
     result = run_python("print('as root')")
     assert result.error and result.exit_code == SETUP_FAILED_EXIT and result.output.startswith(SANDBOX_UNAVAILABLE)
@@ -305,8 +343,15 @@ def test_a_probe_run_that_times_out_is_retried_and_its_result_probed_again_later
     def flaky(code, limits, candidate, audit_hook):  # the first run of each probe times out under load
         calls.append(candidate)
         timed_out = len(calls) == 1
-        return ToolResult(output="" if timed_out else "ok\n", exit_code=None if timed_out else 0, timed_out=timed_out,
-                          truncated=False, error=timed_out, seconds=0.0, timeout_s=20.0)
+        return ToolResult(
+            output="" if timed_out else "ok\n",
+            exit_code=None if timed_out else 0,
+            timed_out=timed_out,
+            truncated=False,
+            error=timed_out,
+            seconds=0.0,
+            timeout_s=20.0,
+        )
 
     monkeypatch.setattr(sandbox, "_run", flaky)
     monkeypatch.setattr(sandbox, "_support", None)
@@ -394,14 +439,24 @@ def test_the_read_only_tree_hides_checkouts_wherever_they_are_and_what_top_level
     hidden but for the entries on the way to the interpreter; the standard library shown whole."""
     from rlhf_orch.env.sandbox import _read_only_tree
 
-    paths = ["/usr/src/app/.venv/lib/python3.11/site-packages", "/usr/src/app", "/opt/py/lib/python3.11",
-             "/opt/py/lib/python3.11/lib-dynload", "/usr/src/app/.venv/bin/python"]
+    paths = [
+        "/usr/src/app/.venv/lib/python3.11/site-packages",
+        "/usr/src/app",
+        "/opt/py/lib/python3.11",
+        "/opt/py/lib/python3.11/lib-dynload",
+        "/usr/src/app/.venv/bin/python",
+    ]
     links = {"/home": "/var/home"}
-    plan = dict(_read_only_tree(
-        paths, private=["/usr/src/app", "/var/home/me"], top_level=["usr", "opt", "home", "data", "etc"],
-        is_dir=lambda p: p != "/usr/src/app/.venv/bin/python", realpath=lambda p: links.get(p, p),
-        mounts=["/var/run/secrets/kubernetes.io/serviceaccount", "/etc/hosts", "/usr"],
-    ))
+    plan = dict(
+        _read_only_tree(
+            paths,
+            private=["/usr/src/app", "/var/home/me"],
+            top_level=["usr", "opt", "home", "data", "etc"],
+            is_dir=lambda p: p != "/usr/src/app/.venv/bin/python",
+            realpath=lambda p: links.get(p, p),
+            mounts=["/var/run/secrets/kubernetes.io/serviceaccount", "/etc/hosts", "/usr"],
+        )
+    )
     assert plan["/usr/src/app"] == [".venv"]  # the checkout: its venv alone, though under /usr and on sys.path
     assert plan["/usr/src/app/.venv"] == ["bin", "lib"] and plan["/usr/src/app/.venv/bin"] == ["python"]
     assert plan["/opt"] == ["py"] and plan["/opt/py/lib"] == ["python3.11"]

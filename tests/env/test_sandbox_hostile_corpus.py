@@ -27,7 +27,9 @@ def _failures(results: dict[str, str | None]) -> dict[str, str]:
     return {name: problem for name, problem in results.items() if problem}
 
 
-@pytest.mark.parametrize("audit_hook", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["os_only", "audit_hook"])
+@pytest.mark.parametrize(
+    "audit_hook", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["os_only", "audit_hook"]
+)
 def test_the_hostile_corpus_is_contained_as_root(audit_hook):
     if os.geteuid() != 0:
         pytest.skip("this mode needs root (the non-root mode is the test below)")
@@ -48,9 +50,18 @@ def _interpreter_for_nobody() -> str | None:
     for candidate in (sys.executable, f"/usr/bin/python{version}", "/usr/bin/python3"):
         if not os.path.exists(candidate):
             continue
-        probe = subprocess.run([*NOBODY, candidate, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-I', '-c', 'import json'], check=True, "
-                                "capture_output=True); print(sys.version_info >= (3, 10))"],
-                               capture_output=True, text=True, cwd="/")
+        probe = subprocess.run(
+            [
+                *NOBODY,
+                candidate,
+                "-c",
+                "import subprocess, sys; subprocess.run([sys.executable, '-I', '-c', 'import json'], check=True, "
+                "capture_output=True); print(sys.version_info >= (3, 10))",
+            ],
+            capture_output=True,
+            text=True,
+            cwd="/",
+        )
         if probe.returncode == 0 and probe.stdout.strip() == "True":
             return candidate
     return None
@@ -59,8 +70,13 @@ def _interpreter_for_nobody() -> str | None:
 # What uid 65534 runs, copied out of the checkout (which may sit where that uid cannot go: a clone in
 # a 0700 temp or home directory): the corpus and the sandbox modules it imports (standard library
 # besides; the sandbox's bootstrap, sandbox_child.py, is run from beside sandbox.py).
-_STAGED = ("tests/env/sandbox_corpus.py", "rlhf_orch/__init__.py", "rlhf_orch/env/__init__.py", "rlhf_orch/env/sandbox.py",
-           "rlhf_orch/env/sandbox_child.py")
+_STAGED = (
+    "tests/env/sandbox_corpus.py",
+    "rlhf_orch/__init__.py",
+    "rlhf_orch/env/__init__.py",
+    "rlhf_orch/env/sandbox.py",
+    "rlhf_orch/env/sandbox_child.py",
+)
 
 
 def _searchable_by_all(path: str) -> bool:
@@ -99,8 +115,14 @@ def test_the_hostile_corpus_is_contained_as_a_non_root_uid():
         token, planted = sandbox_corpus.plant(stage)
         try:
             request = json.dumps({"repo": stage, "token": token, "planted": planted, "audit_hook": False})
-            run = subprocess.run([*NOBODY, python, os.path.join(stage, "sandbox_corpus.py")], input=request,
-                                 capture_output=True, text=True, cwd="/", timeout=600)
+            run = subprocess.run(
+                [*NOBODY, python, os.path.join(stage, "sandbox_corpus.py")],
+                input=request,
+                capture_output=True,
+                text=True,
+                cwd="/",
+                timeout=600,
+            )
         finally:
             sandbox_corpus.remove(planted)
     finally:

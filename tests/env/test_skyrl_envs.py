@@ -41,12 +41,29 @@ def _play(tok, env, env_fields, replies, question="Solve it."):
 ROWS = {
     # (env_class, the row's extra columns, the model's replies, expected turns, expected reward)
     "gsm8k": ({"reward_spec": {"method": "rule", "ground_truth": "42"}}, ["6 times 7 is 42.\n#### 42"], 1, 1.0),
-    "gsm8k_multi_turn": ({"reward_spec": {"method": "rule", "ground_truth": "42"}, "extra_info": {"max_turns": 3}},
-                         ["It is 40.", "#### 42"], 2, 1.0),
+    "gsm8k_multi_turn": (
+        {"reward_spec": {"method": "rule", "ground_truth": "42"}, "extra_info": {"max_turns": 3}},
+        ["It is 40.", "#### 42"],
+        2,
+        1.0,
+    ),
     "aime": ({"reward_model": {"style": "rule", "ground_truth": "42"}}, ["6 times 7 is 42.\nAnswer: 42"], 1, 1.0),
-    "lcb": ({"reward_spec": {"method": "rule", "ground_truth": json.dumps(
-        [{"input": "3 4\n", "output": "7\n", "testtype": "stdin"}, {"input": "10 -2\n", "output": "8\n", "testtype": "stdin"}])}},
-        ["```python\na, b = map(int, input().split())\nprint(a + b)\n```"], 1, 1.0),
+    "lcb": (
+        {
+            "reward_spec": {
+                "method": "rule",
+                "ground_truth": json.dumps(
+                    [
+                        {"input": "3 4\n", "output": "7\n", "testtype": "stdin"},
+                        {"input": "10 -2\n", "output": "8\n", "testtype": "stdin"},
+                    ]
+                ),
+            }
+        },
+        ["```python\na, b = map(int, input().split())\nprint(a + b)\n```"],
+        1,
+        1.0,
+    ),
 }
 
 
@@ -66,7 +83,9 @@ class _Retriever(BaseHTTPRequestHandler):
     def do_POST(self):  # http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _Retriever.seen.append(body)
-        docs = [[{"document": {"contents": f'"Paris"\nParis is the capital of France. ({body["query"]})'}, "score": 1.0}]]
+        docs = [
+            [{"document": {"contents": f'"Paris"\nParis is the capital of France. ({body["query"]})'}, "score": 1.0}]
+        ]
         payload = json.dumps({"result": docs}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -89,10 +108,18 @@ def retriever():
 
 def test_search_queries_the_retrieval_server_and_scores_the_answer(smollm2_tokenizer, retriever):
     env = SkyRLEnv(env_class="search", env_config={"search_url": retriever, "log_requests": False})
-    fields = {"env_class": "search", "reward_spec": {"method": "rule", "ground_truth": {"target": ["Paris"]}}, "max_turns": 3}
-    prompt = Prompt(text="q", messages=({"role": "user", "content": "What is the capital of France?"},), env_fields=fields)
+    fields = {
+        "env_class": "search",
+        "reward_spec": {"method": "rule", "ground_truth": {"target": ["Paris"]}},
+        "max_turns": 3,
+    }
+    prompt = Prompt(
+        text="q", messages=({"role": "user", "content": "What is the capital of France?"},), env_fields=fields
+    )
     env.check(prompt, smollm2_tokenizer)  # the server answers: accepted
-    t, generator = _play(smollm2_tokenizer, env, fields, ["<search>capital of France</search>", "<answer>Paris</answer>"])
+    t, generator = _play(
+        smollm2_tokenizer, env, fields, ["<search>capital of France</search>", "<answer>Paris</answer>"]
+    )
     assert t.counts.turns == 2 and t.reward("last") == 1.0
     assert _Retriever.seen and _Retriever.seen[-1]["query"] == "capital of France"
     assert "Paris is the capital of France" in smollm2_tokenizer.decode(generator.contexts[(0, 1)])
@@ -108,7 +135,9 @@ def test_a_retrieval_environment_without_its_server_is_refused_naming_the_url(en
     env = SkyRLEnv(env_class=env_class, env_config={"search_url": url} if env_class == "search" else {})
     fields = {"env_class": env_class, "reward_spec": {"method": "rule", "ground_truth": {"target": ["x"]}}}
     prompt = Prompt(text="q", messages=({"role": "user", "content": "q"},), env_fields=fields)
-    with pytest.raises(EnvError, match=f"env=skyrl: {env_class} queries a retrieval server at http://127.0.0.1:.*does not answer"):
+    with pytest.raises(
+        EnvError, match=f"env=skyrl: {env_class} queries a retrieval server at http://127.0.0.1:.*does not answer"
+    ):
         env.check(prompt, smollm2_tokenizer)
 
 

@@ -9,8 +9,14 @@ import sqlite3
 from pathlib import Path
 
 DB_ID = "concert_singer"
-SINGERS = [("Joe Sharp", "Netherlands", 52), ("Timbaland", "United States", 32), ("Justin Brown", "France", 29),
-           ("Rose White", "France", 41), ("John Nizinik", "France", 43), ("Tribal King", "France", 25)]
+SINGERS = [
+    ("Joe Sharp", "Netherlands", 52),
+    ("Timbaland", "United States", 32),
+    ("Justin Brown", "France", 29),
+    ("Rose White", "France", 41),
+    ("John Nizinik", "France", 43),
+    ("Tribal King", "France", 25),
+]
 # SkyRL-SQL's instructions, shortened: think, query with <sql>, read the result, answer with <solution>
 # (the environment's verifier wants a <think> block before the solution).
 SYSTEM = (
@@ -24,7 +30,10 @@ QUESTIONS = [
     ("How many singers are there?", "SELECT count(*) FROM singer"),
     ("What is the average age of singers from France?", "SELECT avg(age) FROM singer WHERE country = 'France'"),
     ("List the names of singers older than 40.", "SELECT name FROM singer WHERE age > 40"),
-    ("Which country has the most singers?", "SELECT country FROM singer GROUP BY country ORDER BY count(*) DESC LIMIT 1"),
+    (
+        "Which country has the most singers?",
+        "SELECT country FROM singer GROUP BY country ORDER BY count(*) DESC LIMIT 1",
+    ),
     ("What is the name of the youngest singer?", "SELECT name FROM singer ORDER BY age ASC LIMIT 1"),
     ("How many distinct countries do singers come from?", "SELECT count(DISTINCT country) FROM singer"),
     ("What is the maximum age of all singers?", "SELECT max(age) FROM singer"),
@@ -45,8 +54,10 @@ def make_text2sql(root: Path, max_turns: int = 3) -> tuple[str, str]:
     rows = [
         {
             "data_source": "synthetic_spider",
-            "prompt": [{"role": "system", "content": SYSTEM},
-                       {"role": "user", "content": f"Database schema:\n{SCHEMA}\n\nQuestion: {question}"}],
+            "prompt": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Database schema:\n{SCHEMA}\n\nQuestion: {question}"},
+            ],
             "env_class": "text2sql",
             "reward_spec": {"method": "rule", "ground_truth": gold},
             "db_id": DB_ID,

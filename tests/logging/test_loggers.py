@@ -72,15 +72,17 @@ def _offline_history_steps(run_dir) -> list[int]:
             if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
                 pos += 32768 - pos % 32768
                 continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            pieces += data[pos + 7:pos + 7 + length]
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            pieces += data[pos + 7 : pos + 7 + length]
             pos += 7 + length
             if kind in (1, 4):  # FULL or LAST: a whole record
                 record = pb.Record()
                 record.ParseFromString(pieces)
                 pieces = b""
                 if record.WhichOneof("record_type") == "history":
-                    steps += [int(i.value_json) for i in record.history.item if (i.key or "/".join(i.nested_key)) == "_step"]
+                    steps += [
+                        int(i.value_json) for i in record.history.item if (i.key or "/".join(i.nested_key)) == "_step"
+                    ]
     return steps
 
 

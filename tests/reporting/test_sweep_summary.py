@@ -30,8 +30,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _step(step: int, reward: float, startup: float = 30.0, warm: bool = False, elapsed: float = 0.0) -> dict:
     """A metrics.jsonl record as TrainLoop + run_training write it (the keys the summary reads, and others)."""
-    t = {"generate": 1.2, "reward": 0.01, "transfer": 0.05, "transfer_after_generate": 0.05, "experience": 0.4, "train": 0.9,
-         "sync": 0.3}
+    t = {
+        "generate": 1.2,
+        "reward": 0.01,
+        "transfer": 0.05,
+        "transfer_after_generate": 0.05,
+        "experience": 0.4,
+        "train": 0.9,
+        "sync": 0.3,
+    }
     if warm:
         t = {k: v * 6 for k, v in t.items()}
     t["step"] = sum(v for k, v in t.items() if k != "transfer_after_generate") + 0.02
@@ -58,7 +65,11 @@ def _summary(run_dir: Path, rows: list[dict], status: str = "completed", **extra
     """summary.json as session.run_summary writes it."""
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     k = max(1, min(5, len(rewards) // 3))
-    evals = [{k2: v for k2, v in r.items() if k2 == "step" or k2.startswith("eval/")} for r in rows if any(k2.startswith("eval/") for k2 in r)]
+    evals = [
+        {k2: v for k2, v in r.items() if k2 == "step" or k2.startswith("eval/")}
+        for r in rows
+        if any(k2.startswith("eval/") for k2 in r)
+    ]
     return {
         "run_dir": str(run_dir),
         "status": status,
@@ -73,8 +84,14 @@ def _summary(run_dir: Path, rows: list[dict], status: str = "completed", **extra
     }
 
 
-def _job(sweep: Path, num: int, overrides: list[str], rows: list[dict] | None = None, summary: dict | None = None,
-         error: str | None = None) -> Path:
+def _job(
+    sweep: Path,
+    num: int,
+    overrides: list[str],
+    rows: list[dict] | None = None,
+    summary: dict | None = None,
+    error: str | None = None,
+) -> Path:
     d = sweep / f"{num}_{','.join(sorted(overrides))}"
     (d / ".hydra").mkdir(parents=True)
     (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
@@ -104,7 +121,9 @@ def make_sweep(tmp_path: Path) -> Path:
     _job(s, 0, [*common, "sync=gloo_per_tensor"], rows, _summary(d, rows))
 
     rows = _curve(20, slope=0.03)
-    rows.insert(0, {"step": 0, "weight_version": 0, "eval/digits/mean@1": 0.2, "eval/digits/pass@1": 0.0, "time/eval": 1.0})
+    rows.insert(
+        0, {"step": 0, "weight_version": 0, "eval/digits/mean@1": 0.2, "eval/digits/pass@1": 0.0, "time/eval": 1.0}
+    )
     rows[10]["eval/digits/mean@1"] = 0.35
     rows[-1]["eval/digits/mean@1"] = 0.5
     rows[-1]["eval/digits/pass@1"] = 0.1
@@ -114,12 +133,23 @@ def make_sweep(tmp_path: Path) -> Path:
     _job(s, 2, [*common, "sync=object_store"], rows, _summary(d, rows, "interrupted", signal="SIGINT"))
 
     rows = _curve(3)
-    tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nEngineDiedError: a vLLM engine died while generating\n"
-    _job(s, 3, [*common, "sync=gloo_multi_sender"], rows,
-         _summary(d, rows, "failed", error="EngineDiedError: a vLLM engine died while generating"), error=tb)
+    tb = 'Traceback (most recent call last):\n  File "x.py", line 1\nEngineDiedError: a vLLM engine died while generating\n'
+    _job(
+        s,
+        3,
+        [*common, "sync=gloo_multi_sender"],
+        rows,
+        _summary(d, rows, "failed", error="EngineDiedError: a vLLM engine died while generating"),
+        error=tb,
+    )
 
-    _job(s, 4, [*common, "sync=gloo_multi_sender", "placement.actor_ranks=1"], error="exit 2: configuration error\n"
-         "  - placement.actor_ranks=1: this sync strategy shards the sending over >= 2 policy ranks\n\n")
+    _job(
+        s,
+        4,
+        [*common, "sync=gloo_multi_sender", "placement.actor_ranks=1"],
+        error="exit 2: configuration error\n"
+        "  - placement.actor_ranks=1: this sync strategy shards the sending over >= 2 policy ranks\n\n",
+    )
     return s
 
 
@@ -160,11 +190,15 @@ def test_failed_job_without_summary_json(tmp_path: Path):
     """Killed mid-run: metrics but no summary.json and no error.log -- the row says so, rewards from the metrics."""
     d = tmp_path / "7_algo=grpo"
     d.mkdir()
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _curve(9)) + '{"step": 10, "rew')  # cut by a kill
+    (d / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in _curve(9)) + '{"step": 10, "rew'
+    )  # cut by a kill
     row = read_run(d)
     assert (row.job, row.status, row.reason, row.steps) == ("7", "failed", "no summary.json", 9)
     rewards = [r["reward/mean"] for r in _curve(9)]
-    assert row.reward_first == pytest.approx(sum(rewards[:3]) / 3) and row.reward_last == pytest.approx(sum(rewards[-3:]) / 3)
+    assert row.reward_first == pytest.approx(sum(rewards[:3]) / 3) and row.reward_last == pytest.approx(
+        sum(rewards[-3:]) / 3
+    )
     assert row.overrides == ["algo=grpo"]  # no .hydra/: from the dir name
 
 
@@ -218,10 +252,19 @@ def test_optuna_best_trial_is_marked(tmp_path: Path):
     for i, (lr, kl, slope) in enumerate([(1e-5, 0.01, 0.01), (3.1622776601683795e-4, 0.04, 0.05), (1e-3, 0.07, -0.01)]):
         rows = _curve(4, slope=slope)
         _job(s, i, ["experiment=quick", f"algo.actor_lr={lr}", f"algo.kl_coef={kl}"], rows, _summary(s, rows))
-    (s / "optimization_results.yaml").write_text(yaml.safe_dump(
-        {"name": "optuna", "best_params": {"algo.actor_lr": 3.1622776601683795e-4, "algo.kl_coef": 0.04}, "best_value": 0.32}))
+    (s / "optimization_results.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "optuna",
+                "best_params": {"algo.actor_lr": 3.1622776601683795e-4, "algo.kl_coef": 0.04},
+                "best_value": 0.32,
+            }
+        )
+    )
     # The Optuna sweeper writes no multirun.yaml: the sweep's name comes from a job's .hydra/hydra.yaml.
-    (job_dirs(s)[0] / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {"sweep": "optuna_lr_kl"}}}}))
+    (job_dirs(s)[0] / ".hydra" / "hydra.yaml").write_text(
+        yaml.safe_dump({"hydra": {"runtime": {"choices": {"sweep": "optuna_lr_kl"}}}})
+    )
     write_sweep_summary(s, plot=False)
     md = (s / "summary.md").read_text()
     assert md.startswith("# sweep=optuna_lr_kl · ")
@@ -238,13 +281,18 @@ def test_job_dirs_nested_by_a_slash_and_empty_ones(tmp_path: Path):
     dirs = job_dirs(s)
     assert [d.relative_to(s).as_posix() for d in dirs] == ["0_data.train_files=[/tmp/a.jsonl]", "1_seed=2"]
     assert is_sweep_dir(s) and not is_sweep_dir(dirs[0])
-    assert [(r.job, r.status, r.reason) for r in sweep_rows(s)] == [("0", "failed", "no summary.json"), ("1", "failed", "no summary.json")]
+    assert [(r.job, r.status, r.reason) for r in sweep_rows(s)] == [
+        ("0", "failed", "no summary.json"),
+        ("1", "failed", "no summary.json"),
+    ]
 
 
 def test_objective():
     done = {"status": "completed", "reward_last": 0.4, "eval_last": None}
     assert objective(done) == pytest.approx(0.4)
-    assert objective({**done, "eval_last": {"step": 5, "eval/a/mean@4": 0.2, "eval/b/mean@4": 0.6, "eval/a/pass@4": 1.0}}) == pytest.approx(0.4)
+    assert objective(
+        {**done, "eval_last": {"step": 5, "eval/a/mean@4": 0.2, "eval/b/mean@4": 0.6, "eval/a/pass@4": 1.0}}
+    ) == pytest.approx(0.4)
     assert eval_score({"step": 5, "eval/a/mean@1": 0.3})[1] == "eval/a/mean@1"
     assert objective({**done, "status": "interrupted"}) is None
     assert objective({**done, "reward_last": math.nan}) is None
@@ -254,15 +302,20 @@ def test_objective():
 def test_compare_runs_script(sweep: Path, tmp_path: Path):
     runs = [str(d) for d in job_dirs(sweep)[:2]]
     out = tmp_path / "cmp"
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "tools" / "compare_runs.py"), *runs, "--out", str(out), "--no-plot"],
-                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "tools" / "compare_runs.py"), *runs, "--out", str(out), "--no-plot"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert (out / "summary.csv").exists() and (out / "summary.md").exists()
     assert "sync=gloo_per_tensor" in done.stdout
 
 
 # --------------------------------------------------------------------------- run.py's job wrapper in a real multirun
-TASK = '''
+TASK = """
 import json, sys
 from pathlib import Path
 import hydra
@@ -286,16 +339,21 @@ def main(cfg):
     return job_result(run)
 
 main()
-'''
+"""
 
 
 def _multirun(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
     script = tmp_path / "task.py"
     script.write_text(TASK)
     sweep = tmp_path / "sweep"
-    args = [sys.executable, str(script), *overrides, f"hydra.sweep.dir={sweep}",
-            "+hydra.callbacks.summary._target_=rlhf_orch.reporting.sweep_summary.SweepSummary",
-            "+hydra.callbacks.summary.plot=false"]
+    args = [
+        sys.executable,
+        str(script),
+        *overrides,
+        f"hydra.sweep.dir={sweep}",
+        "+hydra.callbacks.summary._target_=rlhf_orch.reporting.sweep_summary.SweepSummary",
+        "+hydra.callbacks.summary.plot=false",
+    ]
     env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120), sweep
 
@@ -305,7 +363,12 @@ def test_failed_jobs_do_not_stop_the_sweep(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     with (sweep / "summary.csv").open() as fh:
         records = list(csv.DictReader(fh))
-    assert [(r["job"], r["status"]) for r in records] == [("0", "completed"), ("1", "failed"), ("2", "failed"), ("3", "completed")]
+    assert [(r["job"], r["status"]) for r in records] == [
+        ("0", "completed"),
+        ("1", "failed"),
+        ("2", "failed"),
+        ("3", "completed"),
+    ]
     assert records[1]["reason"] == "algo.kl_coef=-1: must be >= 0"
     assert records[2]["reason"] == "RuntimeError: boom"
     assert "job 0 objective (reward_last): 0.25" in done.stdout
@@ -330,7 +393,10 @@ def _sweep_jobs(name: str) -> list[list[str]]:
     import itertools
 
     params = yaml.safe_load((REPO / "conf" / "sweep" / f"{name}.yaml").read_text())["hydra"]["sweeper"]["params"]
-    return [list(combo) for combo in itertools.product(*([f"{k}={v}" for v in str(vals).split(",")] for k, vals in params.items()))]
+    return [
+        list(combo)
+        for combo in itertools.product(*([f"{k}={v}" for v in str(vals).split(",")] for k, vals in params.items()))
+    ]
 
 
 @pytest.mark.parametrize("name", ["sync_strategies", "transfer_strategies", "kl_coef", "algorithms"])
@@ -350,7 +416,9 @@ def test_optuna_sweep_composes():
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["sweep=optuna_lr_kl", "experiment=quick"], return_hydra_config=True)
+        cfg = compose(
+            config_name="config", overrides=["sweep=optuna_lr_kl", "experiment=quick"], return_hydra_config=True
+        )
     sweeper = cfg.hydra.sweeper
     assert sweeper._target_.endswith("OptunaSweeper") and sweeper.direction == "maximize" and sweeper.n_trials == 4
     assert set(sweeper.params) == {"algo.actor_lr", "algo.kl_coef"}

@@ -60,7 +60,9 @@ def _references() -> dict:
 
 def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     # The command as docs name it: scripts/reproduce.py, the entry point that runs scripts/tools/reproduce.py.
-    return subprocess.run([sys.executable, "scripts/reproduce.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "scripts/reproduce.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # The command's answers without a run, in-process (its main, as `python scripts/reproduce.py` calls
@@ -88,20 +90,47 @@ def test_matching_hardware_is_required_without_scale(capsys):
 
 
 def test_a_reference_whose_metric_no_run_logs_is_refused_naming_both():
-    block = {"title": "t", "numbers": [{"name": "acc", "value": 0.5, "unit": "fraction", "measures": "x", "metric": "val/acc"}]}
+    block = {
+        "title": "t",
+        "numbers": [{"name": "acc", "value": 0.5, "unit": "fraction", "measures": "x", "metric": "val/acc"}],
+    }
     with pytest.raises(ReferenceError, match="experiment=demo.*acc.*'val/acc'.*no run logs"):
         load_reference("demo", block)
     load_reference("demo", {**block, "numbers": [{**block["numbers"][0], "metric": "eval/openai/gsm8k/mean@1"}]})
 
 
 def test_verdicts_follow_tolerance_and_direction():
-    ref = load_reference("demo", {"numbers": [
-        {"name": "a", "value": 0.5, "unit": "fraction", "measures": "x", "metric": "reward/mean", "at_step": 2, "tolerance": 0.05},
-        {"name": "b", "value": 0.4, "unit": "fraction", "measures": "x", "metric": "share/sync", "comparison": "at_least", "tolerance": 0.05},
-        {"name": "c", "value": 1.0, "unit": "s", "measures": "x", "metric": None},
-    ]})
-    rows = [{"step": 1, "reward/mean": 0.1, "share/sync": 0.3}, {"step": 2, "reward/mean": 0.53, "share/sync": 0.5},
-            {"step": 3, "reward/mean": 0.9, "share/sync": 0.45}]
+    ref = load_reference(
+        "demo",
+        {
+            "numbers": [
+                {
+                    "name": "a",
+                    "value": 0.5,
+                    "unit": "fraction",
+                    "measures": "x",
+                    "metric": "reward/mean",
+                    "at_step": 2,
+                    "tolerance": 0.05,
+                },
+                {
+                    "name": "b",
+                    "value": 0.4,
+                    "unit": "fraction",
+                    "measures": "x",
+                    "metric": "share/sync",
+                    "comparison": "at_least",
+                    "tolerance": 0.05,
+                },
+                {"name": "c", "value": 1.0, "unit": "s", "measures": "x", "metric": None},
+            ]
+        },
+    )
+    rows = [
+        {"step": 1, "reward/mean": 0.1, "share/sync": 0.3},
+        {"step": 2, "reward/mean": 0.53, "share/sync": 0.5},
+        {"step": 3, "reward/mean": 0.9, "share/sync": 0.45},
+    ]
     assert measured_value(rows, "reward/mean", 2) == 0.53
     assert measured_value(rows, "share/sync", None) == pytest.approx(0.475)  # median after the warm-up step
     verdicts = [c.verdict for c in compare(ref, rows, comparable=True)]
@@ -155,7 +184,11 @@ def test_scaled_run_writes_a_report(name, tmp_path):
     proc = _cli(name, "--scale", "cpu", "--steps", "2", "--skip-studies", "--out", str(tmp_path), timeout=900)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     report = (tmp_path / "report.md").read_text()
-    for section in ("## Published numbers and this run", "## The plan the published cluster gets", "## Scaled to this machine",
-                    "## Exact config differences"):
+    for section in (
+        "## Published numbers and this run",
+        "## The plan the published cluster gets",
+        "## Scaled to this machine",
+        "## Exact config differences",
+    ):
         assert section in report, section
     assert (tmp_path / "plots" / "reward.png").exists() and (tmp_path / "plots" / "step_time.png").exists()

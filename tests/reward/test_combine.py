@@ -48,7 +48,9 @@ def test_the_engines_combine_an_environment_s_reward_with_the_weighted_rule_thro
         return ScoredBatch([0.5 * 1.0, 0.5 * 0.0, 0.5 * 1.0], 1, 0, 0.25, "boom")
 
     def job(weight):
-        return SimpleNamespace(env=SimpleNamespace(reward_weight=weight), scorer=scorer, samples_per_prompt=3, prompts={0: "p"})
+        return SimpleNamespace(
+            env=SimpleNamespace(reward_weight=weight), scorer=scorer, samples_per_prompt=3, prompts={0: "p"}
+        )
 
     texts = lambda: ["a", "b", "c"]  # noqa: E731
     scored = _final_scores([0, 1, 2], [1, 1, 1], [False] * 3, [1.0, None, 0.25], texts, job(0.4))

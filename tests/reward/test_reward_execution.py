@@ -159,7 +159,9 @@ def test_off_the_main_thread_a_watchdog_times_samples_out():
         time.sleep(0.5)  # a late watchdog would raise here
         took.append("no late timeout")
 
-    worker = threading.Thread(target=score_off_main, daemon=True)  # (a verifier that never stops must not hang the suite)
+    worker = threading.Thread(
+        target=score_off_main, daemon=True
+    )  # (a verifier that never stops must not hang the suite)
     worker.start()
     worker.join(20)
     assert result[0].scores == [1.0, 0.0, 0.0, 3.0] and result[0].timeouts == 2
@@ -226,7 +228,9 @@ def test_every_sample_scored_counts_as_it_goes():
             return super().score(prompt, response)
 
     ticks: list[int] = []
-    out = score_batch(Counting(), *_batch("ab", "boom", "slow", "abc"), timeout_s=0.25, on_scored=lambda: ticks.append(1))
+    out = score_batch(
+        Counting(), *_batch("ab", "boom", "slow", "abc"), timeout_s=0.25, on_scored=lambda: ticks.append(1)
+    )
     assert (out.errors, out.timeouts) == (1, 1) and len(ticks) == 4 and seen == [0, 1, 2, 3]
 
 
@@ -304,7 +308,14 @@ def test_ray_pool(ray_local, tmp_path):
     # A verifier that swallows the alarm: its task is killed at timeout_s * chunk + grace. Waiting
     # for it within that deadline counts as the engine's progress, at least every POOL_PROGRESS_S.
     start, ticks = time.monotonic(), []
-    out = score_batch(fn, *_batch("a", "stubborn", "bb", "ccc"), timeout_s=0.5, pool_size=2, grace_s=3.0, on_scored=lambda: ticks.append(1))
+    out = score_batch(
+        fn,
+        *_batch("a", "stubborn", "bb", "ccc"),
+        timeout_s=0.5,
+        pool_size=2,
+        grace_s=3.0,
+        on_scored=lambda: ticks.append(1),
+    )
     assert time.monotonic() - start < 3.0 + 2 * 0.5 + 3.0
     assert len(ticks) >= 3  # the killed task's 4 s, a count at least every second
     assert out.scores == [0.0, 0.0, 2.0, 3.0]  # the whole killed chunk scores 0

@@ -22,7 +22,12 @@ from rlhf_orch.models.warm_start_task import default_warm_start_task
 from rlhf_orch.models.tiny_reward import _collate, training_pairs
 from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch, Sample
 
-SEQUENCES = [[1, 30, 37, 34, 32, 29, 32, 34, 37, 2], [1, 30, 35, 36, 29, 36], [1, 30, 33, 29], [1, 30, 31, 32, 33, 29, 33, 32, 31, 2]]
+SEQUENCES = [
+    [1, 30, 37, 34, 32, 29, 32, 34, 37, 2],
+    [1, 30, 35, 36, 29, 36],
+    [1, 30, 33, 29],
+    [1, 30, 31, 32, 33, 29, 33, 32, 31, 2],
+]
 
 
 @pytest.fixture(scope="module")

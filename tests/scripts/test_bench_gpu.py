@@ -33,6 +33,8 @@ def test_without_cuda_it_says_so_and_exits_2():
         pytest.skip("a CUDA GPU is visible: the bench measures instead")
     # scripts/bench_memory.py: the entry point at the path docs and issues name (it runs scripts/bench/bench_memory.py).
     for script in ("bench/bench_gpu.py", "bench_memory.py --gpu"):
-        done = subprocess.run([sys.executable, *f"scripts/{script}".split()], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, *f"scripts/{script}".split()], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
         assert done.returncode == 2, done.stderr
         assert done.stderr.strip().splitlines() == ["bench_gpu: no CUDA GPU visible to torch; nothing measured"]

@@ -42,7 +42,11 @@ def test_every_tensor_once_in_order_and_within_budget():
 
 
 def test_oversized_tensor_gets_its_own_bucket():
-    metas = [TensorMeta("a", "float32", (10,)), TensorMeta("big", "float32", (1000,)), TensorMeta("c", "float32", (10,))]
+    metas = [
+        TensorMeta("a", "float32", (10,)),
+        TensorMeta("big", "float32", (1000,)),
+        TensorMeta("c", "float32", (10,)),
+    ]
     buckets = plan_buckets(metas, 1024)
     assert [b.names for b in buckets] == [["a"], ["big"], ["c"]]
     assert bucket_capacity(buckets) == 4000

@@ -12,7 +12,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlhf_orch.sync.buckets import TensorMeta, bucket_capacity, pack_bucket, plan_buckets, reusable_buffers, unpack_bucket
+from rlhf_orch.sync.buckets import (
+    TensorMeta,
+    bucket_capacity,
+    pack_bucket,
+    plan_buckets,
+    reusable_buffers,
+    unpack_bucket,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -30,14 +30,34 @@ pytestmark = pytest.mark.integration
 
 TOLERANCE = 1e-4  # nats; float32 on both sides, measured differences are ~1e-6
 SEQUENCES = [[1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 20, 21, 4, 5], [1, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]]
-ENV = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}}
+ENV = {
+    "env_vars": {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+}
 
 
 def _spec(model_path: str, zero_stage: int, ranks: int) -> TrainerSpec:
     return TrainerSpec(
-        model_path=model_path, dtype="float32", zero_stage=zero_stage, micro_batch_size=2, train_batch_size=2 * ranks,
-        data_parallel_size=ranks, pad_id=0, temperature=1.0, lr=1e-4, weight_decay=0.0, grad_clip=1.0,
-        clip_eps=0.2, ppo_epochs=1, seed=0, torch_threads=1, optimizer="adamw", reference_memory="full",
+        model_path=model_path,
+        dtype="float32",
+        zero_stage=zero_stage,
+        micro_batch_size=2,
+        train_batch_size=2 * ranks,
+        data_parallel_size=ranks,
+        pad_id=0,
+        temperature=1.0,
+        lr=1e-4,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        clip_eps=0.2,
+        ppo_epochs=1,
+        seed=0,
+        torch_threads=1,
+        optimizer="adamw",
+        reference_memory="full",
     )
 
 
@@ -80,8 +100,9 @@ def cluster(tiny_model_path):
     policies = Policies(tiny_model_path)
     ray.get([e.ping.remote() for e in engines])
     # Read now: later tests of this module kill and replace engines.
-    BLOCK_SIZES[:] = ray.get([e.__ray_call__.remote(lambda self: self.llm.llm_engine.vllm_config.cache_config.block_size)
-                              for e in engines])
+    BLOCK_SIZES[:] = ray.get(
+        [e.__ray_call__.remote(lambda self: self.llm.llm_engine.vllm_config.cache_config.block_size) for e in engines]
+    )
     yield engines, policies
     ray.shutdown()
 
@@ -97,7 +118,10 @@ STRATEGIES = {
     "gloo_bucketed_small": (1, lambda: BucketedBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.02)),
     "gloo_bucketed": (1, lambda: BucketedBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=256)),
     # Two senders, each owning interleaved small buckets (boundaries inside layers, both groups busy).
-    "gloo_multi_sender": (2, lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.05, senders=2, shard_by="buckets")),
+    "gloo_multi_sender": (
+        2,
+        lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.05, senders=2, shard_by="buckets"),
+    ),
     "gloo_multi_sender_engines": (
         2,
         lambda: MultiSenderBroadcastSync(backend="gloo", timeout_s=60, bucket_mb=0.05, senders=2, shard_by="engines"),
@@ -106,7 +130,10 @@ STRATEGIES = {
     "object_store": (1, lambda: ObjectStoreSync(backend="ray", timeout_s=60, bucket_mb=256)),
     # Each engine fed by its own policy rank (what cuda_ipc does with the plan's feeds): both ranks
     # pack and publish, payloads are all-gathered, rank 0 hands each engine the one of its feeder.
-    "object_store_feeds": (2, lambda: _with_feeds(ObjectStoreSync(backend="ray", timeout_s=60, bucket_mb=0.05), {(0, 0): 0, (1, 0): 1})),
+    "object_store_feeds": (
+        2,
+        lambda: _with_feeds(ObjectStoreSync(backend="ray", timeout_s=60, bucket_mb=0.05), {(0, 0): 0, (1, 0): 1}),
+    ),
 }
 
 
@@ -163,7 +190,9 @@ def test_rollouts_report_weight_version(cluster):
     sync.prepare(policies[(2, 1)], engines, engine_tp=1)
     sync.push(7)
     # The rollout path every transfer strategy builds its samples with.
-    job = RolloutJob(prompt_ids={0: [1, 5, 6]}, prompts={0: None}, samples_per_prompt=2, max_tokens=4, temperature=1.0, scorer=None)
+    job = RolloutJob(
+        prompt_ids={0: [1, 5, 6]}, prompts={0: None}, samples_per_prompt=2, max_tokens=4, temperature=1.0, scorer=None
+    )
     samples, _ = ray.get(engines[0].produce_samples.remote(whole_prompt_requests(range(1), 2), job))
     assert len(samples) == 2
     assert {s.weight_version for s in samples} == {7}
@@ -174,10 +203,19 @@ def test_min_tokens_keeps_eos_away_until_then(cluster):
     # with min_tokens=12 EOS cannot come before the 12th token.
     engines, _ = cluster
     prompt = [1, 30, 31, 38, 33, 35, 29]
-    job = RolloutJob(prompt_ids={0: prompt}, prompts={0: None}, samples_per_prompt=4, max_tokens=16, temperature=1.0,
-                     scorer=None, min_tokens=12)
+    job = RolloutJob(
+        prompt_ids={0: prompt},
+        prompts={0: None},
+        samples_per_prompt=4,
+        max_tokens=16,
+        temperature=1.0,
+        scorer=None,
+        min_tokens=12,
+    )
     samples, _ = ray.get(engines[0].produce_samples.remote(whole_prompt_requests(range(1), 4), job))
-    assert len(samples) == 4 and all(12 <= len(s.response_ids) <= 16 for s in samples), [len(s.response_ids) for s in samples]
+    assert len(samples) == 4 and all(12 <= len(s.response_ids) <= 16 for s in samples), [
+        len(s.response_ids) for s in samples
+    ]
 
 
 def test_engine_logprobs_are_of_the_temperature_scaled_distribution_the_trainer_scores(cluster, tiny_model_path):
@@ -195,15 +233,24 @@ def test_engine_logprobs_are_of_the_temperature_scaled_distribution_the_trainer_
     missing, unexpected = model.load_state_dict(ray.get(policy[0].full_weights.remote()), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
     temperature = 0.6
-    job = RolloutJob(prompt_ids={0: [1, 5, 6], 1: [1, 20, 21, 4]}, prompts={0: None, 1: None}, samples_per_prompt=2,
-                     max_tokens=6, temperature=temperature, scorer=None)
+    job = RolloutJob(
+        prompt_ids={0: [1, 5, 6], 1: [1, 20, 21, 4]},
+        prompts={0: None, 1: None},
+        samples_per_prompt=2,
+        max_tokens=6,
+        temperature=temperature,
+        scorer=None,
+    )
     samples, _ = ray.get(engines[0].produce_samples.remote(whole_prompt_requests(range(2), 2), job))
     for s in samples:
         ids = torch.cat([torch.as_tensor(s.prompt_ids), torch.as_tensor(s.response_ids)]).long()
         with torch.no_grad():
             logits = model(ids[None]).logits[0, len(s.prompt_ids) - 1 : -1]
-        scaled = torch.log_softmax(logits / temperature, -1).gather(-1, ids[len(s.prompt_ids):, None])[:, 0]
-        assert torch.allclose(torch.as_tensor(s.engine_logprobs, dtype=torch.float32), scaled, atol=TOLERANCE), (s.engine_logprobs, scaled)
+        scaled = torch.log_softmax(logits / temperature, -1).gather(-1, ids[len(s.prompt_ids) :, None])[:, 0]
+        assert torch.allclose(torch.as_tensor(s.engine_logprobs, dtype=torch.float32), scaled, atol=TOLERANCE), (
+            s.engine_logprobs,
+            scaled,
+        )
 
 
 def test_sync_to_dead_engine_raises_not_hangs(cluster):
@@ -213,7 +260,10 @@ def test_sync_to_dead_engine_raises_not_hangs(cluster):
     # groups are formed while it is alive, as they would be at start-up.
     syncs = [
         (policies[(2, 1)], ObjectStoreSync(backend="ray", timeout_s=20, bucket_mb=1)),
-        (policies[(2, 2)], MultiSenderBroadcastSync(backend="gloo", timeout_s=20, bucket_mb=0.05, senders=2, shard_by="buckets")),
+        (
+            policies[(2, 2)],
+            MultiSenderBroadcastSync(backend="gloo", timeout_s=20, bucket_mb=0.05, senders=2, shard_by="buckets"),
+        ),
         (policies[(2, 1)], BucketedBroadcastSync(backend="gloo", timeout_s=20, bucket_mb=1)),
     ]
     for policy, sync in syncs:
@@ -222,7 +272,6 @@ def test_sync_to_dead_engine_raises_not_hangs(cluster):
     for _, sync in syncs:
         with pytest.raises(WeightSyncError):
             sync.push(999)
-
 
 
 def _perturb_weights(worker) -> None:
@@ -259,7 +308,7 @@ def _generate_across_an_update(engine, prompt: list[int], recompute: bool):
     out = outbox[0].outputs[0]
     tokens = list(out.token_ids)
     drawn = [lp[t].logprob for lp, t in zip(out.logprobs, tokens)]
-    scored = engine.prompt_logprobs([prompt + tokens])[0][len(prompt) - 1:]
+    scored = engine.prompt_logprobs([prompt + tokens])[0][len(prompt) - 1 :]
     engine.steps.forget(keys)
     if not recompute:
         del engine.llm.reset_prefix_cache
@@ -277,7 +326,9 @@ def test_a_weight_update_mid_generation_recomputes_the_kv_of_the_requests_in_fli
     drawn, scored = ray.get(engine.__ray_call__.remote(_generate_across_an_update, prompt, True))
     assert len(drawn) == len(scored) == 12
     assert max(abs(a - b) for a, b in zip(drawn[4:], scored[4:])) < 1e-3  # after the update: the new weights' own
-    assert max(abs(a - b) for a, b in zip(drawn[:4], scored[:4])) > 0.05  # before it: the old weights' (the noise shows)
+    assert (
+        max(abs(a - b) for a, b in zip(drawn[:4], scored[:4])) > 0.05
+    )  # before it: the old weights' (the noise shows)
     kept_drawn, kept_scored = ray.get(engine.__ray_call__.remote(_generate_across_an_update, prompt, False))
     ray.kill(engine)
     assert max(abs(a - b) for a, b in zip(kept_drawn[4:], kept_scored[4:])) > 1e-2

@@ -105,7 +105,10 @@ def test_local_session_listens_on_loopback_only() -> None:
         address = ray.get(members[0].group_address.remote(2), timeout=30)
         assert address.host == "127.0.0.1"
         ray.get([m.join.remote(address, rank) for rank, m in enumerate(members)], timeout=60)
-        assert ray.get([m.broadcast.remote(float(rank + 7)) for rank, m in enumerate(members)], timeout=60) == [[7.0] * 4] * 2
+        assert (
+            ray.get([m.broadcast.remote(float(rank + 7)) for rank, m in enumerate(members)], timeout=60)
+            == [[7.0] * 4] * 2
+        )
 
         listeners = session_listeners()
         member_pids = set(ray.get([m.pid.remote() for m in members]))

@@ -17,7 +17,16 @@ CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def cpu_local(**overrides) -> PlacementPlan:
-    args = dict(actor_ranks=1, critic_ranks=1, reference_ranks=1, engines=1, engine_tp=1, reward="function", nodes=1, gpus_per_node=0)
+    args = dict(
+        actor_ranks=1,
+        critic_ranks=1,
+        reference_ranks=1,
+        engines=1,
+        engine_tp=1,
+        reward="function",
+        nodes=1,
+        gpus_per_node=0,
+    )
     return plan_cpu_local(**{**args, **overrides})
 
 
@@ -93,9 +102,22 @@ def test_plan_refuses_a_slot_outside_its_node() -> None:
 def test_describe_lists_roles_bundles_and_fractions() -> None:
     text = split(nodes=2, gpus_per_node=4, actor_gpus=2, critic_gpus=2, vllm_gpus=4, engine_tp=2).describe()
     assert isinstance(text, str)
-    for expected in ("placement: split", "planned nodes=2", "GPUs=8", "engine_tp=2", "actor", "critic",
-                     "reference", "engine", "0,1", "1 x2", "CPU=2 GPU=1", "engine0/tp1(1)",
-                     "actor0(0.75) reference0(0.25)", "GPUs per role:"):
+    for expected in (
+        "placement: split",
+        "planned nodes=2",
+        "GPUs=8",
+        "engine_tp=2",
+        "actor",
+        "critic",
+        "reference",
+        "engine",
+        "0,1",
+        "1 x2",
+        "CPU=2 GPU=1",
+        "engine0/tp1(1)",
+        "actor0(0.75) reference0(0.25)",
+        "GPUs per role:",
+    ):
         assert expected in text, expected
     assert str(split()) == split().describe()
 
@@ -159,8 +181,7 @@ def test_colocated_every_role_shares_every_gpu() -> None:
 
 
 def test_colocated_engine_tp_bundles_stay_on_one_node() -> None:
-    plan = colocated(nodes=2, gpus_per_node=4, actor_ranks=8, critic_ranks=8, reference_ranks=8,
-                     engines=4, engine_tp=2)
+    plan = colocated(nodes=2, gpus_per_node=4, actor_ranks=8, critic_ranks=8, reference_ranks=8, engines=4, engine_tp=2)
     assert len(plan.nodes) == 2
     engines = plan.slots_for("engine")
     assert [(slot.node, slot.bundles) for slot in engines] == [(0, (0, 1)), (0, (2, 3)), (1, (0, 1)), (1, (2, 3))]
@@ -173,7 +194,13 @@ def test_colocated_engine_tp_bundles_stay_on_one_node() -> None:
 def test_colocated_fills_node_zero_first() -> None:
     plan = colocated(nodes=2, gpus_per_node=4, actor_ranks=6, critic_ranks=2, reference_ranks=2, engines=2)
     assert [(slot.node, slot.bundles[0]) for slot in plan.slots_for("actor")] == [
-        (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (0, 3),
+        (1, 0),
+        (1, 1),
+    ]
     assert [slot.node for slot in plan.slots_for("critic")] == [0, 0]
     assert len(plan.nodes[1]) == 2  # only the GPUs in use are reserved
     assert_consistent(plan)
@@ -203,8 +230,12 @@ def test_colocated_reward_model_shares_the_critic_bundles() -> None:
     rewards = plan.slots_for("reward")
     assert [(s.node, s.bundles) for s in rewards] == [(s.node, s.bundles) for s in plan.slots_for("critic")]
     assert rewards[0].num_gpus == 0.15  # reference_fraction unless reward_fraction is given
-    assert plan_colocated(**{**_colocated_args(), "reward": "model", "engine_fraction": 0.2,
-                             "reward_fraction": 0.1}).slots_for("reward")[0].num_gpus == 0.1
+    assert (
+        plan_colocated(**{**_colocated_args(), "reward": "model", "engine_fraction": 0.2, "reward_fraction": 0.1})
+        .slots_for("reward")[0]
+        .num_gpus
+        == 0.1
+    )
     assert_consistent(plan)
 
 
@@ -214,16 +245,30 @@ def test_colocated_reward_model_over_budget_names_reward() -> None:
 
 
 def _colocated_args() -> dict:
-    return dict(actor_ranks=4, critic_ranks=4, reference_ranks=4, engines=4, engine_tp=1, reward="function",
-                nodes=1, gpus_per_node=4, actor_fraction=0.25, critic_fraction=0.25, reference_fraction=0.15,
-                engine_fraction=0.35)
+    return dict(
+        actor_ranks=4,
+        critic_ranks=4,
+        reference_ranks=4,
+        engines=4,
+        engine_tp=1,
+        reward="function",
+        nodes=1,
+        gpus_per_node=4,
+        actor_fraction=0.25,
+        critic_fraction=0.25,
+        reference_fraction=0.15,
+        engine_fraction=0.35,
+    )
 
 
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        ({"actor_ranks": 5}, "placement.actor_ranks=5 needs more GPUs than the 4 of placement.nodes=1 x "
-                             "placement.gpus_per_node=4: set actor_ranks <= 4"),
+        (
+            {"actor_ranks": 5},
+            "placement.actor_ranks=5 needs more GPUs than the 4 of placement.nodes=1 x "
+            "placement.gpus_per_node=4: set actor_ranks <= 4",
+        ),
         ({"engines": 3, "engine_tp": 2}, "placement.engines=3 x placement.engine_tp=2 = 6 GPUs exceed the 4"),
         ({"engine_tp": 3, "engines": 1}, "placement.gpus_per_node=4 is not a multiple of placement.engine_tp=3"),
         ({"gpus_per_node": 0}, "placement.gpus_per_node=0 must be >= 1"),
@@ -244,7 +289,9 @@ def test_split_explicit_gpus_are_disjoint_between_trainer_and_vllm() -> None:
     plan = split()
     assert plan.layout == "split"
     assert plan.total_gpus == 8
-    trainer = {(s.node, b) for role in ("actor", "critic", "reference") for s in plan.slots_for(role) for b in s.bundles}
+    trainer = {
+        (s.node, b) for role in ("actor", "critic", "reference") for s in plan.slots_for(role) for b in s.bundles
+    }
     vllm = {(s.node, b) for s in plan.slots_for("engine") for b in s.bundles}
     assert not trainer & vllm
     assert len(trainer) == 6 and len(vllm) == 2
@@ -329,19 +376,28 @@ def test_split_uses_only_the_gpus_asked_for() -> None:
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        ({"vllm_gpus": 3, "engine_tp": 2, "actor_gpus": 2},
-         "placement.vllm_gpus=3 is not divisible by placement.engine_tp=2: set vllm_gpus to a multiple of engine_tp"),
-        ({"actor_gpus": 4, "critic_gpus": 2, "vllm_gpus": 4},
-         "placement.actor_gpus=4 + placement.critic_gpus=2 + placement.vllm_gpus=4 = 10 GPUs exceed the 8 of "
-         "placement.nodes=1 x placement.gpus_per_node=8"),
-        ({"gpus_per_node": 6, "engine_tp": 4, "actor_gpus": 1, "critic_gpus": 1, "vllm_gpus": 4},
-         "placement.gpus_per_node=6 is not a multiple of placement.engine_tp=4"),
+        (
+            {"vllm_gpus": 3, "engine_tp": 2, "actor_gpus": 2},
+            "placement.vllm_gpus=3 is not divisible by placement.engine_tp=2: set vllm_gpus to a multiple of engine_tp",
+        ),
+        (
+            {"actor_gpus": 4, "critic_gpus": 2, "vllm_gpus": 4},
+            "placement.actor_gpus=4 + placement.critic_gpus=2 + placement.vllm_gpus=4 = 10 GPUs exceed the 8 of "
+            "placement.nodes=1 x placement.gpus_per_node=8",
+        ),
+        (
+            {"gpus_per_node": 6, "engine_tp": 4, "actor_gpus": 1, "critic_gpus": 1, "vllm_gpus": 4},
+            "placement.gpus_per_node=6 is not a multiple of placement.engine_tp=4",
+        ),
         ({"ratio": "1:2"}, "placement.ratio='1:2' cannot split the 8 GPUs"),
         ({"ratio": "3-1"}, "placement.ratio='3-1' is not 'trainer:vllm' with two positive integers"),
         ({"ratio": "0:1"}, "placement.ratio='0:1' is not 'trainer:vllm'"),
         ({"ratio": "1:1:1"}, "placement.ratio='1:1:1' is not 'trainer:vllm'"),
         ({"ratio": "1:7"}, "placement.ratio='1:7' leaves 1 trainer GPU(s) of 8"),
-        ({"ratio": "1:1", "engine_tp": 8}, "placement.ratio='1:1' gives vLLM 4 GPUs, not divisible by placement.engine_tp=8"),
+        (
+            {"ratio": "1:1", "engine_tp": 8},
+            "placement.ratio='1:1' gives vLLM 4 GPUs, not divisible by placement.engine_tp=8",
+        ),
         ({"critic_gpus": 0}, "placement.critic_gpus=0 must be >= 1"),
         ({"vllm_gpus": 0}, "placement.vllm_gpus=0 must be >= 1"),
         ({"reference_fraction": 1.0}, "placement.reference_fraction=1.0 must be a GPU fraction in (0, 1)"),
@@ -378,8 +434,12 @@ def compose_config():
         (("placement=colocated",), ColocatedPlacement, "colocated", 8),
         (("placement=split",), SplitPlacement, "split", 8),
         (("experiment=gpu_split_qwen",), SplitPlacement, "split", 8),
-        (("placement=split", "placement.ratio=3:1", "placement.nodes=2", "placement.engine_tp=2"),
-         SplitPlacement, "split", 16),
+        (
+            ("placement=split", "placement.ratio=3:1", "placement.nodes=2", "placement.engine_tp=2"),
+            SplitPlacement,
+            "split",
+            16,
+        ),
     ],
 )
 def test_instantiate_composed_placement(compose_config, overrides, cls, layout, gpus) -> None:
@@ -400,8 +460,7 @@ def test_split_placement_derives_ranks_and_refuses_them_given(compose_config) ->
 
 
 def test_instantiated_placement_surfaces_planner_errors(compose_config) -> None:
-    cfg = compose_config("placement=split", "placement.vllm_gpus=3", "placement.engine_tp=2",
-                         "placement.actor_gpus=2")
+    cfg = compose_config("placement=split", "placement.vllm_gpus=3", "placement.engine_tp=2", "placement.actor_gpus=2")
     with pytest.raises(PlacementError, match="placement.vllm_gpus=3 is not divisible by placement.engine_tp=2"):
         hydra.utils.instantiate(cfg.placement).plan()
 
@@ -479,9 +538,17 @@ def test_the_reference_runs_inside_the_policy_ranks_where_the_plan_allows_it() -
 @pytest.mark.parametrize(
     "plan,setting,fragment",
     [
-        (dict(actor_ranks=2), True, r"placement.reference_in_actor=true but 1 reference ranks for 2 policy ranks .* "
-                                    r"set placement.reference_in_actor=false .* or null"),
-        (dict(reference=False), True, r"placement.reference_in_actor=true does nothing: the algorithm has no reference"),
+        (
+            dict(actor_ranks=2),
+            True,
+            r"placement.reference_in_actor=true but 1 reference ranks for 2 policy ranks .* "
+            r"set placement.reference_in_actor=false .* or null",
+        ),
+        (
+            dict(reference=False),
+            True,
+            r"placement.reference_in_actor=true does nothing: the algorithm has no reference",
+        ),
         (dict(reference=False), False, r"placement.reference_in_actor=false does nothing: .* drop the key"),
     ],
 )

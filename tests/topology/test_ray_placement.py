@@ -96,7 +96,9 @@ def assert_probes_in_their_groups(placement: RayPlacement, reports: dict[RoleSlo
         group = placement.placement_group_for(slot)
         assert report["placement_group_id"] == group.id.hex(), slot
         assert report["current_group_id"] == group.id.hex(), slot
-        assert report["bundle_spec"] == {k: float(v) for k, v in placement.plan.nodes[slot.node][slot.bundles[0]].items()}
+        assert report["bundle_spec"] == {
+            k: float(v) for k, v in placement.plan.nodes[slot.node][slot.bundles[0]].items()
+        }
         assert report["node_id"] == placement.real_node_ids[slot.node], slot
 
 
@@ -114,8 +116,17 @@ def single_node_ray() -> Iterator[None]:
 class TestSingleNode:
     def test_colocated_roles_on_one_bundle_share_its_gpu(self) -> None:
         plan = plan_colocated(
-            actor_ranks=2, critic_ranks=2, reference_ranks=2, engines=1, engine_tp=2, reward="function",
-            nodes=1, gpus_per_node=2, actor_fraction=0.25, critic_fraction=0.25, reference_fraction=0.15,
+            actor_ranks=2,
+            critic_ranks=2,
+            reference_ranks=2,
+            engines=1,
+            engine_tp=2,
+            reward="function",
+            nodes=1,
+            gpus_per_node=2,
+            actor_fraction=0.25,
+            critic_fraction=0.25,
+            reference_fraction=0.15,
             engine_fraction=0.35,
         )
         with RayPlacement(plan, ready_timeout_s=60) as placement:
@@ -134,8 +145,15 @@ class TestSingleNode:
 
     def test_split_trainer_and_engine_gpus_are_disjoint(self) -> None:
         plan = plan_split(
-            nodes=1, gpus_per_node=4, engine_tp=1, reward="function", ratio=None,
-            actor_gpus=1, critic_gpus=1, vllm_gpus=2, reference_fraction=0.25,
+            nodes=1,
+            gpus_per_node=4,
+            engine_tp=1,
+            reward="function",
+            ratio=None,
+            actor_gpus=1,
+            critic_gpus=1,
+            vllm_gpus=2,
+            reference_fraction=0.25,
         )
         with RayPlacement(plan, ready_timeout_s=60) as placement:
             reports = start_probes(placement)
@@ -150,8 +168,15 @@ class TestSingleNode:
 
     def test_plan_larger_than_any_node_fails_fast_naming_ray_resources(self) -> None:
         plan = plan_split(
-            nodes=1, gpus_per_node=8, engine_tp=1, reward="function", ratio=None,
-            actor_gpus=4, critic_gpus=2, vllm_gpus=2, reference_fraction=0.25,
+            nodes=1,
+            gpus_per_node=8,
+            engine_tp=1,
+            reward="function",
+            ratio=None,
+            actor_gpus=4,
+            critic_gpus=2,
+            vllm_gpus=2,
+            reference_fraction=0.25,
         )
         started = time.monotonic()
         with pytest.raises(PlacementUnavailableError) as error:
@@ -166,8 +191,15 @@ class TestSingleNode:
         ray.get(blocker.ready(), timeout=30)
         try:
             plan = plan_split(
-                nodes=1, gpus_per_node=4, engine_tp=1, reward="function", ratio=None,
-                actor_gpus=1, critic_gpus=1, vllm_gpus=1, reference_fraction=0.25,
+                nodes=1,
+                gpus_per_node=4,
+                engine_tp=1,
+                reward="function",
+                ratio=None,
+                actor_gpus=1,
+                critic_gpus=1,
+                vllm_gpus=1,
+                reference_fraction=0.25,
             )
             placement = RayPlacement(plan, ready_timeout_s=2)
             with pytest.raises(PlacementUnavailableError) as error:
@@ -181,8 +213,15 @@ class TestSingleNode:
 
     def test_lookups_before_create_are_refused(self) -> None:
         plan = plan_split(
-            nodes=1, gpus_per_node=4, engine_tp=1, reward="function", ratio=None,
-            actor_gpus=1, critic_gpus=1, vllm_gpus=1, reference_fraction=0.25,
+            nodes=1,
+            gpus_per_node=4,
+            engine_tp=1,
+            reward="function",
+            ratio=None,
+            actor_gpus=1,
+            critic_gpus=1,
+            vllm_gpus=1,
+            reference_fraction=0.25,
         )
         with pytest.raises(RuntimeError, match="create"):
             RayPlacement(plan).options_for(plan.slots[0])
@@ -212,8 +251,14 @@ def on_cluster(two_gpu_nodes: Cluster) -> Iterator[ClusterRayLauncher]:
 
 def split_two_nodes(gpus_per_node: int, **counts: int) -> PlacementPlan:
     return plan_split(
-        nodes=2, gpus_per_node=gpus_per_node, engine_tp=2, reward="function", ratio=None,
-        reference_fraction=0.25, cpus_per_process=0.5, **counts,
+        nodes=2,
+        gpus_per_node=gpus_per_node,
+        engine_tp=2,
+        reward="function",
+        ratio=None,
+        reference_fraction=0.25,
+        cpus_per_process=0.5,
+        **counts,
     )
 
 
@@ -248,8 +293,16 @@ class TestMultiNode:
 
     def test_more_planned_nodes_than_gpu_nodes_times_out_clearly(self, on_cluster: ClusterRayLauncher) -> None:
         plan = plan_split(
-            nodes=3, gpus_per_node=2, engine_tp=2, reward="function", ratio=None,
-            actor_gpus=2, critic_gpus=2, vllm_gpus=2, reference_fraction=0.25, cpus_per_process=0.5,
+            nodes=3,
+            gpus_per_node=2,
+            engine_tp=2,
+            reward="function",
+            ratio=None,
+            actor_gpus=2,
+            critic_gpus=2,
+            vllm_gpus=2,
+            reference_fraction=0.25,
+            cpus_per_process=0.5,
         )
         placement = RayPlacement(plan, ready_timeout_s=3)
         with pytest.raises(PlacementUnavailableError) as error:
@@ -260,7 +313,9 @@ class TestMultiNode:
         assert "holds planned node 0" in message and "holds planned node 1" in message
         assert placement.placement_groups == ()
 
-    def test_cluster_launcher_disconnects_without_stopping_the_cluster(self, two_gpu_nodes: Cluster, monkeypatch) -> None:
+    def test_cluster_launcher_disconnects_without_stopping_the_cluster(
+        self, two_gpu_nodes: Cluster, monkeypatch
+    ) -> None:
         launcher = ClusterRayLauncher(address=two_gpu_nodes.address)
         connects = []
         init = ray.init

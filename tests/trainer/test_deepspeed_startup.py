@@ -47,7 +47,9 @@ os._exit(0)
 
 
 def _train(zero_stage: int, mode: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _TRAIN, str(zero_stage), mode], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRAIN, str(zero_stage), mode], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

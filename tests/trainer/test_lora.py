@@ -185,11 +185,20 @@ def test_the_model_option_builds_the_settings_the_roles_get():
     from tests.conftest import compose_config
 
     assert instantiate(compose_config([]).model).lora is None
-    settings = instantiate(compose_config(["model.lora.rank=16", "model.lora.target_modules=[q_proj,v_proj]"]).model).lora
+    settings = instantiate(
+        compose_config(["model.lora.rank=16", "model.lora.target_modules=[q_proj,v_proj]"]).model
+    ).lora
     assert settings == LoraSettings(rank=16, alpha=64.0, target_modules=("q_proj", "v_proj"))  # alpha null: 4 x rank
-    assert settings.scaling == 4.0 and settings.engine_max_rank() == 16 and settings.peft_kwargs()["target_modules"] == ["q_proj", "v_proj"]
+    assert (
+        settings.scaling == 4.0
+        and settings.engine_max_rank() == 16
+        and settings.peft_kwargs()["target_modules"] == ["q_proj", "v_proj"]
+    )
     assert LoraSettings(rank=17).engine_max_rank() == 32  # vLLM's kernels come in fixed ranks
-    assert LoraSettings(rank=8, target_modules=["lm_head", "q_proj", "embed_tokens"]).refused_targets() == ["lm_head", "embed_tokens"]
+    assert LoraSettings(rank=8, target_modules=["lm_head", "q_proj", "embed_tokens"]).refused_targets() == [
+        "lm_head",
+        "embed_tokens",
+    ]
 
 
 @pytest.mark.integration  # imports vLLM
@@ -219,7 +228,11 @@ def test_the_cpu_lora_ops_compute_what_vllm_s_compute_without_the_per_token_copy
     tokens, rank, d_in, d_out = 300, 16, 64, 96
     x = torch.randn(tokens, d_in, generator=gen)
     a, b = torch.randn(2, 1, rank, d_in, generator=gen), torch.randn(2, 1, d_out, rank, generator=gen)
-    for indices in (torch.zeros(tokens, dtype=torch.long), torch.ones(tokens, dtype=torch.long), torch.randint(0, 2, (tokens,), generator=gen)):
+    for indices in (
+        torch.zeros(tokens, dtype=torch.long),
+        torch.ones(tokens, dtype=torch.long),
+        torch.randint(0, 2, (tokens,), generator=gen),
+    ):
         out = {}
         for label, ops in (("vllm", original), ("ours", patched)):
             shrunk = torch.zeros(tokens, rank)
@@ -242,15 +255,32 @@ def test_an_adapter_update_must_cover_every_layer_the_engine_adapts():
     the base for it; a fused layer needs only its parts the engine targets."""
     from rlhf_orch.engines.adapter_serving import layer_coverage
 
-    packed = {f"model.layers.{i}.self_attn.qkv_proj": [f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"] for i in range(2)}
+    packed = {
+        f"model.layers.{i}.self_attn.qkv_proj": [f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"]
+        for i in range(2)
+    }
     wrapped = [*packed, "model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
-    every = [part for parts in packed.values() for part in parts] + ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]
+    every = [part for parts in packed.values() for part in parts] + [
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.1.self_attn.o_proj",
+    ]
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert layer_coverage(wrapped, packed, targets, every) == ([], [])
     missing, unknown = layer_coverage(wrapped, packed, targets, [n for n in every if ".layers.1." not in n])
-    assert missing == ["model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.o_proj", "model.layers.1.self_attn.q_proj",
-                       "model.layers.1.self_attn.v_proj"] and unknown == []
+    assert (
+        missing
+        == [
+            "model.layers.1.self_attn.k_proj",
+            "model.layers.1.self_attn.o_proj",
+            "model.layers.1.self_attn.q_proj",
+            "model.layers.1.self_attn.v_proj",
+        ]
+        and unknown == []
+    )
     # [q_proj, v_proj]: the engine wraps qkv_proj, but k_proj is no target: the update needs no k_proj
     qv = [n for n in every if n.endswith(("q_proj", "v_proj"))]
     assert layer_coverage(list(packed), packed, ["q_proj", "v_proj"], qv) == ([], [])
-    assert layer_coverage(list(packed), packed, ["q_proj", "v_proj"], [*qv, "model.layers.2.mlp.up_proj"]) == ([], ["model.layers.2.mlp.up_proj"])
+    assert layer_coverage(list(packed), packed, ["q_proj", "v_proj"], [*qv, "model.layers.2.mlp.up_proj"]) == (
+        [],
+        ["model.layers.2.mlp.up_proj"],
+    )

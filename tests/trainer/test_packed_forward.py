@@ -117,7 +117,9 @@ def test_only_positions_that_predict_a_model_token_reach_the_lm_head(models):
     packed = PackedBatch.from_samples(_samples([(9, 3), (12, 2), (7, 4)]))
     padded = packed.to_padded(PAD)
     rows: list[int] = []
-    handle = policy.lm_head.register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[0] * args[0].shape[1]))
+    handle = policy.lm_head.register_forward_hook(
+        lambda mod, args, out: rows.append(args[0].shape[0] * args[0].shape[1])
+    )
     try:
         with torch.no_grad():
             sequence_logprobs(policy, packed, 1.0)

@@ -53,7 +53,10 @@ def test_the_plan_says_which_roles_share_a_gpu():
 def test_the_specs_carry_it_for_each_role():
     from rlhf_orch.orchestration.session import trainer_specs
 
-    for overrides, shared in ((["placement=colocated", "placement.gpus_per_node=2"], True), (["placement=split"], False)):
+    for overrides, shared in (
+        (["placement=colocated", "placement.gpus_per_node=2"], True),
+        (["placement=split"], False),
+    ):
         typed, plan = _checked(*overrides)
         specs = trainer_specs(typed, plan, "unused", 0)
         assert {role: spec.free_cache_between_phases for role, spec in specs.items()} == dict.fromkeys(specs, shared)
@@ -83,10 +86,26 @@ def emptied(monkeypatch) -> list[int]:
 
 
 def _worker(cls, shares_gpu: bool, device: torch.device):
-    spec = TrainerSpec(model_path="unused", dtype="float32", zero_stage=2, micro_batch_size=1, train_batch_size=1, data_parallel_size=1,
-                       pad_id=0, temperature=1.0, lr=0.0, weight_decay=0.0, grad_clip=1.0, clip_eps=0.2, ppo_epochs=1, seed=0,
-                       torch_threads=1, optimizer="adamw", reference_memory="full",
-                       free_cache_between_phases=shares_gpu)
+    spec = TrainerSpec(
+        model_path="unused",
+        dtype="float32",
+        zero_stage=2,
+        micro_batch_size=1,
+        train_batch_size=1,
+        data_parallel_size=1,
+        pad_id=0,
+        temperature=1.0,
+        lr=0.0,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        clip_eps=0.2,
+        ppo_epochs=1,
+        seed=0,
+        torch_threads=1,
+        optimizer="adamw",
+        reference_memory="full",
+        free_cache_between_phases=shares_gpu,
+    )
     worker = cls(spec, 0, 1)
     worker.device = device  # (as a rank on a GPU would hold it; the shard below is empty: nothing runs on it)
     worker._staged = {0: []}
@@ -95,11 +114,14 @@ def _worker(cls, shares_gpu: bool, device: torch.device):
     return worker
 
 
-@pytest.mark.parametrize("cls, call", [
-    (ReferenceWorker, lambda w: w.logprobs(0)),
-    (RewardModelWorker, lambda w: w.score(0)),
-    (CriticWorker, lambda w: w.values(0)),
-])
+@pytest.mark.parametrize(
+    "cls, call",
+    [
+        (ReferenceWorker, lambda w: w.logprobs(0)),
+        (RewardModelWorker, lambda w: w.score(0)),
+        (CriticWorker, lambda w: w.values(0)),
+    ],
+)
 def test_a_phase_ending_call_empties_the_cache_only_on_a_shared_cuda_device(cls, call, emptied):
     call(_worker(cls, True, CUDA))
     assert emptied == [1]

@@ -22,15 +22,33 @@ from rlhf_orch.transfer.inbox import arrived, staged_micro_batches
 
 
 def _spec(**overrides) -> TrainerSpec:
-    args = dict(model_path="unused", dtype="float32", zero_stage=2, micro_batch_size=1, train_batch_size=2, data_parallel_size=1,
-                pad_id=0, temperature=1.0, lr=0.0, weight_decay=0.0, grad_clip=1.0, clip_eps=0.2, ppo_epochs=1, seed=0,
-                torch_threads=1, optimizer="adamw", reference_memory="full")
+    args = dict(
+        model_path="unused",
+        dtype="float32",
+        zero_stage=2,
+        micro_batch_size=1,
+        train_batch_size=2,
+        data_parallel_size=1,
+        pad_id=0,
+        temperature=1.0,
+        lr=0.0,
+        weight_decay=0.0,
+        grad_clip=1.0,
+        clip_eps=0.2,
+        ppo_epochs=1,
+        seed=0,
+        torch_threads=1,
+        optimizer="adamw",
+        reference_memory="full",
+    )
     return TrainerSpec(**{**args, **overrides})
 
 
 def _batch(*responses: list[int], first_index: int = 0) -> PaddedBatch:
-    samples = [Sample(prompt_ids=[5, 6], response_ids=r, reward=0.0, index=first_index + k, weight_version=3)
-               for k, r in enumerate(responses)]
+    samples = [
+        Sample(prompt_ids=[5, 6], response_ids=r, reward=0.0, index=first_index + k, weight_version=3)
+        for k, r in enumerate(responses)
+    ]
     return PaddedBatch.from_samples(samples, pad_id=0)
 
 
@@ -127,7 +145,9 @@ def test_a_frozen_model_runs_each_micro_batch_once_and_answers_on_cpu(monkeypatc
     monkeypatch.setattr(frozen_models, "sequence_logprobs", logprobs)
     mbs = [_batch([1, 2]), _batch([3])]
     work_done = WorkCount()
-    out = frozen_models.frozen_logprobs(torch.nn.Identity(), lambda: mbs, 0, _spec(temperature=0.7), 1, False, work_done)
+    out = frozen_models.frozen_logprobs(
+        torch.nn.Identity(), lambda: mbs, 0, _spec(temperature=0.7), 1, False, work_done
+    )
     assert [s[0] for s in seen] == mbs and {s[1:] for s in seen} == {(0.7, False)}
     assert [t.dtype for t in out] == [torch.float32] * 2 and work_done.count >= 2
 

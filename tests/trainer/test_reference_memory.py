@@ -16,7 +16,13 @@ from tests.conftest import compose_config, train_in_process
 pytestmark = pytest.mark.integration  # its runs share the module's Ray session, on one xdist worker
 
 # GRPO with its KL term on two policy ranks and two reference ranks.
-TWO_RANKS = ["experiment=quick", "algo=grpo", "algo.kl_coef=0.1", "placement.actor_ranks=2", "placement.reference_ranks=2"]
+TWO_RANKS = [
+    "experiment=quick",
+    "algo=grpo",
+    "algo.kl_coef=0.1",
+    "placement.actor_ranks=2",
+    "placement.reference_ranks=2",
+]
 
 
 @pytest.mark.parametrize("hosted", [pytest.param("false", marks=pytest.mark.extended), "true"])
@@ -46,8 +52,10 @@ def _held_of_reference(worker) -> tuple[int, int]:
     """(elements this rank keeps, elements of the whole model) of the rank's reference."""
     model = worker.reference if hasattr(worker, "reference") else worker.model
     params = list(model.parameters())
-    return (sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params),
-            sum(getattr(p, "ds_numel", p.numel()) for p in params))
+    return (
+        sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params),
+        sum(getattr(p, "ds_numel", p.numel()) for p in params),
+    )
 
 
 @pytest.mark.parametrize(
@@ -56,8 +64,10 @@ def _held_of_reference(worker) -> tuple[int, int]:
         (["algo=dapo", "trainer.reference_memory=sharded"], "does nothing: the algorithm has no KL reference"),
         (["trainer.reference_memory=sharded"], "sharding over one reference rank keeps the whole model"),
         ([*TWO_RANKS, "trainer.reference_memory=offloaded"], "without CUDA GPUs it is in host memory already"),
-        ([*TWO_RANKS, "placement.reference_in_actor=true", "model.lora.rank=4", "trainer.reference_memory=sharded"],
-         "the policy's own frozen base"),
+        (
+            [*TWO_RANKS, "placement.reference_in_actor=true", "model.lora.rank=4", "trainer.reference_memory=sharded"],
+            "the policy's own frozen base",
+        ),
         (["trainer.reference_memory=zero3"], "use full"),
     ],
 )

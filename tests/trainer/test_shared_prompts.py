@@ -15,7 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_orch.trainer.forward import enable_gradient_checkpointing, load_critic, load_policy, sequence_logprobs, sequence_values
+from rlhf_orch.trainer.forward import (
+    enable_gradient_checkpointing,
+    load_critic,
+    load_policy,
+    sequence_logprobs,
+    sequence_values,
+)
 from rlhf_orch.trainer import shared_prompts
 from rlhf_orch.trainer.shared_prompts import BatchedBlockAttention, BranchLoopAttention, shared_prompt_layout
 from rlhf_orch.transfer.batch import PackedBatch, Sample
@@ -59,7 +65,9 @@ def test_a_shared_row_is_refused_on_another_attention(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="sdpa")
-    with pytest.raises(ValueError, match="trainer.share_prompts needs the 'varlen_sdpa' attention, the model has 'sdpa'"):
+    with pytest.raises(
+        ValueError, match="trainer.share_prompts needs the 'varlen_sdpa' attention, the model has 'sdpa'"
+    ):
         sequence_logprobs(model, PackedBatch.from_samples(_samples(GROUPS)), 1.0, share_prompts=True)
 
 
@@ -98,7 +106,9 @@ def _assert_no_less_accurate(shared: list[torch.Tensor], plain: list[torch.Tenso
     for k, (s, p, x) in enumerate(zip(shared, plain, exact)):
         s, p, x = s.double(), p.double(), x.double()
         bound = 4 * (p - x).norm() + eps * x.norm()
-        assert (s - x).norm() <= bound, f"tensor {k}: shared row {(s - x).norm():.3g} from the exact value (L2), bound {bound:.3g}"
+        assert (s - x).norm() <= bound, (
+            f"tensor {k}: shared row {(s - x).norm():.3g} from the exact value (L2), bound {bound:.3g}"
+        )
 
 
 @pytest.fixture(params=[BranchLoopAttention, BatchedBlockAttention], ids=["branch_loop", "batched_blocks"])
@@ -109,7 +119,9 @@ def attention(request, monkeypatch):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
-def test_shared_prompts_give_the_plain_forward_s_logprobs_values_and_gradients(tiny, tiny_model_path, checkpointing, attention):
+def test_shared_prompts_give_the_plain_forward_s_logprobs_values_and_gradients(
+    tiny, tiny_model_path, checkpointing, attention
+):
     policy, critic = tiny
     if checkpointing:  # the layout's kwargs must reach the attention through the recomputation
         policy = load_policy(tiny_model_path, "float32")
@@ -128,8 +140,11 @@ def test_shared_prompts_give_the_plain_forward_s_logprobs_values_and_gradients(t
     with torch.no_grad():
         exact_critic = load_critic(tiny_model_path, "float64").eval()
         exact_critic.load_state_dict({k: v.double() for k, v in critic.state_dict().items()})
-        _assert_no_less_accurate([sequence_values(critic, mb, share_prompts=True)], [sequence_values(critic, mb)],
-                                 [sequence_values(exact_critic, mb)])
+        _assert_no_less_accurate(
+            [sequence_values(critic, mb, share_prompts=True)],
+            [sequence_values(critic, mb)],
+            [sequence_values(exact_critic, mb)],
+        )
 
 
 _EXACT: dict[str, tuple] = {}  # the float64 reference of a module's test, by model
@@ -139,11 +154,27 @@ def test_on_smollm2_with_its_chat_template(smollm2_path, smollm2_tokenizer, atte
     tok = smollm2_tokenizer
     policy = load_policy(smollm2_path, "float32").train()
     questions = ["What is 3 + 4? Answer inside <answer></answer>.", "What is 9 + 1? Answer inside <answer></answer>."]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
-               for q in questions]
-    answers = ["<answer>7</answer>", "The sum is <answer>7</answer>", "<answer>10</answer>", "9 + 1 = <answer>10</answer>"]
-    samples = [Sample(prompt_ids=prompts[i // 2], response_ids=tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id],
-                      reward=0.0, index=i) for i, a in enumerate(answers)]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in questions
+    ]
+    answers = [
+        "<answer>7</answer>",
+        "The sum is <answer>7</answer>",
+        "<answer>10</answer>",
+        "9 + 1 = <answer>10</answer>",
+    ]
+    samples = [
+        Sample(
+            prompt_ids=prompts[i // 2],
+            response_ids=tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id],
+            reward=0.0,
+            index=i,
+        )
+        for i, a in enumerate(answers)
+    ]
     mb = PackedBatch.from_samples(samples)
     assert shared_prompt_layout(mb).num_tokens < mb.num_tokens * 0.6
     lp_plain, grad_plain = _logprobs_and_grads(policy, mb, share=False)

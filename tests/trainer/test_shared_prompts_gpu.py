@@ -37,10 +37,12 @@ def _micro_batch(vocab: int) -> PackedBatch:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, vocab, (n,), generator=g) for n in (97, 64, 40)]
     plan = [(0, 70), (1, 12), (2, 33), (0, 1), (1, 45), (0, 28), (1, 64), (0, 9)]
-    return PackedBatch.from_samples([
-        Sample(prompt_ids=prompts[p], response_ids=torch.randint(3, vocab, (n,), generator=g), reward=0.0, index=i)
-        for i, (p, n) in enumerate(plan)
-    ]).to("cuda")
+    return PackedBatch.from_samples(
+        [
+            Sample(prompt_ids=prompts[p], response_ids=torch.randint(3, vocab, (n,), generator=g), reward=0.0, index=i)
+            for i, (p, n) in enumerate(plan)
+        ]
+    ).to("cuda")
 
 
 @pytest.fixture(params=[BatchedBlockAttention, BranchLoopAttention], ids=["batched_blocks", "branch_loop"])

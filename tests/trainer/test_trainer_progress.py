@@ -15,8 +15,15 @@ LAYERS = 3
 
 def _model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=LAYERS, num_attention_heads=2,
-                         num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(config)
 
 

@@ -202,7 +202,7 @@ def test_packed_split_is_a_view_and_covers_everything():
     packed = PackedBatch.from_samples(samples)
     parts = packed.split(split_by_count(len(packed), 4))
     assert [len(p) for p in parts] == [4, 4, 2]
-    assert parts[1].input_ids.data_ptr() == packed.input_ids[int(packed.cu_seqlens[4]):].data_ptr()
+    assert parts[1].input_ids.data_ptr() == packed.input_ids[int(packed.cu_seqlens[4]) :].data_ptr()
     assert parts[1].cu_seqlens[0] == 0 and parts[1].position_ids[0] == 0
     rebuilt = [s for p in parts for s in p.to_samples()]
     assert [as_lists(s) for s in rebuilt] == [as_lists(s) for s in samples]

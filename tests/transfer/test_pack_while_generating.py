@@ -32,15 +32,25 @@ def _engine(seed: int = 7) -> SyntheticEngine:
 
 def _job(prompts: range, prompt_ids):
     request = RolloutRequest(
-        prompts=[None] * PROMPTS, prompt_ids=prompt_ids, samples_per_prompt=SPP, max_tokens=70, temperature=1.0,
-        scorer=zero_reward, num_shards=2, micro_batch_size=4, pad_id=0, max_seq_len=40 + 70,
+        prompts=[None] * PROMPTS,
+        prompt_ids=prompt_ids,
+        samples_per_prompt=SPP,
+        max_tokens=70,
+        temperature=1.0,
+        scorer=zero_reward,
+        num_shards=2,
+        micro_batch_size=4,
+        pad_id=0,
+        max_seq_len=40 + 70,
         decode=lambda ids: [""] * len(ids),
     )
     return request.job(prompts, zero_reward)
 
 
 def _reference(prompt_ids, seed: int = 7) -> dict[int, Sample]:
-    samples, _ = _engine(seed).produce_samples(whole_prompt_requests(range(PROMPTS), SPP), _job(range(PROMPTS), prompt_ids))
+    samples, _ = _engine(seed).produce_samples(
+        whole_prompt_requests(range(PROMPTS), SPP), _job(range(PROMPTS), prompt_ids)
+    )
     for s in samples:
         s.reward = 0.0  # what zero_reward scores
     return {s.index: s for s in samples}
@@ -116,14 +126,25 @@ def test_buffer_grows_keeps_capacity_and_handles_empty_responses():
             p, r = rng.randint(1, 30), rng.choice([0, 1, 5, 60, 300])
             samples.append(
                 Sample(
-                    prompt_ids=[rng.randint(1, 50) for _ in range(p)], response_ids=[rng.randint(1, 50) for _ in range(r)],
-                    reward=rng.random(), engine_logprobs=[-rng.random() for _ in range(r)], weight_version=step,
-                    index=i, truncated=r == 300, fields={"values": torch.randn(r)},
+                    prompt_ids=[rng.randint(1, 50) for _ in range(p)],
+                    response_ids=[rng.randint(1, 50) for _ in range(r)],
+                    reward=rng.random(),
+                    engine_logprobs=[-rng.random() for _ in range(r)],
+                    weight_version=step,
+                    index=i,
+                    truncated=r == 300,
+                    fields={"values": torch.randn(r)},
                 )
             )
             buffer.append(
-                samples[-1].prompt_ids, samples[-1].response_ids, samples[-1].engine_logprobs, samples[-1].fields,
-                index=i, weight_version=step, truncated=r == 300, reward=samples[-1].reward,
+                samples[-1].prompt_ids,
+                samples[-1].response_ids,
+                samples[-1].engine_logprobs,
+                samples[-1].fields,
+                index=i,
+                weight_version=step,
+                truncated=r == 300,
+                reward=samples[-1].reward,
             )
         order = list(range(200))
         rng.shuffle(order)
@@ -179,7 +200,11 @@ def test_grouped_plan_keeps_the_guarantees_and_the_micro_batch_count(seed):
     lengths = [rng.randint(1, 64) for _ in range(rng.randint(0, 120))]
     budget = max(lengths, default=1) + rng.choice([0, 10, 100, 400])
     num_ranks = rng.randint(1, 4)
-    groups = [rng.randrange(3) for _ in lengths] if seed % 2 else [i * 4 // max(len(lengths), 1) for i in range(len(lengths))]
+    groups = (
+        [rng.randrange(3) for _ in lengths]
+        if seed % 2
+        else [i * 4 // max(len(lengths), 1) for i in range(len(lengths))]
+    )
     plain = plan_token_budget_micro_batches(lengths, budget, num_ranks)
     grouped = plan_token_budget_micro_batches(lengths, budget, num_ranks, groups)
     _check_plan(grouped, lengths, budget, num_ranks)
@@ -254,7 +279,13 @@ def test_layout_with_engines_matches_the_plain_layout_sample_for_sample():
     samples = list(_reference(prompt_ids).values())
     held = [[i for p in chunk for i in range(p * SPP, (p + 1) * SPP)] for chunk in prompt_chunks(PROMPTS, 3)]
     for shards in (PackedTransfer(token_budget=150).layout(samples, 2, 4, 0, held_by_engine=held),):
-        back = sorted((s.index, s.response_ids.tolist()) for shard in shards for mb in shard for s in mb.to_samples() if s.index >= 0)
+        back = sorted(
+            (s.index, s.response_ids.tolist())
+            for shard in shards
+            for mb in shard
+            for s in mb.to_samples()
+            if s.index >= 0
+        )
         assert back == sorted((s.index, torch.as_tensor(s.response_ids).tolist()) for s in samples)
 
 
@@ -284,5 +315,9 @@ def test_every_transfer_labels_a_sample_with_the_version_it_started_with_and_cou
     packed = _UpdatedMidway(LengthModel(mean=25, max_len=70), vocab_size=100).produce_and_hold(requests, job)
     n = PROMPTS * SPP
     for meta in (padded, packed):
-        assert meta.weight_versions == [3] * n and meta.interrupted == [bool(i % 2) for i in range(n)] and meta.interrupted_count == n // 2
+        assert (
+            meta.weight_versions == [3] * n
+            and meta.interrupted == [bool(i % 2) for i in range(n)]
+            and meta.interrupted_count == n // 2
+        )
         assert meta.token_version_means == [3.5 if i % 2 else 3.0 for i in range(n)]

@@ -66,15 +66,26 @@ def test_select_and_merge_carry_every_per_sample_field_with_its_own_sample():
 
 def test_a_record_whose_lists_disagree_in_length_is_refused():
     with pytest.raises(RolloutMetaError, match="model_token_lens has 2 values for 4 samples"):
-        RolloutMeta(indices=[0, 1, 2, 3], seq_lens=[1] * 4, response_lens=[1] * 4, rewards=[0.0] * 4, model_token_lens=[5, 6])
+        RolloutMeta(
+            indices=[0, 1, 2, 3], seq_lens=[1] * 4, response_lens=[1] * 4, rewards=[0.0] * 4, model_token_lens=[5, 6]
+        )
     with pytest.raises(RolloutMetaError, match="the same sample twice"):
         RolloutMeta.merge([_meta([1, 2]), _meta([2])])
 
 
 def test_an_empty_field_is_filled_per_row_and_totals_follow_the_samples():
-    meta = RolloutMeta(indices=[0, 1], seq_lens=[9, 8], response_lens=[4, 3], rewards=[1.0, 0.0], weight_versions=[2, 3],
-                       env_stats=[{"turns": 2.0}, {"turns": 3.0, "masked": 1.0}], interrupted=[True, False])
-    assert meta.model_token_lens == [4, 3] and meta.token_version_means == [2.0, 3.0] and meta.truncated == [False, False]
+    meta = RolloutMeta(
+        indices=[0, 1],
+        seq_lens=[9, 8],
+        response_lens=[4, 3],
+        rewards=[1.0, 0.0],
+        weight_versions=[2, 3],
+        env_stats=[{"turns": 2.0}, {"turns": 3.0, "masked": 1.0}],
+        interrupted=[True, False],
+    )
+    assert (
+        meta.model_token_lens == [4, 3] and meta.token_version_means == [2.0, 3.0] and meta.truncated == [False, False]
+    )
     assert meta.env_stats_total() == {"turns": 5.0, "masked": 1.0} and meta.interrupted_count == 1
     assert meta.masked == [False, True]
     only_first = meta.select([0])
@@ -84,7 +95,13 @@ def test_an_empty_field_is_filled_per_row_and_totals_follow_the_samples():
 # --------------------------------------------------------------------------- DAPO on its experiments' shapes
 def _experiment_shape(name: str):
     cfg = compose_config([f"experiment={name}", "algo.dynamic_sampling=true"])
-    return cfg, cfg.algo.rollout_batch_size, cfg.algo.samples_per_prompt, cfg.placement.engines, cfg.data.response_max_len
+    return (
+        cfg,
+        cfg.algo.rollout_batch_size,
+        cfg.algo.samples_per_prompt,
+        cfg.placement.engines,
+        cfg.data.response_max_len,
+    )
 
 
 def _length(index: int, response_max_len: int) -> int:
@@ -114,7 +131,10 @@ class _ScriptedEngines:
         )
 
     def generate(self, request: RolloutRequest, route, prompts: range) -> list[list[RolloutMeta]]:
-        chunks = [range(prompts.start + c.start, prompts.start + c.stop) for c in prompt_chunks(len(prompts), len(self.engines))]
+        chunks = [
+            range(prompts.start + c.start, prompts.start + c.stop)
+            for c in prompt_chunks(len(prompts), len(self.engines))
+        ]
         return [[self.meta_of(c)] if len(c) else [] for c in chunks]
 
 
@@ -129,12 +149,22 @@ def test_dynamic_sampling_keeps_each_kept_sample_s_own_length_and_counts(experim
     drawn = iter(range(10**6))
     more = lambda n: [dataclasses.make_dataclass("P", ["prompt_ids", "i"])([1, 2], next(drawn)) for _ in range(n)]  # noqa: E731
     request = RolloutRequest(
-        prompts=more(prompts), prompt_ids=[[1, 2]] * prompts, samples_per_prompt=spp, max_tokens=max_len, temperature=1.0,
-        scorer=None, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=max_len + 100,
+        prompts=more(prompts),
+        prompt_ids=[[1, 2]] * prompts,
+        samples_per_prompt=spp,
+        max_tokens=max_len,
+        temperature=1.0,
+        scorer=None,
+        num_shards=1,
+        micro_batch_size=1,
+        pad_id=0,
+        max_seq_len=max_len + 100,
     )
     monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(scripted.generate))
     group_filter = GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=algo.max_gen_batches)
-    held = dynamic_sampling.generate(PackedTransfer(token_budget=0), request, type("R", (), {"engines": scripted.engines})(), group_filter)
+    held = dynamic_sampling.generate(
+        PackedTransfer(token_budget=0), request, type("R", (), {"engines": scripted.engines})(), group_filter
+    )
     meta = held.meta
 
     assert held.dropped_groups > 0 and len(meta.indices) == prompts * spp
@@ -142,7 +172,10 @@ def test_dynamic_sampling_keeps_each_kept_sample_s_own_length_and_counts(experim
     assert meta.model_token_lens == [_length(i, max_len) for i in meta.indices]
     assert meta.response_lens == [_length(i, max_len) + 3 for i in meta.indices]
     assert meta.interrupted_count == sum(i % 4 == 0 for i in meta.indices)
-    assert meta.env_stats_total() == {"turns": float(len(meta.indices)), "tool_calls": float(sum(i % 5 for i in meta.indices))}
+    assert meta.env_stats_total() == {
+        "turns": float(len(meta.indices)),
+        "tool_calls": float(sum(i % 5 for i in meta.indices)),
+    }
     assert [m[1]["i"] for m in meta.env_metrics_list()] == meta.indices
 
     values, stats = sample_values_by_index(algo, meta, spp, max_len)
@@ -160,7 +193,9 @@ def test_a_masked_trajectory_counts_in_no_group_statistics():
     algo = instantiate(compose_config(["algo=grpo"]).algo)
     rewards = [1.0, 0.0, 0.0, 1.0, 0.5, 0.0]
     stats = [None, {"masked": 1.0}, None, None, None, None]
-    meta = RolloutMeta(indices=list(range(6)), seq_lens=[5] * 6, response_lens=[3] * 6, rewards=rewards, env_stats=stats)
+    meta = RolloutMeta(
+        indices=list(range(6)), seq_lens=[5] * 6, response_lens=[3] * 6, rewards=rewards, env_stats=stats
+    )
     values, _ = sample_values_by_index(algo, meta, 3, 16)
     alone, _ = algo.sample_values(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.tensor([3, 3]), 16)
     assert values[1] == 0.0
@@ -186,8 +221,16 @@ def _dapo_with_engine_1_replaced_in_round_2(scripted: _ScriptedEngines, monkeypa
     drawn = iter(range(10**6))
     more = lambda n: [dataclasses.make_dataclass("P", ["prompt_ids", "i"])([1, 2], next(drawn)) for _ in range(n)]  # noqa: E731
     request = RolloutRequest(
-        prompts=more(6), prompt_ids=[[1, 2]] * 6, samples_per_prompt=scripted.spp, max_tokens=64, temperature=1.0, scorer=None,
-        num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=70,
+        prompts=more(6),
+        prompt_ids=[[1, 2]] * 6,
+        samples_per_prompt=scripted.spp,
+        max_tokens=64,
+        temperature=1.0,
+        scorer=None,
+        num_shards=1,
+        micro_batch_size=1,
+        pad_id=0,
+        max_seq_len=70,
     )
     monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
     route = SimpleNamespace(engines=list(scripted.engines))
@@ -223,7 +266,13 @@ def test_an_engine_replaced_in_a_later_sampling_round_loses_its_earlier_rounds_a
 
     transfer = SimpleNamespace(redraw=redraw)
     for pipeline in (SyncPipeline(), AsyncPipeline(max_staleness=1)):
-        loop = SimpleNamespace(pipeline=pipeline, transfer=transfer, _restart_s={}, _redrawn={}, _replace_engine=lambda e, step, dead=None: None)
+        loop = SimpleNamespace(
+            pipeline=pipeline,
+            transfer=transfer,
+            _restart_s={},
+            _redrawn={},
+            _replace_engine=lambda e, step, dead=None: None,
+        )
         if not pipeline.redraws_lost_shares:
             with pytest.raises(EngineDiedError, match="vLLM engine 1 lost after making its share of step 0's rollout"):
                 EngineFleet.redraw_lost_shares(loop, held, route)
@@ -285,14 +334,32 @@ def test_dynamic_sampling_judges_a_group_by_its_unmasked_samples(monkeypatch):
     def generate(request, route, prompts):
         indices = [p * spp + s for p in prompts for s in range(spp)]
         stats = [{"masked": 1.0} if i == 2 else None for i in indices]  # group 0's differing score is masked
-        return [[RolloutMeta(indices=indices, seq_lens=[3] * 6, response_lens=[1] * 6, rewards=next(rounds), env_stats=stats)]]
+        return [
+            [
+                RolloutMeta(
+                    indices=indices, seq_lens=[3] * 6, response_lens=[1] * 6, rewards=next(rounds), env_stats=stats
+                )
+            ]
+        ]
 
     drawn = iter(range(100))
     more = lambda n: [dataclasses.make_dataclass("P", ["prompt_ids", "i"])([1], next(drawn)) for _ in range(n)]  # noqa: E731
-    request = RolloutRequest(prompts=more(2), prompt_ids=[[1]] * 2, samples_per_prompt=spp, max_tokens=4, temperature=1.0,
-                             scorer=None, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8)
+    request = RolloutRequest(
+        prompts=more(2),
+        prompt_ids=[[1]] * 2,
+        samples_per_prompt=spp,
+        max_tokens=4,
+        temperature=1.0,
+        scorer=None,
+        num_shards=1,
+        micro_batch_size=1,
+        pad_id=0,
+        max_seq_len=8,
+    )
     monkeypatch.setattr(PackedTransfer, "_generate", staticmethod(generate))
     group_filter = GroupFilter(keep=algo.keep_groups, more_prompts=more, max_rounds=4)
-    held = dynamic_sampling.generate(PackedTransfer(token_budget=0), request, type("R", (), {"engines": [object()]})(), group_filter)
+    held = dynamic_sampling.generate(
+        PackedTransfer(token_budget=0), request, type("R", (), {"engines": [object()]})(), group_filter
+    )
     kept_groups = sorted({group_of(i, spp) for i in held.meta.indices})
     assert 0 not in kept_groups and kept_groups == [1, 2] and held.rounds == 2

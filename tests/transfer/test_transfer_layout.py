@@ -118,9 +118,14 @@ def test_each_optimizer_step_packs_its_own_sequences_under_a_token_budget(length
 
     rng = random_lengths.Random(0)
     n, tbs, budget = 256, 64, 16384
-    length_of = {"uniform_short": lambda i: 150, "ragged": lambda i: rng.randint(200, 550),
-                 "one_long": lambda i: 9000 if i == 7 else 50}[lengths]
-    samples = [Sample(prompt_ids=[1] * 10, response_ids=[2] * (length_of(i) - 10), reward=0.0, index=i) for i in range(n)]
+    length_of = {
+        "uniform_short": lambda i: 150,
+        "ragged": lambda i: rng.randint(200, 550),
+        "one_long": lambda i: 9000 if i == 7 else 50,
+    }[lengths]
+    samples = [
+        Sample(prompt_ids=[1] * 10, response_ids=[2] * (length_of(i) - 10), reward=0.0, index=i) for i in range(n)
+    ]
     shards = PackedTransfer(token_budget=budget).layout(samples, 2, 8, PAD, train_batch_size=tbs)
     assert len({len(shard) for shard in shards}) == 1 and len(shards[0]) % 4 == 0
     steps = []
@@ -288,7 +293,12 @@ def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_pr
     spp = 2
 
     def meta_of(indices, reward):
-        return RolloutMeta(indices=indices, seq_lens=[5] * len(indices), response_lens=[2] * len(indices), rewards=[reward] * len(indices))
+        return RolloutMeta(
+            indices=indices,
+            seq_lens=[5] * len(indices),
+            response_lens=[2] * len(indices),
+            rewards=[reward] * len(indices),
+        )
 
     calls = []
 
@@ -296,7 +306,9 @@ def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_pr
         def __init__(self, name):
             self.name = name
             self.produce_and_hold = types.SimpleNamespace(remote=self.produce)
-            self.hold_samples = types.SimpleNamespace(remote=lambda samples, slot: calls.append((self.name, "hold", len(samples), slot)))
+            self.hold_samples = types.SimpleNamespace(
+                remote=lambda samples, slot: calls.append((self.name, "hold", len(samples), slot))
+            )
 
         def produce(self, requests, job, slot):
             calls.append((self.name, "produce", [r.prompt_index for r in requests], slot))
@@ -312,10 +324,25 @@ def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_pr
 
     old_rows = [0, 1, extra_sequence_index(0, 1), 2, 3, 8, 9]  # prompts 0 and 1 (0 with a further sequence), and 4
     held = HeldRollout(
-        meta=RolloutMeta.merge([meta_of(old_rows, 0.0), meta_of([4, 5, 6, 7], 0.5)]), held=[[4, 5, 6, 7], old_rows],
-        num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8, slot=3,
-        request=RolloutRequest(prompts=list(range(5)), prompt_ids=[[1, 2]] * 5, samples_per_prompt=spp, max_tokens=4,
-                               temperature=1.0, scorer=None, num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8),
+        meta=RolloutMeta.merge([meta_of(old_rows, 0.0), meta_of([4, 5, 6, 7], 0.5)]),
+        held=[[4, 5, 6, 7], old_rows],
+        num_shards=1,
+        micro_batch_size=1,
+        pad_id=0,
+        max_seq_len=8,
+        slot=3,
+        request=RolloutRequest(
+            prompts=list(range(5)),
+            prompt_ids=[[1, 2]] * 5,
+            samples_per_prompt=spp,
+            max_tokens=4,
+            temperature=1.0,
+            scorer=None,
+            num_shards=1,
+            micro_batch_size=1,
+            pad_id=0,
+            max_seq_len=8,
+        ),
         shares=[[EngineShare(other, [2, 3])], [EngineShare(dead, [0, 1]), EngineShare(current, [4])]],
     )
     assert PackedTransfer(token_budget=0).redraw(held, Route(), [1]) == 4
@@ -326,8 +353,17 @@ def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_pr
     assert [(s.engine.name, s.prompts) for s in held.shares[1]] == [("current", [4]), ("current", [0, 1])]
 
     calls.clear()
-    restored = HeldRollout(meta=meta_of([0, 1], 0.0), held=[[], [0, 1]], num_shards=1, micro_batch_size=1, pad_id=0, max_seq_len=8,
-                           slot=2, samples=[[], ["s0", "s1"]], shares=[[EngineShare(other, [])], [EngineShare(dead, [])]])
+    restored = HeldRollout(
+        meta=meta_of([0, 1], 0.0),
+        held=[[], [0, 1]],
+        num_shards=1,
+        micro_batch_size=1,
+        pad_id=0,
+        max_seq_len=8,
+        slot=2,
+        samples=[[], ["s0", "s1"]],
+        shares=[[EngineShare(other, [])], [EngineShare(dead, [])]],
+    )
     assert PackedTransfer(token_budget=0).redraw(restored, Route(), [1]) == 2
     assert calls == [("current", "hold", 2, 2)] and restored.shares[1][0].engine is current
 
@@ -347,8 +383,13 @@ def test_redraw_makes_only_the_lost_shares_again_and_drops_every_row_of_their_pr
 
     held.shares = [[EngineShare(other, [2, 3])], [EngineShare(dead, [0, 1]), EngineShare(current, [4])]]
     route = RouteLosingEngine1()
-    loop = types.SimpleNamespace(pipeline=AsyncPipeline(max_staleness=1), transfer=PackedTransfer(token_budget=0), _restart_s={}, _redrawn={},
-                                 _replace_engine=lambda e, step, dead=None: route.engines[e])
+    loop = types.SimpleNamespace(
+        pipeline=AsyncPipeline(max_staleness=1),
+        transfer=PackedTransfer(token_budget=0),
+        _restart_s={},
+        _redrawn={},
+        _replace_engine=lambda e, step, dead=None: route.engines[e],
+    )
     EngineFleet.redraw_lost_shares(loop, held, route)
     assert calls == [("newer", "produce", [0, 1], 3), ("newer", "produce", [4], 3)]
     assert all(share.engine is newer for share in held.shares[1]) and held.meta.indices == list(range(10))

@@ -14,7 +14,14 @@ from rlhf_orch.transfer.base import RolloutRequest, Route
 from rlhf_orch.transfer.micro_batched import MicroBatchedTransfer
 from rlhf_orch.transfer.packed import PackedTransfer
 from rlhf_orch.transfer.padded import PaddedTransfer
-from rlhf_orch.transfer.synthetic import LengthModel, SyntheticEngine, TrainerSink, plain_get, synthetic_prompts, zero_reward
+from rlhf_orch.transfer.synthetic import (
+    LengthModel,
+    SyntheticEngine,
+    TrainerSink,
+    plain_get,
+    synthetic_prompts,
+    zero_reward,
+)
 
 pytestmark = pytest.mark.integration
 PROMPTS, SPP, SHARDS, MBS, ENGINES = 12, 4, 2, 5, 3  # 48 sequences; 5 does not divide 24 nor 4
@@ -23,7 +30,10 @@ PROMPTS, SPP, SHARDS, MBS, ENGINES = 12, 4, 2, 5, 3  # 48 sequences; 5 does not 
 @pytest.fixture(scope="module")
 def cluster():
     ray.init(num_cpus=2, num_gpus=SHARDS, object_store_memory=200 * 2**20, include_dashboard=False)
-    engines = [ray.remote(SyntheticEngine).remote(LengthModel(mean=30, max_len=90), vocab_size=100, seed=e * 0 + 11) for e in range(ENGINES)]
+    engines = [
+        ray.remote(SyntheticEngine).remote(LengthModel(mean=30, max_len=90), vocab_size=100, seed=e * 0 + 11)
+        for e in range(ENGINES)
+    ]
     sinks = [ray.remote(num_gpus=1)(TrainerSink).remote(pad_id=0) for _ in range(SHARDS)]
     ray.get([a.ping.remote() for a in (*engines, *sinks)])
     yield engines, sinks
@@ -32,8 +42,16 @@ def cluster():
 
 def _request(prompt_ids):
     return RolloutRequest(
-        prompts=[None] * PROMPTS, prompt_ids=prompt_ids, samples_per_prompt=SPP, max_tokens=90, temperature=1.0,
-        scorer=zero_reward, num_shards=SHARDS, micro_batch_size=MBS, pad_id=0, max_seq_len=64 + 90,
+        prompts=[None] * PROMPTS,
+        prompt_ids=prompt_ids,
+        samples_per_prompt=SPP,
+        max_tokens=90,
+        temperature=1.0,
+        scorer=zero_reward,
+        num_shards=SHARDS,
+        micro_batch_size=MBS,
+        pad_id=0,
+        max_seq_len=64 + 90,
         decode=lambda ids: [""] * len(ids),
     )
 
@@ -44,11 +62,17 @@ def _reference_samples(prompt_ids):
     from rlhf_orch.transfer.plan import whole_prompt_requests
 
     request = _request(prompt_ids)
-    samples, _ = engine.produce_samples(whole_prompt_requests(range(PROMPTS), SPP), request.job(range(PROMPTS), zero_reward))
+    samples, _ = engine.produce_samples(
+        whole_prompt_requests(range(PROMPTS), SPP), request.job(range(PROMPTS), zero_reward)
+    )
     return samples
 
 
-@pytest.mark.parametrize("transfer", [PaddedTransfer(), MicroBatchedTransfer(max_in_flight=2), PackedTransfer(token_budget=200)], ids=lambda t: type(t).__name__)
+@pytest.mark.parametrize(
+    "transfer",
+    [PaddedTransfer(), MicroBatchedTransfer(max_in_flight=2), PackedTransfer(token_budget=200)],
+    ids=lambda t: type(t).__name__,
+)
 def test_each_rank_holds_exactly_the_layout(cluster, transfer):
     engines, sinks = cluster
     prompt_ids = synthetic_prompts(PROMPTS, 64, vocab_size=100)

@@ -27,8 +27,22 @@ from rlhf_orch.env.tool_parsers import extract_tool_calls
 TOOL_PARSERS = ("hermes", "none")  # built in; any of vLLM's tool parsers besides (rlhf_orch.env.tool_parsers)
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 # Accepted and ignored: they change nothing the engine samples or the trainers see.
-_IGNORED = ("user", "metadata", "store", "stream_options", "parallel_tool_calls", "tool_choice", "seed", "service_tier",
-            "presence_penalty", "frequency_penalty", "top_logprobs", "response_format", "modalities", "reasoning_effort")
+_IGNORED = (
+    "user",
+    "metadata",
+    "store",
+    "stream_options",
+    "parallel_tool_calls",
+    "tool_choice",
+    "seed",
+    "service_tier",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_logprobs",
+    "response_format",
+    "modalities",
+    "reasoning_effort",
+)
 
 
 class ChatAPIError(Exception):
@@ -62,30 +76,55 @@ def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
         raise ChatAPIError(
             404 if model else 400,
             f"model {model!r} is not served here: this run trains one policy, model {model_name!r} (GET /v1/models)",
-            "model", "model_not_found" if model else "invalid_request_error",
+            "model",
+            "model_not_found" if model else "invalid_request_error",
         )
     if body.get("stream"):
         raise ChatAPIError(400, "stream=true is not supported by the training endpoint; leave stream off", "stream")
     n = body.get("n", 1)
     if n not in (1, None):
-        raise ChatAPIError(400, f"n={n}: one call makes one completion here (a trajectory is one sequence of calls); "
-                                "make n calls, or raise algo.samples_per_prompt for more trajectories", "n")
+        raise ChatAPIError(
+            400,
+            f"n={n}: one call makes one completion here (a trajectory is one sequence of calls); "
+            "make n calls, or raise algo.samples_per_prompt for more trajectories",
+            "n",
+        )
     if body.get("logprobs") is False:
-        raise ChatAPIError(400, "logprobs=false: the run records every token's log-prob for training; leave logprobs unset", "logprobs")
+        raise ChatAPIError(
+            400, "logprobs=false: the run records every token's log-prob for training; leave logprobs unset", "logprobs"
+        )
     for key, want in (("temperature", temperature), ("top_p", 1.0)):
         value = body.get(key)
         if value is not None and float(value) != float(want):
             raise ChatAPIError(
-                400, f"{key}={value}: the policy is trained on samples drawn at {key}={want} (the run's sampling, "
-                     f"algo.temperature); leave {key} unset", key,
+                400,
+                f"{key}={value}: the policy is trained on samples drawn at {key}={want} (the run's sampling, "
+                f"algo.temperature); leave {key} unset",
+                key,
             )
     for key in ("logit_bias",):
         if body.get(key):
             raise ChatAPIError(400, f"{key} changes what the policy samples, which training could not correct for", key)
-    unknown = sorted(k for k in body if k not in (
-        "model", "messages", "tools", "max_tokens", "max_completion_tokens", "stop", "n", "logprobs", "temperature",
-        "top_p", "stream", "logit_bias", *_IGNORED,
-    ))
+    unknown = sorted(
+        k
+        for k in body
+        if k
+        not in (
+            "model",
+            "messages",
+            "tools",
+            "max_tokens",
+            "max_completion_tokens",
+            "stop",
+            "n",
+            "logprobs",
+            "temperature",
+            "top_p",
+            "stream",
+            "logit_bias",
+            *_IGNORED,
+        )
+    )
     if unknown:
         raise ChatAPIError(400, f"unsupported parameter(s) {', '.join(unknown)}", unknown[0])
     messages = body.get("messages")
@@ -93,7 +132,9 @@ def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
         raise ChatAPIError(400, "messages must be a non-empty list of chat messages", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or m.get("role") not in _ROLES:
-            raise ChatAPIError(400, f"messages[{i}] must be an object with a role among {', '.join(_ROLES)}", "messages")
+            raise ChatAPIError(
+                400, f"messages[{i}] must be an object with a role among {', '.join(_ROLES)}", "messages"
+            )
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ChatAPIError(400, "tools must be a list of tool definitions", "tools")
@@ -127,8 +168,9 @@ def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return m
 
 
-def parse_tool_calls(text: str, parser: str, tokenizer: Any = None,
-                     tools: list[dict[str, Any]] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(
+    text: str, parser: str, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None
+) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a completion's text in OpenAI's layout (`rlhf_orch.env.tool_parsers`:
     Hermes here, other formats by vLLM's parsers). Calls that do not parse stay in the content: the
     agent sees what the model wrote."""
@@ -140,15 +182,26 @@ def parse_tool_calls(text: str, parser: str, tokenizer: Any = None,
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
-            "function": {"name": c.name, "arguments": c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments)},
+            "function": {
+                "name": c.name,
+                "arguments": c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments),
+            },
         }
         for c in valid
     ]
 
 
-def completion_body(model_name: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                    tool_parser: str, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None,
-                    reasoning_parser: str = NONE) -> dict[str, Any]:
+def completion_body(
+    model_name: str,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    tool_parser: str,
+    tokenizer: Any = None,
+    tools: list[dict[str, Any]] | None = None,
+    reasoning_parser: str = NONE,
+) -> dict[str, Any]:
     reasoning, text = split_reasoning(text, reasoning_parser, tokenizer)
     content, tool_calls = parse_tool_calls(text or "", tool_parser, tokenizer, tools)
     # As OpenAI answers: an empty text completion is "" (what its tokens decode to, what trains);
@@ -165,8 +218,11 @@ def completion_body(model_name: str, text: str, finish_reason: str, prompt_token
         "created": int(time.time()),
         "model": model_name,
         "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 

@@ -62,7 +62,9 @@ class ChatServer:
         self._httpd = _Server((host, 0), _handler_class(self), max_connections=max_connections)
         self._httpd.daemon_threads = True
         self.host, self.port = self._httpd.server_address[:2]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="chat-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="chat-server", daemon=True
+        )
         self._thread.start()
 
     def base_url(self, trajectory_id: str) -> str:
@@ -91,7 +93,11 @@ class ChatServer:
         with self._lock:
             handler = self._handler
         if handler is None:
-            raise ChatAPIError(410, f"trajectory {trajectory_id}: no rollout is running on this engine (its rollout ended)", kind="gone")
+            raise ChatAPIError(
+                410,
+                f"trajectory {trajectory_id}: no rollout is running on this engine (its rollout ended)",
+                kind="gone",
+            )
         return handler(trajectory_id, body)
 
     def close(self) -> None:
@@ -113,8 +119,16 @@ class _Server(ThreadingHTTPServer):
         # One thread per connection, at most max_connections of them: one more is refused at once.
         if not self._connections.acquire(blocking=False):
             try:
-                request.sendall(_plain_response(503, ChatAPIError(503, f"more than {self.max_connections} connections to "
-                                                                       "this engine's endpoint at once", kind="overloaded").body()))
+                request.sendall(
+                    _plain_response(
+                        503,
+                        ChatAPIError(
+                            503,
+                            f"more than {self.max_connections} connections to this engine's endpoint at once",
+                            kind="overloaded",
+                        ).body(),
+                    )
+                )
                 _drain(request)
             except OSError:
                 pass
@@ -173,8 +187,15 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             trajectory = _TRAJECTORY.match(self.path)
             if server.authorised(token, trajectory.group(1) if trajectory else None):
                 return True
-            self._refuse(401, ChatAPIError(401, "missing or wrong API key: use the api_key the run passed to this agent "
-                                           "(each trajectory has its own)", kind="authentication_error"))
+            self._refuse(
+                401,
+                ChatAPIError(
+                    401,
+                    "missing or wrong API key: use the api_key the run passed to this agent "
+                    "(each trajectory has its own)",
+                    kind="authentication_error",
+                ),
+            )
             return False
 
         def _refuse(self, status: int, error: ChatAPIError) -> None:
@@ -212,14 +233,22 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
                 return
             length = int(declared)
             if length > MAX_BODY_BYTES:
-                self._refuse(413, ChatAPIError(413, f"the body is {length} bytes; at most {MAX_BODY_BYTES} are read",
-                                               kind="request_too_large"))
+                self._refuse(
+                    413,
+                    ChatAPIError(
+                        413, f"the body is {length} bytes; at most {MAX_BODY_BYTES} are read", kind="request_too_large"
+                    ),
+                )
                 return
             raw = self.rfile.read(length) if length else b""
             match = _CALL.match(self.path)
             if match is None:
-                self._send(404, ChatAPIError(404, f"no route POST {self.path}; calls go to <base_url>/chat/completions",
-                                             kind="not_found").body())
+                self._send(
+                    404,
+                    ChatAPIError(
+                        404, f"no route POST {self.path}; calls go to <base_url>/chat/completions", kind="not_found"
+                    ).body(),
+                )
                 return
             try:
                 body = json.loads(raw or b"null")

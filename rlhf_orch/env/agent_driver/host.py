@@ -63,14 +63,20 @@ def reward_of(result: Any) -> tuple[float, dict[str, float]]:
     if isinstance(result, Mapping):
         if "score" not in result:
             raise TypeError(f"an agent's dict result needs a 'score' key, got keys {sorted(result)}")
-        extra = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        extra = {
+            str(k): float(v)
+            for k, v in result.items()
+            if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         return _finite(result["score"]), extra
     return _finite(result), {}
 
 
 def _finite(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"an agent must return its reward as a number or a dict with 'score', got {type(value).__name__}")
+        raise TypeError(
+            f"an agent must return its reward as a number or a dict with 'score', got {type(value).__name__}"
+        )
     if not math.isfinite(float(value)):
         raise TypeError(f"an agent returned a non-finite reward {value}")
     return float(value)
@@ -80,7 +86,9 @@ def accepted_keywords(fn: Callable) -> tuple[str, ...]:
     params = inspect.signature(fn).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return CLIENT_KEYWORDS
-    names = {p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+    names = {
+        p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
     return tuple(k for k in CLIENT_KEYWORDS if k in names)
 
 
@@ -188,7 +196,9 @@ def exit_text(status: int) -> str:
         except ValueError:
             name = str(number)
         return f"AgentProcessDied: the agent's process was killed by {name}"
-    return f"AgentProcessDied: the agent's process exited with code {os.waitstatus_to_exitcode(status)} before returning"
+    return (
+        f"AgentProcessDied: the agent's process exited with code {os.waitstatus_to_exitcode(status)} before returning"
+    )
 
 
 class _Trajectory:
@@ -323,7 +333,12 @@ class Host:
             self.selector.register(t.exit_fd, selectors.EVENT_READ, t)
 
     def _could_not_start(self, batch: int, index: int, error: OSError) -> None:
-        outcome = {"batch": batch, "index": index, "seconds": 0.0, "error": f"AgentProcessDied: could not start: {error}"}
+        outcome = {
+            "batch": batch,
+            "index": index,
+            "seconds": 0.0,
+            "error": f"AgentProcessDied: could not start: {error}",
+        }
         write_message(self.replies, ("done", outcome))
 
     def _read_result(self, t: _Trajectory) -> None:
@@ -462,14 +477,26 @@ def _client(is_async: bool, base_url: str, api_key: str, timeout_s: float, ssl_c
     # No retries: a refused call is the agent's to handle, and a retry would be a second call.
     # trust_env=False: no proxy from the environment between the agent and its engine's endpoint.
     if is_async:
-        return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
-                                  http_client=httpx.AsyncClient(verify=ssl_context, timeout=timeout_s, trust_env=False))
-    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s,
-                         http_client=httpx.Client(verify=ssl_context, timeout=timeout_s, trust_env=False))
+        return openai.AsyncOpenAI(
+            base_url=base_url,
+            api_key=api_key,
+            max_retries=0,
+            timeout=timeout_s,
+            http_client=httpx.AsyncClient(verify=ssl_context, timeout=timeout_s, trust_env=False),
+        )
+    return openai.OpenAI(
+        base_url=base_url,
+        api_key=api_key,
+        max_retries=0,
+        timeout=timeout_s,
+        http_client=httpx.Client(verify=ssl_context, timeout=timeout_s, trust_env=False),
+    )
 
 
-_STUB_REPLY = (b'{"id": "warm-up", "object": "chat.completion", "created": 0, "model": "warm-up", "choices": '
-               b'[{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}')
+_STUB_REPLY = (
+    b'{"id": "warm-up", "object": "chat.completion", "created": 0, "model": "warm-up", "choices": '
+    b'[{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}'
+)
 
 
 def _warm_up(ssl_context: Any) -> None:

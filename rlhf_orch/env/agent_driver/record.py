@@ -107,7 +107,8 @@ class AgentRecord:
         if seq is not None and id(seq) in self._extending:
             raise CallRefused(
                 "a call extending this conversation is still being answered: a conversation takes one call at a time "
-                "(calls on other conversations may run at once)", kind="conversation_busy"
+                "(calls on other conversations may run at once)",
+                kind="conversation_busy",
             )
         tokens = self.budget(prompt_ids, requested)
         self._in_flight += 1
@@ -145,10 +146,14 @@ class AgentRecord:
         cap = min(room, lim.max_tokens_per_call)
         return cap if requested is None else max(1, min(cap, int(requested)))
 
-    def add(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], logprobs: Sequence[float], hit_length: bool) -> None:
+    def add(
+        self, prompt_ids: Sequence[int], completion_ids: Sequence[int], logprobs: Sequence[float], hit_length: bool
+    ) -> None:
         """One finished call, exactly as the engine generated it."""
         if len(completion_ids) != len(logprobs):
-            raise ValueError(f"call of trajectory {self.index}: {len(completion_ids)} tokens but {len(logprobs)} log-probs")
+            raise ValueError(
+                f"call of trajectory {self.index}: {len(completion_ids)} tokens but {len(logprobs)} log-probs"
+            )
         prompt_ids = [int(t) for t in prompt_ids]
         seq = self._extended(prompt_ids)
         if seq is None:
@@ -157,7 +162,7 @@ class AgentRecord:
             seq = TokenSequence(prompt_ids)
             self.sequences.append(seq)
         else:
-            context = prompt_ids[len(seq.tokens()):]
+            context = prompt_ids[len(seq.tokens()) :]
             seq.response_ids.extend(context)
             seq.logprobs.extend([0.0] * len(context))
             seq.loss_mask.extend([0] * len(context))

@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from rlhf_orch.env.agent_driver.host import (  # noqa: F401 - the runner's API too
-    accepted_keywords, read_message, reward_of, trajectory_secret, write_message, write_secrets,
+    accepted_keywords,
+    read_message,
+    reward_of,
+    trajectory_secret,
+    write_message,
+    write_secrets,
 )
 
 
@@ -84,7 +89,9 @@ class AgentRunner:
             # Each trajectory's URL and key apart from the rows: the host keeps them where its
             # forks do not see them, and hands each process its own (rlhf_orch.env.agent_driver.host).
             secrets = [trajectory_secret(base_url, api_key) for _, _, base_url, api_key in items]
-            write_message(host.stdin, ("run", batch, [(index, row, len(s)) for (index, row, *_), s in zip(items, secrets)]))
+            write_message(
+                host.stdin, ("run", batch, [(index, row, len(s)) for (index, row, *_), s in zip(items, secrets)])
+            )
             write_secrets(host.stdin, secrets)
         except (OSError, EOFError) as e:
             self._fail_pending(batch, None if isinstance(e, (BrokenPipeError, EOFError)) else e)
@@ -136,7 +143,9 @@ class AgentRunner:
             raise AgentHostError(f"the agent function could not be loaded in its process: {reply[1]}")
         self._host = host
         # (a weak reference: a runner nobody closed is collected, and its __del__ ends the host)
-        threading.Thread(target=_read_outcomes, args=(weakref.ref(self), host), name="agent-outcomes", daemon=True).start()
+        threading.Thread(
+            target=_read_outcomes, args=(weakref.ref(self), host), name="agent-outcomes", daemon=True
+        ).start()
         return host
 
     def _take(self, fields: dict[str, Any]) -> None:

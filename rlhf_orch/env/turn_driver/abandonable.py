@@ -38,7 +38,9 @@ class _Call:
 
 
 def _send(ident: int, exc: type[BaseException] | None) -> None:
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc) if exc is not None else None)
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), ctypes.py_object(exc) if exc is not None else None
+    )
 
 
 def start(fn: Callable[..., Any], *args: Any, name: str = "abandonable", **kwargs: Any) -> cf.Future:

@@ -90,8 +90,13 @@ class Rendering(Protocol):
 
     def prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]: ...
 
-    def matches_template(self, messages: Sequence[Mapping[str, Any]], turns: Sequence[Sequence[int]],
-                         context: Sequence[int], turn_at: Sequence[int]) -> tuple[bool, list[int]]: ...
+    def matches_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        turns: Sequence[Sequence[int]],
+        context: Sequence[int],
+        turn_at: Sequence[int],
+    ) -> tuple[bool, list[int]]: ...
 
     def renders_prompts(self) -> bool: ...
 
@@ -175,7 +180,9 @@ class MultiTurnRunner:
                     self._check(t)
                     yield t
                 if live and not finished and not self.generator.busy() and all(e.future is None for e in live.values()):
-                    raise RuntimeError(f"multi-turn rollout stalled: {len(live)} trajectories neither generating nor stepping")
+                    raise RuntimeError(
+                        f"multi-turn rollout stalled: {len(live)} trajectories neither generating nor stepping"
+                    )
         finally:
             if live:  # the rollout failed (or its consumer stopped): the engine stops their turns
                 self.generator.abort([i for i, e in live.items() if e.phase == TURNS])
@@ -245,7 +252,9 @@ class MultiTurnRunner:
         try:
             messages, first = future.result()
         except Exception as e:  # named in one line for the driver
-            raise EnvRuntimeError(f"the environment for sample {t.index} could not start: {type(e).__name__}: {e}") from e
+            raise EnvRuntimeError(
+                f"the environment for sample {t.index} could not start: {type(e).__name__}: {e}"
+            ) from e
         rewritten = first is not None and list(first) != messages
         if rewritten:
             messages = [dict(m) for m in first]
@@ -330,7 +339,7 @@ class MultiTurnRunner:
         what the engine generated."""
         turn = t.turns[-1]
         decode = self.generator.decode
-        if not decode(turn).startswith(action) or not decode(turn)[len(action):].strip():
+        if not decode(turn).startswith(action) or not decode(turn)[len(action) :].strip():
             return
         lo, hi = 0, len(turn)  # decode(turn[:hi]) starts with the action
         while lo < hi:
@@ -357,19 +366,29 @@ class MultiTurnRunner:
         at = next((i for i, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
         # Inside the prompt no turn of the model's is involved: the prompt is not what the observations continue.
         in_prompt = at < len(t.prompt_ids)
-        where = (", inside the prompt: the prompt was not chat-templated as the observations are (data.chat_template=false, "
-                 "raw-text prompts, or other template options)") if in_prompt else ""
+        where = (
+            (
+                ", inside the prompt: the prompt was not chat-templated as the observations are (data.chat_template=false, "
+                "raw-text prompts, or other template options)"
+            )
+            if in_prompt
+            else ""
+        )
         message = (
             f"sample {t.index}: the context differs from the chat template's rendering of its conversation at "
-            f"token {at} of {len(actual)}{where} (template: {expected[at:at + 8]}, context: {actual[at:at + 8]}){why}"
+            f"token {at} of {len(actual)}{where} (template: {expected[at : at + 8]}, context: {actual[at : at + 8]}){why}"
         )
         if in_prompt:
             message += "; set env.observation_format=plain or chat-template the prompts"
         if self.check == "strict":
-            raise TokenizationMismatch(message if in_prompt else (
-                message + "; a template that rewrites earlier turns (e.g. drops reasoning) cannot be "
-                "prefix-exact: set env.tokenization_sanity_check_mode=warn to train anyway"
-            ))
+            raise TokenizationMismatch(
+                message
+                if in_prompt
+                else (
+                    message + "; a template that rewrites earlier turns (e.g. drops reasoning) cannot be "
+                    "prefix-exact: set env.tokenization_sanity_check_mode=warn to train anyway"
+                )
+            )
         if not self._warned:
             self._warned = True
             logger.warning("%s (counted in env/tokenization_mismatches; reported once)", message)
@@ -393,7 +412,9 @@ class MultiTurnRunner:
             try:
                 t.env_metrics = (env_class_key(type(env)), _plain(call_env(get_metrics, loop=loop) or {}))
             except Exception as e:  # metrics never cost a trajectory
-                logger.warning("sample %d: %s.get_metrics() raised %s: %s", t.index, type(env).__name__, type(e).__name__, e)
+                logger.warning(
+                    "sample %d: %s.get_metrics() raised %s: %s", t.index, type(env).__name__, type(e).__name__, e
+                )
         try:
             call_env(getattr(env, "close", lambda: None), loop=loop)
         except Exception:  # a failing close loses nothing of the trajectory
@@ -402,8 +423,12 @@ class MultiTurnRunner:
     def _closed(self, entry: _Live, future: cf.Future, timed_out: bool) -> None:
         if timed_out:
             entry.trajectory.counts.close_timeouts += 1
-            logger.warning("sample %d: %s.get_metrics()/close() ran past %gs: given up", entry.trajectory.index,
-                           type(entry.env).__name__, self.step_timeout_s)
+            logger.warning(
+                "sample %d: %s.get_metrics()/close() ran past %gs: given up",
+                entry.trajectory.index,
+                type(entry.env).__name__,
+                self.step_timeout_s,
+            )
         if entry.loop is not None and not entry.abandoned:
             entry.loop.close()
         entry.phase = CLOSED

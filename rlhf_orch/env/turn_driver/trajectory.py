@@ -37,7 +37,9 @@ class EnvCounts(TrajectoryCounts):
     tool_timeouts: int = 0
     env_errors: int = 0  # env.step raised (the trajectory ended there)
     env_timeouts: int = 0  # env.step ran past env.tool_timeout_s (the trajectory ended there)
-    init_timeouts: int = 0  # env.make / env.init ran past the same deadline (the trajectory ended before its first turn)
+    init_timeouts: int = (
+        0  # env.make / env.init ran past the same deadline (the trajectory ended before its first turn)
+    )
     close_timeouts: int = 0  # env.get_metrics / env.close ran past it (given up: the episode's metrics are lost)
     observations_truncated: int = 0  # observations whose content was cut to env.max_observation_tokens
     # observations whose chat-template frame alone exceeded env.max_observation_tokens: the trajectory ended there
@@ -108,7 +110,9 @@ class Trajectory:
         model token do not fit the response budget."""
         ids = [int(t) for t in token_ids]
         if len(ids) > self.limits.max_observation_tokens:
-            raise ValueError(f"sample {self.index}: an observation of {len(ids)} tokens is over env.max_observation_tokens")
+            raise ValueError(
+                f"sample {self.index}: an observation of {len(ids)} tokens is over env.max_observation_tokens"
+            )
         self.counts.observations_truncated += int(truncated)
         if len(self.response_ids) + len(ids) + 1 > self.limits.max_response_tokens:
             self.finish(truncated=True)
