@@ -23,7 +23,7 @@ process and falls back to what works elsewhere):
   remounted read-only, nosuid and nodev; /tmp and /var/tmp are replaced by empty read-only tmpfs
   (they hold other programs' files and unix sockets, which a network namespace does not isolate;
   /dev/shm goes with /dev, below); /proc is a new instance with hidepid=2 (no other process's command line). What the
-  code can read is a minimal tree (`_read_only_tree`): the system directories and the interpreter's
+  code can read is a minimal tree (`read_only_tree`): the system directories and the interpreter's
   own paths; every other directory on the way to those (a checkout with its datasets and run dirs,
   /root, a temp dir holding a CI clone) is replaced by a read-only tmpfs holding only the entries on
   that way, and so is this project's checkout, the working directory and the home directory wherever
@@ -94,13 +94,11 @@ from dataclasses import asdict, dataclass
 
 from rlhf_orch.env.sandbox_child import (
     CODE_FILE,
-    KEPT_DEVICES,
-    MASKED_DIRS,
     SETUP_FAILED,
     SETUP_FAILED_EXIT,
-    SYSTEM_DIRS,
     mount_points,
 )
+from rlhf_orch.env.sandbox_view import hidden_dirs, interpreter_paths, merged_plans, private_locations, read_only_tree
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +279,7 @@ _support: SandboxSupport | None = None
 _support_checked = 0.0  # time.monotonic() of the probe that gave _support
 _probe_timed_out = False  # a run of that probe timed out: the result may be load, not the host
 _hidden_dirs_plan: list[tuple[str, list[str]]] = []
-# What the code sees of the filesystem beyond the system directories (`_read_only_tree`): the
+# What the code sees of the filesystem beyond the system directories (`read_only_tree`): the
 # entries on the way to the interpreter's paths, nothing else of checkouts, homes, temp dirs, /dev.
 _read_only_plan: list[tuple[str, list[str]]] | None = []  # None: could not be made (no private filesystem)
 
@@ -321,10 +319,10 @@ def _probe_support() -> SandboxSupport:
     global _hidden_dirs_plan, _read_only_plan
     root = os.geteuid() == 0
     try:
-        paths = _interpreter_paths()
+        paths = interpreter_paths()
         if root:  # (the code's own uid must reach the interpreter; in a user namespace it is the caller's)
-            _hidden_dirs_plan = _hidden_dirs(paths + [tempfile.gettempdir()])
-        _read_only_plan = _read_only_tree(paths, _private_locations(), mounts=[m for m, _ in mount_points()])
+            _hidden_dirs_plan = hidden_dirs(paths + [tempfile.gettempdir()])
+        _read_only_plan = read_only_tree(paths, private_locations(), mounts=[m for m, _ in mount_points()])
     except (OSError, subprocess.SubprocessError, ValueError) as e:
         # Fail closed: without the tree the private filesystem would show everything.
         _read_only_plan = None
@@ -357,135 +355,6 @@ def _probe_support() -> SandboxSupport:
     filesystem = root and _read_only_plan is not None and works(SandboxSupport(network, True, False))
     uid = root and works(SandboxSupport(network, filesystem, True))
     return SandboxSupport(network, filesystem, uid)
-
-
-def _child_sys_path() -> list[str]:
-    """The sys.path of `sys.executable -I`: what the code may import, and so must reach."""
-    out = subprocess.run(
-        [sys.executable, "-I", "-c", "import json, sys; print(json.dumps(sys.path))"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        env={"PATH": os.defpath},
-    )
-    return [p for p in json.loads(out.stdout) if os.path.exists(p)]
-
-
-def _private_locations() -> list[str]:
-    """Directories hidden wherever they are, a system directory included (a checkout under /usr/src,
-    a workspace under /var/lib): this project's checkout (its datasets, run dirs, checkpoints), the
-    working directory runs are started from (outputs/), the home directory (tokens, caches)."""
-    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return sorted({os.path.realpath(p) for p in (checkout, os.getcwd(), os.path.expanduser("~")) if p and p != "/"})
-
-
-def _interpreter_paths() -> list[str]:
-    """What the code must reach to run Python and start it again: the isolated interpreter's
-    sys.path, every hop of the executable's symlink chain, the base installation's lib directory
-    (its shared libraries: libpython, a conda prefix's libssl/libffi) and the venv's pyvenv.cfg."""
-    import sysconfig
-
-    paths = _child_sys_path() + _link_chain(sys.executable)
-    for extra in (
-        sysconfig.get_config_var("LIBDIR"),
-        os.path.join(sys.base_prefix, "lib"),
-        os.path.join(sys.prefix, "pyvenv.cfg"),
-    ):
-        if extra and os.path.exists(extra):
-            paths.append(extra)
-    return paths
-
-
-def _read_only_tree(
-    paths: list[str],
-    private: list[str] = (),
-    top_level: list[str] | None = None,
-    is_dir=os.path.isdir,
-    realpath=os.path.realpath,
-    mounts: list[str] = (),
-) -> list[tuple[str, list[str]]]:
-    """What the code may see of the filesystem: the system directories (SYSTEM_DIRS) and `paths`
-    (the interpreter and what it imports). Every other directory on the way to them -- a checkout
-    holding the datasets and run dirs, a home directory holding tokens and caches, a masked temp
-    dir -- keeps only the entries on that way, and so does every `private` location wherever it is
-    (a checkout under /usr/src); every other top-level directory (/home, /root, /run, /mnt, /opt,
-    ... and what a top-level symlink such as /home -> var/home points to) is emptied, and so is
-    every directory mounted under /etc or /var (`mounts`: a Kubernetes token under
-    /var/run/secrets, an application's secrets under /etc); /dev keeps KEPT_DEVICES alone. A path
-    that holds a private location (a checkout root on sys.path) is not shown entire. Shallowest first, as `(directory, entries shown)`: the sandbox puts a read-only
-    tmpfs over each, holding those."""
-    private = [p.rstrip("/") for p in private]
-
-    def inside(directory: str, roots) -> bool:
-        return any(directory == r or directory.startswith(r + "/") for r in roots)
-
-    masked = [m.rstrip("/") for m in MASKED_DIRS]
-    variants = {v for p in paths for v in (os.path.abspath(p), realpath(p))}
-    variants = {v for v in variants if not any(pr == v or pr.startswith(v.rstrip("/") + "/") for pr in private)}
-    whole = {v.rstrip("/") for v in variants}
-    shown: dict[str, set[str]] = {"/dev": set(KEPT_DEVICES), **{p: set() for p in private}}
-    for variant in variants:
-        parts = [p for p in variant.split("/") if p]
-        for depth in range(1, len(parts)):
-            directory = "/" + "/".join(parts[:depth])
-            if inside(directory, whole):
-                break  # inside a path shown entire (the standard library holding lib-dynload)
-            hidden = parts[0] not in SYSTEM_DIRS or inside(directory, masked) or inside(directory, private)
-            if hidden and not inside(directory, ["/dev"]):
-                shown.setdefault(directory, set()).add(parts[depth])
-    for name in os.listdir("/") if top_level is None else top_level:
-        path = "/" + name
-        if name in SYSTEM_DIRS or not is_dir(path):
-            continue
-        target = realpath(path)
-        if target != path and inside(target, whole):
-            continue  # a link to where the interpreter lives: its own entries are planned above
-        shown.setdefault(target, set())
-    for mount in mounts:
-        if inside(mount, ["/etc", "/var"]) and not inside(mount, whole) and is_dir(mount):
-            shown.setdefault(mount, set())
-    return _merged(list(shown.items()))
-
-
-def _link_chain(path: str) -> list[str]:
-    """`path` and every hop of the symbolic links it goes through (a venv's bin/python -> python3 ->
-    the base interpreter): each must be reachable for the code to start the interpreter again."""
-    chain = [os.path.abspath(path)]
-    while os.path.islink(chain[-1]) and len(chain) < 40:
-        chain.append(os.path.normpath(os.path.join(os.path.dirname(chain[-1]), os.readlink(chain[-1]))))
-    return chain
-
-
-def _merged(*plans: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
-    """One plan of hidden directories from several: each directory once, with every entry any of
-    them shows, shallowest first (the order the sandbox mounts them in)."""
-    shown: dict[str, set[str]] = {}
-    for plan in plans:
-        for directory, names in plan:
-            shown.setdefault(directory, set()).update(names)
-    return sorted(((d, sorted(names)) for d, names in shown.items()), key=lambda item: (item[0].count("/"), item[0]))
-
-
-def _hidden_dirs(paths: list[str]) -> list[tuple[str, list[str]]]:
-    """Directories on the way to `paths` that others cannot search, each with the entries needed.
-
-    Shallowest first: the sandbox replaces each by a tmpfs holding only those entries (bind mounts).
-    """
-    hidden: dict[str, set[str]] = {}
-    for path in paths:
-        for variant in {os.path.abspath(path), os.path.realpath(path)}:
-            parts = [p for p in variant.split("/") if p]
-            current = "/"
-            for name in parts:
-                try:
-                    searchable = os.stat(current).st_mode & 0o001
-                except OSError:
-                    break
-                if not searchable:
-                    hidden.setdefault(current, set()).add(name)
-                current = os.path.join(current, name)
-    return sorted(((d, sorted(names)) for d, names in hidden.items()), key=lambda item: item[0].count("/"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,7 +422,7 @@ def _run(code: str, limits: SandboxLimits, support: SandboxSupport, audit_hook: 
             "network_namespace": support.network_namespace,
             "user_namespace": support.user_namespace,
             "private_filesystem": support.private_filesystem,
-            "hidden_dirs": _merged(
+            "hidden_dirs": merged_plans(
                 _hidden_dirs_plan if uid is not None else [], _read_only_plan if support.private_filesystem else []
             ),
             "workdir_bytes": 8 * limits.max_file_bytes + len(source) + 64 * 1024,

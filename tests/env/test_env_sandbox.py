@@ -433,11 +433,11 @@ def test_the_code_has_an_ipc_namespace_of_its_own(audit_hook):
 
 
 def test_the_read_only_tree_hides_checkouts_wherever_they_are_and_what_top_level_links_point_to():
-    """`_read_only_tree` on a made-up host: a checkout under a system dir (/usr/src/app, the usual
+    """`read_only_tree` on a made-up host: a checkout under a system dir (/usr/src/app, the usual
     Docker WORKDIR) with its venv, the checkout's root on sys.path (a compat editable install), a
     home reached through a top-level link (/home -> var/home), a secrets mount under /var: each
     hidden but for the entries on the way to the interpreter; the standard library shown whole."""
-    from rlhf_orch.env.sandbox import _read_only_tree
+    from rlhf_orch.env.sandbox_view import read_only_tree
 
     paths = [
         "/usr/src/app/.venv/lib/python3.11/site-packages",
@@ -448,7 +448,7 @@ def test_the_read_only_tree_hides_checkouts_wherever_they_are_and_what_top_level
     ]
     links = {"/home": "/var/home"}
     plan = dict(
-        _read_only_tree(
+        read_only_tree(
             paths,
             private=["/usr/src/app", "/var/home/me"],
             top_level=["usr", "opt", "home", "data", "etc"],
@@ -464,5 +464,5 @@ def test_the_read_only_tree_hides_checkouts_wherever_they_are_and_what_top_level
     assert plan["/var/home"] == [] and plan["/data"] == [] and plan["/var/home/me"] == []
     assert plan["/var/run/secrets/kubernetes.io/serviceaccount"] == []
     assert "/usr" not in plan and "/etc" not in plan and "/usr/src" not in plan
-    order = [d for d in dict(_read_only_tree(paths, private=["/usr/src/app"], top_level=[], is_dir=lambda p: True))]
+    order = [d for d in dict(read_only_tree(paths, private=["/usr/src/app"], top_level=[], is_dir=lambda p: True))]
     assert order == sorted(order, key=lambda d: d.count("/"))  # shallowest first: a parent's tmpfs before its child's
