@@ -521,6 +521,7 @@ RANGES: tuple[Range, ...] = (
         1,
         "sequences of each step written to <run dir>/rollouts/ (logger.rollouts=false: none)",
     ),
+    ints("logger.rollouts_every_n_steps", 1, "1 = the rollout dump of every step"),
     Range(
         "logger.project",
         lambda v: isinstance(v, str)

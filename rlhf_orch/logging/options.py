@@ -20,6 +20,8 @@ class LoggerConfig:
     # tokens kept), prompt, response, reward, advantage, turns, data source (rlhf_orch.logging.rollout_dump).
     rollouts: bool = True
     rollouts_per_step: int = 16  # sequences written per step (the lowest indices: whole prompt groups)
+    # Write the dump on every n-th step only (steps n, 2n, ...): a long run's dump stays a sample of it.
+    rollouts_every_n_steps: int = 1
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """What the model wrote, for people: `<run dir>/rollouts/step_<N>.jsonl` (`logger.rollouts`).
 
-One line per trained sequence, at most `logger.rollouts_per_step` a step (the lowest sample
+One line per trained sequence, at most `logger.rollouts_per_step` a step (every
+`logger.rollouts_every_n_steps`-th step; the lowest sample
 indices: whole prompt groups first), with the whole sequence decoded with its special tokens kept
 (`text`: exactly what the policy was trained on, chat template included), its `prompt` and
 `response` (the response runs from the first model token to the end: in a multi-turn trajectory it
@@ -30,10 +31,15 @@ def model_turns(action: Sequence[int]) -> int:
 
 
 class RolloutDump:
-    def __init__(self, run_dir: Path, tokenizer: Any, per_step: int) -> None:
+    def __init__(self, run_dir: Path, tokenizer: Any, per_step: int, every_n_steps: int) -> None:
         self.dir = Path(run_dir) / "rollouts"
         self.tokenizer = tokenizer
         self.per_step = per_step
+        self.every_n_steps = every_n_steps
+
+    def dumps(self, step: int) -> bool:
+        """Whether `step` is written (`logger.rollouts_every_n_steps`)."""
+        return step % self.every_n_steps == 0
 
     def pick(self, indices: Sequence[int]) -> list[int]:
         """The sequences a step dumps: the trajectories with the lowest indices (whole groups of one

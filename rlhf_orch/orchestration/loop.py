@@ -232,7 +232,7 @@ class TrainLoop:
 
             # The rollout dump reads the sequences before training releases them (a rank holds
             # them until its update; the advantages were just set).
-            dumped = self._dump_calls(delivery)
+            dumped = self._dump_calls(step, delivery)
 
             # 5. Train the policy (and the critic, when there is one) concurrently.
             t = time.perf_counter()
@@ -325,9 +325,9 @@ class TrainLoop:
         self._prompts_of_step[step] = request.prompts
         return request
 
-    def _dump_calls(self, delivery: Delivery) -> list[ray.ObjectRef] | None:
-        """Ask every policy rank for the sequences the rollout dump shows (None: no dump)."""
-        if self.rollout_dump is None:
+    def _dump_calls(self, step: int, delivery: Delivery) -> list[ray.ObjectRef] | None:
+        """Ask every policy rank for the sequences the rollout dump shows (None: no dump this step)."""
+        if self.rollout_dump is None or not self.rollout_dump.dumps(step):
             return None
         wanted = self.rollout_dump.pick(delivery.meta.indices)
         return [rank.sequences.remote(i, wanted) for i, rank in enumerate(self.actors.policy)]

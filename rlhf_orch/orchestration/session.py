@@ -386,7 +386,12 @@ def _attempt(
                 print(line, flush=True)
         sync.prepare(actors.policy, actors.engines, run.plan.engine_tp)
         dump = (
-            RolloutDump(run.run_dir, run.inputs.tokenizer, typed.logger.rollouts_per_step)
+            RolloutDump(
+                run.run_dir,
+                run.inputs.tokenizer,
+                typed.logger.rollouts_per_step,
+                typed.logger.rollouts_every_n_steps,
+            )
             if typed.logger.rollouts
             else None
         )

@@ -159,6 +159,7 @@ MORE_BAD = [
     (["trainer.seed=-1"], "trainer.seed=-1"),
     (["trainer.torch_threads=0"], "trainer.torch_threads=0"),
     (["logger.rollouts_per_step=0"], "logger.rollouts_per_step=0"),
+    (["logger.rollouts_every_n_steps=0"], "logger.rollouts_every_n_steps=0"),
     (["data=reasoning_gym", "data.size=0"], "data.size=0"),
     (["data=reasoning_gym", "data.few_shot=-1"], "data.few_shot=-1"),
     (["data=reasoning_gym", "data.task="], "data.task=''"),

@@ -262,10 +262,10 @@ def test_the_dump_reads_as_the_chat_template_renders_the_conversation(tmp_path, 
     response_ids = tok("<answer>5</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     ids = prompt_ids + response_ids
     action = [0] * len(prompt_ids) + [1] * len(response_ids)
-    dump = RolloutDump(tmp_path, tok, per_step=2)
+    dump = RolloutDump(tmp_path, tok, per_step=2, every_n_steps=1)
     assert dump.pick([7, 1, 0, 5]) == [0, 1]
     extra = (1 << 40) + 1  # trajectory 1's further sequence (env=agent)
-    assert dump.pick([3, extra, 1, 0]) == [0, 1] and RolloutDump(tmp_path, tok, per_step=3).pick([3, extra, 1, 0]) == [
+    assert dump.pick([3, extra, 1, 0]) == [0, 1] and RolloutDump(tmp_path, tok, per_step=3, every_n_steps=1).pick([3, extra, 1, 0]) == [
         0,
         1,
         extra,
