@@ -265,7 +265,9 @@ def test_the_dump_reads_as_the_chat_template_renders_the_conversation(tmp_path, 
     dump = RolloutDump(tmp_path, tok, per_step=2, every_n_steps=1)
     assert dump.pick([7, 1, 0, 5]) == [0, 1]
     extra = (1 << 40) + 1  # trajectory 1's further sequence (env=agent)
-    assert dump.pick([3, extra, 1, 0]) == [0, 1] and RolloutDump(tmp_path, tok, per_step=3, every_n_steps=1).pick([3, extra, 1, 0]) == [
+    assert dump.pick([3, extra, 1, 0]) == [0, 1] and RolloutDump(tmp_path, tok, per_step=3, every_n_steps=1).pick(
+        [3, extra, 1, 0]
+    ) == [
         0,
         1,
         extra,
