@@ -8,6 +8,13 @@ from pathlib import Path
 from typing import Any
 
 
+def finite_or_none(value: Any) -> float | None:
+    """A metric's value as a float when it is a finite real number (bools are not), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
 class MetricsFile:
     """Appends one JSON object per step to <run_dir>/metrics.jsonl, flushed every line.
 

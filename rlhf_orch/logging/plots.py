@@ -25,9 +25,9 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from rlhf_orch.logging.base import read_metrics
+from rlhf_orch.logging.base import finite_or_none, read_metrics
 
 # The phases of time/step, stacked in this order (each phase is one part of the step, one after the other).
 PHASES = ("generate", "transfer", "experience", "train", "sync", "reward_model", "engine_restart")
@@ -47,17 +47,11 @@ _MAX_BARS = 40  # the step-time breakdown of runs this short is one stacked bar 
 
 
 # --------------------------------------------------------------------------- reading
-def _number(v: Any) -> Optional[float]:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
-
-
 def series(rows: list[dict], key: str, min_step: int = 1) -> tuple[list[int], list[float]]:
     """(steps, values) of `key`, one value per step (the last record of a step wins), in step order."""
     by_step: dict[int, float] = {}
     for r in rows:
-        step, value = r.get("step"), _number(r.get(key))
+        step, value = r.get("step"), finite_or_none(r.get(key))
         if isinstance(step, int) and step >= min_step and value is not None:
             by_step[step] = value
     steps = sorted(by_step)
@@ -205,18 +199,18 @@ def phase_layers(rows: list[dict]) -> tuple[list[int], dict[str, list[float]], l
     by_step = {
         r["step"]: r
         for r in rows
-        if isinstance(r.get("step"), int) and r["step"] >= 1 and _number(r.get("time/step")) is not None
+        if isinstance(r.get("step"), int) and r["step"] >= 1 and finite_or_none(r.get("time/step")) is not None
     }
     steps = sorted(by_step)
-    total = [_number(by_step[s]["time/step"]) for s in steps]
-    present = [p for p in PHASES if any(_number(by_step[s].get(f"time/{p}")) is not None for s in steps)]
+    total = [finite_or_none(by_step[s]["time/step"]) for s in steps]
+    present = [p for p in PHASES if any(finite_or_none(by_step[s].get(f"time/{p}")) is not None for s in steps)]
     layers: dict[str, list[float]] = {p: [] for p in present}
     other = []
     for s, t in zip(steps, total):
         r = by_step[s]
-        v = {p: max(0.0, _number(r.get(f"time/{p}")) or 0.0) for p in present}
-        if "transfer" in v and _number(r.get("time/transfer_after_generate")) is not None:
-            v["transfer"] = max(0.0, _number(r["time/transfer_after_generate"]))
+        v = {p: max(0.0, finite_or_none(r.get(f"time/{p}")) or 0.0) for p in present}
+        if "transfer" in v and finite_or_none(r.get("time/transfer_after_generate")) is not None:
+            v["transfer"] = max(0.0, finite_or_none(r["time/transfer_after_generate"]))
         if "generate" in v:
             excess = max(0.0, sum(v.values()) - t)
             v["generate"] = max(0.0, v["generate"] - max(excess, v.get("engine_restart", 0.0)))

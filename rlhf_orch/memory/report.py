@@ -7,6 +7,7 @@ from __future__ import annotations
 from rlhf_orch.memory.fixes import Fix
 from rlhf_orch.memory.plan import GB, MemoryPlan
 from rlhf_orch.memory.terms import ProcessMemory
+from rlhf_orch.topology.plan import text_table
 
 # Table columns: the terms of `rlhf_orch.memory.terms` grouped the way people speak of them.
 COLUMNS: dict[str, tuple[str, ...]] = {
@@ -48,16 +49,6 @@ def _row(proc: ProcessMemory, devices: str) -> list[str]:
     return cells
 
 
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = [
-        "  ".join(cell.rjust(w) if i > 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
-
-
 def describe(plan: MemoryPlan) -> str:
     wl = plan.workload
     where = "GPU" if wl.on_gpu else "host (CPU)"
@@ -80,7 +71,7 @@ def describe(plan: MemoryPlan) -> str:
     for proc in plan.processes:
         devices = placed.get(id(proc), [])
         rows.append(_row(proc, devices[0] + (f" +{len(devices) - 1}" if len(devices) > 1 else "")))
-    lines += _table(rows)
+    lines += text_table(rows, right_from=3)
     lines.append("")
     device_rows = [["device", "need", "capacity", "margin", "headroom", "", "capacity from"]]
     for load in plan.loads:
@@ -95,7 +86,7 @@ def describe(plan: MemoryPlan) -> str:
                 load.device.capacity_source,
             ]
         )
-    lines += _table(device_rows)
+    lines += text_table(device_rows, right_from=3)
     if not wl.on_gpu:
         lines.append(
             "total = each process's resident peak; need = the host's used memory: the shared libraries and checkpoint "

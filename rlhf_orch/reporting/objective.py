@@ -27,7 +27,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from rlhf_orch.reporting.scores import _finite, eval_score
+from rlhf_orch.logging.base import finite_or_none
+from rlhf_orch.reporting.scores import eval_score
 
 # What app.main's exit codes mean (rlhf_orch.app: EXIT_CONFIG, EXIT_RUNTIME, EXIT_SIGNAL_BASE).
 EXIT_MEANING = {2: "configuration error, nothing started", 3: "runtime failure"}
@@ -41,7 +42,7 @@ def objective(summary: Optional[Mapping[str, Any]]) -> Optional[float]:
     score = eval_score(summary.get("eval_last"))
     if score is not None:
         return score[0]
-    return _finite(summary.get("reward_last"))
+    return finite_or_none(summary.get("reward_last"))
 
 
 def objective_source(summary: Optional[Mapping[str, Any]]) -> str:

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Mapping, Optional
 
+from rlhf_orch.logging.base import finite_or_none
+
 # eval/<source>/mean@k: the mean score of k samples per held-out prompt (rlhf_orch.orchestration.evaluation).
 EVAL_MEAN = re.compile(r"^eval/(?P<source>.+)/mean@(?P<k>\d+)$")
-
-
-def _finite(v: Any) -> Optional[float]:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
 
 
 def eval_score(evaluation: Optional[Mapping[str, Any]]) -> Optional[tuple[float, str]]:
@@ -21,7 +16,7 @@ def eval_score(evaluation: Optional[Mapping[str, Any]]) -> Optional[tuple[float,
     the mean of its `eval/<source>/mean@k` values; None when it has none."""
     if not evaluation:
         return None
-    found = {k: _finite(v) for k, v in evaluation.items() if EVAL_MEAN.match(str(k))}
+    found = {k: finite_or_none(v) for k, v in evaluation.items() if EVAL_MEAN.match(str(k))}
     values = {k: v for k, v in found.items() if v is not None}
     if not values:
         return None

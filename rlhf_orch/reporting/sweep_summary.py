@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from rlhf_orch.logging.base import read_metrics
+from rlhf_orch.logging.base import finite_or_none, read_metrics
 from rlhf_orch.reporting.run_row import PHASES, STATUSES, RunRow, tally
 from rlhf_orch.reporting.scores import eval_score
 
@@ -60,12 +60,6 @@ COLUMNS = (
 )
 _JOB_NUM = re.compile(r"^(\d+)(?:_|$)")
 _REWARD_WINDOW = 5  # as run_summary: the mean of the first/last max(1, min(5, n // 3)) steps
-
-
-def _number(v: Any) -> Optional[float]:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
 
 
 # --------------------------------------------------------------------------- reading one run
@@ -139,8 +133,8 @@ def timed_rows(train: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in train:
         first = prev is None or r.get("step") != prev.get("step", 0) + 1
         if prev is not None and not first:
-            startup, prev_startup = _number(r.get("time/startup")), _number(prev.get("time/startup"))
-            elapsed, prev_elapsed = _number(r.get("time/elapsed")), _number(prev.get("time/elapsed"))
+            startup, prev_startup = finite_or_none(r.get("time/startup")), finite_or_none(prev.get("time/startup"))
+            elapsed, prev_elapsed = finite_or_none(r.get("time/elapsed")), finite_or_none(prev.get("time/elapsed"))
             first = (startup is not None and prev_startup is not None and startup != prev_startup) or (
                 elapsed is not None and prev_elapsed is not None and elapsed < prev_elapsed
             )
@@ -151,7 +145,7 @@ def timed_rows(train: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _median(rows: Iterable[dict[str, Any]], key: str) -> Optional[float]:
-    values = [v for v in (_number(r.get(key)) for r in rows) if v is not None]
+    values = [v for v in (finite_or_none(r.get(key)) for r in rows) if v is not None]
     return statistics.median(values) if values else None
 
 
@@ -185,7 +179,7 @@ def read_run(run_dir: str | Path, job: str = "") -> RunRow:
     metrics = read_metrics(run_dir)
     summary, why_not = _read_json(run_dir / "summary.json")
     train = _training_rows(metrics)
-    rewards = [(r["step"], v) for r in train if (v := _number(r.get("reward/mean"))) is not None]
+    rewards = [(r["step"], v) for r in train if (v := finite_or_none(r.get("reward/mean"))) is not None]
 
     if summary is not None:
         status = str(summary.get("status") or "failed")
@@ -208,9 +202,12 @@ def read_run(run_dir: str | Path, job: str = "") -> RunRow:
             if isinstance(steps, (int, float)) and not isinstance(steps, bool)
             else max((s for s, _ in rewards), default=0)
         )
-        reward_first, reward_last = _number(summary.get("reward_first")), _number(summary.get("reward_last"))
+        reward_first, reward_last = (
+            finite_or_none(summary.get("reward_first")),
+            finite_or_none(summary.get("reward_last")),
+        )
         evaluation = summary.get("eval_last") if isinstance(summary.get("eval_last"), dict) else None
-        wall = _number(summary.get("wall_s"))
+        wall = finite_or_none(summary.get("wall_s"))
     else:
         status, reason = "failed", last_line(run_dir / "error.log")
         if not reason and _dry_run(run_dir):
@@ -221,7 +218,7 @@ def read_run(run_dir: str | Path, job: str = "") -> RunRow:
         reward_first, reward_last = _mean_window(values, True), _mean_window(values, False)
         evals = [r for r in metrics if eval_score(r) is not None]
         evaluation = evals[-1] if evals else None
-        wall = _number(train[-1].get("time/elapsed")) if train else None
+        wall = finite_or_none(train[-1].get("time/elapsed")) if train else None
 
     score = eval_score(evaluation)
     timed = timed_rows(train)

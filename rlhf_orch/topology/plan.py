@@ -210,10 +210,17 @@ def format_amount(value: float) -> str:
     return f"{value:g}" if float(value).is_integer() else f"{value:.4g}"
 
 
-def text_table(rows: list[tuple[str, ...]]) -> list[str]:
-    """`rows` (the first the header) as aligned text lines, a rule under the header."""
+def text_table(rows: list[tuple[str, ...]] | list[list[str]], right_from: int | None = None) -> list[str]:
+    """`rows` (the first the header) as aligned text lines, a rule under the header; the columns from
+    index `right_from` on (numbers) right-aligned."""
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
-    rendered = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    rendered = [
+        "  ".join(
+            cell.rjust(width) if right_from is not None and col >= right_from else cell.ljust(width)
+            for col, (cell, width) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in rows
+    ]
     rendered.insert(1, "  ".join("-" * width for width in widths))
     return rendered
 
