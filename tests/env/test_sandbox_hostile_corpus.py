@@ -76,6 +76,7 @@ _STAGED = (
     "rlhf_orch/env/__init__.py",
     "rlhf_orch/env/sandbox.py",
     "rlhf_orch/env/sandbox_child.py",
+    "rlhf_orch/env/sandbox_view.py",
 )
 
 
