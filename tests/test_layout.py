@@ -23,6 +23,23 @@ ACTORS = ("VLLMEngine", "PolicyWorker")
 MAX_TOP_TEST_FILES = 20
 MAX_TOP_SCRIPTS = 10
 
+# The layers of docs/architecture.md, bottom first: a package imports only packages of its own layer
+# or below.
+LAYERS = {
+    **dict.fromkeys(("rlhf_orch.one_line", "rlhf_orch.rng", "rlhf_orch.liveness", "rlhf_orch.checkpoint_dirs"), 0),
+    "rlhf_orch.cuda_probe": 0,
+    **dict.fromkeys(("rlhf_orch.algo", "rlhf_orch.data", "rlhf_orch.topology", "rlhf_orch.reproduce"), 1),
+    **dict.fromkeys(("rlhf_orch.models", "rlhf_orch.sync"), 2),
+    "rlhf_orch.reward": 3,
+    **dict.fromkeys(("rlhf_orch.env", "rlhf_orch.transfer"), 4),
+    **dict.fromkeys(("rlhf_orch.engines", "rlhf_orch.trainer", "rlhf_orch.logging"), 5),
+    **dict.fromkeys(("rlhf_orch.reporting", "launchers"), 6),
+    "rlhf_orch.config": 7,
+    "rlhf_orch.memory": 8,
+    "rlhf_orch.orchestration": 9,
+    **dict.fromkeys(("rlhf_orch.app", "rlhf_orch"), 10),
+}
+
 
 def _module_files() -> dict[str, Path]:
     modules = {}
@@ -183,6 +200,19 @@ def test_no_package_imports_itself_in_a_circle():
     assert circles(package_graph(import_graph())) == []
 
 
+def upward_imports(packages: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a package imports one of a higher layer (or one not placed)."""
+    return sorted((a, b) for a, targets in packages.items() for b in targets if LAYERS.get(b, 99) > LAYERS.get(a, -1))
+
+
+def test_no_package_imports_a_higher_layer():
+    packages = package_graph(import_graph())
+    assert set(packages) <= set(LAYERS), (
+        f"place these in LAYERS (and docs/architecture.md): {set(packages) - set(LAYERS)}"
+    )
+    assert upward_imports(packages) == []
+
+
 def test_no_module_over_700_lines():
     long = {
         str(p.relative_to(ROOT)): n
@@ -226,4 +256,7 @@ def test_the_checks_see_what_they_measure():
     # The measures themselves: a circle, a shared default and an inherited method are found.
     assert circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     assert _package_of("rlhf_orch.sync.bucketed") == "rlhf_orch.sync"
+    assert upward_imports({"rlhf_orch.sync": {"rlhf_orch.logging", "rlhf_orch.topology"}}) == [
+        ("rlhf_orch.sync", "rlhf_orch.logging")
+    ]
     assert "progress" in actor_methods("VLLMEngine")

@@ -56,7 +56,7 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    """What a run keeps so it can continue (`resume=`) and what it exports (rlhf_orch.checkpoint)."""
+    """What a run keeps so it can continue (`resume=`) and what it exports (rlhf_orch.checkpoint_dirs, rlhf_orch.orchestration.checkpoint)."""
 
     every_n_steps: int = 0  # 0 = no periodic checkpoints (the end of the run and signals still write one)
     # Also a checkpoint after the first step that ends this long after the last one (or the start):

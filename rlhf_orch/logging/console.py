@@ -114,6 +114,7 @@ class ConsoleLogger(StepLogger):
         verbose: bool = False,
         rollouts: bool = True,
         rollouts_per_step: int = LoggerConfig.rollouts_per_step,
+        rollouts_every_n_steps: int = LoggerConfig.rollouts_every_n_steps,
     ) -> None:
         if plot_every_n_steps < 0:
             raise ValueError(f"logger.plot_every_n_steps={plot_every_n_steps} must be >= 0 (0 = plots only at the end)")
@@ -122,6 +123,7 @@ class ConsoleLogger(StepLogger):
         # The rollout dump's settings (the loop writes it: rlhf_orch.logging.rollout_dump).
         self.rollouts = rollouts
         self.rollouts_per_step = rollouts_per_step
+        self.rollouts_every_n_steps = rollouts_every_n_steps
         self.console = Console(highlight=False, soft_wrap=True)
         self.total_steps = 0
         self.name = ""

@@ -22,12 +22,14 @@ class WandbLogger(ConsoleLogger):
         verbose: bool = False,
         rollouts: bool = True,
         rollouts_per_step: int = WandbLoggerConfig.rollouts_per_step,
+        rollouts_every_n_steps: int = WandbLoggerConfig.rollouts_every_n_steps,
     ):
         super().__init__(
             plot_every_n_steps=plot_every_n_steps,
             verbose=verbose,
             rollouts=rollouts,
             rollouts_per_step=rollouts_per_step,
+            rollouts_every_n_steps=rollouts_every_n_steps,
         )
         self.project = project
         self.mode = mode

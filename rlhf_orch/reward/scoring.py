@@ -74,9 +74,10 @@ class RewardSetup:
 def build_reward(node: DictConfig | dict) -> RewardSetup:
     """Instantiate the `reward` option; the execution keys are settings of the run, not the function's."""
     conf = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    execution = {k: conf.pop(k) for k in RuleRewardConfig.execution_keys if k in conf}
-    if execution:  # (a rule option declares them; a reward-model option's rule carries its own)
-        _check_execution(**execution)
+    # A rule option declares them; a rule node given by hand (a reward model's `rule`) may leave
+    # them out: the declaration's values, as a rule option would have them.
+    execution = {k: conf.pop(k, getattr(RuleRewardConfig, k)) for k in RuleRewardConfig.execution_keys}
+    _check_execution(**execution)
     rule_node = conf.pop("rule", None)  # only a reward model option carries a nested rule
     target = instantiate(conf)
     if isinstance(target, RewardFunction):

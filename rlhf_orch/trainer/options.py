@@ -1,5 +1,5 @@
 """The `trainer` section's declarations: DeepSpeed settings shared by actor and critic
-(`rlhf_orch.trainer.workers`).
+(`rlhf_orch.trainer.spec`, used by `rlhf_orch.trainer.worker`).
 
 Imports nothing heavy (composing a config stays cheap).
 """

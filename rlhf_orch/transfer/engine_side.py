@@ -1,7 +1,7 @@
 """What an engine does with its completions so the driver never holds experience.
 
-`RolloutProducer` is mixed into an engine actor (the vLLM engine, or the benchmark's synthetic
-one). The engine supplies two things -- `_complete` (finished completions, request by request,
+`RolloutProducer` is a part of an engine (the vLLM engine's `engines.rollouts.VLLMRollouts`, or the
+benchmark's synthetic engine). The engine supplies two things -- `_complete` (finished completions, request by request,
 as soon as each finishes) and `_decode` (token ids -> text, for rule rewards) -- and gets:
 
 * `produce_samples`      the honest baseline: every sample back to the caller (the driver).
@@ -236,7 +236,7 @@ class RolloutProducer(abc.ABC):
     def _held_buffer(self, slot: int = ONLY_SLOT) -> PackedBuffer:
         """The buffers of one held rollout. Several rollouts may be held at once (pipeline=async
         generates the next steps' while one is handed over): each in its own slot (its step)."""
-        # Engines mix this class in without calling an __init__ of ours: created on first use.
+        # Producers are built without calling an __init__ of ours: created on first use.
         if getattr(self, "_held", None) is None:
             self._held = {}
         if slot not in self._held:

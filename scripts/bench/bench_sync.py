@@ -161,7 +161,7 @@ class BenchTrainer(PolicyWorker):
 @dataclass
 class ReceiveRaw(EngineStep):
     """(Every engine worker.) The limit's receive: one raw broadcast of `nbytes` from group rank 0 into
-    a kept buffer -- no RPC per tensor, no unpack, no load (see PolicyWorker.send_raw_broadcast)."""
+    a kept buffer -- no RPC per tensor, no unpack, no load (see BenchTrainer.send_raw_broadcast)."""
 
     nbytes: int
 

@@ -58,3 +58,17 @@ def test_the_engines_combine_an_environment_s_reward_with_the_weighted_rule_thro
     assert (scored.errors, scored.timeouts, scored.seconds, scored.first_error) == (1, 0, 0.25, "boom") and ran == [3]
     alone = _final_scores([0, 1, 2], [1, 1, 1], [False] * 3, [1.0, None, 0.25], texts, job(0.0))
     assert alone.scores == [1.0, 0.0, 0.25] and ran == [3]
+
+
+def test_a_rule_node_without_execution_keys_scores_with_the_declared_ones():
+    """A rule given by hand (a reward model's nested `rule`) may leave reward.timeout_s and
+    reward.pool_size out: the declaration's values, not a TypeError at the run's start."""
+    from rlhf_orch.reward.options import RuleRewardConfig
+    from rlhf_orch.reward.scoring import build_reward
+
+    rule = build_reward({"_target_": "rlhf_orch.reward.rules.DigitReverseRule"}).rule
+    assert (rule.timeout_s, rule.pool_size, rule.weight) == (
+        RuleRewardConfig.timeout_s,
+        RuleRewardConfig.pool_size,
+        1.0,
+    )

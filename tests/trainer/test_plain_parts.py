@@ -158,4 +158,4 @@ def test_the_test_hooks_are_the_tests_subclass_not_the_product_actor():
 
     for hook in ("logprobs_of", "perturb_weights"):
         assert hasattr(ProbedPolicyWorker, hook) and not hasattr(PolicyWorker, hook)
-    assert not hasattr(PolicyWorker, "send_raw_broadcast")  # scripts/bench_sync.py's BenchTrainer has it
+    assert not hasattr(PolicyWorker, "send_raw_broadcast")  # scripts/bench/bench_sync.py's BenchTrainer has it
