@@ -13,8 +13,8 @@ from rlhf_orch.trainer.critic import CriticWorker
 from rlhf_orch.trainer.policy import PolicyWorker
 from rlhf_orch.trainer.reference import ReferenceWorker
 from rlhf_orch.trainer.reward_model import RewardModelWorker
-from rlhf_orch.trainer.spec import TrainerSpec
 from tests.conftest import compose_config
+from tests.trainer.specs import plain_spec
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -86,26 +86,7 @@ def emptied(monkeypatch) -> list[int]:
 
 
 def _worker(cls, shares_gpu: bool, device: torch.device):
-    spec = TrainerSpec(
-        model_path="unused",
-        dtype="float32",
-        zero_stage=2,
-        micro_batch_size=1,
-        train_batch_size=1,
-        data_parallel_size=1,
-        pad_id=0,
-        temperature=1.0,
-        lr=0.0,
-        weight_decay=0.0,
-        grad_clip=1.0,
-        clip_eps=0.2,
-        ppo_epochs=1,
-        seed=0,
-        torch_threads=1,
-        optimizer="adamw",
-        reference_memory="full",
-        free_cache_between_phases=shares_gpu,
-    )
+    spec = plain_spec(train_batch_size=1, free_cache_between_phases=shares_gpu)
     worker = cls(spec, 0, 1)
     worker.device = device  # (as a rank on a GPU would hold it; the shard below is empty: nothing runs on it)
     worker._staged = {0: []}

@@ -14,34 +14,12 @@ from rlhf_orch.liveness import WorkCount
 from rlhf_orch.trainer.accumulation import Accumulation
 from rlhf_orch.trainer.policy_weights import PolicyWeights
 from rlhf_orch.trainer.probes import perturb
-from rlhf_orch.trainer.spec import TrainerSpec, respecced
+from rlhf_orch.trainer.spec import respecced
 from rlhf_orch.trainer.token_weighting import plan_optimizer_steps
 from rlhf_orch.trainer.trained_sequences import trained_sequences
 from rlhf_orch.transfer.batch import PaddedBatch, Sample
 from rlhf_orch.transfer.inbox import arrived, staged_micro_batches
-
-
-def _spec(**overrides) -> TrainerSpec:
-    args = dict(
-        model_path="unused",
-        dtype="float32",
-        zero_stage=2,
-        micro_batch_size=1,
-        train_batch_size=2,
-        data_parallel_size=1,
-        pad_id=0,
-        temperature=1.0,
-        lr=0.0,
-        weight_decay=0.0,
-        grad_clip=1.0,
-        clip_eps=0.2,
-        ppo_epochs=1,
-        seed=0,
-        torch_threads=1,
-        optimizer="adamw",
-        reference_memory="full",
-    )
-    return TrainerSpec(**{**args, **overrides})
+from tests.trainer.specs import plain_spec
 
 
 def _batch(*responses: list[int], first_index: int = 0) -> PaddedBatch:
@@ -53,11 +31,11 @@ def _batch(*responses: list[int], first_index: int = 0) -> PaddedBatch:
 
 
 def test_a_spec_keeps_its_world():
-    spec = _spec()
+    spec = plain_spec()
     assert respecced(spec, None, "actor", 1) is spec
-    assert respecced(spec, _spec(lr=1.0), "actor", 1).lr == 1.0
+    assert respecced(spec, plain_spec(lr=1.0), "actor", 1).lr == 1.0
     with pytest.raises(ValueError, match="a critic group of 1 ranks cannot take data_parallel_size=2"):
-        respecced(spec, _spec(data_parallel_size=2), "critic", 1)
+        respecced(spec, plain_spec(data_parallel_size=2), "critic", 1)
 
 
 class _Engine:
@@ -146,7 +124,7 @@ def test_a_frozen_model_runs_each_micro_batch_once_and_answers_on_cpu(monkeypatc
     mbs = [_batch([1, 2]), _batch([3])]
     work_done = WorkCount()
     out = frozen_models.frozen_logprobs(
-        torch.nn.Identity(), lambda: mbs, 0, _spec(temperature=0.7), 1, False, work_done
+        torch.nn.Identity(), lambda: mbs, 0, plain_spec(temperature=0.7), 1, False, work_done
     )
     assert [s[0] for s in seen] == mbs and {s[1:] for s in seen} == {(0.7, False)}
     assert [t.dtype for t in out] == [torch.float32] * 2 and work_done.count >= 2
