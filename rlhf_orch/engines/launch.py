@@ -62,7 +62,7 @@ NEVER_SLEEP = 0
 #: A CPU engine's KV cache when engine.kv_cache_gb is null: every sequence it may hold at once at
 #: its full length (block-rounded), with this headroom, and at least the floor. vLLM's CPU cache is
 #: allocated and written at start, so it is resident memory: the fixed 1 GiB it had before was 1 GB
-#: of the tiny default run's 3.7 GB for a few MB of keys and values (docs/measurements/benchmarks.md).
+#: of the tiny default run's 3.7 GB for a few MB of keys and values (docs/benchmarks.md).
 CPU_KV_HEADROOM = 1.25
 CPU_KV_CACHE_MIN_BYTES = 64 * 2**20
 #: A CPU engine given no size (an EngineSpec built by hand, a model of unknown shape): vLLM's own
@@ -112,7 +112,7 @@ TORCH_COMPILE_OFF_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 #: takes multiples of 32 and defaults to 128; prefix caching shares whole blocks only, so at 128 the
 #: samples of a GRPO group recompute any prompt shorter than 128 tokens (and the last partial block
 #: of longer ones). At 32 SmolLM2's 102-token prompts x 8 samples generated 2.5x faster (3.84 ->
-#: 1.51 s a rollout) and 256-token answers 13 % faster (30.8 -> 26.8 s): docs/measurements/benchmarks.md.
+#: 1.51 s a rollout) and 256-token answers 13 % faster (30.8 -> 26.8 s): docs/benchmarks.md.
 CPU_BLOCK_SIZE_DEFAULT = 32
 
 

@@ -29,6 +29,6 @@ class EngineConfig:
     # Tokens per KV-cache block; prefix caching shares whole blocks only. null = 32 on CPU engines
     # (vLLM's CPU default, 128, is longer than most prompts: a GRPO group's samples then recompute
     # their shared prompt -- measured on SmolLM2 with 102-token prompts, 4 x 8 samples of 16
-    # tokens: 3.84 s a rollout at 128, 1.51 s at 32; docs/measurements/benchmarks.md), vLLM's default on GPUs.
+    # tokens: 3.84 s a rollout at 128, 1.51 s at 32; docs/benchmarks.md), vLLM's default on GPUs.
     block_size: Optional[int] = None
     enforce_eager: bool = True

@@ -22,7 +22,7 @@ from typing import Any
 from rlhf_orch.models.options import LoraConfig
 
 #: model.lora.alpha=null: alpha = this x rank, a scale of 4 whatever the rank. Measured on the default
-#: task at the default actor_lr (docs/measurements/benchmarks.md, "LoRA"): scale 4 learns at about full
+#: task at the default actor_lr (docs/benchmarks.md, "LoRA"): scale 4 learns at about full
 #: fine-tuning's pace, scale 1 (alpha = rank) far slower.
 DEFAULT_ALPHA_PER_RANK = 4
 #: model.lora.sync values.

@@ -58,7 +58,7 @@ class WarmStartRecipe:
     in the sample distribution): from this recipe with warmup_steps=150, a PPO loop with PPOConfig's
     defaults (critic, GAE, k1 KL 0.01, actor lr 1e-4) went 0.32 -> 0.73 in 30 steps. With the
     long-context batches below the initial reward is ~0.24 and `python run.py` goes 0.26 -> 0.58
-    in 100 steps (docs/measurements/benchmarks.md).
+    in 100 steps (docs/benchmarks.md).
     """
 
     lr: float = 3e-3

@@ -1,7 +1,7 @@
 """Actors kept warm between the runs of one process (`launcher.keep_actors=true`).
 
 Most of a short run's start-up is starting processes: an engine spends ~12 CPU-seconds importing
-vLLM, each trainer rank ~7 importing torch, transformers and DeepSpeed (docs/measurements/benchmarks.md). Runs
+vLLM, each trainer rank ~7 importing torch, transformers and DeepSpeed (docs/benchmarks.md). Runs
 started one after another in one process and one Ray session (`launcher.reuse_session=true`: a
 notebook, a script of runs, a sweep, the test suite) can keep those processes. A run that completes
 with every actor answering parks its actors and placement groups here (its chat endpoints closed,

@@ -3,7 +3,7 @@
 Fitted by `scripts/bench/bench_sync.py` to real engines on this machine, then used to project the sync
 time of a published model on published hardware (the bench's projection and
 `scripts/reproduce.py`'s "projected" figures). Every projection states its assumptions: see
-docs/measurements/benchmarks.md, "Weight sync".
+docs/benchmarks.md, "Weight sync".
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class CostModel:
     def project(
         self, nbytes: int, tensors: int, engines: int, link_gbps: float, bucket_mb: float, senders: int
     ) -> dict:
-        """Seconds per update on GPUs whose links run at `link_gbps` (assumptions: docs/measurements/benchmarks.md).
+        """Seconds per update on GPUs whose links run at `link_gbps` (assumptions: docs/benchmarks.md).
 
         - per-call latency: as measured here (host-side Ray RPC + collective launch + vLLM per call),
           extrapolated linearly in the engine count; it does not get faster on a GPU.
@@ -93,7 +93,7 @@ class CostModel:
         return out
 
 
-# The fit recorded in docs/measurements/benchmarks.md ("Weight sync", quiet machine, 2026-11-21,
+# The fit recorded in docs/benchmarks.md ("Weight sync", quiet machine, 2026-11-21,
 # `python scripts/bench/bench_sync.py`): what projections use when no fresh fit is at hand.
 RECORDED_FIT = CostModel(
     per_call_s={1: 0.0029, 2: 0.0049, 4: 0.0075},

@@ -11,7 +11,7 @@ separate copies make, so log-probs, values and gradients equal the unshared forw
 float rounding (tests/trainer/test_shared_prompts.py).
 
 What it saves is the prompt's share of the compute: on SmolLM2 with 102-token few-shot prompts,
-8 samples of ~10 tokens, 3600 tokens become ~730 (docs/measurements/benchmarks.md). A sequence's "prompt" here
+8 samples of ~10 tokens, 3600 tokens become ~730 (docs/benchmarks.md). A sequence's "prompt" here
 is everything up to the token that predicts its first model token (multi-turn trajectories share
 their first prompt; later turns are in the branch).
 """
@@ -120,7 +120,7 @@ class BranchLoopAttention:
     the least arithmetic -- the choice where each call's overhead is small next to its work (CPU)."""
 
     # Any shorter row pays on CPU: 2.0-2.7x per update at 60-70 % fewer tokens, 1.1x at 19 %
-    # (scripts/bench/bench_shared_prompts.py on SmolLM2's shape, docs/measurements/benchmarks.md "GPU runs").
+    # (scripts/bench/bench_shared_prompts.py on SmolLM2's shape, docs/benchmarks.md "GPU runs").
     min_token_saving = 0.0
 
     def __init__(self, segments: tuple[Segment, ...]):
@@ -138,12 +138,12 @@ class BatchedBlockAttention:
     """The same attention in two SDPA calls per layer: every prefix (and unshared sequence) padded
     into one batch, every branch with its prefix's keys in another, with per-row masks. On a GPU one
     call per branch is launch-bound: at 4 prompts x 8 samples x 24 layers the loop costs more than
-    the prompt's recomputation saves (docs/measurements/benchmarks.md "GPU runs"); padding wastes only
+    the prompt's recomputation saves (docs/benchmarks.md "GPU runs"); padding wastes only
     arithmetic the GPU has to spare. The gathers' indices and masks are built once per micro-batch."""
 
     # The masked kernel is slower per score than the plain row's causal one and pads every branch to
     # the longest: measured on an H200, 19 % fewer tokens (long answers) ran 0.65x, 29-68 % fewer
-    # 1.21-1.39x (docs/measurements/benchmarks.md "GPU runs"). Below a quarter saved, the plain row runs.
+    # 1.21-1.39x (docs/benchmarks.md "GPU runs"). Below a quarter saved, the plain row runs.
     min_token_saving = 0.25
 
     def __init__(self, segments: tuple[Segment, ...], num_tokens: int, device: torch.device):

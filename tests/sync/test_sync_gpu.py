@@ -3,7 +3,7 @@
 They exercise the thin GPU layers over the CPU-tested code: packing/unpacking buckets in CUDA
 memory, the CUDA IPC hand-over between two processes on one GPU (what `cuda_ipc` does between a
 colocated trainer and engine), and an NCCL bucketed broadcast (needs two GPUs: NCCL refuses two
-ranks on one GPU). Results are recorded in docs/measurements/benchmarks.md ("Weight sync").
+ranks on one GPU). Results are recorded in docs/benchmarks.md ("Weight sync").
 """
 
 from __future__ import annotations
