@@ -120,10 +120,8 @@ class ConsoleLogger(StepLogger):
             raise ValueError(f"logger.plot_every_n_steps={plot_every_n_steps} must be >= 0 (0 = plots only at the end)")
         self.plot_every_n_steps = plot_every_n_steps
         self.verbose = verbose
-        # The rollout dump's settings (the loop writes it: rlhf_orch.logging.rollout_dump).
-        self.rollouts = rollouts
-        self.rollouts_per_step = rollouts_per_step
-        self.rollouts_every_n_steps = rollouts_every_n_steps
+        # rollouts, rollouts_per_step, rollouts_every_n_steps: keys of the logger option that the rollout
+        # dump reads from the config (rlhf_orch.logging.rollout_dump, built by the session), not the logger.
         self.console = Console(highlight=False, soft_wrap=True)
         self.total_steps = 0
         self.name = ""
