@@ -408,6 +408,9 @@ RANGES: tuple[Range, ...] = (
         nullable=True,
     ),
     ints(
+        "engine.torch_threads", 1, "threads per engine process (OMP_NUM_THREADS); at most the cores it may use", hi=256
+    ),
+    ints(
         "engine.sleep_level", 0, "vLLM's sleep levels: 0 off, 1 weights to CPU, 2 weights dropped", hi=2, nullable=True
     ),
     Range(

@@ -32,3 +32,9 @@ class EngineConfig:
     # tokens: 3.84 s a rollout at 128, 1.51 s at 32; docs/benchmarks.md), vLLM's default on GPUs.
     block_size: Optional[int] = None
     enforce_eager: bool = True
+    # Threads of each engine process's CPU work (OMP_NUM_THREADS, which vLLM's CPU backend binds at
+    # start). Ray gives a one-CPU actor one thread; under pipeline=sync the trainers wait while the
+    # engine generates, so the engine may use their cores too (SmolLM2, 32 x 64 tokens on this
+    # 2-core machine: 28.8 s on one thread, 15.3 s on two; docs/benchmarks.md). Overlapping
+    # pipelines (one_step_off, async) run engine and trainers at once: more threads than cores slow both.
+    torch_threads: int = 1

@@ -51,6 +51,7 @@ class EngineSpec:
     enable_prefix_caching: bool = True
     block_size: int | None = None  # engine.block_size (rlhf_orch.engines.launch.kv_block_size)
     enforce_eager: bool = True
+    torch_threads: int = 1  # engine.torch_threads: the process's OMP_NUM_THREADS (set by the driver)
     # vLLM's executor for tensor-parallel workers: "ray" on GPUs (workers in the engine's planned
     # bundles, see rlhf_orch.engines.launch), "mp" on CPU (worker processes); None at TP 1.
     distributed_executor_backend: str | None = None

@@ -276,7 +276,10 @@ def engine_options(
     launch = engine_launch(slot, gpu_layout)
     options = placement.options_for(slot)
     options["num_gpus"] = launch.actor_num_gpus
-    options["runtime_env"] = {"env_vars": {**env, **launch.env}}
+    # engine.torch_threads: vLLM's CPU backend binds its OpenMP threads at start, from this variable
+    # (Ray sets it to the actor's CPUs otherwise).
+    threads = {"OMP_NUM_THREADS": str(spec.torch_threads)}
+    options["runtime_env"] = {"env_vars": {**env, **threads, **launch.env}}
     if spec.max_concurrency > 1:  # a threaded actor: several rollouts' calls at once (engines/shared_steps.py)
         options["max_concurrency"] = spec.max_concurrency + 2  # + a weight update and a hand-over
     return options, replace(spec, distributed_executor_backend=launch.executor)

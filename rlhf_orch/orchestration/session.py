@@ -118,9 +118,10 @@ def engine_spec(
     eval_prompts: int = 0,
 ) -> EngineSpec:
     """What every vLLM engine process needs (its slot's rank is given at start). The pipeline's
-    `rollouts_at_once`: rollouts an engine generates together; with more than one, a weight update
-    lands while requests are in flight and vLLM cannot drop their cached prefixes, which later
-    requests would reuse with the old weights' keys and values: prefix caching is off then.
+    `rollouts_at_once`: rollouts an engine generates together. With more than one (async) a weight
+    update lands while requests are in flight; publishing it drops every cached block, the running
+    requests' too (vLLM recomputes them: `WeightReceiving.publish`), so prefix caching stays on: a
+    request started after an update reuses no keys or values of the old weights.
     `eval_prompts`: the held-out prompts an evaluation generates for (a CPU KV cache holds them)."""
     rollouts_at_once = getattr(pipeline, "rollouts_at_once", 1)
     return EngineSpec(
@@ -132,9 +133,10 @@ def engine_spec(
         kv_cache_bytes=engine_kv_cache_bytes(typed, plan, rollouts_at_once, eval_prompts),
         gpu_memory_utilization=memory_utilization(typed.engine.gpu_memory_utilization, plan),
         sleep_level=sleep_level(typed.engine.sleep_level, plan),
-        enable_prefix_caching=typed.engine.enable_prefix_caching and rollouts_at_once == 1,
+        enable_prefix_caching=typed.engine.enable_prefix_caching,
         block_size=typed.engine.block_size,
         enforce_eager=typed.engine.enforce_eager,
+        torch_threads=typed.engine.torch_threads,
         max_concurrency=rollouts_at_once,
         finish_before_update=getattr(pipeline, "finishes_requests_before_update", False),
         lora=lora,

@@ -43,11 +43,20 @@ _parked: _Parked | None = None
 def warm_key(plan: PlacementPlan, engines: EngineSpec, kv_cache_gb: float | None, roles: Sequence[str]) -> str:
     """What actors must have been started with to serve a run: the plan (bundles, ranks, roles) and
     what an engine process fixes at its start (engine.kv_cache_gb as set, a threaded actor for
-    several rollouts at once, eager mode -- which turns torch.compile off in the process).
+    several rollouts at once, eager mode -- which turns torch.compile off in the process --, its
+    threads: engine.torch_threads, bound by vLLM at start).
     Everything else (the model, lengths, seeds, trainer settings, the KV-cache bytes derived for a
     CPU engine: part of EngineSpec, so a new `vllm.LLM` on reset) is set again by the resets."""
     return repr(
-        (plan, kv_cache_gb, engines.max_concurrency, engines.tensor_parallel_size, engines.enforce_eager, sorted(roles))
+        (
+            plan,
+            kv_cache_gb,
+            engines.max_concurrency,
+            engines.tensor_parallel_size,
+            engines.enforce_eager,
+            engines.torch_threads,
+            sorted(roles),
+        )
     )
 
 

@@ -106,17 +106,39 @@ OURS_BEST: dict[str, dict[str, list[str]]] = {
         "generation_heavy": ["pipeline=one_step_off", "trainer.torch_threads=1", "algo.tis_cap=2.0"],
     },
     "smollm2_135m": {
+        # (the experiment's engine.torch_threads=2: under sync the engine and the trainer alternate)
         "default": ["pipeline=sync", "trainer.torch_threads=2"],
-        "generation_heavy": ["pipeline=one_step_off", "trainer.torch_threads=2", "algo.tis_cap=2.0"],
+        # one_step_off overlaps them: the engine keeps its one core (2 + 2 threads on 2 cores slow both)
+        "generation_heavy": [
+            "pipeline=one_step_off",
+            "trainer.torch_threads=2",
+            "engine.torch_threads=1",
+            "algo.tis_cap=2.0",
+        ],
     },
 }
 # What --search tries (each for --search-steps steps, one seed).
-SEARCH: dict[str, list[str]] = {  # (trainer threads: Ray gives each actor one core; sync leaves the engine's idle)
+SEARCH: dict[str, list[str]] = {  # (threads: Ray gives each actor one core; sync leaves the other role's idle)
     "sync, trainer 1 thread": ["pipeline=sync", "trainer.torch_threads=1"],
     "sync, trainer 2 threads": ["pipeline=sync", "trainer.torch_threads=2"],
-    "one_step_off, trainer 1 thread": ["pipeline=one_step_off", "trainer.torch_threads=1", "algo.tis_cap=2.0"],
-    "one_step_off, trainer 2 threads": ["pipeline=one_step_off", "trainer.torch_threads=2", "algo.tis_cap=2.0"],
-    "async (staleness 1), trainer 1 thread": ["pipeline=async", "trainer.torch_threads=1", "algo.tis_cap=2.0"],
+    "one_step_off, trainer 1 thread": [
+        "pipeline=one_step_off",
+        "trainer.torch_threads=1",
+        "engine.torch_threads=1",
+        "algo.tis_cap=2.0",
+    ],
+    "one_step_off, trainer 2 threads": [
+        "pipeline=one_step_off",
+        "trainer.torch_threads=2",
+        "engine.torch_threads=1",
+        "algo.tis_cap=2.0",
+    ],
+    "async (staleness 1), trainer 1 thread": [
+        "pipeline=async",
+        "trainer.torch_threads=1",
+        "engine.torch_threads=1",
+        "algo.tis_cap=2.0",
+    ],
 }
 LAST = 5  # steps averaged for the final reward
 TORCH_THREADS_TRL = os.cpu_count() or 1  # one process: TRL's default uses every core

@@ -334,6 +334,71 @@ def test_a_weight_update_mid_generation_recomputes_the_kv_of_the_requests_in_fli
     assert max(abs(a - b) for a, b in zip(kept_drawn[4:], kept_scored[4:])) > 1e-2
 
 
+def _a_request_after_an_update_reuses_no_old_prefix(engine, prompt: list[int], recompute: bool):
+    """(Inside an engine actor, prefix caching on.) Request A holds `prompt`'s cached blocks and is
+    in flight when a weight update lands; request B with the same prompt starts after it. The
+    log-probs B draws with, and the new weights' scoring of B's sequence."""
+    import time as _time
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if not recompute:  # publishing without preempting the requests in flight: A's blocks stay cached
+        reset = engine.llm.reset_prefix_cache
+        engine.llm.reset_prefix_cache = lambda reset_running_requests=False, **kwargs: reset(False, **kwargs)
+    version = engine.steps.weight_version
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, seed=3, detokenize=False)
+    first: list = []
+    keys = engine.steps.enqueue([TokensPrompt(prompt_token_ids=prompt)], params, first)
+    for _ in range(3):
+        engine.steps.step()
+    engine.llm.collective_rpc(_perturb_weights)
+    engine.weights.publish(version + 1, 0, _time.perf_counter())
+    second: list = []
+    keys += engine.steps.enqueue([TokensPrompt(prompt_token_ids=prompt)], params, second)
+    while not (first and second):
+        engine.steps.step()
+    out = second[0].outputs[0]
+    tokens = list(out.token_ids)
+    drawn = [lp[t].logprob for lp, t in zip(out.logprobs, tokens)]
+    scored = engine.prompt_logprobs([prompt + tokens])[0][len(prompt) - 1 :]
+    engine.steps.forget(keys)
+    if not recompute:
+        del engine.llm.reset_prefix_cache
+    return drawn, scored
+
+
+def test_prefix_caching_under_async_reuses_no_prefix_computed_by_old_weights(cluster, tiny_model_path):
+    """pipeline=async keeps prefix caching on (a GRPO group's samples share their prompt's keys and
+    values): publishing a version drops every cached block, the in-flight requests' included, so a
+    request started after an update never attends to keys and values of the old weights. Kept
+    blocks (an update that left the running requests alone) would be hit: the log-probs differ."""
+    from rlhf_orch.orchestration.actors import engine_options
+    from rlhf_orch.topology.plan import RoleSlot
+
+    class _Placement:  # the actor's CPU claim; no placement group here
+        def options_for(self, slot):
+            return {"num_cpus": slot.num_cpus, "num_gpus": 0}
+
+    # Started as a run starts an engine (`engine_options`), on two threads (engine.torch_threads).
+    spec = EngineSpec(
+        model_path=tiny_model_path, dtype="float32", max_model_len=256, enable_prefix_caching=True, torch_threads=2
+    )
+    options, spec = engine_options(_Placement(), RoleSlot("engine", 0, 0, (0,), 0.0, 1.0), spec, ENV["env_vars"], False)
+    engine = VLLMEngineActor.options(**options).remote(spec, 0)  # its own: the weights get noise
+    # vLLM's CPU backend bound two OpenMP threads (Ray's default for a one-CPU actor: one).
+    assert ray.get(engine.__ray_call__.remote(lambda self: __import__("torch").get_num_threads())) == 2
+    prompt = [(7 * i) % 27 + 3 for i in range(70)]  # two whole 32-token blocks: cacheable
+    drawn, scored = ray.get(engine.__ray_call__.remote(_a_request_after_an_update_reuses_no_old_prefix, prompt, True))
+    assert len(drawn) == len(scored) == 12
+    assert max(abs(a - b) for a, b in zip(drawn, scored)) < 1e-3
+    kept_drawn, kept_scored = ray.get(
+        engine.__ray_call__.remote(_a_request_after_an_update_reuses_no_old_prefix, prompt, False)
+    )
+    ray.kill(engine)
+    assert max(abs(a - b) for a, b in zip(kept_drawn, kept_scored)) > 1e-2
+
+
 def test_a_cpu_engine_caches_prompts_in_blocks_of_32_tokens(cluster):
     """engine.block_size null: 32 on CPU (vLLM's 128 is longer than most prompts, and prefix
     caching shares whole blocks only: a GRPO group's samples would each recompute the prompt)."""
