@@ -50,7 +50,9 @@ class TargetRows:
 
     mask: Tensor
     sample_values: Tensor  # [b]: what `sample_values` computed for each row's sample
-    old_logprobs: Tensor
+    # pi_old; None when the update's own forward gives them (trainer.old_logprobs): only a KL in
+    # the reward reads them here, and then they are always computed first.
+    old_logprobs: Optional[Tensor]
     ref_logprobs: Optional[Tensor]  # None when the algorithm uses no reference
     values: Optional[Tensor]  # critic values; None without a critic
     turn_rewards: Optional[Tensor] = None  # env.reward=per_turn: each turn's reward on its last token
@@ -60,7 +62,6 @@ class TargetRows:
 class Targets:
     advantages: Tensor
     returns: Optional[Tensor]  # critic targets (PPO only)
-    kl: Tensor  # per-token k1 KL(old || ref), for the metric (0 without a reference)
 
 
 class Algorithm:
@@ -89,15 +90,12 @@ class Algorithm:
     def token_targets(self, rows: list[TargetRows], all_reduce: AllReduce) -> list[Targets]:
         raise NotImplementedError
 
-    def _kl(self, r: TargetRows) -> Tensor:
-        if r.ref_logprobs is None:
-            return torch.zeros_like(r.old_logprobs)
-        return kl_divergence(r.old_logprobs, r.ref_logprobs, "k1", mask=r.mask)
-
     def _reward_kl(self, r: TargetRows) -> Tensor:
         """The KL penalty that goes into the token rewards (0 unless kl_placement=in_reward)."""
         if not self.kl_in_reward:
-            return torch.zeros_like(r.old_logprobs)
+            return torch.zeros_like(r.mask, dtype=torch.float32)
+        if r.old_logprobs is None:
+            raise ValueError("the KL penalty in the reward reads the old log-probs, and none were computed")
         return kl_divergence(r.old_logprobs, r.ref_logprobs, self.kl_estimator, mask=r.mask)
 
 
@@ -125,7 +123,7 @@ class PPO(PPOConfig, Algorithm):
             coef = self.kl_coef if self.kl_in_reward else 0.0
             rewards = token_rewards(r.sample_values, self._reward_kl(r), r.mask, coef, r.turn_rewards)
             adv, ret = gae_advantages(rewards, r.values, r.mask, self.gamma, self.lam)
-            out.append(Targets(adv, ret, self._kl(r)))
+            out.append(Targets(adv, ret))
         if self.whiten_advantages and out:
             for t, adv in zip(out, _whiten_globally([t.advantages for t in out], [r.mask for r in rows], all_reduce)):
                 t.advantages = adv
@@ -152,14 +150,14 @@ class ReinforcePP(ReinforcePPConfig, Algorithm):
             for r in rows
         ]
         advantages = _whiten_globally(returns, [r.mask for r in rows], all_reduce)
-        return [Targets(a, None, self._kl(r)) for a, r in zip(advantages, rows)]
+        return [Targets(a, None) for a in advantages]
 
 
 class _OutcomeAlgorithm(Algorithm):
     """One advantage per sample, computed on the driver; every action token of the sample gets it."""
 
     def token_targets(self, rows: list[TargetRows], all_reduce: AllReduce) -> list[Targets]:
-        return [Targets(outcome_to_tokens(r.sample_values, r.mask), None, self._kl(r)) for r in rows]
+        return [Targets(outcome_to_tokens(r.sample_values, r.mask), None) for r in rows]
 
 
 @dataclass

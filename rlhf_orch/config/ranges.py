@@ -18,6 +18,7 @@ from rlhf_orch.logging.options import WandbLoggerConfig
 from rlhf_orch.reward.options import GSM8KRuleConfig
 from rlhf_orch.topology.options import ColocatedPlacementConfig, CpuLocalPlacementConfig, SplitPlacementConfig
 from rlhf_orch.models.lora import ALL_LINEAR, SYNC_MODES, VLLM_MAX_LORA_RANKS
+from rlhf_orch.trainer.options import OLD_LOGPROBS_MODES
 
 _ABSENT = object()
 
@@ -390,6 +391,11 @@ RANGES: tuple[Range, ...] = (
     choice("trainer.optimizer", ("adamw", "sgd"), "use 'adamw' (the default) or 'sgd' (plain, no momentum)"),
     ints("trainer.seed", 0, _SEED_WHY, hi=_SEED_MAX),
     ints("trainer.torch_threads", 1, "torch threads per trainer process; at most the cores a trainer may use", hi=256),
+    choice(
+        "trainer.old_logprobs",
+        OLD_LOGPROBS_MODES,
+        "use auto (from the update's own forward where that is exact, else a forward of their own) or forward (always)",
+    ),
     # ---- engine
     reals(
         "engine.kv_cache_gb",

@@ -77,6 +77,7 @@ def trainer_specs(
             torch_threads=t.torch_threads,
             reference_memory=t.reference_memory,
             share_prompts=t.share_prompts is not False,  # only packed micro-batches can (validated)
+            old_logprobs=t.old_logprobs,
             free_cache_between_phases=plan.shares_gpu(role),
         )
 

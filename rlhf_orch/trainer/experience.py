@@ -1,18 +1,29 @@
-"""The policy rank's experience of one shard: old log-probs by its own forward, then the
-algorithm's token targets from them, the reference's log-probs, the critic's values and the
-driver's per-sample values (`make_experience`), written into the staged micro-batches for the
-update; and the trainer/inference log-prob mismatch of the same tokens."""
+"""The policy rank's experience of one shard: old log-probs by its own forward (unless the
+update's own forward gives them: `old_logprobs.old_logprobs_from_update`), then the algorithm's
+token targets, the reference's log-probs, the critic's values and the driver's per-sample values
+(`make_experience`), written into the staged micro-batches for the update; and the
+trainer/inference log-prob mismatch of the same tokens (`old_logprob_stats`, measured where the
+old log-probs are computed)."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
 from rlhf_orch.algo.estimators import Algorithm, TargetRows
+from rlhf_orch.algo.losses import kl_divergence
 from rlhf_orch.algo.ppo_math import LOGPROB_DIFF_THRESHOLD
 from rlhf_orch.liveness import WorkCount
 from rlhf_orch.trainer.forward import sequence_logprobs
+from rlhf_orch.trainer.old_logprobs import active_dropout, old_logprobs_from_update
 from rlhf_orch.trainer.spec import TrainerSpec
-from rlhf_orch.trainer.token_weighting import all_reduce_sum, rows_for_targets, targets_in_layout
+from rlhf_orch.trainer.token_weighting import (
+    all_reduce_sum,
+    plan_optimizer_steps,
+    rows_for_targets,
+    targets_in_layout,
+)
 from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, TURN_REWARDS, PackedBatch, PaddedBatch
 
 
@@ -28,8 +39,10 @@ def make_experience(
     world_size: int,
     share_prompts: bool,
     work_done: WorkCount,
-) -> tuple[dict[str, float], list[torch.Tensor]]:
-    """Old logprobs, then the algorithm's token targets. Returns stats and the critic's returns.
+) -> tuple[dict[str, float], list[torch.Tensor], bool]:
+    """Old logprobs, then the algorithm's token targets. Returns stats, the critic's returns, and
+    whether the update's own forward is to give the old log-probs (then none were computed here:
+    `train_policy` takes that decision and holds the update to it).
 
     `sample_values` (sample index -> value) is what the algorithm computed on the driver from
     the final scores: the score itself (PPO, REINFORCE++), a group-centred score, or the
@@ -37,19 +50,29 @@ def make_experience(
     reference / critic. Batch-wide normalisation is over all policy ranks (they all call this).
     """
     engine.eval()
-    old = [sequence_logprobs(engine, mb, spec.temperature, share_prompts).float() for mb in work_done.each(mbs)]
+    with work_done.collective():  # (the plan sums the sequences over the ranks)
+        steps = plan_optimizer_steps(mbs, spec.train_batch_size, world_size).num_steps  # the update's first epoch's
+    from_update, _ = old_logprobs_from_update(
+        spec.old_logprobs, algo.ppo_epochs, steps, algo.kl_in_reward, active_dropout(engine.module)
+    )
+    old = (
+        None
+        if from_update
+        else [sequence_logprobs(engine, mb, spec.temperature, share_prompts).float() for mb in work_done.each(mbs)]
+    )
     ref = [r.to(device) for r in ref_logprobs] if ref_logprobs is not None else None
     vals = [v.to(device) for v in values] if values is not None else None
     # Targets run along each sequence: on [b, L-1] rows (packed micro-batches are unpacked
     # here, in this process, for this math only); results go back to the mb's layout.
-    rows = rows_for_targets(mbs, old, ref or old, vals or old, spec.pad_id)
+    per_token = {"old": old, "ref": ref, "values": vals}
+    rows = rows_for_targets(mbs, {k: v for k, v in per_token.items() if v is not None}, spec.pad_id)
     target_rows = [
         TargetRows(
             mask=r.action_mask,
             sample_values=torch.tensor([sample_values.get(int(i), 0.0) for i in r.indices], dtype=torch.float32),
-            old_logprobs=r.fields["old"],
-            ref_logprobs=r.fields["ref"] if ref is not None else None,
-            values=r.fields["values"] if vals is not None else None,
+            old_logprobs=r.fields.get("old"),
+            ref_logprobs=r.fields.get("ref"),
+            values=r.fields.get("values"),
             turn_rewards=r.fields.get(TURN_REWARDS),
         )
         for r in rows
@@ -61,36 +84,55 @@ def make_experience(
 
     targets = algo.token_targets(target_rows, summed_over_ranks)
     returns = []
-    for k, (mb, lp, r, t) in enumerate(zip(mbs, old, rows, targets)):
+    for k, (mb, r, t) in enumerate(zip(mbs, rows, targets)):
         wanted = {"advantages": t.advantages}
         if t.returns is not None:
             wanted["returns"] = t.returns
         in_layout = targets_in_layout(mb, r, wanted)
-        mb.fields["old_logprobs"] = lp
+        if old is not None:
+            mb.fields["old_logprobs"] = old[k]
         mb.fields["advantages"] = in_layout["advantages"]
         if algo.kl_in_loss:
             mb.fields["ref_logprobs"] = ref[k]
         if t.returns is not None:
             returns.append(in_layout["returns"].cpu())
     tokens = sum(float(r.action_mask.sum()) for r in rows)
-    every_diff = logprob_mismatch(mbs, old)
     # The largest |advantage| (torch's max keeps a NaN, which the driver's guard then reports).
     row_max = [t.advantages[r.mask.bool()].abs().max() for r, t in zip(target_rows, targets) if r.mask.any()]
     adv_abs_max = float(torch.stack(row_max).max()) if row_max else 0.0
     # Sums, not means: the driver divides by the tokens of all ranks (`trainer.metrics`).
     stats = {
         "advantages_abs_max": adv_abs_max,
-        "kl_sum": sum(float(torch.where(r.mask.bool(), t.kl, 0).sum()) for r, t in zip(target_rows, targets)),
         "response_tokens": tokens,
+        "values_sum": (
+            sum(float(torch.where(r.mask.bool(), r.values, 0).sum()) for r in target_rows) if vals is not None else 0.0
+        ),
+        "old_logprobs_from_update": float(from_update),
+    }
+    if old is not None:
+        stats.update(old_logprob_stats(mbs, old, ref))
+    return stats, returns, from_update
+
+
+def old_logprob_stats(
+    mbs: Sequence[PaddedBatch | PackedBatch], old: Sequence[torch.Tensor], ref: Sequence[torch.Tensor] | None
+) -> dict[str, float]:
+    """`metrics.OLD_LOGPROB_STATS` of this rank's micro-batches `mbs` with old log-probs `old` (each in
+    its micro-batch's layout) and the reference's `ref` (None without a reference): the summed k1
+    KL(old || ref) over the action tokens, and the engine-vs-trainer mismatch (`logprob_mismatch`)."""
+    every_diff = logprob_mismatch(mbs, old)
+    kl_sum = 0.0
+    if ref is not None:
+        kl_sum = sum(
+            float(kl_divergence(o, r.to(o.device), "k1", mask=mb.action_mask).sum()) for mb, o, r in zip(mbs, old, ref)
+        )
+    return {
+        "kl_sum": kl_sum,
         "logprob_diff_max": float(every_diff.max()) if every_diff.numel() else 0.0,
         "logprob_diff_sum": float(every_diff.sum()),
         "logprob_diff_tokens": float(every_diff.numel()),
         "logprob_diff_over": float((every_diff > LOGPROB_DIFF_THRESHOLD).sum()),
-        "values_sum": (
-            sum(float(torch.where(r.mask.bool(), r.values, 0).sum()) for r in target_rows) if vals is not None else 0.0
-        ),
     }
-    return stats, returns
 
 
 def logprob_mismatch(mbs: list[PaddedBatch | PackedBatch], old: list[torch.Tensor]) -> torch.Tensor:

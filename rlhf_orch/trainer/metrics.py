@@ -8,6 +8,8 @@ rollout (all `ppo_epochs`): `loss/policy` is the step's loss as back-propagated 
 action tokens (whatever the loss aggregation and however the step was cut). Each rank returns its
 share times the number of ranks, so the mean over ranks is the whole step's value. Gradient norms
 are the largest pre-clipping norm of any step. `kl` and `values/mean` are token means over the rollout.
+The statistics of the old log-probs (`kl`, `rollout/logprob_diff_*`) come from the experience phase
+or, where the update's own forward gave the old log-probs (trainer.old_logprobs), from the update.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ POLICY_KEYS = {
     "decoupled_dropped": "policy/decoupled_dropped_frac",
 }
 CRITIC_KEYS = {"value_loss": "loss/value", "vf_clipfrac": "critic/vf_clipfrac"}
+# The statistics of the old log-probs (sums and a max over a rank's action tokens, for `kl` and
+# rollout/logprob_diff_*): in the experience's stats, or the update's where its own forward gave
+# the old log-probs (`experience.old_logprob_stats`).
+OLD_LOGPROB_STATS = ("kl_sum", "logprob_diff_max", "logprob_diff_sum", "logprob_diff_tokens", "logprob_diff_over")
 
 
 def _mean(rows: Sequence[dict[str, float]], key: str) -> float:
@@ -47,6 +53,10 @@ def trainer_metrics(
 ) -> dict[str, Any]:
     """`exp_stats` / `policy_stats`: one dict per policy rank (`PolicyWorker.make_experience`,
     `.train`); `critic_stats`: one per critic rank (empty without a critic)."""
+    # Each rank's old-log-prob statistics, wherever that rank measured them.
+    exp_stats = [
+        {**e, **{k: p[k] for k in OLD_LOGPROB_STATS if k in p}} for e, p in zip(exp_stats, policy_stats, strict=True)
+    ]
     metrics: dict[str, Any] = {}
     for key, name in POLICY_KEYS.items():
         if key in policy_stats[0]:

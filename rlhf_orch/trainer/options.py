@@ -11,6 +11,9 @@ from typing import Optional
 
 from omegaconf import II
 
+# The values trainer.old_logprobs takes (rlhf_orch.trainer.old_logprobs decides what "auto" does).
+OLD_LOGPROBS_MODES = ("auto", "forward")
+
 
 @dataclass
 class TrainerConfig:
@@ -43,4 +46,12 @@ class TrainerConfig:
     # an actor one core; under pipeline=sync the engine waits while the trainers train, so a
     # trainer may use that core too (2 on a 2-core machine: SmolLM2's training phase 1.8x faster).
     torch_threads: int = 1
+    # Where the policy's old log-probs (pi_old) come from: "auto" takes them from the update's own
+    # forward, detached (as TRL does), where that is exact -- one optimizer step per rollout
+    # (algo.ppo_epochs=1, algo.train_batch_size >= the rollout's sequences), no KL in the reward
+    # (it reads them before the update) and no dropout in the trained model (its config's *dropout*,
+    # LoRA's) -- and otherwise runs the experience phase's own forward, without gradients; "forward"
+    # always runs it. Skipping it saves a forward of every sequence a step (SmolLM2 generation-heavy:
+    # ~40 % of the step); rlhf_orch/trainer/old_logprobs.py decides, per step.
+    old_logprobs: str = "auto"
     seed: int = II("seed")  # the trainers' torch/NumPy/Python RNG (dropout, init); the run's `seed` unless set here

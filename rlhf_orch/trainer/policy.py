@@ -115,9 +115,10 @@ class PolicyWorker(TrainerWorker):
         sample_values: dict[int, float],
     ) -> tuple[dict[str, float], list[torch.Tensor]]:
         """Old logprobs, then the algorithm's token targets (`experience.make_experience`). Returns
-        stats and the critic's returns. `ref_logprobs` / `values` may come `Deferred`: fetched here."""
+        stats and the critic's returns. `ref_logprobs` / `values` may come `Deferred`: fetched here.
+        Whether the update's forward is to give the old log-probs is kept for `train`, with the shard."""
         ref_logprobs, values = resolved(ref_logprobs), resolved(values)
-        return make_experience(
+        stats, returns, from_update = make_experience(
             self.engine,
             staged_micro_batches(self._staged, shard),
             ref_logprobs,
@@ -130,6 +131,8 @@ class PolicyWorker(TrainerWorker):
             shares_prompts(self.spec.share_prompts, self.device),
             self.work_done,
         )
+        self._old_from_update = {shard: from_update}  # (train() takes it: the update is held to it)
+        return stats, returns
 
     def sequences(self, shard: int, indices: list[int]) -> list[dict]:
         """The sequences `indices` of `shard` as this rank trained them (the rollout dump,
@@ -143,6 +146,9 @@ class PolicyWorker(TrainerWorker):
         """`ppo_epochs` passes of the policy loss over the shard (`policy_update.train_policy`); the
         staged experience is dropped after."""
         self.last_step_members = []
+        decided = self.__dict__.pop("_old_from_update", {})
+        if shard not in decided:
+            raise RuntimeError(f"shard {shard}: the policy's update ran without its experience (make_experience)")
         stats, self.last_step_members = train_policy(
             self.engine,
             staged_micro_batches(self._staged, shard),
@@ -152,6 +158,7 @@ class PolicyWorker(TrainerWorker):
             self.world_size,
             shares_prompts(self.spec.share_prompts, self.device),
             self.work_done,
+            decided[shard],
         )
         self.drop_staged()
         return stats

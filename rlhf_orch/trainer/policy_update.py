@@ -1,5 +1,7 @@
 """The policy's PPO update on one rank: `ppo_epochs` passes of the policy loss over its staged
-micro-batches (`train_policy`), and the per-token loss of one micro-batch (`policy_token_loss`)."""
+micro-batches (`train_policy`), and the per-token loss of one micro-batch (`policy_token_loss`).
+Where the experience phase left the old log-probs to the update (`old_logprobs`), its own
+forward's, detached, are pi_old, and the update measures their statistics (`old_logprob_stats`)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from rlhf_orch.algo.losses import (
 from rlhf_orch.algo.ppo_math import masked_mean
 from rlhf_orch.liveness import WorkCount
 from rlhf_orch.trainer.accumulation import Accumulation
+from rlhf_orch.trainer.experience import old_logprob_stats
 from rlhf_orch.trainer.forward import sequence_logprobs_and_entropy
 from rlhf_orch.trainer.progress import counting_saved_tensors
 from rlhf_orch.trainer.spec import TrainerSpec
@@ -35,9 +38,15 @@ def train_policy(
     world_size: int,
     share_prompts: bool,
     work_done: WorkCount,
+    old_from_update: bool,
 ) -> tuple[dict[str, float], list[tuple[int, ...]]]:
     """`ppo_epochs` passes of the policy loss (clipped surrogate + KL in the loss - entropy).
     Returns the stats and, per optimizer step, the sample indices this rank trained on in it.
+
+    `old_from_update`: make_experience computed no old log-probs (`old_logprobs_from_update`): each
+    micro-batch's own forward, detached, is pi_old -- exact for one epoch of one optimizer step
+    only, so any other plan is refused here rather than trained on wrongly; the stats then carry
+    `OLD_LOGPROB_STATS` (the engine-vs-trainer mismatch, the KL to the reference) of that forward.
 
     The loss is aggregated as `algo.loss_agg` says, normalised over each optimizer step's
     whole batch (all micro-batches, all ranks: `plan_optimizer_steps`), so the update does not
@@ -50,6 +59,12 @@ def train_policy(
     members: list[tuple[int, ...]] = []
     totals: dict[str, float] = {}
     steps = 0
+    if old_from_update and algo.ppo_epochs != 1:
+        raise RuntimeError(
+            f"the old log-probs were left to the update's forward, but algo.ppo_epochs={algo.ppo_epochs}: "
+            "later epochs would take moved weights for pi_old"
+        )
+    old: list[torch.Tensor] = []  # (old_from_update) each micro-batch's detached log-probs, in order
 
     def denominator(mb: PaddedBatch | PackedBatch) -> float:
         """The micro-batch's share of its step's loss normaliser (`algo.losses.loss_denominator`)."""
@@ -67,11 +82,20 @@ def train_policy(
             world_size,
             denominator,
         )
+        if old_from_update and plan.num_steps != 1:
+            raise RuntimeError(
+                f"the old log-probs were left to the update's forward, but the update plans {plan.num_steps} "
+                "optimizer steps: later steps would take moved weights for pi_old"
+            )
         steps += plan.num_steps
         members += plan.members
         for position, mb in enumerate(work_done.each(epoch_mbs)):
             with counting_saved_tensors(work_done):  # (its backward moves the count too)
-                loss_mat, stats = policy_token_loss(engine, mb, algo, spec.temperature, share_prompts)
+                loss_mat, stats, logprobs = policy_token_loss(
+                    engine, mb, algo, spec.temperature, share_prompts, old_from_update
+                )
+            if old_from_update:
+                old.append(logprobs)
             local = denominator(mb)
             loss = aggregate_loss(
                 loss_mat, mb.action_mask, algo.loss_agg, denominator=local, sequence_ids=mb.sequence_ids
@@ -84,18 +108,29 @@ def train_policy(
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value) * token_weight
     # Per optimizer step (normalised as the loss), averaged over steps and epochs.
-    return accumulation.with_grad_norm({k: v / max(steps, 1) for k, v in totals.items()}), members
+    per_step = accumulation.with_grad_norm({k: v / max(steps, 1) for k, v in totals.items()})
+    if old_from_update:  # (one epoch: `old` follows `mbs`)
+        ref = [mb.fields["ref_logprobs"] for mb in mbs] if algo.kl_in_loss else None
+        per_step.update(old_logprob_stats(mbs, old, ref))
+    return per_step, members
 
 
 def policy_token_loss(
-    model, mb: PaddedBatch | PackedBatch, algo: Algorithm, temperature: float, share_prompts: bool
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token policy loss of one micro-batch and its token-mean statistics."""
+    model,
+    mb: PaddedBatch | PackedBatch,
+    algo: Algorithm,
+    temperature: float,
+    share_prompts: bool,
+    old_from_update: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """The per-token policy loss of one micro-batch, its token-mean statistics and its log-probs
+    (detached, float32). `old_from_update`: those log-probs are pi_old (`train_policy`)."""
     logprobs, entropy = sequence_logprobs_and_entropy(
         model, mb, temperature, entropy=algo.entropy_coef > 0, share_prompts=share_prompts
     )
     mask = mb.action_mask
-    old_logprobs = mb.fields["old_logprobs"]
+    detached = logprobs.detach().float()
+    old_logprobs = detached if old_from_update else mb.fields["old_logprobs"]
     # The engine's log-probs are the behaviour policy (stale under one_step_off); old_logprobs
     # the proximal one the clip is against. At most one correction is set (validate refuses both).
     is_weights = None
@@ -130,4 +165,4 @@ def policy_token_loss(
     if entropy is not None:
         loss_mat = loss_mat - algo.entropy_coef * entropy
         stats["entropy"] = masked_mean(entropy.detach(), mask)
-    return loss_mat, stats
+    return loss_mat, stats, detached

@@ -34,6 +34,7 @@ class TrainerSpec:
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
     host_reference: bool = False  # the policy rank also holds the reference (plan.reference_in_actor)
     share_prompts: bool = False  # trainer.share_prompts: packed micro-batches run a repeated prompt once
+    old_logprobs: str = "auto"  # trainer.old_logprobs: "auto" (from the update's forward where exact) or "forward"
     # model.lora (its sync resolved to adapter or merged): the policy trains adapters on a frozen
     # base (rlhf_orch.trainer.lora); None: every weight trains.
     lora: LoraSettings | None = None

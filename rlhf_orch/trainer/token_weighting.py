@@ -120,15 +120,14 @@ def padded_rows(mb: Any, fields: dict[str, Tensor], pad_id: int) -> PaddedBatch:
     return _as_rows(mb, fields, pad_id)
 
 
-def rows_for_targets(
-    mbs: Sequence[Any], old: Sequence[Tensor], ref: Sequence[Tensor], values: Sequence[Tensor], pad_id: int
-) -> list[PaddedBatch]:
-    """Each micro-batch as rows with `old`, `ref`, `values`, and the fields the estimators read
-    from the rollout itself (`TURN_REWARDS`) where the micro-batch carries them."""
+def rows_for_targets(mbs: Sequence[Any], per_token: dict[str, Sequence[Tensor]], pad_id: int) -> list[PaddedBatch]:
+    """Each micro-batch as rows with `per_token` (name -> one tensor per micro-batch, in its
+    layout), and the fields the estimators read from the rollout itself (`TURN_REWARDS`) where the
+    micro-batch carries them."""
     rows = []
-    for mb, o, r, v in zip(mbs, old, ref, values):
+    for k, mb in enumerate(mbs):
         carried = {name: mb.fields[name] for name in (TURN_REWARDS,) if name in mb.fields}
-        rows.append(_as_rows(mb, {"old": o, "ref": r, "values": v, **carried}, pad_id))
+        rows.append(_as_rows(mb, {**{name: v[k] for name, v in per_token.items()}, **carried}, pad_id))
     return rows
 
 

@@ -145,8 +145,9 @@ def _composed_algo(name: str, correction: str):
     return instantiate(compose_config(overrides).algo)
 
 
-def _algo(name: str, agg: str, epochs: int, correction: str):
-    return dataclasses.replace(_composed_algo(name, correction), loss_agg=agg, ppo_epochs=epochs)
+def _algo(name: str, agg: str, epochs: int, correction: str, kl_placement: str | None = None):
+    algo = dataclasses.replace(_composed_algo(name, correction), loss_agg=agg, ppo_epochs=epochs)
+    return dataclasses.replace(algo, kl_placement=kl_placement) if kl_placement else algo
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,6 +252,8 @@ def _collect(pending: dict, algo) -> dict:
     ray.get(pending["policy_rest"] + pending["critic_rest"])
     return {
         "metrics": trainer_metrics(exp_stats, policy_stats, critic_stats, algo.needs_reference),
+        # (every rank decides alike: from the plan of all ranks' sequences)
+        "old_from_update": {bool(e["old_logprobs_from_update"]) for e in exp_stats},
         "policy": ray.get(pending["policy"]),
         "critic": ray.get(pending["critic"]) if pending["critic"] is not None else None,
         "policy_steps": _steps(ray.get(pending["policy_steps"])),
@@ -419,10 +422,20 @@ def test_trainer_matches_the_oracle_with_decoupled_ppo(actors, initial_weights, 
 
 
 def _check_against_the_oracle(
-    actors, initial_weights, tiny_model_path, name, agg, case, correction, lora=None, settings_of=None
+    actors,
+    initial_weights,
+    tiny_model_path,
+    name,
+    agg,
+    case,
+    correction,
+    lora=None,
+    settings_of=None,
+    kl_placement=None,
 ) -> list[dict]:
     """Every setting of `_settings(case)` (or `settings_of(case)`) through the system, each held to
-    the oracle; returns the system's metrics of each setting. `lora`: the policy trains LoRA adapters."""
+    the oracle; returns the system's metrics of each setting. `lora`: the policy trains LoRA adapters;
+    `kl_placement`: another than the algo option's."""
     settings_of = settings_of or _settings
     # The critic's update does not depend on the policy's loss aggregation: it is checked with
     # token-mean; the other aggregations' cases use its values for GAE and leave it untrained.
@@ -433,7 +446,7 @@ def _check_against_the_oracle(
             _submit_update(
                 actors,
                 tiny_model_path,
-                _algo(name, agg, settings[0], correction),
+                _algo(name, agg, settings[0], correction, kl_placement),
                 *settings[2:],
                 settings[1],
                 train_critic,
@@ -446,8 +459,11 @@ def _check_against_the_oracle(
     for (epochs, optimizer, transfer_name, ranks, cut), refs in pending:
         what = f"algo={name} loss_agg={agg} {correction} ppo_epochs={epochs} {optimizer} transfer={transfer_name} ranks={ranks} cut={cut}"
         what += f" lora rank={lora.rank}" if lora else ""
-        algo = _algo(name, agg, epochs, correction)
+        algo = _algo(name, agg, epochs, correction, kl_placement)
         system = _collect(refs, algo)
+        # trainer.old_logprobs=auto: the update's own forward gives the old log-probs exactly where
+        # they are the same (the oracle computes them with a forward of their own either way).
+        assert system["old_from_update"] == {_old_logprobs_from_update(algo, cut)}, what
         steps = system["policy_steps"]
         per_epoch = len(steps) // epochs
         for e in range(epochs):  # every epoch's steps partition the rollout
@@ -474,8 +490,40 @@ def _check_against_the_oracle(
     return checked
 
 
+def _old_logprobs_from_update(algo, cut: str) -> bool:
+    """Whether the trainer is to take the old log-probs from the update's forward: one epoch of one
+    optimizer step (the one-step cut) and no KL in the reward (the tiny model has no dropout)."""
+    return algo.ppo_epochs == 1 and cut == "one_step" and not algo.kl_in_reward
+
+
+def test_the_critic_s_update_with_the_old_logprobs_from_the_policy_update_matches_the_oracle(
+    actors, initial_weights, tiny_model_path
+):
+    """PPO with its KL in the loss (the cases above put it in the reward, which reads the old
+    log-probs): its GAE and the critic's update where the update's own forward gives the old
+    log-probs, on each transfer over two ranks, Adam, one epoch of one step; and one fallback."""
+    settings = [(1, "adamw", t, 2, "one_step") for t in TRANSFERS] + [(1, "adamw", "packed", 1, "two_steps")]
+    _check_against_the_oracle(
+        actors, initial_weights, tiny_model_path, "ppo", "token-mean", 0, "tis",
+        settings_of=lambda case: settings, kl_placement="in_loss",
+    )  # fmt: skip
+
+
+def test_the_ci_cases_take_the_old_logprobs_both_ways():
+    """CI's cases run the update with the old log-probs from its own forward (trainer.old_logprobs=auto,
+    where exact) and from the experience phase's forward, with and without LoRA."""
+    for cases, settings_of in ((CI_CASES, _settings), (LORA_CASES, _lora_settings)):
+        ways = {
+            _old_logprobs_from_update(_algo(name, agg, s[0], "tis"), s[4])
+            for name, agg in cases
+            for s in settings_of(cases.index((name, agg)) if cases is LORA_CASES else CASES.index((name, agg)))
+        }
+        assert ways == {True, False}
+
+
 # model.lora: the policy trains its adapters only. Every algo once (loss aggregations rotated), two
-# settings each rotated over transfer x ranks x cut: SGD over two epochs (scale errors) and Adam; the
+# settings each rotated over transfer x ranks x cut: SGD over two epochs (scale errors) and Adam (one
+# epoch on every other case: with the one-step cut, the old log-probs from the update's forward); the
 # critic is a full model and trains as in the cases above. The oracle wraps the same initial model
 # with the same adapters (PEFT, A from the seed, B = 0) and updates them in plain PyTorch.
 LORA_CASES = [(name, LOSS_AGGREGATIONS[i % len(LOSS_AGGREGATIONS)]) for i, name in enumerate(ALGORITHMS)]
@@ -484,7 +532,8 @@ LORA_CASES = [(name, LOSS_AGGREGATIONS[i % len(LOSS_AGGREGATIONS)]) for i, name 
 def _lora_settings(case: int) -> list[tuple]:
     sgd_layout, adam_layout = LAYOUTS[case % len(LAYOUTS)], LAYOUTS[(case + 3) % len(LAYOUTS)]
     cuts = list(CUTS)
-    return [(2, "sgd", *sgd_layout, cuts[case % 2]), (2, "adamw", *adam_layout, cuts[(case + 1) % 2])]
+    adam_epochs = 1 if case % 2 else 2  # (odd cases: Adam's cut is the one-step one)
+    return [(2, "sgd", *sgd_layout, cuts[case % 2]), (adam_epochs, "adamw", *adam_layout, cuts[(case + 1) % 2])]
 
 
 @pytest.mark.parametrize("name,agg", LORA_CASES, ids=[f"{a}-{g}" for a, g in LORA_CASES])

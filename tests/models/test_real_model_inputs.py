@@ -296,33 +296,38 @@ def test_the_dump_reads_as_the_chat_template_renders_the_conversation(tmp_path, 
 
 
 # ----------------------------------------------------------------------------- engine vs trainer
-def test_logprob_agreement_reports_the_mean_and_the_share_over_the_threshold_beside_the_max():
+@pytest.mark.parametrize("measured_by", ["experience", "update"])
+def test_logprob_agreement_reports_the_mean_and_the_share_over_the_threshold_beside_the_max(measured_by):
+    """The same metrics whether the experience phase's forward measured them or, where it was
+    skipped (trainer.old_logprobs), the update's (each rank's stats in one of the two)."""
     exp = [
+        {"advantages_abs_max": 1.0, "response_tokens": 10, "values_sum": 0.0},
+        {"advantages_abs_max": 1.0, "response_tokens": 30, "values_sum": 0.0},
+    ]
+    measured = [
         {
-            "advantages_abs_max": 1.0,
-            "kl_sum": 0.0,
-            "response_tokens": 10,
-            "values_sum": 0.0,
+            "kl_sum": 1.0,
             "logprob_diff_max": 0.3,
             "logprob_diff_sum": 0.5,
             "logprob_diff_tokens": 10,
             "logprob_diff_over": 1,
         },
         {
-            "advantages_abs_max": 1.0,
-            "kl_sum": 0.0,
-            "response_tokens": 30,
-            "values_sum": 0.0,
+            "kl_sum": 3.0,
             "logprob_diff_max": 0.05,
             "logprob_diff_sum": 0.3,
             "logprob_diff_tokens": 30,
             "logprob_diff_over": 0,
         },
     ]
-    m = trainer_metrics(exp, [{"policy_loss": 0.0}], [], False)
+    policy = [{"policy_loss": 0.0}, {"policy_loss": 0.0}]
+    for e, p, m in zip(exp, policy, measured):
+        (e if measured_by == "experience" else p).update(m)
+    m = trainer_metrics(exp, policy, [], True)
     assert m["rollout/logprob_diff_max"] == 0.3
     assert m["rollout/logprob_diff_mean"] == pytest.approx(0.8 / 40)
     assert m["rollout/logprob_diff_over_frac"] == pytest.approx(1 / 40)
+    assert m["kl"] == pytest.approx(4.0 / 40)
 
 
 def test_the_gguf_build_silences_its_progress_bars_without_touching_the_environment(monkeypatch, tmp_path):
