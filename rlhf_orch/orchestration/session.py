@@ -115,13 +115,12 @@ def engine_spec(
     model_path: str,
     pipeline: Any = None,
     lora: LoraSettings | None = None,
-    eval_prompts: int = 0,
 ) -> EngineSpec:
     """What every vLLM engine process needs (its slot's rank is given at start). The pipeline's
-    `rollouts_at_once`: rollouts an engine generates together; with more than one, a weight update
-    lands while requests are in flight and vLLM cannot drop their cached prefixes, which later
-    requests would reuse with the old weights' keys and values: prefix caching is off then.
-    `eval_prompts`: the held-out prompts an evaluation generates for (a CPU KV cache holds them)."""
+    `rollouts_at_once`: rollouts an engine generates together (a CPU KV cache holds them); with more
+    than one, a weight update lands while requests are in flight and vLLM cannot drop their cached
+    prefixes, which later requests would reuse with the old weights' keys and values: prefix caching
+    is off then."""
     rollouts_at_once = getattr(pipeline, "rollouts_at_once", 1)
     return EngineSpec(
         model_path=model_path,
@@ -129,7 +128,7 @@ def engine_spec(
         max_model_len=typed.data.prompt_max_len + typed.data.response_max_len,
         tensor_parallel_size=plan.engine_tp,
         seed=typed.seed,
-        kv_cache_bytes=engine_kv_cache_bytes(typed, plan, rollouts_at_once, eval_prompts),
+        kv_cache_bytes=engine_kv_cache_bytes(typed, plan, rollouts_at_once),
         gpu_memory_utilization=memory_utilization(typed.engine.gpu_memory_utilization, plan),
         sleep_level=sleep_level(typed.engine.sleep_level, plan),
         enable_prefix_caching=typed.engine.enable_prefix_caching and rollouts_at_once == 1,
@@ -141,11 +140,10 @@ def engine_spec(
     )
 
 
-def engine_kv_cache_bytes(
-    typed: RootConfig, plan: PlacementPlan, rollouts_at_once: int, eval_prompts: int
-) -> int | None:
+def engine_kv_cache_bytes(typed: RootConfig, plan: PlacementPlan, rollouts_at_once: int) -> int | None:
     """engine.kv_cache_gb in bytes; null: on GPUs None (vLLM sizes it from gpu_memory_utilization),
-    on CPU what the engine holds at once (`cpu_kv_cache_bytes`; 1 GiB for a model of unknown shape)."""
+    on CPU the training rollouts the engine generates at once (`cpu_kv_cache_bytes`; a held-out
+    evaluation of more runs in waves; 1 GiB for a model of unknown shape)."""
     e = typed.engine
     if e.kv_cache_gb is not None:
         return int(e.kv_cache_gb * 2**30)
@@ -158,13 +156,9 @@ def engine_kv_cache_bytes(
     shape, _ = shape_of(typed.model)
     if shape is None:
         return None  # the engine's CPU_KV_CACHE_UNSIZED_BYTES
-    a, v = typed.algo, typed.eval
-    evaluating = v.enabled
+    a = typed.algo
     sequences = kv_sequences_per_engine(
-        a.rollout_batch_size * a.samples_per_prompt,
-        rollouts_at_once,
-        eval_prompts * v.samples_per_prompt if evaluating else 0,
-        plan.num_ranks("engine"),
+        a.rollout_batch_size * a.samples_per_prompt, rollouts_at_once, plan.num_ranks("engine")
     )
     return cpu_kv_cache_bytes(
         sequences,
@@ -522,9 +516,7 @@ def run_training(
         record,
         specs,
         reward_spec,
-        engine_spec(
-            typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora, len(inputs.eval_prompts)
-        ),
+        engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora),
         stop,
         callbacks,
         run_dir,
