@@ -59,10 +59,12 @@ SLEEP_WHERE_AVAILABLE = -1
 NEVER_SLEEP = 0
 
 
-#: A CPU engine's KV cache when engine.kv_cache_gb is null: every sequence it may hold at once at
-#: its full length (block-rounded), with this headroom, and at least the floor. vLLM's CPU cache is
-#: allocated and written at start, so it is resident memory: the fixed 1 GiB it had before was 1 GB
-#: of the tiny default run's 3.7 GB for a few MB of keys and values (docs/benchmarks.md).
+#: A CPU engine's KV cache when engine.kv_cache_gb is null: every sequence of the training rollouts it
+#: generates at once at full length (block-rounded), with this headroom, and at least the floor.
+#: vLLM's CPU cache is allocated and written at start, so it is resident memory: the fixed 1 GiB it
+#: had before was 1 GB of the tiny default run's 3.7 GB for a few MB of keys and values, and sized
+#: for SmolLM2's held-out evaluation (64 prompts x 4) it was 3.1 GiB where its rollouts need 0.4
+#: (docs/benchmarks.md). A held-out evaluation of more sequences runs in waves.
 CPU_KV_HEADROOM = 1.25
 CPU_KV_CACHE_MIN_BYTES = 64 * 2**20
 #: A CPU engine given no size (an EngineSpec built by hand, a model of unknown shape): vLLM's own
@@ -74,12 +76,15 @@ CPU_KV_CACHE_UNSIZED_BYTES = 2**30
 CPU_MAX_SEQUENCES = 256
 
 
-def kv_sequences_per_engine(rollout_sequences: int, rollouts_at_once: int, eval_sequences: int, engines: int) -> int:
-    """Sequences one engine holds at once at most: its share of the rollouts generated together, or
-    of a held-out evaluation, up to vLLM's max_num_seqs (more arrive later in waves; a smaller
-    cache only makes them wait)."""
-    engines = max(engines, 1)
-    wanted = max(-(-rollout_sequences * rollouts_at_once // engines), -(-eval_sequences // engines), 1)
+def kv_sequences_per_engine(rollout_sequences: int, rollouts_at_once: int, engines: int) -> int:
+    """Sequences one engine's KV cache holds at once: its share of the training rollouts the pipeline
+    generates together, up to vLLM's max_num_seqs. Anything larger -- a held-out evaluation of
+    eval.num_prompts x eval.samples_per_prompt -- runs in waves: vLLM's scheduler admits the requests
+    whose blocks are free and queues the rest. SmolLM2's evaluation (64 prompts x 4, experiment=
+    smollm2_arith) through its rollouts' cache (32 sequences x 1.25): at most 186 sequences at once,
+    no preemption, its greedy tokens identical to one batch of 256's, in the same time (2026-12-02).
+    Sampled answers differ from one batch's: vLLM draws a step's noise for the whole batch at once."""
+    wanted = max(-(-rollout_sequences * rollouts_at_once // max(engines, 1)), 1)
     return min(wanted, CPU_MAX_SEQUENCES)
 
 

@@ -15,8 +15,9 @@ class EngineConfig:
 
     # KV cache of one engine (per GPU of it, per worker of a CPU engine), GiB: vLLM's
     # kv_cache_memory_bytes, which replaces gpu_memory_utilization (leave that null). null: on GPUs
-    # vLLM sizes the cache from gpu_memory_utilization; on CPU it holds every sequence the engine
-    # generates at once at full length, with headroom (rlhf_orch.engines.launch.cpu_kv_cache_bytes).
+    # vLLM sizes the cache from gpu_memory_utilization; on CPU it holds every sequence of the training
+    # rollouts the engine generates at once at full length, with headroom; a held-out evaluation of
+    # more runs in waves (rlhf_orch.engines.launch.cpu_kv_cache_bytes).
     kv_cache_gb: Optional[float] = None
     # Fraction of each engine GPU's memory vLLM may take; null = the engine's planned GPU share
     # (placement.engine_fraction when colocated, 0.9 on GPUs of its own). Validated against the plan.

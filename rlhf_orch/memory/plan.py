@@ -17,7 +17,6 @@ from omegaconf import OmegaConf
 
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.engines.launch import (
-    CPU_MAX_SEQUENCES,
     SLEEP_WHERE_AVAILABLE,
     kv_block_size,
     kv_sequences_per_engine,
@@ -242,10 +241,7 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         enforce_eager=e.enforce_eager,
         sequences_per_engine=-(-a.rollout_batch_size * a.samples_per_prompt // engines),
         kv_sequences=kv_sequences_per_engine(
-            a.rollout_batch_size * a.samples_per_prompt,
-            getattr(typed.pipeline, "max_staleness", 0) + 1,
-            _eval_sequences(typed),
-            engines,
+            a.rollout_batch_size * a.samples_per_prompt, getattr(typed.pipeline, "max_staleness", 0) + 1, engines
         ),
         kv_block_size=kv_block_size(e.block_size, is_cpu=True),  # read by the CPU engine's KV term only
         sync_bucket_bytes=int(getattr(typed.sync, "bucket_mb", 0) * 2**20),
@@ -275,16 +271,6 @@ def _sync_on_gpu(typed: RootConfig, plan: PlacementPlan) -> dict[str, Any]:
         "sync_nccl_senders": frozenset(sync.nccl_senders(ranks, engines)),
         "trainers_default_allocator": bool(sync.shares_cuda_memory),
     }
-
-
-def _eval_sequences(typed: RootConfig) -> int:
-    """Sequences a held-out evaluation generates (eval.num_prompts, or the task's held-out set:
-    data.eval_size where the task has one; a held-out file's size is unknown here: as many as an
-    engine runs at once, the most its cache is given)."""
-    v = typed.eval
-    if not v.enabled:
-        return 0
-    return (v.num_prompts or getattr(typed.data, "eval_size", 0) or CPU_MAX_SEQUENCES) * v.samples_per_prompt
 
 
 def _pipeline_says(typed: RootConfig, attribute: str, default: bool) -> bool:

@@ -8,6 +8,7 @@ from rlhf_orch.memory.fixes import Fix
 from rlhf_orch.memory.plan import GB, MemoryPlan
 from rlhf_orch.memory.terms import ProcessMemory
 from rlhf_orch.topology.plan import text_table
+from rlhf_orch.trainer.deepspeed_config import zero_stage_to_run
 
 # Table columns: the terms of `rlhf_orch.memory.terms` grouped the way people speak of them.
 COLUMNS: dict[str, tuple[str, ...]] = {
@@ -49,13 +50,27 @@ def _row(proc: ProcessMemory, devices: str) -> list[str]:
     return cells
 
 
+def zero_stages_run(plan: MemoryPlan) -> str:
+    """trainer.zero_stage as the plan shows it: "ZeRO-2", and the trained roles of one rank that run
+    it as stage 0 (`zero_stage_to_run`)."""
+    wl = plan.workload
+    ranks: dict[str, int] = {}
+    for p in plan.processes:
+        if p.role in ("actor", "critic"):
+            ranks[p.role] = ranks.get(p.role, 0) + 1
+    lowered = [role for role, n in ranks.items() if zero_stage_to_run(wl.zero_stage, n, wl.offload_optimizer) == 0]
+    if not lowered or wl.zero_stage == 0:
+        return f"ZeRO-{wl.zero_stage}"
+    return f"ZeRO-{wl.zero_stage} (stage 0 for {', '.join(lowered)}: one rank{' each' if len(lowered) > 1 else ''})"
+
+
 def describe(plan: MemoryPlan) -> str:
     wl = plan.workload
     where = "GPU" if wl.on_gpu else "host (CPU)"
     lines = [
         f"memory plan (GB = 1e9 bytes; {where}; model shape from {plan.model}: {plan.shape.policy_params / 1e9:.2f}B "
         f"parameters, {plan.shape.layers} layers, hidden {plan.shape.hidden}, vocab {plan.shape.vocab}; dtype {wl.dtype}, "
-        f"ZeRO-{wl.zero_stage}{', optimizer offload' if wl.offload_optimizer and wl.on_gpu else ''}"
+        f"{zero_stages_run(plan)}{', optimizer offload' if wl.offload_optimizer and wl.on_gpu else ''}"
         f"{', gradient checkpointing' if wl.gradient_checkpointing else ''})",
         "",
     ]

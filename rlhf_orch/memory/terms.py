@@ -9,7 +9,8 @@ work).
 
 The formulas, per role (N = parameters, w = bytes per element of the model dtype, dp = data-parallel
 ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I intermediate, V vocab):
-  * weights        N*w, divided by dp under ZeRO-3
+  * weights        N*w, divided by dp under ZeRO-3 (a role of one rank runs ZeRO-1/2 as stage 0:
+    `rlhf_orch.trainer.deepspeed_config.zero_stage_to_run`)
   * gradients      N*w (+ N*4 fp32 accumulation when w < 4), divided by dp from ZeRO-2 (whose reduce
     bucket of up to 5e8 elements and, at ZeRO-2, a partition in the model's dtype come on top)
   * master weights N*4 when w < 4 (mixed precision), divided by dp from ZeRO-1
@@ -52,6 +53,7 @@ from rlhf_orch.memory.shapes import ModelShape
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.models.options import LoraConfig
 from rlhf_orch.topology.options import PlacementConfig
+from rlhf_orch.trainer.deepspeed_config import zero_stage_to_run
 from rlhf_orch.trainer.options import TrainerConfig
 
 GiB = 2**30
@@ -247,13 +249,14 @@ def checkpoint_load_term(params: int, shape: ModelShape, wl: Workload) -> list[T
 
 
 def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: int, rank: int = 0) -> list[Term]:
-    """Actor or critic rank under DeepSpeed ZeRO, as DeepSpeed allocates it.
+    """Actor or critic rank under DeepSpeed ZeRO, as DeepSpeed allocates it, at the stage the role
+    runs (`zero_stage_to_run`: a role of one rank runs ZeRO-1/2 as stage 0).
 
     From ZeRO-1 DeepSpeed keeps an fp32 partition of the weights (the optimizer's master copy) even
     when the model is float32, and fp32 gradient partitions; ZeRO-2/3 reduce gradients through a
     bucket of up to `REDUCE_BUCKET_ELEMENTS` elements.
     """
-    w, z = wl.w, wl.zero_stage
+    w, z = wl.w, zero_stage_to_run(wl.zero_stage, dp, wl.offload_optimizer)
     shard = lambda nbytes, from_stage: nbytes // dp if z >= from_stage else nbytes  # noqa: E731
     offload = wl.offload_optimizer and wl.on_gpu
     terms = [Term("weights", shard(params * w, 3))]

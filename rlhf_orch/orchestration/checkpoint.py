@@ -172,6 +172,17 @@ def load_resume(
     return ResumePoint(info, state, other + harmless, notes)
 
 
+def checkpoint_zero_stages(state: dict[str, Any]) -> dict[str, int]:
+    """The ZeRO stage each trained role's DeepSpeed state in a checkpoint was written at (DeepSpeed
+    loads a state only into an engine of its stage): as its driver state records it (`zero_stages`),
+    or -- a checkpoint written before a one-rank role ran stage 0 (`zero_stage_to_run`) -- its
+    config's trainer.zero_stage for every role, the stage every role ran then."""
+    if state.get("zero_stages") is not None:
+        return {role: int(stage) for role, stage in state["zero_stages"].items()}
+    configured = int(_at(state["config"], "trainer.zero_stage") or 0)
+    return {"actor": configured, "critic": configured}
+
+
 def _within_the_staleness_bound(
     resume: str, info: CheckpointInfo, state: dict[str, Any], config: dict[str, Any]
 ) -> list[str]:

@@ -25,10 +25,20 @@ class RunRecord:
     """Metrics so far (a resumed run's included), where checkpoints go and which was last."""
 
     def __init__(
-        self, run_dir: Path, typed: RootConfig, config_dict: dict, logger: Any, task: Any, resume: ResumePoint | None
+        self,
+        run_dir: Path,
+        typed: RootConfig,
+        config_dict: dict,
+        logger: Any,
+        task: Any,
+        resume: ResumePoint | None,
+        zero_stages: dict[str, int] | None = None,
     ):
         ck = typed.checkpoint
         self.run_dir, self.typed, self.config_dict, self.logger, self.task = run_dir, typed, config_dict, logger, task
+        # The ZeRO stage each trained role runs (its TrainerSpec's), written with every checkpoint:
+        # the stage a resumed run must load it at.
+        self.zero_stages = dict(zero_stages or {})
         # Under a shared checkpoint.dir, this run's own directory: other runs' saves and rotations never touch it.
         self.store = CheckpointStore(run_checkpoint_root(run_dir, ck.dir), ck.keep_last)
         if resume is not None:
@@ -162,6 +172,7 @@ class RunRecord:
             "metrics": json.loads(json.dumps([m for m in self.history if m.get("step", 0) <= step])),
             "logger_run_id": getattr(self.logger, "run_id", None),
             "config": self.config_dict,
+            "zero_stages": dict(self.zero_stages),  # (checkpoint.checkpoint_zero_stages)
         }
         manifest = {
             "weight_version": driver["weight_version"],

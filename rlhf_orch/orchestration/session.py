@@ -29,7 +29,13 @@ from rlhf_orch.orchestration.actors import (
 )
 from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR, ResumeError, find_checkpoint
-from rlhf_orch.orchestration.checkpoint import ResumePoint, export_policy, load_resume, restore_trainers
+from rlhf_orch.orchestration.checkpoint import (
+    ResumePoint,
+    checkpoint_zero_stages,
+    export_policy,
+    load_resume,
+    restore_trainers,
+)
 from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
 from rlhf_orch.orchestration.errors import ActorDiedError, ActorTimeoutError, EngineRestartBudgetError
 from rlhf_orch.orchestration.loop import LoopSettings, TrainLoop, non_finite
@@ -45,24 +51,34 @@ from rlhf_orch.orchestration.run_record import RunRecord
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
 from rlhf_orch.rng import set_rng_state
 from rlhf_orch.topology.plan import PlacementPlan
+from rlhf_orch.trainer.deepspeed_config import zero_stage_to_run
 from rlhf_orch.trainer.spec import TrainerSpec
 
 
 def trainer_specs(
-    cfg: RootConfig, plan: PlacementPlan, model_path: str, pad_id: int, lora: LoraSettings | None = None
+    cfg: RootConfig,
+    plan: PlacementPlan,
+    model_path: str,
+    pad_id: int,
+    lora: LoraSettings | None = None,
+    checkpoint_stages: dict[str, int] | None = None,
 ) -> dict[str, TrainerSpec]:
     """Per trainer role, what its processes need (roles the algorithm has no use for get none).
-    `lora`: the model option's adapters (model.lora), trained by the policy only."""
+    `lora`: the model option's adapters (model.lora), trained by the policy only. The ZeRO stage
+    each role runs (`zero_stage_to_run`), or where `checkpoint_stages` (the resumed checkpoint's,
+    `checkpoint.checkpoint_zero_stages`) names it, the stage its DeepSpeed state was written at."""
     a, t = cfg.algo, cfg.trainer
 
     def spec(role: str, lr: float) -> TrainerSpec:
+        dp = max(len(plan.slots_for(role)), 1)
+        stage = zero_stage_to_run(t.zero_stage, dp, t.offload_optimizer)
         return TrainerSpec(
             model_path=model_path,
             dtype=cfg.model.dtype,
-            zero_stage=t.zero_stage,
+            zero_stage=(checkpoint_stages or {}).get(role, stage),
             micro_batch_size=a.micro_batch_size,
             train_batch_size=a.train_batch_size,
-            data_parallel_size=max(len(plan.slots_for(role)), 1),
+            data_parallel_size=dp,
             pad_id=pad_id,
             temperature=a.temperature,
             lr=lr,
@@ -116,14 +132,13 @@ def engine_spec(
     model_path: str,
     pipeline: Any = None,
     lora: LoraSettings | None = None,
-    eval_prompts: int = 0,
 ) -> EngineSpec:
     """What every vLLM engine process needs (its slot's rank is given at start). The pipeline's
-    `rollouts_at_once`: rollouts an engine generates together. With more than one (async) a weight
-    update lands while requests are in flight; publishing it drops every cached block, the running
-    requests' too (vLLM recomputes them: `WeightReceiving.publish`), so prefix caching stays on: a
-    request started after an update reuses no keys or values of the old weights.
-    `eval_prompts`: the held-out prompts an evaluation generates for (a CPU KV cache holds them)."""
+    `rollouts_at_once`: rollouts an engine generates together (a CPU KV cache holds them). With more
+    than one (async) a weight update lands while requests are in flight; publishing it drops every
+    cached block, the running requests' too (vLLM recomputes them: `WeightReceiving.publish`), so
+    prefix caching stays on: a request started after an update reuses no keys or values of the old
+    weights."""
     rollouts_at_once = getattr(pipeline, "rollouts_at_once", 1)
     return EngineSpec(
         model_path=model_path,
@@ -131,7 +146,7 @@ def engine_spec(
         max_model_len=typed.data.prompt_max_len + typed.data.response_max_len,
         tensor_parallel_size=plan.engine_tp,
         seed=typed.seed,
-        kv_cache_bytes=engine_kv_cache_bytes(typed, plan, rollouts_at_once, eval_prompts),
+        kv_cache_bytes=engine_kv_cache_bytes(typed, plan, rollouts_at_once),
         gpu_memory_utilization=memory_utilization(typed.engine.gpu_memory_utilization, plan),
         sleep_level=sleep_level(typed.engine.sleep_level, plan),
         enable_prefix_caching=typed.engine.enable_prefix_caching,
@@ -144,11 +159,10 @@ def engine_spec(
     )
 
 
-def engine_kv_cache_bytes(
-    typed: RootConfig, plan: PlacementPlan, rollouts_at_once: int, eval_prompts: int
-) -> int | None:
+def engine_kv_cache_bytes(typed: RootConfig, plan: PlacementPlan, rollouts_at_once: int) -> int | None:
     """engine.kv_cache_gb in bytes; null: on GPUs None (vLLM sizes it from gpu_memory_utilization),
-    on CPU what the engine holds at once (`cpu_kv_cache_bytes`; 1 GiB for a model of unknown shape)."""
+    on CPU the training rollouts the engine generates at once (`cpu_kv_cache_bytes`; a held-out
+    evaluation of more runs in waves; 1 GiB for a model of unknown shape)."""
     e = typed.engine
     if e.kv_cache_gb is not None:
         return int(e.kv_cache_gb * 2**30)
@@ -161,13 +175,9 @@ def engine_kv_cache_bytes(
     shape, _ = shape_of(typed.model)
     if shape is None:
         return None  # the engine's CPU_KV_CACHE_UNSIZED_BYTES
-    a, v = typed.algo, typed.eval
-    evaluating = v.enabled
+    a = typed.algo
     sequences = kv_sequences_per_engine(
-        a.rollout_batch_size * a.samples_per_prompt,
-        rollouts_at_once,
-        eval_prompts * v.samples_per_prompt if evaluating else 0,
-        plan.num_ranks("engine"),
+        a.rollout_batch_size * a.samples_per_prompt, rollouts_at_once, plan.num_ranks("engine")
     )
     return cpu_kv_cache_bytes(
         sequences,
@@ -503,10 +513,21 @@ def run_training(
     ck = typed.checkpoint
     inputs: RunInputs = prepare_inputs(cfg, typed)
     resume = load_resume_point(typed, run_dir, config_dict, inputs.task)
-    record = RunRecord(run_dir, typed, config_dict, instantiate(cfg.logger), inputs.task, resume)
+    written_at = checkpoint_zero_stages(resume.state) if resume else None
+    specs = trainer_specs(typed, plan, inputs.model_path, inputs.tokenizer.pad_token_id, inputs.model.lora, written_at)
+    zero_stages = {role: s.zero_stage for role, s in specs.items() if role in ("actor", "critic")}
+    record = RunRecord(run_dir, typed, config_dict, instantiate(cfg.logger), inputs.task, resume, zero_stages)
+    for role, stage in zero_stages.items():
+        if stage != zero_stage_to_run(
+            typed.trainer.zero_stage, specs[role].data_parallel_size, specs[role].offload_optimizer
+        ):
+            print(
+                f"resume: the {role} runs ZeRO-{stage}, the stage its checkpoint was written at (a new run "
+                "runs a one-rank role at stage 0, without ZeRO's fp32 copy of the weights)",
+                flush=True,
+            )
     for line in inputs.notes:
         print(line, flush=True)
-    specs = trainer_specs(typed, plan, inputs.model_path, inputs.tokenizer.pad_token_id, inputs.model.lora)
     reward_spec = None
     if inputs.reward_model_path:
         reward_spec = replace(
@@ -525,9 +546,7 @@ def run_training(
         record,
         specs,
         reward_spec,
-        engine_spec(
-            typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora, len(inputs.eval_prompts)
-        ),
+        engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora),
         stop,
         callbacks,
         run_dir,

@@ -5,6 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 
+def zero_stage_to_run(configured: int, data_parallel_size: int, offload_optimizer: bool) -> int:
+    """The ZeRO stage a trained role's DeepSpeed engine runs: trainer.zero_stage, except stage 0 for
+    ZeRO-1 and ZeRO-2 on a role of one rank without optimizer offload (which needs ZeRO). With one
+    rank there is nothing to partition, and ZeRO-1/2 only add a flat fp32 copy of the weights and
+    gradient buckets beside the model's own (1.1 GB on SmolLM2 in float32); stage 0 is DeepSpeed's
+    plain optimizer path, the same update (tests/algo/test_oracle_matrix.py runs its one-rank cases
+    so). ZeRO-3 is kept as set: it is what the sharded-parameter paths (the sync's gathers, a
+    reference sharded in the policy's process) run with, and what a one-rank test of them asks for."""
+    if data_parallel_size == 1 and configured in (1, 2) and not offload_optimizer:
+        return 0
+    return configured
+
+
 def deepspeed_config(
     *,
     zero_stage: int,

@@ -19,6 +19,9 @@ OLD_LOGPROBS_MODES = ("auto", "forward")
 class TrainerConfig:
     """DeepSpeed settings shared by actor and critic."""
 
+    # DeepSpeed ZeRO stage of the trained roles (conf/config.yaml sets 2). A role of one rank runs 1
+    # and 2 as stage 0 unless its optimizer is offloaded: nothing to partition, and ZeRO's flat fp32
+    # copy of the weights and gradient buckets would be held for nothing (zero_stage_to_run).
     zero_stage: int = 0
     # Optimizer states, fp32 master weights and gradients in host memory (DeepSpeed ZeRO-Offload):
     # GPU memory for slower steps. GPU layouts only (on CPU they are in host memory already).

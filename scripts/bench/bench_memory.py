@@ -4,7 +4,9 @@ For each configuration the plan (`rlhf_orch.memory`) is made exactly as `python 
 then the run itself is started (`run.py`, a few steps) while a poller reads `VmHWM` (the kernel's
 RSS high-water mark) of every process it started: Ray's actor processes by their title
 (`ray::PolicyWorker` -> actor, ...), the driver row = run.py plus Ray's own daemons (raylet, GCS,
-idle workers). Per process: predicted, measured, error = (predicted - measured) / measured.
+idle workers). Per process: predicted, measured, error = (predicted - measured) / measured, and
+beside it the process's sampled PSS peak (its shared pages -- libraries, the checkpoint file --
+split between the processes that map them), with the run's summed PSS peak per configuration.
 
 Configurations: the tiny model at ZeRO-2 and ZeRO-3, colocated and split on Ray logical GPUs, a long
 context (8k tokens), and a model with Qwen2.5-0.5B's shape (its config.json, random weights, built
@@ -34,12 +36,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from process_memory import pss_bytes
 from rlhf_orch.config.schema import register_configs
 from rlhf_orch.memory.check import check_memory
 from rlhf_orch.memory.shapes import KNOWN_CONFIGS
@@ -54,6 +58,7 @@ SHORT_RUN = [
     "checkpoint.export_final=false",
     "logger.plot_every_n_steps=0",
 ]
+PSS_EVERY_S = 1.0  # (a run's ~15 processes: ~0.1-0.2 s to read on this 2-core machine)
 ROLE_OF_ACTOR_CLASS = {
     "VLLMEngine": "engine",
     "PolicyWorker": "actor",
@@ -175,11 +180,16 @@ def _hwm_bytes(pid: int) -> int:
 
 
 class Poller(threading.Thread):
-    """VmHWM of every process under the run (polled: a process's last value before it exits counts)."""
+    """VmHWM of every process under the run (polled: a process's last value before it exits counts),
+    and its PSS (the kernel keeps no high-water mark of it: the peak of samples every
+    `PSS_EVERY_S`, ~100x the cost of reading VmHWM; scripts/bench/process_memory.py), per process and
+    summed over the run's processes."""
 
     def __init__(self, root_pid: int):
         super().__init__(daemon=True)
         self.root_pid, self.peaks, self.titles, self.done = root_pid, {}, {}, False
+        self.pss_peaks: dict[int, int] = {}  # pid -> its sampled PSS peak
+        self.peak_pss_sum = 0  # the peak of the summed PSS of every process of the run at once
         self.parents: dict[int, int] = {}  # pid -> parent pid, as seen while polling
         # The host's used memory (total - available, what Ray's memory monitor watches), above what
         # was used before the run started.
@@ -192,12 +202,20 @@ class Poller(threading.Thread):
         return vm.total - vm.available
 
     def run(self) -> None:
+        last_pss = -float("inf")
         while not self.done:
             try:
                 procs = [psutil.Process(self.root_pid), *psutil.Process(self.root_pid).children(recursive=True)]
             except psutil.Error:
                 break
             self.peak_used = max(self.peak_used, self._used() - self.baseline_used)
+            if time.monotonic() - last_pss >= PSS_EVERY_S:
+                last_pss, pss_sum = time.monotonic(), 0
+                for proc in procs:
+                    pss = pss_bytes(proc.pid) or 0
+                    pss_sum += pss
+                    self.pss_peaks[proc.pid] = max(self.pss_peaks.get(proc.pid, 0), pss)
+                self.peak_pss_sum = max(self.peak_pss_sum, pss_sum)
             for proc in procs:
                 try:
                     self.parents.setdefault(proc.pid, proc.ppid())
@@ -229,11 +247,12 @@ class Poller(threading.Thread):
                 return pid
         return None
 
-    def by_role(self) -> dict[str, float]:
-        """role+index -> peak bytes of that actor's own process; '<role><index> helpers' -> the summed
-        peaks of the short-lived processes it starts (torch inductor's compile and ISA checks under a
+    def by_role(self, pss: bool = False) -> dict[str, float]:
+        """role+index -> peak bytes (VmHWM; `pss`: the sampled PSS peak) of that actor's own process;
+        '<role><index> helpers' -> the summed peaks of the short-lived processes it starts (torch inductor's compile and ISA checks under a
         CPU vLLM engine: how many the poller catches alive depends on the machine's load, so they are
         reported apart, not planned); 'driver' -> everything else (run.py and Ray's own daemons)."""
+        peaks = self.pss_peaks if pss else self.peaks
         measured, counts, names = {"driver": 0}, {}, {}
         for pid in sorted(self.peaks):
             role = self._role(pid)
@@ -241,13 +260,13 @@ class Poller(threading.Thread):
                 index = counts.get(role, 0)
                 counts[role] = index + 1
                 names[pid] = f"{role}{index}"
-                measured[names[pid]] = self.peaks[pid]
+                measured[names[pid]] = peaks.get(pid, 0)
         for pid in sorted(self.peaks):
             if self._role(pid) is not None:
                 continue
             owner = self._role_ancestor(pid)
             key = f"{names[owner]} helpers" if owner in names else "driver"
-            measured[key] = measured.get(key, 0) + self.peaks[pid]
+            measured[key] = measured.get(key, 0) + peaks.get(pid, 0)
         return measured
 
 
@@ -266,9 +285,10 @@ def run_polled(overrides: list[str], run_dir: Path) -> tuple[Poller, int, str]:
     return poller, proc.returncode, out
 
 
-def measure(overrides: list[str], run_dir: Path) -> tuple[dict[str, float], int, int]:
+def measure(overrides: list[str], run_dir: Path) -> tuple[dict[str, float], dict[str, float], int, int, int]:
+    """(VmHWM per process, sampled PSS peak per process, exit code, host memory used, peak summed PSS)."""
     poller, returncode, _ = run_polled([*overrides, *SHORT_RUN], run_dir)
-    return poller.by_role(), returncode, poller.peak_used
+    return poller.by_role(), poller.by_role(pss=True), returncode, poller.peak_used, poller.peak_pss_sum
 
 
 def main() -> None:
@@ -296,7 +316,7 @@ def main() -> None:
     rows, errors, role_errors, hosts, helpers = [], [], [], [], []
     for name in chosen:
         pred, need, capacity = predicted(configs[name])
-        meas, rc, used = measure(configs[name], work / "runs" / name)
+        meas, meas_pss, rc, used, pss_sum = measure(configs[name], work / "runs" / name)
         fits = need <= capacity
         # A plan that does not fit is run anyway (launcher.memory_check=warn): does the run agree?
         hosts.append(
@@ -306,13 +326,14 @@ def main() -> None:
                 "host_capacity_gb": round(capacity / GB, 2),
                 "plan_fits": fits,
                 "host_used_gb": round(used / GB, 2),
+                "summed_pss_gb": round(pss_sum / GB, 2),
                 "exit": rc,
             }
         )
         verdict = "fits" if fits else "does NOT fit"
         print(
             f"{name:22s} host        need      {need / GB:6.2f} GB  of {capacity / GB:.2f} GB ({verdict})  used {used / GB:6.2f} GB  "
-            f"(above the machine's use before the run)  exit {rc}",
+            f"(above the machine's use before the run)  summed PSS {pss_sum / GB:6.2f} GB  exit {rc}",
             flush=True,
         )
         for proc in sorted(pred, key=lambda k: (k != "driver", k)):
@@ -322,18 +343,21 @@ def main() -> None:
                 errors.append(abs(err))
                 if proc != "driver":
                     role_errors.append(abs(err))
-            rows.append((name, proc, pred[proc] / GB, m / GB, err, rc))
+            rows.append((name, proc, pred[proc] / GB, m / GB, err, rc, meas_pss.get(proc, 0) / GB))
             print(
-                f"{name:22s} {proc:11s} predicted {pred[proc] / GB:6.2f} GB  measured {m / GB:6.2f} GB  error {err:+.1%}  (exit {rc})",
+                f"{name:22s} {proc:11s} predicted {pred[proc] / GB:6.2f} GB  measured {m / GB:6.2f} GB  error {err:+.1%}  "
+                f"PSS {meas_pss.get(proc, 0) / GB:6.2f} GB  (exit {rc})",
                 flush=True,
             )
         for proc in sorted(k for k in meas if k.endswith(" helpers")):
             print(f"{name:22s} {proc:11s} (not planned: short-lived) measured {meas[proc] / GB:6.2f} GB", flush=True)
             helpers.append({"config": name, "process": proc, "measured_gb": round(meas[proc] / GB, 3)})
     print()
-    print(f"{'configuration':22s} {'process':11s} {'predicted GB':>12s} {'measured GB':>12s} {'error':>8s}")
-    for name, proc, p, m, err, rc in rows:
-        print(f"{name:22s} {proc:11s} {p:12.2f} {m:12.2f} {err:+8.1%}")
+    print(
+        f"{'configuration':22s} {'process':11s} {'predicted GB':>12s} {'measured GB':>12s} {'error':>8s} {'PSS GB':>8s}"
+    )
+    for name, proc, p, m, err, rc, pss in rows:
+        print(f"{name:22s} {proc:11s} {p:12.2f} {m:12.2f} {err:+8.1%} {pss:8.2f}")
     result = {
         "benchmark": "memory_plan",
         "configurations": chosen,
@@ -346,8 +370,15 @@ def main() -> None:
         "hosts": hosts,
         "helpers": helpers,
         "rows": [
-            {"config": n, "process": pr, "predicted_gb": round(p, 3), "measured_gb": round(m, 3), "exit": rc}
-            for n, pr, p, m, _, rc in rows
+            {
+                "config": n,
+                "process": pr,
+                "predicted_gb": round(p, 3),
+                "measured_gb": round(m, 3),
+                "measured_pss_gb": round(pss, 3),
+                "exit": rc,
+            }
+            for n, pr, p, m, _, rc, pss in rows
         ],
     }
     print(json.dumps(result))

@@ -10,7 +10,8 @@ Per model, setting, seed and system, the whole command is run as its own process
 from outside: time from the command to the first finished step (`startup_s`), wall per step after
 `--skip` warm-up steps (held-out evaluations left out, on both sides), generation tokens/s, trained
 tokens/s (response tokens / wall per step), peak memory of all its processes (the sum of their RSS,
-sampled every 0.2 s: Ray's GCS, raylet and workers included), the reward of every step and the
+sampled every 0.2 s, and the sum of their PSS, every 1 s: Ray's GCS, raylet and workers included;
+`process_memory.py`), the reward of every step and the
 held-out score (before training and every few steps: the same prompts, samples per prompt,
 temperature and reward on both sides) against steps and against training wall seconds.
 
@@ -34,7 +35,9 @@ and per wall second) and summary.json to --out, and ends with one JSON line:
 speedup_vs_trl_<setting> (tiny; goals >= 1.0 default, >= 1.0 generation-heavy) or
 speedup_vs_trl_real_<setting> (SmolLM2; goals >= 1.3 default, >= 2.0 generation-heavy), each also
 `_identical`, reward_per_wall_s_ours / _trl (held-out score gained per training wall second,
-per seed), startup_s_ours (tiny default goal <= 12), peak_gb_ours (tiny default goal <= 2.5),
+per seed), startup_s_ours (tiny default goal <= 12), peak_gb_ours (summed RSS; tiny default goal
+<= 2.5) and peak_pss_gb_ours / _trl (summed PSS: a library or file page shared by several processes
+counted once),
 reward_last_ours / _trl, overhead_vs_parts (tiny).
 """
 
@@ -47,14 +50,15 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from process_memory import ProcessTreeMemory
 from rlhf_orch.logging.base import read_metrics
 
 _HELD_OUT = ["eval.before_train=true", "eval.temperature=1.0"]
@@ -146,43 +150,10 @@ TORCH_THREADS_TRAINER = 1  # the bare parts' trainer thread (rlhf_orch's default
 
 
 # --------------------------------------------------------------------------- measuring a command
-class ProcessTreeMemory:
-    """Peak of the summed RSS of a process and all its descendants, sampled in a thread."""
-
-    def __init__(self, pid: int, every_s: float = 0.2) -> None:
-        import psutil
-
-        self._root, self.peak_bytes, self._stop = psutil.Process(pid), 0, threading.Event()
-        self._thread = threading.Thread(target=self._sample, args=(every_s,), daemon=True)
-        self._thread.start()
-
-    def _sample(self, every_s: float) -> None:
-        import psutil
-
-        while not self._stop.is_set():
-            try:
-                procs = [self._root, *self._root.children(recursive=True)]
-            except psutil.Error:
-                return
-            total = 0
-            for p in procs:
-                try:
-                    total += p.memory_info().rss
-                except psutil.Error:
-                    pass
-            self.peak_bytes = max(self.peak_bytes, total)
-            self._stop.wait(every_s)
-
-    def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return self.peak_bytes / 2**30
-
-
 def measure(cmd: list[str], is_step_line, log: Path, keep=lambda line: False) -> dict[str, Any]:
     """Run `cmd`; the time of its first finished step (first stdout line `is_step_line` accepts),
-    its step lines (and the lines `keep` accepts, in order), peak memory and wall time. Output is
-    kept in `log`."""
+    its step lines (and the lines `keep` accepts, in order), peak memory (summed RSS and summed PSS
+    of its process tree, GiB) and wall time. Output is kept in `log`."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -206,7 +177,15 @@ def measure(cmd: list[str], is_step_line, log: Path, keep=lambda line: False) ->
     peak = memory.stop()
     if code != 0:
         raise SystemExit(f"failed (exit {code}): {' '.join(cmd)}\n  see {log}")
-    return {"startup_s": first, "steps": steps, "kept": kept, "peak_gb": peak, "wall_s": time.perf_counter() - t0}
+    return {
+        "startup_s": first,
+        "steps": steps,
+        "kept": kept,
+        "peak_gb": peak,
+        "peak_pss_gb": memory.peak_pss_gb,
+        "memory": memory.report(),
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 # --------------------------------------------------------------------------- the shared inputs
@@ -318,6 +297,8 @@ def run_ours(name: str, overrides: list[str], steps: int, seed: int, out: Path, 
         "overrides": overrides,
         "startup_s": m["startup_s"] - before,
         "peak_gb": m["peak_gb"],
+        "peak_pss_gb": m["peak_pss_gb"],
+        "memory": m["memory"],
         "wall_per_step_s": wall,
         "gen_tokens_per_s": sum(tokens) / sum(r["time/generate"] for r in steady),
         "trained_tokens_per_s": statistics.mean(tokens) / wall,
@@ -365,6 +346,8 @@ def run_trl(spec: dict, name: str, seed: int, out: Path, skip: int, generation: 
         "generation": generation,
         "startup_s": m["startup_s"] - before,
         "peak_gb": m["peak_gb"],
+        "peak_pss_gb": m["peak_pss_gb"],
+        "memory": m["memory"],
         "wall_per_step_s": wall,
         "gen_tokens_per_s": sum(r["gen_tokens"] for r in steady) / sum(r["gen_s"] for r in steady),
         "trained_tokens_per_s": statistics.mean(r["trained_tokens"] for r in steady) / wall,
@@ -581,7 +564,7 @@ def main() -> None:
     print(f"\nrlhf_orch vs TRL {trl.__version__} (GRPO, {model['label']}; machine: {os.cpu_count()} cores, no GPU)")
     header = (
         f"{'setting':17s}{'system':15s}{'seed':>5s}{'startup s':>10s}{'s/step':>8s}{'gen tok/s':>10s}{'train tok/s':>12s}"
-        f"{'peak GB':>8s}{'resp len':>9s}{'reward last':>12s}{'held-out':>18s}{'gain/wall s':>12s}"
+        f"{'peak GB':>8s}{'PSS GB':>8s}{'resp len':>9s}{'reward last':>12s}{'held-out':>18s}{'gain/wall s':>12s}"
     )
     print(header)
     print("-" * len(header))
@@ -592,7 +575,7 @@ def main() -> None:
                 gain = gain_per_wall_s(r)
                 print(
                     f"{name:17s}{system:15s}{seed:5d}{r['startup_s']:10.1f}{r['wall_per_step_s']:8.3f}{r['gen_tokens_per_s']:10.0f}"
-                    f"{r['trained_tokens_per_s']:12.0f}{r['peak_gb']:8.2f}{r['response_len']:9.1f}{statistics.mean(r['rewards'][-LAST:]):12.3f}"
+                    f"{r['trained_tokens_per_s']:12.0f}{r['peak_gb']:8.2f}{r['peak_pss_gb']:8.2f}{r['response_len']:9.1f}{statistics.mean(r['rewards'][-LAST:]):12.3f}"
                     f"{held:>18s}{(f'{gain:.2e}' if gain is not None else '-'):>12s}"
                 )
     print("\nour step's phases (median seconds; other = step - generate - hand-over - experience - train - sync)")
@@ -665,6 +648,8 @@ def main() -> None:
             "startup_s_trl": round(mean_of(first, "trl", "startup_s"), 2),
             "peak_gb_ours": round(mean_of(first, ours[first], "peak_gb"), 2),
             "peak_gb_trl": round(mean_of(first, "trl", "peak_gb"), 2),
+            "peak_pss_gb_ours": round(mean_of(first, ours[first], "peak_pss_gb"), 2),
+            "peak_pss_gb_trl": round(mean_of(first, "trl", "peak_pss_gb"), 2),
             "reward_last_ours": summary[f"reward_last_ours_{first}"],
             "reward_last_trl": summary[f"reward_last_trl_{first}"],
             "reward_per_wall_s_ours": summary[f"reward_per_wall_s_ours_{first}"],

@@ -3,7 +3,8 @@
 For each `algo` option x each `algo.loss_agg` x each `transfer` option x 1 and 2 policy ranks x two
 micro-batch / `train_batch_size` cuts, `ppo_epochs` 2 with plain SGD (and 1 and 2 with Adam on a
 rotation of transfer x ranks, `_settings`), one update through the real system -- the transfer strategy's own layout, real `PolicyWorker` / `CriticWorker` Ray actors
-running DeepSpeed ZeRO-2 over gloo -- on a fixed rollout must give the weights and the logged
+running DeepSpeed ZeRO-2 over gloo (one rank: stage 0, as a run runs it, `zero_stage_to_run`) -- on
+a fixed rollout must give the weights and the logged
 metrics of `rlhf_orch.algo.oracle.reference_update`, which is the same update written plainly
 (no micro-batches, no ranks, no packing). The engines add nothing here (the rollout is fixed), so
 none is started: one Ray session, six trainer actors, the tiny model, each actor rebuilt from the
@@ -52,6 +53,7 @@ from rlhf_orch.trainer.forward import load_critic, load_policy
 from rlhf_orch.trainer.lora import AdapterWeights, apply_lora
 from rlhf_orch.trainer.metrics import trainer_metrics
 from rlhf_orch.trainer.critic import CriticWorker
+from rlhf_orch.trainer.deepspeed_config import zero_stage_to_run
 from rlhf_orch.trainer.policy import PolicyWorker
 from rlhf_orch.trainer.spec import TrainerSpec
 from rlhf_orch.transfer.batch import LOSS_MASK, TURN_REWARDS, Sample
@@ -163,7 +165,7 @@ def _spec(
     return TrainerSpec(
         model_path=model_path,
         dtype="float32",
-        zero_stage=2,
+        zero_stage=zero_stage_to_run(2, ranks, offload_optimizer=False),  # one rank: stage 0, as a run
         micro_batch_size=micro,
         train_batch_size=train_batch,
         data_parallel_size=ranks,

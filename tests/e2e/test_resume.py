@@ -206,6 +206,48 @@ def test_zero3_two_policy_ranks_one_step_off_resume_exactly(tmp_path, shared_ray
     assert _comparable(_metrics(cut)) == _comparable(_metrics(whole))
 
 
+# ~30 s: two short in-process runs (2 steps, and 1 resumed) in the module's Ray session.
+def test_a_one_rank_checkpoint_written_at_zero2_resumes_at_zero2_bit_for_bit(tmp_path, shared_ray, monkeypatch, capsys):
+    """A policy of one rank runs trainer.zero_stage=2 as stage 0 (`zero_stage_to_run`); before, it ran
+    ZeRO-2, and DeepSpeed loads a state only into an engine of the stage it was written at. Such a
+    checkpoint -- its driver state names no stages -- resumes at ZeRO-2, saying so, and the resumed
+    run is the one that wrote it, bit for bit."""
+    from rlhf_orch.orchestration import session
+
+    overrides = [
+        "algo=grpo",
+        "algo.num_steps=2",
+        "checkpoint.every_n_steps=1",
+        "checkpoint.export_final=false",
+        *shared_ray,
+        "launcher.keep_actors=false",
+    ]
+    cfg = compose_config(overrides)
+    launcher = instantiate(cfg.launcher)
+    typed, plan = check(cfg, launcher)
+    whole = tmp_path / "whole"
+    with monkeypatch.context() as earlier:  # the rule before: every role ran trainer.zero_stage
+        earlier.setattr(session, "zero_stage_to_run", lambda configured, ranks, offload: configured)
+        run_training(cfg, typed, plan, launcher, whole)
+    cut = tmp_path / "cut"
+    shutil.copytree(whole / "checkpoints" / "step_00000001", cut / "checkpoints" / "step_00000001")
+    (cut / "metrics.jsonl").write_text((whole / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    driver = cut / "checkpoints" / "step_00000001" / "driver.pt"
+    state = torch.load(driver, weights_only=False)
+    assert state.pop("zero_stages") == {"actor": 2}
+    torch.save(state, driver)  # as a checkpoint of that time was written
+    capsys.readouterr()
+    cfg = compose_config([*overrides, f"resume={cut}"])
+    typed, plan = check(cfg, launcher)
+    assert run_training(cfg, typed, plan, launcher, cut)["status"] == "completed"
+    assert "resume: the actor runs ZeRO-2, the stage its checkpoint was written at" in capsys.readouterr().out
+    assert _comparable(_metrics(cut)) == _comparable(_metrics(whole))
+    # The resumed run's own checkpoint says the stage it was written at.
+    assert torch.load(cut / "checkpoints" / "step_00000002" / "driver.pt", weights_only=False)["zero_stages"] == {
+        "actor": 2
+    }
+
+
 @pytest.mark.own_processes
 def test_sigterm_during_start_up_stops_before_the_first_step_with_exit_143(tmp_path):
     """Slurm's SIGTERM while Ray and the actors start: the start-up is given up at once (the actors

@@ -378,8 +378,9 @@ def test_gpu_extra_pins_the_supported_vllm():
 
 def test_the_kv_cache_is_the_configured_size_or_on_cpu_what_the_engine_holds_at_once():
     """engine.kv_cache_gb: vLLM's kv_cache_memory_bytes (per GPU, per CPU worker); null: vLLM sizes
-    it from gpu_memory_utilization on GPUs, and on CPU it is every sequence an engine holds at once
-    at full length (a rollout's share, rollouts generated together, an evaluation) with headroom."""
+    it from gpu_memory_utilization on GPUs, and on CPU it is every sequence of the training rollouts
+    an engine generates at once at full length (its share, rollouts generated together) with
+    headroom; a held-out evaluation of more runs in waves."""
     from vllm.engine.arg_utils import EngineArgs
 
     from rlhf_orch.engines.launch import (
@@ -391,8 +392,8 @@ def test_the_kv_cache_is_the_configured_size_or_on_cpu_what_the_engine_holds_at_
 
     assert kv_cache_args(int(6.5 * 2**30)) == {"kv_cache_memory_bytes": int(6.5 * 2**30)} and kv_cache_args(None) == {}
     assert set(kv_cache_args(1)) <= set(EngineArgs.__dataclass_fields__)  # a vLLM argument, by that name
-    assert kv_sequences_per_engine(128, 1, 0, 1) == 128 and kv_sequences_per_engine(128, 2, 0, 2) == 128
-    assert kv_sequences_per_engine(32, 1, 256, 1) == 256  # an evaluation of 64 prompts x 4
+    assert kv_sequences_per_engine(128, 1, 1) == 128 and kv_sequences_per_engine(128, 2, 2) == 128
+    assert kv_sequences_per_engine(512, 1, 1) == 256  # vLLM's max_num_seqs on CPU
     # SmolLM2 (30 layers x 3 KV heads x 64 x 2 x 4 bytes = 46080 B a token), 32 sequences of 208 -> 224 tokens
     assert cpu_kv_cache_bytes(32, 208, 46080, 1, 32) == int(32 * 224 * 46080 * 1.25)
     assert cpu_kv_cache_bytes(32, 208, 46080, 2, 32) == int(32 * 224 * 46080 * 1.25) // 2

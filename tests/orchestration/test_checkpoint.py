@@ -23,7 +23,13 @@ from rlhf_orch.checkpoint_dirs import (
     run_checkpoint_root,
     run_dir_of,
 )
-from rlhf_orch.orchestration.checkpoint import config_drift, engine_seed, load_driver_state, load_resume
+from rlhf_orch.orchestration.checkpoint import (
+    checkpoint_zero_stages,
+    config_drift,
+    engine_seed,
+    load_driver_state,
+    load_resume,
+)
 from rlhf_orch.orchestration.loop import non_finite
 from rlhf_orch.rng import rng_state, set_rng_state
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
@@ -120,6 +126,38 @@ def test_runs_sharing_a_checkpoint_dir_keep_and_resume_their_own_checkpoints(tmp
     # A run started without checkpoint.dir and resumed with it has checkpoints in both: the newest counts.
     _commit(CheckpointStore(a / "checkpoints", 2), 1, a)
     assert find_checkpoint(str(a), outputs, shared).step == 3
+
+
+def test_one_rank_roles_run_zero_1_and_2_as_stage_0_and_a_checkpoint_s_stages_win():
+    """A role of one rank has nothing to partition: ZeRO-1/2 run as stage 0 (not with offload, which
+    needs ZeRO; ZeRO-3 as set). A resumed checkpoint's roles run the stage their state was written
+    at: as its driver state records it, or (written before the rule) trainer.zero_stage."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from rlhf_orch.orchestration.session import trainer_specs
+    from rlhf_orch.trainer.deepspeed_config import zero_stage_to_run
+    from tests.conftest import compose_config
+
+    assert [zero_stage_to_run(stage, 1, False) for stage in range(4)] == [0, 0, 0, 3]
+    assert [zero_stage_to_run(stage, 2, False) for stage in range(4)] == [0, 1, 2, 3]
+    assert zero_stage_to_run(2, 1, offload_optimizer=True) == 2
+    config = {"trainer": {"zero_stage": 2}}
+    assert checkpoint_zero_stages({"config": config}) == {"actor": 2, "critic": 2}
+    assert checkpoint_zero_stages({"config": config, "zero_stages": {"actor": 0, "critic": 0}}) == {
+        "actor": 0,
+        "critic": 0,
+    }
+    cfg = compose_config(["algo=ppo", "placement.critic_ranks=2"])  # (conf/config.yaml: trainer.zero_stage=2)
+    typed = OmegaConf.to_object(cfg)
+    plan = instantiate(cfg.placement).plan(reward_model=False, critic=True, reference=True)
+    stage = lambda written=None: {  # noqa: E731
+        role: s.zero_stage
+        for role, s in trainer_specs(typed, plan, "m", 0, None, written).items()
+        if role != "reference"
+    }
+    assert stage() == {"actor": 0, "critic": 2}
+    assert stage({"actor": 2, "critic": 2}) == {"actor": 2, "critic": 2}
 
 
 def test_config_drift_refuses_breaking_changes_and_lists_the_rest(tmp_path):
