@@ -11,11 +11,14 @@ from rlhf_orch.trainer.token_weighting import OptimizerStepPlan
 class Accumulation:
     """One train() call's backward passes on a DeepSpeed `engine`: each micro-batch's loss times
     its weight, the optimizer stepping at each step's last micro-batch; it keeps the gradient norm
-    of every optimizer step DeepSpeed computed one for."""
+    of every optimizer step. DeepSpeed computes it under ZeRO (and its 16-bit optimizers); at stage
+    0 in float32 (a role of one rank: `zero_stage_to_run`) it clips the gradients without keeping
+    their norm, so with `zero_stage` 0 the norm is also taken here, before the step clips them."""
 
-    def __init__(self, engine, work_done: WorkCount):
+    def __init__(self, engine, work_done: WorkCount, zero_stage: int):
         self.engine = engine
         self.work_done = work_done
+        self.norm_before_step = zero_stage == 0
         self.grad_norms: list[float] = []  # per optimizer step of this train() call
 
     def backward(self, plan: OptimizerStepPlan, position: int, loss: torch.Tensor, weight: float) -> float:
@@ -26,15 +29,24 @@ class Accumulation:
         into micro-batches -- count-based or token-budget, fixed or varying counts. Returns the
         micro-batch's weighted loss (the step's loss is their sum over positions and ranks / ranks).
         """
-        self.engine.set_gradient_accumulation_boundary(plan.is_boundary(position))
+        boundary = plan.is_boundary(position)
+        self.engine.set_gradient_accumulation_boundary(boundary)
         with self.work_done.collective():  # (DeepSpeed reduces the gradients over the ranks in these)
             self.engine.backward(loss * weight, scale_wrt_gas=False)
+            own = self._gradient_norm() if boundary and self.norm_before_step else None
             self.engine.step()
-        if plan.is_boundary(position):
+        if boundary:
             norm = self.engine.get_global_grad_norm()  # None when DeepSpeed did not compute one
+            norm = own if norm is None else norm
             if norm is not None:
                 self.grad_norms.append(float(norm))
         return float(loss.detach()) * weight
+
+    def _gradient_norm(self) -> float | None:
+        """The 2-norm of every gradient at an optimizer step (at stage 0 already averaged over the
+        ranks by `backward`), as DeepSpeed's ZeRO reports it: before clipping."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else None
 
     def with_grad_norm(self, stats: dict[str, float]) -> dict[str, float]:
         """`stats` plus the largest gradient norm of this train() call, when DeepSpeed computed one

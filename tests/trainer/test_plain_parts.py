@@ -43,6 +43,7 @@ class _Engine:
 
     def __init__(self, norms):
         self.calls, self.norms = [], list(norms)
+        self.module = torch.nn.Linear(2, 2, bias=False)
 
     def set_gradient_accumulation_boundary(self, boundary):
         self.calls.append(("boundary", boundary))
@@ -52,6 +53,7 @@ class _Engine:
 
     def step(self):
         self.calls.append(("step",))
+        self.module.weight.grad = None  # (DeepSpeed's step clips and zeroes the gradients)
 
     def get_global_grad_norm(self):
         return self.norms.pop(0)
@@ -62,7 +64,7 @@ def test_the_accumulation_steps_at_each_boundary_and_keeps_the_largest_norm():
     plan = plan_optimizer_steps(mbs, 2, 1)  # two sequences a step: steps [0, 1], [2, 3]
     work_done = WorkCount()
     engine = _Engine([1.5, None])
-    accumulation = Accumulation(engine, work_done)
+    accumulation = Accumulation(engine, work_done, zero_stage=2)
     assert accumulation.with_grad_norm({}) == {}  # no norm computed yet: none reported
     losses = [accumulation.backward(plan, k, torch.tensor(2.0), 0.5) for k in range(4)]
     assert losses == [1.0] * 4
@@ -72,6 +74,17 @@ def test_the_accumulation_steps_at_each_boundary_and_keeps_the_largest_norm():
     assert work_done.count > 0  # backward and step count as collectives
     accumulation.grad_norms.append(float("nan"))
     assert math.isnan(accumulation.with_grad_norm({"loss": 1.0})["grad_norm"])  # a NaN is kept for the guard
+
+
+def test_at_stage_0_the_gradient_norm_is_taken_before_the_step_clips_it():
+    """DeepSpeed's stage 0 (one rank: zero_stage_to_run) keeps no gradient norm in float32: the
+    accumulation takes it from the gradients before the step, as ZeRO reports it (unclipped)."""
+    plan = plan_optimizer_steps([_batch([1, 2])], 2, 1)
+    engine = _Engine([None])
+    engine.module.weight.grad = torch.tensor([[3.0, 0.0], [0.0, 4.0]])
+    accumulation = Accumulation(engine, WorkCount(), zero_stage=0)
+    accumulation.backward(plan, 0, torch.tensor(1.0), 1.0)
+    assert accumulation.grad_norms == [5.0] and engine.module.weight.grad is None
 
 
 def test_without_lora_a_sync_sends_every_weight_and_a_lora_mode_is_refused():
