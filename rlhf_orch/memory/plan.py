@@ -245,7 +245,7 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
         ),
         kv_block_size=kv_block_size(e.block_size, is_cpu=True),  # read by the CPU engine's KV term only
         sync_bucket_bytes=int(getattr(typed.sync, "bucket_mb", 0) * 2**20),
-        **(_sync_on_gpu(typed, plan) if on_gpu else {}),
+        **_sync_buffers(typed, plan, on_gpu),
         entropy=a.entropy_coef > 0,
         engines_overlap_training=_pipeline_says(typed, "engines_awake_in_training", False),
         engines_sleep=_pipeline_says(typed, "sleeps_engines", True),
@@ -257,17 +257,21 @@ def workload(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, gpu_bytes: in
     )
 
 
-def _sync_on_gpu(typed: RootConfig, plan: PlacementPlan) -> dict[str, Any]:
-    """What the chosen weight sync holds on GPUs, as its strategy object says: each sender's
-    buffers in flight, the ranks in an NCCL group with the engines, whether the trainers keep
-    torch's default allocator (CUDA memory handed to engines)."""
+def _sync_buffers(typed: RootConfig, plan: PlacementPlan, on_gpu: bool) -> dict[str, Any]:
+    """What the chosen weight sync holds, as its strategy object says: each sender's buffers in
+    flight (on GPUs, or in host memory on a CPU layout); on GPUs also the ranks in an NCCL group
+    with the engines and whether the trainers keep torch's default allocator (CUDA memory handed
+    to engines)."""
     from hydra.utils import instantiate
 
     sync = instantiate(OmegaConf.structured(typed.sync))
     sync.use_plan(plan)
     ranks, engines = max(plan.num_ranks("actor"), 1), max(plan.num_ranks("engine"), 1)
+    buffers = {"sync_send_buffers": tuple(sorted(sync.send_buffers(ranks, engines, on_gpu).items()))}
+    if not on_gpu:
+        return buffers
     return {
-        "sync_send_buffers": tuple(sorted(sync.send_buffers_on_gpu(ranks, engines).items())),
+        **buffers,
         "sync_nccl_senders": frozenset(sync.nccl_senders(ranks, engines)),
         "trainers_default_allocator": bool(sync.shares_cuda_memory),
     }

@@ -26,8 +26,9 @@ ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I 
     logits until autograd adds it to the log-probs' (its backward keeps no [T, V] copy either)
   * old log-probs  the actor's own forward without gradients in the experience phase: T*V*w logits
     and one layer's transient tensors (as the reference's forward)
-  * sync buffers   on a GPU, the sending policy rank's bucketed weight sync packs two buckets of
-    sync.bucket_mb in flight (every policy rank under a multi-sender sync), in the generate phase
+  * sync buffers   the sending policy rank's bucketed weight sync packs two buckets of
+    sync.bucket_mb in flight (every policy rank under a multi-sender sync), in the generate phase:
+    on a GPU in its memory, on a CPU layout in host memory, allocated for each sync (at most the weights)
   * nccl buffers   on a GPU, NCCL's channel buffers per communicator a process belongs to (the
     trainers' data-parallel world, the weight-sync group, a tensor-parallel engine's group)
   * allocator      on a GPU, what torch's caching allocator reserves above what a trainer holds when
@@ -36,7 +37,7 @@ ranks of the role, T = tokens of the largest micro-batch, L layers, h hidden, I 
     `DEFAULT_ALLOCATOR_RESERVE`; a trainer sharing its GPU empties its cache as each phase ends)
   * engine         weights N*w/tp, KV cache (engine.kv_cache_gb, or what gpu_memory_utilization
     leaves), a forward workspace, CUDA graphs unless enforce_eager; on CPU also vLLM's re-packed
-    copy of the linear weights and the sync's two receive buffers
+    copy of the linear weights and the sync's two receive buffers (while a sync runs)
   * checkpoint load (CPU) the checkpoint's memory-mapped file pages, read while loading
   * runtime        what the process holds besides tensors (interpreter, torch, vLLM/DeepSpeed,
     CUDA context); measured on this machine's CPU processes (scripts/bench_memory.py); on a GPU the
@@ -146,8 +147,9 @@ class Workload:
     kv_sequences: int = 1
     kv_block_size: int = 32
     sync_bucket_bytes: int = 0  # sync.bucket_mb of the bucketed syncs; 0 = tensor by tensor
-    # GPU layouts, from the sync strategy: (policy rank, bytes of its send buffers on the GPU), and
-    # the policy ranks that share an NCCL communicator with the engines (whose every worker joins it).
+    # From the sync strategy: (policy rank, bytes of its send buffers: on the GPU on GPU layouts, in
+    # host memory on CPU ones), and on GPU layouts the policy ranks that share an NCCL communicator
+    # with the engines (whose every worker joins it).
     sync_send_buffers: tuple[tuple[int, int], ...] = ()
     sync_nccl_senders: frozenset = frozenset()
     # The trainers keep torch's default CUDA allocator (a sync that hands engines its CUDA memory):
@@ -300,6 +302,11 @@ def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: i
             terms.append(Term("entropy", logit_elements * (w + VOCAB_REDUCTION_SAVED_BYTES_PER_ELEMENT), TRAIN))
         terms += forward_pass_terms(shape, wl, "old log-probs")
     terms += checkpoint_load_term(params, shape, wl)
+    # A CPU layout's sending rank packs its buckets in host memory while it sends (two buckets, at
+    # most the weights; on a GPU: `gpu_trainer_terms`).
+    send = dict(wl.sync_send_buffers).get(rank, 0) if role == "actor" and not wl.on_gpu else 0
+    if send:
+        terms.append(Term("sync send buffers", min(send, 2 * synced_bytes(shape, wl)), GENERATE))
     if wl.on_gpu:
         terms += gpu_trainer_terms(role, rank, terms, wl, dp)
     terms += runtime_terms("trainer", wl.on_gpu, GPU_ZERO3_RUNTIME_BYTES if z == 3 else 0)
@@ -394,6 +401,12 @@ def vllm_profile_sizes(wl: Workload) -> tuple[int, int]:
     return 8192, 256
 
 
+def synced_bytes(shape: ModelShape, wl: Workload) -> int:
+    """What one weight sync carries: every weight, or under an adapter update the adapter only."""
+    sent = shape.lora_params(wl.lora_rank, wl.lora_targets) if wl.engines_serve_adapter else shape.policy_params
+    return sent * wl.w
+
+
 def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
     """One engine process (one GPU of it when tensor-parallel), and a note when its KV cache is short."""
     tp = wl.engine_tp
@@ -459,13 +472,12 @@ def engine_terms(shape: ModelShape, wl: Workload) -> tuple[list[Term], str]:
         terms.append(Term("lora slots", lora_slots, phase))
     if not wl.on_gpu:
         # vLLM's CPU backend keeps a re-packed copy of every linear weight for its GEMM kernels, and
-        # holds the weight-sync receive buffers (two buckets in flight).
+        # holds the weight-sync receive buffers (two buckets in flight) while a sync runs: freed after
+        # it (`WorkerReceiver.release_buffers`), in its generate phase, still in its high-water mark.
         terms.append(Term("cpu weight packing", shape.linear_params * wl.w // tp))
         # A bucket never exceeds the weights; tensor-by-tensor syncs receive the largest tensor (the embedding).
-        # (An adapter update carries the adapter only.)
-        sent = shape.lora_params(wl.lora_rank, wl.lora_targets) if wl.engines_serve_adapter else shape.policy_params
-        bucket = min(wl.sync_bucket_bytes or shape.vocab * shape.hidden * wl.w, sent * wl.w)
-        terms.append(Term("sync buffers", 2 * bucket))
+        bucket = min(wl.sync_bucket_bytes or shape.vocab * shape.hidden * wl.w, synced_bytes(shape, wl))
+        terms.append(Term("sync buffers", 2 * bucket, GENERATE))
         terms += checkpoint_load_term(shape.policy_params // tp, shape, wl)
     if asleep and wl.sleep_level == 1:
         # Parked in host memory while asleep (one_step_off sleeps once its generation is done, which

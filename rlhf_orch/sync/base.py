@@ -81,9 +81,10 @@ class WeightSync(abc.ABC):
         return [GroupSpec(DEFAULT_GROUP, 0, tuple(range(engines)))]
 
     # ------------------------------------------------------------------ what the memory plan asks
-    def send_buffers_on_gpu(self, policy_ranks: int, engines: int) -> dict[int, int]:
-        """Bytes of GPU memory each sending policy rank holds for buckets in flight on a GPU
-        layout (`rlhf_orch.memory`); none for a strategy that sends the parameters themselves."""
+    def send_buffers(self, policy_ranks: int, engines: int, on_gpu: bool) -> dict[int, int]:
+        """Bytes each sending policy rank holds for buckets in flight (`rlhf_orch.memory`): on a GPU
+        layout those on its GPU, on a CPU layout those in host memory (only while it sends there:
+        `buckets.send_buffers`); none for a strategy that sends the parameters themselves."""
         return {}
 
     def nccl_senders(self, policy_ranks: int, engines: int) -> set[int]:

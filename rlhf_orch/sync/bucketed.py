@@ -2,8 +2,9 @@
 
 Both halves: the sender (`BucketedBroadcastSync.send`, in the policy ranks) and the engine's receive
 (`ReceiveBuckets`, in every vLLM worker). The engine streams the buckets into one layer-wise reload
-as they arrive, already receiving the next bucket while vLLM loads the current one. The sender keeps two persistent
-buffers so packing bucket k+1 overlaps the (asynchronous) broadcast of bucket k. Under ZeRO-3
+as they arrive, already receiving the next bucket while vLLM loads the current one. The sender packs into two
+buffers so packing bucket k+1 overlaps the (asynchronous) broadcast of bucket k (`send_buffers`:
+in host memory held for the update only, on a GPU kept across updates). Under ZeRO-3
 parameters are gathered a bucket at a time.
 
 The multi-sender strategy (`multi_sender.py`) is this class with more than one group: it only
@@ -26,7 +27,7 @@ from rlhf_orch.sync.buckets import (
     buffer_release_points,
     pack_bucket,
     plan_buckets,
-    reusable_buffers,
+    send_buffers,
 )
 from rlhf_orch.sync.group import BroadcastGroup
 from rlhf_orch.sync.receive import EngineStep, WorkerReceiver
@@ -43,10 +44,10 @@ class BucketedBroadcastSync(WeightSync):
         super().__init__(backend=backend, timeout_s=timeout_s)
         self.bucket_mb = bucket_mb
 
-    def send_buffers_on_gpu(self, policy_ranks: int, engines: int) -> dict[int, int]:
-        # NCCL broadcasts from CUDA buffers: each sender packs `_SEND_BUFFERS` buckets in flight
-        # (gloo packs in host memory).
-        if self.backend != "nccl":
+    def send_buffers(self, policy_ranks: int, engines: int, on_gpu: bool) -> dict[int, int]:
+        # Each sender packs `_SEND_BUFFERS` buckets in flight: NCCL broadcasts from CUDA buffers,
+        # gloo from host memory (on a GPU layout not planned: the GPUs are).
+        if on_gpu and self.backend != "nccl":
             return {}
         return {
             spec.sender: _SEND_BUFFERS * int(self.bucket_mb * 2**20) for spec in self.group_specs(policy_ranks, engines)
@@ -81,7 +82,7 @@ class BucketedBroadcastSync(WeightSync):
                 calls.append(engine.receive_weights.remote(step))
         stats = {"pack_s": 0.0, "wire_wait_s": 0.0, "gather_s": 0.0}
         buffers = (
-            reusable_buffers(weights, bucket_capacity([buckets[i] for i in mine]), group.device, _SEND_BUFFERS)
+            send_buffers(weights, bucket_capacity([buckets[i] for i in mine]), group.device, _SEND_BUFFERS)
             if mine
             else []
         )
@@ -170,7 +171,7 @@ class ReceiveBuckets(EngineStep):
                 return dict(stats, seconds=time.perf_counter() - t0)
             receiver.sink.reload(tensors)
         finally:
-            pool.release_all()
+            receiver.release_buffers()
         return dict(stats, seconds=time.perf_counter() - t0)
 
     def publishes(self) -> int | None:

@@ -2,7 +2,7 @@
 
 Used where no broadcast group exists or none is needed: the Ray object store (clusters where
 no gloo/NCCL group can be formed) and CUDA IPC (trainer and engine share one GPU). Planning,
-packing, the two persistent sender buffers and the engine's reload session are the ones the
+packing, the two sender buffers (`send_buffers`) and the engine's reload session are the ones the
 broadcast strategies use; a subclass only says how a packed buffer is published (`publish`)
 and the payload it returns says how the engine copies it out (`copy_into`).
 
@@ -39,7 +39,7 @@ from rlhf_orch.sync.buckets import (
     buffer_release_points,
     pack_bucket,
     plan_buckets,
-    reusable_buffers,
+    send_buffers,
     unpack_bucket,
 )
 from rlhf_orch.sync.group import BroadcastGroup
@@ -81,9 +81,10 @@ class HandoverSync(WeightSync):
     def group_specs(self, policy_ranks: int, engines: int) -> list[GroupSpec]:
         return []  # nothing to form: buckets travel as Ray call arguments
 
-    def send_buffers_on_gpu(self, policy_ranks: int, engines: int) -> dict[int, int]:
-        """Each publishing rank packs `_SEND_BUFFERS` buckets in flight where it publishes CUDA memory."""
-        if not self.shares_cuda_memory:
+    def send_buffers(self, policy_ranks: int, engines: int, on_gpu: bool) -> dict[int, int]:
+        """Each publishing rank packs `_SEND_BUFFERS` buckets in flight: in CUDA memory where it
+        publishes that (planned on GPU layouts), else in host memory (planned on CPU layouts)."""
+        if on_gpu != self.shares_cuda_memory:
             return {}
         feeders = set(self.feeds.values()) if self.feeds else {0}
         return {rank: _SEND_BUFFERS * int(self.bucket_mb * 2**20) for rank in feeders}
@@ -134,7 +135,7 @@ class HandoverSync(WeightSync):
                 "opening the engines' reload session",
             )
         if feeding:
-            buffers = reusable_buffers(weights, capacity, self.buffer_device(), _SEND_BUFFERS)
+            buffers = send_buffers(weights, capacity, self.buffer_device(), _SEND_BUFFERS)
         in_flight: deque[list] = deque()
         for bucket in buckets:
             with weights.gathered(bucket.names) as tensors:  # collective under ZeRO-3: every rank

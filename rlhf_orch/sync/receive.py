@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Iterator, Protocol
 
 import torch
 
-from rlhf_orch.sync.buckets import Bucket, unpack_bucket
+from rlhf_orch.sync.buckets import Bucket, byte_buffer, unpack_bucket
 from rlhf_orch.sync.group import DEFAULT_GROUP, BroadcastGroup, GroupAddress
 
 
@@ -64,15 +64,21 @@ class WorkerReceiver:
         return self.groups[name]
 
     def pool(self, capacity: int, device: torch.device) -> ReceiveBufferPool:
-        # Receive buffers persist across updates: allocating ~1 GB per step costs more than the wire.
+        # Within an update the buffers are reused bucket after bucket; across updates only on a GPU
+        # (`release_buffers`).
         if self._pool is None or self._pool.capacity < capacity or self._pool.device != device:
             self._pool = ReceiveBufferPool(capacity, device)
         return self._pool
 
     def release_buffers(self) -> None:
-        """Every pooled buffer free again (the update is over: nothing holds a view)."""
+        """The update is over (nothing holds a view: a sink copies what it keeps): every pooled
+        buffer free again; in host memory the pool itself is dropped, its 2-3 buffers of
+        sync.bucket_mb given back to the system until the next update allocates them again
+        (`buckets.send_buffers` says why, and why a GPU's pool is kept)."""
         if self._pool is not None:
             self._pool.release_all()
+            if self._pool.device.type == "cpu":
+                self._pool = None
 
 
 class EngineStep(abc.ABC):
@@ -160,7 +166,7 @@ class ReceiveBufferPool:
         if self._free:
             return self._free.pop()
         self.allocated += 1
-        return torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        return byte_buffer(self.capacity, self.device)
 
     def hold(self, view: torch.Tensor, release_after_position: int) -> None:
         self._held.append((release_after_position, view))

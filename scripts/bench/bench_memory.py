@@ -58,7 +58,7 @@ SHORT_RUN = [
     "checkpoint.export_final=false",
     "logger.plot_every_n_steps=0",
 ]
-PSS_EVERY_S = 1.0  # (a run's ~15 processes: ~0.1-0.2 s to read on this 2-core machine)
+PSS_EVERY_S = 2.0  # (a run's ~12 processes: ~0.2 s to read on this 2-core machine, loaded)
 ROLE_OF_ACTOR_CLASS = {
     "VLLMEngine": "engine",
     "PolicyWorker": "actor",
@@ -182,7 +182,7 @@ def _hwm_bytes(pid: int) -> int:
 class Poller(threading.Thread):
     """VmHWM of every process under the run (polled: a process's last value before it exits counts),
     and its PSS (the kernel keeps no high-water mark of it: the peak of samples every
-    `PSS_EVERY_S`, ~100x the cost of reading VmHWM; scripts/bench/process_memory.py), per process and
+    `PSS_EVERY_S`, ~25x the cost of reading VmHWM; scripts/bench/process_memory.py), per process and
     summed over the run's processes."""
 
     def __init__(self, root_pid: int):

@@ -10,7 +10,7 @@ Per model, setting, seed and system, the whole command is run as its own process
 from outside: time from the command to the first finished step (`startup_s`), wall per step after
 `--skip` warm-up steps (held-out evaluations left out, on both sides), generation tokens/s, trained
 tokens/s (response tokens / wall per step), peak memory of all its processes (the sum of their RSS,
-sampled every 0.2 s, and the sum of their PSS, every 1 s: Ray's GCS, raylet and workers included;
+sampled every 0.2 s, and the sum of their PSS, every 2 s: Ray's GCS, raylet and workers included;
 `process_memory.py`), the reward of every step and the
 held-out score (before training and every few steps: the same prompts, samples per prompt,
 temperature and reward on both sides) against steps and against training wall seconds.

@@ -10,9 +10,10 @@ measures, with the same group and the same engines:
 - the limit: one raw broadcast of a single pre-filled buffer holding all the bytes (no RPC, no
   packing, no load);
 - every strategy end to end (driver-timed `push`: gather + pack + wire + engine load + version);
-and reports the median of `--reps` repetitions after one warm-up (which allocates the persistent
-buffers). A cost model is then fitted to these measurements and projects Llama-3-8B onto 8
-engines over an NVLink-class and an InfiniBand-class link.
+and reports the median of `--reps` repetitions after one warm-up (GPU buffers are allocated there
+and kept; host-memory send and receive buffers are allocated for every update and freed after it,
+so their page faults are in every repetition). A cost model is then fitted to these measurements
+and projects Llama-3-8B onto 8 engines over an NVLink-class and an InfiniBand-class link.
 
 Prints a table, the cost model, and one final JSON line.
 """
@@ -281,7 +282,7 @@ def measure_strategy(factory, trainers, engines, reps: int) -> tuple[float, dict
     for rep in range(reps + 1):
         report = sync.push(rep + 1)
         sync.verify(rep + 1)
-        if rep:  # rep 0 warms up the persistent buffers
+        if rep:  # rep 0 warms up (the engines' first load; a GPU's buffers)
             times.append(report.seconds)
             profiles.append(report.sender_stats)
     median = statistics.median(times)

@@ -8,10 +8,11 @@ many processes sums to more than the host holds for it. PSS (proportional set si
 the tree it is what the tree holds, a page shared with a process outside the tree counted in part.
 Both are reported; `peak_gb` (RSS) keeps the meaning it had in the benchmarks' JSON.
 
-Reading PSS makes the kernel walk the process's page tables: about 1 ms per process on this machine
-for a run of ~1-3 GB per process (`ProcessTreeMemory.sample_s` reports the measured cost of one tree
-sample), against ~0.1 ms for RSS. A sample of a run's ~15 processes takes ~20 ms: the default period
-stays 0.2 s (~10 % of one core while a run is measured).
+Reading PSS makes the kernel walk every page table of the process: a SmolLM2 run's tree (~12
+processes, 1-6 GB each) took 185-230 ms a sample on this 2-core machine, loaded, against 8-9 ms for
+RSS (`report()` gives both costs). So RSS is sampled every 0.2 s and PSS every 2 s: ~4 % and ~10 % of
+one core while a run is measured, the same period on both sides of a comparison. A phase shorter
+than that can be missed by the PSS peak (not by the RSS one).
 
     python scripts/bench/process_memory.py -- python run.py algo=grpo algo.num_steps=3
 """
@@ -116,9 +117,9 @@ def sample_tree(root: psutil.Process, labels: dict[int, str], with_pss: bool) ->
 class ProcessTreeMemory:
     """Peaks of the summed RSS and of the summed PSS of a process and all its descendants, sampled in
     a thread, and the tree's composition (per process label) at each peak. RSS every `every_s`;
-    PSS, whose reading costs ~100x more, every `pss_every_s` (at most as often as RSS)."""
+    PSS, whose reading costs ~25x more, every `pss_every_s` (at most as often as RSS)."""
 
-    def __init__(self, pid: int, every_s: float = 0.2, pss_every_s: float = 1.0) -> None:
+    def __init__(self, pid: int, every_s: float = 0.2, pss_every_s: float = 2.0) -> None:
         self._root, self._stop = psutil.Process(pid), threading.Event()
         self.peak_rss = self.peak_pss = 0
         self.at_peak_rss: dict[str, int] = {}

@@ -621,3 +621,16 @@ def test_the_default_allocator_s_reserve_is_counted_in_each_phase_on_what_that_p
     assert reserve[GENERATE] < reserve[EXPERIENCE] < reserve[TRAIN]  # the states only, while engines generate
     without = ProcessMemory("actor", 0, [t for t in terms if t.name != "allocator reserve"])
     assert ProcessMemory("actor", 0, terms).peak() == without.peak() + reserve[TRAIN]
+
+
+def test_a_cpu_layout_s_sync_buffers_are_planned_only_while_a_sync_runs():
+    """gloo_bucketed on CPU: the sending policy rank packs two buckets of sync.bucket_mb in host
+    memory and the engine receives into two, allocated for each sync and freed after it (they were
+    held through the run, the sender's unplanned): both in the generate phase, so neither adds to
+    the policy's training peak."""
+    memory = verdict(["experiment=smollm2_arith"]).plan
+    by_role = {p.role: p for p in memory.processes}
+    send = [t for t in by_role["actor"].terms if t.name == "sync send buffers"]
+    receive = [t for t in by_role["engine"].terms if t.name == "sync buffers"]
+    assert [(t.bytes, t.phase) for t in send + receive] == [(2 * 256 * 2**20, "generate")] * 2  # (0.5 GB of weights)
+    assert by_role["actor"].peak() == by_role["actor"].total(("always", "train"))

@@ -11,7 +11,7 @@ from rlhf_orch.sync.buckets import (
     layer_key,
     pack_bucket,
     plan_buckets,
-    reusable_buffers,
+    send_buffers,
     unpack_bucket,
 )
 
@@ -117,16 +117,33 @@ def test_balanced_owners_with_one_oversized_bucket():
         balanced_owners(buckets, 0)
 
 
-def test_reusable_buffers_persist_and_grow():
+def test_send_buffers_live_for_one_update_in_host_memory_and_persist_and_grow_on_a_device():
+    import weakref
+
     class Holder:
         pass
 
     holder = Holder()
-    first = reusable_buffers(holder, 100, torch.device("cpu"))
+    first = send_buffers(holder, 100, torch.device("cpu"))
     assert len(first) == 2 and all(b.numel() >= 100 for b in first)
-    assert reusable_buffers(holder, 80, torch.device("cpu"))[0].data_ptr() == first[0].data_ptr()
-    bigger = reusable_buffers(holder, 1000, torch.device("cpu"))
-    assert bigger[0].numel() >= 1000
+    gone = [weakref.ref(b) for b in first]
+    del first  # the update is over: nothing else keeps them
+    assert all(ref() is None for ref in gone) and not vars(holder)
+    # Off the host (a GPU; the meta device here) they are the same buffers again, grown when needed.
+    device = torch.device("meta")
+    kept = send_buffers(holder, 100, device)
+    assert send_buffers(holder, 80, device)[0] is kept[0]
+    bigger = send_buffers(holder, 1000, device)
+    assert bigger[0].numel() >= 1000 and send_buffers(holder, 10, device)[0] is bigger[0]
+
+
+def test_a_host_buffer_of_huge_page_size_is_aligned_to_huge_pages():
+    from rlhf_orch.sync.buckets import byte_buffer
+
+    big = byte_buffer(3 * 2**21 + 5, torch.device("cpu"))
+    assert big.numel() == 3 * 2**21 + 5 and big.dtype == torch.uint8 and big.data_ptr() % 2**21 == 0
+    big.fill_(7)  # (every byte of it is the buffer's own)
+    assert byte_buffer(100, torch.device("cpu")).numel() == 100
 
 
 def test_receive_pool_releases_buffers_only_after_their_layers():

@@ -17,7 +17,7 @@ from rlhf_orch.sync.buckets import (
     bucket_capacity,
     pack_bucket,
     plan_buckets,
-    reusable_buffers,
+    send_buffers,
     unpack_bucket,
 )
 
@@ -44,7 +44,7 @@ def test_pack_unpack_in_cuda_memory():
     class Holder:
         pass
 
-    buffers = reusable_buffers(Holder(), bucket_capacity(buckets), torch.device("cuda"))
+    buffers = send_buffers(Holder(), bucket_capacity(buckets), torch.device("cuda"))
     seen = {}
     for b in buckets:
         view = pack_bucket(b, params, buffers[b.index % 2])

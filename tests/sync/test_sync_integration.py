@@ -5,7 +5,7 @@ object store): after a sync the engines' logprobs for fixed sequences must equal
 (float32, tolerance 1e-4 nats) and differ from before (so a sync that does nothing fails).
 Covers tied embeddings (the tiny model ties them), fused q/k/v and gate/up (vLLM fuses HF's
 separate tensors), bucket boundaries inside a layer (tiny buckets), ZeRO-2 and ZeRO-3 gathers
-(one and two policy ranks), repeated updates through the same persistent buffers, and a dead
+(one and two policy ranks), repeated updates (host buffers allocated again for each), and a dead
 engine (a clear error, no hang).
 """
 
@@ -157,7 +157,7 @@ def test_engine_logprobs_equal_trainer_after_sync(cluster, strategy, zero_stage)
     sync = factory()
     sync.prepare(policy, engines, engine_tp=1)
 
-    for update in range(2):  # the second update reuses the persistent send/receive buffers
+    for update in range(2):  # the second update allocates its host buffers again (freed after the first)
         before = ray.get([e.prompt_logprobs.remote(SEQUENCES) for e in engines])
         seed = (sorted(STRATEGIES).index(strategy) * 10 + zero_stage) * 10 + update
         ray.get([p.perturb_weights.remote(0.05, seed=seed) for p in policy])
