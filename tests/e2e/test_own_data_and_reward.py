@@ -154,6 +154,7 @@ def test_raising_and_hanging_rewards_score_zero_are_counted_and_the_step_complet
 
 
 # ----------------------------------------------------------------------------- reward model
+@pytest.mark.extended  # (~100 s in CI's tier: docs/testing.md says what CI runs of it)
 def test_reward_model_role_with_a_rule_term_scores_like_hugging_face(tmp_path, shared_ray):
     """reward=model plus a rule term: the final score is weight x model + rule_weight x rule, and the
     reward-model actor's scores equal a plain Hugging Face forward of the same checkpoint."""

@@ -506,6 +506,7 @@ def answer_or_exit(row, client, **kwargs):
 '''
 
 
+@pytest.mark.extended  # (~107 s in CI's tier: docs/testing.md says what CI runs of it)
 def test_an_agent_that_ends_its_process_scores_zero_and_the_step_completes(tmp_path):
     """Agents that call `os._exit(1)` mid-trajectory inside a whole run: each such trajectory
     scores 0 and is counted in env/agent_errors; no engine is lost (the agents run out of its

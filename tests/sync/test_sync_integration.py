@@ -315,6 +315,7 @@ def _generate_across_an_update(engine, prompt: list[int], recompute: bool):
     return drawn, scored
 
 
+@pytest.mark.extended  # (~57 s in CI's tier; CI runs the same publish in the prefix-caching test of this module)
 def test_a_weight_update_mid_generation_recomputes_the_kv_of_the_requests_in_flight(cluster, tiny_model_path):
     """pipeline=async with partial rollouts: after an update lands mid-generation every further
     token is drawn by the new weights alone -- vLLM recomputes the in-flight requests' keys and

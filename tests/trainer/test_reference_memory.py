@@ -25,7 +25,8 @@ TWO_RANKS = [
 ]
 
 
-@pytest.mark.parametrize("hosted", [pytest.param("false", marks=pytest.mark.extended), "true"])
+@pytest.mark.extended  # both layouts (~90 s each in CI's tier): docs/testing.md says what CI runs of it
+@pytest.mark.parametrize("hosted", ["false", "true"])
 def test_a_sharded_reference_is_the_initial_policy(tmp_path, hosted, shared_ray):
     """Step 1 trains from the reference's own weights: the KL between the policy's old log-probs and
     the sharded reference's is zero only if every rank's forward gathered the whole model. Step 2's
