@@ -66,91 +66,20 @@ class StartupStopped(Exception):
 _STOP_POLL_S = 0.5
 
 
-def wait_starting(refs: list, timeout_s: float, stopped: Callable[[], bool] | None, watch: Sequence[Any] = ()) -> list:
-    """`ray.get(refs, timeout=timeout_s)`, given up (StartupStopped) once `stopped()` is true. A
-    failure of one of `refs`, or of `watch` (start-up calls still running after these: a trainer's
-    build while the engines are waited for), is raised as soon as it comes, not after the others."""
+def wait_starting(refs: list, timeout_s: float, stopped: Callable[[], bool] | None) -> list:
+    """`ray.get(refs, timeout=timeout_s)`, given up (StartupStopped) once `stopped()` is true."""
+    if stopped is None:
+        return ray.get(refs, timeout=timeout_s)
     deadline = time.monotonic() + timeout_s
-    pending, watching = list(refs), list(watch)
+    pending = list(refs)
     while pending:
-        if stopped is not None and stopped():
+        if stopped():
             raise StartupStopped()
         left = deadline - time.monotonic()
         if left <= 0:
             return ray.get(refs, timeout=0)  # raises GetTimeoutError as ray.get would have
-        ready, _ = ray.wait(pending + watching, num_returns=1, timeout=min(_STOP_POLL_S, left))
-        ray.get(ready)  # (raises an actor's failure at once)
-        pending = [r for r in pending if r not in ready]
-        watching = [r for r in watching if r not in ready]
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(_STOP_POLL_S, left))
     return ray.get(refs)
-
-
-def started(
-    actors: RoleActors,
-    refs: list,
-    timeout_s: float,
-    stopped: Callable[[], bool] | None,
-    watch: Sequence[Any] = (),
-    left_s: float | None = None,
-) -> list:
-    """`wait_starting` within `left_s` (default: `timeout_s`, launcher.startup_timeout_s), its
-    failures in the start-up's terms: the actors killed, then StartupStopped (a stop signal), or
-    ActorStartError naming the timeout or the actor that died."""
-    try:
-        return wait_starting(refs, timeout_s if left_s is None else left_s, stopped, watch)
-    except StartupStopped:
-        actors.kill()
-        raise
-    except ray.exceptions.GetTimeoutError as e:
-        actors.kill()
-        raise ActorStartError(
-            f"actors did not start within {timeout_s:.0f}s (launcher.startup_timeout_s); "
-            "check that the cluster still has the planned resources (a node lost?), memory and the model path"
-        ) from e
-    except ray.exceptions.RayActorError as e:
-        actors.kill()
-        raise ActorStartError(f"an actor died while starting: {e}") from e
-    except BaseException:  # e.g. a build that raised (a bad checkpoint): its own error, nothing left running
-        actors.kill()
-        raise
-
-
-class TrainerStart:
-    """The trainer ranks' start-up in flight -- their torch.distributed worlds and their builds --
-    while the engines already generate step 1's rollout (they load the same checkpoint, so they
-    hold step 1's weights without the trainers). The first thing the run does that needs a trainer
-    waits for it (`wait`, thread-safe, once): the hand-over of a rollout, a weight push, a resume.
-    A failure here is the start-up's (`failed`): the actors are killed and ActorStartError or
-    StartupStopped raised, as `start_role_actors` raised them before any step when it waited for
-    the trainers itself; a later `wait` raises it again."""
-
-    def __init__(
-        self, actors: RoleActors, calls: list, timeout_s: float, stopped: Callable[[], bool] | None = None
-    ) -> None:
-        self._actors, self._calls, self._stopped = actors, list(calls), stopped
-        self._deadline = time.monotonic() + timeout_s  # launcher.startup_timeout_s, from the calls' start
-        self._timeout_s = timeout_s
-        self._lock = threading.Lock()
-        self.failed: BaseException | None = None
-
-    @property
-    def pending(self) -> bool:
-        """The start-up has not been waited for yet (it may have finished meanwhile)."""
-        return bool(self._calls) and self.failed is None
-
-    def wait(self) -> None:
-        with self._lock:
-            if self.failed is not None:
-                raise self.failed
-            if not self._calls:
-                return
-            try:
-                left = max(self._deadline - time.monotonic(), 0.0)
-                started(self._actors, self._calls, self._timeout_s, self._stopped, left_s=left)
-            except BaseException as e:
-                self.failed = e
-                raise
-            self._calls = []
 
 
 class RunEnding(RuntimeError):
@@ -167,8 +96,6 @@ class RoleActors:
     # start_engine(e) -> a new engine e in its own bundle (the replacement of one that died).
     start_engine: Callable[[int], Any] | None = None
     startup_timeout_s: float = field(kw_only=True)  # launcher.startup_timeout_s (required: the config declares it)
-    # The trainers' start-up still in flight when the engines answered (`start_role_actors`).
-    trainer_start: TrainerStart | None = field(default=None, kw_only=True)
     # `kill` and `restart_engine` take turns: a rollout thread still replacing an engine when the
     # attempt ends (its Ray call blocked meanwhile) must not leave a new engine in a bundle the
     # next attempt needs. Every engine started here is killed with the others.
@@ -358,30 +285,6 @@ def engine_options(
     return options, replace(spec, distributed_executor_backend=launch.executor)
 
 
-def _engine_starter(plan: PlacementPlan, placement: RayPlacement, engine_spec: EngineSpec) -> Callable[[int], Any]:
-    """start(e) -> a new engine e in its bundle (at start-up, and the replacement of one that died)."""
-    engine_slots = plan.slots_for("engine")
-    env = dict(_ACTOR_ENV)
-
-    def start_engine(e: int) -> Any:
-        slot = engine_slots[e]
-        options, spec = engine_options(placement, slot, engine_spec, env, plan.total_gpus > 0)
-        return VLLMEngineActor.options(**options).remote(spec, slot.rank)
-
-    return start_engine
-
-
-def launch_engines(
-    plan: PlacementPlan, placement: RayPlacement, engine_spec: EngineSpec, timeout_s: float
-) -> RoleActors:
-    """New engine actors in their bundles, nothing waited for (each spends seconds importing vLLM and
-    loading the checkpoint): the driver prepares the rest of its inputs meanwhile, then hands them
-    to `start_role_actors` (`launched`), which adds the trainers."""
-    actors = RoleActors(start_engine=_engine_starter(plan, placement, engine_spec), startup_timeout_s=timeout_s)
-    actors.engines.extend(actors.start_engine(e) for e in range(len(plan.slots_for("engine"))))
-    return actors
-
-
 def start_role_actors(
     plan: PlacementPlan,
     placement: RayPlacement,
@@ -394,20 +297,20 @@ def start_role_actors(
     warm: RoleActors | None = None,
     shares_cuda_memory: bool = False,
     stopped: Callable[[], bool] | None = None,
-    launched: RoleActors | None = None,
 ) -> RoleActors:
-    """Every role's actors in their bundles; returns once the engines answer. The trainers' start-up
-    (their torch.distributed worlds, their builds) goes on meanwhile -- `RoleActors.trainer_start`,
-    waited for where the run first needs a trainer, while the engines generate step 1; a failure of
-    it is found at once while the engines are waited for. `warm`: the actors of an earlier run on
-    the same plan (`rlhf_orch.orchestration.warm_actors`), reset to what new ones start as and then
-    built the same way; their torch.distributed groups, which the plan fixes, are kept. `launched`:
-    the engines `launch_engines` started for this spec (a start without `warm`). `stopped`: a stop
-    request (a signal) -- once true, the actors are killed and StartupStopped raised."""
+    """Every role's actors in their bundles, built and answering. `warm`: the actors of an earlier
+    run on the same plan (`rlhf_orch.orchestration.warm_actors`), reset to what new ones start as
+    and then built the same way; their torch.distributed groups, which the plan fixes, are kept.
+    `stopped`: a stop request (a signal) -- once true, the actors are killed and StartupStopped raised."""
     env = dict(_ACTOR_ENV)
     engine_slots = plan.slots_for("engine")
     if plan.reference_in_actor:  # each policy rank loads the reference too; no reference process starts
         policy_spec, reference_spec = replace(policy_spec, host_reference=True), None
+
+    def start_engine(e: int) -> Any:
+        slot = engine_slots[e]
+        options, spec = engine_options(placement, slot, engine_spec, env, plan.total_gpus > 0)
+        return VLLMEngineActor.options(**options).remote(spec, slot.rank)
 
     roles = (  # (plan role, class, spec, RoleActors field)
         ("actor", PolicyWorker, policy_spec, "policy"),
@@ -418,9 +321,7 @@ def start_role_actors(
     roles = tuple(
         r for r in roles if r[2] is not None
     )  # a role without a spec starts no process (none planned, or hosted)
-    actors = launched or RoleActors(
-        start_engine=_engine_starter(plan, placement, engine_spec), startup_timeout_s=timeout_s
-    )
+    actors = RoleActors(start_engine=start_engine, startup_timeout_s=timeout_s)
     if warm is not None:
         try:
             gpu_layout = plan.total_gpus > 0
@@ -443,8 +344,7 @@ def start_role_actors(
             warm.kill()
             warm = None
     if warm is None:
-        if launched is None:
-            actors.engines.extend(actors.start_engine(e) for e in range(len(engine_slots)))
+        actors.engines.extend(start_engine(e) for e in range(len(engine_slots)))
         trainer_env = trainer_process_env(env, plan.total_gpus > 0, shares_cuda_memory)
         for role, cls, spec, name in roles:
             slots = plan.slots_for(role)
@@ -453,22 +353,36 @@ def start_role_actors(
                     _remote(cls, placement, slot, trainer_env).remote(spec, slot.rank, len(slots))
                 )
 
-    # DeepSpeed needs each role's ranks in one torch.distributed world (rank 0 hosts it): the
-    # trainers', and a reference sharded over its own ranks. Warm ranks keep theirs (a warm
-    # reference that had none forms it now: `init_distributed` keeps a world it has). Every call is
-    # made now, nothing waited for: rank 0's rendezvous address goes to every rank's
-    # `init_distributed` as object refs, and each rank builds after it (one caller's calls to an
-    # actor run in order).
-    groups = [] if warm is not None else [actors.policy, actors.critic]
-    if reference_spec is not None and reference_spec.reference_memory != "full":
-        groups.append(actors.reference)
-    calls = []
-    for group in (g for g in groups if g):
-        host, port = group[0].rendezvous_address.options(num_returns=2).remote()
-        calls += [a.init_distributed.remote(host, port) for a in group]
-    calls += [a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference, *actors.reward)]
-    if plan.reference_in_actor:
-        actors.reference = [HostedReference(p) for p in actors.policy]
-    actors.trainer_start = TrainerStart(actors, calls, timeout_s, stopped)
-    started(actors, [e.ping.remote() for e in actors.engines], timeout_s, stopped, watch=calls)
+    try:
+        # DeepSpeed needs each role's ranks in one torch.distributed world (rank 0 hosts it): the
+        # trainers', and a reference sharded over its own ranks. Warm ranks keep theirs (a warm
+        # reference that had none forms it now: `init_distributed` keeps a world it has).
+        groups = [] if warm is not None else [actors.policy, actors.critic]
+        if reference_spec is not None and reference_spec.reference_memory != "full":
+            groups.append(actors.reference)
+        inits = []
+        for group in (g for g in groups if g):
+            host, port = wait_starting([group[0].rendezvous_address.remote()], timeout_s, stopped)[0]
+            inits += [a.init_distributed.remote(host, port) for a in group]
+        wait_starting(inits, timeout_s, stopped)
+        wait_starting(
+            [a.build.remote() for a in (*actors.policy, *actors.critic, *actors.reference, *actors.reward)],
+            timeout_s,
+            stopped,
+        )
+        if plan.reference_in_actor:
+            actors.reference = [HostedReference(p) for p in actors.policy]
+        wait_starting([e.ping.remote() for e in actors.engines], timeout_s, stopped)
+    except StartupStopped:
+        actors.kill()
+        raise
+    except ray.exceptions.GetTimeoutError as e:
+        actors.kill()
+        raise ActorStartError(
+            f"actors did not start within {timeout_s:.0f}s (launcher.startup_timeout_s); "
+            "check that the cluster still has the planned resources (a node lost?), memory and the model path"
+        ) from e
+    except ray.exceptions.RayActorError as e:
+        actors.kill()
+        raise ActorStartError(f"an actor died while starting: {e}") from e
     return actors

@@ -49,26 +49,11 @@ def rank_per_shard(ranks: list[Any], num_shards: int) -> list[Any]:
 @dataclass
 class TrainerVersion:
     """The trainers' side of the weights the fleet pushes: the version they hold (`trained`: the
-    updates they made), the lock the loop holds while they update (a replacement during a
-    one-step-off generation waits for it, then pushes whole, labelled weights), and their start-up
-    if it is still under way (`started`)."""
+    updates they made) and the lock the loop holds while they update (a replacement during a
+    one-step-off generation waits for it, then pushes whole, labelled weights)."""
 
     trained: int = 0
     training: threading.Lock = field(default_factory=threading.Lock)
-    # The rest of the trainers' start-up, run once by the first thing that needs them: waiting for
-    # their builds (the engines generate step 1 meanwhile) and forming the weight-sync groups.
-    start: Callable[[], None] | None = None
-    start_wait_s: float | None = None  # how long `started` waited (the step that waited logs it)
-    _starting: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def started(self) -> None:
-        """Return once the trainers have started (at once after the first time)."""
-        with self._starting:
-            if self.start is None:
-                return
-            t = time.perf_counter()
-            self.start()
-            self.start, self.start_wait_s = None, time.perf_counter() - t
 
 
 class EngineFleet:
@@ -165,7 +150,6 @@ class EngineFleet:
         """Push `version` to every engine (engines lost meanwhile replaced, `_replace_after_sync`);
         the seconds spent letting the requests in flight finish first."""
         with self._pushing:
-            self.trainers.started()  # (the weight-sync groups form with the trainers' start-up)
             waited = 0.0
             # An engine that died since its last call (idle, or holding rollouts: pipeline=async)
             # is replaced before the push: pushed to, its death would break the broadcast and leave
@@ -235,7 +219,6 @@ class EngineFleet:
         """`action(route)` on the engines that hold every share of `held`. An engine found dead by
         it is replaced (fault.max_engine_restarts), its share drawn again, and the action repeated
         -- where the pipeline redraws lost shares; elsewhere the failure stands (a lost process)."""
-        self.trainers.started()  # (the first hand-over waits for the trainers' start-up)
         while True:
             route = self.route()
             self.redraw_lost_shares(held, route)
@@ -411,7 +394,6 @@ class EngineFleet:
         replaced in its turn (the dead charged to the budget, those stuck in the broken group with
         them for free), so one fault never strands the others in a half-formed group."""
         s = self.settings
-        self.trainers.started()  # (the groups re-formed below need every policy rank built)
         while True:
             for e in replace:
                 self.actors.restart_engine(e)

@@ -1,11 +1,9 @@
-"""Everything a run reads, made ready and checked on the driver.
+"""Everything a run reads, made ready and checked on the driver before Ray starts.
 
-The model (built or found offline: `prepare_model`, first and on its own -- the engines start from
-its checkpoint while the driver prepares the rest), its tokenizer, the data (loaded, templated,
-tokenized, filtered), the reward (a user's file loaded, labels present where the rule needs them)
-and the reward model (built or found, checked to be a one-label sequence classifier on the
-policy's tokenizer). Anything wrong here is an `InputError`: one line, exit status 2, no step run
-(the actors started meanwhile are stopped).
+The model (built or found offline), its tokenizer, the data (loaded, templated, tokenized,
+filtered), the reward (a user's file loaded, labels present where the rule needs them) and the
+reward model (built or found, checked to be a one-label sequence classifier on the policy's
+tokenizer). Anything wrong here is an `InputError`: one line, exit status 2, no actor started.
 """
 
 from __future__ import annotations
@@ -42,43 +40,20 @@ class RunInputs:
     env: EnvGroup | None = None  # the `env` option (multi-turn rollouts when env.multi_turn)
 
 
-_INPUT_ERRORS = (DataError, ModelSourceError, RewardModelError, RewardError, EnvError)
-
-
-@dataclass(frozen=True)
-class PreparedModel:
-    """The policy's model option and its checkpoint on this machine: what the engines and the
-    trainers start from."""
-
-    model: Any
-    path: str
-
-
-def prepare_model(cfg: DictConfig) -> PreparedModel:
-    """The model option, its checkpoint found (or built: the tiny model on first use) and checked."""
+def prepare_inputs(cfg: DictConfig, typed: RootConfig) -> RunInputs:
     try:
-        model = instantiate(cfg.model)
-        check_model = getattr(model, "check", None)
-        if check_model is not None:
-            check_model()  # a hub id must be loadable offline before anything starts
-        model_path = model.path()  # builds and caches the tiny model on first use
-        model.check_context_len()
-    except _INPUT_ERRORS as e:
-        raise InputError(str(e)) from None
-    return PreparedModel(model, model_path)
-
-
-def prepare_inputs(cfg: DictConfig, typed: RootConfig, prepared: PreparedModel | None = None) -> RunInputs:
-    """Every input of the run; `prepared`: the model `prepare_model` gave (else prepared here)."""
-    prepared = prepared if prepared is not None else prepare_model(cfg)
-    try:
-        return _prepare(cfg, typed, prepared)
-    except _INPUT_ERRORS as e:
+        return _prepare(cfg, typed)
+    except (DataError, ModelSourceError, RewardModelError, RewardError, EnvError) as e:
         raise InputError(str(e)) from None
 
 
-def _prepare(cfg: DictConfig, typed: RootConfig, prepared: PreparedModel) -> RunInputs:
-    model, model_path = prepared.model, prepared.path
+def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
+    model = instantiate(cfg.model)
+    check_model = getattr(model, "check", None)
+    if check_model is not None:
+        check_model()  # a hub id must be loadable offline before anything starts
+    model_path = model.path()  # builds and caches the tiny model on first use
+    model.check_context_len()
     tokenizer = model.tokenizer()
 
     task: PromptSource = instantiate(cfg.data)

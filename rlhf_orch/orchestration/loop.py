@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import ray
 
@@ -150,7 +150,6 @@ class TrainLoop:
         pipeline: RolloutPipeline | None = None,
         env: Any = None,
         rollout_dump: RolloutDump | None = None,
-        trainers_start: Callable[[], None] | None = None,
     ):
         self.actors = actors
         # Multi-turn rollouts: the `env` option the engines drive trajectories with (None or a
@@ -164,9 +163,7 @@ class TrainLoop:
         self.settings = settings
         self.pipeline = pipeline if pipeline is not None else SyncPipeline()
         self.first_step = 1  # the first step this process runs (resume: the one after the checkpoint)
-        # The version the trainers hold, the lock held while they update, and the rest of their
-        # start-up (`trainers_start`: run by the first thing that needs them, TrainerVersion.started).
-        self.trainers = TrainerVersion(start=trainers_start)
+        self.trainers = TrainerVersion()  # the version the trainers hold, and the lock held while they update
         # The engines' one owner: their handles, the weights they hold, pushes and replacements.
         # Every wait on the run's actors: fault.step_timeout_s, or their progress; one line per failure.
         self._get = ActorWaits(settings.step_timeout_s).get
@@ -192,15 +189,8 @@ class TrainLoop:
 
         # 1-3. Rollout: generate, score with the rule, and stage every data-parallel shard on the
         #      ranks that need it (how: the transfer strategy; when, relative to the weights: the
-        #      pipeline -- now, or during the previous step's training). The first step's rollout
-        #      is generated while the trainers still start where the transfer holds it on the
-        #      engines until its hand-over (which waits for them: `TrainerVersion.started`); one
-        #      delivered straight to the trainer ranks waits for them first.
-        if not self.transfer.holds_rollouts:
-            self.trainers.started()
+        #      pipeline -- now, or during the previous step's training).
         delivery = self.pipeline.rollout(self, step, timings)
-        if self.trainers.start_wait_s is not None:  # (the step that waited for the trainers' start-up)
-            timings["trainer_start_wait"], self.trainers.start_wait_s = self.trainers.start_wait_s, None
         self._check_every_sample_once(delivery)
         self.pipeline.engines_idle(self)
         timings.update({k: v for k, v in delivery.timings.items() if k not in timings})

@@ -1,5 +1,4 @@
-"""One training run: find the model, start Ray and the engines while the rest of the inputs is
-prepared, start the trainers, loop, tear down."""
+"""One training run: prepare the inputs (before Ray), start Ray and the role actors, loop, tear down."""
 
 from __future__ import annotations
 
@@ -14,8 +13,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_orch.config.schema import RootConfig
+from rlhf_orch.engines.launch import memory_utilization, sleep_level
 from rlhf_orch.engines.vllm_engine import EngineSpec
 from rlhf_orch.logging.rollout_dump import RolloutDump
+from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.one_line import named
 from rlhf_orch.orchestration import warm_actors
 from rlhf_orch.orchestration.actors import (
@@ -23,11 +24,10 @@ from rlhf_orch.orchestration.actors import (
     ActorStartError,
     RoleActors,
     StartupStopped,
-    launch_engines,
     lost_processes,
     start_role_actors,
 )
-from rlhf_orch.orchestration.evaluation import Evaluator
+from rlhf_orch.orchestration.evaluation import EvalSettings, Evaluator
 from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR, ResumeError, find_checkpoint
 from rlhf_orch.orchestration.checkpoint import (
     ResumePoint,
@@ -36,9 +36,9 @@ from rlhf_orch.orchestration.checkpoint import (
     load_resume,
     restore_trainers,
 )
-from rlhf_orch.orchestration.inputs import InputError, PreparedModel, RunInputs, prepare_inputs, prepare_model
+from rlhf_orch.orchestration.inputs import InputError, RunInputs, prepare_inputs
 from rlhf_orch.orchestration.errors import ActorDiedError, ActorTimeoutError, EngineRestartBudgetError
-from rlhf_orch.orchestration.loop import TrainLoop, non_finite
+from rlhf_orch.orchestration.loop import LoopSettings, TrainLoop, non_finite
 from rlhf_orch.orchestration.restart_decision import (
     Failure,
     FailurePoint,
@@ -46,13 +46,6 @@ from rlhf_orch.orchestration.restart_decision import (
     decide_restart,
     failure_signature,
     restart_line,
-)
-from rlhf_orch.orchestration.role_specs import (  # noqa: F401 - engine_spec, trainer_specs, loop_settings: importable from here too
-    engine_spec,
-    eval_settings,
-    loop_settings,
-    trainer_roles,
-    trainer_specs,
 )
 from rlhf_orch.orchestration.run_record import RunRecord
 from rlhf_orch.orchestration.signals import SignalAbort, StopRequest
@@ -62,12 +55,157 @@ from rlhf_orch.trainer.deepspeed_config import zero_stage_to_run
 from rlhf_orch.trainer.spec import TrainerSpec
 
 
+def trainer_specs(
+    cfg: RootConfig,
+    plan: PlacementPlan,
+    model_path: str,
+    pad_id: int,
+    lora: LoraSettings | None = None,
+    checkpoint_stages: dict[str, int] | None = None,
+) -> dict[str, TrainerSpec]:
+    """Per trainer role, what its processes need (roles the algorithm has no use for get none).
+    `lora`: the model option's adapters (model.lora), trained by the policy only. The ZeRO stage
+    each role runs (`zero_stage_to_run`), or where `checkpoint_stages` (the resumed checkpoint's,
+    `checkpoint.checkpoint_zero_stages`) names it, the stage its DeepSpeed state was written at."""
+    a, t = cfg.algo, cfg.trainer
+
+    def spec(role: str, lr: float) -> TrainerSpec:
+        dp = max(len(plan.slots_for(role)), 1)
+        stage = zero_stage_to_run(t.zero_stage, dp, t.offload_optimizer)
+        return TrainerSpec(
+            model_path=model_path,
+            dtype=cfg.model.dtype,
+            zero_stage=(checkpoint_stages or {}).get(role, stage),
+            micro_batch_size=a.micro_batch_size,
+            train_batch_size=a.train_batch_size,
+            data_parallel_size=dp,
+            pad_id=pad_id,
+            temperature=a.temperature,
+            lr=lr,
+            weight_decay=t.weight_decay,
+            grad_clip=a.grad_clip,
+            clip_eps=getattr(a, "value_clip_eps", 0.2),  # the critic's value clip (the policy's clips are in algo)
+            ppo_epochs=a.ppo_epochs,
+            seed=t.seed,
+            optimizer=t.optimizer,
+            offload_optimizer=t.offload_optimizer,
+            gradient_checkpointing=t.gradient_checkpointing,
+            torch_threads=t.torch_threads,
+            reference_memory=t.reference_memory,
+            share_prompts=t.share_prompts is not False,  # only packed micro-batches can (validated)
+            old_logprobs=t.old_logprobs,
+            free_cache_between_phases=plan.shares_gpu(role),
+        )
+
+    # model.lora trains the policy's adapters only; the critic and the reference are full models.
+    specs = {"actor": replace(spec("actor", a.actor_lr), lora=lora)}
+    if a.needs_critic:
+        specs["critic"] = spec("critic", a.critic_lr)
+    if a.needs_reference:
+        specs["reference"] = spec("reference", 0.0)
+    return specs
+
+
+def eval_settings(cfg: RootConfig) -> EvalSettings:
+    e = cfg.eval
+    return EvalSettings(
+        every_n_steps=e.every_n_steps,
+        before_train=e.before_train,
+        samples_per_prompt=e.samples_per_prompt,
+        temperature=e.temperature,
+        pass_threshold=e.pass_threshold,
+        max_tokens=cfg.data.response_max_len,
+    )
+
+
 class NonFiniteError(RuntimeError):
     """A loss, reward, advantage or gradient norm became NaN or infinite."""
 
 
 class RunFailed(RuntimeError):
     """Training stopped on a runtime failure; the message names the cause and how to resume."""
+
+
+def engine_spec(
+    typed: RootConfig,
+    plan: PlacementPlan,
+    model_path: str,
+    pipeline: Any = None,
+    lora: LoraSettings | None = None,
+) -> EngineSpec:
+    """What every vLLM engine process needs (its slot's rank is given at start). The pipeline's
+    `rollouts_at_once`: rollouts an engine generates together (a CPU KV cache holds them). With more
+    than one (async) a weight update lands while requests are in flight; publishing it drops every
+    cached block, the running requests' too (vLLM recomputes them: `WeightReceiving.publish`), so
+    prefix caching stays on: a request started after an update reuses no keys or values of the old
+    weights."""
+    rollouts_at_once = getattr(pipeline, "rollouts_at_once", 1)
+    return EngineSpec(
+        model_path=model_path,
+        dtype=typed.model.dtype,
+        max_model_len=typed.data.prompt_max_len + typed.data.response_max_len,
+        tensor_parallel_size=plan.engine_tp,
+        seed=typed.seed,
+        kv_cache_bytes=engine_kv_cache_bytes(typed, plan, rollouts_at_once),
+        gpu_memory_utilization=memory_utilization(typed.engine.gpu_memory_utilization, plan),
+        sleep_level=sleep_level(typed.engine.sleep_level, plan),
+        enable_prefix_caching=typed.engine.enable_prefix_caching,
+        block_size=typed.engine.block_size,
+        enforce_eager=typed.engine.enforce_eager,
+        torch_threads=typed.engine.torch_threads,
+        max_concurrency=rollouts_at_once,
+        finish_before_update=getattr(pipeline, "finishes_requests_before_update", False),
+        lora=lora,
+    )
+
+
+def engine_kv_cache_bytes(typed: RootConfig, plan: PlacementPlan, rollouts_at_once: int) -> int | None:
+    """engine.kv_cache_gb in bytes; null: on GPUs None (vLLM sizes it from gpu_memory_utilization),
+    on CPU the training rollouts the engine generates at once (`cpu_kv_cache_bytes`; a held-out
+    evaluation of more runs in waves; 1 GiB for a model of unknown shape)."""
+    e = typed.engine
+    if e.kv_cache_gb is not None:
+        return int(e.kv_cache_gb * 2**30)
+    if plan.total_gpus > 0:
+        return None
+    from rlhf_orch.engines.launch import cpu_kv_cache_bytes, kv_block_size, kv_sequences_per_engine
+    from rlhf_orch.memory.shapes import shape_of
+    from rlhf_orch.memory.terms import BYTES_PER_ELEMENT
+
+    shape, _ = shape_of(typed.model)
+    if shape is None:
+        return None  # the engine's CPU_KV_CACHE_UNSIZED_BYTES
+    a = typed.algo
+    sequences = kv_sequences_per_engine(
+        a.rollout_batch_size * a.samples_per_prompt, rollouts_at_once, plan.num_ranks("engine")
+    )
+    return cpu_kv_cache_bytes(
+        sequences,
+        typed.data.prompt_max_len + typed.data.response_max_len,
+        shape.kv_bytes_per_token(BYTES_PER_ELEMENT[typed.model.dtype]),
+        plan.engine_tp,
+        kv_block_size(e.block_size, True),
+    )
+
+
+def loop_settings(typed: RootConfig, plan: PlacementPlan, engines: EngineSpec) -> LoopSettings:
+    a = typed.algo
+    return LoopSettings(
+        num_steps=a.num_steps,
+        rollout_batch_size=a.rollout_batch_size,
+        samples_per_prompt=a.samples_per_prompt,
+        micro_batch_size=a.micro_batch_size,
+        train_batch_size=a.train_batch_size,
+        response_max_len=typed.data.response_max_len,
+        min_response_len=a.min_response_len,
+        max_seq_len=typed.data.prompt_max_len + typed.data.response_max_len,
+        temperature=a.temperature,
+        seed=typed.seed,
+        step_timeout_s=typed.fault.step_timeout_s,
+        max_engine_restarts=typed.fault.max_engine_restarts,
+        engine_tp=plan.engine_tp,
+        engines_sleep=engines.sleep_level != 0,
+    )
 
 
 def load_resume_point(typed: RootConfig, run_dir: Path, config_dict: dict, task: Any) -> ResumePoint | None:
@@ -215,7 +353,7 @@ class _Run:
     stop: StopRequest
     callbacks: Sequence[Callable[[int, TrainLoop], None]]
     run_dir: Path
-    t_start: float  # (perf_counter) when run_training began: time/startup counts from there
+    t_start: float
     in_step: int | None = None  # the step in progress (named by a failure)
     final_note: str = ""  # what the failure did about a final checkpoint
     warm_key: str = ""  # what kept actors must match to serve this run (launcher.keep_actors)
@@ -225,37 +363,12 @@ class _Run:
     decision: RestartDecision | None = None
 
 
-def _finish_start(run: _Run, actors: RoleActors, sync: Any, restarted: bool) -> None:
-    """The rest of an attempt's start-up, run by the first thing that needs the trainers (the first
-    hand-over or weight push: `TrainerVersion.started`): their builds, what a LoRA update carries,
-    the weight-sync groups."""
-    actors.trainer_start.wait()
-    if run.specs["actor"].lora is not None:
-        line = use_lora_sync(actors, run.typed.launcher.startup_timeout_s)
-        if not restarted:
-            print(line, flush=True)
-    sync.prepare(actors.policy, actors.engines, run.plan.engine_tp)
-
-
-def _stopped_during_start_up(run: _Run) -> dict[str, Any]:
-    print(f"{run.stop.name}: stopped during start-up (no step ran)", flush=True)
-    return {"status": "interrupted", "signal": run.stop.name}
-
-
 def _attempt(
-    run: _Run,
-    placement: Any,
-    resume: ResumePoint | None,
-    restarted: bool,
-    warm: RoleActors | None = None,
-    launched: RoleActors | None = None,
+    run: _Run, placement: Any, resume: ResumePoint | None, restarted: bool, warm: RoleActors | None = None
 ) -> dict[str, Any]:
-    """Start every role's actors in their bundles (or reset `warm`, an earlier run's; `launched`: the
-    engines started already) and train to the end (or a stop signal) from `resume` (None: step 1).
-    Returns the outcome; a failure is raised with `run.decision` and `run.final_note` set while the
-    actors are still there to ask. The trainers may still start while step 1's rollout is generated
-    (`start_role_actors`): their failure to start, or a stop signal meanwhile, ends the attempt as
-    one before any step did."""
+    """Start every role's actors in their bundles (or reset `warm`, an earlier run's) and train to
+    the end (or a stop signal) from `resume` (None: step 1). Returns the outcome; a failure is
+    raised with `run.decision` and `run.final_note` set while the actors are still there to ask."""
     cfg, typed, ck, record = run.cfg, run.typed, run.typed.checkpoint, run.record
     transfer, sync, pipeline = instantiate(cfg.transfer), instantiate(cfg.sync), instantiate(cfg.pipeline)
     sync.use_plan(run.plan)  # CUDA IPC: which policy rank feeds which engine worker
@@ -273,13 +386,18 @@ def _attempt(
             warm=warm,
             shares_cuda_memory=sync.shares_cuda_memory,
             stopped=lambda: run.stop.requested,
-            launched=launched,
         )
     except StartupStopped:  # nothing ran, nothing to keep: the actors were killed mid-start
-        return _stopped_during_start_up(run)
+        print(f"{run.stop.name}: stopped during start-up (no step ran)", flush=True)
+        return {"status": "interrupted", "signal": run.stop.name}
     loop: TrainLoop | None = None
     completed = False  # only a completed run's actors are kept (nothing of it is left running)
     try:
+        if run.specs["actor"].lora is not None:
+            line = use_lora_sync(actors, typed.launcher.startup_timeout_s)
+            if not restarted:
+                print(line, flush=True)
+        sync.prepare(actors.policy, actors.engines, run.plan.engine_tp)
         dump = (
             RolloutDump(
                 run.run_dir,
@@ -302,10 +420,8 @@ def _attempt(
             pipeline,
             run.inputs.env,
             dump,
-            trainers_start=lambda: _finish_start(run, actors, sync, restarted),
         )
         if resume:
-            loop.trainers.started()  # (the trainers load the checkpoint)
             resume_loop(loop, resume, actors, ck.timeout_s)
         if record.engine_restart_log is not None:  # a restart: the engine replacements of every attempt count
             loop.restart_log = copy.deepcopy(record.engine_restart_log)
@@ -318,8 +434,6 @@ def _attempt(
         record.started(loop)
         for step in range(loop.first_step, typed.algo.num_steps + 1):
             if run.stop.requested:  # arrived before this step started (during start-up or a callback)
-                if actors.trainer_start.pending:  # (the trainers still start: nothing ran, nothing to export)
-                    return _stopped_during_start_up(run)
                 break
             run.in_step = step
             metrics = loop.step(step)
@@ -345,18 +459,9 @@ def _attempt(
         return {"status": "interrupted", "signal": run.stop.name} if run.stop.requested else {"status": "completed"}
     except SignalAbort:
         raise
-    except StartupStopped:  # a stop signal while the trainers still started (step 1 generated meanwhile)
-        return _stopped_during_start_up(run)
     except Exception as e:
-        if actors.trainer_start.failed is e:
-            # The trainers did not start: the start-up's failure, as when start_role_actors waited for
-            # them before step 1 (no step ran: no restart decision, no final checkpoint).
-            run.in_step = None
-            raise
-        # Decided here, once, while the actors are there to ask (trainers still starting finish
-        # first: busy building, they would not answer); a run that gives up keeps what the
+        # Decided here, once, while the actors are there to ask; a run that gives up keeps what the
         # trainers still hold (the last finished step) in a final checkpoint where the decision allows.
-        _let_trainers_start(actors)
         failure = describe_failure(e, actors, record.last_finished_step(), run.in_step)
         record.attempt_failed(loop)
         run.decision = decide_restart(
@@ -374,15 +479,6 @@ def _attempt(
         pipeline.close(loop, wait=keep)  # kept engines must not go on generating for this run
         if not (keep and _parked(run, placement, actors)):
             actors.kill()
-
-
-def _let_trainers_start(actors: RoleActors) -> None:
-    """Wait for trainers still starting, whatever becomes of them (a failure kills every actor: the
-    restart decision then finds the processes lost)."""
-    try:
-        actors.trainer_start.wait()
-    except Exception:
-        pass
 
 
 def _parked(run: _Run, placement: Any, actors: RoleActors) -> bool:
@@ -405,108 +501,17 @@ def run_training(
 ) -> dict[str, Any]:
     """Train; `callbacks(step, loop)` run after each finished (logged, checkpointed) step.
 
-    Everything the run reads (the model, the data, the reward, the checkpoint to resume) is checked
-    before any step runs: `prepare_model` and `prepare_inputs` raise `InputError`, `load_resume`
-    `ResumeError` (exit 2). The model's checkpoint comes first: the engines start from it as soon as
-    Ray is up, while the driver prepares the rest (an input error stops them again). A failure that
-    lost a process restarts every role from the last checkpoint, up to fault.max_trainer_restarts
-    times. The summary's `status` is "completed", or "interrupted" (a stop signal: `signal` names
-    it) -- the app turns that into exit 128 + signal.
+    Everything that can be checked without Ray (the model, the data, the reward, the checkpoint to
+    resume) is prepared first: `prepare_inputs` raises `InputError`, `load_resume` `ResumeError`
+    (exit 2) before any actor starts. A failure that lost a process restarts every role from the
+    last checkpoint, up to fault.max_trainer_restarts times. The summary's `status` is
+    "completed", or "interrupted" (a stop signal: `signal` names it) -- the app turns that into
+    exit 128 + signal.
     """
-    t_start = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     ck = typed.checkpoint
-    model = prepare_model(cfg)
-    # The engines' spec before the data is read: it needs the model's checkpoint only (a CPU KV
-    # cache is sized for the training rollouts, which the config says).
-    engines = engine_spec(typed, plan, model.path, instantiate(cfg.pipeline), model.model.lora)
-    key = warm_actors.warm_key(plan, engines, typed.engine.kv_cache_gb, trainer_roles(typed, plan))
-    stop = StopRequest("stopping after this step" + (", with a checkpoint" if ck.on_signal else ""))
-    outcome: dict[str, Any] = {"status": "failed"}
-    run: _Run | None = None
-    try:
-        # Installed before Ray starts (a signal during start-up stops the run before its first
-        # step) and again after ray.init, which sets a SIGTERM handler of its own.
-        with (
-            stop.installed(),
-            launcher.session(run_dir, typed.logger.verbose),
-            stop.installed(),
-            warm_actors.placement_for(key, plan, typed.launcher.startup_timeout_s, typed.launcher.keep_actors) as (
-                placement,
-                warm,
-            ),
-        ):
-            launched = None
-            if warm is None:
-                launched = launch_engines(plan, placement, engines, typed.launcher.startup_timeout_s)
-            try:
-                run, resume = _prepare_run(
-                    cfg, typed, plan, model, run_dir, config_dict, stop, callbacks, t_start, engines
-                )
-            except BaseException:
-                if launched is not None:
-                    launched.kill()
-                raise
-            run.warm_key = key
-            restarted = False
-            while True:
-                try:
-                    outcome = _attempt(run, placement, resume, restarted, warm, launched)
-                    break
-                except SignalAbort:
-                    raise
-                except Exception as e:
-                    decision = run.decision
-                    if decision is None or not decision.restart:
-                        if decision is not None and decision.give_up_line is not None:
-                            raise CrashLoopError(decision.give_up_line) from e
-                        raise
-                    failed_at = run.in_step
-                    resume, restarted, warm, launched = _restart_point(run, e), True, None, None
-                    print(
-                        restart_line(
-                            _where(failed_at),
-                            named(e),
-                            resume.step if resume else None,
-                            run.record.trainer_restarts_used,
-                            typed.fault.max_trainer_restarts,
-                        ),
-                        flush=True,
-                    )
-    except SignalAbort as e:
-        outcome = {"status": "aborted", "signal": e.name}
-        raise
-    except Exception as e:
-        if isinstance(e, (InputError, ResumeError)):
-            outcome = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
-            raise
-        if run is None:  # (Ray or the placement failed before the run's record was made: the app writes the summary)
-            raise
-        note = f"; {run.final_note}" if run.final_note else ""
-        outcome = {"status": "failed", "error": f"{_where(run.in_step)}{named(e)}{note}"}
-        raise RunFailed(f"{_where(run.in_step)}{named(e)}{note}{run.record.resume_hint()}") from e
-    finally:
-        if run is not None:
-            summary = run.record.close(outcome, time.perf_counter() - t_start)
-    return summary
-
-
-def _prepare_run(
-    cfg: DictConfig,
-    typed: RootConfig,
-    plan: PlacementPlan,
-    model: PreparedModel,
-    run_dir: Path,
-    config_dict: dict,
-    stop: StopRequest,
-    callbacks: Sequence[Callable[[int, TrainLoop], None]],
-    t_start: float,
-    engines: EngineSpec,
-) -> tuple[_Run, ResumePoint | None]:
-    """The run's inputs, its record, the roles' specs, and the checkpoint it resumes from; `engines`:
-    what the run's engines start with (the session started them already where none were kept)."""
-    inputs: RunInputs = prepare_inputs(cfg, typed, model)
+    inputs: RunInputs = prepare_inputs(cfg, typed)
     resume = load_resume_point(typed, run_dir, config_dict, inputs.task)
     written_at = checkpoint_zero_stages(resume.state) if resume else None
     specs = trainer_specs(typed, plan, inputs.model_path, inputs.tokenizer.pad_token_id, inputs.model.lora, written_at)
@@ -532,8 +537,74 @@ def _prepare_run(
             micro_batch_size=inputs.reward.model.micro_batch_size,
             free_cache_between_phases=plan.shares_gpu("reward"),
         )
-    run = _Run(cfg, typed, plan, inputs, record, specs, reward_spec, engines, stop, callbacks, run_dir, t_start)
-    return run, resume
+    stop = StopRequest("stopping after this step" + (", with a checkpoint" if ck.on_signal else ""))
+    run = _Run(
+        cfg,
+        typed,
+        plan,
+        inputs,
+        record,
+        specs,
+        reward_spec,
+        engine_spec(typed, plan, inputs.model_path, instantiate(cfg.pipeline), inputs.model.lora),
+        stop,
+        callbacks,
+        run_dir,
+        time.perf_counter(),
+    )
+    run.warm_key = warm_actors.warm_key(
+        plan, run.engines, typed.engine.kv_cache_gb, [*specs, *(["reward"] if reward_spec else [])]
+    )
+    outcome: dict[str, Any] = {"status": "failed"}
+    try:
+        # Installed before Ray starts (a signal during start-up stops the run before its first
+        # step) and again after ray.init, which sets a SIGTERM handler of its own.
+        with (
+            stop.installed(),
+            launcher.session(run_dir, typed.logger.verbose),
+            stop.installed(),
+            warm_actors.placement_for(
+                run.warm_key, plan, typed.launcher.startup_timeout_s, typed.launcher.keep_actors
+            ) as (placement, warm),
+        ):
+            restarted = False
+            while True:
+                try:
+                    outcome = _attempt(run, placement, resume, restarted, warm)
+                    break
+                except SignalAbort:
+                    raise
+                except Exception as e:
+                    decision = run.decision
+                    if decision is None or not decision.restart:
+                        if decision is not None and decision.give_up_line is not None:
+                            raise CrashLoopError(decision.give_up_line) from e
+                        raise
+                    failed_at = run.in_step
+                    resume, restarted, warm = _restart_point(run, e), True, None
+                    print(
+                        restart_line(
+                            _where(failed_at),
+                            named(e),
+                            resume.step if resume else None,
+                            record.trainer_restarts_used,
+                            typed.fault.max_trainer_restarts,
+                        ),
+                        flush=True,
+                    )
+    except SignalAbort as e:
+        outcome = {"status": "aborted", "signal": e.name}
+        raise
+    except Exception as e:
+        if isinstance(e, (InputError, ResumeError)):
+            outcome = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+            raise
+        note = f"; {run.final_note}" if run.final_note else ""
+        outcome = {"status": "failed", "error": f"{_where(run.in_step)}{named(e)}{note}"}
+        raise RunFailed(f"{_where(run.in_step)}{named(e)}{note}{record.resume_hint()}") from e
+    finally:
+        summary = record.close(outcome, time.perf_counter() - run.t_start)
+    return summary
 
 
 class CrashLoopError(RuntimeError):

@@ -273,7 +273,7 @@ def test_a_hand_over_that_finds_an_engine_dead_replaces_it_draws_its_share_again
     draws the share it held again on the replacement and hands the rollout over; a rollout thread
     that replaced an engine meanwhile makes the hand-over look again instead. Under sync the
     failure stands (a lost process: the run restarts from its checkpoint)."""
-    from rlhf_orch.orchestration.fleet import EngineFleet, TrainerVersion
+    from rlhf_orch.orchestration.fleet import EngineFleet
     from rlhf_orch.orchestration.errors import ActorDiedError
     from rlhf_orch.orchestration.pipeline import AsyncPipeline
     from rlhf_orch.transfer.base import EngineShare
@@ -307,7 +307,6 @@ def test_a_hand_over_that_finds_an_engine_dead_replaces_it_draws_its_share_again
 
     loop = Loop.__new__(Loop)
     loop.actors, loop.transfer, loop._restart_s, loop._redrawn = SimpleNamespace(engines=list(old)), Transfer(), {}, {}
-    loop.trainers = TrainerVersion()  # (started: nothing left to wait for)
     loop.pipeline = AsyncPipeline(max_staleness=1) if pipeline == "async" else SyncPipeline()
     held = SimpleNamespace(
         step=3,
@@ -626,50 +625,3 @@ def test_the_last_finished_step_tells_two_failures_between_steps_apart(tmp_path)
     assert record.last_finished_step() == 4
     record.step_finished(8, loop)
     assert record.last_finished_step() == 8
-
-
-def test_the_trainers_start_up_is_waited_for_where_a_step_first_needs_them(monkeypatch):
-    """Step 1's rollout is generated while the trainers still start: its hand-over waits for their
-    start-up (and the weight groups it forms), once -- the next hand-over and the weight push do
-    not wait again. A start-up that failed fails whatever asks next."""
-    from rlhf_orch.orchestration import fleet as fleet_module
-
-    monkeypatch.setattr(fleet_module, "dead_actors", lambda engines, timeout_s: [])
-    events: list[str] = []
-
-    class Sync:
-        def push(self, version):
-            events.append(f"push v{version}")
-
-        def verify(self, version): ...
-
-    class Transfer:
-        def hand_over(self, held, route):
-            events.append("hand over")
-            return "delivery"
-
-    loop = _loop(_Task(), sync=Sync())
-    loop.fleet.transfer = Transfer()
-    loop.trainers.start = lambda: events.append("trainers started")
-    held = SimpleNamespace(shares=[], step=1)
-    assert loop.hand_over(held) == "delivery"
-    assert loop.trainers.start_wait_s is not None  # (step 1 logs it: time/trainer_start_wait)
-    loop.trained = 1
-    loop.sync_engines({})
-    loop.hand_over(held)
-    assert events == ["trainers started", "hand over", "push v1", "hand over"]
-
-    failing = _loop(_Task(), sync=Sync())
-    failing.fleet.transfer = Transfer()
-
-    def no_trainers():
-        raise RuntimeError("a policy rank did not build")
-
-    failing.trainers.start = no_trainers
-    for _ in range(2):
-        with pytest.raises(RuntimeError, match="did not build"):
-            failing.hand_over(held)
-    failing.trained = 1
-    with pytest.raises(RuntimeError, match="did not build"):
-        failing.sync_engines({})
-    assert len(events) == 4  # nothing handed over or pushed without the trainers
