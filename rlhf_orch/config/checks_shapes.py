@@ -15,6 +15,7 @@ from rlhf_orch.config.ranges import is_int
 from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.data.options import DigitTaskConfig, FilesDataConfig
 from rlhf_orch.models.options import TinyModelConfig
+from rlhf_orch.models.tiny_spec import MIN_HEAD_DIM  # vLLM's CPU attention kernels reject smaller heads
 from rlhf_orch.topology.plan import PlacementPlan
 from rlhf_orch.transfer.options import PackedTransferConfig
 
@@ -161,17 +162,17 @@ def model_source(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pro
                     "model.num_heads",
                     m.num_heads,
                     f"must divide model.hidden_size={m.hidden_size} "
-                    f"(head_dim = hidden_size / num_heads); e.g. num_heads={max(1, m.hidden_size // _TINY_MIN_HEAD_DIM)}",
+                    f"(head_dim = hidden_size / num_heads); e.g. num_heads={max(1, m.hidden_size // MIN_HEAD_DIM)}",
                 )
             )
-        elif m.hidden_size // m.num_heads < _TINY_MIN_HEAD_DIM:
+        elif m.hidden_size // m.num_heads < MIN_HEAD_DIM:
             problems.append(
                 Problem(
                     "model.num_heads",
                     m.num_heads,
                     f"head_dim = model.hidden_size / num_heads = "
-                    f"{m.hidden_size // m.num_heads} < {_TINY_MIN_HEAD_DIM}, which vLLM's CPU attention refuses; use "
-                    f"num_heads <= {max(1, m.hidden_size // _TINY_MIN_HEAD_DIM)} or a larger hidden_size",
+                    f"{m.hidden_size // m.num_heads} < {MIN_HEAD_DIM}, which vLLM's CPU attention refuses; use "
+                    f"num_heads <= {max(1, m.hidden_size // MIN_HEAD_DIM)} or a larger hidden_size",
                 )
             )
         need = _tiny_min_vocab()
@@ -185,11 +186,6 @@ def model_source(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pro
                 )
             )
     return problems
-
-
-# vLLM's CPU attention kernels reject smaller heads (rlhf_orch.models.tiny_build.MIN_HEAD_DIM, not
-# imported: that module pulls in transformers, and checks must stay fast).
-_TINY_MIN_HEAD_DIM = 32
 
 
 _TINY_SPECIAL_TOKENS = 4  # tiny_build.SPECIAL_TOKENS: pad, bos, eos, unk

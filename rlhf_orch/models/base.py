@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from rlhf_orch.models.hub import ModelSourceError
 from rlhf_orch.models.lora import LoraSettings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # Where Hugging Face configs keep the longest sequence the positions cover (the first one present counts).
@@ -70,7 +72,11 @@ class ModelSource(ABC):
             )
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The checkpoint's tokenizer, loaded the way the consumers load it."""
+        """The checkpoint's tokenizer, loaded the way the consumers load it. (transformers is
+        imported here, not with the module: naming the checkpoint -- `path()` -- needs none of it,
+        and the driver does that first, to start the engines while it loads the rest.)"""
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(self.path())
 
     def __repr__(self) -> str:

@@ -7,16 +7,25 @@ import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from rlhf_orch.models.base import ModelSource
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.models.cache import build_once
 from rlhf_orch.models.options import TinyModelConfig
-from rlhf_orch.models.tiny_build import TinyLlamaSpec, build_tiny_checkpoint
+from rlhf_orch.models.tiny_spec import TinyLlamaSpec, WarmStartRecipe
 from rlhf_orch.models.warm_start_task import WARM_STARTS
 
 # Bumped when the build procedure changes in a way the spec, recipe and task do not capture.
 BUILD_FORMAT_VERSION = 4  # 2: model vocabulary = tokenizer size; 3: chat template; 4: it renders conversations
+
+
+def build_tiny_checkpoint(out_dir: Path, spec: TinyLlamaSpec, task: Any, recipe: WarmStartRecipe) -> None:
+    """`rlhf_orch.models.tiny_build.build_tiny_checkpoint`, imported when a build is due: torch and
+    transformers come with it, and a cached checkpoint's path is named without them."""
+    from rlhf_orch.models.tiny_build import build_tiny_checkpoint as build
+
+    build(out_dir, spec, task, recipe)
 
 
 class TinyLlama(ModelSource):

@@ -8,7 +8,7 @@ from typing import Callable
 from rlhf_orch.data.options import DigitTaskConfig, LookupTaskConfig
 from rlhf_orch.data.digit_task import DigitReverseTask
 from rlhf_orch.data.lookup_task import LookupTask
-from rlhf_orch.models.tiny_build import WarmStartRecipe
+from rlhf_orch.models.tiny_spec import WarmStartRecipe
 
 # The warm start's own data seed: part of "the model", not of a run (a run's `seed` must not
 # rebuild the cached checkpoint).
