@@ -8,6 +8,7 @@ strategies' receive halves reach the workers through it (`rlhf_orch.engines.work
 from __future__ import annotations
 
 import gc
+import json
 import os
 from dataclasses import replace
 from typing import Any
@@ -142,6 +143,7 @@ def start_llm(spec: Any, engine_index: int) -> tuple[Any, Any, bool]:
         # Sampled tokens' log-probs of the distribution sampled from (after temperature), the
         # one the trainers score (logits / temperature): truncated IS divides one by the other.
         logprobs_mode="processed_logprobs",
+        chat_template=checkpoint_chat_template(spec.model_path),
         **extra,
     )
     if adapter:
@@ -151,6 +153,31 @@ def start_llm(spec: Any, engine_index: int) -> tuple[Any, Any, bool]:
     # completion): the per-token staleness of a sequence a weight update reached mid-way.
     llm.llm_engine.set_weight_version("0")
     return llm, spec, adapter
+
+
+def checkpoint_chat_template(model_path: str) -> str | None:
+    """The checkpoint's own chat template (the path of its chat_template.jinja, or the template its
+    tokenizer_config.json holds), for `vllm.LLM(chat_template=...)`; None where it has none (or the
+    checkpoint is not on this machine): vLLM then looks for one itself. Its start-up renders one chat
+    to warm that path up, and without a template given it first loads the checkpoint's processor --
+    for a text model a second copy of the tokenizer vLLM already holds (~0.5 s of every SmolLM2
+    engine's start, more on a loaded machine) -- only to find no template there and use the
+    tokenizer's, which is this one. Nothing in rlhf_orch renders chats through vLLM."""
+    from rlhf_orch.models.hub import ModelSourceError, resolve_local_checkpoint
+
+    try:
+        folder = resolve_local_checkpoint(model_path, "model")
+    except ModelSourceError:
+        return None
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        return jinja
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json")) as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    return template if isinstance(template, str) else None  # (a list of named templates: vLLM chooses)
 
 
 def _bind_cpu_workers(tp: int) -> None:

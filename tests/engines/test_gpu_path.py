@@ -478,3 +478,21 @@ def test_the_kv_block_size_is_the_configured_one_or_32_on_cpu_and_vllms_on_gpus(
     assert kv_block_size(None, is_cpu=True) == 32
     assert kv_block_size(None, is_cpu=False) is None  # vLLM's own default (16 on CUDA)
     assert kv_block_size(64, is_cpu=True) == 64 and kv_block_size(16, is_cpu=False) == 16
+
+
+def test_the_engine_is_given_the_checkpoint_s_own_chat_template(tmp_path):
+    """vLLM's start-up warms its chat rendering up; given no template it loads the checkpoint's
+    processor -- a second tokenizer -- to look for one first. The engine hands it the checkpoint's
+    own: chat_template.jinja, else tokenizer_config.json's string; none (or named templates, or no
+    checkpoint here): vLLM's own lookup."""
+    from rlhf_orch.engines.llm_start import checkpoint_chat_template
+
+    (tmp_path / "config.json").write_text("{}")
+    assert checkpoint_chat_template(str(tmp_path)) is None
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": [{"name": "default", "template": "{{ x }}"}]}')
+    assert checkpoint_chat_template(str(tmp_path)) is None
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ bos_token }}"}')
+    assert checkpoint_chat_template(str(tmp_path)) == "{{ bos_token }}"
+    (tmp_path / "chat_template.jinja").write_text("{{ eos_token }}")
+    assert checkpoint_chat_template(str(tmp_path)) == str(tmp_path / "chat_template.jinja")
+    assert checkpoint_chat_template(str(tmp_path / "elsewhere")) is None
