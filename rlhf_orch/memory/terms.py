@@ -250,15 +250,19 @@ def checkpoint_load_term(params: int, shape: ModelShape, wl: Workload) -> list[T
     return [] if wl.on_gpu else [Term("checkpoint load", params * shape.checkpoint_bytes_per_param, reclaimable=True)]
 
 
-def trainer_terms(role: str, params: int, shape: ModelShape, wl: Workload, dp: int, rank: int = 0) -> list[Term]:
+def trainer_terms(
+    role: str, params: int, shape: ModelShape, wl: Workload, dp: int, rank: int = 0, stage: int | None = None
+) -> list[Term]:
     """Actor or critic rank under DeepSpeed ZeRO, as DeepSpeed allocates it, at the stage the role
-    runs (`zero_stage_to_run`: a role of one rank runs ZeRO-1/2 as stage 0).
+    runs (`zero_stage_to_run`: a role of one rank runs ZeRO-1/2 as stage 0). `stage`: the stage
+    DeepSpeed is given where a caller builds it by hand at another (scripts/bench/bench_gpu.py runs
+    one rank at ZeRO-1 and ZeRO-2 as measured on the GPUs).
 
     From ZeRO-1 DeepSpeed keeps an fp32 partition of the weights (the optimizer's master copy) even
     when the model is float32, and fp32 gradient partitions; ZeRO-2/3 reduce gradients through a
     bucket of up to `REDUCE_BUCKET_ELEMENTS` elements.
     """
-    w, z = wl.w, zero_stage_to_run(wl.zero_stage, dp, wl.offload_optimizer)
+    w, z = wl.w, zero_stage_to_run(wl.zero_stage, dp, wl.offload_optimizer) if stage is None else stage
     shard = lambda nbytes, from_stage: nbytes // dp if z >= from_stage else nbytes  # noqa: E731
     offload = wl.offload_optimizer and wl.on_gpu
     terms = [Term("weights", shard(params * w, 3))]

@@ -74,7 +74,8 @@ class MemoryCase:
 
     def planned(self) -> dict[str, int]:
         shape = ModelShape.from_config(KNOWN_CONFIGS[self.model])
-        terms = trainer_terms("actor", shape.policy_params, shape, self.workload(), dp=1)
+        # (the stage this bench gives DeepSpeed itself: a run would take one rank's ZeRO-1/2 as stage 0)
+        terms = trainer_terms("actor", shape.policy_params, shape, self.workload(), dp=1, stage=self.zero_stage)
         return {
             "always": sum(t.bytes for t in terms if t.phase == ALWAYS and t.name != RUNTIME and not t.on_host),
             "train": sum(t.bytes for t in terms if t.phase == TRAIN),

@@ -536,7 +536,9 @@ def test_an_agent_that_ends_its_process_scores_zero_and_the_step_completes(tmp_p
     )  # it trains (the on-policy PPO loss of whitened advantages can be exactly 0)
 
 
-@pytest.mark.parametrize("transfer", ["packed", pytest.param("micro_batched", marks=pytest.mark.extended)])
+# The full tier only (~130 s in CI's tier, most of it starting AGENT_PLAN's two engines and four ranks).
+@pytest.mark.extended
+@pytest.mark.parametrize("transfer", ["packed", "micro_batched"])
 def test_every_conversation_of_an_agent_trains_on_every_rank_layout(tmp_path, transfer):
     """An agent whose trajectories hold two conversations (the second extends nothing): both train,
     with the trajectory's reward, over two policy ranks (the sequences then do not divide evenly:

@@ -33,7 +33,7 @@ class SlowSavingRank:
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)  # (never another test's cluster)
     yield
     ray.shutdown()
 

@@ -25,6 +25,9 @@ def test_each_case_is_planned_by_the_trainers_own_terms_on_a_gpu():
     assert plan["runtime"] == int(1.39e9)  # the measured GPU runtime, not the CPU one
     zero3 = MemoryCase("Qwen/Qwen2.5-0.5B-Instruct", 3, 4, 1024).planned()
     assert zero3["runtime"] == int(1.39e9) + int(0.41e9) and zero3["terms"]["gathered weights"] == params * 2
+    # a ZeRO-2 case is planned at ZeRO-2, the stage it gives DeepSpeed (a run would take one rank's as stage 0)
+    zero2 = MemoryCase("Qwen/Qwen2.5-0.5B-Instruct", 2, 4, 1024).planned()
+    assert zero2["terms"]["gradient partition"] == params * 2, zero2["terms"]  # (ZeRO-2's own term)
     assert len({c.label for c in memory_cases(quick=False)}) == len(memory_cases(quick=False))
 
 

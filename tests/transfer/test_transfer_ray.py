@@ -29,7 +29,8 @@ PROMPTS, SPP, SHARDS, MBS, ENGINES = 12, 4, 2, 5, 3  # 48 sequences; 5 does not 
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, num_gpus=SHARDS, object_store_memory=200 * 2**20, include_dashboard=False)
+    # address="local": a new Ray even while another worker's test runs a cluster this one would join
+    ray.init(address="local", num_cpus=2, num_gpus=SHARDS, object_store_memory=200 * 2**20, include_dashboard=False)
     engines = [
         ray.remote(SyntheticEngine).remote(LengthModel(mean=30, max_len=90), vocab_size=100, seed=e * 0 + 11)
         for e in range(ENGINES)
