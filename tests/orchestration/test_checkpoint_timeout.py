@@ -33,7 +33,9 @@ class SlowSavingRank:
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)  # (never another test's cluster)
+    ray.init(
+        address="local", num_cpus=1, include_dashboard=False, log_to_driver=False
+    )  # (never another test's cluster)
     yield
     ray.shutdown()
 
