@@ -22,8 +22,9 @@ if [ -f "$STAMP" ]; then
 fi
 
 .venv/bin/python -m pip install --quiet --upgrade pip
-# --no-compile: pip would byte-compile every installed module (31k files, ~150 s of one core on a
-# 2-core CI host: half the set-up); Python compiles what a process imports, once, on first import.
+# --no-compile: pip byte-compiles every installed module one file at a time (31k files, ~150 s of
+# one core on a 2-core CI host: half the set-up); compileall below does it on every core. (Left to
+# first import instead, a fresh Ray node's processes compiled Ray at once and its start timed out.)
 if [ "$EXTRA" = cpu ]; then
   # Pin the CPU torch first: unpinned, pip would pull the newest CUDA build (several GB).
   .venv/bin/python -m pip install --quiet --no-compile "torch==2.13.0"
@@ -35,6 +36,7 @@ if [ "$EXTRA" = cpu ]; then
   # present transformers fails to import model classes ("operator torchvision::nms does not exist").
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
+.venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 .venv/bin/python -c "import torch, vllm, deepspeed, ray, hydra; print('rlhf_orch environment ready:', 'torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| ray', ray.__version__)"
 rm -f .venv/.installed-*
 touch "$STAMP"
