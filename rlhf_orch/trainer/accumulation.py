@@ -11,14 +11,16 @@ from rlhf_orch.trainer.token_weighting import OptimizerStepPlan
 class Accumulation:
     """One train() call's backward passes on a DeepSpeed `engine`: each micro-batch's loss times
     its weight, the optimizer stepping at each step's last micro-batch; it keeps the gradient norm
-    of every optimizer step. DeepSpeed computes it under ZeRO (and its 16-bit optimizers); at stage
+    of every optimizer step. DeepSpeed computes it under ZeRO and in its 16-bit optimizers; at stage
     0 in float32 (a role of one rank: `zero_stage_to_run`) it clips the gradients without keeping
-    their norm, so with `zero_stage` 0 the norm is also taken here, before the step clips them."""
+    their norm, so there -- asked of the engine as DeepSpeed's own step decides it -- the norm is
+    taken here, before the step clips them."""
 
-    def __init__(self, engine, work_done: WorkCount, zero_stage: int):
+    def __init__(self, engine, work_done: WorkCount):
         self.engine = engine
         self.work_done = work_done
-        self.norm_before_step = zero_stage == 0
+        # (DeepSpeedEngine._take_model_step's own test for the plain float32 optimizer it steps)
+        self.norm_before_step = not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization())
         self.grad_norms: list[float] = []  # per optimizer step of this train() call
 
     def backward(self, plan: OptimizerStepPlan, position: int, loss: torch.Tensor, weight: float) -> float:

@@ -87,7 +87,7 @@ def train_values(
     step (all epochs), the sample indices this rank trained on in it."""
     engine.train()
     plan = plan_optimizer_steps([mb for mb, _, _ in work], spec.train_batch_size, world_size)
-    accumulation = Accumulation(engine, work_done, spec.zero_stage)
+    accumulation = Accumulation(engine, work_done)
     members = list(plan.members) * spec.ppo_epochs
     total, clip = 0.0, 0.0
     for _ in range(spec.ppo_epochs):

@@ -55,7 +55,7 @@ def train_policy(
     written without micro-batches or ranks; `tests/algo/test_oracle_matrix.py` holds the two equal.
     """
     engine.train()
-    accumulation = Accumulation(engine, work_done, spec.zero_stage)
+    accumulation = Accumulation(engine, work_done)
     members: list[tuple[int, ...]] = []
     totals: dict[str, float] = {}
     steps = 0

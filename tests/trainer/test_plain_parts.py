@@ -41,9 +41,19 @@ def test_a_spec_keeps_its_world():
 class _Engine:
     """What `Accumulation` asks of a DeepSpeed engine, recorded."""
 
-    def __init__(self, norms):
+    def __init__(self, norms, zero_stage=2, dtype="float32"):
         self.calls, self.norms = [], list(norms)
         self.module = torch.nn.Linear(2, 2, bias=False)
+        self.zero_stage, self.dtype = zero_stage, dtype
+
+    def fp16_enabled(self):
+        return self.dtype == "float16"
+
+    def bfloat16_enabled(self):
+        return self.dtype == "bfloat16"
+
+    def zero_optimization(self):
+        return self.zero_stage > 0
 
     def set_gradient_accumulation_boundary(self, boundary):
         self.calls.append(("boundary", boundary))
@@ -63,8 +73,8 @@ def test_the_accumulation_steps_at_each_boundary_and_keeps_the_largest_norm():
     mbs = [_batch([1, 2]), _batch([3]), _batch([4, 5, 6]), _batch([7])]
     plan = plan_optimizer_steps(mbs, 2, 1)  # two sequences a step: steps [0, 1], [2, 3]
     work_done = WorkCount()
-    engine = _Engine([1.5, None])
-    accumulation = Accumulation(engine, work_done, zero_stage=2)
+    engine = _Engine([1.5, None], zero_stage=2)
+    accumulation = Accumulation(engine, work_done)
     assert accumulation.with_grad_norm({}) == {}  # no norm computed yet: none reported
     losses = [accumulation.backward(plan, k, torch.tensor(2.0), 0.5) for k in range(4)]
     assert losses == [1.0] * 4
@@ -80,11 +90,16 @@ def test_at_stage_0_the_gradient_norm_is_taken_before_the_step_clips_it():
     """DeepSpeed's stage 0 (one rank: zero_stage_to_run) keeps no gradient norm in float32: the
     accumulation takes it from the gradients before the step, as ZeRO reports it (unclipped)."""
     plan = plan_optimizer_steps([_batch([1, 2])], 2, 1)
-    engine = _Engine([None])
+    engine = _Engine([None], zero_stage=0)
     engine.module.weight.grad = torch.tensor([[3.0, 0.0], [0.0, 4.0]])
-    accumulation = Accumulation(engine, WorkCount(), zero_stage=0)
+    accumulation = Accumulation(engine, WorkCount())
     accumulation.backward(plan, 0, torch.tensor(1.0), 1.0)
     assert accumulation.grad_norms == [5.0] and engine.module.weight.grad is None
+    # DeepSpeed's 16-bit optimizers keep the norm at stage 0: it is not taken a second time here
+    bf16 = Accumulation(_Engine([2.0], zero_stage=0, dtype="bfloat16"), WorkCount())
+    assert not bf16.norm_before_step
+    bf16.backward(plan, 0, torch.tensor(1.0), 1.0)
+    assert bf16.grad_norms == [2.0]
 
 
 def test_without_lora_a_sync_sends_every_weight_and_a_lora_mode_is_refused():
