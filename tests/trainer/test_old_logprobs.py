@@ -83,6 +83,15 @@ class _NoForward:
     def __call__(self, *args, **kwargs):
         raise AssertionError("the forward ran")
 
+    def fp16_enabled(self):  # (what Accumulation asks: a float32 engine at ZeRO-2)
+        return False
+
+    def bfloat16_enabled(self):
+        return False
+
+    def zero_optimization(self):
+        return True
+
 
 def _grpo(**changes):
     return dataclasses.replace(instantiate(compose_config(["algo=grpo", "algo.kl_placement=off"]).algo), **changes)
