@@ -50,8 +50,12 @@ def make_experience(
     reference / critic. Batch-wide normalisation is over all policy ranks (they all call this).
     """
     engine.eval()
-    with work_done.collective():  # (the plan sums the sequences over the ranks)
-        steps = plan_optimizer_steps(mbs, spec.train_batch_size, world_size).num_steps  # the update's first epoch's
+    # The update's first epoch's optimizer steps decide only where nothing before them has (the
+    # fallbacks' order): trainer.old_logprobs=forward or several epochs skip the plan's all-reduces.
+    steps = 1
+    if spec.old_logprobs != "forward" and algo.ppo_epochs == 1:
+        with work_done.collective():  # (the plan sums the sequences over the ranks)
+            steps = plan_optimizer_steps(mbs, spec.train_batch_size, world_size).num_steps
     from_update, _ = old_logprobs_from_update(
         spec.old_logprobs, algo.ppo_epochs, steps, algo.kl_in_reward, active_dropout(engine.module)
     )

@@ -131,8 +131,7 @@ class PolicyWorker(TrainerWorker):
             shares_prompts(self.spec.share_prompts, self.device),
             self.work_done,
         )
-        # (train() takes it: the update is held to it; kept per shard, a rank may stage several)
-        self.__dict__.setdefault("_old_from_update", {})[shard] = from_update
+        self._old_from_update[shard] = from_update  # (train() takes it: the update is held to it)
         return stats, returns
 
     def sequences(self, shard: int, indices: list[int]) -> list[dict]:
@@ -147,10 +146,9 @@ class PolicyWorker(TrainerWorker):
         """`ppo_epochs` passes of the policy loss over the shard (`policy_update.train_policy`); the
         staged experience is dropped after."""
         self.last_step_members = []
-        decided = self.__dict__.get("_old_from_update", {})
-        if shard not in decided:
+        if shard not in self._old_from_update:
             raise RuntimeError(f"shard {shard}: the policy's update ran without its experience (make_experience)")
-        from_update = decided.pop(shard)
+        from_update = self._old_from_update.pop(shard)
         stats, self.last_step_members = train_policy(
             self.engine,
             staged_micro_batches(self._staged, shard),

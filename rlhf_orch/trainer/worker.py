@@ -45,6 +45,9 @@ class TrainerWorker(ExperienceInbox):
         # Experience this rank holds, by shard index: list of micro-batches (padded or packed,
         # as the transfer strategy delivered them; the forward takes both).
         self._staged: dict[int, list[PaddedBatch | PackedBatch]] = {}
+        # By staged shard: whether the update's own forward gives its old log-probs (the policy's
+        # make_experience decides, its train is held to it; a rank may stage several shards).
+        self._old_from_update: dict[int, bool] = {}
         self.pad_id = spec.pad_id
         # Per optimizer step of the last train() call: the sample indices this rank trained on in it.
         self.last_step_members: list[tuple[int, ...]] = []

@@ -115,6 +115,24 @@ def test_experience_skips_the_forward_and_leaves_the_old_logprobs_to_the_update(
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("changes", [{"old_logprobs": "forward"}, {}], ids=["forward", "two_epochs"])
+def test_a_forward_decided_before_the_plan_skips_the_plan_s_all_reduces(monkeypatch, changes):
+    """trainer.old_logprobs=forward or several epochs: the forward runs whatever the optimizer-step
+    plan says, so its two all-reduces over the ranks (every step) are not made for the decision."""
+    import rlhf_orch.trainer.experience as experience
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("the optimizer-step plan was made")
+
+    monkeypatch.setattr(experience, "plan_optimizer_steps", no_plan)
+    algo = _grpo(ppo_epochs=1 if changes else 2)
+    with pytest.raises(AssertionError, match="the forward ran"):
+        make_experience(
+            _NoForward(), _mbs(), None, None, algo, {}, plain_spec(train_batch_size=4, **changes),
+            torch.device("cpu"), 1, False, WorkCount(),
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("epochs,train_batch", [(2, 4), (1, 2)], ids=["two_epochs", "two_steps"])
 def test_an_update_the_skip_is_not_exact_for_is_refused(epochs, train_batch):
     """The decision travels from make_experience to the update, which holds its own plan to it:
