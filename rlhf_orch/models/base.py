@@ -73,8 +73,7 @@ class ModelSource(ABC):
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The checkpoint's tokenizer, loaded the way the consumers load it. (transformers is
-        imported here, not with the module: naming the checkpoint -- `path()` -- needs none of it,
-        and the driver does that first, to start the engines while it loads the rest.)"""
+        imported here, not with the module: naming the checkpoint -- `path()` -- needs none of it.)"""
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.path())

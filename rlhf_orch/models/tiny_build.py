@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from rlhf_orch.data.digit_task import ANSWER_MARKER, DigitReverseTask
-from rlhf_orch.models.tiny_spec import MIN_HEAD_DIM, TinyLlamaSpec, WarmStartRecipe  # noqa: F401 - importable from here too
+from rlhf_orch.models.tiny_spec import TinyLlamaSpec, WarmStartRecipe
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)

@@ -1,8 +1,7 @@
 """What determines the tiny policy's checkpoint (its shape and its warm-start recipe), apart from
 building it: plain dataclasses, so that naming the checkpoint (`rlhf_orch.models.tiny.TinyLlama.path`,
-a hash of these) imports neither torch nor transformers -- the driver asks for it before it imports
-them, to start the engines early (`rlhf_orch.orchestration.session`). The build itself is
-`rlhf_orch.models.tiny_build`."""
+a hash of these) imports neither torch nor transformers (a process that only names the checkpoint
+pays for neither). The build itself is `rlhf_orch.models.tiny_build`."""
 
 from __future__ import annotations
 

@@ -10,8 +10,10 @@ def zero_stage_to_run(configured: int, data_parallel_size: int, offload_optimize
     ZeRO-1 and ZeRO-2 on a role of one rank without optimizer offload (which needs ZeRO). With one
     rank there is nothing to partition, and ZeRO-1/2 only add a flat fp32 copy of the weights and
     gradient buckets beside the model's own (1.1 GB on SmolLM2 in float32); stage 0 is DeepSpeed's
-    plain optimizer path, the same update (tests/algo/test_oracle_matrix.py runs its one-rank cases
-    so). ZeRO-3 is kept as set: it is what the sharded-parameter paths (the sync's gathers, a
+    plain optimizer path, the same update in float32 (tests/algo/test_oracle_matrix.py runs its
+    one-rank cases so; scripts/bench/bench_one_rank_zero.py compares the weights). In bfloat16 or
+    float16 stage 0 steps through DeepSpeed's 16-bit optimizer wrappers instead: not run on this
+    project's CPU machine, to be checked on a GPU. ZeRO-3 is kept as set: it is what the sharded-parameter paths (the sync's gathers, a
     reference sharded in the policy's process) run with, and what a one-rank test of them asks for."""
     if data_parallel_size == 1 and configured in (1, 2) and not offload_optimizer:
         return 0

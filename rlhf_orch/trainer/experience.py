@@ -50,15 +50,14 @@ def make_experience(
     reference / critic. Batch-wide normalisation is over all policy ranks (they all call this).
     """
     engine.eval()
-    # The update's first epoch's optimizer steps decide only where nothing before them has (the
-    # fallbacks' order): trainer.old_logprobs=forward or several epochs skip the plan's all-reduces.
-    steps = 1
-    if spec.old_logprobs != "forward" and algo.ppo_epochs == 1:
+    dropout = active_dropout(engine.module)
+    # The update's optimizer steps decide only where nothing else already asks for the forward
+    # (forward mode, epochs, KL in the reward, dropout): then the plan's two all-reduces are not made.
+    from_update, _ = old_logprobs_from_update(spec.old_logprobs, algo.ppo_epochs, 1, algo.kl_in_reward, dropout)
+    if from_update:
         with work_done.collective():  # (the plan sums the sequences over the ranks)
             steps = plan_optimizer_steps(mbs, spec.train_batch_size, world_size).num_steps
-    from_update, _ = old_logprobs_from_update(
-        spec.old_logprobs, algo.ppo_epochs, steps, algo.kl_in_reward, active_dropout(engine.module)
-    )
+        from_update, _ = old_logprobs_from_update(spec.old_logprobs, algo.ppo_epochs, steps, algo.kl_in_reward, dropout)
     old = (
         None
         if from_update

@@ -64,6 +64,8 @@ def trainer_metrics(
     if "grad_norm" in policy_stats[0]:
         metrics["policy/grad_norm"] = _max(policy_stats, "grad_norm")
     metrics["advantages/abs_max"] = _max(exp_stats, "advantages_abs_max")
+    # 1: the update's own forward gave the old log-probs (`trainer.old_logprobs`); 0: a forward of their own.
+    metrics["trainer/old_logprobs_from_update"] = min(r["old_logprobs_from_update"] for r in exp_stats)
     if "logprob_diff_max" in exp_stats[0]:
         metrics["rollout/logprob_diff_max"] = _max(exp_stats, "logprob_diff_max")
     if "logprob_diff_tokens" in exp_stats[0]:

@@ -54,10 +54,17 @@ def old_logprobs_from_update(
     return True, FROM_UPDATE
 
 
+#: Parts of a Hugging Face config key whose value > 0 makes training mode random: dropout in its
+#: names (`attention_dropout`, `resid_pdrop`), skipped layers (`layerdrop`), stochastic depth
+#: (`drop_path_rate`), a mixture-of-experts router's jitter (`router_jitter_noise`).
+STOCHASTIC_KEY_PARTS = ("dropout", "pdrop", "layerdrop", "drop_path", "jitter")
+
+
 def active_dropout(model: nn.Module) -> str | None:
-    """Where `model` drops activations in training mode, named (None: nowhere): a dropout layer with
-    p > 0 (LoRA's lora_dropout among them), or a model config's `*dropout*` / `*pdrop*` value > 0
-    (Hugging Face attention applies `attention_dropout` functionally, with no layer to find)."""
+    """Where `model` is random in training mode, named (None: nowhere): a dropout layer with p > 0
+    (LoRA's lora_dropout among them), or a model config's value > 0 under a key with a part of
+    `STOCHASTIC_KEY_PARTS` (Hugging Face attention applies `attention_dropout` functionally, with no
+    layer to find)."""
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             return f"{name or type(module).__name__} p={module.p:g}"
@@ -74,7 +81,7 @@ def active_dropout(model: nn.Module) -> str | None:
 
 
 def _dropout_in(values: dict[str, Any], prefix: str = "") -> str | None:
-    """The first `*dropout*` / `*pdrop*` number > 0 of a config's dict (nested configs too)."""
+    """The first number > 0 under a `STOCHASTIC_KEY_PARTS` key of a config's dict (nested configs too)."""
     for key, value in values.items():
         key = str(key)  # (id2label's keys are ints)
         if isinstance(value, dict):
@@ -82,7 +89,7 @@ def _dropout_in(values: dict[str, Any], prefix: str = "") -> str | None:
             if found is not None:
                 return found
         elif (
-            ("dropout" in key or "pdrop" in key)
+            any(part in key for part in STOCHASTIC_KEY_PARTS)
             and isinstance(value, (int, float))
             and not isinstance(value, bool)
             and value > 0

@@ -16,7 +16,7 @@ held-out score (before training and every few steps: the same prompts, samples p
 temperature and reward on both sides) against steps and against training wall seconds.
 
   rlhf_orch  `python run.py ...` in two configurations: `best` (the fastest on this machine, found
-             with --search: pipeline, trainer threads; `OURS_BEST`) and `identical`
+             with --search: pipeline, trainer threads; `OURS_BEST` in scripts/bench/peers_settings.py) and `identical`
              (pipeline=sync: what the pipeline buys is the difference). Engine, policy and the
              reference inside the policy's process, as Ray actors.
   trl        `scripts/peers/trl_grpo.py`: GRPOTrainer, one process; the settings matched to ours
@@ -62,97 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from process_memory import ProcessTreeMemory
 from rlhf_orch.logging.base import read_metrics
 
-_HELD_OUT = ["eval.before_train=true", "eval.temperature=1.0"]
-# Per model: its base overrides, the JSON keys' infix, and per setting the steps and the held-out
-# evaluation (prompts; before training, every `eval_every` steps and after the last).
-MODELS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "base": ["algo=grpo"],
-        "key": "",
-        "label": "tiny model, digit task",
-        "settings": {
-            "default": {
-                "overrides": [],
-                "steps": 30,
-                "eval_every": 10,
-                "eval": ["eval.num_prompts=64", "eval.samples_per_prompt=4"],
-            },
-            "generation_heavy": {
-                "overrides": ["algo.min_response_len=256", "data.response_max_len=256"],
-                "steps": 8,
-                "eval_every": 8,
-                "eval": ["eval.num_prompts=32", "eval.samples_per_prompt=4"],
-            },
-        },
-    },
-    "smollm2_135m": {
-        "base": ["experiment=smollm2_arith"],
-        "key": "real_",
-        "label": "SmolLM2-135M-Instruct, reasoning-gym sums",
-        "settings": {
-            # The experiment's own evaluation: 64 held-out prompts x 4 samples, every 7 steps.
-            "default": {"overrides": [], "steps": 14, "eval_every": 7, "eval": ["eval.samples_per_prompt=4"]},
-            # Micro-batches of 8 (TRL: per-device batch 8, 4 accumulation steps): 16 x 448 tokens
-            # do not fit this 24 GB host's memory plan beside the engine.
-            "generation_heavy": {
-                "overrides": ["algo.min_response_len=256", "data.response_max_len=256", "algo.micro_batch_size=8"],
-                "steps": 3,
-                "eval_every": 3,
-                "eval": ["eval.num_prompts=32", "eval.samples_per_prompt=2"],
-            },
-        },
-    },
-}
-# Our fastest configuration per model and setting on this machine (2 cores), from `--search`
-# (docs/benchmarks.md has the search's figures); `identical` is always pipeline=sync.
-OURS_BEST: dict[str, dict[str, list[str]]] = {
-    "tiny": {
-        "default": ["pipeline=async", "trainer.torch_threads=1", "algo.tis_cap=2.0"],
-        "generation_heavy": ["pipeline=one_step_off", "trainer.torch_threads=1", "algo.tis_cap=2.0"],
-    },
-    "smollm2_135m": {
-        # (the experiment's engine.torch_threads=2: under sync the engine and the trainer alternate)
-        "default": ["pipeline=sync", "trainer.torch_threads=2"],
-        # one_step_off overlaps them: the engine keeps its one core (2 + 2 threads on 2 cores slow both)
-        "generation_heavy": [
-            "pipeline=one_step_off",
-            "trainer.torch_threads=2",
-            "engine.torch_threads=1",
-            "algo.tis_cap=2.0",
-        ],
-    },
-}
-# What --search tries (each for --search-steps steps, one seed).
-SEARCH: dict[str, list[str]] = {  # (threads: Ray gives each actor one core; sync leaves the other role's idle)
-    "sync, trainer 1 thread": ["pipeline=sync", "trainer.torch_threads=1"],
-    "sync, trainer 2 threads": ["pipeline=sync", "trainer.torch_threads=2"],
-    "one_step_off, trainer 1 thread": [
-        "pipeline=one_step_off",
-        "trainer.torch_threads=1",
-        "engine.torch_threads=1",
-        "algo.tis_cap=2.0",
-    ],
-    "one_step_off, trainer 2 threads": [
-        "pipeline=one_step_off",
-        "trainer.torch_threads=2",
-        "engine.torch_threads=1",
-        "algo.tis_cap=2.0",
-    ],
-    # TRL's GRPOConfig recomputes activations by default (gradient_checkpointing=True): memory for compute
-    "one_step_off, trainer 2 threads, gradient checkpointing": [
-        "pipeline=one_step_off",
-        "trainer.torch_threads=2",
-        "engine.torch_threads=1",
-        "algo.tis_cap=2.0",
-        "trainer.gradient_checkpointing=true",
-    ],
-    "async (staleness 1), trainer 1 thread": [
-        "pipeline=async",
-        "trainer.torch_threads=1",
-        "engine.torch_threads=1",
-        "algo.tis_cap=2.0",
-    ],
-}
+from peers_settings import HELD_OUT, MODELS, OURS_BEST, SEARCH
+
 LAST = 5  # steps averaged for the final reward
 TORCH_THREADS_TRL = os.cpu_count() or 1  # one process: TRL's default uses every core
 TORCH_THREADS_TRAINER = 1  # the bare parts' trainer thread (rlhf_orch's default TrainerSpec.torch_threads)
@@ -546,7 +457,7 @@ def main() -> None:
         configured = [
             *model["base"],
             *setting["overrides"],
-            *_HELD_OUT,
+            *HELD_OUT,
             *setting["eval"],
             f"eval.every_n_steps={every}",
         ]
@@ -672,7 +583,8 @@ def main() -> None:
     # Start-up and memory against TRL's, the same measure on both sides, per setting (the first's unsuffixed).
     for name in results:
         for measure in ("startup_s", "peak_gb", "peak_pss_gb"):
-            ratio = round(mean_of(name, ours[name], measure) / mean_of(name, "trl", measure), 3)
+            theirs = mean_of(name, "trl", measure)  # (0 where PSS could not be read: no ratio, no crash)
+            ratio = round(mean_of(name, ours[name], measure) / theirs, 3) if theirs > 0 else None
             summary[f"{measure.removesuffix('_s')}_ratio_vs_trl_{name}"] = ratio
             if name == first:
                 summary[f"{measure.removesuffix('_s')}_ratio_vs_trl"] = ratio

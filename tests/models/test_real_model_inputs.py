@@ -300,9 +300,10 @@ def test_the_dump_reads_as_the_chat_template_renders_the_conversation(tmp_path, 
 def test_logprob_agreement_reports_the_mean_and_the_share_over_the_threshold_beside_the_max(measured_by):
     """The same metrics whether the experience phase's forward measured them or, where it was
     skipped (trainer.old_logprobs), the update's (each rank's stats in one of the two)."""
+    from_update = float(measured_by == "update")
     exp = [
-        {"advantages_abs_max": 1.0, "response_tokens": 10, "values_sum": 0.0},
-        {"advantages_abs_max": 1.0, "response_tokens": 30, "values_sum": 0.0},
+        {"advantages_abs_max": 1.0, "response_tokens": 10, "values_sum": 0.0, "old_logprobs_from_update": from_update},
+        {"advantages_abs_max": 1.0, "response_tokens": 30, "values_sum": 0.0, "old_logprobs_from_update": from_update},
     ]
     measured = [
         {
@@ -328,6 +329,7 @@ def test_logprob_agreement_reports_the_mean_and_the_share_over_the_threshold_bes
     assert m["rollout/logprob_diff_mean"] == pytest.approx(0.8 / 40)
     assert m["rollout/logprob_diff_over_frac"] == pytest.approx(1 / 40)
     assert m["kl"] == pytest.approx(4.0 / 40)
+    assert m["trainer/old_logprobs_from_update"] == from_update  # which of the two measured them
 
 
 def test_the_gguf_build_silences_its_progress_bars_without_touching_the_environment(monkeypatch, tmp_path):

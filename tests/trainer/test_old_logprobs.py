@@ -53,6 +53,10 @@ def _llama(**config) -> LlamaForCausalLM:
 def test_dropout_is_found_in_layers_configs_and_lora_adapters():
     assert active_dropout(_llama()) is None  # HF Llama: attention_dropout 0, no dropout layer
     assert active_dropout(_llama(attention_dropout=0.1)) == "model config attention_dropout=0.1"
+    # Other randomness in training mode, under the names Hugging Face configs give it.
+    assert active_dropout(_llama(layerdrop=0.1)) == "model config layerdrop=0.1"
+    assert active_dropout(_llama(drop_path_rate=0.2)) == "model config drop_path_rate=0.2"
+    assert active_dropout(_llama(router_jitter_noise=0.01)) == "model config router_jitter_noise=0.01"
     assert active_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))) is None
     assert active_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.2))) == "1 p=0.2"
     lora = LoraSettings(rank=2, target_modules=("q_proj",))
@@ -115,22 +119,29 @@ def test_experience_skips_the_forward_and_leaves_the_old_logprobs_to_the_update(
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("changes", [{"old_logprobs": "forward"}, {}], ids=["forward", "two_epochs"])
-def test_a_forward_decided_before_the_plan_skips_the_plan_s_all_reduces(monkeypatch, changes):
-    """trainer.old_logprobs=forward or several epochs: the forward runs whatever the optimizer-step
-    plan says, so its two all-reduces over the ranks (every step) are not made for the decision."""
+class _NoForwardWithDropout(_NoForward):
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+
+
+@pytest.mark.parametrize("case", ["forward", "two_epochs", "kl_in_reward", "dropout"])
+def test_a_forward_decided_before_the_plan_skips_the_plan_s_all_reduces(monkeypatch, case):
+    """trainer.old_logprobs=forward, several epochs, the KL in the reward or dropout: the forward runs
+    whatever the optimizer-step plan says, so its two all-reduces over the ranks (every step) are not
+    made for the decision."""
     import rlhf_orch.trainer.experience as experience
 
     def no_plan(*args, **kwargs):
         raise AssertionError("the optimizer-step plan was made")
 
     monkeypatch.setattr(experience, "plan_optimizer_steps", no_plan)
-    algo = _grpo(ppo_epochs=1 if changes else 2)
+    algo = _grpo(ppo_epochs=2 if case == "two_epochs" else 1)
+    if case == "kl_in_reward":
+        algo = instantiate(compose_config(["algo=grpo", "algo.kl_placement=in_reward"]).algo)
+        assert algo.kl_in_reward
+    engine = _NoForwardWithDropout() if case == "dropout" else _NoForward()
+    spec = plain_spec(train_batch_size=4, **({"old_logprobs": "forward"} if case == "forward" else {}))
     with pytest.raises(AssertionError, match="the forward ran"):
-        make_experience(
-            _NoForward(), _mbs(), None, None, algo, {}, plain_spec(train_batch_size=4, **changes),
-            torch.device("cpu"), 1, False, WorkCount(),
-        )  # fmt: skip
+        make_experience(engine, _mbs(), None, None, algo, {}, spec, torch.device("cpu"), 1, False, WorkCount())
 
 
 @pytest.mark.parametrize("epochs,train_batch", [(2, 4), (1, 2)], ids=["two_epochs", "two_steps"])

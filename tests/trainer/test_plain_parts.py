@@ -96,8 +96,15 @@ def test_at_stage_0_the_gradient_norm_is_taken_before_the_step_clips_it():
     accumulation.backward(plan, 0, torch.tensor(1.0), 1.0)
     assert accumulation.grad_norms == [5.0] and engine.module.weight.grad is None
     # DeepSpeed's 16-bit optimizers keep the norm at stage 0: it is not taken a second time here
-    bf16 = Accumulation(_Engine([2.0], zero_stage=0, dtype="bfloat16"), WorkCount())
+    bf16_engine = _Engine([2.0], zero_stage=0, dtype="bfloat16")
+    bf16_engine.module.weight.grad = torch.tensor([[3.0, 0.0], [0.0, 4.0]])
+    bf16 = Accumulation(bf16_engine, WorkCount())
     assert not bf16.norm_before_step
+
+    def taken_again():
+        raise AssertionError("the norm was taken beside DeepSpeed's")
+
+    bf16._gradient_norm = taken_again
     bf16.backward(plan, 0, torch.tensor(1.0), 1.0)
     assert bf16.grad_norms == [2.0]
 
