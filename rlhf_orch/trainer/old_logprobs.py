@@ -58,6 +58,9 @@ def old_logprobs_from_update(
 #: names (`attention_dropout`, `resid_pdrop`), skipped layers (`layerdrop`), stochastic depth
 #: (`drop_path_rate`), a mixture-of-experts router's jitter (`router_jitter_noise`).
 STOCHASTIC_KEY_PARTS = ("dropout", "pdrop", "layerdrop", "drop_path", "jitter")
+#: Keys of heads a causal language model does not run (GPT-NeoX's `classifier_dropout`, GPT-2's
+#: `summary_first_dropout`): the policy's forward never draws their masks.
+UNUSED_HEAD_PREFIXES = ("classifier", "summary_")
 
 
 def active_dropout(model: nn.Module) -> str | None:
@@ -90,6 +93,7 @@ def _dropout_in(values: dict[str, Any], prefix: str = "") -> str | None:
                 return found
         elif (
             any(part in key for part in STOCHASTIC_KEY_PARTS)
+            and not key.startswith(UNUSED_HEAD_PREFIXES)
             and isinstance(value, (int, float))
             and not isinstance(value, bool)
             and value > 0

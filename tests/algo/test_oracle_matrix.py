@@ -252,10 +252,13 @@ def _collect(pending: dict, algo) -> dict:
     """What the run would log, the updated weights, and which sequences shared each step."""
     exp_stats, policy_stats, critic_stats = (ray.get(pending[k]) for k in ("exp", "policy_stats", "critic_stats"))
     ray.get(pending["policy_rest"] + pending["critic_rest"])
+    metrics = trainer_metrics(exp_stats, policy_stats, critic_stats, algo.needs_reference)
+    # (which forward gave pi_old: no quantity of the algorithm, so none the oracle logs)
+    logged_from_update = metrics.pop("trainer/old_logprobs_from_update")
     return {
-        "metrics": trainer_metrics(exp_stats, policy_stats, critic_stats, algo.needs_reference),
+        "metrics": metrics,
         # (every rank decides alike: from the plan of all ranks' sequences)
-        "old_from_update": {bool(e["old_logprobs_from_update"]) for e in exp_stats},
+        "old_from_update": {bool(e["old_logprobs_from_update"]) for e in exp_stats} | {bool(logged_from_update)},
         "policy": ray.get(pending["policy"]),
         "critic": ray.get(pending["critic"]) if pending["critic"] is not None else None,
         "policy_steps": _steps(ray.get(pending["policy_steps"])),

@@ -57,6 +57,8 @@ def test_dropout_is_found_in_layers_configs_and_lora_adapters():
     assert active_dropout(_llama(layerdrop=0.1)) == "model config layerdrop=0.1"
     assert active_dropout(_llama(drop_path_rate=0.2)) == "model config drop_path_rate=0.2"
     assert active_dropout(_llama(router_jitter_noise=0.01)) == "model config router_jitter_noise=0.01"
+    # A classification head's dropout (GPT-NeoX's default 0.1) is no part of the causal LM's forward.
+    assert active_dropout(_llama(classifier_dropout=0.1, summary_first_dropout=0.1)) is None
     assert active_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))) is None
     assert active_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.2))) == "1 p=0.2"
     lora = LoraSettings(rank=2, target_modules=("q_proj",))
