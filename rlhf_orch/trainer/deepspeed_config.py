@@ -13,8 +13,9 @@ def zero_stage_to_run(configured: int, data_parallel_size: int, offload_optimize
     plain optimizer path, the same update in float32 (tests/algo/test_oracle_matrix.py runs its
     one-rank cases so; scripts/bench/bench_one_rank_zero.py compares the weights). In bfloat16 or
     float16 stage 0 steps through DeepSpeed's 16-bit optimizer wrappers instead: not run on this
-    project's CPU machine, to be checked on a GPU. ZeRO-3 is kept as set: it is what the sharded-parameter paths (the sync's gathers, a
-    reference sharded in the policy's process) run with, and what a one-rank test of them asks for."""
+    project's CPU machine, to be checked on a GPU. ZeRO-3 is kept as set: it is what the
+    sharded-parameter paths (the sync's gathers, a reference sharded in the policy's process) run
+    with, and what a one-rank test of them asks for."""
     if data_parallel_size == 1 and configured in (1, 2) and not offload_optimizer:
         return 0
     return configured

@@ -2,7 +2,7 @@
 gives it): the policy process's memory and step time, and whether the updates are the same.
 
 Per stage, in a process of its own (world of one, gloo, as a trainer actor): SmolLM2-135M-Instruct in
-float32 wrapped by DeepSpeed with AdamW as `trainer/training_engine.py` builds it, then `--steps`
+float32 wrapped by `trainer/training_engine.py` as the policy actor builds it (AdamW), then `--steps`
 optimizer steps of 2 accumulated micro-batches of 4 x 256 token ids (fixed random ids, language-model
 loss). Reported: resident memory after `deepspeed.initialize`, the process's peak RSS, seconds per
 optimizer step (after the first), and the largest difference of any parameter after the steps
@@ -64,28 +64,26 @@ def one_stage(path: str, stage: int, steps: int, params_out: str) -> dict:
     )
     import deepspeed
 
-    from rlhf_orch.trainer.deepspeed_config import deepspeed_config
-    from rlhf_orch.trainer.deepspeed_startup import skip_muon_import, skip_shm_comm_op
+    from rlhf_orch.liveness import WorkCount
+    from rlhf_orch.trainer.deepspeed_startup import skip_shm_comm_op
     from rlhf_orch.trainer.forward import load_policy
+    from rlhf_orch.trainer.spec import TrainerSpec
+    from rlhf_orch.trainer.training_engine import training_engine
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     skip_shm_comm_op()
-    skip_muon_import()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     torch.manual_seed(0)
     model = load_policy(path, "float32")
     model.config.use_cache = False
     rss_model = rss_gb()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-5, weight_decay=0.0, betas=(0.9, 0.95))
-    config = deepspeed_config(
-        zero_stage=stage,
-        micro_batch_size=MICRO_BATCH,
-        train_batch_size=MICRO_BATCH * ACCUMULATION,
-        data_parallel_size=1,
-        grad_clip=1.0,
-        dtype="float32",
-    )
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    spec = TrainerSpec(
+        model_path=path, dtype="float32", zero_stage=stage, micro_batch_size=MICRO_BATCH,
+        train_batch_size=MICRO_BATCH * ACCUMULATION, data_parallel_size=1, pad_id=0, temperature=1.0,
+        lr=3e-5, weight_decay=0.0, grad_clip=1.0, clip_eps=0.2, ppo_epochs=1, seed=0, torch_threads=2,
+        optimizer="adamw", reference_memory="full",
+    )  # fmt: skip
+    engine = training_engine(model, spec, WorkCount())  # (the policy actor's own: AdamW, its DeepSpeed config)
     rss_engine = rss_gb()
     ids = torch.randint(0, model.config.vocab_size, (steps * ACCUMULATION, MICRO_BATCH, SEQ_LEN),
                         generator=torch.Generator().manual_seed(0))  # fmt: skip
