@@ -33,7 +33,7 @@ LAYERS = {
     "rlhf_orch.reward": 3,
     **dict.fromkeys(("rlhf_orch.env", "rlhf_orch.transfer"), 4),
     **dict.fromkeys(("rlhf_orch.engines", "rlhf_orch.trainer", "rlhf_orch.logging"), 5),
-    **dict.fromkeys(("rlhf_orch.reporting", "launchers"), 6),
+    **dict.fromkeys(("rlhf_orch.reporting", "rlhf_orch.view", "launchers"), 6),
     "rlhf_orch.config": 7,
     "rlhf_orch.memory": 8,
     "rlhf_orch.orchestration": 9,

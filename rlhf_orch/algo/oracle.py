@@ -52,7 +52,7 @@ steps; gradient norms are the largest pre-clipping norm of any step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -97,6 +97,10 @@ class OracleResult:
     policy: nn.Module
     critic: nn.Module | None
     metrics: dict[str, float]
+    # Per sequence, per response token: pi_old and the advantage it trains with (what the rollout
+    # dump shows of every sequence it dumps).
+    old_logprobs: list[Tensor] = field(default_factory=list)
+    advantages: list[Tensor] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- per sequence
@@ -495,7 +499,7 @@ def reference_update(
         metrics["loss/value"] = sum(losses) / len(losses)
         metrics["critic/vf_clipfrac"] = sum(clipfracs) / len(clipfracs)
         metrics["critic/grad_norm"] = max(norms)
-    return OracleResult(policy, critic, metrics)
+    return OracleResult(policy, critic, metrics, old_logprobs=list(old), advantages=list(adv))
 
 
 _POLICY_METRICS = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf_orch.engines.agent_serving import AgentServing
-from rlhf_orch.engines.shared_steps import SharedEngineSteps, mean_version
+from rlhf_orch.engines.shared_steps import SharedEngineSteps, mean_version, version_spans
 from rlhf_orch.transfer.engine_side import Completion, RolloutJob, RolloutProducer
 from rlhf_orch.transfer.plan import CompletionRequest
 
@@ -86,6 +86,7 @@ class VLLMRollouts(RolloutProducer):
                                 weight_version=versions[key],
                                 interrupted=key in interrupted,
                                 token_version_mean=mean_version(comp.weight_versions, versions[key]),
+                                version_spans=version_spans(comp.weight_versions),
                             )
                         )
                     yield completions

@@ -223,6 +223,11 @@ class SharedEngineSteps:
                 self._cond.notify_all()  # an update waiting for the sessions may go
 
 
+def version_spans(spans: Any) -> tuple[tuple[int, int, int], ...] | None:
+    """vLLM's spans as plain (start, end, version) runs over the completion's tokens (None without)."""
+    return tuple((int(s.start), int(s.end), int(s.version)) for s in spans) if spans else None
+
+
 def mean_version(spans: Any, started: int) -> float:
     """The mean weight version over a completion's tokens, from vLLM's spans (`started` without)."""
     if not spans:

@@ -115,13 +115,15 @@ class ConsoleLogger(StepLogger):
         rollouts: bool = True,
         rollouts_per_step: int = LoggerConfig.rollouts_per_step,
         rollouts_every_n_steps: int = LoggerConfig.rollouts_every_n_steps,
+        report: bool = LoggerConfig.report,
     ) -> None:
         if plot_every_n_steps < 0:
             raise ValueError(f"logger.plot_every_n_steps={plot_every_n_steps} must be >= 0 (0 = plots only at the end)")
         self.plot_every_n_steps = plot_every_n_steps
         self.verbose = verbose
         # rollouts, rollouts_per_step, rollouts_every_n_steps: keys of the logger option that the rollout
-        # dump reads from the config (rlhf_orch.logging.rollout_dump, built by the session), not the logger.
+        # dump reads from the config (rlhf_orch.logging.rollout_dump, built by the session), not the logger;
+        # report: the run record writes the page (rlhf_orch.view sits above this layer).
         self.console = Console(highlight=False, soft_wrap=True)
         self.total_steps = 0
         self.name = ""

@@ -22,6 +22,9 @@ class LoggerConfig:
     rollouts_per_step: int = 16  # sequences written per step (the lowest indices: whole prompt groups)
     # Write the dump on every n-th step only (steps n, 2n, ...): a long run's dump stays a sample of it.
     rollouts_every_n_steps: int = 1
+    # The run page (python -m rlhf_orch.view): <run dir>/report.html written when the run ends and
+    # every plot_every_n_steps steps (curves and the dumped trajectories, one self-contained file).
+    report: bool = False
 
 
 @dataclass

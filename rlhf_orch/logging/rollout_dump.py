@@ -12,6 +12,16 @@ tokens come from the policy rank that trained them (`PolicyWorker.sequences`), s
 what training saw, whatever the transfer. A resumed or restarted run rewrites the steps it runs
 again. `data_source` is null where the step's prompts are not known to this process (a rollout a
 checkpoint carried over a resume). veRL's `rollout_data_dir` and OpenRLHF's sample dumps are the same idea.
+
+Per token (`tokens`, what the run page colours, `python -m rlhf_orch.view`): the ids, each token's
+text (`text`, incremental detokenization: the pieces join to the decoded sequence), the loss mask
+(1: a model token, trained on), the advantage it was trained with, the engine's sampling log-prob
+and the trainer's log-prob of it (pi_old; null where the rank has none), and the weight version
+that sampled it (under pipeline=async a sequence an update reached carries two or more). Values
+are rounded to 4 decimals and written without spaces: about 50 bytes a token and ~1 KB a sequence,
+so the default 16 sequences of 300 tokens are ~0.25 MB a step (docs/run_page.md). The sequence's `truncated` flag, whether an update
+reached it while it generated (`interrupted`) and, for multi-turn trajectories, its environment
+counters (`env`) and their error count (`errors`) are on each line too.
 """
 
 from __future__ import annotations
@@ -23,11 +33,52 @@ from typing import Any, Mapping, Sequence
 
 from rlhf_orch.transfer.batch import model_turn_spans
 from rlhf_orch.transfer.plan import group_of, trajectory_of
+from rlhf_orch.transfer.rollout_meta import RolloutMeta
 
 
 def model_turns(action: Sequence[int]) -> int:
     """Contiguous runs of model tokens: one per model turn (observations break them)."""
     return len(model_turn_spans(action))
+
+
+def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token's text, decoded incrementally (a character split over several byte tokens shows
+    on the token that completes it; special tokens kept), so the pieces join to the decoded
+    sequence. Uses the fast tokenizer's own streaming decoder where there is one."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None:
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=False)
+        pieces = [stream.step(backend, int(i)) or "" for i in ids]
+        if "".join(pieces) == tokenizer.decode(list(ids), skip_special_tokens=False):
+            return pieces
+    # Slow tokenizers (and a streaming decode that disagrees): growing prefixes, O(n^2) but rare.
+    pieces, before = [], ""
+    for k in range(len(ids)):
+        text = tokenizer.decode(list(ids[: k + 1]), skip_special_tokens=False)
+        if text.endswith("\ufffd"):  # an unfinished character: it shows on a later token
+            pieces.append("")
+            continue
+        pieces.append(text[len(before) :] if text.startswith(before) else text)
+        before = text
+    return pieces
+
+
+def token_versions(length: int, first: int, version: int, spans: Sequence[Sequence[int]] | None) -> list[int]:
+    """Per token of a sequence whose response starts at `first`: the weight version that sampled
+    it (vLLM's `spans` (start, end, version) over the response; prompt tokens and tokens no span
+    covers: `version`, the one it started with)."""
+    versions = [version] * length
+    for start, end, v in spans or ():
+        for t in range(first + start, min(first + end, length)):
+            versions[t] = int(v)
+    return versions
+
+
+def env_errors(stats: Mapping[str, float] | None) -> int:
+    """A trajectory's failed environment or tool calls (errors and timeouts) from its env counters."""
+    return int(sum(v for k, v in (stats or {}).items() if k.endswith(("_errors", "_timeouts"))))
 
 
 class RolloutDump:
@@ -61,20 +112,25 @@ class RolloutDump:
         self,
         step: int,
         sequences: Sequence[Mapping[str, Any]],
-        rewards: Mapping[int, float],
+        meta: RolloutMeta,
         prompts: Sequence[Any] | None,
         samples_per_prompt: int,
     ) -> Path:
-        """`sequences`: what the policy ranks returned (index, ids, action, advantage, weight_version);
+        """`sequences`: what the policy ranks returned (`trained_sequences`); `meta`: the step's
+        rollout record (rewards, truncation, weight versions, env counters, by sample index);
         `prompts`: the step's prompt objects by prompt index (their data source), when known."""
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        row_of = {index: r for r, index in enumerate(meta.indices)}
         lines = []
         for seq in sorted(sequences, key=lambda s: s["index"]):
             ids, action = list(seq["ids"]), list(seq["action"])
             first = action.index(1) if 1 in action else len(ids)
             index = int(seq["index"])
+            r = row_of.get(index)
             prompt_index = group_of(index, samples_per_prompt)
             prompt = prompts[prompt_index] if prompts is not None and prompt_index < len(prompts) else None
+            env = meta.env_stats[r] if r is not None else None
+            version = int(seq.get("weight_version") or 0)
             lines.append(
                 {
                     "step": step,
@@ -82,15 +138,30 @@ class RolloutDump:
                     "trajectory": trajectory_of(index),
                     "data_source": getattr(prompt, "source", None),
                     "turns": model_turns(action),
-                    "reward": rewards.get(index),
+                    "reward": meta.rewards[r] if r is not None else None,
                     "advantage": seq["advantage"],
                     "turn_advantages": seq.get("turn_advantages"),
                     **({"turn_rewards": seq["turn_rewards"]} if "turn_rewards" in seq else {}),
                     "response_tokens": sum(action),
-                    "weight_version": seq.get("weight_version"),
+                    "weight_version": version,
+                    "truncated": bool(meta.truncated[r]) if r is not None else None,
+                    "interrupted": bool(meta.interrupted[r]) if r is not None else None,
+                    "errors": env_errors(env),
+                    "env": env,
                     "prompt": decode(ids[:first]),
                     "response": decode(ids[first:]),
                     "text": decode(ids),
+                    "tokens": {
+                        "ids": ids,
+                        "text": token_texts(self.tokenizer, ids),
+                        "loss_mask": action,
+                        "advantage": seq.get("token_advantages"),
+                        "engine_logprob": seq.get("engine_logprobs"),
+                        "trainer_logprob": seq.get("trainer_logprobs"),
+                        "weight_version": token_versions(
+                            len(ids), first, version, meta.version_spans[r] if r is not None else None
+                        ),
+                    },
                 }
             )
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -98,6 +169,6 @@ class RolloutDump:
         tmp = path.with_suffix(".jsonl.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             for line in lines:
-                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+                f.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
         os.replace(tmp, path)  # a reader (or a crash) never sees half a step
         return path

@@ -23,6 +23,7 @@ class WandbLogger(ConsoleLogger):
         rollouts: bool = True,
         rollouts_per_step: int = WandbLoggerConfig.rollouts_per_step,
         rollouts_every_n_steps: int = WandbLoggerConfig.rollouts_every_n_steps,
+        report: bool = WandbLoggerConfig.report,
     ):
         super().__init__(
             plot_every_n_steps=plot_every_n_steps,
@@ -30,6 +31,7 @@ class WandbLogger(ConsoleLogger):
             rollouts=rollouts,
             rollouts_per_step=rollouts_per_step,
             rollouts_every_n_steps=rollouts_every_n_steps,
+            report=report,
         )
         self.project = project
         self.mode = mode

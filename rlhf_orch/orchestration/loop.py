@@ -230,13 +230,15 @@ class TrainLoop:
             returns = [m[1] for m in made]
             timings["experience"] = time.perf_counter() - t
 
-            # The rollout dump reads the sequences before training releases them (a rank holds
-            # them until its update; the advantages were just set).
-            dumped = self._dump_calls(step, delivery)
-
-            # 5. Train the policy (and the critic, when there is one) concurrently.
+            # 5. Train the policy (and the critic, when there is one) concurrently. The rollout
+            #    dump's sequences stay on the ranks through the update (its forward may be where
+            #    the trainer's log-probs of them come from) and are read after it.
             t = time.perf_counter()
-            policy_calls = [rank.train.remote(i, algo, self.norm_len) for i, rank in enumerate(self.actors.policy)]
+            wanted = self._dumped_indices(step, delivery)
+            policy_calls = [
+                rank.train.remote(i, algo, self.norm_len, wanted) for i, rank in enumerate(self.actors.policy)
+            ]
+            dumped = [rank.dumped_sequences.remote() for rank in self.actors.policy] if wanted else None
             critic_calls = [
                 critic.train.remote({i: returns[i] for i in self._shards_of_critic(c, num_shards)})
                 for c, critic in enumerate(self.actors.critic)
@@ -266,9 +268,8 @@ class TrainLoop:
                 )
                 for seq in part
             ]
-            rewards = dict(zip(delivery.meta.indices, delivery.meta.rewards))
             self.rollout_dump.write(
-                step, sequences, rewards, self._prompts_of_step.get(step), self.settings.samples_per_prompt
+                step, sequences, delivery.meta, self._prompts_of_step.get(step), self.settings.samples_per_prompt
             )
             timings["rollout_dump"] = time.perf_counter() - t
         # pop, not a sweep: under one_step_off the rollout thread adds the next step's entry meanwhile.
@@ -325,12 +326,11 @@ class TrainLoop:
         self._prompts_of_step[step] = request.prompts
         return request
 
-    def _dump_calls(self, step: int, delivery: Delivery) -> list[ray.ObjectRef] | None:
-        """Ask every policy rank for the sequences the rollout dump shows (None: no dump this step)."""
+    def _dumped_indices(self, step: int, delivery: Delivery) -> list[int]:
+        """The sample indices the rollout dump shows this step (none: no dump this step)."""
         if self.rollout_dump is None or not self.rollout_dump.dumps(step):
-            return None
-        wanted = self.rollout_dump.pick(delivery.meta.indices)
-        return [rank.sequences.remote(i, wanted) for i, rank in enumerate(self.actors.policy)]
+            return []
+        return self.rollout_dump.pick(delivery.meta.indices)
 
     def generate(self, step: int) -> HeldRollout:
         """Step `step`'s rollout generated and scored, held where the transfer holds it."""

@@ -84,6 +84,21 @@ class RunRecord:
         self.metrics_file.write(metrics)
         self.logger.log(step, metrics)
         self.history.append(metrics)
+        every = self.typed.logger.plot_every_n_steps
+        if every and step > 0 and step % every == 0:
+            self.write_report()
+
+    def write_report(self) -> None:
+        """logger.report: <run dir>/report.html (`rlhf_orch.view`) from what the run dir holds now;
+        a failure is one printed line, never a failed run."""
+        if not self.typed.logger.report:
+            return
+        try:
+            from rlhf_orch.view.page import write_report
+
+            write_report([self.run_dir])
+        except Exception as e:  # the page must never fail the run
+            print(f"report: not written ({type(e).__name__}: {e})", flush=True)
 
     def step_finished(self, step: int, loop: Any) -> None:
         """The driver's state after finished step `step` (counters, the sampler's position, RNG
@@ -261,6 +276,7 @@ class RunRecord:
         summary = run_summary(self.run_dir, self.history, wall_s, outcome, self.last_checkpoint)
         summary["trainer_restarts"] = self.trainer_restarts
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.write_report()  # (after summary.json: the page says how the run ended)
         return summary
 
 

@@ -6,7 +6,7 @@ it may host `frozen_models` -- each a plain part tested without Ray."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -134,17 +134,18 @@ class PolicyWorker(TrainerWorker):
         self._old_from_update[shard] = from_update  # (train() takes it: the update is held to it)
         return stats, returns
 
-    def sequences(self, shard: int, indices: list[int]) -> list[dict]:
-        """The sequences `indices` of `shard` as this rank trained them (the rollout dump,
-        logger.rollouts; after make_experience, which set the advantages): `trained_sequences`."""
-        return trained_sequences(
-            self.work_done.each(staged_micro_batches(self._staged, shard)), indices, self.spec.pad_id
-        )
+    def dumped_sequences(self) -> list[dict]:
+        """The sequences the last `train` was asked to keep for the rollout dump (logger.rollouts),
+        as this rank trained them (`trained_sequences`); handed over once."""
+        dumped, self._dumped = getattr(self, "_dumped", []), []
+        return dumped
 
     @ends_a_phase
-    def train(self, shard: int, algo: Algorithm, norm_len: int) -> dict[str, float]:
+    def train(self, shard: int, algo: Algorithm, norm_len: int, dump: Sequence[int] = ()) -> dict[str, float]:
         """`ppo_epochs` passes of the policy loss over the shard (`policy_update.train_policy`); the
-        staged experience is dropped after."""
+        staged experience is dropped after, but for the sequences `dump` (the rollout dump's, read
+        after the update: its forward may be where the trainer's log-probs come from), which
+        `dumped_sequences` hands over."""
         self.last_step_members = []
         if shard not in self._old_from_update:
             raise RuntimeError(f"shard {shard}: the policy's update ran without its experience (make_experience)")
@@ -159,6 +160,9 @@ class PolicyWorker(TrainerWorker):
             shares_prompts(self.spec.share_prompts, self.device),
             self.work_done,
             from_update,
+        )
+        self._dumped = (
+            trained_sequences(staged_micro_batches(self._staged, shard), list(dump), self.spec.pad_id) if dump else []
         )
         self.drop_staged()
         return stats

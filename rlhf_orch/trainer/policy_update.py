@@ -112,6 +112,8 @@ def train_policy(
     if old_from_update:  # (one epoch: `old` follows `mbs`)
         ref = [mb.fields["ref_logprobs"] for mb in mbs] if algo.kl_in_loss else None
         per_step.update(old_logprob_stats(mbs, old, ref))
+        for mb, logprobs in zip(mbs, old):  # pi_old as the rollout dump reads it (`trained_sequences`)
+            mb.fields["old_logprobs"] = logprobs
     return per_step, members
 
 

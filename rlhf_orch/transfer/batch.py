@@ -88,6 +88,7 @@ class Sample:
     # generated, and the weight version averaged over its tokens (None: weight_version, its first token's)
     interrupted: bool = False
     token_version_mean: float | None = None
+    version_spans: tuple[tuple[int, int, int], ...] | None = None  # (start, end, version) over the response
 
 
 def _as_ids(ids: list[int] | Tensor) -> Tensor:

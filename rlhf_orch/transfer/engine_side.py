@@ -64,6 +64,8 @@ class Completion:
     weight_version: int | None = None
     interrupted: bool = False
     token_version_mean: float | None = None  # the weight version averaged over its tokens (None: weight_version)
+    # vLLM's labels of its tokens: (start, end, version) runs over the response (None: all weight_version)
+    version_spans: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclass
@@ -124,6 +126,7 @@ def rollout_meta(
         token_version_means=[
             float(s.weight_version) if s.token_version_mean is None else s.token_version_mean for s in samples
         ],
+        version_spans=[s.version_spans for s in samples],
         env_stats=list(env_stats),
         env_metrics=list(env_metrics),
         model_token_lens=[model_tokens(s.response_ids, s.fields) for s in samples],
@@ -174,6 +177,7 @@ class RolloutProducer(abc.ABC):
                 truncated=c.truncated,
                 interrupted=c.interrupted,
                 token_version_mean=c.token_version_mean,
+                version_spans=c.version_spans,
             )
             for c in completions
         ]
@@ -263,6 +267,7 @@ class RolloutProducer(abc.ABC):
         generated: list[int] = []  # model tokens per completion
         versions: list[int] = []
         token_versions: list[float] = []
+        spans: list[Any] = []
         interrupted: list[bool] = []
         last_prompt: tuple[Any, Any] = (None, None)  # the samples of one prompt share its ids
         for done in self._complete(requests, job):
@@ -283,6 +288,7 @@ class RolloutProducer(abc.ABC):
                 )
                 versions.append(version)
                 token_versions.append(float(version) if c.token_version_mean is None else c.token_version_mean)
+                spans.append(c.version_spans)
                 interrupted.append(bool(c.interrupted))
                 texts_of.append(c.response_ids)
                 env_rewards.append(c.env_reward)
@@ -295,6 +301,7 @@ class RolloutProducer(abc.ABC):
         rows = [rows[k] for k in order]
         versions = [versions[k] for k in order]
         token_versions = [token_versions[k] for k in order]
+        spans = [spans[k] for k in order]
         indices = [info["index"][k] for k in order]
         seq_lens = [info["seq_len"][k] for k in order]
         response_lens = [info["seq_len"][k] - info["prompt_len"][k] for k in order]
@@ -330,6 +337,7 @@ class RolloutProducer(abc.ABC):
             env_metrics=[env_metrics[k] for k in order],
             interrupted=[interrupted[k] for k in order],
             token_version_means=token_versions,
+            version_spans=spans,
             model_token_lens=[generated[k] for k in order],
         )
 

@@ -66,6 +66,9 @@ class RolloutMeta:
     token_version_means: list[float] = per_sample(
         lambda row: float(row["weight_versions"])
     )  # its tokens' mean weight version
+    # The weight version of each of its response tokens, as runs (start, end, version) (None: all
+    # its weight_version): what the rollout dump shows per token.
+    version_spans: list[tuple[tuple[int, int, int], ...] | None] = per_sample(lambda row: None)
     # The tokens the policy generated (a multi-turn response without its observations: what DAPO's
     # overlong penalty counts).
     model_token_lens: list[int] = per_sample(lambda row: row["response_lens"])

@@ -228,7 +228,11 @@ def _submit_update(
         made.append(policy[rank].make_experience.options(num_returns=2).remote(rank, ref, old_values, algo, by_index))
     return {
         "exp": [m[0] for m in made],
-        "policy_stats": [w.train.remote(rank, algo, MAX_RESPONSE_LEN) for rank, w in enumerate(policy)],
+        # (every sequence kept for the rollout dump: what it shows is checked against the oracle too)
+        "policy_stats": [
+            w.train.remote(rank, algo, MAX_RESPONSE_LEN, [s.index for s in SAMPLES]) for rank, w in enumerate(policy)
+        ],
+        "dumped": [w.dumped_sequences.remote() for w in policy],
         # (model.lora: the adapters, the only weights that train)
         "policy": (policy[0].adapter_weights if lora else policy[0].full_weights).remote(),
         "policy_rest": [
@@ -260,6 +264,7 @@ def _collect(pending: dict, algo) -> dict:
         # (every rank decides alike: from the plan of all ranks' sequences)
         "old_from_update": {bool(e["old_logprobs_from_update"]) for e in exp_stats} | {bool(logged_from_update)},
         "policy": ray.get(pending["policy"]),
+        "dumped": [seq for part in ray.get(pending["dumped"]) for seq in part],
         "critic": ray.get(pending["critic"]) if pending["critic"] is not None else None,
         "policy_steps": _steps(ray.get(pending["policy_steps"])),
         "critic_steps": _steps(ray.get(pending["critic_steps"])) if pending["critic_steps"] else None,
@@ -483,6 +488,7 @@ def _check_against_the_oracle(
             )
         oracle = oracles[key]
         _assert_metrics_close(system["metrics"], oracle.metrics, what, correction)
+        _assert_dump_shows_what_trained(system["dumped"], oracle, what)
         checked.append(system["metrics"])
         initial = initial_weights["policy"] if lora is None else initial_weights["adapters"]
         _assert_weights_close(
@@ -493,6 +499,26 @@ def _check_against_the_oracle(
                 system["critic"], oracle.critic, initial_weights["critic"], optimizer, what + " (critic)"
             )
     return checked
+
+
+def _assert_dump_shows_what_trained(dumped: list[dict], oracle, what: str) -> None:
+    """The rollout dump's per-token values of every sequence (kept by the ranks through the update)
+    are the oracle's: pi_old -- from the experience forward or the update's own -- and the
+    advantage of each model token (rounded to 4 decimals in the dump)."""
+    assert sorted(s["index"] for s in dumped) == sorted(s.index for s in SAMPLES), what
+    by_index = {s.index: k for k, s in enumerate(SAMPLES)}
+    for seq in dumped:
+        k = by_index[seq["index"]]
+        first = len(SAMPLES[k].prompt_ids)
+        model = [t for t, a in enumerate(seq["action"]) if a]
+        assert all(t >= first for t in model), what
+        if not model:  # (an empty or wholly masked response: nothing trained, nothing to show)
+            continue
+        trainer = torch.tensor([seq["trainer_logprobs"][t] for t in model])
+        advantage = torch.tensor([seq["token_advantages"][t] for t in model])
+        offsets = [t - first for t in model]
+        torch.testing.assert_close(trainer, oracle.old_logprobs[k][offsets].float(), atol=2e-4, rtol=0, msg=what)
+        torch.testing.assert_close(advantage, oracle.advantages[k][offsets].float(), atol=2e-4, rtol=1e-4, msg=what)
 
 
 def _old_logprobs_from_update(algo, cut: str) -> bool:

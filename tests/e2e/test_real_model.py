@@ -29,6 +29,7 @@ from rlhf_orch.app import check
 from rlhf_orch.orchestration.session import run_training
 from tests.conftest import SHARED_RAY, compose_config
 from rlhf_orch.logging.base import read_metrics
+from rlhf_orch.view.trajectories import segments
 
 pytestmark = [
     pytest.mark.integration,
@@ -144,6 +145,13 @@ def test_the_rollout_dump_reads_as_the_chat_template_renders_the_conversation(sm
                 rendered[-200:],
             )
             assert line["turns"] == sum(m["role"] == "assistant" for m in messages) >= 1
+            # The run page's turns (rlhf_orch.view): the same messages, from the dump's per-token
+            # texts (which join to the text) and loss mask.
+            tokens = line["tokens"]
+            assert "".join(tokens["text"]) == text and len(tokens["ids"]) == len(tokens["loss_mask"])
+            page_turns = segments(tokens["text"], tokens["loss_mask"])
+            assert [s["role"] for s in page_turns] == [m["role"] for m in messages], (page_turns, messages)
+            assert sum(s["model"] for s in page_turns) == line["turns"]
             turns_seen += line["turns"]
             for m in messages:
                 if m["role"] == "assistant" and "</sql>" in m["content"]:

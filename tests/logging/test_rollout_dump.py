@@ -1,5 +1,5 @@
 """`logger.rollouts_every_n_steps`: the rollout dump of every n-th step only (steps n, 2n, ...), the
-loop asking the policy ranks for sequences on those steps alone."""
+loop asking the policy ranks to keep sequences on those steps alone."""
 
 from __future__ import annotations
 
@@ -16,14 +16,23 @@ def test_the_dump_is_written_on_every_n_th_step_only(tmp_path):
     assert all(every_step.dumps(step) for step in range(1, 10))
 
 
-def test_the_loop_asks_the_policy_ranks_for_sequences_only_on_dump_steps(tmp_path):
-    asked: list[tuple[int, list[int]]] = []
-    rank = SimpleNamespace(sequences=SimpleNamespace(remote=lambda shard, wanted: asked.append((shard, wanted))))
-    loop = SimpleNamespace(
-        rollout_dump=RolloutDump(tmp_path, tokenizer=None, per_step=2, every_n_steps=2),
-        actors=SimpleNamespace(policy=[rank, rank]),
-    )
+def test_the_loop_keeps_sequences_for_the_dump_only_on_dump_steps(tmp_path):
+    loop = SimpleNamespace(rollout_dump=RolloutDump(tmp_path, tokenizer=None, per_step=2, every_n_steps=2))
     delivery = SimpleNamespace(meta=SimpleNamespace(indices=[3, 0, 1, 2]))
-    assert TrainLoop._dump_calls(loop, 1, delivery) is None and asked == []
-    assert TrainLoop._dump_calls(loop, 2, delivery) is not None
-    assert asked == [(0, [0, 1]), (1, [0, 1])]  # both ranks, the two lowest indices
+    assert TrainLoop._dumped_indices(loop, 1, delivery) == []  # `train` keeps nothing, no rank is asked
+    assert TrainLoop._dumped_indices(loop, 2, delivery) == [0, 1]  # the two lowest indices
+    assert TrainLoop._dumped_indices(SimpleNamespace(rollout_dump=None), 2, delivery) == []
+
+
+def test_vllm_s_version_spans_become_each_token_s_version():
+    """pipeline=async: vLLM labels a completion's tokens with spans (start, end, version as a
+    string); the dump shows each token's version (prompt tokens: the version it started with)."""
+    from types import SimpleNamespace as Span
+
+    from rlhf_orch.engines.shared_steps import version_spans
+    from rlhf_orch.logging.rollout_dump import token_versions
+
+    spans = version_spans([Span(start=0, end=2, version="4"), Span(start=2, end=5, version="5")])
+    assert spans == ((0, 2, 4), (2, 5, 5)) and version_spans(None) is None and version_spans([]) is None
+    assert token_versions(8, 3, 4, spans) == [4, 4, 4, 4, 4, 5, 5, 5]
+    assert token_versions(4, 2, 7, None) == [7, 7, 7, 7]

@@ -15,6 +15,7 @@ from reasoning_gym import get_score_answer_fn
 from rlhf_orch.data.base import DataError
 from rlhf_orch.data.reasoning_gym_task import ReasoningGymTask
 from rlhf_orch.logging.rollout_dump import RolloutDump, model_turns
+from rlhf_orch.transfer.rollout_meta import RolloutMeta
 from rlhf_orch.transfer.batch import model_turn_spans
 from rlhf_orch.models.hub import ModelSourceError, check_model_source
 from rlhf_orch.models.packaged import check_packaged_gguf, gguf_model_id, packaged_file
@@ -276,10 +277,35 @@ def test_the_dump_reads_as_the_chat_template_renders_the_conversation(tmp_path, 
     class P:
         source = "basic_arithmetic"
 
-    path = dump.write(
-        3, [{"index": 1, "ids": ids, "action": action, "advantage": 0.5, "weight_version": 2}], {1: 1.0}, [P()], 2
+    n = len(ids)
+    seq = {
+        "index": 1,
+        "ids": ids,
+        "action": action,
+        "advantage": 0.5,
+        "weight_version": 2,
+        "token_advantages": [0.0] * len(prompt_ids) + [0.5] * len(response_ids),
+        "engine_logprobs": [0.0] * len(prompt_ids) + [-0.25] * len(response_ids),
+        "trainer_logprobs": None,
+    }
+    # pipeline=async: an update reached it after its second response token
+    meta = RolloutMeta(
+        indices=[0, 1],
+        seq_lens=[n, n],
+        response_lens=[len(response_ids)] * 2,
+        rewards=[0.0, 1.0],
+        truncated=[False, True],
+        weight_versions=[2, 2],
+        version_spans=[None, ((0, 2, 2), (2, len(response_ids), 3))],
     )
+    path = dump.write(3, [seq], meta, [P()], 2)
     [line] = [json.loads(x) for x in path.read_text().splitlines()]
+    tokens = line["tokens"]
+    assert tokens["ids"] == ids and "".join(tokens["text"]) == line["text"]  # the pieces join to the text
+    assert tokens["text"][len(prompt_ids) - 4 : len(prompt_ids)] == ["<|im_start|>", "ass", "istant", "\n"]
+    assert tokens["loss_mask"] == action and tokens["engine_logprob"][-1] == -0.25
+    assert tokens["weight_version"] == [2] * (len(prompt_ids) + 2) + [3] * (len(response_ids) - 2)
+    assert line["truncated"] is True and line["errors"] == 0 and line["env"] is None
     rendered = tok.apply_chat_template(
         messages + [{"role": "assistant", "content": "<answer>5</answer>"}], tokenize=False
     )

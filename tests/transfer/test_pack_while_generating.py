@@ -299,6 +299,7 @@ class _UpdatedMidway(SyntheticEngine):
             for c in done:
                 c.weight_version, c.interrupted = 3, bool(c.index % 2)
                 c.token_version_mean = 3.5 if c.interrupted else 3.0
+                c.version_spans = ((0, 2, 3), (2, len(c.response_ids), 4)) if c.interrupted else None
             yield done
 
 
@@ -321,3 +322,6 @@ def test_every_transfer_labels_a_sample_with_the_version_it_started_with_and_cou
             and meta.interrupted_count == n // 2
         )
         assert meta.token_version_means == [3.5 if i % 2 else 3.0 for i in range(n)]
+        # each token's version, as vLLM labelled it (what the rollout dump shows per token)
+        lens = dict(zip(meta.indices, meta.response_lens))
+        assert meta.version_spans == [((0, 2, 3), (2, lens[i], 4)) if i % 2 else None for i in range(n)]
