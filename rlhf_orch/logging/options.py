@@ -17,7 +17,9 @@ class LoggerConfig:
     plot_every_n_steps: int = 0  # refresh <run dir>/plots every n steps (0 = only when the run ends)
     verbose: bool = False  # Ray/vLLM/DeepSpeed output on the console too (otherwise only in the run dir)
     # What the model wrote: <run dir>/rollouts/step_<N>.jsonl, the whole sequence decoded (special
-    # tokens kept), prompt, response, reward, advantage, turns, data source (rlhf_orch.logging.rollout_dump).
+    # tokens kept), prompt, response, reward, advantage, turns, data source, truncation, env errors,
+    # and per token: text, loss mask, advantage, engine/trainer log-probs, weight version
+    # (rlhf_orch.logging.rollout_dump; the run page, rlhf_orch.view, shows them).
     rollouts: bool = True
     rollouts_per_step: int = 16  # sequences written per step (the lowest indices: whole prompt groups)
     # Write the dump on every n-th step only (steps n, 2n, ...): a long run's dump stays a sample of it.

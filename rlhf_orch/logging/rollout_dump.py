@@ -8,7 +8,7 @@ indices: whole prompt groups first), with the whole sequence decoded with its sp
 holds the observations between the model's turns), the reward, the mean advantage over the
 model's tokens and over each model turn (`turn_advantages`), each turn's reward where they are
 placed per turn (`turn_rewards`, env.reward=per_turn), the number of model turns, the data source, and where the tokens came from. The
-tokens come from the policy rank that trained them (`PolicyWorker.sequences`), so the dump shows
+tokens come from the policy rank that trained them (`PolicyWorker.dumped_sequences`), so the dump shows
 what training saw, whatever the transfer. A resumed or restarted run rewrites the steps it runs
 again. `data_source` is null where the step's prompts are not known to this process (a rollout a
 checkpoint carried over a resume). veRL's `rollout_data_dir` and OpenRLHF's sample dumps are the same idea.
@@ -41,28 +41,40 @@ def model_turns(action: Sequence[int]) -> int:
     return len(model_turn_spans(action))
 
 
+# Longest sequence the slow path decodes prefix by prefix (quadratic); past it, token by token.
+PREFIX_DECODE_MAX = 2048
+
+
 def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     """Each token's text, decoded incrementally (a character split over several byte tokens shows
     on the token that completes it; special tokens kept), so the pieces join to the decoded
-    sequence. Uses the fast tokenizer's own streaming decoder where there is one."""
+    sequence. Uses the fast tokenizer's own streaming decoder where there is one; otherwise the
+    growing prefixes' decodes (up to PREFIX_DECODE_MAX tokens), and where neither joins to the
+    decoded sequence, each token decoded alone (a view of the tokens, not of the text)."""
+    ids = [int(i) for i in ids]
+    whole = tokenizer.decode(ids, skip_special_tokens=False)
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None:
         from tokenizers.decoders import DecodeStream
 
         stream = DecodeStream(skip_special_tokens=False)
-        pieces = [stream.step(backend, int(i)) or "" for i in ids]
-        if "".join(pieces) == tokenizer.decode(list(ids), skip_special_tokens=False):
+        pieces = [stream.step(backend, i) or "" for i in ids]
+        if "".join(pieces) == whole:
             return pieces
-    # Slow tokenizers (and a streaming decode that disagrees): growing prefixes, O(n^2) but rare.
-    pieces, before = [], ""
-    for k in range(len(ids)):
-        text = tokenizer.decode(list(ids[: k + 1]), skip_special_tokens=False)
-        if text.endswith("\ufffd"):  # an unfinished character: it shows on a later token
-            pieces.append("")
-            continue
-        pieces.append(text[len(before) :] if text.startswith(before) else text)
-        before = text
-    return pieces
+    if len(ids) <= PREFIX_DECODE_MAX:
+        pieces, before = [], ""
+        for k in range(len(ids)):
+            text = tokenizer.decode(ids[: k + 1], skip_special_tokens=False)
+            if text.endswith("\ufffd") and k < len(ids) - 1:  # an unfinished character: a later token shows it
+                pieces.append("")
+                continue
+            if not text.startswith(before):  # a decoder that rewrites what it decoded before
+                break
+            pieces.append(text[len(before) :])
+            before = text
+        if "".join(pieces) == whole and len(pieces) == len(ids):
+            return pieces
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
 
 def token_versions(length: int, first: int, version: int, spans: Sequence[Sequence[int]] | None) -> list[int]:

@@ -5,7 +5,8 @@ the directory the given dirs share for several, and prints its path. `--serve` s
 127.0.0.1 and rewrites it while the runs go on (the page reloads itself); Ctrl-C stops it.
 
 Exit codes: 0 the page was written (a run dir with missing or half-written files gives a page that
-says what is missing); 2 a given path is not a directory, or the page cannot be written there.
+says what is missing); 2 a given path is not a directory, the page cannot be written there, the port
+cannot be listened on, or a bad option (argparse's own).
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from rlhf_orch.view.page import default_output, write_report
 EXIT_BAD_INPUT = 2
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535; 0: any free one)")
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m rlhf_orch.view",
@@ -29,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", type=Path, help="run dirs, or a multirun (sweep) dir")
     parser.add_argument("--out", type=Path, default=None, help="where the page goes (default: see above)")
     parser.add_argument("--serve", action="store_true", help="serve it on 127.0.0.1 and keep it current")
-    parser.add_argument("--port", type=int, default=8765, help="--serve's port (0: any free one)")
+    parser.add_argument("--port", type=_port, default=8765, help="--serve's port (0: any free one)")
     args = parser.parse_args(argv)
 
     missing = [str(d) for d in args.runs if not d.is_dir()]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -119,9 +118,19 @@ class Browser:
         self.size = (width, height)
 
     def __enter__(self) -> "Browser":
+        self._profile = tempfile.mkdtemp(prefix="rlhf-view-chromium-")
+        try:
+            self._start()
+        except BaseException:
+            self.__exit__()  # (the browser and its profile do not outlive a failed start)
+            raise
+        return self
+
+    def _start(self) -> None:
         from websockets.sync.client import connect
 
-        self._profile = tempfile.mkdtemp(prefix="rlhf-view-chromium-")
+        # Chromium's messages go to a file: a pipe nobody reads would fill and stall it.
+        self._log = open(Path(self._profile) / "chromium.log", "w+")
         self._proc = subprocess.Popen(
             [
                 self.binary,
@@ -136,17 +145,15 @@ class Browser:
                 f"--window-size={self.size[0]},{self.size[1]}",
                 "about:blank",
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
         port_file = Path(self._profile) / "DevToolsActivePort"
         deadline = time.monotonic() + 60
         while not port_file.exists() or len(port_file.read_text().split()) < 2:
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                err = self._proc.stderr.read() if self._proc.poll() is not None else ""
-                self.__exit__()
-                raise BrowserError(f"Chromium did not start: {err.strip()[-300:]}")
+                self._log.seek(0)
+                raise BrowserError(f"Chromium did not start: {self._log.read().strip()[-300:]}")
             time.sleep(0.05)
         port = port_file.read_text().split()[0]
         targets = json.loads(_http_get(f"http://127.0.0.1:{port}/json"))
@@ -156,7 +163,6 @@ class Browser:
         self.page = Page(self._socket)
         for domain in ("Page", "Runtime", "Log"):
             self.page.call(f"{domain}.enable")
-        return self
 
     def open(self, url: str, timeout_s: float = 60.0) -> Page:
         self.page.navigate(url, timeout_s)
@@ -172,6 +178,8 @@ class Browser:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
         shutil.rmtree(getattr(self, "_profile", ""), ignore_errors=True)
 
 
@@ -197,4 +205,4 @@ def network_references(html_text: str) -> list[str]:
     )
 
 
-__all__ = ["Browser", "BrowserError", "Page", "chromium_path", "file_url", "network_references", "os"]
+__all__ = ["Browser", "BrowserError", "Page", "chromium_path", "file_url", "network_references"]

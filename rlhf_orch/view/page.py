@@ -32,8 +32,9 @@ def _asset(name: str) -> str:
 
 
 def _script_json(value: Any) -> str:
-    """JSON safe inside a <script> element (no `</script>`, no `<!--`)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/").replace("<!--", "<\\!--")
+    """JSON safe inside a <script> element: every `<` as `\\u003c` (valid JSON, and neither
+    `</script>` nor `<!--` can appear: a config or an error that holds them cannot end the block)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).replace("<", "\\u003c")
 
 
 def _packed(records: list[dict[str, Any]]) -> str:
@@ -43,9 +44,11 @@ def _packed(records: list[dict[str, Any]]) -> str:
 
 # A dumped step's file does not change once written (a resumed run rewrites a step it runs again:
 # a new mtime): its block is made once per process, so a page rewritten every few steps
-# (logger.report, --serve) compresses only the new steps. Bounded: cleared past _CACHE_BYTES.
+# (logger.report, --serve) compresses only the new steps. Bounded: cleared past _CACHE_BYTES (the
+# driver of a run with logger.report holds at most this much more; a 1000-step run of the default
+# 16 sequences of 300 tokens a step is ~40 MB of blocks).
 _blocks: dict[tuple[str, int, int], tuple[str, int]] = {}
-_CACHE_BYTES = 512 * 2**20
+_CACHE_BYTES = 256 * 2**20
 
 
 def _step_block(path: Path) -> tuple[str, int]:
@@ -76,13 +79,12 @@ def default_output(paths: Sequence[str | Path]) -> Path:
     return Path(os.path.commonpath([str(Path(p).resolve()) for p in paths])) / REPORT
 
 
-def page_data(paths: Sequence[str | Path], live: bool = False) -> tuple[dict[str, Any], list[str]]:
+def page_data(paths: Sequence[str | Path]) -> tuple[dict[str, Any], list[str]]:
     """The page's JSON block and its step blocks' HTML, for the runs of `paths`."""
     runs = expand_runs(paths)
     labels = {r.run_dir: r.label for r in label_rows([read_run(d) for d in runs])} if len(runs) > 1 else {}
     data: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "live": live,
         "runs": [],
     }
     blocks: list[str] = []
@@ -108,13 +110,13 @@ def page_data(paths: Sequence[str | Path], live: bool = False) -> tuple[dict[str
     return data, blocks
 
 
-def render_page(paths: Sequence[str | Path], live: bool = False) -> str:
-    return build_page(paths, live)[0]
+def render_page(paths: Sequence[str | Path]) -> str:
+    return build_page(paths)[0]
 
 
-def build_page(paths: Sequence[str | Path], live: bool = False) -> tuple[str, str]:
+def build_page(paths: Sequence[str | Path]) -> tuple[str, str]:
     """(the page's HTML, its data's version: what --serve compares)."""
-    data, blocks = page_data(paths, live)
+    data, blocks = page_data(paths)
     runs = data["runs"]
     title = runs[0]["name"] if len(runs) == 1 else f"{len(runs)} runs compared"
     text = "\n".join(
@@ -136,16 +138,16 @@ def build_page(paths: Sequence[str | Path], live: bool = False) -> tuple[str, st
     return text, data["version"]
 
 
-def write_report(paths: Sequence[str | Path], out: str | Path | None = None, live: bool = False) -> Path:
+def write_report(paths: Sequence[str | Path], out: str | Path | None = None) -> Path:
     """Write the page for the runs of `paths` (run dirs or sweep dirs) to `out` (default:
     `default_output`); written beside and renamed over, so a reader never sees half a page."""
-    return write_page(paths, out, live)[0]
+    return write_page(paths, out)[0]
 
 
-def write_page(paths: Sequence[str | Path], out: str | Path | None = None, live: bool = False) -> tuple[Path, str]:
+def write_page(paths: Sequence[str | Path], out: str | Path | None = None) -> tuple[Path, str]:
     """`write_report`, and the page's data version."""
     out = Path(out) if out is not None else default_output(paths)
-    text, version = build_page(paths, live)
+    text, version = build_page(paths)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")

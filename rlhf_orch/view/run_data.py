@@ -66,8 +66,9 @@ def _restarts(rows: list[dict[str, Any]], superseded: list[dict[str, Any]]) -> l
             if v is not None and v > last[key]:
                 marks.append({"step": r.get("step"), "what": f"{what} ({int(v - last[key])})"})
                 last[key] = v
-    if superseded:
-        first = min(r["step"] for r in superseded if isinstance(r.get("step"), int))
+    steps = [r["step"] for r in superseded if isinstance(r.get("step"), int)]
+    if steps:
+        first = min(steps)
         marks.append({"step": first - 1, "what": f"run again from step {first} (resume or restart)"})
     return marks
 

@@ -1,7 +1,13 @@
 """`python -m rlhf_orch.view RUN_DIR --serve`: the page on 127.0.0.1 only, rewritten while the run
 goes on. The server rewrites report.html when a file under a run dir changed (polled: no watcher
-thread in the run's processes), answers `/__version` with the data's hash, and the page reloads
-itself when that changes (its state is in the URL's hash, so it comes back as it was)."""
+thread in the run's processes), answers `/__version` with the data's hash, and the page -- served
+over http, not opened from disk -- reloads itself when that changes (its state is in the URL's
+hash, so it comes back as it was). The file is the one `write_report` and `logger.report` write,
+so a run writing its own page meanwhile writes the same thing.
+
+Only requests naming 127.0.0.1 or localhost (with this port) in their Host header are answered: a
+web page elsewhere cannot read the report through DNS rebinding. Other users of a shared machine
+can reach 127.0.0.1 too (docs/run_page.md)."""
 
 from __future__ import annotations
 
@@ -44,15 +50,17 @@ class ReportServer:
         self.refresh()
         handler = self._handler()
         self.httpd = http.server.ThreadingHTTPServer((HOST, port), handler)
-        self.url = f"http://{HOST}:{self.httpd.server_address[1]}/"
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://{HOST}:{self.port}/"
+        self.hosts = {f"{HOST}:{self.port}", f"localhost:{self.port}"}
 
     def refresh(self) -> bool:
         """Rewrite the page if a run file changed; whether it did."""
         seen = _fingerprint(self.paths)
         if seen == self._seen and self.out.exists():
             return False
-        self._seen = seen
-        self.version = write_page(self.paths, self.out, live=True)[1]
+        self.version = write_page(self.paths, self.out)[1]
+        self._seen = seen  # (only once written: a write that failed is tried again at the next poll)
         return True
 
     def _watch(self) -> None:
@@ -67,10 +75,17 @@ class ReportServer:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.headers.get("Host", "") not in server.hosts:
+                    self.send_error(403, "only http://127.0.0.1:<port>/ is served")
+                    return
                 if self.path.split("?")[0] == "/__version":
                     body, kind = server.version.encode(), "text/plain"
                 elif self.path.split("?")[0] in ("/", "/" + server.out.name):
                     body, kind = server.out.read_bytes(), "text/html; charset=utf-8"
+                elif self.path == "/favicon.ico":  # (what a browser asks for first: nothing)
+                    self.send_response(204)
+                    self.end_headers()
+                    return
                 else:
                     self.send_error(404)
                     return

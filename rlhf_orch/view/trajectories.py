@@ -18,6 +18,9 @@ from typing import Any
 
 # Role headers of the chat templates in use: where a turn starts, and its role.
 ROLE_HEADER = re.compile(r"<\|im_start\|>(\w+)|<\|start_header_id\|>(\w+)<\|end_header_id\|>")
+# What may close a turn before the next header: whitespace and end-of-turn tokens (ChatML's,
+# Llama 3's, Phi's, GPT-2's, SentencePiece's, the tiny models').
+TURN_CLOSE = re.compile(r"^(?:\s|<\|im_end\|>|<\|eot_id\|>|<\|end\|>|<\|endoftext\|>|</s>|<eos>)*$")
 
 
 def _offsets(pieces: list[str]) -> list[int]:
@@ -51,9 +54,9 @@ def segments(pieces: list[str], loss_mask: list[int]) -> list[dict[str, Any]]:
 
     def split_by_headers(lo: int, hi: int, default_role: str) -> None:
         cuts = [(t, role) for t, role in _headers(pieces, lo, hi) if lo <= t < hi]
-        if cuts and cuts[0][0] > lo and out:
+        if cuts and cuts[0][0] > lo and out and TURN_CLOSE.match("".join(pieces[lo : cuts[0][0]])):
             # What precedes the first header closes the turn before (the template's "\n" after
-            # an end-of-turn token): it stays with that turn.
+            # an end-of-turn token): it stays with that turn. Anything else is the environment's.
             out[-1]["end"] = cuts[0][0]
         elif not cuts or cuts[0][0] > lo:
             cuts.insert(0, (lo, default_role))

@@ -36,3 +36,28 @@ def test_vllm_s_version_spans_become_each_token_s_version():
     assert spans == ((0, 2, 4), (2, 5, 5)) and version_spans(None) is None and version_spans([]) is None
     assert token_versions(8, 3, 4, spans) == [4, 4, 4, 4, 4, 5, 5, 5]
     assert token_versions(4, 2, 7, None) == [7, 7, 7, 7]
+
+
+class _SlowByteTokenizer:
+    """A tokenizer without a fast backend whose ids are UTF-8 bytes (a character may span tokens)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_slow_tokenizer_s_token_texts_join_to_the_text():
+    from rlhf_orch.logging import rollout_dump
+    from rlhf_orch.logging.rollout_dump import token_texts
+
+    tok = _SlowByteTokenizer()
+    ids = list("a€b".encode())  # "€" is three byte tokens: it shows on the third
+    assert token_texts(tok, ids) == ["a", "", "", "€", "b"]
+    cut = list("a€".encode())[:-1]  # cut inside the character (a truncated response): nothing lost
+    assert "".join(token_texts(tok, cut)) == tok.decode(cut)
+    # Past PREFIX_DECODE_MAX tokens: each token decoded alone (linear, a view of the tokens).
+    original = rollout_dump.PREFIX_DECODE_MAX
+    rollout_dump.PREFIX_DECODE_MAX = 2
+    try:
+        assert token_texts(tok, list(b"abc")) == ["a", "b", "c"]
+    finally:
+        rollout_dump.PREFIX_DECODE_MAX = original

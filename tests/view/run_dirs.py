@@ -72,7 +72,19 @@ def write_run(run_dir: Path, steps: int = 3, per_step: int = 4, summary: bool = 
             )
     (run_dir / "rollouts").mkdir(exist_ok=True)
     for s in range(1, steps + 1):
-        lines = [trajectory_line(s, i, reward=i / max(per_step - 1, 1), turns=1 + i % 2) for i in range(per_step)]
+        lines = [
+            trajectory_line(
+                s,
+                i,
+                reward=i / max(per_step - 1, 1),
+                turns=1 + i % 2,
+                source="digits" if i % 2 else "lookup",
+                truncated=i == 2,
+                errors=int(i == 3),
+                env={"tool_errors": 1.0, "turns": 2.0} if i == 3 else None,
+            )
+            for i in range(per_step)
+        ]
         (run_dir / "rollouts" / f"step_{s:06d}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     if summary:
         (run_dir / "summary.json").write_text(

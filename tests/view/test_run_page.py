@@ -32,7 +32,7 @@ def _blocks(html_text: str) -> dict[str, list]:
 
 def _data(html_text: str) -> dict:
     m = re.search(r'<script type="application/json" id="rlhf-data">(.*?)</script>', html_text, re.S)
-    return json.loads(m.group(1).replace("<\\/", "</"))
+    return json.loads(m.group(1))
 
 
 def test_every_metric_is_in_one_topic_the_plots_topics_first():
@@ -81,6 +81,17 @@ def test_a_whole_run_dir_gives_curves_config_summary_and_every_step_s_sequences(
         ("assistant", True),
     ]
     assert network_references(text) == []  # self-contained: nothing loads from a URL
+
+
+def test_text_in_the_data_cannot_end_the_script_block(tmp_path):
+    """A config, an error or a note holding `</script>` or `<!--` stays data (the JSON block would
+    otherwise end there, or stop parsing: a blank page)."""
+    run = write_run(tmp_path / "run")
+    hostile = "system_prompt: '</script><!--<script>alert(1)</script>'\n"
+    (run / ".hydra" / "config.yaml").write_text(hostile)
+    text = render_page([run])
+    block = re.search(r'<script type="application/json" id="rlhf-data">(.*?)</script>', text, re.S).group(1)
+    assert "<" not in block and _data(text)["runs"][0]["config"] == hostile
 
 
 def test_network_references_are_found():
@@ -198,7 +209,11 @@ def test_serve_rewrites_the_page_as_the_run_goes_on(tmp_path):
     try:
         get = lambda path: urllib.request.urlopen(server.url + path, timeout=10).read().decode()  # noqa: E731
         first = get("__version")
-        assert _data(get(""))["live"] is True and _data(get(""))["runs"][0]["metrics"]["steps"] == [1, 2]
+        assert _data(get(""))["runs"][0]["metrics"]["steps"] == [1, 2]
+        # Only this address is answered (DNS rebinding: a page elsewhere naming another host).
+        other = urllib.request.Request(server.url, headers={"Host": f"attacker.example:{server.port}"})
+        with pytest.raises(urllib.error.HTTPError, match="403"):
+            urllib.request.urlopen(other, timeout=10)
         with open(run / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": 3, "reward/mean": 0.3}) + "\n")
         assert wait_for(lambda: get("__version") != first, 10)

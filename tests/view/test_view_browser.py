@@ -76,8 +76,8 @@ def test_the_page_of_a_tool_use_run_shows_what_the_model_did(tool_use_run):
 
     with Browser() as browser:
         page = browser.open(file_url(tool_use_run / "report.html"))
-        text = page.evaluate("document.body.innerText")
-        assert "tool_use" in text and "completed" in text
+        assert page.evaluate("document.querySelector('header h1').textContent") == "tool_use"  # experiment_name
+        assert page.evaluate("document.querySelector('#runs td.status-completed').textContent") == "completed"
         rows = _rows(page)
         assert [r["i"] for r in rows] == [d["index"] for d in dumped]  # step 1, every dumped sequence
         for row, d in zip(rows, dumped):
@@ -109,19 +109,25 @@ def test_the_page_of_a_tool_use_run_shows_what_the_model_did(tool_use_run):
         )
         assert "nats" in page.evaluate("document.querySelector('.token-view').textContent")
 
-        # Filters change what is shown.
-        _set(page, "rmin", "0.5")
+        # Filters change what is shown (a threshold between step 1's lowest and highest reward).
+        rewards = sorted({d["reward"] for d in dumped})
+        assert len(rewards) > 1, rewards  # (the tiny tool model's rewards differ within a step: 0 .. 1)
+        threshold = (rewards[0] + rewards[-1]) / 2
+        _set(page, "rmin", str(threshold))
         high = _rows(page)
-        assert 0 < len(high) < len(rows) and all(float(r["reward"]) >= 0.5 for r in high)
+        assert {r["i"] for r in high} == {d["index"] for d in dumped if d["reward"] >= threshold}
+        assert 0 < len(high) < len(rows)
         _set(page, "rmin", "")
         _set(page, "tmin", "2")
         multi_rows = _rows(page)
         assert {r["i"] for r in multi_rows} == {d["index"] for d in dumped if d["turns"] >= 2}
         _set(page, "tmin", "")
-        _set(page, "q", dumped[0]["response"][:12])
-        assert {r["i"] for r in _rows(page)} == {
-            d["index"] for d in dumped if dumped[0]["response"][:12] in d["prompt"] + "\n" + d["response"]
-        }
+        # A search for one sequence's own text: a strict subset of the rows, that sequence among them.
+        needle = min((d["text"][len(d["prompt"]) :] for d in dumped), key=lambda r: sum(r in d["text"] for d in dumped))
+        _set(page, "q", needle)
+        found = {r["i"] for r in _rows(page)}
+        assert found == {d["index"] for d in dumped if needle.lower() in d["text"].lower()}
+        assert 0 < len(found) < len(rows)
         _set(page, "q", "")
 
         # Another step, and another topic of curves.
@@ -153,3 +159,80 @@ def test_a_comparison_and_an_empty_run_draw_without_errors(tmp_path):
         notes = page.evaluate("document.getElementById('notes').innerText")
         assert "no metrics.jsonl" in notes and "no summary.json" in notes
         assert page.errors == []
+
+
+def test_every_filter_sort_and_colouring_and_hostile_text_on_a_synthetic_run(tmp_path):
+    """The filters the tool-use run cannot show (its sequences are never truncated or errored):
+    source, truncated, errored; sorting; the advantage and weight-version colourings; and text
+    the model wrote that looks like HTML, shown as text."""
+    from rlhf_orch.view.page import write_report
+
+    run = write_run(tmp_path / "run", per_step=6)
+    lines = [json.loads(x) for x in (run / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    hostile = '<img src=x onerror="throw new Error(1)"></script><!--'
+    lines[5]["tokens"]["text"][-2] = hostile  # (the model's last turn)
+    lines[5]["tokens"]["weight_version"][-2:] = [1, 1]  # an update reached it: two versions
+    (run / "rollouts" / "step_000001.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    count = "document.querySelectorAll('#traj-table tr.row').length"
+    indices = "[...document.querySelectorAll('#traj-table tr.row')].map(r => Number(r.dataset.index))"
+    with Browser() as browser:
+        page = browser.open(file_url(write_report([run])))
+        assert page.evaluate(count) == 6
+        _set(page, "src", "lookup")
+        assert page.evaluate(indices) == [0, 2, 4]
+        _set(page, "src", "")
+        _set(page, "trunc", "true")
+        assert page.evaluate(indices) == [2]
+        _set(page, "trunc", "false")
+        assert page.evaluate(count) == 5
+        _set(page, "trunc", "")
+        _set(page, "err", "true")
+        assert page.evaluate(indices) == [3]
+        _set(page, "err", "")
+        page.evaluate("document.querySelector('th[data-sort=reward]').click()")
+        assert page.evaluate(indices) == [0, 1, 2, 3, 4, 5]  # ascending reward (index order here)
+        page.evaluate("document.querySelector('th[data-sort=reward]').click()")
+        assert page.evaluate(indices) == [5, 4, 3, 2, 1, 0]  # clicked again: descending
+        page.evaluate("document.querySelector('#traj-table tr.row[data-index=\"5\"]').click()")
+        assert page.wait_for("document.querySelector('#open-trajectory .tokens')", 10)
+        # The hostile text is text: no element made from it, no script run.
+        assert page.evaluate("document.querySelectorAll('#open-trajectory img').length") == 0
+        assert hostile in page.evaluate("document.querySelector('#open-trajectory .tokens').textContent")
+        colours = "[...document.querySelectorAll('.tokens span.tk')].map(s => s.style.background)"
+        for field, note in (("adv", "full colour at |A|"), ("ver", "versions 0, 1"), ("gap", "nats")):
+            page.evaluate(
+                f"(() => {{ const e = document.getElementById('field'); e.value = '{field}';"
+                " e.dispatchEvent(new Event('change')); })()"
+            )
+            assert note in page.evaluate("document.querySelector('.token-view').textContent"), field
+            if field == "ver":
+                assert len(set(page.evaluate(colours))) == 3  # context, version 0, version 1
+        assert page.errors == []
+
+
+def test_a_served_page_reloads_itself_as_the_run_goes_on(tmp_path):
+    """--serve: the page served over http polls, reloads when the run wrote another step, and comes
+    back with what it showed (the step chosen, from the URL's hash)."""
+    import threading
+
+    from rlhf_orch.view.serve import ReportServer
+
+    run = write_run(tmp_path / "run", steps=2)
+    server = ReportServer([run], run / "report.html", port=0, poll_s=0.1)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with Browser() as browser:
+            page = browser.open(server.url + "#step=2")
+            assert page.evaluate("document.querySelector('.live') !== null")
+            steps = "[...document.getElementById('step').options].map(o => o.value)"
+            assert page.evaluate(steps) == ["1", "2"]
+            page.evaluate("window.stillHere = true")
+            write_run(tmp_path / "run", steps=3)  # the run went on: a third step
+            assert page.wait_for("!window.stillHere && document.body.getAttribute('data-ready') === '1'", 30)
+            assert page.evaluate(steps) == ["1", "2", "3"]
+            assert page.evaluate("document.getElementById('step').value") == "2"  # as it was
+            assert page.errors == []
+    finally:
+        server.shutdown()
+        thread.join(5)

@@ -5,6 +5,9 @@
 "use strict";
 
 const DATA = JSON.parse(document.getElementById("rlhf-data").textContent);
+// Served by `python -m rlhf_orch.view --serve` (http): refreshed while the run goes on; opened
+// from disk or an artifact (file:): as written.
+const LIVE = location.protocol === "http:" && ["127.0.0.1", "localhost"].includes(location.hostname);
 const RUN_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"];
 const state = {
   topic: null, keys: {}, keyFilter: "",
@@ -70,7 +73,7 @@ function header() {
   const runs = DATA.runs;
   const title = runs.length === 1 ? runs[0].name : `${runs.length} runs compared`;
   const h = el("header", {},
-    el("h1", {}, title, DATA.live ? el("span", { class: "live", title: "rlhf_orch.view --serve: refreshes while the run goes on" }, "live") : ""),
+    el("h1", {}, title, LIVE ? el("span", { class: "live", title: "rlhf_orch.view --serve: refreshes while the run goes on" }, "live") : ""),
     el("div", { class: "sub" }, `${runs.map((r) => r.dir).join(" · ")} — page written ${DATA.generated}`));
   return h;
 }
@@ -271,11 +274,15 @@ function trajectories() {
   return sec;
 }
 
+let renderSerial = 0;  // a step still decoding must not draw over the one opened after it
+
 async function renderTrajectories() {
+  const serial = ++renderSerial;
   writeHash();
   const holder = document.getElementById("traj-table");
   if (!holder) return;
   const records = await stepRecords(state.run, state.step);
+  if (serial !== renderSerial) return;
   if (!records) { holder.replaceChildren(el("div", { class: "empty" }, `step ${state.step}: not in this page`)); return; }
   const sources = [...new Set(records.map((t) => t.src).filter((s) => s !== null && s !== undefined))].sort();
   const srcSelect = el("select", { "data-filter": "src", onchange: (e) => { state.src = e.target.value; state.open = null; renderTrajectories(); } },
@@ -421,6 +428,7 @@ function detail(t) {
 
 // ------------------------------------------------------------------ page
 function render() {
+  if (!(Number.isInteger(state.run) && state.run >= 0 && state.run < DATA.runs.length)) state.run = 0;
   writeHash();
   const body = el("main", {}, notes(), runsTable(), curves(), trajectories());
   document.getElementById("app").replaceChildren(header(), body, tip);
@@ -438,4 +446,4 @@ async function poll() {
 
 readHash();
 window.rlhfReady = render().then(() => { document.body.setAttribute("data-ready", "1"); });
-if (DATA.live) setInterval(poll, 2000);
+if (LIVE) setInterval(poll, 2000);
