@@ -74,11 +74,15 @@ class Page:
         return result.get("result", {}).get("value")
 
     def wait_for(self, expression: str, timeout_s: float = 30.0) -> bool:
-        """Whether `expression` became truthy (in JavaScript's sense: a DOM node is) in `timeout_s`."""
+        """Whether `expression` became truthy (in JavaScript's sense: a DOM node is) in `timeout_s`;
+        an evaluation a navigation cut off (the document being replaced) counts as not yet."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.evaluate(f"!!({expression})"):
-                return True
+            try:
+                if self.evaluate(f"!!({expression})"):
+                    return True
+            except BrowserError:
+                pass
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.02)
@@ -130,7 +134,8 @@ class Browser:
         from websockets.sync.client import connect
 
         # Chromium's messages go to a file: a pipe nobody reads would fill and stall it.
-        self._log = open(Path(self._profile) / "chromium.log", "w+")
+        log_path = Path(self._profile) / "chromium.log"
+        self._log = open(log_path, "wb")
         self._proc = subprocess.Popen(
             [
                 self.binary,
@@ -152,8 +157,8 @@ class Browser:
         deadline = time.monotonic() + 60
         while not port_file.exists() or len(port_file.read_text().split()) < 2:
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                self._log.seek(0)
-                raise BrowserError(f"Chromium did not start: {self._log.read().strip()[-300:]}")
+                said = log_path.read_text(encoding="utf-8", errors="replace").strip()
+                raise BrowserError(f"Chromium did not start: {said[-300:]}")
             time.sleep(0.05)
         port = port_file.read_text().split()[0]
         targets = json.loads(_http_get(f"http://127.0.0.1:{port}/json"))
@@ -178,6 +183,7 @@ class Browser:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+                self._proc.wait(10)
         if getattr(self, "_log", None) is not None:
             self._log.close()
         shutil.rmtree(getattr(self, "_profile", ""), ignore_errors=True)

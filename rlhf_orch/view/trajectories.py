@@ -19,8 +19,11 @@ from typing import Any
 # Role headers of the chat templates in use: where a turn starts, and its role.
 ROLE_HEADER = re.compile(r"<\|im_start\|>(\w+)|<\|start_header_id\|>(\w+)<\|end_header_id\|>")
 # What may close a turn before the next header: whitespace and end-of-turn tokens (ChatML's,
-# Llama 3's, Phi's, GPT-2's, SentencePiece's, the tiny models').
-TURN_CLOSE = re.compile(r"^(?:\s|<\|im_end\|>|<\|eot_id\|>|<\|end\|>|<\|endoftext\|>|</s>|<eos>)*$")
+# Llama 3's -- <|eom_id|> after a tool call --, Gemma's, Phi's, GPT-2's, SentencePiece's, the tiny models').
+TURN_CLOSE = re.compile(
+    r"^(?:\s|<\|im_end\|>|<\|eot_id\|>|<\|eom_id\|>|<\|end_of_text\|>|<end_of_turn>|<\|end\|>"
+    r"|<\|endoftext\|>|</s>|<eos>)*$"
+)
 
 
 def _offsets(pieces: list[str]) -> list[int]:

@@ -18,7 +18,7 @@ from rlhf_orch.view.__main__ import main
 from rlhf_orch.view.headless import network_references
 from rlhf_orch.view.page import page_data, render_page, write_report
 from rlhf_orch.view.run_data import read_run_page, topics
-from rlhf_orch.view.serve import ReportServer, wait_for
+from rlhf_orch.view.serve import ReportServer, host_name, wait_for
 from rlhf_orch.view.trajectories import read_step, segments
 from tests.view.run_dirs import trajectory_line, write_run
 
@@ -210,10 +210,17 @@ def test_serve_rewrites_the_page_as_the_run_goes_on(tmp_path):
         get = lambda path: urllib.request.urlopen(server.url + path, timeout=10).read().decode()  # noqa: E731
         first = get("__version")
         assert _data(get(""))["runs"][0]["metrics"]["steps"] == [1, 2]
-        # Only this address is answered (DNS rebinding: a page elsewhere naming another host).
+        # Only loopback names are answered (DNS rebinding: a page elsewhere naming another host),
+        # on any port (an SSH tunnel's local one).
         other = urllib.request.Request(server.url, headers={"Host": f"attacker.example:{server.port}"})
         with pytest.raises(urllib.error.HTTPError, match="403"):
             urllib.request.urlopen(other, timeout=10)
+        tunnel = urllib.request.Request(server.url + "__version", headers={"Host": "localhost:9000"})
+        answer = urllib.request.urlopen(tunnel, timeout=10)
+        assert answer.read().decode() == first and answer.headers["X-Rlhf-Orch-Version"] == first
+        assert [host_name(h) for h in ("127.0.0.1:8765", "[::1]:80", "localhost", "a.example:1")] == [
+            "127.0.0.1", "[::1]", "localhost", "a.example"
+        ]  # fmt: skip
         with open(run / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": 3, "reward/mean": 0.3}) + "\n")
         assert wait_for(lambda: get("__version") != first, 10)

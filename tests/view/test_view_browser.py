@@ -123,7 +123,9 @@ def test_the_page_of_a_tool_use_run_shows_what_the_model_did(tool_use_run):
         assert {r["i"] for r in multi_rows} == {d["index"] for d in dumped if d["turns"] >= 2}
         _set(page, "tmin", "")
         # A search for one sequence's own text: a strict subset of the rows, that sequence among them.
-        needle = min((d["text"][len(d["prompt"]) :] for d in dumped), key=lambda r: sum(r in d["text"] for d in dumped))
+        # (one line of it: a search box drops newlines)
+        responses = [d["text"][len(d["prompt"]) :].split("\n")[0] for d in dumped]
+        needle = min((r for r in responses if r.strip()), key=lambda r: sum(r in d["text"] for d in dumped))
         _set(page, "q", needle)
         found = {r["i"] for r in _rows(page)}
         assert found == {d["index"] for d in dumped if needle.lower() in d["text"].lower()}
@@ -134,7 +136,7 @@ def test_the_page_of_a_tool_use_run_shows_what_the_model_did(tool_use_run):
         page.evaluate(
             "(() => { const e = document.getElementById('step'); e.value = '3'; e.dispatchEvent(new Event('change')); })()"
         )
-        page.evaluate("new Promise(r => setTimeout(r, 100))")
+        assert page.wait_for("document.getElementById('traj-count').textContent.startsWith('step 3:')", 30)
         step3 = [json.loads(x) for x in (tool_use_run / "rollouts" / "step_000003.jsonl").read_text().splitlines()]
         assert [r["response"] for r in _rows(page)] == [d["text"][len(d["prompt"]) :] for d in step3]
         page.evaluate("document.querySelector('button.topic[data-topic=\"env\"]').click()")
@@ -214,7 +216,9 @@ def test_a_served_page_reloads_itself_as_the_run_goes_on(tmp_path):
     """--serve: the page served over http polls, reloads when the run wrote another step, and comes
     back with what it showed (the step chosen, from the URL's hash)."""
     import threading
+    import time
 
+    from rlhf_orch.view.page import write_report
     from rlhf_orch.view.serve import ReportServer
 
     run = write_run(tmp_path / "run", steps=2)
@@ -224,14 +228,25 @@ def test_a_served_page_reloads_itself_as_the_run_goes_on(tmp_path):
     try:
         with Browser() as browser:
             page = browser.open(server.url + "#step=2")
-            assert page.evaluate("document.querySelector('.live') !== null")
+            assert page.wait_for("document.querySelector('.live')", 10)  # its server answered
             steps = "[...document.getElementById('step').options].map(o => o.value)"
             assert page.evaluate(steps) == ["1", "2"]
             page.evaluate("window.stillHere = true")
             write_run(tmp_path / "run", steps=3)  # the run went on: a third step
-            assert page.wait_for("!window.stillHere && document.body.getAttribute('data-ready') === '1'", 30)
+            assert page.wait_for(
+                "!window.stillHere && document.body && document.body.getAttribute('data-ready') === '1'", 30
+            )
             assert page.evaluate(steps) == ["1", "2", "3"]
             assert page.evaluate("document.getElementById('step').value") == "2"  # as it was
+            # The run writes its own report.html meanwhile (logger.report; another path spelling:
+            # another version): what is served, and the page, stay; no reload after reload.
+            write_report([run.parent / ".." / run.parent.name / run.name])
+            page.evaluate("window.stillHere = false")
+            page.call("Page.reload")  # (a reload after it: what is served now)
+            assert page.wait_for("window.stillHere === undefined && document.body && document.body.dataset.ready", 30)
+            page.evaluate("window.stillHere = true")
+            time.sleep(4.5)  # (two polls)
+            assert page.evaluate("window.stillHere === true")
             assert page.errors == []
     finally:
         server.shutdown()

@@ -5,9 +5,11 @@
 "use strict";
 
 const DATA = JSON.parse(document.getElementById("rlhf-data").textContent);
-// Served by `python -m rlhf_orch.view --serve` (http): refreshed while the run goes on; opened
-// from disk or an artifact (file:): as written.
-const LIVE = location.protocol === "http:" && ["127.0.0.1", "localhost"].includes(location.hostname);
+// Served by `python -m rlhf_orch.view --serve`: refreshed while the run goes on (its /__version
+// answers with the X-Rlhf-Orch-Version header; anything else -- a file, another server -- stops the
+// polling at the first answer). Opened from disk or an artifact: as written.
+const LIVE = location.protocol === "http:" || location.protocol === "https:";
+let served = false;  // /__version answered as rlhf_orch.view's server answers
 const RUN_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"];
 const state = {
   topic: null, keys: {}, keyFilter: "",
@@ -69,11 +71,15 @@ function writeHash() {
 }
 
 // ------------------------------------------------------------------ header, runs, notes
+function liveBadge() {
+  return el("span", { class: "live", title: "rlhf_orch.view --serve: refreshes while the run goes on" }, "live");
+}
+
 function header() {
   const runs = DATA.runs;
   const title = runs.length === 1 ? runs[0].name : `${runs.length} runs compared`;
   const h = el("header", {},
-    el("h1", {}, title, LIVE ? el("span", { class: "live", title: "rlhf_orch.view --serve: refreshes while the run goes on" }, "live") : ""),
+    el("h1", {}, title, served ? liveBadge() : ""),
     el("div", { class: "sub" }, `${runs.map((r) => r.dir).join(" · ")} — page written ${DATA.generated}`));
   return h;
 }
@@ -435,10 +441,21 @@ function render() {
   return renderTrajectories();
 }
 
+let polling = null;
+
 async function poll() {
   try {
     const answer = await fetch("/__version", { cache: "no-store" });
-    if (answer.ok && (await answer.text()).trim() !== DATA.version) location.reload();
+    const version = (await answer.text()).trim();
+    if (!answer.ok || !answer.headers.get("X-Rlhf-Orch-Version") || !/^[0-9a-f]{16}$/.test(version)) {
+      clearInterval(polling);  // not rlhf_orch.view's server: the page stays as it is
+      return;
+    }
+    if (version !== DATA.version) { location.reload(); return; }
+    if (!served) {
+      served = true;
+      document.querySelector("header h1").append(liveBadge());
+    }
   } catch (e) {
     // the server went away (the run ended and --serve was stopped): keep the page as it is
   }
@@ -446,4 +463,4 @@ async function poll() {
 
 readHash();
 window.rlhfReady = render().then(() => { document.body.setAttribute("data-ready", "1"); });
-if (LIVE) setInterval(poll, 2000);
+if (LIVE) { polling = setInterval(poll, 2000); poll(); }
