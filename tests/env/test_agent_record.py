@@ -83,7 +83,8 @@ def _body(**kw):
         (_body(logprobs=False), 400, "logprobs"),
         (_body(temperature=0.7), 400, "temperature"),
         (_body(top_p=0.9), 400, "top_p"),
-        (_body(stream=True), 400, "stream"),
+        (_body(stream="yes"), 400, "stream"),
+        (_body(stream_options={"include_usage": True}), 400, "stream_options"),  # (only with stream=true)
         (_body(messages=[]), 400, "messages"),
         (_body(max_tokens=0), 400, "max_tokens"),
         (_body(best_of=3), 400, "best_of"),
@@ -254,3 +255,34 @@ def test_content_is_empty_text_without_tool_calls_and_null_beside_them():
     call_only = message('<tool_call>{"name": "lookup", "arguments": {"record": "3"}}</tool_call>')
     assert call_only["content"] is None and call_only["tool_calls"][0]["function"]["name"] == "lookup"
     assert message("hi")["content"] == "hi"
+
+
+def test_a_streamed_completion_reassembles_to_the_plain_one():
+    """stream=true: the chunks OpenAI's clients add up -- role, reasoning, content, each tool call at
+    its index, the finish reason, the usage when asked -- give back the plain completion."""
+    import json
+
+    from rlhf_orch.env.agent_driver.chat_api import completion_body, stream_events
+
+    call = parse_request(_body(stream=True, stream_options={"include_usage": True}), "policy", temperature=1.0)
+    assert call.stream and call.include_usage
+    text = 'Looking.<tool_call>{"name": "lookup", "arguments": {"x": 3}}</tool_call>'
+    plain = completion_body("policy", text, "stop", 12, 20, "hermes")
+    events = stream_events(plain, include_usage=True).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and {c["id"] for c in chunks} == {plain["id"]}
+    message, finish, calls = {"content": ""}, None, {}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        delta = choice["delta"]
+        message["role"] = delta.get("role", message.get("role"))
+        message["content"] += delta.get("content") or ""
+        for tc in delta.get("tool_calls") or []:
+            calls[tc["index"]] = {k: v for k, v in tc.items() if k != "index"}
+        finish = choice["finish_reason"] or finish
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    expected = plain["choices"][0]["message"]
+    assert message["content"] == expected["content"] and [calls[k] for k in sorted(calls)] == expected["tool_calls"]
+    assert finish == plain["choices"][0]["finish_reason"] == "tool_calls"
+    assert b"usage" not in stream_events(plain, include_usage=False)

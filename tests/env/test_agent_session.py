@@ -302,3 +302,41 @@ def test_an_empty_reply_reaches_the_agent_as_the_empty_string_it_trains_as(serve
     trained = [EchoTokenizer().decode(s) for s in spans]
     assert seen["replies"] == trained == ["", "2"]
     assert result.record.counts.unmerged_calls == 0
+
+
+def _three_calls(stream: bool):
+    """`three_calls_with_a_tool`, with the first and the last call streamed (the usage asked for
+    in the last) when `stream`."""
+
+    def agent(row, client, **kwargs):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for k in range(3):
+            if stream and k != 1:
+                chunks = list(
+                    client.chat.completions.create(
+                        model="policy", messages=messages, stream=True, stream_options={"include_usage": k == 2}
+                    )
+                )
+                content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                usage = [c.usage for c in chunks if c.usage]
+                if k == 2 and (len(usage) != 1 or usage[0].completion_tokens != len(content) + 1):  # (+ EOS)
+                    raise AssertionError(f"usage {usage} for {content!r}")
+            else:
+                content = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content
+            messages += [{"role": "assistant", "content": content}, {"role": "tool", "content": f"tool saw {content}"}]
+        return {"score": float(row["ground_truth"]), "calls": 3}
+
+    return agent
+
+
+def test_a_streamed_call_is_recorded_token_for_token_as_a_plain_one(server):
+    """stream=true (OpenAI's server-sent events, through the `openai` client): the agent reads the
+    same replies, and the trajectory trains on the same tokens, log-probs and mask as without."""
+    records = []
+    for stream in (False, True):
+        session, _ = make_session(_three_calls(stream), server)
+        (result,) = session.run(agent_rows(1))
+        assert result.outcome.error is None and result.record.counts.calls == 3
+        (seq,) = result.record.sequences
+        records.append((seq.prompt_ids, seq.response_ids, seq.logprobs, seq.loss_mask))
+    assert records[0] == records[1]

@@ -6,7 +6,9 @@ several choices (n > 1: one trajectory is one sequence of calls), log-probs turn
 token's log-prob is what the trainers correct with), another model's name, and sampling settings
 other than the run's (the trainers score the policy at `algo.temperature` with the whole
 vocabulary: a token drawn any other way would be trained on with the wrong probability).
-`max_tokens` / `max_completion_tokens` are honoured, capped by the run's limits.
+`max_tokens` / `max_completion_tokens` are honoured, capped by the run's limits. `stream=true` is
+answered with server-sent events in OpenAI's chunk format (`stream_events`), made from the same
+completion a plain call gets: what is recorded for training does not depend on it.
 
 `parse_tool_calls` reads the model's tool calls out of a completion into OpenAI `tool_calls`: Hermes
 style (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, Qwen's and Hermes' chat templates)
@@ -31,7 +33,6 @@ _IGNORED = (
     "user",
     "metadata",
     "store",
-    "stream_options",
     "parallel_tool_calls",
     "tool_choice",
     "seed",
@@ -65,6 +66,8 @@ class ChatCall:
     tools: list[dict[str, Any]] | None = None
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)
+    stream: bool = False  # answered as server-sent events (`stream_events`)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
@@ -79,8 +82,12 @@ def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
             "model",
             "model_not_found" if model else "invalid_request_error",
         )
-    if body.get("stream"):
-        raise ChatAPIError(400, "stream=true is not supported by the training endpoint; leave stream off", "stream")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise ChatAPIError(400, f"stream={stream!r} must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, Mapping)):
+        raise ChatAPIError(400, "stream_options is an object, and only with stream=true", "stream_options")
     n = body.get("n", 1)
     if n not in (1, None):
         raise ChatAPIError(
@@ -121,6 +128,7 @@ def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
             "temperature",
             "top_p",
             "stream",
+            "stream_options",
             "logit_bias",
             *_IGNORED,
         )
@@ -143,7 +151,14 @@ def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
         raise ChatAPIError(400, f"max_tokens={max_tokens!r} must be a positive integer", "max_tokens")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else list(stop)
-    return ChatCall([_plain_message(m) for m in messages], tools or None, max_tokens, stop)
+    return ChatCall(
+        [_plain_message(m) for m in messages],
+        tools or None,
+        max_tokens,
+        stop,
+        stream=bool(stream),
+        include_usage=bool((options or {}).get("include_usage")),
+    )
 
 
 def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -224,6 +239,33 @@ def completion_body(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def stream_events(completion: Mapping[str, Any], include_usage: bool = False) -> bytes:
+    """A finished completion (`completion_body`) as OpenAI streams it: server-sent events of
+    `chat.completion.chunk`s -- the role, the reasoning, the content, each tool call (its id, name
+    and arguments in one delta, at its index), the finish reason; the usage in a last chunk with no
+    choices when asked (stream_options.include_usage); then `[DONE]`. The completion is generated
+    whole before the first event: what trains is the same as for a plain call."""
+    choice = completion["choices"][0]
+    message = choice["message"]
+    base = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        return base | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    if message.get("reasoning_content"):
+        chunks.append(chunk({"reasoning_content": message["reasoning_content"]}))
+    if message.get("content"):
+        chunks.append(chunk({"content": message["content"]}))
+    for k, call in enumerate(message.get("tool_calls") or []):
+        chunks.append(chunk({"tool_calls": [{"index": k, **call}]}))
+    chunks.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        chunks.append(base | {"choices": [], "usage": completion["usage"]})
+    events = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return events.encode()
 
 
 def models_body(model_name: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Protocol
 
-from rlhf_orch.env.agent_driver.chat_api import ChatAPIError, models_body
+from rlhf_orch.env.agent_driver.chat_api import ChatAPIError, models_body, stream_events
 
 _CALL = re.compile(r"^/trajectories/([A-Za-z0-9_-]+)/v1/chat/completions/?$")
 _MODELS = re.compile(r"^(/trajectories/[A-Za-z0-9_-]+)?/v1/models/?$")
@@ -205,9 +205,23 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.flush()
             _drain(self.connection)
 
-        def _answer(self, route: Callable[[], dict[str, Any]]) -> None:
+        def _send_events(self, data: bytes) -> None:
+            """A streamed answer (stream=true): the whole event stream at once, its length known."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _answer(self, route: Callable[[], dict[str, Any]], stream: tuple[bool, bool] = (False, False)) -> None:
+            """`stream`: (stream, include_usage) of the call (checked by `parse_request` in the route)."""
             try:
-                self._send(200, route())
+                answer = route()
+                if stream[0]:
+                    self._send_events(stream_events(answer, include_usage=stream[1]))
+                else:
+                    self._send(200, answer)
             except ChatAPIError as e:
                 self._send(e.status, e.body())
             except Exception as e:  # the agent gets a message; the rollout goes on
@@ -255,6 +269,10 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             except json.JSONDecodeError as e:
                 self._send(400, ChatAPIError(400, f"the body is not JSON: {e.msg}").body())
                 return
-            self._answer(lambda: server.handle_call(match.group(1), body))
+            stream = (False, False)
+            if isinstance(body, dict) and body.get("stream") is True:
+                options = body.get("stream_options")
+                stream = (True, isinstance(options, dict) and bool(options.get("include_usage")))
+            self._answer(lambda: server.handle_call(match.group(1), body), stream)
 
     return Handler
