@@ -257,32 +257,57 @@ def test_content_is_empty_text_without_tool_calls_and_null_beside_them():
     assert message("hi")["content"] == "hi"
 
 
-def test_a_streamed_completion_reassembles_to_the_plain_one():
+def _plain(kind: str) -> dict:
+    from rlhf_orch.env.agent_driver.chat_api import completion_body
+
+    call = '<tool_call>{"name": "lookup", "arguments": {"x": 3}}</tool_call>'
+    plain = completion_body(
+        "policy",
+        "Looking." + call if kind == "text_and_call" else call if kind == "call_only" else "42",
+        "stop",
+        12,
+        20,
+        "hermes",
+    )
+    if kind == "empty_reasoning":  # (what a reasoning parser gives for <think></think>)
+        plain["choices"][0]["message"]["reasoning_content"] = ""
+    return plain
+
+
+@pytest.mark.parametrize("kind", ["text_and_call", "call_only", "empty_reasoning"])
+def test_a_streamed_completion_reassembles_to_the_plain_one(kind):
     """stream=true: the chunks OpenAI's clients add up -- role, reasoning, content, each tool call at
-    its index, the finish reason, the usage when asked -- give back the plain completion."""
+    its index, the finish reason, the usage when asked -- give back the plain completion's message,
+    null content (tool calls only) and empty reasoning included."""
     import json
 
-    from rlhf_orch.env.agent_driver.chat_api import completion_body, stream_events
+    from rlhf_orch.env.agent_driver.chat_api import stream_events
 
     call = parse_request(_body(stream=True, stream_options={"include_usage": True}), "policy", temperature=1.0)
     assert call.stream and call.include_usage
-    text = 'Looking.<tool_call>{"name": "lookup", "arguments": {"x": 3}}</tool_call>'
-    plain = completion_body("policy", text, "stop", 12, 20, "hermes")
+    assert not parse_request(_body(stream=None, stream_options={}), "policy", temperature=1.0).stream
+    plain = _plain(kind)
     events = stream_events(plain, include_usage=True).decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-2]]
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and {c["id"] for c in chunks} == {plain["id"]}
-    message, finish, calls = {"content": ""}, None, {}
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"] == plain["usage"]
+    assert chunks[-1]["choices"] == []
+    message, calls = {}, {}
     for c in chunks[:-1]:
         (choice,) = c["choices"]
-        delta = choice["delta"]
-        message["role"] = delta.get("role", message.get("role"))
-        message["content"] += delta.get("content") or ""
-        for tc in delta.get("tool_calls") or []:
-            calls[tc["index"]] = {k: v for k, v in tc.items() if k != "index"}
-        finish = choice["finish_reason"] or finish
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
-    expected = plain["choices"][0]["message"]
-    assert message["content"] == expected["content"] and [calls[k] for k in sorted(calls)] == expected["tool_calls"]
-    assert finish == plain["choices"][0]["finish_reason"] == "tool_calls"
+        for key, value in choice["delta"].items():
+            if key == "tool_calls":
+                calls.update({tc["index"]: {k: v for k, v in tc.items() if k != "index"} for tc in value})
+            elif key in message and isinstance(value, str):
+                message[key] = (message[key] or "") + value
+            else:
+                message[key] = value
+    if calls:
+        message["tool_calls"] = [calls[k] for k in sorted(calls)]
+    expected = plain["choices"][0]
+    assert message == expected["message"], kind
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 2) + [
+        expected["finish_reason"]
+    ]
     assert b"usage" not in stream_events(plain, include_usage=False)

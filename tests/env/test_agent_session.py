@@ -84,6 +84,7 @@ def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server, 
             return 200, ""
 
         seen["n=2"] = error(n=2)
+        seen["stream"] = error(stream=True, temperature=0.5)  # (a streamed call's refusal: JSON, its status)
         seen["model"] = error(model="another-model")
         seen["key"] = None
         try:
@@ -97,6 +98,7 @@ def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server, 
     session, _ = make_session(agent, server)
     session.run(agent_rows(1))
     assert seen["n=2"][0] == 400 and "n=2" in seen["n=2"][1]
+    assert seen["stream"][0] == 400 and "temperature=0.5" in seen["stream"][1]
     assert seen["model"][0] == 404 and "another-model" in seen["model"][1]
     assert seen["key"][0] == 401 and "API key" in seen["key"][1]
     assert seen["models"] == ["policy"]

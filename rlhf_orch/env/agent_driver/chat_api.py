@@ -82,12 +82,7 @@ def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
             "model",
             "model_not_found" if model else "invalid_request_error",
         )
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise ChatAPIError(400, f"stream={stream!r} must be true or false", "stream")
-    options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, Mapping)):
-        raise ChatAPIError(400, "stream_options is an object, and only with stream=true", "stream_options")
+    stream, include_usage = stream_flags(body)
     n = body.get("n", 1)
     if n not in (1, None):
         raise ChatAPIError(
@@ -156,9 +151,23 @@ def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
         tools or None,
         max_tokens,
         stop,
-        stream=bool(stream),
-        include_usage=bool((options or {}).get("include_usage")),
+        stream=stream,
+        include_usage=include_usage,
     )
+
+
+def stream_flags(body: Any) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage) of a request body: the one reading of them, by
+    `parse_request` and by the server choosing how to answer; ChatAPIError for a bad value."""
+    if not isinstance(body, Mapping):
+        return False, False
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ChatAPIError(400, f"stream={stream!r} must be true or false", "stream")
+    options = body.get("stream_options")
+    if options and (not stream or not isinstance(options, Mapping)):
+        raise ChatAPIError(400, "stream_options is an object, and only with stream=true", "stream_options")
+    return bool(stream), bool(stream and (options or {}).get("include_usage"))
 
 
 def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -251,11 +260,16 @@ def stream_events(completion: Mapping[str, Any], include_usage: bool = False) ->
     message = choice["message"]
     base = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
 
+    if include_usage:  # (as OpenAI: every chunk before the last carries "usage": null)
+        base["usage"] = None
+
     def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
         return base | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
-    chunks = [chunk({"role": "assistant", "content": ""})]
-    if message.get("reasoning_content"):
+    # The first delta's content is what the added-up message starts from: null where the plain
+    # message's is (tool calls and no text), so the agent sends back the message it would have.
+    chunks = [chunk({"role": "assistant", "content": None if message.get("content") is None else ""})]
+    if message.get("reasoning_content") is not None:
         chunks.append(chunk({"reasoning_content": message["reasoning_content"]}))
     if message.get("content"):
         chunks.append(chunk({"content": message["content"]}))

@@ -33,7 +33,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Protocol
 
-from rlhf_orch.env.agent_driver.chat_api import ChatAPIError, models_body, stream_events
+from rlhf_orch.env.agent_driver.chat_api import ChatAPIError, models_body, stream_events, stream_flags
 
 _CALL = re.compile(r"^/trajectories/([A-Za-z0-9_-]+)/v1/chat/completions/?$")
 _MODELS = re.compile(r"^(/trajectories/[A-Za-z0-9_-]+)?/v1/models/?$")
@@ -269,10 +269,11 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             except json.JSONDecodeError as e:
                 self._send(400, ChatAPIError(400, f"the body is not JSON: {e.msg}").body())
                 return
-            stream = (False, False)
-            if isinstance(body, dict) and body.get("stream") is True:
-                options = body.get("stream_options")
-                stream = (True, isinstance(options, dict) and bool(options.get("include_usage")))
+            try:
+                stream = stream_flags(body)
+            except ChatAPIError as e:
+                self._send(e.status, e.body())
+                return
             self._answer(lambda: server.handle_call(match.group(1), body), stream)
 
     return Handler
