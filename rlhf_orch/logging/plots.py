@@ -365,7 +365,12 @@ def _experiment_name(run_dir: Path) -> Optional[str]:
     config = run_dir / ".hydra" / "config.yaml"
     if not config.exists():
         return None
-    for line in config.read_text(encoding="utf-8").splitlines():
+    return experiment_name_in(config.read_text(encoding="utf-8"))
+
+
+def experiment_name_in(config_yaml: str) -> Optional[str]:
+    """The `experiment_name` a run's .hydra/config.yaml text holds (None: none)."""
+    for line in config_yaml.splitlines():
         if line.startswith("experiment_name:"):
             return line.split(":", 1)[1].strip().strip("'\"") or None
     return None

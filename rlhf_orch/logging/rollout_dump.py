@@ -45,14 +45,16 @@ def model_turns(action: Sequence[int]) -> int:
 PREFIX_DECODE_MAX = 2048
 
 
-def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+def token_texts(tokenizer: Any, ids: Sequence[int], whole: str | None = None) -> list[str]:
     """Each token's text, decoded incrementally (a character split over several byte tokens shows
     on the token that completes it; special tokens kept), so the pieces join to the decoded
     sequence. Uses the fast tokenizer's own streaming decoder where there is one; otherwise the
     growing prefixes' decodes (up to PREFIX_DECODE_MAX tokens), and where neither joins to the
-    decoded sequence, each token decoded alone (a view of the tokens, not of the text)."""
+    decoded sequence, each token decoded alone (a view of the tokens, not of the text). `whole`: the
+    sequence decoded with its special tokens, when the caller has it."""
     ids = [int(i) for i in ids]
-    whole = tokenizer.decode(ids, skip_special_tokens=False)
+    if whole is None:
+        whole = tokenizer.decode(ids, skip_special_tokens=False)
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None:
         from tokenizers.decoders import DecodeStream
@@ -143,6 +145,7 @@ class RolloutDump:
             prompt = prompts[prompt_index] if prompts is not None and prompt_index < len(prompts) else None
             env = meta.env_stats[r] if r is not None else None
             version = int(seq.get("weight_version") or 0)
+            text = decode(ids)
             lines.append(
                 {
                     "step": step,
@@ -162,10 +165,10 @@ class RolloutDump:
                     "env": env,
                     "prompt": decode(ids[:first]),
                     "response": decode(ids[first:]),
-                    "text": decode(ids),
+                    "text": text,
                     "tokens": {
                         "ids": ids,
-                        "text": token_texts(self.tokenizer, ids),
+                        "text": token_texts(self.tokenizer, ids, text),
                         "loss_mask": action,
                         "advantage": seq.get("token_advantages"),
                         "engine_logprob": seq.get("engine_logprobs"),

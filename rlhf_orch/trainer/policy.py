@@ -137,7 +137,7 @@ class PolicyWorker(TrainerWorker):
     def dumped_sequences(self) -> list[dict]:
         """The sequences the last `train` was asked to keep for the rollout dump (logger.rollouts),
         as this rank trained them (`trained_sequences`); handed over once."""
-        dumped, self._dumped = getattr(self, "_dumped", []), []
+        dumped, self._dumped = self._dumped, []
         return dumped
 
     @ends_a_phase

@@ -48,6 +48,8 @@ class TrainerWorker(ExperienceInbox):
         # By staged shard: whether the update's own forward gives its old log-probs (the policy's
         # make_experience decides, its train is held to it; a rank may stage several shards).
         self._old_from_update: dict[int, bool] = {}
+        # The rollout dump's sequences the last policy update kept (`PolicyWorker.dumped_sequences`).
+        self._dumped: list[dict] = []
         self.pad_id = spec.pad_id
         # Per optimizer step of the last train() call: the sample indices this rank trained on in it.
         self.last_step_members: list[tuple[int, ...]] = []

@@ -82,15 +82,17 @@ def default_output(paths: Sequence[str | Path]) -> Path:
 def page_data(paths: Sequence[str | Path]) -> tuple[dict[str, Any], list[str]]:
     """The page's JSON block and its step blocks' HTML, for the runs of `paths`."""
     runs = expand_runs(paths)
-    labels = {r.run_dir: r.label for r in label_rows([read_run(d) for d in runs])} if len(runs) > 1 else {}
+    rows = [read_run(d) for d in runs]
+    if len(runs) > 1:
+        label_rows(rows)
     data: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
         "runs": [],
     }
     blocks: list[str] = []
-    for k, run_dir in enumerate(runs):
-        run = read_run_page(run_dir)
-        run["label"] = labels.get(run_dir) or run["name"]
+    for k, (run_dir, row) in enumerate(zip(runs, rows)):
+        run = read_run_page(run_dir, row)
+        run["label"] = row.label or run["name"]
         for step, path in rollout_steps(run_dir):
             try:
                 block, bad = _step_block(path)
@@ -108,10 +110,6 @@ def page_data(paths: Sequence[str | Path]) -> tuple[dict[str, Any], list[str]]:
         (_script_json({**data, "generated": ""}) + "".join(blocks)).encode("utf-8")
     ).hexdigest()[:16]
     return data, blocks
-
-
-def render_page(paths: Sequence[str | Path]) -> str:
-    return build_page(paths)[0]
 
 
 def build_page(paths: Sequence[str | Path]) -> tuple[str, str]:

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_orch.logging.base import SUPERSEDED, finite_or_none, read_metrics
-from rlhf_orch.logging.plots import panels_for
+from rlhf_orch.logging.plots import experiment_name_in, panels_for
+from rlhf_orch.reporting.run_row import RunRow
 from rlhf_orch.reporting.sweep_summary import read_run
 
 ROLLOUT_FILE = re.compile(r"^step_(\d+)\.jsonl$")
@@ -75,15 +76,11 @@ def _restarts(rows: list[dict[str, Any]], superseded: list[dict[str, Any]]) -> l
 
 def _config(run_dir: Path) -> tuple[str, str]:
     """(.hydra/config.yaml's text, the experiment name in it) ("" when absent)."""
-    path = run_dir / ".hydra" / "config.yaml"
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = (run_dir / ".hydra" / "config.yaml").read_text(encoding="utf-8", errors="replace")
     except OSError:
         return "", ""
-    name = next(
-        (ln.split(":", 1)[1].strip().strip("'\"") for ln in text.splitlines() if ln.startswith("experiment_name:")), ""
-    )
-    return text, name
+    return text, experiment_name_in(text) or ""
 
 
 def _summary(run_dir: Path) -> dict[str, Any] | None:
@@ -118,16 +115,17 @@ def _cut_lines(path: Path) -> int:
     return bad
 
 
-def read_run_page(run_dir: str | Path) -> dict[str, Any]:
-    """One run dir as the page's data (no trajectories: `trajectories.read_step` reads a step)."""
+def read_run_page(run_dir: str | Path, row: RunRow | None = None) -> dict[str, Any]:
+    """One run dir as the page's data (no trajectories: `trajectories.read_step` reads a step);
+    `row`: its `read_run` row when the caller has it already."""
     run_dir = Path(run_dir)
     notes: list[str] = []
-    rows = read_metrics(run_dir)
     everything = read_metrics(run_dir, include_superseded=True)
+    rows = [r for r in everything if not r.get(SUPERSEDED)]  # (what read_metrics gives by default)
     superseded = [r for r in everything if r.get(SUPERSEDED)]
     config, name = _config(run_dir)
     summary = _summary(run_dir)
-    row = read_run(run_dir)
+    row = row or read_run(run_dir)
     if not config:
         notes.append("no .hydra/config.yaml: the run's config is unknown")
     if not (run_dir / "metrics.jsonl").is_file():

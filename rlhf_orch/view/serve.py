@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import http.server
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -134,12 +133,3 @@ def host_name(host: str) -> str:
     if host.startswith("["):
         return host[: host.find("]") + 1] if "]" in host else host
     return host.rsplit(":", 1)[0] if ":" in host else host
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()

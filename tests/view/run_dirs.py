@@ -93,3 +93,15 @@ def write_run(run_dir: Path, steps: int = 3, per_step: int = 4, summary: bool = 
             )
         )
     return run_dir
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    """Whether `predicate()` became true within `timeout_s` (polled)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

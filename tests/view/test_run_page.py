@@ -16,11 +16,11 @@ import pytest
 from rlhf_orch.logging.rollout_dump import token_texts
 from rlhf_orch.view.__main__ import main
 from rlhf_orch.view.headless import network_references
-from rlhf_orch.view.page import page_data, render_page, write_report
+from rlhf_orch.view.page import build_page, page_data, write_report
 from rlhf_orch.view.run_data import read_run_page, topics
-from rlhf_orch.view.serve import ReportServer, host_name, wait_for
+from rlhf_orch.view.serve import ReportServer, host_name
 from rlhf_orch.view.trajectories import read_step, segments
-from tests.view.run_dirs import trajectory_line, write_run
+from tests.view.run_dirs import trajectory_line, wait_for, write_run
 
 
 def _blocks(html_text: str) -> dict[str, list]:
@@ -61,7 +61,7 @@ def test_every_metric_is_in_one_topic_the_plots_topics_first():
 
 def test_a_whole_run_dir_gives_curves_config_summary_and_every_step_s_sequences(tmp_path):
     run = write_run(tmp_path / "run")
-    text = render_page([run])
+    text = build_page([run])[0]
     data = _data(text)
     [r] = data["runs"]
     assert r["status"] == "completed" and r["notes"] == [] and r["name"] == "page_test"
@@ -89,7 +89,7 @@ def test_text_in_the_data_cannot_end_the_script_block(tmp_path):
     run = write_run(tmp_path / "run")
     hostile = "system_prompt: '</script><!--<script>alert(1)</script>'\n"
     (run / ".hydra" / "config.yaml").write_text(hostile)
-    text = render_page([run])
+    text = build_page([run])[0]
     block = re.search(r'<script type="application/json" id="rlhf-data">(.*?)</script>', text, re.S).group(1)
     assert "<" not in block and _data(text)["runs"][0]["config"] == hostile
 
