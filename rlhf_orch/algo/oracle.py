@@ -13,7 +13,8 @@ micro-batch cut, ranks, epochs) against the algorithm, not the code against itse
 What one update is, for a rollout of N sequences (prompt x_i, response y_i, score r_i, group g_i):
 
 1. pi_old: log-probs of every response token under the policy before the update (at the sampling
-   temperature). KL estimates compare them with the reference's log-probs (given).
+   temperature: the run's, or the token's own where it was sampled at another -- an agent's call
+   with its own settings). KL estimates compare them with the reference's log-probs (given).
 2. Advantages A_it (and, for PPO, returns R_it), per `algo`:
      PPO          GAE over token rewards (-kl_coef * KL_t, + r_i at the last token) with the
                   critic's values V_old, R = A + V_old; A whitened over all tokens of the rollout.
@@ -74,6 +75,12 @@ class Rollout:
     loss_masks: list[list[int]] | None = None  # 1 = trained on; 0 = a hole (e.g. a tool's output)
     # env.reward=per_turn: per response token, a turn's reward on its last token (PPO, REINFORCE++)
     turn_rewards: list[list[float]] | None = None
+    # per response token, the temperature it was sampled at; 0: the run's (Optimization.temperature)
+    temperatures: list[list[float]] | None = None
+
+    def temperatures_of(self, i: int, run: float) -> list[float]:
+        own = self.temperatures[i] if self.temperatures else [0.0] * len(self.responses[i])
+        return [t if t > 0 else run for t in own]
 
     def mask(self, i: int) -> list[bool]:
         return [bool(m) for m in self.loss_masks[i]] if self.loss_masks else [True] * len(self.responses[i])
@@ -114,16 +121,17 @@ def _right_padded(prompts: list[list[int]], responses: list[list[int]]) -> tuple
 
 
 def response_logprobs(
-    policy: nn.Module, prompts: list[list[int]], responses: list[list[int]], temperature: float
+    policy: nn.Module, prompts: list[list[int]], responses: list[list[int]], temperatures: list[list[float]]
 ) -> tuple[list[Tensor], list[Tensor]]:
     """Per sequence, log pi(y_t | x, y_<t) and the entropy of that next-token distribution, for
-    every response token (one batched forward; padding sits after each sequence, so it changes
-    nothing a causal model computes for the real tokens)."""
+    every response token, at the temperature y_t was sampled at (one batched forward; padding sits
+    after each sequence, so it changes nothing a causal model computes for the real tokens)."""
     ids, attention = _right_padded(prompts, responses)
-    logits = policy(input_ids=ids, attention_mask=attention).logits.float() / temperature
+    logits = policy(input_ids=ids, attention_mask=attention).logits.float()
     logps, entropies = [], []
     for b, (x, y) in enumerate(zip(prompts, responses)):
-        step_logits = logits[b, len(x) - 1 : len(x) - 1 + len(y)]  # the positions that predict y_0 .. y_T-1
+        # the positions that predict y_0 .. y_T-1, each divided by its token's temperature
+        step_logits = logits[b, len(x) - 1 : len(x) - 1 + len(y)] / torch.tensor(temperatures[b])[:, None]
         log_probs = torch.log_softmax(step_logits, dim=-1)
         logps.append(log_probs.gather(-1, torch.tensor(y, dtype=torch.long)[:, None]).squeeze(-1))
         entropies.append(-(log_probs.exp() * log_probs).sum(-1))
@@ -379,9 +387,9 @@ def reference_update(
     """
     n = len(rollout.responses)
     masks = [rollout.mask(i) for i in range(n)]
-    temperature = opt.temperature
+    temperatures = [rollout.temperatures_of(i, opt.temperature) for i in range(n)]
     with torch.no_grad():
-        old, _ = response_logprobs(policy, rollout.prompts, rollout.responses, temperature)
+        old, _ = response_logprobs(policy, rollout.prompts, rollout.responses, temperatures)
         values = response_values(critic, rollout.prompts, rollout.responses) if critic is not None else None
     adv, returns = advantages(algo, rollout, old, values, max_response_len)
     metrics: dict[str, float] = {
@@ -426,7 +434,10 @@ def reference_update(
             },
         )
         logps, entropies = response_logprobs(
-            policy, [rollout.prompts[i] for i in members], [rollout.responses[i] for i in members], temperature
+            policy,
+            [rollout.prompts[i] for i in members],
+            [rollout.responses[i] for i in members],
+            [temperatures[i] for i in members],
         )
         for i, logp, entropy in zip(members, logps, entropies):
             a = adv[i]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from rlhf_orch.algo.vocab_reductions import PLAIN_TEMPERATURE, token_logprobs
+from rlhf_orch.algo.vocab_reductions import PLAIN_TEMPERATURE, Temperature, token_logprobs
 
 # Added to the variance before dividing by its root (whitening): keeps a constant batch finite.
 WHITEN_EPS = 1e-8
@@ -114,7 +114,7 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float, plac
 def logprobs_from_logits(
     logits: Tensor,
     tokens: Tensor,
-    temperature: float = PLAIN_TEMPERATURE,
+    temperature: Temperature = PLAIN_TEMPERATURE,
     max_chunk_elements: int = 1 << 24,
 ) -> Tensor:
     """`log softmax(logits / temperature)[token]` for every position: `[..., V]`, `[...]` -> `[...]`.
@@ -125,7 +125,7 @@ def logprobs_from_logits(
     materialised at once -- the peak extra memory is one chunk of `max_chunk_elements` floats, and
     the backward keeps only the logits and two floats per row (`vocab_reductions.token_logprobs`).
     `temperature` must match the sampling temperature for these to be comparable with the engine's
-    log-probs.
+    log-probs: one for all, or per position (`[...]`, tokens sampled at different ones).
     """
     if tokens.shape != logits.shape[:-1]:
         raise ValueError(

@@ -33,15 +33,27 @@ def _rows(vocab: int, max_chunk_elements: int) -> int:
     return max(1, max_chunk_elements // vocab)
 
 
-def _relative(chunk: Tensor, temperature: float, shift: Tensor | None = None) -> tuple[Tensor, Tensor]:
+#: A temperature for all rows, or one per row (float32 `[N]`: tokens sampled at different ones,
+#: an agent's calls with their own settings).
+Temperature = float | Tensor
+
+
+def _rows_of(temperature: Temperature, chunk: slice) -> Temperature:
+    """The temperature of a chunk's rows: the float, or the chunk's slice of the per-row ones."""
+    return temperature[chunk] if isinstance(temperature, Tensor) else temperature
+
+
+def _relative(chunk: Tensor, temperature: Temperature, shift: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(z, shift): the chunk's rows in float32 relative to their max logit (or `shift`), divided by
-    the temperature -- shifted first, so large logits lose no digits to the division or to a
-    difference of two large logsumexps. Rows of -inf only are left unshifted."""
+    the temperature (one, or the rows' own) -- shifted first, so large logits lose no digits to the
+    division or to a difference of two large logsumexps. Rows of -inf only are left unshifted."""
     x = chunk.float()
     if shift is None:
         top = x.amax(dim=-1)
         shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     z = x - shift.unsqueeze(-1)
+    if isinstance(temperature, Tensor):
+        return z / temperature.unsqueeze(-1), shift
     return (z / temperature if temperature != 1.0 else z), shift
 
 
@@ -50,7 +62,7 @@ def _chunked_gradient(
     shift: Tensor,
     lse: Tensor,
     grad: Tensor,
-    temperature: float,
+    temperature: Temperature,
     rows: int,
     local: Callable[[Tensor, Tensor, slice], Tensor],
 ) -> Tensor:
@@ -60,20 +72,21 @@ def _chunked_gradient(
     out = torch.empty_like(logits)
     for start in range(0, logits.shape[0], rows):
         chunk = slice(start, start + rows)
-        z, _ = _relative(logits[chunk], temperature, shift[chunk])
+        t = _rows_of(temperature, chunk)
+        z, _ = _relative(logits[chunk], t, shift[chunk])
         p = torch.exp(z - lse[chunk].unsqueeze(-1))
-        g = local(p, z, chunk).mul_((grad[chunk] / temperature).unsqueeze(-1))
+        g = local(p, z, chunk).mul_((grad[chunk] / t).unsqueeze(-1))
         out[chunk] = g.to(out.dtype)
     return out
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, max_chunk_elements: int) -> Tensor:
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: Temperature, max_chunk_elements: int) -> Tensor:
         rows = _rows(logits.shape[-1], max_chunk_elements)
         out, shifts, lse = [], [], []
         for start in range(0, logits.shape[0], rows):
-            z, shift = _relative(logits[start : start + rows], temperature)
+            z, shift = _relative(logits[start : start + rows], _rows_of(temperature, slice(start, start + rows)))
             row_lse = torch.logsumexp(z, dim=-1)
             out.append(z.gather(-1, tokens[start : start + rows].unsqueeze(-1)).squeeze(-1) - row_lse)
             shifts.append(shift)
@@ -96,13 +109,13 @@ class _TokenLogprobs(torch.autograd.Function):
 
 class _Entropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, temperature: float, max_chunk_elements: int) -> Tensor:
+    def forward(ctx, logits: Tensor, temperature: Temperature, max_chunk_elements: int) -> Tensor:
         rows = _rows(logits.shape[-1], max_chunk_elements)
         entropies, shifts, lse, mean_logit = [], [], [], []
         for start in range(0, logits.shape[0], rows):
             # H is shift-invariant: relative to the row's max, logsumexp and E_p[z] stay small, so
             # their difference loses no digits when logits are large (the backward works relative too).
-            z, shift = _relative(logits[start : start + rows], temperature)
+            z, shift = _relative(logits[start : start + rows], _rows_of(temperature, slice(start, start + rows)))
             row_lse = torch.logsumexp(z, dim=-1, keepdim=True)
             p = torch.exp(z - row_lse)
             expected = (p * torch.where(p > 0, z, torch.zeros_like(z))).sum(dim=-1, keepdim=True)  # -inf logits add 0
@@ -126,23 +139,42 @@ class _Entropy(torch.autograd.Function):
         return _chunked_gradient(logits, shift, lse, grad, ctx.temperature, ctx.rows, minus_p_times_centred), None, None
 
 
+def _per_row(temperature: Temperature, rows_shape: torch.Size) -> Temperature:
+    """A float as a float; per-position temperatures (`[...]` like the rows) flattened, float32."""
+    if not isinstance(temperature, Tensor):
+        return float(temperature)
+    if temperature.shape != rows_shape:
+        raise ValueError(f"temperatures {tuple(temperature.shape)} must match the rows {tuple(rows_shape)}")
+    return temperature.detach().reshape(-1).float()
+
+
 def token_logprobs(
-    logits: Tensor, tokens: Tensor, temperature: float = PLAIN_TEMPERATURE, max_chunk_elements: int = CHUNK_ELEMENTS
+    logits: Tensor,
+    tokens: Tensor,
+    temperature: Temperature = PLAIN_TEMPERATURE,
+    max_chunk_elements: int = CHUNK_ELEMENTS,
 ) -> Tensor:
-    """`log softmax(logits / temperature)[token]`, `[..., V]`, `[...]` -> float32 `[...]`."""
+    """`log softmax(logits / temperature)[token]`, `[..., V]`, `[...]` -> float32 `[...]`; `temperature`
+    one for all, or per position (`[...]`)."""
     vocab = logits.shape[-1]
     if tokens.numel() == 0:
         return logits.new_zeros(tokens.shape, dtype=torch.float32)
     flat = _TokenLogprobs.apply(
-        logits.reshape(-1, vocab), tokens.reshape(-1).long(), float(temperature), max_chunk_elements
+        logits.reshape(-1, vocab),
+        tokens.reshape(-1).long(),
+        _per_row(temperature, logits.shape[:-1]),
+        max_chunk_elements,
     )
     return flat.reshape(tokens.shape)
 
 
-def entropy(logits: Tensor, temperature: float = PLAIN_TEMPERATURE, max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
-    """Entropy of `softmax(logits / temperature)`, `[..., V]` -> float32 `[...]`; -inf logits add 0."""
+def entropy(
+    logits: Tensor, temperature: Temperature = PLAIN_TEMPERATURE, max_chunk_elements: int = CHUNK_ELEMENTS
+) -> Tensor:
+    """Entropy of `softmax(logits / temperature)`, `[..., V]` -> float32 `[...]`; -inf logits add 0;
+    `temperature` one for all, or per position (`[...]`)."""
     vocab = logits.shape[-1]
     if logits.numel() == 0:
         return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
-    flat = _Entropy.apply(logits.reshape(-1, vocab), float(temperature), max_chunk_elements)
+    flat = _Entropy.apply(logits.reshape(-1, vocab), _per_row(temperature, logits.shape[:-1]), max_chunk_elements)
     return flat.reshape(logits.shape[:-1])

@@ -502,6 +502,12 @@ RANGES: tuple[Range, ...] = (
         ("auto", "loopback", "node"),
         "'auto' (loopback on a one-node cluster, else the node's address), 'loopback' or 'node'",
     ),
+    choice(
+        "env.sampling",
+        ("call", "run"),
+        "'call' (an agent call's own temperature, top_p, top_k, penalties and seed are honoured) or 'run' "
+        "(replaced by the run's sampling)",
+    ),
     Range("env.served_model_name", lambda v: isinstance(v, str) and bool(v.strip()), "must be a non-empty model name"),
     Range(
         "env.reasoning_parser",

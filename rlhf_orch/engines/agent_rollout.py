@@ -7,7 +7,9 @@ function has returned. A call, on the server's thread: checked (`chat_api.parse_
 rendered with the tokenizer's chat template (tools included), given its budget by the
 trajectory's record, queued, answered once the engine finished it, and recorded
 (`AgentRecord.add`). Each call samples with its own seed from (step seed, trajectory, call
-number), so a trajectory draws the same tokens whatever the other trajectories do.
+number), so a trajectory draws the same tokens whatever the other trajectories do -- or with the
+seed and sampling settings it asked for (`env.sampling=call`). A call with n > 1 is n requests to
+the engine, each recorded as a branch of the conversation.
 
 The engine side is a `CallGenerator` (`rlhf_orch.engines.request_steps.VLLMCalls`, which the multi-turn
 runner's turns use too; tests a scripted one), so the session runs without vLLM.
@@ -28,17 +30,32 @@ import torch
 from rlhf_orch.engines.request_steps import CallOutput, VLLMCalls, generation_eos_ids, turn_seed
 from rlhf_orch.env.agent_driver.record import AGENT_METRIC_PREFIX, AgentLimits, AgentRecord, CallRefused
 from rlhf_orch.env.agent_driver.runner import AgentOutcome, AgentRunner
-from rlhf_orch.env.agent_driver.chat_api import TOOL_PARSERS, ChatAPIError, completion_body, parse_request
+from rlhf_orch.env.agent_driver.chat_api import (
+    TOOL_PARSERS,
+    CallSampling,
+    ChatAPIError,
+    completion_body,
+    merged_choices,
+    parse_request,
+)
 from rlhf_orch.env.observations import token_ids
 from rlhf_orch.env.reasoning_parsers import reasoning_parser as reasoning_parser_of
 from rlhf_orch.env.tool_parsers import ensure_tool_parser
-from rlhf_orch.transfer.batch import LOSS_MASK
+from rlhf_orch.transfer.batch import LOSS_MASK, SAMPLING_TEMPERATURE
 from rlhf_orch.transfer.engine_side import Completion
 from rlhf_orch.transfer.plan import extra_sequence_index, trajectory_of
 
 
 class CallGenerator(Protocol):
-    def submit(self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str]) -> None: ...
+    def submit(
+        self,
+        key: int,
+        prompt_ids: list[int],
+        max_tokens: int,
+        seed: int,
+        stop: list[str],
+        sampling: CallSampling | None = None,
+    ) -> None: ...
 
     def poll(self) -> list[CallOutput]:
         """Advance generation a little; the calls that finished meanwhile."""
@@ -56,6 +73,7 @@ class _Pending:
     max_tokens: int
     seed: int
     stop: list[str]
+    sampling: CallSampling
     future: Future
 
 
@@ -79,6 +97,7 @@ class AgentRolloutSession:
         tool_parser: str,
         call_timeout_s: float,
         reasoning_parser: str = "none",
+        sampling: str = "call",
     ):
         self.server = server
         self.generator = generator
@@ -89,6 +108,8 @@ class AgentRolloutSession:
         self.step_seed = step_seed
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        self.sampling = sampling  # env.sampling
+        self._said_overridden: set[str] = set()
         # built before the first call: a parser that cannot read this model's turns fails the rollout
         # here, in one line, not every agent call with an HTTP 500
         ensure_tool_parser(tool_parser, tokenizer)
@@ -142,7 +163,7 @@ class AgentRolloutSession:
                 return
             wait_s = 0.0
             self._in_flight[call.key] = call
-            self.generator.submit(call.key, call.prompt_ids, call.max_tokens, call.seed, call.stop)
+            self.generator.submit(call.key, call.prompt_ids, call.max_tokens, call.seed, call.stop, call.sampling)
 
     def _deliver(self, outputs: Sequence[CallOutput]) -> None:
         for out in outputs:
@@ -169,40 +190,56 @@ class AgentRolloutSession:
             raise ChatAPIError(
                 410, f"trajectory {trajectory_id} is not part of the running rollout (its rollout ended)", kind="gone"
             )
-        call = parse_request(body, self.server.model_name, self.temperature)
+        call = parse_request(body, self.server.model_name, self.sampling)
         try:
             prompt_ids = self._render(call.messages, call.tools)
         except Exception as e:  # the template's error, to the agent
             raise ChatAPIError(
                 400, f"the chat template could not render these messages: {type(e).__name__}: {e}", "messages"
             ) from e
+        # The temperature each token is scored at: None where it is the run's (the trainers' plain path).
+        temperature = call.sampling.temperature
+        if temperature is not None and temperature == self.temperature:
+            temperature = None
         t = time.perf_counter()
         with self._lock:
             if not self._open:
                 raise ChatAPIError(410, "the rollout ended", kind="gone")
+            if call.overridden:
+                record.counts.sampling_overridden += 1
+                self._say_overridden(call.overridden)
             try:
                 # Admitted and counted under the lock the record is written under: calls made at
-                # once see each other (env.max_calls, one call per conversation at a time).
-                max_tokens, ticket = record.admit(prompt_ids, call.max_tokens)
+                # once see each other (env.max_calls; the conversation each one branches from).
+                max_tokens, branch = record.admit(prompt_ids, call.max_tokens, call.n)
             except CallRefused as e:
                 record.counts.refused_calls += 1
                 raise ChatAPIError(400, str(e), "messages", e.kind) from e
             number = self._calls_made.get(record.index, 0)
-            self._calls_made[record.index] = number + 1
-            key, self._next_key = self._next_key, self._next_key + 1
-            seed = turn_seed(self.step_seed, record.index, number)
-            pending = _Pending(key, record.index, prompt_ids, max_tokens, seed, call.stop, Future())
-            self._queue.put(pending)
+            self._calls_made[record.index] = number + call.n
+            pending = []
+            for k in range(call.n):
+                key, self._next_key = self._next_key, self._next_key + 1
+                own = call.sampling.seed
+                seed = turn_seed(self.step_seed, record.index, number + k) if own is None else own + k
+                pending.append(
+                    _Pending(key, record.index, prompt_ids, max_tokens, seed, call.stop, call.sampling, Future())
+                )
+                self._queue.put(pending[-1])
         try:
-            out: CallOutput = pending.future.result(timeout=self.call_timeout_s)
+            outs: list[CallOutput] = [p.future.result(timeout=self.call_timeout_s) for p in pending]
         except BaseException:
             with self._lock:
-                record.done(ticket)
+                record.done(branch)
             raise
         with self._lock:
-            record.done(ticket)
+            record.done(branch)
             record.counts.generation_seconds += time.perf_counter() - t
-            record.add(prompt_ids, out.token_ids, out.logprobs, out.finish_reason == "length")
+            for out in outs:
+                record.add(prompt_ids, out.token_ids, out.logprobs, out.finish_reason == "length", temperature, branch)
+        return merged_choices([self._completion(call, prompt_ids, out) for out in outs])
+
+    def _completion(self, call: Any, prompt_ids: list[int], out: CallOutput) -> dict[str, Any]:
         if self.tool_parser in TOOL_PARSERS and self.reasoning_parser == "none":
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         else:  # vLLM's parsers read their markers, which may be special tokens (mistral's [TOOL_CALLS], <think>)
@@ -219,6 +256,18 @@ class AgentRolloutSession:
             call.tools,
             self.reasoning_parser,
         )
+
+    def _say_overridden(self, keys: list[str]) -> None:
+        """env.sampling=run: one line the first time a call's setting is replaced (then only counted)."""
+        new = [k for k in keys if k not in self._said_overridden]
+        if new:
+            self._said_overridden.update(new)
+            print(
+                f"env.sampling=run: agents' {', '.join(new)} replaced by the run's sampling "
+                f"(temperature {self.temperature:g}, whole vocabulary, no penalties); "
+                "env.sampling=call honours them (counted in env/sampling_overridden)",
+                flush=True,
+            )
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         kwargs = {"tools": tools} if tools else {}
@@ -252,11 +301,22 @@ def trajectory_completions(
                     "response_ids": seq.response_ids,
                     "logprobs": seq.logprobs,
                     "loss_mask": seq.loss_mask,
+                    "temperatures": seq.temperatures,
                     "truncated": seq.last_hit_length,
                     "reward": r.outcome.reward,
                     "stats": stats if k == 0 else None,
                 },
             )
+
+
+def completion_fields(f: Mapping[str, Any], sampling: str) -> dict[str, torch.Tensor]:
+    """A sequence's per-token fields: its loss mask, and with env.sampling=call the temperature
+    each token was sampled at (0: the run's), which the trainers score it at. Every sequence of
+    the run carries the same fields (batches need that); with env.sampling=run every token is the run's."""
+    fields = {LOSS_MASK: torch.tensor(f["loss_mask"], dtype=torch.float32)}
+    if sampling == "call":
+        fields[SAMPLING_TEMPERATURE] = torch.tensor(f["temperatures"], dtype=torch.float32)
+    return fields
 
 
 def complete_agent_trajectories(
@@ -285,6 +345,7 @@ def complete_agent_trajectories(
         env.tool_parser,
         env.timeout_s,
         env.reasoning_parser,
+        env.sampling,
     )
     owner = {i: r for r in requests for i in r.indices(job.samples_per_prompt)}
     items = [(i, env.row(job.prompts[owner[i].prompt_index])) for i in owner]
@@ -298,7 +359,7 @@ def complete_agent_trajectories(
                 f["prompt_ids"],
                 f["response_ids"],
                 f["logprobs"],
-                fields={LOSS_MASK: torch.tensor(f["loss_mask"], dtype=torch.float32)},
+                fields=completion_fields(f, env.sampling),
                 truncated=f["truncated"],
                 env_reward=f["reward"],
                 env_stats=f["stats"],

@@ -76,15 +76,32 @@ class VLLMCalls:
         self._key_of: dict[str, int] = {}
 
     def submit(
-        self, key: int, prompt_ids: list[int], max_tokens: int, seed: int, stop: list[str], include_stop: bool = False
+        self,
+        key: int,
+        prompt_ids: list[int],
+        max_tokens: int,
+        seed: int,
+        stop: list[str],
+        sampling: Any = None,
+        include_stop: bool = False,
     ) -> None:
+        """`sampling`: an agent call's own settings (`chat_api.CallSampling`; None: the run's)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        own = {}
+        if sampling is not None:
+            own = {
+                "temperature": self.temperature if sampling.temperature is None else sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,
+                "presence_penalty": sampling.presence_penalty,
+                "frequency_penalty": sampling.frequency_penalty,
+            }
         params = SamplingParams(
             n=1,
             max_tokens=max_tokens,
-            temperature=self.temperature,
+            **({"temperature": self.temperature} | own),
             logprobs=0,
             seed=seed,
             stop=stop or None,

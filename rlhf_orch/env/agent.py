@@ -108,6 +108,9 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
             "env/calls_mean": stats.get("calls", 0.0) / n,
             "env/unmerged_calls": stats.get("unmerged_calls", 0.0),
             "env/refused_calls": stats.get("refused_calls", 0.0),
+            "env/branches": stats.get("branches", 0.0),  # sequences forked from another's history (n > 1, forks)
+            "env/greedy_tokens": stats.get("greedy_tokens", 0.0),  # temperature-0 calls' tokens: context only
+            "env/sampling_overridden": stats.get("sampling_overridden", 0.0),  # env.sampling=run
             "env/agent_errors": stats.get("agent_errors", 0.0),
             "env/agent_timeouts": stats.get("agent_timeouts", 0.0),
             "env/completion_tokens_mean": stats.get("completion_tokens", 0.0) / n,
@@ -130,5 +133,5 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
         return [
             f"env: agent {self.name} from {self.path}, served as model {self.served_model_name!r}, up to {self.max_calls} calls "
             f"of {self.max_tokens_per_turn or 'up to data.response_max_len'} tokens, {self.concurrency} at once per engine, "
-            f"{self.timeout_s:g}s each"
+            f"{self.timeout_s:g}s each, sampling settings of the {'calls' if self.sampling == 'call' else 'run'}"
         ]

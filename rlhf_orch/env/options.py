@@ -134,3 +134,6 @@ class AgentEnvConfig(EnvConfig):
     served_model_name: str = "policy"  # the model name agents must ask for (GET /v1/models)
     tool_parser: str = "hermes"  # "hermes": <tool_call>{json}</tool_call> -> tool_calls; "none"; or a vLLM tool parser
     reasoning_parser: str = "none"  # a vLLM reasoning parser (qwen3, deepseek_r1): <think> -> reasoning_content
+    # "call": a call's own temperature / top_p / top_k / penalties / seed are honoured (each token trained
+    # at its temperature); "run": replaced by the run's, said once and counted (env/sampling_overridden)
+    sampling: str = "call"

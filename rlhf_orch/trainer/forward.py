@@ -33,7 +33,7 @@ from rlhf_orch.trainer.shared_prompts import (
     attention_for,
     shared_prompt_layout,
 )
-from rlhf_orch.transfer.batch import PackedBatch, PaddedBatch
+from rlhf_orch.transfer.batch import SAMPLING_TEMPERATURE, PackedBatch, PaddedBatch
 
 VARLEN_SDPA = "varlen_sdpa"
 
@@ -235,9 +235,22 @@ def sequence_logprobs_and_entropy(
         logits = model(**model_inputs(mb), use_cache=False, logits_to_keep=keep).logits
     else:
         logits = model(**model_inputs(layout), use_cache=False, logits_to_keep=layout.model_position[keep]).logits
+    temperature = _scoring_temperature(mb, keep, temperature)
     logprobs = logprobs_from_logits(logits, next_tokens, temperature=temperature)
     ent = entropy_from_logits(logits, temperature) if entropy else None
     return _in_layout(mb, keep, logprobs), (_in_layout(mb, keep, ent) if entropy else None)
+
+
+def _scoring_temperature(mb: PaddedBatch | PackedBatch, keep: Tensor, run: float) -> float | Tensor:
+    """The temperature each scored position's token was sampled at: `run` (algo.temperature) for
+    all, or per position where an agent's call set its own (the `SAMPLING_TEMPERATURE` field; 0 and
+    positions that predict no model token read as the run's)."""
+    own = mb.fields.get(SAMPLING_TEMPERATURE)
+    if own is None:
+        return run
+    own = own[:, keep] if isinstance(mb, PaddedBatch) else own[keep].unsqueeze(0)
+    per_position = torch.where(own > 0, own.float(), torch.full_like(own, run, dtype=torch.float32))
+    return run if bool((per_position == run).all()) else per_position
 
 
 @singledispatch

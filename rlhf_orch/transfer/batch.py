@@ -38,6 +38,10 @@ ENGINE_LOGPROBS = "engine_logprobs"  # field name under which Sample.engine_logp
 # the trainer folds it into `action_mask` on arrival (`apply_loss_mask`): observation tokens are
 # context, never trained on, skipped by GAE and every loss aggregation like holes.
 LOSS_MASK = "loss_mask"
+# `env=agent` with env.sampling=call: per response token, the temperature it was sampled at (an
+# agent's call may set its own); 0 where it is the run's (algo.temperature). The trainers score every
+# token at its own (rlhf_orch.trainer.forward).
+SAMPLING_TEMPERATURE = "sampling_temperature"
 # `env.reward=per_turn`: per response token, the environment's reward of a model turn on that turn's
 # last token (0 elsewhere). Estimators that read rewards per token (PPO's GAE, REINFORCE++'s
 # return-to-go) place them there; the rest of the sample's score goes on its last token

@@ -300,16 +300,19 @@ def test_entropy_from_logits():
     assert entropy_from_logits(torch.zeros(3, 5, dtype=torch.bfloat16)).dtype == torch.float32
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, "per_position"])
 @pytest.mark.parametrize("chunk", [1 << 24, 120, 1])
 def test_log_probs_and_entropy_gradients_match_plain_autograd(temperature, chunk):
     """`vocab_reductions` recomputes softmax by chunks in its backward instead of keeping it: the
     values and gradients of a weighted sum of log-probs and entropies equal float64 autograd on the
-    plain formulas -- masked (-inf) vocabulary, logits near 1e4, one row per chunk or all at once."""
+    plain formulas -- masked (-inf) vocabulary, logits near 1e4, one row per chunk or all at once;
+    one temperature, or one per position (an agent's calls at their own, env.sampling=call)."""
     from rlhf_orch.algo.vocab_reductions import entropy, token_logprobs
 
     torch.manual_seed(0)
     logits = torch.randn(3, 13, 40) * 3
+    if temperature == "per_position":
+        temperature = torch.tensor([0.5, 1.0, 1.3]).repeat(3, 5)[:, :13]
     logits[0, 2, 5:9] = float("-inf")
     logits[1] += 1e4
     tokens = torch.randint(0, 5, (3, 13))
@@ -318,7 +321,7 @@ def test_log_probs_and_entropy_gradients_match_plain_autograd(temperature, chunk
     lp, h = token_logprobs(ours, tokens, temperature, chunk), entropy(ours, temperature, chunk)
     ((lp * w_lp).sum() + (h * w_h).sum()).backward()
     plain = logits.double().requires_grad_()
-    scaled = plain / temperature
+    scaled = plain / (temperature.double().unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature)
     log_p = torch.log_softmax(scaled, -1)
     ref_lp = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     ref_h = -(log_p.exp() * torch.where(torch.isfinite(log_p), log_p, torch.zeros_like(log_p))).sum(-1)

@@ -56,7 +56,7 @@ from rlhf_orch.trainer.critic import CriticWorker
 from rlhf_orch.trainer.deepspeed_config import zero_stage_to_run
 from rlhf_orch.trainer.policy import PolicyWorker
 from rlhf_orch.trainer.spec import TrainerSpec
-from rlhf_orch.transfer.batch import LOSS_MASK, TURN_REWARDS, Sample
+from rlhf_orch.transfer.batch import LOSS_MASK, SAMPLING_TEMPERATURE, TURN_REWARDS, Sample
 from rlhf_orch.transfer.engine_side import rollout_meta
 from tests.conftest import compose_config, start_trainer_ranks
 
@@ -77,6 +77,7 @@ LORA = LoraSettings(rank=4, alpha=16, target_modules="all-linear")
 
 
 HOLED = (2, 5, 11, 14)  # samples whose responses hold an observation (loss mask 0 in the middle)
+MIXED_TEMPERATURE = (1, 5, 12)  # samples whose tokens were sampled at their own temperatures
 
 
 def _rollout() -> list[Sample]:
@@ -120,6 +121,13 @@ def _rollout() -> list[Sample]:
         if s.index == 5 and n >= 4:  # a value on an observation token (loss mask 0): it counts on the last token
             placed[1] = 0.2
         s.fields[TURN_REWARDS] = placed
+        # env=agent with calls at their own temperatures (env.sampling=call): a call at 0.7, one at
+        # 1.3 after it, the rest at the run's (0); each token is scored at its own.
+        temperatures = [0.0] * n
+        if s.index in MIXED_TEMPERATURE and n >= 3:
+            temperatures[: n // 2] = [0.7] * (n // 2)
+            temperatures[n // 2 :] = [1.3] * (n - n // 2)
+        s.fields[SAMPLING_TEMPERATURE] = temperatures
     return samples
 
 
@@ -292,6 +300,7 @@ def _oracle(model_path, algo, optimizer, policy_steps, critic_steps, lora: LoraS
         engine_logprobs=[list(s.engine_logprobs) for s in SAMPLES],
         loss_masks=[[int(m) for m in s.fields[LOSS_MASK]] for s in SAMPLES],
         turn_rewards=[list(s.fields[TURN_REWARDS]) for s in SAMPLES],
+        temperatures=[list(s.fields[SAMPLING_TEMPERATURE]) for s in SAMPLES],
     )
     opt = Optimization(
         actor_lr=LR[optimizer],

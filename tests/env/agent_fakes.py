@@ -73,10 +73,11 @@ class ScriptedGenerator:
     """Answers each call with the digits of its call number, one per token, then EOS."""
 
     def __init__(self):
-        self.pending, self.submitted, self.aborted = [], [], []
+        self.pending, self.submitted, self.aborted, self.sampling = [], [], [], []
 
-    def submit(self, key, prompt_ids, max_tokens, seed, stop):
+    def submit(self, key, prompt_ids, max_tokens, seed, stop, sampling=None):
         self.submitted.append((key, list(prompt_ids), max_tokens, seed))
+        self.sampling.append(sampling)
         ids = [ord(c) for c in str(len(self.submitted))][: max_tokens - 1] + [0]
         self.pending.append(CallOutput(key, ids, [-0.5] * len(ids), "stop"))
 

@@ -11,7 +11,7 @@ from rlhf_orch.env.agent import AgentEnv
 from rlhf_orch.env.agent_driver.record import AgentLimits, AgentRecord, CallRefused
 from rlhf_orch.env.agent_driver.runner import accepted_keywords, reward_of
 from rlhf_orch.env.base import EnvError
-from rlhf_orch.env.agent_driver.chat_api import ChatAPIError, parse_request, parse_tool_calls
+from rlhf_orch.env.agent_driver.chat_api import CallSampling, ChatAPIError, parse_request, parse_tool_calls
 from rlhf_orch.data.base import Prompt
 from rlhf_orch.transfer.plan import extra_sequence_index
 
@@ -79,10 +79,20 @@ def _body(**kw):
     "body, status, param",
     [
         (_body(model="gpt-4o"), 404, "model"),
-        (_body(n=2), 400, "n"),
+        (_body(n=0), 400, "n"),
+        (_body(n=17), 400, "n"),
+        (_body(n=True), 400, "n"),
         (_body(logprobs=False), 400, "logprobs"),
-        (_body(temperature=0.7), 400, "temperature"),
-        (_body(top_p=0.9), 400, "top_p"),
+        (_body(temperature=2.5), 400, "temperature"),
+        (_body(temperature="hot"), 400, "temperature"),
+        (_body(top_p=0.0), 400, "top_p"),
+        (_body(top_k=2.5), 400, "top_k"),
+        (_body(top_k=-2), 400, "top_k"),
+        (_body(presence_penalty=3), 400, "presence_penalty"),
+        (_body(frequency_penalty=-2.5), 400, "frequency_penalty"),
+        (_body(seed=1.5), 400, "seed"),
+        (_body(logit_bias={"5": 3}), 400, "logit_bias"),
+        (_body(min_p=0.1), 400, "min_p"),
         (_body(stream="yes"), 400, "stream"),
         (_body(stream_options={"include_usage": True}), 400, "stream_options"),  # (only with stream=true)
         (_body(messages=[]), 400, "messages"),
@@ -92,7 +102,7 @@ def _body(**kw):
 )
 def test_parameters_that_would_break_training_are_refused_with_a_message(body, status, param):
     with pytest.raises(ChatAPIError) as e:
-        parse_request(body, "policy", temperature=1.0)
+        parse_request(body, "policy")
     assert (e.value.status, e.value.param) == (status, param)
     assert e.value.body()["error"]["message"]
 
@@ -115,10 +125,64 @@ def test_what_training_can_use_is_accepted():
             ],
         ),
         "policy",
-        temperature=1.0,
     )
     assert call.max_tokens == 7 and call.stop == ["\n"] and call.messages[0]["content"] == "ab"
     assert call.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # as chat templates read it
+    assert call.sampling == CallSampling(temperature=1.0, seed=3) and call.n == 1 and not call.overridden
+
+
+def test_a_call_s_own_sampling_is_honoured_or_replaced_by_the_run_s():
+    own = _body(temperature=0.7, top_p=0.9, top_k=-1, presence_penalty=0.5, frequency_penalty=-0.25, seed=11, n=3)
+    call = parse_request(own, "policy", sampling="call")
+    assert call.n == 3 and not call.overridden
+    assert call.sampling == CallSampling(0.7, 0.9, 0, 0.5, -0.25, 11)  # top_k -1: off, as 0
+    run = parse_request(own, "policy", sampling="run")
+    assert run.sampling == CallSampling() and run.n == 3
+    assert run.overridden == ["frequency_penalty", "presence_penalty", "seed", "temperature", "top_k", "top_p"]
+    assert parse_request(_body(temperature=None), "policy", sampling="run").overridden == []
+
+
+def test_concurrent_calls_on_one_conversation_and_n_completions_become_branches():
+    limits = AgentLimits(max_prompt_tokens=8, max_response_tokens=30, max_tokens_per_call=5, max_calls=8)
+    r = AgentRecord(0, limits)
+    _, first = r.admit([1, 2], None)
+    r.add([1, 2], [10, 3], [-0.1, -0.2], hit_length=False, branch=first)
+    r.done(first)
+    history = [1, 2, 10, 3, 7]  # the answer and a tool message
+    _, a = r.admit(history, None)
+    _, b = r.admit(history, None)  # the same history again, while `a` is answered: a fork
+    r.add(history, [11, 3], [-0.3, -0.4], hit_length=False, temperature=0.5, branch=a)
+    r.add(history, [12, 3], [-0.5, -0.6], hit_length=False, branch=b)
+    r.done(a), r.done(b)
+    trunk, fork = r.sequences
+    assert trunk.response_ids == [10, 3, 7, 11, 3] and fork.response_ids == [10, 3, 7, 12, 3]
+    assert fork.prompt_ids == trunk.prompt_ids == [1, 2]  # the same prompt: shared-prompt packing applies
+    assert fork.loss_mask == trunk.loss_mask == [1, 1, 0, 1, 1]
+    assert fork.logprobs == [-0.1, -0.2, 0.0, -0.5, -0.6]
+    assert trunk.temperatures == [0.0, 0.0, 0.0, 0.5, 0.5] and fork.temperatures == [0.0] * 5
+    assert (r.counts.branches, r.counts.unmerged_calls, r.counts.calls) == (1, 0, 3)
+    # n = 3 on a new conversation: three sequences of one prompt, two of them branches
+    _, n3 = r.admit([5, 6], 2, n=3)
+    for k in range(3):
+        r.add([5, 6], [20 + k], [-1.0], hit_length=False, branch=n3)
+    r.done(n3)
+    assert [s.response_ids for s in r.sequences[2:]] == [[20], [21], [22]]
+    assert (r.counts.branches, r.counts.unmerged_calls, r.counts.calls) == (3, 1, 6)
+    # every completion counts against env.max_calls, in flight too
+    with pytest.raises(CallRefused, match="made 6 of its 8 calls"):
+        r.admit([5, 6], None, n=3)
+    _, two = r.admit([5, 6], None, n=2)
+    with pytest.raises(CallRefused, match="env.max_calls"):
+        r.admit([5, 6], None)
+
+
+def test_greedy_tokens_stay_as_context():
+    r = AgentRecord(0, LIMITS)
+    r.add([1, 2], [10, 3], [-0.0, -0.0], hit_length=False, temperature=0.0)
+    r.add([1, 2, 10, 3, 7], [11, 3], [-0.3, -0.4], hit_length=False, temperature=1.3)
+    (seq,) = r.sequences
+    assert seq.loss_mask == [0, 0, 0, 1, 1] and seq.temperatures == [0.0, 0.0, 0.0, 1.3, 1.3]
+    assert r.counts.greedy_tokens == 2
 
 
 def test_hermes_tool_calls_become_openai_tool_calls():
@@ -283,9 +347,9 @@ def test_a_streamed_completion_reassembles_to_the_plain_one(kind):
 
     from rlhf_orch.env.agent_driver.chat_api import stream_events
 
-    call = parse_request(_body(stream=True, stream_options={"include_usage": True}), "policy", temperature=1.0)
+    call = parse_request(_body(stream=True, stream_options={"include_usage": True}), "policy")
     assert call.stream and call.include_usage
-    assert not parse_request(_body(stream=None, stream_options={}), "policy", temperature=1.0).stream
+    assert not parse_request(_body(stream=None, stream_options={}), "policy").stream
     plain = _plain(kind)
     events = stream_events(plain, include_usage=True).decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-1])

@@ -83,8 +83,8 @@ def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server, 
                 return e.status_code, e.message
             return 200, ""
 
-        seen["n=2"] = error(n=2)
-        seen["stream"] = error(stream=True, temperature=0.5)  # (a streamed call's refusal: JSON, its status)
+        seen["n=0"] = error(n=0)
+        seen["stream"] = error(stream=True, temperature=2.5)  # (a streamed call's refusal: JSON, its status)
         seen["model"] = error(model="another-model")
         seen["key"] = None
         try:
@@ -97,8 +97,8 @@ def test_bad_requests_get_http_errors_and_the_server_leaves_no_listener(server, 
 
     session, _ = make_session(agent, server)
     session.run(agent_rows(1))
-    assert seen["n=2"][0] == 400 and "n=2" in seen["n=2"][1]
-    assert seen["stream"][0] == 400 and "temperature=0.5" in seen["stream"][1]
+    assert seen["n=0"][0] == 400 and "n=0" in seen["n=0"][1]
+    assert seen["stream"][0] == 400 and "temperature=2.5" in seen["stream"][1]
     assert seen["model"][0] == 404 and "another-model" in seen["model"][1]
     assert seen["key"][0] == 401 and "API key" in seen["key"][1]
     assert seen["models"] == ["policy"]
@@ -146,8 +146,8 @@ class SlowGenerator(ScriptedGenerator):
         super().__init__()
         self.hold_s, self.due = hold_s, []
 
-    def submit(self, key, prompt_ids, max_tokens, seed, stop):
-        super().submit(key, prompt_ids, max_tokens, seed, stop)
+    def submit(self, key, prompt_ids, max_tokens, seed, stop, sampling=None):
+        super().submit(key, prompt_ids, max_tokens, seed, stop, sampling)
         self.due.append(time.perf_counter() + self.hold_s)
 
     def poll(self):
@@ -188,10 +188,10 @@ def test_calls_made_at_once_count_against_max_calls_while_in_flight(server, tmp_
     assert len(gen.submitted) == 4 and result.record.counts.calls == 4 and result.record.counts.refused_calls == 4
 
 
-def test_a_conversation_takes_one_call_at_a_time(server, tmp_path):
-    """Two calls at once that both extend one conversation: the second is refused (recorded after
-    the first, its prompt would no longer extend the conversation and would start a sequence past
-    data.prompt_max_len); calls on other conversations go on."""
+def test_two_calls_at_once_on_one_conversation_fork_it(server, tmp_path):
+    """Two calls at once that both extend one conversation (a tree-searching agent): both are
+    answered, each recorded as its own sequence sharing the history -- neither starts a sequence past
+    data.prompt_max_len, as a second call recorded after the first would have without forks."""
     seen = Seen(tmp_path)
 
     async def two_at_once(row, client, **kwargs):
@@ -203,14 +203,10 @@ def test_a_conversation_takes_one_call_at_a_time(server, tmp_path):
         ]
 
         async def extend(tag):
-            try:
-                await client.chat.completions.create(
-                    model="policy", messages=[*history, {"role": "user", "content": tag}]
-                )
-                return "answer"
-            except openai.BadRequestError as e:
-                assert "still being answered" in str(e) and e.body["type"] == "conversation_busy"
-                return "refused"
+            reply = await client.chat.completions.create(
+                model="policy", messages=[*history, {"role": "user", "content": tag}]
+            )
+            return reply.choices[0].message.content
 
         seen["extensions"] = sorted(await asyncio.gather(extend("a"), extend("b")))
         return 1.0
@@ -218,9 +214,46 @@ def test_a_conversation_takes_one_call_at_a_time(server, tmp_path):
     limits = AgentLimits(max_prompt_tokens=40, max_response_tokens=400, max_tokens_per_call=8, max_calls=8)
     session, gen = _fan_out_session(server, two_at_once, limits)
     (result,) = session.run(agent_rows(1))
-    assert seen.get("extensions") == ["answer", "refused"], result.outcome
-    (seq,) = result.record.sequences  # one conversation, nothing past data.prompt_max_len
-    assert len(seq.prompt_ids) <= 40 and result.record.counts.calls == 2 and result.record.counts.unmerged_calls == 0
+    assert seen.get("extensions") == ["2", "3"], result.outcome
+    trunk, fork = result.record.sequences
+    assert trunk.prompt_ids == fork.prompt_ids and len(trunk.prompt_ids) <= 40
+    shared = len("1") + 1 + len("t:t|u:")  # the first answer and its EOS, the tool's turn, the user's header
+    assert trunk.response_ids[:shared] == fork.response_ids[:shared]
+    assert {chr(trunk.response_ids[shared]), chr(fork.response_ids[shared])} == {"a", "b"}
+    counts = result.record.counts
+    assert (counts.calls, counts.branches, counts.unmerged_calls, counts.refused_calls) == (3, 1, 0, 0)
+
+
+def test_n_choices_are_branches_and_a_call_s_sampling_reaches_the_engine(server, tmp_path):
+    """n=3 at temperature 0.7 / top_p 0.9 with a seed: three choices, three sequences of one prompt,
+    each engine request with the call's settings and its own seed; each token trained at 0.7."""
+    seen = Seen(tmp_path)
+
+    def three_ways(row, client, **kwargs):
+        reply = client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "q"}],
+            n=3,
+            temperature=0.7,
+            top_p=0.9,
+            seed=5,
+            presence_penalty=0.5,
+        )
+        seen["choices"] = [(c.index, c.message.content) for c in reply.choices]
+        seen["usage"] = reply.usage.completion_tokens
+        return 1.0
+
+    limits = AgentLimits(max_prompt_tokens=40, max_response_tokens=400, max_tokens_per_call=8, max_calls=8)
+    session, gen = _fan_out_session(server, three_ways, limits)
+    (result,) = session.run(agent_rows(1))
+    assert seen.get("choices") == [[0, "1"], [1, "2"], [2, "3"]], result.outcome
+    assert seen["usage"] == 6  # a digit and EOS each
+    assert [s.seed for s in gen.sampling] == [5, 5, 5] and [sub[3] for sub in gen.submitted] == [5, 6, 7]
+    assert {(s.temperature, s.top_p, s.presence_penalty) for s in gen.sampling} == {(0.7, 0.9, 0.5)}
+    seqs = result.record.sequences
+    assert len(seqs) == 3 and len({tuple(s.prompt_ids) for s in seqs}) == 1
+    assert all(s.temperatures == [0.7, 0.7] and s.loss_mask == [1, 1] for s in seqs)
+    assert (result.record.counts.calls, result.record.counts.branches) == (3, 2)
 
 
 def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(monkeypatch):
@@ -259,8 +292,8 @@ class EmptyFirstReply(ScriptedGenerator):
     """The first call's completion is the end-of-turn token alone (an empty reply); later calls as
     ScriptedGenerator's."""
 
-    def submit(self, key, prompt_ids, max_tokens, seed, stop):
-        super().submit(key, prompt_ids, max_tokens, seed, stop)
+    def submit(self, key, prompt_ids, max_tokens, seed, stop, sampling=None):
+        super().submit(key, prompt_ids, max_tokens, seed, stop, sampling)
         if len(self.submitted) == 1:
             self.pending[-1] = CallOutput(key, [0], [-0.5], "stop")
 
@@ -342,3 +375,49 @@ def test_a_streamed_call_is_recorded_token_for_token_as_a_plain_one(server):
         (seq,) = result.record.sequences
         records.append((seq.prompt_ids, seq.response_ids, seq.logprobs, seq.loss_mask))
     assert records[0] == records[1]
+
+
+def test_the_responses_api_chains_and_streams_onto_one_recorded_conversation(server, tmp_path):
+    """An agent on the Responses API: instructions, a function tool, a call whose output goes back
+    with previous_response_id, a streamed third call. All three land in one sequence, as the same
+    conversation through chat completions would; another trajectory's response id is not found."""
+    seen = Seen(tmp_path)
+    tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
+
+    def responses_agent(row, client, **kwargs):
+        first = client.responses.create(model="policy", instructions="be brief", input=row["prompt"], tools=[tool])
+        second = client.responses.create(
+            model="policy",
+            instructions="be brief",
+            previous_response_id=first.id,
+            input=[{"type": "function_call_output", "call_id": "call_1", "output": "42"}],
+            tools=[tool],
+        )
+        with client.responses.stream(
+            model="policy", instructions="be brief", previous_response_id=second.id, input="again"
+        ) as stream:
+            deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+            third = stream.get_final_response()
+        seen[f"texts{row['prompt']}"] = [first.output_text, second.output_text, third.output_text, "".join(deltas)]
+        seen[f"id{row['prompt']}"] = first.id
+        if row["prompt"] == "q1":  # the other trajectory's response, once it has one
+            other = seen.wait_for("idq0")
+            try:
+                client.responses.create(model="policy", previous_response_id=other, input="x")
+                seen["foreign"] = 200
+            except openai.NotFoundError as e:
+                seen["foreign"] = e.status_code
+        return 1.0
+
+    session, gen = make_session(responses_agent, server)
+    results = session.run(agent_rows(2))
+    assert seen.get("textsq0") is not None, [r.outcome for r in results]
+    assert seen["foreign"] == 404
+    for r in results:
+        (seq,) = r.record.sequences  # chained calls extend one conversation
+        assert r.record.counts.calls == 3 and r.record.counts.unmerged_calls == 0
+        text = "".join(chr(t) for t in seq.prompt_ids + seq.response_ids)
+        assert text.startswith("s:be brief|u:q")  # the instructions as the system message
+        assert "t:42|" in text and text.count("s:be brief|") == 1  # the tool's output, the instructions once
+    texts = seen["textsq0"]
+    assert texts[2] == texts[3] and all(texts[:3])

@@ -234,6 +234,73 @@ def test_an_openai_agent_s_calls_train_as_the_engine_generated_them(engine, tiny
     assert sorted(s.reward for s in samples) == pytest.approx(sorted(r["score"] for r in seen))
 
 
+OWN_SAMPLING = '''
+def own_sampling(row, client, **kwargs):
+    """Calls as agents write them: two choices at 0.6, an answer at 1.4 extending the first, a
+    greedy one, one truncated by top_p."""
+    messages = list(row["messages"])
+    two = client.chat.completions.create(model="policy", messages=messages, n=2, temperature=0.6, max_tokens=6)
+    first = two.choices[0].message.content
+    messages += [{{"role": "assistant", "content": first}}, {{"role": "tool", "content": " " + row["prompt"]}}]
+    client.chat.completions.create(model="policy", messages=messages, temperature=1.4, max_tokens=6)
+    client.chat.completions.create(model="policy", messages=list(row["messages"]), temperature=0, max_tokens=4)
+    client.chat.completions.create(model="policy", messages=list(row["messages"]), top_p=0.5, max_tokens=6)
+    return 1.0
+'''
+
+
+def test_calls_at_their_own_sampling_train_at_it_on_a_real_engine(engine, tiny_model_path, tmp_path):
+    """env.sampling=call on vLLM: each token's log-prob recomputed by the trainer's model at the
+    temperature its call asked for equals the engine's; n=2 makes two sequences of one prompt; a
+    greedy call's tokens are context; top-p's tokens the engine drew from the truncated distribution
+    (its log-prob is at least the whole vocabulary's: the gap the importance weights correct)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_orch.transfer.batch import SAMPLING_TEMPERATURE
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32).eval()
+    prompts = _digit_prompts(tokenizer, 2)
+    path = tmp_path / "agent.py"
+    path.write_text(OWN_SAMPLING.format())
+    env = AgentEnv(path=str(path), name="own_sampling", max_tokens_per_turn=8, prompt_max_len=32)
+    job = RolloutJob(
+        prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)},
+        prompts=dict(enumerate(prompts)),
+        samples_per_prompt=1,
+        max_tokens=40,
+        temperature=1.0,
+        scorer=None,
+        env=env,
+    )
+    ray.get(engine.reseed.remote(5))
+    samples, _ = ray.get(engine.produce_samples.remote(whole_prompt_requests(range(2), 1), job))
+    assert len(samples) == 2 * 4  # per trajectory: the two choices (one extended), the greedy call, the top-p one
+    for s in samples:
+        full = torch.cat([s.prompt_ids, s.response_ids]).long()
+        with torch.no_grad():
+            logits = model(full[None]).logits[0, len(s.prompt_ids) - 1 : -1]
+        temperature = s.fields[SAMPLING_TEMPERATURE]
+        scored = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        trainer = torch.log_softmax(logits / scored[:, None], -1).gather(-1, s.response_ids[:, None].long())[:, 0]
+        keep = s.fields[LOSS_MASK].bool()
+        own = keep & (temperature > 0)
+        plain = keep & (temperature == 0)  # the run's temperature: the top-p call
+        if own.any():
+            assert {round(t, 3) for t in temperature[own].tolist()} <= {0.6, 1.4}
+            assert torch.allclose(trainer[own], s.engine_logprobs[own], atol=TOLERANCE)
+        if plain.any():
+            assert (s.engine_logprobs[plain] >= trainer[plain] - TOLERANCE).all()
+        if not keep.any():  # the greedy call: all context
+            assert (temperature == 0).all()
+    by_prompt = {}
+    for s in samples:
+        by_prompt.setdefault(tuple(s.prompt_ids.tolist()), []).append(s)
+    assert sorted(len(v) for v in by_prompt.values()) == [4, 4]  # every call of a trajectory starts from its row
+    assert sum(not s.fields[LOSS_MASK].any() for s in samples) == 2  # one greedy sequence per trajectory
+    assert sum(bool((s.fields[SAMPLING_TEMPERATURE] > 1.0).any()) for s in samples) == 2  # the extended choice
+
+
 def _run(overrides: list[str], run_dir: Path) -> list[dict]:
     cfg = compose_config([*overrides, *SHARED_RAY])
     launcher = instantiate(cfg.launcher)

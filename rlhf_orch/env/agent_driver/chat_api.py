@@ -1,14 +1,21 @@
 """The OpenAI chat-completions wire format, as the `env=agent` endpoint speaks it (pure: no HTTP).
 
-`parse_request` checks a request body against what training can use and returns the call; the
-parameters that would break training are refused with an OpenAI-style error (`ChatAPIError`):
-several choices (n > 1: one trajectory is one sequence of calls), log-probs turned off (every
-token's log-prob is what the trainers correct with), another model's name, and sampling settings
-other than the run's (the trainers score the policy at `algo.temperature` with the whole
-vocabulary: a token drawn any other way would be trained on with the wrong probability).
-`max_tokens` / `max_completion_tokens` are honoured, capped by the run's limits. `stream=true` is
-answered with server-sent events in OpenAI's chunk format (`stream_events`), made from the same
-completion a plain call gets: what is recorded for training does not depend on it.
+`parse_request` checks a request body against what training can use and returns the call; what
+would break training is refused with an OpenAI-style error (`ChatAPIError`): log-probs turned off
+(every token's log-prob is what the trainers correct with), another model's name, `logit_bias`.
+`max_tokens` / `max_completion_tokens` and `stop` are honoured, capped by the run's limits; `n`
+completions come back as n choices, each recorded as its own branch of the conversation.
+
+A call's own sampling (`temperature`, `top_p`, `top_k`, `presence_penalty`, `frequency_penalty`,
+`seed`: `CallSampling`) is honoured with `env.sampling=call` (the default: agents keep the settings
+they were written with) and replaced by the run's with `env.sampling=run` (the call says which it
+overrode: the engine logs it once and counts it). The trainers score every token at the temperature
+it was sampled at; top-p / top-k truncation and the penalties change what the engine draws from but
+not the policy being trained: the engine's log-probs of what it drew are recorded per token, and the
+importance weights (algo.tis_cap, algo.decoupled_is_cap) correct for the difference
+(docs/environments.md). `stream=true` is answered with server-sent events in OpenAI's chunk format
+(`stream_events`), made from the same completion a plain call gets: what is recorded for training
+does not depend on it.
 
 `parse_tool_calls` reads the model's tool calls out of a completion into OpenAI `tool_calls`: Hermes
 style (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, Qwen's and Hermes' chat templates)
@@ -21,7 +28,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from rlhf_orch.env.reasoning_parsers import NONE, split_reasoning
 from rlhf_orch.env.tool_parsers import extract_tool_calls
@@ -35,10 +42,7 @@ _IGNORED = (
     "store",
     "parallel_tool_calls",
     "tool_choice",
-    "seed",
     "service_tier",
-    "presence_penalty",
-    "frequency_penalty",
     "top_logprobs",
     "response_format",
     "modalities",
@@ -60,6 +64,60 @@ class ChatAPIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
 
+# env.sampling: a call's own sampling settings honoured, or replaced by the run's.
+SAMPLING_MODES = ("call", "run")
+MAX_CHOICES = 16  # n: completions of one call (each counts against env.max_calls)
+
+
+@dataclass(frozen=True)
+class CallSampling:
+    """How one call's tokens are drawn (vLLM's SamplingParams fields; None / off = the run's)."""
+
+    temperature: float | None = None  # None: algo.temperature; 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: the whole vocabulary
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # None: the run's seed for this call (step, trajectory, call number)
+
+
+# (key, check, what it must be) of each sampling parameter a call may set
+_SAMPLING_KEYS = (
+    ("temperature", lambda v: 0.0 <= v <= 2.0, "a number in [0, 2]"),
+    ("top_p", lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
+    ("top_k", lambda v: v == int(v) and v >= -1, "an integer >= -1 (-1 or 0: off)"),
+    ("presence_penalty", lambda v: -2.0 <= v <= 2.0, "a number in [-2, 2]"),
+    ("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "a number in [-2, 2]"),
+    ("seed", lambda v: v == int(v), "an integer"),
+)
+
+
+def parse_sampling(body: Mapping[str, Any], mode: str) -> tuple[CallSampling, list[str]]:
+    """The call's sampling and, with mode "run", the keys it set that the run's settings replace."""
+    given: dict[str, float] = {}
+    for key, ok, what in _SAMPLING_KEYS:
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise ChatAPIError(400, f"{key}={value!r} must be {what}", key)
+        given[key] = value
+    if mode == "run":
+        return CallSampling(), sorted(given)
+    top_k = int(given.get("top_k", 0))
+    return (
+        CallSampling(
+            temperature=float(given["temperature"]) if "temperature" in given else None,
+            top_p=float(given.get("top_p", 1.0)),
+            top_k=0 if top_k < 0 else top_k,
+            presence_penalty=float(given.get("presence_penalty", 0.0)),
+            frequency_penalty=float(given.get("frequency_penalty", 0.0)),
+            seed=int(given["seed"]) if "seed" in given else None,
+        ),
+        [],
+    )
+
+
 @dataclass
 class ChatCall:
     messages: list[dict[str, Any]]
@@ -68,10 +126,14 @@ class ChatCall:
     stop: list[str] = field(default_factory=list)
     stream: bool = False  # answered as server-sent events (`stream_events`)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    n: int = 1  # completions, each a branch of the conversation
+    sampling: CallSampling = field(default_factory=CallSampling)
+    overridden: list[str] = field(default_factory=list)  # env.sampling=run: the call's settings replaced
 
 
-def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
-    """The call a request body asks for, or ChatAPIError naming the parameter and why."""
+def parse_request(body: Any, model_name: str, sampling: str = "call") -> ChatCall:
+    """The call a request body asks for, or ChatAPIError naming the parameter and why. `sampling`:
+    env.sampling ("call": the call's own sampling settings; "run": the run's)."""
     if not isinstance(body, Mapping):
         raise ChatAPIError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -84,26 +146,14 @@ def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
         )
     stream, include_usage = stream_flags(body)
     n = body.get("n", 1)
-    if n not in (1, None):
-        raise ChatAPIError(
-            400,
-            f"n={n}: one call makes one completion here (a trajectory is one sequence of calls); "
-            "make n calls, or raise algo.samples_per_prompt for more trajectories",
-            "n",
-        )
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise ChatAPIError(400, f"n={n!r} must be an integer in [1, {MAX_CHOICES}]", "n")
     if body.get("logprobs") is False:
         raise ChatAPIError(
             400, "logprobs=false: the run records every token's log-prob for training; leave logprobs unset", "logprobs"
         )
-    for key, want in (("temperature", temperature), ("top_p", 1.0)):
-        value = body.get(key)
-        if value is not None and float(value) != float(want):
-            raise ChatAPIError(
-                400,
-                f"{key}={value}: the policy is trained on samples drawn at {key}={want} (the run's sampling, "
-                f"algo.temperature); leave {key} unset",
-                key,
-            )
+    call_sampling, overridden = parse_sampling(body, sampling)
     for key in ("logit_bias",):
         if body.get(key):
             raise ChatAPIError(400, f"{key} changes what the policy samples, which training could not correct for", key)
@@ -122,6 +172,10 @@ def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
             "logprobs",
             "temperature",
             "top_p",
+            "top_k",
+            "presence_penalty",
+            "frequency_penalty",
+            "seed",
             "stream",
             "stream_options",
             "logit_bias",
@@ -153,6 +207,9 @@ def parse_request(body: Any, model_name: str, temperature: float) -> ChatCall:
         stop,
         stream=stream,
         include_usage=include_usage,
+        n=n,
+        sampling=call_sampling,
+        overridden=overridden,
     )
 
 
@@ -250,32 +307,49 @@ def completion_body(
     }
 
 
-def stream_events(completion: Mapping[str, Any], include_usage: bool = False) -> bytes:
-    """A finished completion (`completion_body`) as OpenAI streams it: server-sent events of
-    `chat.completion.chunk`s -- the role, the reasoning, the content, each tool call (its id, name
-    and arguments in one delta, at its index), the finish reason; the usage in a last chunk with no
-    choices when asked (stream_options.include_usage); then `[DONE]`. The completion is generated
-    whole before the first event: what trains is the same as for a plain call."""
-    choice = completion["choices"][0]
-    message = choice["message"]
-    base = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+def merged_choices(completions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The answer to a call with n > 1: the n one-choice completions (`completion_body`) as one, its
+    choices indexed 0..n-1, the prompt counted once and every choice's tokens in the usage."""
+    first = dict(completions[0])
+    first["choices"] = [dict(c["choices"][0], index=k) for k, c in enumerate(completions)]
+    prompt = first["usage"]["prompt_tokens"]
+    generated = sum(c["usage"]["completion_tokens"] for c in completions)
+    first["usage"] = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+    return first
 
+
+def stream_events(completion: Mapping[str, Any], include_usage: bool = False) -> bytes:
+    """A finished completion (`completion_body`, `merged_choices`) as OpenAI streams it: server-sent
+    events of `chat.completion.chunk`s, per choice (at its index) the role, the reasoning, the
+    content, each tool call (its id, name and arguments in one delta, at its index) and the finish
+    reason; the usage in a last chunk with no choices when asked (stream_options.include_usage);
+    then `[DONE]`. The completion is generated whole before the first event: what trains is the
+    same as for a plain call."""
+    base = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
     if include_usage:  # (as OpenAI: every chunk before the last carries "usage": null)
         base["usage"] = None
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-        return base | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    chunks = []
+    for choice in completion["choices"]:
+        message = choice["message"]
 
-    # The first delta's content is what the added-up message starts from: null where the plain
-    # message's is (tool calls and no text), so the agent sends back the message it would have.
-    chunks = [chunk({"role": "assistant", "content": None if message.get("content") is None else ""})]
-    if message.get("reasoning_content") is not None:
-        chunks.append(chunk({"reasoning_content": message["reasoning_content"]}))
-    if message.get("content"):
-        chunks.append(chunk({"content": message["content"]}))
-    for k, call in enumerate(message.get("tool_calls") or []):
-        chunks.append(chunk({"tool_calls": [{"index": k, **call}]}))
-    chunks.append(chunk({}, choice["finish_reason"]))
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+            return base | {
+                "choices": [
+                    {"index": choice["index"], "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                ]
+            }
+
+        # The first delta's content is what the added-up message starts from: null where the plain
+        # message's is (tool calls and no text), so the agent sends back the message it would have.
+        chunks.append(chunk({"role": "assistant", "content": None if message.get("content") is None else ""}))
+        if message.get("reasoning_content") is not None:
+            chunks.append(chunk({"reasoning_content": message["reasoning_content"]}))
+        if message.get("content"):
+            chunks.append(chunk({"content": message["content"]}))
+        for k, call in enumerate(message.get("tool_calls") or []):
+            chunks.append(chunk({"tool_calls": [{"index": k, **call}]}))
+        chunks.append(chunk({}, choice["finish_reason"]))
     if include_usage:
         chunks.append(base | {"choices": [], "usage": completion["usage"]})
     events = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"

@@ -8,6 +8,7 @@ the last one's):
     GET  /v1/models                                    the served model
     GET  /trajectories/<id>/v1/models                  the same, under a trajectory's base URL
     POST /trajectories/<id>/v1/chat/completions        a call of trajectory <id>
+    POST /trajectories/<id>/v1/responses               the same call in the Responses API (`responses_api`)
 
 A trajectory's base URL (`http://host:port/trajectories/<id>/v1`) is what binds its calls to it:
 the id is random per rollout, and once the rollout has ended its calls are answered 410. What a
@@ -34,8 +35,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Protocol
 
 from rlhf_orch.env.agent_driver.chat_api import ChatAPIError, models_body, stream_events, stream_flags
+from rlhf_orch.env.agent_driver.responses_api import (
+    conversation_messages,
+    parse_responses_request,
+    response_body,
+    response_stream_events,
+)
 
 _CALL = re.compile(r"^/trajectories/([A-Za-z0-9_-]+)/v1/chat/completions/?$")
+_RESPONSES = re.compile(r"^/trajectories/([A-Za-z0-9_-]+)/v1/responses/?$")
 _MODELS = re.compile(r"^(/trajectories/[A-Za-z0-9_-]+)?/v1/models/?$")
 _TRAJECTORY = re.compile(r"^/trajectories/([A-Za-z0-9_-]+)/")
 MAX_BODY_BYTES = 16 * 2**20
@@ -57,6 +65,8 @@ class ChatServer:
     def __init__(self, host: str, model_name: str, max_connections: int = MAX_CONNECTIONS):
         self.model_name = model_name
         self._keys: dict[str, bytes] = {}  # trajectory id -> its key (the last rollout's trajectories)
+        # response id -> (trajectory id, the conversation's chat messages): previous_response_id
+        self._responses: dict[str, tuple[str, list[dict[str, Any]]]] = {}
         self._handler: CallHandler | None = None
         self._lock = threading.Lock()
         self._httpd = _Server((host, 0), _handler_class(self), max_connections=max_connections)
@@ -75,6 +85,7 @@ class ChatServer:
         keys = {t: "rlhf-" + secrets.token_urlsafe(24) for t in trajectory_ids}
         with self._lock:
             self._keys = {t: k.encode() for t, k in keys.items()}
+            self._responses = {}
         return keys
 
     def authorised(self, token: str, trajectory_id: str | None) -> bool:
@@ -99,6 +110,24 @@ class ChatServer:
                 kind="gone",
             )
         return handler(trajectory_id, body)
+
+    def handle_response(self, trajectory_id: str, body: Any) -> dict[str, Any]:
+        """A Responses API call: the chat call it maps to, answered as a `response` object (stored
+        for a later previous_response_id unless `store` is false)."""
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        history = None
+        if isinstance(previous, str):
+            with self._lock:
+                owner, messages = self._responses.get(previous, (None, None))
+            history = list(messages) if owner == trajectory_id else None  # another trajectory's: not found
+        call = parse_responses_request(body, history)
+        completion = self.handle_call(trajectory_id, call.chat_body)
+        response_id = f"resp_{secrets.token_hex(16)}"
+        if call.store:
+            with self._lock:
+                if trajectory_id in self._keys:  # (a rollout that ended meanwhile keeps nothing)
+                    self._responses[response_id] = (trajectory_id, conversation_messages(call, completion))
+        return response_body(call, completion, response_id)
 
     def close(self) -> None:
         """Stop listening (the port is free when this returns)."""
@@ -214,12 +243,12 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def _answer(self, route: Callable[[], dict[str, Any]], stream: tuple[bool, bool] = (False, False)) -> None:
-            """`stream`: (stream, include_usage) of the call (checked by `parse_request` in the route)."""
+        def _answer(self, route: Callable[[], dict[str, Any]], events: Callable[[dict], bytes] | None = None) -> None:
+            """`events`: how a streamed call's answer is sent (server-sent events); None: as JSON."""
             try:
                 answer = route()
-                if stream[0]:
-                    self._send_events(stream_events(answer, include_usage=stream[1]))
+                if events is not None:
+                    self._send_events(events(answer))
                 else:
                     self._send(200, answer)
             except ChatAPIError as e:
@@ -255,12 +284,14 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
                 )
                 return
             raw = self.rfile.read(length) if length else b""
-            match = _CALL.match(self.path)
-            if match is None:
+            chat, responses = _CALL.match(self.path), _RESPONSES.match(self.path)
+            if chat is None and responses is None:
                 self._send(
                     404,
                     ChatAPIError(
-                        404, f"no route POST {self.path}; calls go to <base_url>/chat/completions", kind="not_found"
+                        404,
+                        f"no route POST {self.path}; calls go to <base_url>/chat/completions or <base_url>/responses",
+                        kind="not_found",
                     ).body(),
                 )
                 return
@@ -269,11 +300,21 @@ def _handler_class(server: ChatServer) -> type[BaseHTTPRequestHandler]:
             except json.JSONDecodeError as e:
                 self._send(400, ChatAPIError(400, f"the body is not JSON: {e.msg}").body())
                 return
+            if responses is not None:
+                streamed = isinstance(body, dict) and body.get("stream") is True
+                trajectory = responses.group(1)
+                self._answer(
+                    lambda: server.handle_response(trajectory, body), response_stream_events if streamed else None
+                )
+                return
             try:
-                stream = stream_flags(body)
+                stream, include_usage = stream_flags(body)
             except ChatAPIError as e:
                 self._send(e.status, e.body())
                 return
-            self._answer(lambda: server.handle_call(match.group(1), body), stream)
+            self._answer(
+                lambda: server.handle_call(chat.group(1), body),
+                (lambda answer: stream_events(answer, include_usage=include_usage)) if stream else None,
+            )
 
     return Handler

@@ -454,6 +454,14 @@ def _run_trajectory(host: Host, result_fd: int, row: Any, secret_fd: int, secret
         os._exit(code)
 
 
+def keep_traces_home() -> None:
+    """The OpenAI Agents SDK uploads a trace of every run to api.openai.com by default (with the
+    environment's OPENAI_API_KEY, or the key of the client an agent hands it: the trajectory's):
+    off in every agent's process unless the job's environment says otherwise, so an agent written
+    as the SDK's docs show sends nothing off the machine. (LangSmith traces only when asked.)"""
+    os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+
+
 def bypass_proxies_for(base_url: str) -> None:
     """The endpoint's host added to NO_PROXY / no_proxy in this process's environment: a proxy a
     job's environment names (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY) would not reach the engine's
@@ -566,6 +574,7 @@ def main() -> None:
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the engine, which closes this
+    keep_traces_home()
     Host(os.fdopen(0, "rb", buffering=0), replies).serve()
 
 

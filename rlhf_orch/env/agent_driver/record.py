@@ -10,6 +10,17 @@ completion is the model's (loss mask 1). Nothing is re-tokenised: the merged seq
 engine's own ids. A call that extends no sequence starts a new one (a second conversation, or
 history the agent rewrote) and is counted as unmerged; every sequence trains, with the
 trajectory's reward (`trained_sequences`).
+
+Branches: a call extends the conversation as it was when the call was made (`admit`'s ticket). Two
+calls extending one conversation at once (an agent forking its history, a tree search) and the n
+completions of a call with n > 1 each become a sequence of their own: the first extends the
+conversation, each other one starts as a copy of the conversation up to where the call branched
+(the same prompt, so shared-prompt training packs them together) and is counted in `branches`.
+
+Per token, the temperature it was sampled at (`TokenSequence.temperatures`; 0 where the run's
+setting applies: context, and calls that set none): the trainers score each token at it. A token
+picked greedily (temperature 0) was drawn from no distribution a policy gradient could weigh: it
+stays in the sequence as context (loss mask 0) and is counted in `greedy_tokens`.
 """
 
 from __future__ import annotations
@@ -50,6 +61,8 @@ class TokenSequence:
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
+    # Per response token, the temperature it was sampled at; 0: the run's (algo.temperature).
+    temperatures: list[float] = field(default_factory=list)
     calls: int = 0
     last_hit_length: bool = False
 
@@ -68,12 +81,26 @@ class AgentCounts(TrajectoryCounts):
 
     calls: int = 0
     unmerged_calls: int = 0  # calls that started a new sequence after the first
+    branches: int = 0  # sequences begun as a copy of another's history (forked calls, n > 1)
+    greedy_tokens: int = 0  # tokens of temperature-0 calls: context, not trained on
     refused_calls: int = 0  # calls answered with an error (bad parameters, no budget left)
+    sampling_overridden: int = 0  # env.sampling=run: calls whose own sampling settings were replaced
     agent_errors: int = 0  # the agent function raised
     agent_timeouts: int = 0  # the agent function ran past env.timeout_s
     completion_tokens: int = 0
     agent_seconds: float = 0.0  # wall time inside the agent function, generation excluded
     generation_seconds: float = 0.0  # wall time its calls waited for the engine
+
+
+@dataclass
+class Branch:
+    """Where an admitted call branches off: the sequence its prompt extends (None: it starts one)
+    and that sequence's length when the call was made. The call's completions are recorded there:
+    the first extends the sequence if nothing has since, every other one is a branch."""
+
+    sequence: TokenSequence | None
+    length: int
+    calls: int = 1  # completions asked for (n)
 
 
 class AgentRecord:
@@ -84,10 +111,7 @@ class AgentRecord:
         self.limits = limits
         self.sequences: list[TokenSequence] = []
         self.counts = AgentCounts()
-        # Calls admitted and not yet recorded (an agent may make several at once), and the
-        # conversations they extend: what `admit` counts before the calls' `add`.
-        self._in_flight = 0
-        self._extending: set[int] = set()
+        self._in_flight = 0  # completions admitted and not yet recorded (an agent may make several calls at once)
 
     def _extended(self, prompt_ids: Sequence[int]) -> TokenSequence | None:
         # The longest sequence the prompt extends (a later conversation may have grown from it).
@@ -97,36 +121,31 @@ class AgentRecord:
                 best = seq
         return best
 
-    def admit(self, prompt_ids: Sequence[int], requested: int | None) -> tuple[int, int | None]:
-        """`budget` for a call about to be generated, and the call counted from now on: calls in
-        flight count against env.max_calls, and a conversation takes one call at a time (a second
-        call extending it before the first is recorded would, once the first is, extend nothing and
-        start a sequence past data.prompt_max_len). Returns (tokens, ticket): hand the ticket to
-        `done` when the call is answered or failed. CallRefused when it may not be made."""
+    def admit(self, prompt_ids: Sequence[int], requested: int | None, n: int = 1) -> tuple[int, Branch]:
+        """`budget` for a call of n completions about to be generated, and the call counted from now
+        on (calls in flight count against env.max_calls, each completion as one call). Returns
+        (tokens, branch): record each completion with `add(..., branch=branch)` and hand the branch
+        to `done` when the call is answered or failed. CallRefused when it may not be made."""
+        tokens = self.budget(prompt_ids, requested, n)
+        self._in_flight += n
         seq = self._extended(prompt_ids)
-        if seq is not None and id(seq) in self._extending:
-            raise CallRefused(
-                "a call extending this conversation is still being answered: a conversation takes one call at a time "
-                "(calls on other conversations may run at once)",
-                kind="conversation_busy",
-            )
-        tokens = self.budget(prompt_ids, requested)
-        self._in_flight += 1
-        ticket = id(seq) if seq is not None else None
-        if ticket is not None:
-            self._extending.add(ticket)
-        return tokens, ticket
+        return tokens, Branch(seq, len(seq.tokens()) if seq is not None else 0, n)
 
-    def done(self, ticket: int | None) -> None:
-        """A call `admit` let through was answered (record it with `add`) or failed."""
-        self._in_flight -= 1
-        self._extending.discard(ticket)
+    def done(self, branch: Branch) -> None:
+        """A call `admit` let through was answered (its completions recorded with `add`) or failed."""
+        self._in_flight -= branch.calls
 
-    def budget(self, prompt_ids: Sequence[int], requested: int | None) -> int:
-        """Tokens a call with this prompt may generate; CallRefused when none."""
+    def budget(self, prompt_ids: Sequence[int], requested: int | None, n: int = 1) -> int:
+        """Tokens each of n completions of a call with this prompt may generate; CallRefused when none."""
         lim = self.limits
-        if self.counts.calls + self._in_flight >= lim.max_calls:
-            raise CallRefused(f"this trajectory made its {lim.max_calls} calls (env.max_calls)")
+        if self.counts.calls + self._in_flight + n > lim.max_calls:
+            made = self.counts.calls + self._in_flight
+            raise CallRefused(
+                f"this trajectory made {made} of its {lim.max_calls} calls (env.max_calls; each of n completions "
+                f"counts), {n} more asked"
+                if n > 1
+                else f"this trajectory made its {lim.max_calls} calls (env.max_calls)"
+            )
         seq = self._extended(prompt_ids)
         if seq is None:
             if len(prompt_ids) > lim.max_prompt_tokens:
@@ -146,34 +165,73 @@ class AgentRecord:
         cap = min(room, lim.max_tokens_per_call)
         return cap if requested is None else max(1, min(cap, int(requested)))
 
+    def _branch_off(self, seq: TokenSequence, length: int) -> TokenSequence:
+        """A new sequence holding `seq`'s first `length` tokens (the history a call branched from)."""
+        r = length - len(seq.prompt_ids)
+        copy = TokenSequence(
+            list(seq.prompt_ids),
+            seq.response_ids[:r],
+            seq.logprobs[:r],
+            seq.loss_mask[:r],
+            seq.temperatures[:r],
+        )
+        self.sequences.append(copy)
+        self.counts.branches += 1
+        return copy
+
+    def _sequence_for(self, prompt_ids: list[int], branch: Branch | None) -> TokenSequence | None:
+        """The sequence a completion of this prompt extends (None: it starts a new one)."""
+        if branch is None:  # recorded without admission: whatever the prompt extends now
+            return self._extended(prompt_ids)
+        seq = branch.sequence
+        if seq is None:  # the call starts a conversation: its first completion does, the others branch from it
+            return None
+        if len(seq.tokens()) != branch.length:  # extended since the call was made: this one is a branch
+            return self._branch_off(seq, branch.length)
+        return seq
+
     def add(
-        self, prompt_ids: Sequence[int], completion_ids: Sequence[int], logprobs: Sequence[float], hit_length: bool
+        self,
+        prompt_ids: Sequence[int],
+        completion_ids: Sequence[int],
+        logprobs: Sequence[float],
+        hit_length: bool,
+        temperature: float | None = None,
+        branch: Branch | None = None,
     ) -> None:
-        """One finished call, exactly as the engine generated it."""
+        """One finished completion, exactly as the engine generated it; `temperature`: the one it was
+        sampled at when the call set one (None: the run's; 0: greedy, kept as context)."""
         if len(completion_ids) != len(logprobs):
             raise ValueError(
                 f"call of trajectory {self.index}: {len(completion_ids)} tokens but {len(logprobs)} log-probs"
             )
         prompt_ids = [int(t) for t in prompt_ids]
-        seq = self._extended(prompt_ids)
+        seq = self._sequence_for(prompt_ids, branch)
         if seq is None:
             if self.sequences:
                 self.counts.unmerged_calls += 1
             seq = TokenSequence(prompt_ids)
             self.sequences.append(seq)
+            if branch is not None:  # the call's other completions (n > 1) branch from its prompt
+                branch.sequence, branch.length = seq, len(prompt_ids)
         else:
             context = prompt_ids[len(seq.tokens()) :]
             seq.response_ids.extend(context)
             seq.logprobs.extend([0.0] * len(context))
             seq.loss_mask.extend([0] * len(context))
+            seq.temperatures.extend([0.0] * len(context))
             self.counts.observation_tokens += len(context)
+        greedy = temperature is not None and temperature <= 0.0
         seq.response_ids.extend(int(t) for t in completion_ids)
         seq.logprobs.extend(float(x) for x in logprobs)
-        seq.loss_mask.extend([1] * len(completion_ids))
+        seq.loss_mask.extend([0 if greedy else 1] * len(completion_ids))
+        seq.temperatures.extend([0.0 if temperature is None or greedy else float(temperature)] * len(completion_ids))
         seq.calls += 1
         seq.last_hit_length = hit_length
         self.counts.calls += 1
         self.counts.completion_tokens += len(completion_ids)
+        if greedy:
+            self.counts.greedy_tokens += len(completion_ids)
 
     def trained_sequences(self, fallback_prompt_ids: Sequence[int], eos_id: int) -> list[TokenSequence]:
         """The sequences the trajectory trains as, each with its reward. First the one holding the
@@ -182,6 +240,6 @@ class AgentRecord:
         others in the order they began. An agent that made no call trains nothing: one EOS,
         masked out."""
         if not self.sequences:
-            return [TokenSequence(list(fallback_prompt_ids), [int(eos_id)], [0.0], [0])]
+            return [TokenSequence(list(fallback_prompt_ids), [int(eos_id)], [0.0], [0], [0.0])]
         first = max(range(len(self.sequences)), key=lambda k: (sum(self.sequences[k].loss_mask), -k))
         return [self.sequences[first]] + [s for k, s in enumerate(self.sequences) if k != first]
