@@ -77,6 +77,15 @@ class _Pending:
     future: Future
 
 
+_SAID: set[str] = set()  # the notices this engine's process printed (once per run: one engine, one process)
+
+
+def say_once(key: str, line: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        print(line, flush=True)
+
+
 @dataclass
 class TrajectoryResult:
     index: int
@@ -98,6 +107,7 @@ class AgentRolloutSession:
         call_timeout_s: float,
         reasoning_parser: str = "none",
         sampling: str = "call",
+        train_truncated_sampling: bool = False,
     ):
         self.server = server
         self.generator = generator
@@ -109,7 +119,9 @@ class AgentRolloutSession:
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
         self.sampling = sampling  # env.sampling
-        self._said_overridden: set[str] = set()
+        # the run corrects for the engine's distribution (algo.tis_cap / decoupled_is_cap): top-p,
+        # top-k and penalised tokens train; without, they are context
+        self.train_truncated_sampling = train_truncated_sampling
         # built before the first call: a parser that cannot read this model's turns fails the rollout
         # here, in one line, not every agent call with an HTTP 500
         ensure_tool_parser(tool_parser, tokenizer)
@@ -129,7 +141,9 @@ class AgentRolloutSession:
     def run(self, items: Sequence[tuple[int, Any]]) -> list[TrajectoryResult]:
         """items: (trajectory index, row). Returns once every agent function has returned."""
         ids = {index: secrets.token_hex(8) for index, _ in items}
-        self.records = {ids[index]: AgentRecord(index, self.limits) for index, _ in items}
+        self.records = {
+            ids[index]: AgentRecord(index, self.limits, self.train_truncated_sampling) for index, _ in items
+        }
         self._open = True
         keys = self.server.issue_keys(list(ids.values()))
         self.server.serve(self.handle)
@@ -208,6 +222,7 @@ class AgentRolloutSession:
             if call.overridden:
                 record.counts.sampling_overridden += 1
                 self._say_overridden(call.overridden)
+            self._say_context_only(call, record)
             try:
                 # Admitted and counted under the lock the record is written under: calls made at
                 # once see each other (env.max_calls; the conversation each one branches from).
@@ -221,13 +236,16 @@ class AgentRolloutSession:
             for k in range(call.n):
                 key, self._next_key = self._next_key, self._next_key + 1
                 own = call.sampling.seed
-                seed = turn_seed(self.step_seed, record.index, number + k) if own is None else own + k
+                # The call's own seed, made the trajectory's: a group's trajectories asking for one seed
+                # would otherwise draw the same tokens and teach nothing. Reproducible all the same.
+                seed = turn_seed(self.step_seed if own is None else own, record.index, number + k if own is None else k)
                 pending.append(
                     _Pending(key, record.index, prompt_ids, max_tokens, seed, call.stop, call.sampling, Future())
                 )
                 self._queue.put(pending[-1])
         try:
-            outs: list[CallOutput] = [p.future.result(timeout=self.call_timeout_s) for p in pending]
+            deadline = time.monotonic() + self.call_timeout_s  # one for the call's n completions
+            outs: list[CallOutput] = [p.future.result(timeout=max(0.0, deadline - time.monotonic())) for p in pending]
         except BaseException:
             with self._lock:
                 record.done(branch)
@@ -236,7 +254,15 @@ class AgentRolloutSession:
             record.done(branch)
             record.counts.generation_seconds += time.perf_counter() - t
             for out in outs:
-                record.add(prompt_ids, out.token_ids, out.logprobs, out.finish_reason == "length", temperature, branch)
+                record.add(
+                    prompt_ids,
+                    out.token_ids,
+                    out.logprobs,
+                    out.finish_reason == "length",
+                    temperature,
+                    branch,
+                    truncated_sampling=call.sampling.truncates,
+                )
         return merged_choices([self._completion(call, prompt_ids, out) for out in outs])
 
     def _completion(self, call: Any, prompt_ids: list[int], out: CallOutput) -> dict[str, Any]:
@@ -258,15 +284,30 @@ class AgentRolloutSession:
         )
 
     def _say_overridden(self, keys: list[str]) -> None:
-        """env.sampling=run: one line the first time a call's setting is replaced (then only counted)."""
-        new = [k for k in keys if k not in self._said_overridden]
-        if new:
-            self._said_overridden.update(new)
-            print(
-                f"env.sampling=run: agents' {', '.join(new)} replaced by the run's sampling "
-                f"(temperature {self.temperature:g}, whole vocabulary, no penalties); "
-                "env.sampling=call honours them (counted in env/sampling_overridden)",
-                flush=True,
+        """env.sampling=run: one line the first time (in this engine's process) a call's setting is
+        replaced; then only counted (env/sampling_overridden)."""
+        say_once(
+            f"overridden:{','.join(keys)}",
+            f"env.sampling=run: agents' {', '.join(keys)} replaced by the run's sampling "
+            f"(temperature {self.temperature:g}, whole vocabulary, no penalties); "
+            "env.sampling=call honours them (counted in env/sampling_overridden)",
+        )
+
+    def _say_context_only(self, call: Any, record: AgentRecord) -> None:
+        """A call whose tokens stay context (greedy; top-p / top-k / penalties without importance
+        weights): said once per engine process, then only counted."""
+        if call.sampling.temperature == 0.0:
+            say_once(
+                "greedy",
+                "env=agent: a call at temperature 0 is greedy: its tokens stay context, not trained on "
+                "(env/greedy_tokens); env.sampling=run samples it at the run's temperature",
+            )
+        elif call.sampling.truncates and not record.train_truncated_sampling:
+            say_once(
+                "truncated",
+                "env=agent: a call with top_p / top_k / penalties draws from a distribution the trainers do not "
+                "score: its tokens stay context (env/truncated_sampling_tokens) unless algo.tis_cap or "
+                "algo.decoupled_is_cap corrects for it; env.sampling=run samples it at the run's settings",
             )
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
@@ -289,7 +330,8 @@ def trajectory_completions(
         counts.agent_timeouts = int(r.outcome.timed_out)
         counts.agent_seconds = max(0.0, r.outcome.seconds - counts.generation_seconds)
         counts.truncated = int(sequences[0].last_hit_length)
-        counts.masked = int(not r.record.sequences)  # (no call: one EOS, trained on nothing)
+        # nothing to train (no call: one EOS; only greedy or untrainable tokens): out of the group statistics
+        counts.masked = int(not any(any(s.loss_mask) for s in r.record.sequences))
         stats = counts.as_dict()
         for k, v in r.outcome.metrics.items():
             stats[f"{AGENT_METRIC_PREFIX}{k}"] = v
@@ -346,6 +388,7 @@ def complete_agent_trajectories(
         env.timeout_s,
         env.reasoning_parser,
         env.sampling,
+        job.corrects_engine_sampling,
     )
     owner = {i: r for r in requests for i in r.indices(job.samples_per_prompt)}
     items = [(i, env.row(job.prompts[owner[i].prompt_index])) for i in owner]

@@ -110,6 +110,8 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
             "env/refused_calls": stats.get("refused_calls", 0.0),
             "env/branches": stats.get("branches", 0.0),  # sequences forked from another's history (n > 1, forks)
             "env/greedy_tokens": stats.get("greedy_tokens", 0.0),  # temperature-0 calls' tokens: context only
+            # drawn with top-p / top-k / penalties: scored over the whole vocabulary (importance weights correct)
+            "env/truncated_sampling_tokens": stats.get("truncated_sampling_tokens", 0.0),
             "env/sampling_overridden": stats.get("sampling_overridden", 0.0),  # env.sampling=run
             "env/agent_errors": stats.get("agent_errors", 0.0),
             "env/agent_timeouts": stats.get("agent_timeouts", 0.0),

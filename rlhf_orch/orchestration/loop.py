@@ -73,6 +73,9 @@ class LoopSettings:
     engines_sleep: bool  # engine.sleep_level > 0: idle engines release their GPU memory
     min_response_len: int  # algo.min_response_len
     train_batch_size: int  # algo.train_batch_size: sequences per optimizer step (0: no floor on micro-batches)
+    corrects_engine_sampling: bool = (
+        False  # algo.tis_cap or algo.decoupled_is_cap set: weights by the engine's probability
+    )
 
 
 # Quantities that must stay finite; a NaN or inf in any of them stops the run (`non_finite`).
@@ -400,6 +403,7 @@ class TrainLoop:
             num_shards=len(self.actors.policy),
             micro_batch_size=s.micro_batch_size,
             train_batch_size=s.train_batch_size,
+            corrects_engine_sampling=s.corrects_engine_sampling,
             pad_id=tokenizer.pad_token_id,
             max_seq_len=s.max_seq_len or max(map(len, prompt_ids)) + s.response_max_len,
             decode=lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True),

@@ -205,6 +205,7 @@ def loop_settings(typed: RootConfig, plan: PlacementPlan, engines: EngineSpec) -
         max_engine_restarts=typed.fault.max_engine_restarts,
         engine_tp=plan.engine_tp,
         engines_sleep=engines.sleep_level != 0,
+        corrects_engine_sampling=a.tis_cap is not None or a.decoupled_is_cap is not None,
     )
 
 

@@ -59,6 +59,7 @@ class RolloutRequest:
     # Sequences per optimizer step (algo.train_batch_size): a token budget is lowered so every rank
     # gets at least one micro-batch per optimizer step (0: no floor).
     train_batch_size: int = 0
+    corrects_engine_sampling: bool = RolloutJob.corrects_engine_sampling  # algo.tis_cap / decoupled_is_cap set
 
     def job(self, prompt_indices: Sequence[int], scorer: Scorer | None) -> RolloutJob:
         return RolloutJob(
@@ -70,6 +71,7 @@ class RolloutRequest:
             scorer=scorer,
             env=self.env,
             min_tokens=self.min_tokens,
+            corrects_engine_sampling=self.corrects_engine_sampling,
         )
 
 

@@ -94,6 +94,9 @@ class RolloutJob:
     # Multi-turn rollouts: the `env` option (rlhf_orch.env.multi_turn.MultiTurnEnv); None: one response.
     env: Any = None
     min_tokens: int = 0  # EOS cannot end a response before this many tokens (algo.min_response_len)
+    # The trainers weigh tokens by the engine's probability (algo.tis_cap / decoupled_is_cap): an agent's
+    # top-p / top-k / penalised tokens may train (env=agent; without, they are context).
+    corrects_engine_sampling: bool = False
 
 
 def model_tokens(response_ids: Any, fields: dict[str, Any]) -> int:

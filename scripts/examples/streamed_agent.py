@@ -6,9 +6,11 @@
 (`stream=True`, `stream_options={"include_usage": True}`) whose chunks the agent adds up into the
 assistant message itself (text and tool-call pieces), and a call with its own sampling settings
 (`temperature=0.7`, `top_p=0.9`, `stop=["\\n\\n"]`). With `env.sampling=call` (the default) the
-engine samples at those settings and the trainers correct for them; `env.sampling=run` replaces
-them with the run's. Streaming changes nothing that is trained: the endpoint sends the chunks of
-the same completion a plain call gets.
+engine samples at those settings; the trainers score the second answer at temperature 0.7 and, for
+its top_p, train it only where the run weighs tokens by the engine's probability (algo.tis_cap or
+algo.decoupled_is_cap; otherwise it is context). `env.sampling=run` replaces them with the run's.
+Streaming changes nothing that is trained: the endpoint sends the chunks of the same completion a
+plain call gets.
 
 On the tool-use task (`find 3 1 4 =`) the lookup tool returns the record's value; on the digit
 task there are no records and the tool shows the question again. The reward is 1.0 when the last

@@ -61,7 +61,7 @@ def _play(server, fn):
 def test_a_streamed_call_then_one_at_its_own_sampling(server):
     result, generator = _play(server, _load("streamed_agent").streamed_then_sampled)
     assert result.outcome.error is None and result.outcome.reward == 1.0, result.outcome
-    assert result.outcome.metrics["completion_tokens"] == sum(len(s.response_ids) for s in result.record.sequences)
+    assert result.outcome.metrics["completion_tokens"] == result.record.counts.completion_tokens  # the usage chunk
     first, second = generator.sampling
     assert first.temperature is None and (second.temperature, second.top_p) == (0.7, 0.9)
     assert result.record.counts.calls == 2

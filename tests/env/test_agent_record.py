@@ -37,15 +37,35 @@ def test_calls_that_extend_a_conversation_merge_into_one_masked_sequence():
     )
 
 
-def test_a_call_that_rewrites_history_starts_a_sequence_and_is_counted():
+def test_a_call_that_rewrites_history_branches_from_the_last_boundary_it_shares():
     r = AgentRecord(0, LIMITS)
     r.add([1, 2, 3], [10, 2], [-0.1, -0.2], hit_length=False)
     r.add([1, 2, 3, 99, 2, 7], [12], [-0.4], hit_length=True)  # the model's answer edited: 99 for 10
-    assert len(r.sequences) == 2 and r.counts.unmerged_calls == 1
+    first, edited = r.sequences
+    assert (r.counts.branches, r.counts.unmerged_calls) == (1, 0)
+    # the edited history is context of a branch from the prompt (not a prompt of its own)
+    assert edited.prompt_ids == [1, 2, 3] and edited.response_ids == [99, 2, 7, 12] and edited.loss_mask == [0, 0, 0, 1]
     # both train; the one with most of the model's tokens first (the first begun on a tie)
-    assert r.trained_sequences([1], eos_id=2) == [r.sequences[0], r.sequences[1]]
+    assert r.trained_sequences([1], eos_id=2) == [first, edited]
     r.add([5, 6], [7, 8, 9], [-0.1] * 3, hit_length=False)  # a second conversation, longer
-    assert r.trained_sequences([1], eos_id=2) == [r.sequences[2], r.sequences[0], r.sequences[1]]
+    assert r.counts.unmerged_calls == 1
+    assert r.trained_sequences([1], eos_id=2) == [r.sequences[2], first, edited]
+
+
+def test_an_agent_going_back_to_an_earlier_answer_branches_there():
+    limits = AgentLimits(max_prompt_tokens=3, max_response_tokens=30, max_tokens_per_call=5, max_calls=8)
+    r = AgentRecord(0, limits)
+    r.add([1, 2, 3], [10, 2], [-0.1, -0.2], hit_length=False)
+    r.add([1, 2, 3, 10, 2, 7], [11, 2], [-0.3, -0.4], hit_length=False)
+    r.add([1, 2, 3, 10, 2, 7, 11, 2, 8], [12, 2], [-0.5, -0.6], hit_length=False)
+    # back to after the first answer, another tool result: longer than data.prompt_max_len, yet admitted
+    back = [1, 2, 3, 10, 2, 9]
+    assert r.budget(back, None) == 5
+    r.add(back, [13, 2], [-0.7, -0.8], hit_length=False)
+    trunk, branch = r.sequences
+    assert branch.response_ids == [10, 2, 9, 13, 2] and branch.loss_mask == [1, 1, 0, 1, 1]
+    assert branch.logprobs == [-0.1, -0.2, 0.0, -0.7, -0.8] and branch.calls == 2
+    assert trunk.response_ids[-2:] == [12, 2] and (r.counts.branches, r.counts.unmerged_calls) == (1, 0)
 
 
 def test_the_budget_caps_max_tokens_and_refuses_what_cannot_fit():
@@ -91,6 +111,13 @@ def _body(**kw):
         (_body(presence_penalty=3), 400, "presence_penalty"),
         (_body(frequency_penalty=-2.5), 400, "frequency_penalty"),
         (_body(seed=1.5), 400, "seed"),
+        (_body(seed=1e30), 400, "seed"),
+        (_body(seed=2**70), 400, "seed"),
+        (_body(seed=-1), 400, "seed"),
+        (_body(seed=float("inf")), 400, "seed"),
+        (_body(top_k=float("inf")), 400, "top_k"),
+        (_body(temperature=float("nan")), 400, "temperature"),
+        (_body(response_format={"type": "json_object"}), 400, "response_format"),
         (_body(logit_bias={"5": 3}), 400, "logit_bias"),
         (_body(min_p=0.1), 400, "min_p"),
         (_body(stream="yes"), 400, "stream"),
@@ -174,6 +201,19 @@ def test_concurrent_calls_on_one_conversation_and_n_completions_become_branches(
     _, two = r.admit([5, 6], None, n=2)
     with pytest.raises(CallRefused, match="env.max_calls"):
         r.admit([5, 6], None)
+
+
+def test_a_temperature_vllm_samples_greedily_at_is_greedy():
+    assert parse_request(_body(temperature=1e-7), "policy").sampling.temperature == 0.0
+    assert parse_request(_body(temperature=1e-4), "policy").sampling.temperature == 1e-4
+    assert parse_request(_body(response_format={"type": "text"}), "policy").n == 1
+
+
+def test_truncated_sampling_trains_only_where_the_run_corrects_for_it():
+    for corrected, mask in ((False, [0, 0]), (True, [1, 1])):
+        r = AgentRecord(0, LIMITS, train_truncated_sampling=corrected)
+        r.add([1, 2], [10, 3], [-0.1, -0.2], hit_length=False, truncated_sampling=True)
+        assert r.sequences[0].loss_mask == mask and r.counts.truncated_sampling_tokens == 2
 
 
 def test_greedy_tokens_stay_as_context():
@@ -375,3 +415,26 @@ def test_a_streamed_completion_reassembles_to_the_plain_one(kind):
         expected["finish_reason"]
     ]
     assert b"usage" not in stream_events(plain, include_usage=False)
+
+
+def test_n_choices_stream_each_at_its_index_and_add_up_to_the_merged_completion():
+    import json
+
+    from rlhf_orch.env.agent_driver.chat_api import merged_choices, stream_events
+
+    merged = merged_choices([_plain("text_and_call"), _plain("empty_reasoning")])
+    assert [c["index"] for c in merged["choices"]] == [0, 1]
+    assert merged["usage"] == {"prompt_tokens": 12, "completion_tokens": 40, "total_tokens": 52}
+    chunks = [json.loads(e[len("data: ") :]) for e in stream_events(merged).decode().split("\n\n")[:-2]]
+    messages: dict[int, dict] = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        message = messages.setdefault(choice["index"], {})
+        for key, value in choice["delta"].items():
+            if key == "tool_calls":
+                message.setdefault(key, []).extend({k: v for k, v in tc.items() if k != "index"} for tc in value)
+            elif key in message and isinstance(value, str):
+                message[key] = (message[key] or "") + value
+            else:
+                message[key] = value
+    assert [messages[k] for k in (0, 1)] == [c["message"] for c in merged["choices"]]

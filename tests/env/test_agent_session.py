@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from rlhf_orch.engines.agent_rollout import AgentRolloutSession, CallOutput, trajectory_completions
+from rlhf_orch.engines.request_steps import turn_seed
 from rlhf_orch.env.agent_driver.record import AgentLimits
 from rlhf_orch.env.agent_driver.runner import AgentRunner
 from rlhf_orch.transfer.plan import extra_sequence_index
@@ -248,12 +249,16 @@ def test_n_choices_are_branches_and_a_call_s_sampling_reaches_the_engine(server,
     (result,) = session.run(agent_rows(1))
     assert seen.get("choices") == [[0, "1"], [1, "2"], [2, "3"]], result.outcome
     assert seen["usage"] == 6  # a digit and EOS each
-    assert [s.seed for s in gen.sampling] == [5, 5, 5] and [sub[3] for sub in gen.submitted] == [5, 6, 7]
+    # the call's seed, made the trajectory's (a group asking for one seed still draws apart)
+    assert [s.seed for s in gen.sampling] == [5, 5, 5]
+    assert [sub[3] for sub in gen.submitted] == [turn_seed(5, 0, k) for k in range(3)]
     assert {(s.temperature, s.top_p, s.presence_penalty) for s in gen.sampling} == {(0.7, 0.9, 0.5)}
     seqs = result.record.sequences
     assert len(seqs) == 3 and len({tuple(s.prompt_ids) for s in seqs}) == 1
-    assert all(s.temperatures == [0.7, 0.7] and s.loss_mask == [1, 1] for s in seqs)
+    # top_p and a penalty without importance weights in the run: context, each at its temperature
+    assert all(s.temperatures == [0.7, 0.7] and s.loss_mask == [0, 0] for s in seqs)
     assert (result.record.counts.calls, result.record.counts.branches) == (3, 2)
+    assert result.record.counts.truncated_sampling_tokens == 6  # top_p 0.9 and a presence penalty
 
 
 def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(monkeypatch):
@@ -421,3 +426,74 @@ def test_the_responses_api_chains_and_streams_onto_one_recorded_conversation(ser
         assert "t:42|" in text and text.count("s:be brief|") == 1  # the tool's output, the instructions once
     texts = seen["textsq0"]
     assert texts[2] == texts[3] and all(texts[:3])
+
+
+def test_env_sampling_run_replaces_a_call_s_settings_says_so_once_and_counts(server, capfd):
+    def two_hot_calls(row, client, **kwargs):
+        for _ in range(2):
+            client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "q"}], temperature=0.5, top_p=0.8
+            )
+        return 1.0
+
+    limits = AgentLimits(max_prompt_tokens=40, max_response_tokens=400, max_tokens_per_call=8, max_calls=8)
+    runner = AgentRunner(two_hot_calls, concurrency=2, timeout_s=30.0)
+    gen = ScriptedGenerator()
+    session = AgentRolloutSession(server, gen, EchoTokenizer(), runner, limits, 1.0, 7, "hermes", 30.0, sampling="run")
+    (result,) = session.run(agent_rows(1))
+    assert result.outcome.error is None and result.record.counts.sampling_overridden == 2
+    assert all(s.temperature is None and s.top_p == 1.0 for s in gen.sampling)  # the run's
+    assert all(t == 0.0 for s in result.record.sequences for t in s.temperatures)
+    said = [line for line in capfd.readouterr().out.splitlines() if line.startswith("env.sampling=run")]
+    assert len(said) == 1 and "temperature, top_p replaced by the run's" in said[0]
+    # the next rollout (a new session on the engine) only counts
+    session = AgentRolloutSession(
+        server,
+        ScriptedGenerator(),
+        EchoTokenizer(),
+        AgentRunner(two_hot_calls, 2, 30.0),
+        limits,
+        1.0,
+        8,
+        "hermes",
+        30.0,
+        sampling="run",
+    )
+    (result,) = session.run(agent_rows(1))
+    assert result.record.counts.sampling_overridden == 2
+    assert not [line for line in capfd.readouterr().out.splitlines() if line.startswith("env.sampling=run")]
+
+
+def test_unstored_responses_are_not_found_and_a_new_rollout_drops_the_stored_ones(server, tmp_path):
+    """store=false keeps nothing to chain on; a response of the last rollout is not found in the
+    next (its keys, and the conversations stored under its responses, are gone). The agent's process
+    has the Agents SDK's trace upload off."""
+    seen = Seen(tmp_path)
+
+    def agent(row, client, **kwargs):
+        import os
+
+        seen[f"tracing{row['prompt']}"] = os.environ.get("OPENAI_AGENTS_DISABLE_TRACING")
+        kept = client.responses.create(model="policy", input="q")
+        unkept = client.responses.create(model="policy", input="q", store=False)
+        try:
+            client.responses.create(model="policy", previous_response_id=unkept.id, input="x")
+            seen[f"unkept{row['prompt']}"] = 200
+        except openai.NotFoundError as e:
+            seen[f"unkept{row['prompt']}"] = e.status_code
+        last = seen.get("kept")
+        if last is not None:  # the first rollout's response, in the second
+            try:
+                client.responses.create(model="policy", previous_response_id=last, input="x")
+                seen["stale"] = 200
+            except openai.NotFoundError as e:
+                seen["stale"] = e.status_code
+        seen["kept"] = kept.id
+        return 1.0
+
+    session, _ = make_session(agent, server)
+    session.run(agent_rows(1))
+    assert seen["unkeptq0"] == 404 and seen["tracingq0"] == "1"
+    session, _ = make_session(agent, server)
+    session.run(agent_rows(1))
+    assert seen.get("stale") == 404

@@ -253,7 +253,8 @@ def test_calls_at_their_own_sampling_train_at_it_on_a_real_engine(engine, tiny_m
     """env.sampling=call on vLLM: each token's log-prob recomputed by the trainer's model at the
     temperature its call asked for equals the engine's; n=2 makes two sequences of one prompt; a
     greedy call's tokens are context; top-p's tokens the engine drew from the truncated distribution
-    (its log-prob is at least the whole vocabulary's: the gap the importance weights correct)."""
+    (its log-prob is above the whole vocabulary's: the gap importance weights are for) and, the job
+    having none, are context too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_orch.transfer.batch import SAMPLING_TEMPERATURE
@@ -276,6 +277,7 @@ def test_calls_at_their_own_sampling_train_at_it_on_a_real_engine(engine, tiny_m
     ray.get(engine.reseed.remote(5))
     samples, _ = ray.get(engine.produce_samples.remote(whole_prompt_requests(range(2), 1), job))
     assert len(samples) == 2 * 4  # per trajectory: the two choices (one extended), the greedy call, the top-p one
+    top_p_gaps = []
     for s in samples:
         full = torch.cat([s.prompt_ids, s.response_ids]).long()
         with torch.no_grad():
@@ -284,20 +286,20 @@ def test_calls_at_their_own_sampling_train_at_it_on_a_real_engine(engine, tiny_m
         scored = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
         trainer = torch.log_softmax(logits / scored[:, None], -1).gather(-1, s.response_ids[:, None].long())[:, 0]
         keep = s.fields[LOSS_MASK].bool()
-        own = keep & (temperature > 0)
-        plain = keep & (temperature == 0)  # the run's temperature: the top-p call
-        if own.any():
-            assert {round(t, 3) for t in temperature[own].tolist()} <= {0.6, 1.4}
-            assert torch.allclose(trainer[own], s.engine_logprobs[own], atol=TOLERANCE)
-        if plain.any():
-            assert (s.engine_logprobs[plain] >= trainer[plain] - TOLERANCE).all()
-        if not keep.any():  # the greedy call: all context
-            assert (temperature == 0).all()
+        assert torch.all(temperature[keep] > 0)  # only the calls at their own temperatures train
+        assert {round(t, 3) for t in temperature[keep].tolist()} <= {0.6, 1.4}
+        assert torch.allclose(trainer[keep], s.engine_logprobs[keep], atol=TOLERANCE)
+        if not keep.any():  # the greedy call (scored as the engine did: no gap) or the top-p one
+            top_p_gaps.append(float((s.engine_logprobs - trainer).min()))
+    # greedy: the engine's log-probs are the whole vocabulary's at temperature 1, as the trainer's;
+    # top_p=0.5 renormalises every drawn token up
+    greedy, top_p = sorted(top_p_gaps)[:2], sorted(top_p_gaps)[2:]
+    assert max(map(abs, greedy)) < TOLERANCE and min(top_p) > 1e-3, top_p_gaps
     by_prompt = {}
     for s in samples:
         by_prompt.setdefault(tuple(s.prompt_ids.tolist()), []).append(s)
     assert sorted(len(v) for v in by_prompt.values()) == [4, 4]  # every call of a trajectory starts from its row
-    assert sum(not s.fields[LOSS_MASK].any() for s in samples) == 2  # one greedy sequence per trajectory
+    assert sum(not s.fields[LOSS_MASK].any() for s in samples) == 4  # the greedy and the top-p sequences
     assert sum(bool((s.fields[SAMPLING_TEMPERATURE] > 1.0).any()) for s in samples) == 2  # the extended choice
 
 

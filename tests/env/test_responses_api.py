@@ -114,9 +114,10 @@ def test_message_items_with_content_parts_join_to_text():
     assert parse_request(call.chat_body, "policy").messages == call.chat_body["messages"]
 
 
-def test_parallel_function_calls_merge_into_one_assistant_turn_and_reasoning_items_are_dropped():
+def test_parallel_function_calls_merge_into_one_assistant_turn_carrying_the_reasoning_before_it():
     """Two function_call items (and the text before them) are one assistant message with two
-    tool_calls, followed by the two tool messages; a reasoning item leaves no message."""
+    tool_calls, followed by the two tool messages; a reasoning item leaves no message of its own: its
+    text is the next assistant turn's reasoning_content (as the chat completion answered it)."""
     call = _call(
         {
             "input": [
@@ -157,6 +158,7 @@ def test_parallel_function_calls_merge_into_one_assistant_turn_and_reasoning_ite
         {
             "role": "assistant",
             "content": "Looking.",
+            "reasoning_content": "Two lookups.",
             "tool_calls": [
                 {"id": "call_a", "type": "function", "function": {"name": "lookup", "arguments": '{"record": 3}'}},
                 {"id": "call_b", "type": "function", "function": {"name": "lookup", "arguments": '{"record": 4}'}},
@@ -265,6 +267,25 @@ def test_max_output_tokens_is_the_chat_call_s_max_tokens():
         ({"stream": "yes"}, "stream", "true or false"),
         ({"max_output_tokens": 0}, "max_output_tokens", "positive integer"),
         ({"input": []}, "input", "non-empty"),
+        ({"input": 7}, "input", "a string or a non-empty list"),
+        ({"input": ["hi"]}, "input[0]", "must be an object"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "must be one of"),
+        ({"input": [{"role": "user", "content": 3}]}, "input[0].content", "input[0].content"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id", "string"),
+        ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name", "string"),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+            "input[0].arguments",
+            "",
+        ),
+        ({"store": "yes"}, "store", "true or false"),
+        ({"instructions": ["be brief"]}, "instructions", "string"),
+        ({"previous_response_id": 7}, "previous_response_id", "string"),
+        ({"tools": {"type": "function", "name": "f"}}, "tools", "list"),
+        ({"tools": [{"type": "function"}]}, "tools[0].name", "name"),
+        ({"truncation": "sometimes"}, "truncation", "truncation"),
+        ({"reasoning": "high"}, "reasoning", "reasoning"),
+        ({"text": "plain"}, "text", "text"),
     ],
 )
 def test_what_the_chat_format_cannot_carry_is_refused_naming_the_parameter(patch, param, words):
@@ -323,11 +344,12 @@ def test_a_response_body_is_a_valid_openai_response(kind):
     assert (
         response.instructions == "Be brief." and response.max_output_tokens == 20 and response.tools[0].name == "lookup"
     )
+    # (temperature and top_p unset: the run's, which the response leaves null)
     assert (response.tool_choice, response.parallel_tool_calls, response.temperature, response.top_p) == (
         "auto",
         True,
-        1.0,
-        1.0,
+        None,
+        None,
     )
     assert (response.store, response.background, response.truncation, response.metadata) == (
         True,

@@ -9,13 +9,11 @@ completions come back as n choices, each recorded as its own branch of the conve
 A call's own sampling (`temperature`, `top_p`, `top_k`, `presence_penalty`, `frequency_penalty`,
 `seed`: `CallSampling`) is honoured with `env.sampling=call` (the default: agents keep the settings
 they were written with) and replaced by the run's with `env.sampling=run` (the call says which it
-overrode: the engine logs it once and counts it). The trainers score every token at the temperature
-it was sampled at; top-p / top-k truncation and the penalties change what the engine draws from but
-not the policy being trained: the engine's log-probs of what it drew are recorded per token, and the
-importance weights (algo.tis_cap, algo.decoupled_is_cap) correct for the difference
-(docs/environments.md). `stream=true` is answered with server-sent events in OpenAI's chunk format
-(`stream_events`), made from the same completion a plain call gets: what is recorded for training
-does not depend on it.
+overrode: the engine says it once and counts it). The trainers score every token at the temperature
+it was sampled at; greedy tokens, and tokens drawn with top-p / top-k / penalties unless the run
+weighs tokens by the engine's probability, are kept as context (`record.AgentRecord.add`).
+`stream=true` is answered with server-sent events in OpenAI's chunk format (`stream_events`), made
+from the same completion a plain call gets: what is recorded for training does not depend on it.
 
 `parse_tool_calls` reads the model's tool calls out of a completion into OpenAI `tool_calls`: Hermes
 style (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, Qwen's and Hermes' chat templates)
@@ -44,7 +42,6 @@ _IGNORED = (
     "tool_choice",
     "service_tier",
     "top_logprobs",
-    "response_format",
     "modalities",
     "reasoning_effort",
 )
@@ -80,16 +77,26 @@ class CallSampling:
     frequency_penalty: float = 0.0
     seed: int | None = None  # None: the run's seed for this call (step, trajectory, call number)
 
+    @property
+    def truncates(self) -> bool:
+        """Whether the engine draws from other than the whole vocabulary at the temperature (what
+        the trainers score): top-p, top-k or a penalty."""
+        return self.top_p < 1.0 or self.top_k > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
 
 # (key, check, what it must be) of each sampling parameter a call may set
+# (finite numbers only: JSON's Infinity and NaN compare false to every bound)
 _SAMPLING_KEYS = (
     ("temperature", lambda v: 0.0 <= v <= 2.0, "a number in [0, 2]"),
     ("top_p", lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
-    ("top_k", lambda v: v == int(v) and v >= -1, "an integer >= -1 (-1 or 0: off)"),
+    ("top_k", lambda v: isinstance(v, int) and -1 <= v < 2**31, "an integer >= -1 (-1 or 0: off)"),
     ("presence_penalty", lambda v: -2.0 <= v <= 2.0, "a number in [-2, 2]"),
     ("frequency_penalty", lambda v: -2.0 <= v <= 2.0, "a number in [-2, 2]"),
-    ("seed", lambda v: v == int(v), "an integer"),
+    # the engine seeds a torch.Generator with it (at most 2^64 - 1; -1 would mean unseeded)
+    ("seed", lambda v: isinstance(v, int) and 0 <= v < 2**63, "an integer in [0, 2^63)"),
 )
+# vLLM samples greedily below this temperature (its _SAMPLING_EPS): such a call is greedy here too.
+GREEDY_BELOW = 1e-5
 
 
 def parse_sampling(body: Mapping[str, Any], mode: str) -> tuple[CallSampling, list[str]]:
@@ -107,7 +114,13 @@ def parse_sampling(body: Mapping[str, Any], mode: str) -> tuple[CallSampling, li
     top_k = int(given.get("top_k", 0))
     return (
         CallSampling(
-            temperature=float(given["temperature"]) if "temperature" in given else None,
+            temperature=(
+                None
+                if "temperature" not in given
+                else 0.0
+                if given["temperature"] < GREEDY_BELOW
+                else float(given["temperature"])
+            ),
             top_p=float(given.get("top_p", 1.0)),
             top_k=0 if top_k < 0 else top_k,
             presence_penalty=float(given.get("presence_penalty", 0.0)),
@@ -157,6 +170,11 @@ def parse_request(body: Any, model_name: str, sampling: str = "call") -> ChatCal
     for key in ("logit_bias",):
         if body.get(key):
             raise ChatAPIError(400, f"{key} changes what the policy samples, which training could not correct for", key)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ChatAPIError(
+            400, "structured output is not supported: response_format may only be {'type': 'text'}", "response_format"
+        )
     unknown = sorted(
         k
         for k in body
@@ -179,6 +197,7 @@ def parse_request(body: Any, model_name: str, sampling: str = "call") -> ChatCal
             "stream",
             "stream_options",
             "logit_bias",
+            "response_format",
             *_IGNORED,
         )
     )

@@ -125,7 +125,7 @@ class ChatServer:
         response_id = f"resp_{secrets.token_hex(16)}"
         if call.store:
             with self._lock:
-                if trajectory_id in self._keys:  # (a rollout that ended meanwhile keeps nothing)
+                if trajectory_id in self._keys:  # (a call answered as the next rollout's keys came: not kept)
                     self._responses[response_id] = (trajectory_id, conversation_messages(call, completion))
         return response_body(call, completion, response_id)
 

@@ -11,16 +11,21 @@ engine's own ids. A call that extends no sequence starts a new one (a second con
 history the agent rewrote) and is counted as unmerged; every sequence trains, with the
 trajectory's reward (`trained_sequences`).
 
-Branches: a call extends the conversation as it was when the call was made (`admit`'s ticket). Two
-calls extending one conversation at once (an agent forking its history, a tree search) and the n
-completions of a call with n > 1 each become a sequence of their own: the first extends the
-conversation, each other one starts as a copy of the conversation up to where the call branched
-(the same prompt, so shared-prompt training packs them together) and is counted in `branches`.
+Branches: a call continues a sequence from the last call boundary its prompt shares with it (the end
+of the sequence's first prompt or of one of its completions; `admit`'s ticket holds it). Where that is
+the sequence's end, the call extends it; elsewhere -- two calls extending one conversation at once
+(best-of-n, a tree search), an agent going back to an earlier point, a chat template that renders
+earlier turns differently, the n completions of a call with n > 1 -- the call becomes a sequence of
+its own, a copy of the shared history up to the boundary (the same prompt, so shared-prompt training
+packs them together), counted in `branches`; what its prompt holds after the boundary is context.
 
 Per token, the temperature it was sampled at (`TokenSequence.temperatures`; 0 where the run's
 setting applies: context, and calls that set none): the trainers score each token at it. A token
-picked greedily (temperature 0) was drawn from no distribution a policy gradient could weigh: it
-stays in the sequence as context (loss mask 0) and is counted in `greedy_tokens`.
+picked greedily (temperature 0) was drawn from no distribution a policy gradient could weigh, and one
+drawn with top-p / top-k / penalties from a distribution the trainers do not score (the whole
+vocabulary at the temperature): these stay in the sequence as context (loss mask 0), counted in
+`greedy_tokens` / `truncated_sampling_tokens` -- the latter are trained when the run corrects for the
+engine's distribution with importance weights (`train_truncated_sampling`).
 """
 
 from __future__ import annotations
@@ -65,13 +70,18 @@ class TokenSequence:
     temperatures: list[float] = field(default_factory=list)
     calls: int = 0
     last_hit_length: bool = False
+    call_ends: list[int] = field(default_factory=list)  # token positions where each completion ended
 
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
-    def extended_by(self, prompt_ids: Sequence[int]) -> bool:
-        whole = self.tokens()
-        return len(prompt_ids) >= len(whole) and list(prompt_ids[: len(whole)]) == whole
+    def boundary_in(self, prompt_ids: Sequence[int]) -> int | None:
+        """The last call boundary up to which `prompt_ids` holds this sequence's tokens (the end of
+        its first prompt or of a completion); None when the prompt does not start with its first prompt."""
+        whole, n = self.tokens(), min(len(prompt_ids), len(self.tokens()))
+        same = next((k for k in range(n) if whole[k] != prompt_ids[k]), n)
+        ends = [b for b in (len(self.prompt_ids), *self.call_ends) if b <= same]
+        return max(ends) if ends else None
 
 
 @dataclass
@@ -83,6 +93,8 @@ class AgentCounts(TrajectoryCounts):
     unmerged_calls: int = 0  # calls that started a new sequence after the first
     branches: int = 0  # sequences begun as a copy of another's history (forked calls, n > 1)
     greedy_tokens: int = 0  # tokens of temperature-0 calls: context, not trained on
+    # tokens drawn with top-p / top-k / penalties (the engine's distribution, not the trained policy's)
+    truncated_sampling_tokens: int = 0
     refused_calls: int = 0  # calls answered with an error (bad parameters, no budget left)
     sampling_overridden: int = 0  # env.sampling=run: calls whose own sampling settings were replaced
     agent_errors: int = 0  # the agent function raised
@@ -99,26 +111,33 @@ class Branch:
     the first extends the sequence if nothing has since, every other one is a branch."""
 
     sequence: TokenSequence | None
-    length: int
+    length: int  # the boundary the call continues from
     calls: int = 1  # completions asked for (n)
 
 
 class AgentRecord:
     """Trajectory `index`: its sequences, in the order they began."""
 
-    def __init__(self, index: int, limits: AgentLimits):
+    def __init__(self, index: int, limits: AgentLimits, train_truncated_sampling: bool = False):
         self.index = index
         self.limits = limits
+        # top-p / top-k / penalised tokens trained (the run corrects with importance weights) or context
+        self.train_truncated_sampling = train_truncated_sampling
         self.sequences: list[TokenSequence] = []
         self.counts = AgentCounts()
         self._in_flight = 0  # completions admitted and not yet recorded (an agent may make several calls at once)
 
-    def _extended(self, prompt_ids: Sequence[int]) -> TokenSequence | None:
-        # The longest sequence the prompt extends (a later conversation may have grown from it).
-        best = None
+    def _origin(self, prompt_ids: Sequence[int]) -> tuple[TokenSequence, int] | None:
+        """The sequence a call with this prompt continues and the boundary it continues from: the
+        furthest one of any sequence (its end where the prompt extends it: no copy); None: the
+        prompt shares no sequence's first prompt."""
+        best: tuple[TokenSequence, int] | None = None
         for seq in self.sequences:
-            if seq.extended_by(prompt_ids) and (best is None or len(seq.tokens()) > len(best.tokens())):
-                best = seq
+            b = seq.boundary_in(prompt_ids)
+            if b is None or (best is not None and b < best[1]):
+                continue
+            if best is None or b > best[1] or (b == len(seq.tokens()) and best[1] != len(best[0].tokens())):
+                best = (seq, b)
         return best
 
     def admit(self, prompt_ids: Sequence[int], requested: int | None, n: int = 1) -> tuple[int, Branch]:
@@ -128,8 +147,8 @@ class AgentRecord:
         to `done` when the call is answered or failed. CallRefused when it may not be made."""
         tokens = self.budget(prompt_ids, requested, n)
         self._in_flight += n
-        seq = self._extended(prompt_ids)
-        return tokens, Branch(seq, len(seq.tokens()) if seq is not None else 0, n)
+        origin = self._origin(prompt_ids)
+        return tokens, Branch(*(origin or (None, 0)), n)
 
     def done(self, branch: Branch) -> None:
         """A call `admit` let through was answered (its completions recorded with `add`) or failed."""
@@ -146,7 +165,8 @@ class AgentRecord:
                 if n > 1
                 else f"this trajectory made its {lim.max_calls} calls (env.max_calls)"
             )
-        seq = self._extended(prompt_ids)
+        origin = self._origin(prompt_ids)
+        seq = origin[0] if origin is not None else None
         if seq is None:
             if len(prompt_ids) > lim.max_prompt_tokens:
                 raise CallRefused(
@@ -174,6 +194,8 @@ class AgentRecord:
             seq.logprobs[:r],
             seq.loss_mask[:r],
             seq.temperatures[:r],
+            calls=sum(end <= length for end in seq.call_ends),
+            call_ends=[end for end in seq.call_ends if end <= length],
         )
         self.sequences.append(copy)
         self.counts.branches += 1
@@ -181,12 +203,13 @@ class AgentRecord:
 
     def _sequence_for(self, prompt_ids: list[int], branch: Branch | None) -> TokenSequence | None:
         """The sequence a completion of this prompt extends (None: it starts a new one)."""
-        if branch is None:  # recorded without admission: whatever the prompt extends now
-            return self._extended(prompt_ids)
+        if branch is None:  # recorded without admission: where the prompt continues from now
+            origin = self._origin(prompt_ids)
+            branch = Branch(*(origin or (None, 0)))
         seq = branch.sequence
         if seq is None:  # the call starts a conversation: its first completion does, the others branch from it
             return None
-        if len(seq.tokens()) != branch.length:  # extended since the call was made: this one is a branch
+        if len(seq.tokens()) != branch.length:  # it goes on past the boundary (since, or already): a branch
             return self._branch_off(seq, branch.length)
         return seq
 
@@ -198,9 +221,12 @@ class AgentRecord:
         hit_length: bool,
         temperature: float | None = None,
         branch: Branch | None = None,
+        truncated_sampling: bool = False,
     ) -> None:
         """One finished completion, exactly as the engine generated it; `temperature`: the one it was
-        sampled at when the call set one (None: the run's; 0: greedy, kept as context)."""
+        sampled at when the call set one (None: the run's; 0: greedy, kept as context);
+        `truncated_sampling`: drawn with top-p / top-k / penalties (counted; context unless
+        `train_truncated_sampling`)."""
         if len(completion_ids) != len(logprobs):
             raise ValueError(
                 f"call of trajectory {self.index}: {len(completion_ids)} tokens but {len(logprobs)} log-probs"
@@ -222,16 +248,20 @@ class AgentRecord:
             seq.temperatures.extend([0.0] * len(context))
             self.counts.observation_tokens += len(context)
         greedy = temperature is not None and temperature <= 0.0
+        context_only = greedy or (truncated_sampling and not self.train_truncated_sampling)
         seq.response_ids.extend(int(t) for t in completion_ids)
         seq.logprobs.extend(float(x) for x in logprobs)
-        seq.loss_mask.extend([0 if greedy else 1] * len(completion_ids))
+        seq.loss_mask.extend([0 if context_only else 1] * len(completion_ids))
         seq.temperatures.extend([0.0 if temperature is None or greedy else float(temperature)] * len(completion_ids))
         seq.calls += 1
+        seq.call_ends.append(len(seq.tokens()))
         seq.last_hit_length = hit_length
         self.counts.calls += 1
         self.counts.completion_tokens += len(completion_ids)
         if greedy:
             self.counts.greedy_tokens += len(completion_ids)
+        elif truncated_sampling:
+            self.counts.truncated_sampling_tokens += len(completion_ids)
 
     def trained_sequences(self, fallback_prompt_ids: Sequence[int], eos_id: int) -> list[TokenSequence]:
         """The sequences the trajectory trains as, each with its reward. First the one holding the

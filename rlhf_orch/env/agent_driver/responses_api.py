@@ -90,6 +90,8 @@ def parse_responses_request(body: Any, history: list[dict[str, Any]] | None) -> 
     _refuse_what_chat_cannot_do(body)
 
     previous_response_id = body.get("previous_response_id")
+    if previous_response_id is not None and not isinstance(previous_response_id, str):
+        raise ChatAPIError(400, "previous_response_id must be a string", "previous_response_id")
     if previous_response_id is not None and history is None:
         raise ChatAPIError(404, f"previous response with id {previous_response_id!r} not found", "previous_response_id")
     instructions = body.get("instructions")
@@ -126,8 +128,9 @@ def parse_responses_request(body: Any, history: list[dict[str, Any]] | None) -> 
         "tools": list(body.get("tools") or []),
         "tool_choice": body.get("tool_choice") if body.get("tool_choice") is not None else "auto",
         "parallel_tool_calls": body.get("parallel_tool_calls") if body.get("parallel_tool_calls") is not None else True,
-        "temperature": body.get("temperature") if body.get("temperature") is not None else 1.0,
-        "top_p": body.get("top_p") if body.get("top_p") is not None else 1.0,
+        # (unset: the run's, which this layer does not know; the type allows null)
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
         "max_output_tokens": max_output_tokens,
         "metadata": body.get("metadata") or {},
         "text": {"format": {"type": "text"}} | dict(text or {}),
@@ -176,6 +179,7 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
     if not isinstance(items, list) or not items:
         raise ChatAPIError(400, "input must be a string or a non-empty list of input items", "input")
     messages: list[dict[str, Any]] = []
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn it precedes
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, Mapping):
@@ -186,6 +190,8 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
             if role not in _ROLES:
                 raise ChatAPIError(400, f"{where}.role={role!r} must be one of {', '.join(_ROLES)}", f"{where}.role")
             messages.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            if role == "assistant" and reasoning is not None:
+                messages[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call":
             call = {
                 "id": _string_field(item, "call_id", where),
@@ -198,10 +204,12 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
             # Parallel calls (and the text before them) are one assistant turn in the chat format: the
             # model wrote them in one completion, which the chat template renders as one message.
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and reasoning is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if reasoning is not None:
+                    messages[-1]["reasoning_content"], reasoning = reasoning, None
         elif kind == "function_call_output":
             messages.append(
                 {
@@ -211,10 +219,12 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
                 }
             )
         elif kind == "reasoning":
-            # Dropped: the chat template renders the assistant turn from its content and tool calls
-            # (and decides itself whether past reasoning is shown), as for a chat-completions agent that
-            # sends back its messages; the stored history (`conversation_messages`) has none either.
-            continue
+            # The reasoning of the assistant turn that follows, as its `reasoning_content` (what the
+            # chat completion answered it with): a template that renders past reasoning (Qwen3 within
+            # a tool loop) then renders the turn as the model wrote it, and the call extends the sequence.
+            parts = item.get("content") or item.get("summary") or []
+            texts = [p.get("text") for p in parts if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+            reasoning = "".join(texts)
         else:
             raise ChatAPIError(400, f"{where}: input items of type {kind!r} are not supported", f"{where}.type")
     return messages
@@ -278,6 +288,8 @@ def conversation_messages(call: ResponsesCall, completion: Mapping[str, Any]) ->
         messages = messages[1:]
     message = completion["choices"][0]["message"]
     assistant: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("reasoning_content") is not None:
+        assistant["reasoning_content"] = message["reasoning_content"]
     if message.get("tool_calls"):
         assistant["tool_calls"] = [dict(c) | {"function": dict(c["function"])} for c in message["tool_calls"]]
     return messages + [assistant]
