@@ -77,15 +77,6 @@ class _Pending:
     future: Future
 
 
-_SAID: set[str] = set()  # the notices this engine's process printed (once per run: one engine, one process)
-
-
-def say_once(key: str, line: str) -> None:
-    if key not in _SAID:
-        _SAID.add(key)
-        print(line, flush=True)
-
-
 @dataclass
 class TrajectoryResult:
     index: int
@@ -219,10 +210,8 @@ class AgentRolloutSession:
         with self._lock:
             if not self._open:
                 raise ChatAPIError(410, "the rollout ended", kind="gone")
-            if call.overridden:
+            if call.overridden:  # (the driver says so once: AgentEnv.notices)
                 record.counts.sampling_overridden += 1
-                self._say_overridden(call.overridden)
-            self._say_context_only(call, record)
             try:
                 # Admitted and counted under the lock the record is written under: calls made at
                 # once see each other (env.max_calls; the conversation each one branches from).
@@ -282,33 +271,6 @@ class AgentRolloutSession:
             call.tools,
             self.reasoning_parser,
         )
-
-    def _say_overridden(self, keys: list[str]) -> None:
-        """env.sampling=run: one line the first time (in this engine's process) a call's setting is
-        replaced; then only counted (env/sampling_overridden)."""
-        say_once(
-            f"overridden:{','.join(keys)}",
-            f"env.sampling=run: agents' {', '.join(keys)} replaced by the run's sampling "
-            f"(temperature {self.temperature:g}, whole vocabulary, no penalties); "
-            "env.sampling=call honours them (counted in env/sampling_overridden)",
-        )
-
-    def _say_context_only(self, call: Any, record: AgentRecord) -> None:
-        """A call whose tokens stay context (greedy; top-p / top-k / penalties without importance
-        weights): said once per engine process, then only counted."""
-        if call.sampling.temperature == 0.0:
-            say_once(
-                "greedy",
-                "env=agent: a call at temperature 0 is greedy: its tokens stay context, not trained on "
-                "(env/greedy_tokens); env.sampling=run samples it at the run's temperature",
-            )
-        elif call.sampling.truncates and not record.train_truncated_sampling:
-            say_once(
-                "truncated",
-                "env=agent: a call with top_p / top_k / penalties draws from a distribution the trainers do not "
-                "score: its tokens stay context (env/truncated_sampling_tokens) unless algo.tis_cap or "
-                "algo.decoupled_is_cap corrects for it; env.sampling=run samples it at the run's settings",
-            )
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         kwargs = {"tools": tools} if tools else {}

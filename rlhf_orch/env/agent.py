@@ -131,6 +131,39 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
         )
         return metrics
 
+    # (metric, the line said the first step it is non-zero): tokens that did not train as the agent sampled them
+    _NOTICES: ClassVar[tuple[tuple[str, str], ...]] = (
+        (
+            "env/sampling_overridden",
+            "env.sampling=run: agents' own sampling settings replaced by the run's (env/sampling_overridden); "
+            "env.sampling=call honours them",
+        ),
+        (
+            "env/greedy_tokens",
+            "env=agent: calls at temperature 0 are greedy: their tokens are context, not trained on "
+            "(env/greedy_tokens); env.sampling=run samples them at the run's temperature",
+        ),
+        (
+            "env/truncated_sampling_tokens",
+            "env=agent: calls with top_p / top_k / penalties draw from a distribution the trainers do not score: "
+            "their tokens are context (env/truncated_sampling_tokens) unless algo.tis_cap or algo.decoupled_is_cap "
+            "corrects for it; env.sampling=run samples them at the run's settings",
+        ),
+    )
+
+    def notices(self, metrics: dict[str, float]) -> list[str]:
+        said = self.__dict__.setdefault("_said", set())
+        lines = []
+        for key, line in self._NOTICES:
+            if metrics.get(key, 0.0) > 0 and key not in said:
+                if key == "env/truncated_sampling_tokens" and (
+                    "policy/tis_weight" in metrics or "policy/decoupled_weight" in metrics
+                ):
+                    continue  # (trained: the run weighs tokens by the engine's probability)
+                said.add(key)
+                lines.append(line)
+        return lines
+
     def describe(self) -> list[str]:
         return [
             f"env: agent {self.name} from {self.path}, served as model {self.served_model_name!r}, up to {self.max_calls} calls "

@@ -156,6 +156,10 @@ class EnvGroup(abc.ABC):
         """A rollout's env counters (summed over its trajectories) as the step's `env/...` metrics."""
         return {}
 
+    def notices(self, metrics: dict[str, float]) -> list[str]:
+        """Console lines a step's `env/...` metrics call for (each said once per run, by the driver)."""
+        return []
+
     def make(self, prompt: Prompt) -> TextEnv:
         """This trajectory's environment (multi-turn options only)."""
         raise NotImplementedError(f"{type(self).__name__} makes no environments (single-turn rollouts)")

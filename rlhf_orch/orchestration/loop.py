@@ -468,6 +468,8 @@ class TrainLoop:
         env_stats, env_metrics = delivery.meta.env_stats_total(), delivery.meta.env_metrics_list()
         if env_stats and self.env is not None:
             metrics.update(self.env.metrics(env_stats))
+            for line in self.env.notices(metrics):
+                print(line, flush=True)
         if env_metrics and self.env is not None:
             metrics.update(self.env.aggregate(env_metrics))
         if delivery.meta.model_rewards is not None:

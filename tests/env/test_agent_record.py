@@ -438,3 +438,14 @@ def test_n_choices_stream_each_at_its_index_and_add_up_to_the_merged_completion(
             else:
                 message[key] = value
     assert [messages[k] for k in (0, 1)] == [c["message"] for c in merged["choices"]]
+
+
+def test_the_driver_says_once_per_run_what_did_not_train_as_sampled():
+    env = AgentEnv(path="scripts/examples/openai_agent.py", name="three_tries")
+    step = env.metrics({"trajectories": 4.0, "sampling_overridden": 2.0, "greedy_tokens": 6.0})
+    first = env.notices(step)
+    assert [line.split(":")[0] for line in first] == ["env.sampling=run", "env=agent"]
+    assert "greedy" in first[1] and env.notices(step) == []  # once per run
+    truncated = env.metrics({"trajectories": 4.0, "truncated_sampling_tokens": 9.0})
+    assert env.notices(truncated | {"policy/tis_weight": 0.9}) == []  # trained: importance-weighted
+    assert "top_p" in env.notices(truncated)[0]
