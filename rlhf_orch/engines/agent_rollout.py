@@ -224,10 +224,11 @@ class AgentRolloutSession:
             pending = []
             for k in range(call.n):
                 key, self._next_key = self._next_key, self._next_key + 1
-                own = call.sampling.seed
-                # The call's own seed, made the trajectory's: a group's trajectories asking for one seed
-                # would otherwise draw the same tokens and teach nothing. Reproducible all the same.
-                seed = turn_seed(self.step_seed if own is None else own, record.index, number + k if own is None else k)
+                if call.sampling.seed is None:  # the run's: from the step, the trajectory and its call number
+                    seed = turn_seed(self.step_seed, record.index, number + k)
+                else:  # the call's own, made the trajectory's: a group's trajectories asking for one seed
+                    # would otherwise draw the same tokens and teach nothing (reproducible all the same)
+                    seed = turn_seed(call.sampling.seed, record.index, k)
                 pending.append(
                     _Pending(key, record.index, prompt_ids, max_tokens, seed, call.stop, call.sampling, Future())
                 )

@@ -57,6 +57,7 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
         check_reasoning_parser("env.reasoning_parser", self.reasoning_parser)
         if self.host not in HOSTS:
             raise EnvError(f"env.host={self.host!r}: must be one of {', '.join(HOSTS)}")
+        self._said: set[str] = set()  # the notices this run's driver has printed (`notices`)
 
     def load(self) -> Callable[..., Any]:
         """The agent function (its file imported once per process); EnvError naming file and line."""
@@ -152,15 +153,14 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
     )
 
     def notices(self, metrics: dict[str, float]) -> list[str]:
-        said = self.__dict__.setdefault("_said", set())
         lines = []
         for key, line in self._NOTICES:
-            if metrics.get(key, 0.0) > 0 and key not in said:
+            if metrics.get(key, 0.0) > 0 and key not in self._said:
                 if key == "env/truncated_sampling_tokens" and (
                     "policy/tis_weight" in metrics or "policy/decoupled_weight" in metrics
                 ):
                     continue  # (trained: the run weighs tokens by the engine's probability)
-                said.add(key)
+                self._said.add(key)
                 lines.append(line)
         return lines
 

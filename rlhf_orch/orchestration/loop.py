@@ -73,9 +73,8 @@ class LoopSettings:
     engines_sleep: bool  # engine.sleep_level > 0: idle engines release their GPU memory
     min_response_len: int  # algo.min_response_len
     train_batch_size: int  # algo.train_batch_size: sequences per optimizer step (0: no floor on micro-batches)
-    corrects_engine_sampling: bool = (
-        False  # algo.tis_cap or algo.decoupled_is_cap set: weights by the engine's probability
-    )
+    # algo.tis_cap or algo.decoupled_is_cap set: the trainers weigh tokens by the engine's probability
+    corrects_engine_sampling: bool
 
 
 # Quantities that must stay finite; a NaN or inf in any of them stops the run (`non_finite`).

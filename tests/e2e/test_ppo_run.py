@@ -187,6 +187,7 @@ def test_engine_restart_budget_is_a_hard_limit():
         engines_sleep=False,
         min_response_len=0,
         train_batch_size=0,
+        corrects_engine_sampling=False,
     )
     fleet.restart_log, fleet.closing = {3: [1.0], 5: [1.0]}, False
     fleet._replacing, fleet.trainers, fleet._pushing, fleet.pipeline = (

@@ -27,7 +27,7 @@ from rlhf_orch.env.agent import AgentEnv
 from rlhf_orch.env.custom import CustomEnv
 from rlhf_orch.logging.base import read_metrics
 from rlhf_orch.orchestration.session import run_training
-from rlhf_orch.transfer.batch import LOSS_MASK
+from rlhf_orch.transfer.batch import LOSS_MASK, SAMPLING_TEMPERATURE
 from rlhf_orch.transfer.engine_side import RolloutJob
 from rlhf_orch.transfer.plan import whole_prompt_requests
 from tests.conftest import SHARED_RAY, compose_config
@@ -100,15 +100,36 @@ def _digit_prompts(tokenizer, n: int):
     return task.sample_prompts(n)
 
 
-def _assert_trainer_logprobs_equal_the_engine_s(model, s) -> None:
-    """The trainer's model over the whole sequence scores the model's tokens (loss mask 1) as the
-    engine did when it sampled them."""
+def _trainer_logprobs(model, s) -> torch.Tensor:
+    """The trainer's model over the whole sequence: each response token's log-prob, at the
+    temperature it was sampled at (its `sampling_temperature`; 0 or none: the run's, 1 here)."""
     full = torch.cat([s.prompt_ids, s.response_ids]).long()
     with torch.no_grad():
         logits = model(full[None]).logits[0, len(s.prompt_ids) - 1 : -1]
-    trainer = torch.log_softmax(logits, -1).gather(-1, s.response_ids[:, None].long())[:, 0]
+    own = s.fields.get(SAMPLING_TEMPERATURE)
+    scored = torch.ones(len(s.response_ids)) if own is None else torch.where(own > 0, own, torch.ones_like(own))
+    return torch.log_softmax(logits / scored[:, None], -1).gather(-1, s.response_ids[:, None].long())[:, 0]
+
+
+def _assert_trainer_logprobs_equal_the_engine_s(model, s) -> None:
+    """The trainer's model over the whole sequence scores the model's tokens (loss mask 1) as the
+    engine did when it sampled them."""
+    trainer = _trainer_logprobs(model, s)
     keep = s.fields[LOSS_MASK].bool()
     assert torch.allclose(trainer[keep], s.engine_logprobs[keep], atol=TOLERANCE)
+
+
+def _agent_job(prompts, env, samples_per_prompt: int) -> RolloutJob:
+    """A rollout of `env` (an AgentEnv) over `prompts`, at temperature 1 with 40 tokens per trajectory."""
+    return RolloutJob(
+        prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)},
+        prompts=dict(enumerate(prompts)),
+        samples_per_prompt=samples_per_prompt,
+        max_tokens=40,
+        temperature=1.0,
+        scorer=None,
+        env=env,
+    )
 
 
 def test_trajectories_keep_the_engines_tokens_and_mask_observations(engine, env_file, tiny_model_path):
@@ -198,15 +219,7 @@ def test_an_openai_agent_s_calls_train_as_the_engine_generated_them(engine, tiny
     path = tmp_path / "agent.py"
     path.write_text(AGENT_LOG.format(examples=str(Path(EXAMPLE_AGENT).parent), log=str(log)))
     env = AgentEnv(path=str(path), name="three_tries_logged", max_tokens_per_turn=8, prompt_max_len=32)
-    job = RolloutJob(
-        prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)},
-        prompts=dict(enumerate(prompts)),
-        samples_per_prompt=2,
-        max_tokens=40,
-        temperature=1.0,
-        scorer=None,
-        env=env,
-    )
+    job = _agent_job(prompts, env, samples_per_prompt=2)
     ray.get(engine.reseed.remote(5))
     samples, _ = ray.get(engine.produce_samples.remote(whole_prompt_requests(range(3), 2), job))
     seen = [json.loads(line) for line in log.read_text().splitlines()]
@@ -257,34 +270,20 @@ def test_calls_at_their_own_sampling_train_at_it_on_a_real_engine(engine, tiny_m
     having none, are context too."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_orch.transfer.batch import SAMPLING_TEMPERATURE
-
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, torch_dtype=torch.float32).eval()
     prompts = _digit_prompts(tokenizer, 2)
     path = tmp_path / "agent.py"
     path.write_text(OWN_SAMPLING.format())
     env = AgentEnv(path=str(path), name="own_sampling", max_tokens_per_turn=8, prompt_max_len=32)
-    job = RolloutJob(
-        prompt_ids={i: list(p.prompt_ids) for i, p in enumerate(prompts)},
-        prompts=dict(enumerate(prompts)),
-        samples_per_prompt=1,
-        max_tokens=40,
-        temperature=1.0,
-        scorer=None,
-        env=env,
-    )
+    job = _agent_job(prompts, env, samples_per_prompt=1)
     ray.get(engine.reseed.remote(5))
     samples, _ = ray.get(engine.produce_samples.remote(whole_prompt_requests(range(2), 1), job))
     assert len(samples) == 2 * 4  # per trajectory: the two choices (one extended), the greedy call, the top-p one
     top_p_gaps = []
     for s in samples:
-        full = torch.cat([s.prompt_ids, s.response_ids]).long()
-        with torch.no_grad():
-            logits = model(full[None]).logits[0, len(s.prompt_ids) - 1 : -1]
         temperature = s.fields[SAMPLING_TEMPERATURE]
-        scored = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-        trainer = torch.log_softmax(logits / scored[:, None], -1).gather(-1, s.response_ids[:, None].long())[:, 0]
+        trainer = _trainer_logprobs(model, s)  # each token at its own temperature
         keep = s.fields[LOSS_MASK].bool()
         assert torch.all(temperature[keep] > 0)  # only the calls at their own temperatures train
         assert {round(t, 3) for t in temperature[keep].tolist()} <= {0.6, 1.4}

@@ -73,6 +73,7 @@ def _loop(task: _Task, actors=None, sync=None, pipeline=None) -> TrainLoop:
         engines_sleep=False,
         min_response_len=0,
         train_batch_size=0,
+        corrects_engine_sampling=False,
     )
     actors = actors or SimpleNamespace(engines=[], policy=[], critic=[], reference=[], own_reference=[], reward=[])
     loop = TrainLoop(actors, task, None, None, sync, instantiate(cfg.algo), settings, None, pipeline or SyncPipeline())
