@@ -449,3 +449,41 @@ def test_the_driver_says_once_per_run_what_did_not_train_as_sampled():
     truncated = env.metrics({"trajectories": 4.0, "truncated_sampling_tokens": 9.0})
     assert env.notices(truncated | {"policy/tis_weight": 0.9}) == []  # trained: importance-weighted
     assert "top_p" in env.notices(truncated)[0]
+
+
+def test_a_responses_agent_s_chained_calls_extend_one_sequence_on_smollm2_s_chat_template(smollm2_tokenizer):
+    """SmolLM2's real ChatML template: a Responses API call, then one chained on it by
+    previous_response_id (with instructions both times), render so that the second prompt holds the
+    first prompt and the model's own tokens (its answer and <|im_end|>): one sequence, the user's
+    new turn as context; the first question asked again branches at the first prompt's end."""
+    from rlhf_orch.env.agent_driver.chat_api import completion_body
+    from rlhf_orch.env.agent_driver.responses_api import conversation_messages, parse_responses_request
+    from rlhf_orch.env.observations import token_ids
+
+    tok = smollm2_tokenizer
+
+    def render(call):
+        messages = parse_request(call.chat_body | {"model": "policy"}, "policy").messages
+        return token_ids(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+    limits = AgentLimits(max_prompt_tokens=200, max_response_tokens=200, max_tokens_per_call=20, max_calls=8)
+    r = AgentRecord(0, limits)
+    first = parse_responses_request({"model": "policy", "instructions": "Be brief.", "input": "2+3?"}, None)
+    prompt1 = render(first)
+    answer = tok("5", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    r.add(prompt1, answer, [-0.1] * len(answer), hit_length=False)
+    history = conversation_messages(first, completion_body("policy", "5", "stop", len(prompt1), len(answer), "none"))
+    second = parse_responses_request(
+        {"model": "policy", "instructions": "Be brief.", "previous_response_id": "resp_1", "input": "And 2+4?"}, history
+    )
+    prompt2 = render(second)
+    r.add(prompt2, answer, [-0.2] * len(answer), hit_length=False)
+    (seq,) = r.sequences
+    assert seq.prompt_ids == prompt1 and seq.response_ids[: len(answer)] == answer
+    context = tok.decode(seq.response_ids[len(answer) : len(prompt2) - len(prompt1)])
+    assert "And 2+4?" in context and "Be brief." not in context  # the new turn, the instructions once
+    assert (r.counts.unmerged_calls, r.counts.branches) == (0, 0)
+    # the first question asked again (a regenerated answer): a branch at the first prompt's end
+    r.add(render(first), answer, [-0.3] * len(answer), hit_length=False)
+    assert (r.counts.unmerged_calls, r.counts.branches) == (0, 1)
+    assert r.sequences[1].prompt_ids == prompt1 and r.sequences[1].response_ids == answer
