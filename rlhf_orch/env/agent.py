@@ -113,6 +113,8 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
             "env/greedy_tokens": stats.get("greedy_tokens", 0.0),  # temperature-0 calls' tokens: context only
             # drawn with top-p / top-k / penalties: scored over the whole vocabulary (importance weights correct)
             "env/truncated_sampling_tokens": stats.get("truncated_sampling_tokens", 0.0),
+            # ... of which context only: the run weighs no token by the engine's probability
+            "env/truncated_sampling_context_tokens": stats.get("truncated_sampling_context_tokens", 0.0),
             "env/sampling_overridden": stats.get("sampling_overridden", 0.0),  # env.sampling=run
             "env/agent_errors": stats.get("agent_errors", 0.0),
             "env/agent_timeouts": stats.get("agent_timeouts", 0.0),
@@ -145,9 +147,9 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
             "(env/greedy_tokens); env.sampling=run samples them at the run's temperature",
         ),
         (
-            "env/truncated_sampling_tokens",
+            "env/truncated_sampling_context_tokens",
             "env=agent: calls with top_p / top_k / penalties draw from a distribution the trainers do not score: "
-            "their tokens are context (env/truncated_sampling_tokens) unless algo.tis_cap or algo.decoupled_is_cap "
+            "their tokens are context (env/truncated_sampling_context_tokens) unless algo.tis_cap or algo.decoupled_is_cap "
             "corrects for it; env.sampling=run samples them at the run's settings",
         ),
     )
@@ -156,10 +158,6 @@ class AgentEnv(AgentEnvConfig, EnvGroup):
         lines = []
         for key, line in self._NOTICES:
             if metrics.get(key, 0.0) > 0 and key not in self._said:
-                if key == "env/truncated_sampling_tokens" and (
-                    "policy/tis_weight" in metrics or "policy/decoupled_weight" in metrics
-                ):
-                    continue  # (trained: the run weighs tokens by the engine's probability)
                 self._said.add(key)
                 lines.append(line)
         return lines

@@ -214,6 +214,7 @@ def test_truncated_sampling_trains_only_where_the_run_corrects_for_it():
         r = AgentRecord(0, LIMITS, train_truncated_sampling=corrected)
         r.add([1, 2], [10, 3], [-0.1, -0.2], hit_length=False, truncated_sampling=True)
         assert r.sequences[0].loss_mask == mask and r.counts.truncated_sampling_tokens == 2
+        assert r.counts.truncated_sampling_context_tokens == (0 if corrected else 2)
 
 
 def test_greedy_tokens_stay_as_context():
@@ -446,9 +447,10 @@ def test_the_driver_says_once_per_run_what_did_not_train_as_sampled():
     first = env.notices(step)
     assert [line.split(":")[0] for line in first] == ["env.sampling=run", "env=agent"]
     assert "greedy" in first[1] and env.notices(step) == []  # once per run
-    truncated = env.metrics({"trajectories": 4.0, "truncated_sampling_tokens": 9.0})
-    assert env.notices(truncated | {"policy/tis_weight": 0.9}) == []  # trained: importance-weighted
-    assert "top_p" in env.notices(truncated)[0]
+    trained = env.metrics({"trajectories": 4.0, "truncated_sampling_tokens": 9.0})
+    assert env.notices(trained) == []  # trained: the run weighs them by the engine's probability
+    context = env.metrics({"trajectories": 4.0, "truncated_sampling_tokens": 9.0, "truncated_sampling_context_tokens": 9.0})
+    assert context["env/truncated_sampling_context_tokens"] == 9.0 and "top_p" in env.notices(context)[0]
 
 
 def test_a_responses_agent_s_chained_calls_extend_one_sequence_on_smollm2_s_chat_template(smollm2_tokenizer):

@@ -259,6 +259,7 @@ def test_n_choices_are_branches_and_a_call_s_sampling_reaches_the_engine(server,
     assert all(s.temperatures == [0.7, 0.7] and s.loss_mask == [0, 0] for s in seqs)
     assert (result.record.counts.calls, result.record.counts.branches) == (3, 2)
     assert result.record.counts.truncated_sampling_tokens == 6  # top_p 0.9 and a presence penalty
+    assert result.record.counts.truncated_sampling_context_tokens == 6  # (the run corrects for nothing)
 
 
 def test_the_engine_steps_an_agent_session_makes_count_for_the_engines_liveness(monkeypatch):

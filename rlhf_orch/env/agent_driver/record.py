@@ -95,6 +95,7 @@ class AgentCounts(TrajectoryCounts):
     greedy_tokens: int = 0  # tokens of temperature-0 calls: context, not trained on
     # tokens drawn with top-p / top-k / penalties (the engine's distribution, not the trained policy's)
     truncated_sampling_tokens: int = 0
+    truncated_sampling_context_tokens: int = 0  # of those, kept as context: the run does not correct for them
     refused_calls: int = 0  # calls answered with an error (bad parameters, no budget left)
     sampling_overridden: int = 0  # env.sampling=run: calls whose own sampling settings were replaced
     agent_errors: int = 0  # the agent function raised
@@ -262,6 +263,8 @@ class AgentRecord:
             self.counts.greedy_tokens += len(completion_ids)
         elif truncated_sampling:
             self.counts.truncated_sampling_tokens += len(completion_ids)
+            if context_only:
+                self.counts.truncated_sampling_context_tokens += len(completion_ids)
 
     def trained_sequences(self, fallback_prompt_ids: Sequence[int], eos_id: int) -> list[TokenSequence]:
         """The sequences the trajectory trains as, each with its reward. First the one holding the
