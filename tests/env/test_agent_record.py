@@ -449,7 +449,9 @@ def test_the_driver_says_once_per_run_what_did_not_train_as_sampled():
     assert "greedy" in first[1] and env.notices(step) == []  # once per run
     trained = env.metrics({"trajectories": 4.0, "truncated_sampling_tokens": 9.0})
     assert env.notices(trained) == []  # trained: the run weighs them by the engine's probability
-    context = env.metrics({"trajectories": 4.0, "truncated_sampling_tokens": 9.0, "truncated_sampling_context_tokens": 9.0})
+    context = env.metrics(
+        {"trajectories": 4.0, "truncated_sampling_tokens": 9.0, "truncated_sampling_context_tokens": 9.0}
+    )
     assert context["env/truncated_sampling_context_tokens"] == 9.0 and "top_p" in env.notices(context)[0]
 
 
