@@ -388,8 +388,9 @@ def test_help_lists_only_real_options_with_descriptions_and_examples():
     out = proc.stdout
     assert "schema" not in out.replace("(conf/<group>/<option>.yaml)", "")
     lines = out.splitlines()
-    # One screen: every group's options (12 groups since `env`) fit 90 lines.
-    assert max(len(line) for line in lines) <= config_help.WIDTH and len(lines) <= 90, (len(lines), out)
+    # One screen: every group's options (12 groups since `env`; ~75 options since model=smollm2_student)
+    # fit 100 lines.
+    assert max(len(line) for line in lines) <= config_help.WIDTH and len(lines) <= 100, (len(lines), out)
     listed = re.sub(r"\{([\w,]+)\}_(\w+)", lambda m: " ".join(f"{h}_{m[2]}" for h in m[1].split(",")), out)
     for group in config_help.groups():
         for option in config_help.options(group):

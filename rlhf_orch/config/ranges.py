@@ -292,6 +292,13 @@ RANGES: tuple[Range, ...] = (
     ),
     # ---- model
     ints("model.context_len", 1, "max positions the engines and trainers may use"),
+    ints(
+        "model.layers",
+        1,
+        "decoder layers a packaged model's student keeps (the first ones); null = the whole model",
+        nullable=True,
+        when=lambda c: hasattr(c.model, "gguf_file"),
+    ),
     ints("model.lora.rank", 0, "LoRA adapter rank; 0 = full fine-tuning", hi=VLLM_MAX_LORA_RANKS[-1]),
     reals(
         "model.lora.alpha",

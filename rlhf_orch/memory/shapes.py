@@ -220,19 +220,20 @@ def shape_of(model_cfg: Any) -> tuple[Optional[ModelShape], str]:
         ), "model config"
     gguf_file = getattr(model_cfg, "gguf_file", None)
     if isinstance(gguf_file, str):  # a packaged model: its built checkpoint, else its known config
-        from rlhf_orch.models.packaged import gguf_model_id
+        from rlhf_orch.models.packaged import packaged_model_dir
 
-        built = Path(model_cfg.cache_dir).expanduser() / gguf_model_id(
-            model_cfg.distribution, model_cfg.version, gguf_file
-        )
+        built = packaged_model_dir(model_cfg)
         if (built / "config.json").is_file():
             return _local_shape(built / "config.json"), str(built / "config.json")
         known = KNOWN_CONFIGS.get(Path(gguf_file).name)
-        return (
-            (ModelShape.from_config(known), f"published config of {Path(gguf_file).name}")
-            if known
-            else (None, f"{gguf_file} is not built yet")
-        )
+        if not known:
+            return None, f"{gguf_file} is not built yet"
+        layers = getattr(model_cfg, "layers", None)
+        if layers is None:
+            return ModelShape.from_config(known), f"published config of {Path(gguf_file).name}"
+        # a student: the file's model with its first `layers` decoder layers
+        student = {**known, "num_hidden_layers": min(layers, known["num_hidden_layers"])}
+        return ModelShape.from_config(student), f"published config of {Path(gguf_file).name}, first {layers} layers"
     name = getattr(model_cfg, "name_or_path", None)
     if not isinstance(name, str):
         return None, "the model option names no checkpoint"

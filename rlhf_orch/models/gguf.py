@@ -25,6 +25,7 @@ from pathlib import Path
 from rlhf_orch.models.base import ModelSource
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.models.cache import build_once
+from rlhf_orch.models.source_error import ModelSourceError
 from rlhf_orch.models.packaged import GGUF_BUILD_FORMAT_VERSION, check_packaged_gguf, gguf_model_id, packaged_file
 
 
@@ -40,19 +41,29 @@ class PackagedGGUFModel(ModelSource):
         gguf_file: str,
         cache_dir: str,
         lora: LoraSettings | None = None,
+        layers: int | None = None,
     ) -> None:
         super().__init__(context_len, dtype, lora)
         for key, value in (("distribution", distribution), ("version", version), ("gguf_file", gguf_file)):
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"model.{key} must name the package's {key}, got {value!r}")
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or layers < 1):
+            raise ValueError(f"model.layers must be >= 1 or null (the whole model), got {layers!r}")
         self.distribution = distribution
         self.version = version
         self.gguf_file = gguf_file
         self.cache_dir = Path(cache_dir).expanduser()
+        self.layers = layers
 
     @property
     def model_id(self) -> str:
-        return gguf_model_id(self.distribution, self.version, self.gguf_file)
+        return gguf_model_id(self.distribution, self.version, self.gguf_file, self.layers)
+
+    def whole(self) -> "PackagedGGUFModel":
+        """The file's whole model (the one a student keeps the first layers of)."""
+        return PackagedGGUFModel(
+            self.context_len, self.dtype, self.distribution, self.version, self.gguf_file, str(self.cache_dir)
+        )
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -65,6 +76,9 @@ class PackagedGGUFModel(ModelSource):
         return build_once(self.cache_dir, self.model_id, self._build)
 
     def _build(self, out_dir: Path) -> None:
+        if self.layers is not None:
+            self._build_student(out_dir)
+            return
         source = packaged_file(self.distribution, self.version, self.gguf_file)
         print(
             f"model: building {self.model_id} once from {source.name} ({self.distribution} {self.version}): "
@@ -92,6 +106,73 @@ class PackagedGGUFModel(ModelSource):
             file=sys.stderr,
             flush=True,
         )
+
+    def _build_student(self, out_dir: Path) -> None:
+        """The first `layers` decoder layers of the whole model's build (built first if it is not
+        in the cache), with its embeddings, final norm, head, tokenizer and chat template."""
+        started = time.perf_counter()
+        teacher_dir = Path(self.whole().path())
+        with quiet_gguf_progress():  # (transformers' loading and writing bars)
+            keep_first_layers(teacher_dir, out_dir, self.layers)
+        (out_dir / "build_info.json").write_text(
+            json.dumps(
+                {
+                    "distribution": self.distribution,
+                    "version": self.version,
+                    "gguf_file": self.gguf_file,
+                    "format": GGUF_BUILD_FORMAT_VERSION,
+                    "layers": self.layers,
+                    "from": teacher_dir.name,
+                    "build_seconds": round(time.perf_counter() - started, 2),
+                },
+                indent=1,
+            )
+        )
+        print(
+            f"model: {self.model_id} built from {teacher_dir.name}'s first {self.layers} layers",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+class StudentLayersError(ModelSourceError):
+    """model.layers asks for more decoder layers than the model has (refused with the run's other
+    input errors, before Ray starts: exit 2)."""
+
+
+def keep_first_layers(source_dir: Path, out_dir: Path, layers: int) -> None:
+    """Write to `out_dir` the checkpoint in `source_dir` with only its first `layers` decoder layers
+    (a Llama-family causal LM: `model.layers.<i>.*`); every other tensor, the tokenizer, chat template
+    and generation config unchanged."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(source_dir)
+    if layers > config.num_hidden_layers:
+        raise StudentLayersError(
+            f"model.layers={layers}: {source_dir.name} has {config.num_hidden_layers} decoder layers; "
+            f"use 1..{config.num_hidden_layers} (or null for the whole model)"
+        )
+    full = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None) is not None:  # (per-layer attention kinds, where the model has them)
+        config.layer_types = config.layer_types[:layers]
+    student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    kept = {
+        name: tensor
+        for name, tensor in full.state_dict().items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }
+    result = student.load_state_dict(kept, strict=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise RuntimeError(
+            f"student of {source_dir.name}: missing {result.missing_keys}, unexpected {result.unexpected_keys}"
+        )
+    if config.tie_word_embeddings:
+        student.tie_weights()
+    student.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(source_dir).save_pretrained(out_dir)
+    GenerationConfig.from_pretrained(source_dir).save_pretrained(out_dir)
 
 
 @contextmanager

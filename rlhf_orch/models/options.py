@@ -67,4 +67,7 @@ class PackagedGGUFModelConfig(ModelConfig):
     distribution: str = MISSING  # the package (pip name) that ships the file
     version: str = MISSING  # its pinned version (part of the cache key)
     gguf_file: str = MISSING  # the file's path inside the installed package
+    # A student (model=smollm2_student): only the first N decoder layers, with the file's embeddings,
+    # head, final norm, tokenizer and chat template; null = the whole model.
+    layers: Optional[int] = None
     cache_dir: str = "${oc.env:RLHF_ORCH_CACHE,${oc.env:HOME}/.cache/rlhf_orch}"

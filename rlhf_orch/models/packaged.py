@@ -69,24 +69,32 @@ def check_packaged_gguf(distribution: str, version: str, gguf_file: str, built: 
         )
 
 
-def gguf_model_id(distribution: str, version: str, gguf_file: str) -> str:
+def gguf_model_id(distribution: str, version: str, gguf_file: str, layers: int | None = None) -> str:
     """The built checkpoint's name in the model cache: the file's stem and a hash of everything the
     build depends on (the pinned package version names the file's bytes; the dtype a consumer loads
-    with does not matter: the build is float32)."""
+    with does not matter: the build is float32). `layers`: a student keeping the first decoder
+    layers of the file's model (None: all of them)."""
     identity = {
         "format": GGUF_BUILD_FORMAT_VERSION,
         "distribution": distribution,
         "version": version,
         "file": gguf_file,
     }
+    if layers is not None:  # (absent, not null, for the whole model: its cached build keeps its name)
+        identity["layers"] = layers
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return f"{Path(gguf_file).name.split('.')[0]}-{key}"
+    stem = Path(gguf_file).name.split(".")[0]
+    return f"{stem}-{key}" if layers is None else f"{stem}-first{layers}layers-{key}"
+
+
+def packaged_model_dir(model_cfg: Any) -> Path:
+    """Where the configured packaged model's checkpoint is (or will be) built in the model cache."""
+    return Path(model_cfg.cache_dir).expanduser() / gguf_model_id(
+        model_cfg.distribution, model_cfg.version, model_cfg.gguf_file, getattr(model_cfg, "layers", None)
+    )
 
 
 def check_packaged_gguf_option(model_cfg: Any) -> None:
     """`check_packaged_gguf` on the typed config (the app asks before its heavy imports)."""
-    built = (
-        Path(model_cfg.cache_dir).expanduser()
-        / gguf_model_id(model_cfg.distribution, model_cfg.version, model_cfg.gguf_file)
-    ).is_dir()
+    built = packaged_model_dir(model_cfg).is_dir()
     check_packaged_gguf(model_cfg.distribution, model_cfg.version, model_cfg.gguf_file, built)

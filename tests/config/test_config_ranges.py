@@ -185,6 +185,7 @@ MORE_BAD = [
     (["data.min_digits=6"], "data.min_digits=6"),  # > max_digits=5
     (["reward=gsm8k", "reward.score=0"], "reward.score=0"),  # no more than a wrong answer (format_score 0)
     (["experiment_name=a/b"], "experiment_name='a/b'"),
+    (["model=smollm2_student", "model.layers=0"], "model.layers=0"),  # a student keeps >= 1 layer
 ]
 
 

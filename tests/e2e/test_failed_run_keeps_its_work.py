@@ -417,22 +417,30 @@ def _engines_idle(loop, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-# ~60-110 s: one async run of six steps with three engines lost; no restart of any role but the engines.
+# ~60-110 s (all three kills; ~60 s the held one alone): one async run of six steps with engines
+# lost; no restart of any role but the engines. CI's tier runs the held kill alone (docs/testing.md).
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "kills",
+    [
+        pytest.param(("held",), id="held"),
+        pytest.param(("train", "sync", "held"), id="train-sync-held", marks=pytest.mark.extended),
+    ],
+)
 def test_async_engines_lost_while_training_receiving_weights_and_holding_rollouts_are_replaced_in_place(
-    tmp_path, capsys
+    tmp_path, capsys, kills
 ):
-    """pipeline=async, max_staleness=2, two engines, the default budgets. Three engines are killed
-    from outside: engine 0 while the trainers train on step 2 (it holds or generates the rollouts
-    of steps 3-5), engine 1 while it receives step 3's weights, engine 0 after step 4 once
-    every rollout ahead is made (it holds finished shares of the next steps). Each is replaced
-    in its bundle (fault.max_engine_restarts: 3 of 3), the shares it took along are drawn again
-    on the replacement before their hand-over, the generations in flight on it go on there, and
-    no trainer restarts: every step is trained once, on every sample, within the staleness bound."""
+    """pipeline=async, max_staleness=2, two engines, the default budgets. Engines are killed from
+    outside: engine 0 while the trainers train on step 2 (it holds or generates the rollouts of
+    steps 3-5: `train`), engine 1 while it receives step 3's weights (`sync`), engine 0 after step
+    4 once every rollout ahead is made (it holds finished shares of the next steps: `held`). Each
+    is replaced in its bundle (fault.max_engine_restarts: 3), the shares it took along are drawn
+    again on the replacement before their hand-over, the generations in flight on it go on there,
+    and no trainer restarts: every step is trained once, on every sample, within the staleness bound."""
     fired = []
 
     def lose_engines(step: int, loop) -> None:
-        if step == 1:
+        if step == 1 and "train" in kills:
             update = loop._update
 
             def update_with_a_lost_engine(policy_calls, critic_calls):
@@ -442,6 +450,7 @@ def test_async_engines_lost_while_training_receiving_weights_and_holding_rollout
                 return update(policy_calls, critic_calls)
 
             loop._update = update_with_a_lost_engine
+        if step == 1 and "sync" in kills:
             sync_engines = loop.sync_engines
 
             def sync_to_a_lost_engine(timings):
@@ -451,7 +460,7 @@ def test_async_engines_lost_while_training_receiving_weights_and_holding_rollout
                 return sync_engines(timings)
 
             loop.sync_engines = sync_to_a_lost_engine
-        elif step == 4 and "held" not in fired:
+        elif step == 4 and "held" in kills and "held" not in fired:
             _engines_idle(loop)
             fired.append("held")
             _kill_and_wait(loop.actors.engines[0])
@@ -470,12 +479,12 @@ def test_async_engines_lost_while_training_receiving_weights_and_holding_rollout
         summary = _train(run_dir, *extra, callbacks=[lose_engines])
     finally:
         warm_actors.release()  # a patched engine is never kept for another test's run
-    assert fired == ["train", "sync", "held"]
+    assert fired == list(kills)
     assert summary["status"] == "completed" and summary["trainer_restarts"] == 0
     rows = _metrics(run_dir)
     assert read_metrics(run_dir, include_superseded=True) == rows  # no step was run twice
     assert [r["step"] for r in rows] == list(range(1, 7)) and [r["weight_version"] for r in rows] == list(range(1, 7))
-    assert rows[-1]["fault/engine_restarts"] == 3 and all(r["fault/trainer_restarts"] == 0 for r in rows)
+    assert rows[-1]["fault/engine_restarts"] == len(kills) and all(r["fault/trainer_restarts"] == 0 for r in rows)
     # the finished shares the last kill took along were drawn again, not trained from elsewhere
     assert sum(r.get("fault/redrawn_samples", 0) for r in rows[4:]) > 0
     assert max(r["rollout/staleness_max"] for r in rows) <= 2
