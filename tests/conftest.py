@@ -109,6 +109,18 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_student_path(smollm2_path, tmp_path_factory) -> str:
+    """SmolLM2 cut to its first 2 decoder layers (`model.layers`, rlhf_orch.models.gguf.keep_first_layers):
+    its tokenizer, chat template, embeddings and head, for tests whose behaviour depends on those and
+    not on the depth (a float64 forward and backward of the whole model took ~30 s of CI's tier)."""
+    from rlhf_orch.models.gguf import keep_first_layers
+
+    out = tmp_path_factory.mktemp("smollm2_first2layers")
+    keep_first_layers(Path(smollm2_path), out, 2)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 

@@ -222,18 +222,21 @@ def shape_of(model_cfg: Any) -> tuple[Optional[ModelShape], str]:
     if isinstance(gguf_file, str):  # a packaged model: its built checkpoint, else its known config
         from rlhf_orch.models.packaged import packaged_model_dir
 
-        built = packaged_model_dir(model_cfg)
-        if (built / "config.json").is_file():
-            return _local_shape(built / "config.json"), str(built / "config.json")
-        known = KNOWN_CONFIGS.get(Path(gguf_file).name)
-        if not known:
+        built = packaged_model_dir(model_cfg) / "config.json"
+        if built.is_file():
+            return _local_shape(built), str(built)
+        whole = packaged_model_dir(model_cfg, whole=True) / "config.json"
+        if whole.is_file():
+            shape, where = _local_shape(whole), str(whole)
+        elif Path(gguf_file).name in KNOWN_CONFIGS:
+            shape = ModelShape.from_config(KNOWN_CONFIGS[Path(gguf_file).name])
+            where = f"published config of {Path(gguf_file).name}"
+        else:
             return None, f"{gguf_file} is not built yet"
         layers = getattr(model_cfg, "layers", None)
         if layers is None:
-            return ModelShape.from_config(known), f"published config of {Path(gguf_file).name}"
-        # a student: the file's model with its first `layers` decoder layers
-        student = {**known, "num_hidden_layers": min(layers, known["num_hidden_layers"])}
-        return ModelShape.from_config(student), f"published config of {Path(gguf_file).name}, first {layers} layers"
+            return shape, where
+        return replace(shape, layers=layers), f"{where}, first {layers} layers"  # a student of it
     name = getattr(model_cfg, "name_or_path", None)
     if not isinstance(name, str):
         return None, "the model option names no checkpoint"

@@ -70,7 +70,8 @@ class PackagedGGUFModel(ModelSource):
         return self.cache_dir / self.model_id
 
     def check(self) -> None:
-        check_packaged_gguf(self.distribution, self.version, self.gguf_file, self.checkpoint_dir.is_dir())
+        built = self.checkpoint_dir.is_dir() or (self.layers is not None and self.whole().checkpoint_dir.is_dir())
+        check_packaged_gguf(self.distribution, self.version, self.gguf_file, built)
 
     def path(self) -> str:
         return build_once(self.cache_dir, self.model_id, self._build)
@@ -137,7 +138,7 @@ class PackagedGGUFModel(ModelSource):
 
 class StudentLayersError(ModelSourceError):
     """model.layers asks for more decoder layers than the model has (refused with the run's other
-    input errors, before Ray starts: exit 2)."""
+    input errors, before any actor starts: exit 2)."""
 
 
 def keep_first_layers(source_dir: Path, out_dir: Path, layers: int) -> None:
@@ -154,9 +155,12 @@ def keep_first_layers(source_dir: Path, out_dir: Path, layers: int) -> None:
             f"use 1..{config.num_hidden_layers} (or null for the whole model)"
         )
     full = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32)
+    # Per-layer lists (attention kinds `layer_types`, `mlp_layer_types`, ... where the model has them)
+    # keep their first entries too.
+    for key, value in list(config.to_diff_dict().items()):
+        if isinstance(value, list) and len(value) == config.num_hidden_layers:
+            setattr(config, key, value[:layers])
     config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None) is not None:  # (per-layer attention kinds, where the model has them)
-        config.layer_types = config.layer_types[:layers]
     student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     kept = {
         name: tensor

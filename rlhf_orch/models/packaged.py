@@ -69,6 +69,10 @@ def check_packaged_gguf(distribution: str, version: str, gguf_file: str, built: 
         )
 
 
+#: Bumped when `rlhf_orch.models.gguf.keep_first_layers` cuts a student otherwise (its cache key).
+STUDENT_CUT_VERSION = 1
+
+
 def gguf_model_id(distribution: str, version: str, gguf_file: str, layers: int | None = None) -> str:
     """The built checkpoint's name in the model cache: the file's stem and a hash of everything the
     build depends on (the pinned package version names the file's bytes; the dtype a consumer loads
@@ -82,19 +86,30 @@ def gguf_model_id(distribution: str, version: str, gguf_file: str, layers: int |
     }
     if layers is not None:  # (absent, not null, for the whole model: its cached build keeps its name)
         identity["layers"] = layers
+        identity["cut"] = STUDENT_CUT_VERSION
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     stem = Path(gguf_file).name.split(".")[0]
     return f"{stem}-{key}" if layers is None else f"{stem}-first{layers}layers-{key}"
 
 
-def packaged_model_dir(model_cfg: Any) -> Path:
-    """Where the configured packaged model's checkpoint is (or will be) built in the model cache."""
+def packaged_model_dir(model_cfg: Any, whole: bool = False) -> Path:
+    """Where the configured packaged model's checkpoint is (or will be) built in the model cache
+    (`whole`: the whole model's, which a student is cut from)."""
+    layers = None if whole else getattr(model_cfg, "layers", None)
     return Path(model_cfg.cache_dir).expanduser() / gguf_model_id(
-        model_cfg.distribution, model_cfg.version, model_cfg.gguf_file, getattr(model_cfg, "layers", None)
+        model_cfg.distribution, model_cfg.version, model_cfg.gguf_file, layers
+    )
+
+
+def packaged_model_built(model_cfg: Any) -> bool:
+    """Whether the model's checkpoint needs neither the package nor the converter: it is built, or
+    it is a student and the whole model it is cut from is built."""
+    return packaged_model_dir(model_cfg).is_dir() or (
+        getattr(model_cfg, "layers", None) is not None and packaged_model_dir(model_cfg, whole=True).is_dir()
     )
 
 
 def check_packaged_gguf_option(model_cfg: Any) -> None:
     """`check_packaged_gguf` on the typed config (the app asks before its heavy imports)."""
-    built = packaged_model_dir(model_cfg).is_dir()
+    built = packaged_model_built(model_cfg)
     check_packaged_gguf(model_cfg.distribution, model_cfg.version, model_cfg.gguf_file, built)

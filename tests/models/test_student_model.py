@@ -1,9 +1,10 @@
 """`model=smollm2_student`: SmolLM2-135M-Instruct's first decoder layers as a smaller student (the
-teacher's embeddings, final norm, tied head, tokenizer and chat template), built from the teacher's
-build in the model cache (`rlhf_orch.models.gguf.keep_first_layers`)."""
+whole model's embeddings, final norm, tied head, tokenizer and chat template), built from the whole
+model's build in the model cache (`rlhf_orch.models.gguf.keep_first_layers`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,26 +16,36 @@ from omegaconf import OmegaConf
 from rlhf_orch.memory.shapes import shape_of
 from rlhf_orch.orchestration.inputs import InputError, prepare_inputs
 from rlhf_orch.models.gguf import StudentLayersError, keep_first_layers
-from rlhf_orch.models.packaged import gguf_model_id
+from rlhf_orch.models.packaged import check_packaged_gguf_option, gguf_model_id
+from rlhf_orch.models.source_error import ModelSourceError
 from tests.conftest import compose_config
 
 
 @pytest.fixture(scope="module")
-def student_dir(smollm2_path, tmp_path_factory):
-    out = tmp_path_factory.mktemp("student")
-    keep_first_layers(Path(smollm2_path), out, 2)
-    return out
+def student(smollm2_path, tmp_path_factory):
+    """`model=smollm2_student` built as a run builds it (`path()`), into a model cache of its own that
+    holds the whole model's build (linked in: the whole model is not built again)."""
+    cfg = compose_config(["model=smollm2_student"])
+    cache = tmp_path_factory.mktemp("cache")
+    (cache / Path(smollm2_path).name).symlink_to(smollm2_path)
+    model = instantiate(cfg.model, cache_dir=str(cache))
+    assert model.whole().checkpoint_dir == cache / Path(smollm2_path).name
+    return model, Path(model.path())
 
 
-def test_the_student_keeps_the_teachers_first_layers_embeddings_head_and_tokenizer(smollm2_path, student_dir):
+def test_the_student_keeps_the_whole_models_first_layers_embeddings_head_and_tokenizer(smollm2_path, student):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    option, student_dir = student
+    assert student_dir == option.checkpoint_dir and "first8layers" in student_dir.name
+    info = json.loads((student_dir / "build_info.json").read_text())
+    assert (info["layers"], info["from"]) == (8, Path(smollm2_path).name)
     teacher = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
     student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
-    assert student.config.num_hidden_layers == 2 and teacher.config.num_hidden_layers == 30
+    assert student.config.num_hidden_layers == 8 and teacher.config.num_hidden_layers == 30
     theirs = teacher.state_dict()
     mine = student.state_dict()
-    assert set(mine) == {k for k in theirs if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2}
+    assert set(mine) == {k for k in theirs if not k.startswith("model.layers.") or int(k.split(".")[2]) < 8}
     for name, tensor in mine.items():
         assert torch.equal(tensor, theirs[name]), name
     assert student.lm_head.weight.data_ptr() == student.model.embed_tokens.weight.data_ptr()  # still tied
@@ -54,6 +65,16 @@ def test_the_student_keeps_the_teachers_first_layers_embeddings_head_and_tokeniz
         log_s = torch.log_softmax(student(x).logits, -1)
     reverse_kl = (log_s.exp() * (log_s - log_t)).sum(-1).mean().item()
     assert reverse_kl > 0.5, reverse_kl
+    # planned with its built shape
+    shape, where = shape_of(
+        OmegaConf.create(
+            {
+                **OmegaConf.to_container(compose_config(["model=smollm2_student"]).model),
+                "cache_dir": str(student_dir.parent),
+            }
+        )
+    )
+    assert shape.layers == 8 and where == str(student_dir / "config.json")
 
 
 def test_more_layers_than_the_model_has_are_refused_before_ray(smollm2_path, tmp_path):
@@ -71,8 +92,22 @@ def test_the_option_names_its_own_cache_entry_and_is_planned_with_its_layers():
     whole = gguf_model_id(cfg.model.distribution, cfg.model.version, cfg.model.gguf_file)
     assert model.whole().model_id == whole and model.model_id != whole and "first8layers" in model.model_id
     assert compose_config(["model=smollm2_135m"]).model.layers is None  # the whole model keeps its cache entry
-    shape, where = shape_of(cfg.model)
-    assert shape is not None and shape.layers == 8, where
+    shape, where = shape_of(cfg.model)  # (from the whole model's build, or its published config)
+    assert shape is not None and shape.layers == 8 and where.endswith("first 8 layers"), where
     assert shape_of(compose_config(["model=smollm2_135m"]).model)[0].layers == 30
     with pytest.raises(InstantiationException, match=r"model.layers must be >= 1"):
         instantiate(compose_config(["model=smollm2_student", "model.layers=0"]).model)
+
+
+def test_a_student_of_a_built_model_needs_neither_the_package_nor_the_converter(smollm2_path, tmp_path):
+    """Checked before anything starts: a version of the package that is not installed is refused,
+    unless the whole model of that version is in the cache (the student is cut from it)."""
+    cfg = compose_config(["model=smollm2_student", "model.version=9.9.9", f"model.cache_dir={tmp_path}"])
+    model = instantiate(cfg.model)
+    with pytest.raises(ModelSourceError, match="model.version=9.9.9"):
+        model.check()
+    with pytest.raises(ModelSourceError, match="model.version=9.9.9"):
+        check_packaged_gguf_option(cfg.model)
+    (tmp_path / model.whole().model_id).symlink_to(smollm2_path)
+    model.check()
+    check_packaged_gguf_option(cfg.model)

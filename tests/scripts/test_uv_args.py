@@ -1,60 +1,67 @@
-"""scripts/uv_args.py: pip's configuration turned into uv's options, so scripts/setup.sh's uv installs
-from the indexes, wheel folders and constraints pip would."""
+"""scripts/uv_args.py: pip's own merged install options turned into uv's, so scripts/setup.sh's uv
+installs from the indexes, wheel folders and constraints pip would. Run as setup.sh runs it, under
+a pip configured by a file of this test's (and the environment), with this machine's own pip
+configuration kept out."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "uv_args.py"
 
-from uv_args import uv_args  # noqa: E402
+PIP_CONF = """\
+[global]
+index-url = https://global.example/simple
+extra-index-url =
+    file:///srv/mirror/simple
+    file:///srv/more/simple
+find-links = /srv/file-wheels
+cert = /srv/ca.pem
 
-# `pip config list` as a machine with a local mirror prints it (values as pip quotes them)
-PIP_CONFIG = """\
-global.cert='/etc/ssl/certs/ca-certificates.crt'
-global.constraint='/etc/pip/constraints.txt'
-global.extra-index-url='file:///srv/mirror/simple file:///srv/more/simple'
-global.find-links='/srv/global-wheels'
-global.index-url='https://pypi.example/simple'
-:env:.default-timeout='180'
-:env:.find-links='/srv/wheels /srv/more-wheels'
-user.index-url='https://user.example/simple'
+[install]
+index-url = https://install.example/simple
+constraint = /srv/constraints.txt
 """
 
 
-def test_pip_s_indexes_wheel_folders_and_constraints_become_uv_options():
-    assert uv_args(PIP_CONFIG) == [
+def _run(tmp_path: Path, conf: str, *args: str, **env: str) -> list[str]:
+    (tmp_path / "pip.conf").write_text(conf)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    clean.update(
+        PIP_CONFIG_FILE=str(tmp_path / "pip.conf"),
+        HOME=str(tmp_path),  # no user file
+        XDG_CONFIG_HOME=str(tmp_path / "config"),
+        XDG_CONFIG_DIRS=str(tmp_path / "nowhere"),  # no site-wide file under /etc/xdg
+        **env,
+    )
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], env=clean, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_pip_s_merged_install_options_become_uv_options(tmp_path):
+    assert _run(tmp_path, PIP_CONF, PIP_FIND_LINKS="/srv/env-wheels /srv/more-wheels") == [
         "--index-strategy",
         "unsafe-best-match",  # pip's rule: the best version across every index
-        "--constraint",
-        "/etc/pip/constraints.txt",
-        "--extra-index-url",
+        "--index-url",  # [install] over [global], as pip reads them for `pip install`
+        "https://install.example/simple",
+        "--extra-index-url",  # a multi-line value: one URL a line
         "file:///srv/mirror/simple",
         "--extra-index-url",
         "file:///srv/more/simple",
-        "--find-links",  # the environment's value replaces the global file's, as in pip
-        "/srv/wheels",
+        "--find-links",  # the environment over the files
+        "/srv/env-wheels",
         "--find-links",
         "/srv/more-wheels",
-        "--index-url",  # the user's file over the global one
-        "https://user.example/simple",
+        "--constraint",
+        "/srv/constraints.txt",
     ]
+    assert _run(tmp_path, PIP_CONF, "--cert") == ["/srv/ca.pem"]
 
 
-def test_without_pip_configuration_only_pip_s_index_rule_is_passed():
-    assert uv_args("") == ["--index-strategy", "unsafe-best-match"]
-    assert uv_args("global.timeout='60'\nnot a setting\n") == ["--index-strategy", "unsafe-best-match"]
-
-
-def test_the_script_reads_pip_config_list_from_stdin():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "uv_args.py")],
-        input="site.find-links='/srv/w'\n",
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert out.split() == ["--index-strategy", "unsafe-best-match", "--find-links", "/srv/w"]
+def test_no_index_is_passed_and_no_index_url_with_it(tmp_path):
+    args = _run(tmp_path, "[install]\nno-index = true\nfind-links = /srv/wheels\n")
+    assert args == ["--index-strategy", "unsafe-best-match", "--no-index", "--find-links", "/srv/wheels"]

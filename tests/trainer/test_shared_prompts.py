@@ -150,9 +150,11 @@ def test_shared_prompts_give_the_plain_forward_s_logprobs_values_and_gradients(
 _EXACT: dict[str, tuple] = {}  # the float64 reference of a module's test, by model
 
 
-def test_on_smollm2_with_its_chat_template(smollm2_path, smollm2_tokenizer, attention):
+def test_on_smollm2_with_its_chat_template(smollm2_student_path, smollm2_tokenizer, attention):
+    # (SmolLM2's tokenizer, template, embeddings and head on its first two layers: the layout is the
+    # template's and the tokenizer's; the whole model's depth made the float64 reference ~30 s)
     tok = smollm2_tokenizer
-    policy = load_policy(smollm2_path, "float32").train()
+    policy = load_policy(smollm2_student_path, "float32").train()
     questions = ["What is 3 + 4? Answer inside <answer></answer>.", "What is 9 + 1? Answer inside <answer></answer>."]
     prompts = [
         tok.apply_chat_template(
@@ -181,7 +183,7 @@ def test_on_smollm2_with_its_chat_template(smollm2_path, smollm2_tokenizer, atte
     lp_shared, grad_shared = _logprobs_and_grads(policy, mb, share=True)
     del policy
     if "smollm2" not in _EXACT:  # (no shared prompts: the same for both attentions, computed once)
-        _EXACT["smollm2"] = _logprobs_and_grads(load_policy(smollm2_path, "float64").train(), mb, share=False)
+        _EXACT["smollm2"] = _logprobs_and_grads(load_policy(smollm2_student_path, "float64").train(), mb, share=False)
     lp_exact, grad_exact = _EXACT["smollm2"]
     _assert_no_less_accurate([lp_shared], [lp_plain], [lp_exact])
     _assert_no_less_accurate(grad_shared, grad_plain, grad_exact)
