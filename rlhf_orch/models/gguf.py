@@ -90,23 +90,24 @@ class PackagedGGUFModel(ModelSource):
         started = time.perf_counter()
         build_from_gguf(source, out_dir, self.context_len)
         seconds = time.perf_counter() - started
-        (out_dir / "build_info.json").write_text(
-            json.dumps(
-                {
-                    "distribution": self.distribution,
-                    "version": self.version,
-                    "gguf_file": self.gguf_file,
-                    "format": GGUF_BUILD_FORMAT_VERSION,
-                    "build_seconds": round(seconds, 2),
-                },
-                indent=1,
-            )
-        )
+        self._write_build_info(out_dir, seconds)
         print(
             f"model: {self.model_id} built in {seconds:.0f} s; later runs load it from the cache offline",
             file=sys.stderr,
             flush=True,
         )
+
+    def _write_build_info(self, out_dir: Path, seconds: float, **more: object) -> None:
+        """What the checkpoint was built from (build_info.json beside it)."""
+        info = {
+            "distribution": self.distribution,
+            "version": self.version,
+            "gguf_file": self.gguf_file,
+            "format": GGUF_BUILD_FORMAT_VERSION,
+            **more,
+            "build_seconds": round(seconds, 2),
+        }
+        (out_dir / "build_info.json").write_text(json.dumps(info, indent=1))
 
     def _build_student(self, out_dir: Path) -> None:
         """The first `layers` decoder layers of the whole model's build (built first if it is not
@@ -115,20 +116,7 @@ class PackagedGGUFModel(ModelSource):
         teacher_dir = Path(self.whole().path())
         with quiet_gguf_progress():  # (transformers' loading and writing bars)
             keep_first_layers(teacher_dir, out_dir, self.layers)
-        (out_dir / "build_info.json").write_text(
-            json.dumps(
-                {
-                    "distribution": self.distribution,
-                    "version": self.version,
-                    "gguf_file": self.gguf_file,
-                    "format": GGUF_BUILD_FORMAT_VERSION,
-                    "layers": self.layers,
-                    "from": teacher_dir.name,
-                    "build_seconds": round(time.perf_counter() - started, 2),
-                },
-                indent=1,
-            )
-        )
+        self._write_build_info(out_dir, time.perf_counter() - started, layers=self.layers, **{"from": teacher_dir.name})
         print(
             f"model: {self.model_id} built from {teacher_dir.name}'s first {self.layers} layers",
             file=sys.stderr,
