@@ -26,7 +26,12 @@ from rlhf_orch.models.base import ModelSource
 from rlhf_orch.models.lora import LoraSettings
 from rlhf_orch.models.cache import build_once
 from rlhf_orch.models.source_error import ModelSourceError
-from rlhf_orch.models.packaged import GGUF_BUILD_FORMAT_VERSION, check_packaged_gguf, gguf_model_id, packaged_file
+from rlhf_orch.models.packaged import (
+    GGUF_BUILD_FORMAT_VERSION,
+    check_packaged_gguf_option,
+    gguf_model_id,
+    packaged_file,
+)
 
 
 class PackagedGGUFModel(ModelSource):
@@ -70,8 +75,7 @@ class PackagedGGUFModel(ModelSource):
         return self.cache_dir / self.model_id
 
     def check(self) -> None:
-        built = self.checkpoint_dir.is_dir() or (self.layers is not None and self.whole().checkpoint_dir.is_dir())
-        check_packaged_gguf(self.distribution, self.version, self.gguf_file, built)
+        check_packaged_gguf_option(self)  # (the same fields as its config: one rule for what counts as built)
 
     def path(self) -> str:
         return build_once(self.cache_dir, self.model_id, self._build)
