@@ -86,14 +86,18 @@ def test_more_layers_than_the_model_has_are_refused_before_ray(smollm2_path, tmp
         prepare_inputs(cfg, OmegaConf.to_object(cfg))
 
 
-def test_the_option_names_its_own_cache_entry_and_is_planned_with_its_layers():
-    cfg = compose_config(["model=smollm2_student"])
+def test_the_option_names_its_own_cache_entry_and_is_planned_with_its_layers(smollm2_path, tmp_path):
+    # (a model cache of the test's own: a student built by an earlier run would be planned from its build)
+    cfg = compose_config(["model=smollm2_student", f"model.cache_dir={tmp_path}"])
     model = instantiate(cfg.model)
     whole = gguf_model_id(cfg.model.distribution, cfg.model.version, cfg.model.gguf_file)
     assert model.whole().model_id == whole and model.model_id != whole and "first8layers" in model.model_id
     assert compose_config(["model=smollm2_135m"]).model.layers is None  # the whole model keeps its cache entry
-    shape, where = shape_of(cfg.model)  # (from the whole model's build, or its published config)
+    shape, where = shape_of(cfg.model)  # nothing built: the published config
     assert shape is not None and shape.layers == 8 and where.endswith("first 8 layers"), where
+    (tmp_path / whole).symlink_to(smollm2_path)
+    shape, where = shape_of(cfg.model)  # the whole model built: its config.json
+    assert shape.layers == 8 and where == f"{tmp_path / whole / 'config.json'}, first 8 layers", where
     assert shape_of(compose_config(["model=smollm2_135m"]).model)[0].layers == 30
     with pytest.raises(InstantiationException, match=r"model.layers must be >= 1"):
         instantiate(compose_config(["model=smollm2_student", "model.layers=0"]).model)
