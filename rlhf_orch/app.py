@@ -52,7 +52,7 @@ def check(cfg: DictConfig, launcher: Any) -> tuple[RootConfig, PlacementPlan]:
         if reward.rule is not None:
             reward.rule.fn.check()  # a user's reward file is loaded here: its errors come before Ray
         plan = instantiate(cfg.placement).plan(
-            reward_model=reward.has_model, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
+            reward_model=reward.has_model, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference_ranks
         )
         hw = Hardware(gpus=launcher.gpus_present(), cuda=launcher.cuda_present())
         if launcher.dry_run:
@@ -110,11 +110,14 @@ def plan_line(typed: RootConfig, plan: PlacementPlan) -> str:
         choices = dict(HydraConfig.get().runtime.choices)
     except ValueError:  # not under @hydra.main
         choices = {}
-    groups = ["algo", "placement", "pipeline", "transfer", "sync", "model", "data", "reward"]
+    groups = ["algo", "placement", "pipeline", "transfer", "sync", "model", "teacher", "data", "reward"]
     if getattr(typed.env, "max_turns", None) is not None:  # multi-turn rollouts: say which environment
         groups.append("env")
-    picked = " ".join(f"{g}={choices[g]}" for g in groups if choices.get(g))
-    hosted = {"reference": "(in actor)"} if plan.reference_in_actor else {}
+    picked = " ".join(f"{g}={choices[g]}" for g in groups if choices.get(g) and (g, choices[g]) != ("teacher", "none"))
+    # what the reference ranks hold (the KL reference, the teacher) and where
+    held = "+".join(["ref"] * typed.algo.needs_reference + ["teacher"] * typed.algo.uses_teacher)
+    where = ", in actor" if plan.reference_in_actor else ""
+    hosted = {"reference": f"({held}{where})"} if held != "ref" or where else {}
     ranks = " ".join(f"{role}={plan.num_ranks(role)}{hosted.get(role, '')}" for role in plan.roles)
     a = typed.algo
     return (

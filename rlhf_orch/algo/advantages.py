@@ -133,6 +133,16 @@ def outcome_to_tokens(adv_per_sample: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
 
 
+def distill_advantages(old_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """On-policy distillation's per-token advantage: coef * (log pi_teacher(y_t) - log pi_old(y_t))
+    on action tokens, 0 elsewhere -- the negative single-sample estimate of the reverse KL
+    KL(pi || pi_teacher) at token t, undiscounted (each token answers for itself only)."""
+    m = mask.bool()
+    zero = torch.zeros((), dtype=old_logprobs.dtype, device=old_logprobs.device)
+    # (torch.where: a padded position's -inf or NaN never reaches the product)
+    return torch.where(m, coef * (teacher_logprobs - old_logprobs), zero)
+
+
 # --------------------------------------------------------------------------- split whitening
 def masked_moments(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """`(sum, sum of squares, count)` of `x` over the masked positions, as float64 0-dim tensors.

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from rlhf_orch.algo.advantages import (
+    distill_advantages,
     dynamic_sampling_keep,
     gae_advantages,
     grpo_advantages,
@@ -39,7 +40,14 @@ from rlhf_orch.algo.advantages import (
 )
 from rlhf_orch.algo.losses import kl_divergence
 from rlhf_orch.algo.ppo_math import token_rewards
-from rlhf_orch.algo.options import DAPOConfig, GRPOConfig, PPOConfig, ReinforcePPConfig, RLOOConfig
+from rlhf_orch.algo.options import (
+    DAPOConfig,
+    GRPOConfig,
+    OnPolicyDistillConfig,
+    PPOConfig,
+    ReinforcePPConfig,
+    RLOOConfig,
+)
 
 AllReduce = Callable[[Tensor], Tensor]  # sum over the policy's data-parallel ranks
 
@@ -56,6 +64,7 @@ class TargetRows:
     ref_logprobs: Optional[Tensor]  # None when the algorithm uses no reference
     values: Optional[Tensor]  # critic values; None without a critic
     turn_rewards: Optional[Tensor] = None  # env.reward=per_turn: each turn's reward on its last token
+    teacher_logprobs: Optional[Tensor] = None  # the teacher's, when the algorithm has a teacher term
 
 
 @dataclass
@@ -87,6 +96,18 @@ class Algorithm:
         return torch.ones_like(group_ids, dtype=torch.bool)
 
     # ------------------------------------------------------------ rank side
+    def targets(self, rows: list[TargetRows], all_reduce: AllReduce) -> list[Targets]:
+        """The token targets the update trains on: the algorithm's own, plus the teacher's term."""
+        out = self.token_targets(rows, all_reduce)
+        if self.uses_teacher:
+            for r, t in zip(rows, out):
+                if r.old_logprobs is None or r.teacher_logprobs is None:
+                    raise ValueError("the teacher term reads the old and the teacher's log-probs, and one is missing")
+                t.advantages = t.advantages + distill_advantages(
+                    r.old_logprobs, r.teacher_logprobs, r.mask, self.distill_coef
+                )
+        return out
+
     def token_targets(self, rows: list[TargetRows], all_reduce: AllReduce) -> list[Targets]:
         raise NotImplementedError
 
@@ -200,3 +221,13 @@ class DAPO(DAPOConfig, _OutcomeAlgorithm):
 
     def keep_groups(self, scores: Tensor, group_ids: Tensor) -> Optional[Tensor]:
         return dynamic_sampling_keep(scores, group_ids)
+
+
+@dataclass
+class OnPolicyDistill(OnPolicyDistillConfig, _OutcomeAlgorithm):
+    """The teacher's term alone (`Algorithm.targets` adds it): no outcome advantage."""
+
+    def sample_values(
+        self, scores: Tensor, group_ids: Tensor, response_lens: Tensor, max_response_len: int
+    ) -> tuple[Tensor, dict[str, float]]:
+        return torch.zeros_like(scores), {}

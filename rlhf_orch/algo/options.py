@@ -63,6 +63,11 @@ class AlgoConfig:
     # decoupled_is_cap is dropped from the loss (weight 0), where tis_cap would truncate it.
     # > 1 (AReaL's behav_imp_weight_cap, 5 in its examples); not with tis_cap. null = off.
     decoupled_is_cap: Optional[float] = None
+    # The teacher's term (teacher=<model option>): every action token's advantage gains
+    # distill_coef * (log pi_teacher - log pi_old) of its sampled token, minus the per-token reverse
+    # KL to the teacher (on-policy distillation; no discount), added after the algorithm's own
+    # advantages (their baselines and normalisation untouched). 0 = off (no teacher is placed).
+    distill_coef: float = 0.0
 
     needs_critic: ClassVar[bool] = False
     group_estimator: ClassVar[bool] = False  # advantages compare the samples of one prompt
@@ -83,6 +88,17 @@ class AlgoConfig:
     def needs_reference(self) -> bool:
         """A reference model is placed and run only when a KL term uses it."""
         return self.kl_in_reward or self.kl_in_loss
+
+    @property
+    def uses_teacher(self) -> bool:
+        """A teacher scores every sampled token (`distill_coef`): teacher= must name a model."""
+        return self.distill_coef > 0
+
+    @property
+    def needs_reference_ranks(self) -> bool:
+        """The planner's reference ranks exist: they hold the frozen models, the KL reference
+        and the teacher, whichever the algorithm reads."""
+        return self.needs_reference or self.uses_teacher
 
     @property
     def compares_group_samples(self) -> bool:
@@ -158,3 +174,17 @@ class DAPOConfig(GRPOConfig):
     max_gen_batches: int = 4  # rollout rounds per step at most to fill the batch with informative groups
     overlong_buffer: int = 0  # tokens before data.response_max_len where the penalty ramps in (0: off)
     overlong_penalty: float = 1.0
+
+
+@dataclass
+class OnPolicyDistillConfig(AlgoConfig):
+    """On-policy distillation (Agarwal et al. 2024; Thinking Machines 2025): the policy samples, the
+    teacher scores every sampled token, and the advantage of token t is
+    -(log pi_old(y_t) - log pi_teacher(y_t)), the negative per-token reverse KL, with no discount and
+    no critic; the reward is not trained on (it is still scored and logged). The same term rides
+    on any other algorithm through its `distill_coef`."""
+
+    _target_: str = "rlhf_orch.algo.estimators.OnPolicyDistill"
+    distill_coef: float = 1.0
+    kl_placement: str = "off"
+    kl_coef: float = 0.0

@@ -25,6 +25,11 @@ What one update is, for a rollout of N sequences (prompt x_i, response y_i, scor
      REINFORCE++  return-to-go of the token rewards (gamma; per-turn rewards as PPO's),
                   whitened over all tokens; -baseline: r_i - mean_g first
      DAPO         GRPO on r_i + overlong penalty
+     on-policy    0 (the reward is not trained on): only the teacher's term below
+     distillation
+   Every algorithm with a teacher term (distill_coef > 0) then adds, per action token,
+       distill_coef * (log pi_teacher(y_t) - log pi_old(y_t))
+   to its advantage (after PPO's and REINFORCE++'s whitening; the returns are untouched).
    A group of one, or of equal scores, gets advantage 0 (docs/algorithms.md compares with veRL) --
    unless per-turn rewards give its tokens different returns-to-go (REINFORCE++-baseline: G_it - mean_g).
 3. For each optimizer step (its sequences are given: which sequences share a step is the
@@ -71,6 +76,7 @@ class Rollout:
     scores: list[float]
     group_ids: list[int]
     ref_logprobs: list[list[float]] | None = None  # the reference policy's (KL terms)
+    teacher_logprobs: list[list[float]] | None = None  # the teacher's (distill_coef)
     engine_logprobs: list[list[float]] | None = None  # the behaviour policy's (TIS, decoupled PPO)
     loss_masks: list[list[int]] | None = None  # 1 = trained on; 0 = a hole (e.g. a tool's output)
     # env.reward=per_turn: per response token, a turn's reward on its last token (PPO, REINFORCE++)
@@ -297,6 +303,10 @@ def _dapo(x: _Inputs) -> tuple[list[Tensor], None]:
     return x.per_token(_group_centred(scores, r.group_ids, a.norm_by_std, a.eps)), None
 
 
+def _on_policy_distill(x: _Inputs) -> tuple[list[Tensor], None]:
+    return x.per_token([0.0] * len(x.old)), None
+
+
 # Per `algo` option's class (rlhf_orch.algo.estimators), its specification.
 ADVANTAGES: dict[str, Callable[[_Inputs], tuple[list[Tensor], list[Tensor] | None]]] = {
     "PPO": _ppo,
@@ -304,6 +314,7 @@ ADVANTAGES: dict[str, Callable[[_Inputs], tuple[list[Tensor], list[Tensor] | Non
     "GRPO": _grpo,  # grpo and dr_grpo (norm_by_std=false)
     "RLOO": _rloo,
     "DAPO": _dapo,
+    "OnPolicyDistill": _on_policy_distill,
 }
 
 
@@ -315,7 +326,19 @@ def advantages(
     if kind not in ADVANTAGES:
         raise ValueError(f"the oracle has no specification for algo class {kind}; add one to ADVANTAGES")
     masks = [rollout.mask(i) for i in range(len(old))]
-    return ADVANTAGES[kind](_Inputs(algo, rollout, old, values, masks, max_response_len))
+    adv, returns = ADVANTAGES[kind](_Inputs(algo, rollout, old, values, masks, max_response_len))
+    coef = getattr(algo, "distill_coef", 0.0)
+    if coef > 0:
+        adv = [
+            torch.tensor(
+                [
+                    float(a) + coef * (teacher - float(o)) if m else float(a)
+                    for a, o, teacher, m in zip(adv[i], old[i], rollout.teacher_logprobs[i], masks[i])
+                ]
+            )
+            for i in range(len(old))
+        ]
+    return adv, returns
 
 
 # --------------------------------------------------------------------------- the update
@@ -409,6 +432,10 @@ def reference_update(
     )
     if algo.kl_placement != "off" and algo.kl_coef > 0:  # a KL term: the run has a reference
         metrics["kl"] = _token_mean([old[i] - torch.tensor(rollout.ref_logprobs[i]) for i in range(n)], masks)
+    if getattr(algo, "distill_coef", 0.0) > 0:  # the per-token reverse KL to the teacher (k1)
+        metrics["distill/reverse_kl"] = _token_mean(
+            [old[i] - torch.tensor(rollout.teacher_logprobs[i]) for i in range(n)], masks
+        )
 
     # ---- the policy
     optimizer = _optimizer(policy.parameters(), opt.actor_lr, opt)

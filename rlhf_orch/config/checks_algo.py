@@ -109,6 +109,36 @@ def algorithm(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
     return problems
 
 
+def teacher(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
+    """The teacher group against the algorithm's teacher term (algo.distill_coef)."""
+    a, t = cfg.algo, cfg.teacher
+    if a.uses_teacher and t is None:
+        return [
+            Problem(
+                "teacher",
+                "none",
+                f"algo.distill_coef={a.distill_coef:g} reads a teacher's log-prob of every sampled token: set "
+                "teacher=<model option> sharing the policy's tokenizer (e.g. teacher=smollm2_135m for "
+                "model=smollm2_student)",
+            )
+        ]
+    if t is None:
+        return []
+    name = str(getattr(t, "name_or_path", None) or getattr(t, "gguf_file", None) or type(t).__name__)
+    if not a.uses_teacher:
+        return [
+            Problem(
+                "teacher",
+                name,
+                "does nothing: no term of the algorithm reads a teacher (algo.distill_coef=0); use "
+                "algo=on_policy_distill, set algo.distill_coef>0 beside another algorithm, or teacher=none",
+            )
+        ]
+    if t.lora.rank > 0:
+        return [Problem("teacher.lora.rank", t.lora.rank, "the teacher is frozen: adapters on it train nothing; set 0")]
+    return []
+
+
 def evaluation(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     e, d = cfg.eval, cfg.data
     problems = []

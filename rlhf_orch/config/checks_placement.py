@@ -66,7 +66,7 @@ def engine_memory(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Pr
 
 def roles(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:
     problems = []
-    needed = ["actor", "engine"] + ["critic"] * cfg.algo.needs_critic + ["reference"] * cfg.algo.needs_reference
+    needed = ["actor", "engine"] + ["critic"] * cfg.algo.needs_critic + ["reference"] * cfg.algo.needs_reference_ranks
     for role in needed:
         if not plan.slots_for(role):
             problems.append(
@@ -95,7 +95,7 @@ def placement(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
         roles = {"actor": p.actor_fraction, "engine": p.engine_fraction}
         if cfg.algo.needs_critic:
             roles["critic"] = p.critic_fraction
-        if cfg.algo.needs_reference:
+        if cfg.algo.needs_reference_ranks:
             roles["reference"] = p.reference_fraction
         if isinstance(cfg.reward, ModelRewardConfig):
             roles["reward"] = p.reference_fraction  # a reward model claims the reference's share
@@ -123,7 +123,7 @@ def placement(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Proble
         placed = (
             ("actor_ranks",)
             + ("critic_ranks",) * cfg.algo.needs_critic
-            + ("reference_ranks",) * cfg.algo.needs_reference
+            + ("reference_ranks",) * cfg.algo.needs_reference_ranks
         )
         for key in placed:  # the planner gives a role the algorithm does not use no ranks
             ranks = getattr(p, key)
@@ -229,9 +229,13 @@ def reference_memory(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list
         return []
     ranks = plan.num_ranks("reference")
     if ranks == 0:
-        why = "the algorithm has no KL reference" if not cfg.algo.needs_reference else "no reference rank is planned"
+        why = (
+            "the algorithm has no KL reference or teacher"
+            if not cfg.algo.needs_reference_ranks
+            else "no reference rank is planned"
+        )
         return [Problem("trainer.reference_memory", how, f"does nothing: {why}; drop the key")]
-    if cfg.model.lora.rank > 0 and plan.reference_in_actor:
+    if cfg.model.lora.rank > 0 and plan.reference_in_actor and not cfg.algo.uses_teacher:
         return [
             Problem(
                 "trainer.reference_memory",

@@ -102,7 +102,8 @@ def _needs_critic(c: RootConfig) -> bool:
 
 
 def _needs_reference(c: RootConfig) -> bool:
-    return c.algo.needs_reference
+    """Reference ranks are placed: they hold the KL reference and the teacher."""
+    return c.algo.needs_reference_ranks
 
 
 def _ranked(c: RootConfig) -> bool:
@@ -142,14 +143,14 @@ RANGES: tuple[Range, ...] = (
     ints(
         "placement.reference_ranks",
         1,
-        "the KL term needs a reference rank",
+        "the KL term and the teacher need a reference rank",
         when=lambda c: _ranked(c) and _needs_reference(c),
     ),
     ints(
         "placement.reference_ranks",
         0,
-        "unused without a KL term",
-        when=lambda c: _ranked(c) and not c.algo.needs_reference,
+        "unused without a KL term or a teacher",
+        when=lambda c: _ranked(c) and not _needs_reference(c),
     ),
     ints("placement.engines", 1, "rollouts need at least one vLLM engine", when=_ranked),
     *(
@@ -371,6 +372,7 @@ RANGES: tuple[Range, ...] = (
         "null (off) or > 1, the importance weight above which a token is dropped from the loss (AReaL: 5)",
     ),
     reals("algo.kl_coef", 0),
+    reals("algo.distill_coef", 0, why="the teacher term's weight; 0 = no teacher"),
     reals("algo.gamma", 0, 1, why="discount factor"),
     reals("algo.lam", 0, 1, why="GAE lambda"),
     reals("algo.value_clip_eps", 0, lo_open=True, why="typically 0.2"),

@@ -91,6 +91,7 @@ from rlhf_orch.algo.options import (
     RLOOConfig,
     ReinforcePPConfig,
     DAPOConfig,
+    OnPolicyDistillConfig,
     LOSS_AGGREGATIONS,
     KL_DIVERGENCE_ESTIMATORS,
 )
@@ -167,6 +168,7 @@ __all__ = [
     "RLOOConfig",
     "ReinforcePPConfig",
     "DAPOConfig",
+    "OnPolicyDistillConfig",
     "LOSS_AGGREGATIONS",
     "KL_DIVERGENCE_ESTIMATORS",
     "TrainerConfig",
@@ -194,6 +196,9 @@ class RootConfig:
     reward: RewardConfig = MISSING
     env: EnvConfig = MISSING
     model: ModelConfig = MISSING
+    # A model option (conf/teacher mirrors conf/model) whose log-prob of every sampled token the
+    # algorithm's teacher term reads (algo.distill_coef; algo=on_policy_distill); null = none.
+    teacher: Optional[Any] = None
     algo: AlgoConfig = MISSING
     logger: LoggerConfig = MISSING
     launcher: LauncherConfig = MISSING
@@ -269,6 +274,7 @@ _GROUP_SCHEMAS: dict[str, dict[str, Any]] = {
         "rloo": RLOOConfig,
         "reinforce_pp": ReinforcePPConfig,
         "dapo": DAPOConfig,
+        "on_policy_distill": OnPolicyDistillConfig,
     },
     "logger": {"console": ConsoleLoggerConfig, "wandb": WandbLoggerConfig},
     "launcher": {"local": LocalLauncherConfig, "cluster": ClusterLauncherConfig},

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlhf_orch.checkpoint_dirs import OWN_RUN_DIR
-from rlhf_orch.config.checks_algo import algorithm, evaluation, reward
+from rlhf_orch.config.checks_algo import algorithm, evaluation, reward, teacher
 from rlhf_orch.config.checks_env import TRAJECTORY_ENVS, env
 from rlhf_orch.config.checks_placement import (
     engine_memory,
@@ -96,6 +96,7 @@ CHECKS: tuple[Callable[[RootConfig, PlacementPlan, Hardware], list[Problem]], ..
     sync_backend,
     engine_memory,
     algorithm,
+    teacher,
     roles,
     model_source,
     transfer,

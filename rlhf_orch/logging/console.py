@@ -34,6 +34,7 @@ from rlhf_orch.logging.options import LoggerConfig
 _LINE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
     ("kl", "kl", "{:.4f}"),
+    ("distill/reverse_kl", "rkl", "{:.4f}"),  # to the teacher (algo.distill_coef)
     ("loss/policy", "pg", "{:+.4f}"),
     ("loss/value", "vf", "{:.4f}"),
     ("perf/tokens_per_s", "tok/s", "{:.0f}"),
@@ -46,7 +47,7 @@ _LINE_KEYS = (
     ("time/overlap", "overlap", "{:.1f}s"),  # pipeline=one_step_off: generated while training
 )
 # What the progress bar shows of the latest step.
-_BAR_KEYS = (("reward/mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"))
+_BAR_KEYS = (("reward/mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("distill/reverse_kl", "rkl", "{:.4f}"))
 # Steps whose wall time (between two logged steps) the ETA averages.
 _ETA_WINDOW = 10
 

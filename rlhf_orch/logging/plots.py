@@ -145,6 +145,12 @@ def panels_for(rows: list[dict]) -> dict[str, list[Panel]]:
         Panel("KL loss term", "KL (nats per token)", [Line("loss/kl", "loss/kl", "#8c564b")]),
     ]
     files["kl"] = [p for p in kl if has(p.lines[0].key)]
+    teacher = Panel(
+        "reverse KL to the teacher",
+        "KL (nats per token)",
+        [Line("distill/reverse_kl", "distill/reverse_kl (log pi_old - log pi_teacher, sampled tokens)", "#e377c2")],
+    )
+    files["distill"] = [teacher] if has("distill/reverse_kl") else []
 
     loss = [
         Panel(

@@ -57,9 +57,15 @@ def check_memory(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, reward_mo
     shape, source = shape_of(typed.model)
     if shape is None:
         return MemoryVerdict(None, skipped=source)
+    teacher = None
+    if typed.teacher is not None and typed.algo.uses_teacher:
+        teacher, teacher_source = shape_of(typed.teacher)
+        if teacher is None:
+            return MemoryVerdict(None, skipped=f"the teacher's shape: {teacher_source}")
+        source += f"; teacher from {teacher_source}"
     gpu = gpu_memory(typed) if on_gpu else (0, "")
     host = host_memory()
-    memory = plan_memory(typed, plan, shape, source, on_gpu, gpu, host)
+    memory = plan_memory(typed, plan, shape, source, on_gpu, gpu, host, teacher)
     if memory.fits:
         return MemoryVerdict(memory)
 
@@ -68,12 +74,16 @@ def check_memory(typed: RootConfig, plan: PlacementPlan, on_gpu: bool, reward_mo
             return None
         try:
             placement = instantiate(OmegaConf.structured(changed.placement)).plan(
-                reward_model=reward_model, critic=changed.algo.needs_critic, reference=changed.algo.needs_reference
+                reward_model=reward_model,
+                critic=changed.algo.needs_critic,
+                reference=changed.algo.needs_reference_ranks,
             )
             validate(changed, placement, Hardware(gpus=_ANY_GPUS, cuda=on_gpu))
         except (ConfigError, PlacementError, ValueError):
             return None
-        return plan_memory(changed, placement, shape, source, on_gpu, gpu_memory(changed) if on_gpu else gpu, host)
+        return plan_memory(
+            changed, placement, shape, source, on_gpu, gpu_memory(changed) if on_gpu else gpu, host, teacher
+        )
 
     fixes = suggest_fixes(typed, memory, replan)
     chain = fix_chain(typed, memory, replan) if fixes and not any(fix.plan.fits for fix in fixes) else []

@@ -37,6 +37,7 @@ from rlhf_orch.memory.terms import (
     runtime_terms,
     tokenizer_terms,
     trainer_terms,
+    with_teacher_terms,
 )
 from rlhf_orch.topology.plan import PlacementPlan
 
@@ -303,6 +304,19 @@ def batch_quantities(typed: RootConfig, plan: PlacementPlan, wl: Workload) -> di
     }
 
 
+def _frozen_models_terms(
+    typed: RootConfig, shape: ModelShape, teacher: Optional[ModelShape], wl: Workload, dp: int
+) -> tuple[list[Term], str]:
+    """A reference rank: the KL reference (the policy's shape) and the teacher, whichever is read."""
+    reference = (
+        forward_only_terms("reference", shape.policy_params, shape, wl, dp) if typed.algo.needs_reference else None
+    )
+    if teacher is None or not typed.algo.uses_teacher:
+        return reference or [], ""
+    held = with_teacher_terms(reference, forward_only_terms("reference", teacher.policy_params, teacher, wl, dp))
+    return held, ("reference + teacher" if reference is not None else "teacher")
+
+
 # --------------------------------------------------------------------------- the plan
 def plan_memory(
     typed: RootConfig,
@@ -312,16 +326,18 @@ def plan_memory(
     on_gpu: bool,
     gpu: Optional[tuple[int, str]] = None,
     host: Optional[tuple[int, str]] = None,
+    teacher: Optional[ModelShape] = None,
 ) -> MemoryPlan:
     """Every role process's memory, per device against its capacity. `on_gpu`: the processes get
-    CUDA devices (False: everything lives in host memory, Ray's GPUs being logical if any)."""
+    CUDA devices (False: everything lives in host memory, Ray's GPUs being logical if any).
+    `teacher`: the teacher's shape (teacher=<model option>), held by the reference ranks."""
     gpu_bytes, gpu_source = gpu or gpu_memory(typed)
     wl = workload(typed, plan, on_gpu, gpu_bytes)
     # Each role's process: what it holds, by the kind of model it runs.
     role_terms = {
         "actor": lambda dp, rank: (trainer_terms("actor", shape.policy_params, shape, wl, dp, rank), ""),
         "critic": lambda dp, rank: (trainer_terms("critic", shape.critic_params, shape, wl, dp, rank), ""),
-        "reference": lambda dp, rank: (forward_only_terms("reference", shape.policy_params, shape, wl, dp), ""),
+        "reference": lambda dp, rank: _frozen_models_terms(typed, shape, teacher, wl, dp),
         "reward": lambda dp, rank: (forward_only_terms("reward", shape.reward_params, shape, wl), ""),
         "engine": lambda dp, rank: engine_terms(shape, wl),
     }
@@ -338,7 +354,15 @@ def plan_memory(
                 for t in proc.terms
                 if t.name not in RUNTIME_TERM_NAMES and not (lora and t.name in ("weights", "checkpoint load"))
             ]
-            proc.note = f"inside actor{slot.rank}'s process" + (" (the policy's base: model.lora)" if lora else "")
+            proc.note = ", ".join(
+                filter(
+                    None,
+                    [
+                        f"inside actor{slot.rank}'s process" + (" (the policy's base: model.lora)" if lora else ""),
+                        proc.note,
+                    ],
+                )
+            )
         processes[(slot.role, slot.rank)] = proc
 
     loads: list[DeviceLoad] = []

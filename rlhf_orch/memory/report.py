@@ -12,7 +12,7 @@ from rlhf_orch.trainer.deepspeed_config import zero_stage_to_run
 
 # Table columns: the terms of `rlhf_orch.memory.terms` grouped the way people speak of them.
 COLUMNS: dict[str, tuple[str, ...]] = {
-    "weights": ("weights", "gathered weights"),
+    "weights": ("weights", "teacher weights", "gathered weights"),
     "grads": ("gradients", "gradient partition", "fp32 gradients"),
     "optimizer": ("master weights", "optimizer"),
     "activations": ("activations", "backward workspace", "logits", "entropy", "old log-probs", "forward activations"),

@@ -388,6 +388,26 @@ def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload, 
     return terms
 
 
+def with_teacher_terms(reference: list[Term] | None, teacher: list[Term]) -> list[Term]:
+    """A reference rank holding the teacher too (teacher=<model option>): both models' weights (the
+    teacher's as "teacher weights"), and of every other term the larger of the two -- the models
+    load and run their forwards one after the other in one process. `reference` None: the rank
+    holds the teacher alone (no KL term)."""
+    if reference is None:
+        return [Term("teacher weights", t.bytes, t.phase, t.on_host) if t.name == "weights" else t for t in teacher]
+    out = list(reference)
+    for t in teacher:
+        if t.name == "weights":
+            out.append(Term("teacher weights", t.bytes, t.phase, t.on_host))
+            continue
+        same = [k for k, r in enumerate(out) if (r.name, r.phase, r.on_host) == (t.name, t.phase, t.on_host)]
+        if not same:
+            out.append(t)
+        elif t.bytes > out[same[0]].bytes:
+            out[same[0]] = t
+    return out
+
+
 # vLLM's sampler warm-up per logit of its max_num_seqs x vocabulary rows: the float32 logits and
 # probabilities, and the top-k/top-p sort's values and int64 indices.
 SAMPLER_BYTES_PER_LOGIT = 24

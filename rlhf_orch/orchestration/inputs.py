@@ -1,6 +1,7 @@
 """Everything a run reads, made ready and checked on the driver before Ray starts.
 
-The model (built or found offline), its tokenizer, the data (loaded, templated, tokenized,
+The model (built or found offline), its tokenizer, the teacher (built or found, on the policy's
+tokenizer), the data (loaded, templated, tokenized,
 filtered), the reward (a user's file loaded, labels present where the rule needs them) and the
 reward model (built or found, checked to be a one-label sequence classifier on the policy's
 tokenizer). Anything wrong here is an `InputError`: one line, exit status 2, no actor started.
@@ -18,6 +19,7 @@ from rlhf_orch.config.schema import RootConfig
 from rlhf_orch.data.base import DataError, Prompt, PromptSource
 from rlhf_orch.env.base import EnvError, EnvGroup
 from rlhf_orch.models.hub import ModelSourceError
+from rlhf_orch.models.teacher import check_teacher
 from rlhf_orch.reward.base import RewardError
 from rlhf_orch.reward.model import RewardModelError
 from rlhf_orch.reward.scoring import RewardSetup, build_reward
@@ -38,6 +40,7 @@ class RunInputs:
     eval_prompts: list[Prompt]
     notes: list[str] = field(default_factory=list)  # lines worth printing at start (filtered rows, ...)
     env: EnvGroup | None = None  # the `env` option (multi-turn rollouts when env.multi_turn)
+    teacher_path: str | None = None  # teacher=<model option>'s checkpoint (None: no teacher)
 
 
 def prepare_inputs(cfg: DictConfig, typed: RootConfig) -> RunInputs:
@@ -55,6 +58,8 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
     model_path = model.path()  # builds and caches the tiny model on first use
     model.check_context_len()
     tokenizer = model.tokenizer()
+    # (validate refused a teacher that no algorithm term reads, and a teacher term without one)
+    teacher_path = check_teacher(instantiate(cfg.teacher), tokenizer) if typed.teacher is not None else None
 
     task: PromptSource = instantiate(cfg.data)
     env: EnvGroup = instantiate(cfg.env)
@@ -94,7 +99,9 @@ def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
             "eval.every_n_steps/eval.before_train are set but the data has no held-out prompts; "
             "set data.val_files=[...] or turn evaluation off (eval.every_n_steps=0 eval.before_train=false)"
         )
-    return RunInputs(model, model_path, tokenizer, task, reward, reward_model_path, eval_prompts, notes, env)
+    return RunInputs(
+        model, model_path, tokenizer, task, reward, reward_model_path, eval_prompts, notes, env, teacher_path
+    )
 
 
 def check_env(env: EnvGroup, task: PromptSource, tokenizer: Any) -> None:

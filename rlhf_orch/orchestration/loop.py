@@ -210,7 +210,7 @@ class TrainLoop:
             t = time.perf_counter()
             values_by_index, algo_stats = self._sample_values(delivery)
             values_ref = ray.put(values_by_index)  # one float per sample; every rank picks its own
-            ref_lp = [
+            frozen_lp = [  # the reference ranks' frozen models: {"ref": ..., "teacher": ...}
                 r.logprobs.remote(i) if r else None
                 for i, r in enumerate(rank_per_shard(self.actors.reference, num_shards))
             ]
@@ -220,7 +220,7 @@ class TrainLoop:
             made = [
                 # (deferred: the rank starts at once and waits for them itself, answering `progress` meanwhile)
                 rank.make_experience.options(num_returns=2).remote(
-                    i, deferred(ref_lp[i]), deferred(values[i]), algo, values_ref
+                    i, deferred(frozen_lp[i]), deferred(values[i]), algo, values_ref
                 )
                 for i, rank in enumerate(self.actors.policy)
             ]

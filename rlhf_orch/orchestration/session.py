@@ -62,9 +62,11 @@ def trainer_specs(
     pad_id: int,
     lora: LoraSettings | None = None,
     checkpoint_stages: dict[str, int] | None = None,
+    teacher_path: str | None = None,
 ) -> dict[str, TrainerSpec]:
     """Per trainer role, what its processes need (roles the algorithm has no use for get none).
-    `lora`: the model option's adapters (model.lora), trained by the policy only. The ZeRO stage
+    `lora`: the model option's adapters (model.lora), trained by the policy only. `teacher_path`:
+    the teacher's checkpoint (teacher=<model option>), held beside the reference. The ZeRO stage
     each role runs (`zero_stage_to_run`), or where `checkpoint_stages` (the resumed checkpoint's,
     `checkpoint.checkpoint_zero_stages`) names it, the stage its DeepSpeed state was written at."""
     a, t = cfg.algo, cfg.trainer
@@ -95,13 +97,17 @@ def trainer_specs(
             share_prompts=t.share_prompts is not False,  # only packed micro-batches can (validated)
             old_logprobs=t.old_logprobs,
             free_cache_between_phases=plan.shares_gpu(role),
+            # (the reference ranks' frozen models; a policy rank reads them when it hosts those ranks)
+            holds_reference=a.needs_reference,
+            teacher_path=teacher_path if a.uses_teacher else None,
+            teacher_dtype=cfg.teacher.dtype if a.uses_teacher and cfg.teacher is not None else None,
         )
 
     # model.lora trains the policy's adapters only; the critic and the reference are full models.
     specs = {"actor": replace(spec("actor", a.actor_lr), lora=lora)}
     if a.needs_critic:
         specs["critic"] = spec("critic", a.critic_lr)
-    if a.needs_reference:
+    if a.needs_reference_ranks:
         specs["reference"] = spec("reference", 0.0)
     return specs
 
@@ -515,7 +521,15 @@ def run_training(
     inputs: RunInputs = prepare_inputs(cfg, typed)
     resume = load_resume_point(typed, run_dir, config_dict, inputs.task)
     written_at = checkpoint_zero_stages(resume.state) if resume else None
-    specs = trainer_specs(typed, plan, inputs.model_path, inputs.tokenizer.pad_token_id, inputs.model.lora, written_at)
+    specs = trainer_specs(
+        typed,
+        plan,
+        inputs.model_path,
+        inputs.tokenizer.pad_token_id,
+        inputs.model.lora,
+        written_at,
+        teacher_path=inputs.teacher_path,
+    )
     zero_stages = {role: s.zero_stage for role, s in specs.items() if role in ("actor", "critic")}
     record = RunRecord(run_dir, typed, config_dict, instantiate(cfg.logger), inputs.task, resume, zero_stages)
     for role, stage in zero_stages.items():

@@ -15,7 +15,7 @@ def reference_not_hostable(plan: PlacementPlan) -> str | None:
     its bundle (the same GPU)."""
     references, actors = plan.slots_for("reference"), plan.slots_for("actor")
     if not references:
-        return "the algorithm has no reference (no KL term)"
+        return "the algorithm has no reference (no KL term or teacher)"
     if len(references) != len(actors):
         return f"{len(references)} reference ranks for {len(actors)} policy ranks (placement.reference_ranks must equal actor_ranks)"
     for ref, actor in zip(references, actors):
@@ -35,7 +35,7 @@ def with_reference_hosting(plan: PlacementPlan, reference_in_actor: Optional[boo
     if reference_in_actor is not None and not plan.slots_for("reference"):
         raise PlacementError(
             f"placement.reference_in_actor={str(reference_in_actor).lower()} does nothing: the algorithm has no "
-            "reference (no KL term), so no reference rank is placed: drop the key"
+            "reference (no KL term or teacher), so no reference rank is placed: drop the key"
         )
     if reference_in_actor is False:
         return plan

@@ -1,6 +1,6 @@
 """The policy rank's experience of one shard: old log-probs by its own forward (unless the
 update's own forward gives them: `old_logprobs.old_logprobs_from_update`), then the algorithm's
-token targets, the reference's log-probs, the critic's values and the driver's per-sample values
+token targets, the frozen models' log-probs (the reference's, the teacher's), the critic's values and the driver's per-sample values
 (`make_experience`), written into the staged micro-batches for the update; and the
 trainer/inference log-prob mismatch of the same tokens (`old_logprob_stats`, measured where the
 old log-probs are computed)."""
@@ -30,7 +30,7 @@ from rlhf_orch.transfer.batch import ENGINE_LOGPROBS, TURN_REWARDS, PackedBatch,
 def make_experience(
     engine,
     mbs: list[PaddedBatch | PackedBatch],
-    ref_logprobs: list[torch.Tensor] | None,
+    frozen: dict[str, list[torch.Tensor]] | None,
     values: list[torch.Tensor] | None,
     algo: Algorithm,
     sample_values: dict[int, float],
@@ -46,28 +46,34 @@ def make_experience(
 
     `sample_values` (sample index -> value) is what the algorithm computed on the driver from
     the final scores: the score itself (PPO, REINFORCE++), a group-centred score, or the
-    advantage (GRPO, RLOO, DAPO). `ref_logprobs` / `values` are None when the algorithm has no
-    reference / critic. Batch-wide normalisation is over all policy ranks (they all call this).
+    advantage (GRPO, RLOO, DAPO). `frozen`: what the reference ranks computed (`FrozenModels.logprobs`:
+    "ref" the KL reference's, "teacher" the teacher's), None without them; `values` None without a
+    critic. Batch-wide normalisation is over all policy ranks (they all call this).
     """
     engine.eval()
     dropout = active_dropout(engine.module)
     # The update's optimizer steps decide only where nothing else already asks for the forward
     # (forward mode, epochs, KL in the reward, dropout): then the plan's two all-reduces are not made.
-    from_update, _ = old_logprobs_from_update(spec.old_logprobs, algo.ppo_epochs, 1, algo.kl_in_reward, dropout)
+    reads_old = {"kl_in_reward": algo.kl_in_reward, "teacher": algo.uses_teacher}
+    from_update, _ = old_logprobs_from_update(spec.old_logprobs, algo.ppo_epochs, 1, dropout=dropout, **reads_old)
     if from_update:
         with work_done.collective():  # (the plan sums the sequences over the ranks)
             steps = plan_optimizer_steps(mbs, spec.train_batch_size, world_size).num_steps
-        from_update, _ = old_logprobs_from_update(spec.old_logprobs, algo.ppo_epochs, steps, algo.kl_in_reward, dropout)
+        from_update, _ = old_logprobs_from_update(
+            spec.old_logprobs, algo.ppo_epochs, steps, dropout=dropout, **reads_old
+        )
     old = (
         None
         if from_update
         else [sequence_logprobs(engine, mb, spec.temperature, share_prompts).float() for mb in work_done.each(mbs)]
     )
-    ref = [r.to(device) for r in ref_logprobs] if ref_logprobs is not None else None
+    frozen = frozen or {}
+    ref = [r.to(device) for r in frozen["ref"]] if "ref" in frozen else None
+    teacher = [t.to(device) for t in frozen["teacher"]] if "teacher" in frozen else None
     vals = [v.to(device) for v in values] if values is not None else None
     # Targets run along each sequence: on [b, L-1] rows (packed micro-batches are unpacked
     # here, in this process, for this math only); results go back to the mb's layout.
-    per_token = {"old": old, "ref": ref, "values": vals}
+    per_token = {"old": old, "ref": ref, "teacher": teacher, "values": vals}
     rows = rows_for_targets(mbs, {k: v for k, v in per_token.items() if v is not None}, spec.pad_id)
     target_rows = [
         TargetRows(
@@ -77,6 +83,7 @@ def make_experience(
             ref_logprobs=r.fields.get("ref"),
             values=r.fields.get("values"),
             turn_rewards=r.fields.get(TURN_REWARDS),
+            teacher_logprobs=r.fields.get("teacher"),
         )
         for r in rows
     ]
@@ -85,7 +92,7 @@ def make_experience(
         with work_done.collective():
             return torch.tensor(all_reduce_sum(t.tolist(), world_size), dtype=t.dtype)
 
-    targets = algo.token_targets(target_rows, summed_over_ranks)
+    targets = algo.targets(target_rows, summed_over_ranks)
     returns = []
     for k, (mb, r, t) in enumerate(zip(mbs, rows, targets)):
         wanted = {"advantages": t.advantages}
@@ -114,6 +121,11 @@ def make_experience(
     }
     if old is not None:
         stats.update(old_logprob_stats(mbs, old, ref))
+    if teacher is not None:
+        # (summed over action tokens: the driver divides by all ranks' tokens -> distill/reverse_kl)
+        stats["distill_kl_sum"] = sum(
+            float(kl_divergence(o, t, "k1", mask=mb.action_mask).sum()) for mb, o, t in zip(mbs, old, teacher)
+        )
     return stats, returns, from_update
 
 

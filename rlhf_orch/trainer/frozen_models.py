@@ -1,9 +1,10 @@
 """Forward-only models of a trainer rank: the reference (the frozen initial policy, whole or
-sharded by ZeRO-3 as trainer.reference_memory says) and the reward model, and the reference's
-log-probs of a shard (collective when sharded)."""
+sharded by ZeRO-3 as trainer.reference_memory says), the teacher (another checkpoint, held the
+same way) and the reward model, and their log-probs of a shard (collective when sharded)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -61,6 +62,22 @@ def reference_model(spec: TrainerSpec, device: torch.device, world_size: int, wo
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return engine
+
+
+def frozen_models(
+    spec: TrainerSpec, device: torch.device, world_size: int, work_done: WorkCount, reference: bool = True
+) -> dict[str, torch.nn.Module]:
+    """What a reference rank holds, by the name its log-probs go under (`TrainerSpec`): "ref" the
+    frozen initial policy (`spec.holds_reference`; `reference=False`: the caller has it already,
+    a LoRA policy's own base) and "teacher" the teacher's checkpoint (`spec.teacher_path`), each
+    held as trainer.reference_memory says."""
+    models = {}
+    if spec.holds_reference and reference:
+        models["ref"] = reference_model(spec, device, world_size, work_done)
+    if spec.teacher_path is not None:
+        teacher = replace(spec, model_path=spec.teacher_path, dtype=spec.teacher_dtype or spec.dtype)
+        models["teacher"] = reference_model(teacher, device, world_size, work_done)
+    return models
 
 
 def frozen_logprobs(

@@ -77,6 +77,10 @@ def trainer_metrics(
     tokens = max(sum(r["response_tokens"] for r in exp_stats), 1.0)
     if uses_reference:
         metrics["kl"] = sum(r["kl_sum"] for r in exp_stats) / tokens
+    if "distill_kl_sum" in exp_stats[0]:
+        # The per-token reverse KL to the teacher (k1: log pi_old - log pi_teacher of the sampled
+        # tokens), the quantity on-policy distillation lowers.
+        metrics["distill/reverse_kl"] = sum(r["distill_kl_sum"] for r in exp_stats) / tokens
     if critic_stats:
         metrics["values/mean"] = sum(r["values_sum"] for r in exp_stats) / tokens
         for key, name in CRITIC_KEYS.items():

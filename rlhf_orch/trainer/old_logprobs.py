@@ -4,7 +4,7 @@ The experience phase computes them with a forward of its own, without gradients
 (`experience.make_experience`). With one optimizer step per rollout (one epoch, the whole
 rollout in one step) the update's own forward runs on the same weights, so its log-probs,
 detached, are pi_old (what TRL uses) -- provided nothing read them before the update (a KL penalty
-in the reward reads them to make the advantages) and the two forwards compute the same function
+in the reward and a teacher's term read them to make the advantages) and the two forwards compute the same function
 (dropout in training mode would draw another mask in the update). Then the separate forward is
 work done twice (on SmolLM2, up to 40 % of a step) and is skipped: `old_logprobs_from_update`
 decides, once per step, from the same optimizer-step plan the update uses.
@@ -19,16 +19,19 @@ from torch import nn
 from rlhf_orch.trainer.options import OLD_LOGPROBS_MODES
 
 #: The reason when the update's forward gives them.
-FROM_UPDATE = "from the update's own forward (one optimizer step per rollout, no KL in the reward, no dropout)"
+FROM_UPDATE = (
+    "from the update's own forward (one optimizer step per rollout, no KL in the reward or teacher term, no dropout)"
+)
 
 
 def old_logprobs_from_update(
-    mode: str, ppo_epochs: int, optimizer_steps: int, kl_in_reward: bool, dropout: str | None
+    mode: str, ppo_epochs: int, optimizer_steps: int, kl_in_reward: bool, dropout: str | None, teacher: bool = False
 ) -> tuple[bool, str]:
     """Whether the update's detached log-probs serve as pi_old (no separate forward), and why (not).
 
     `optimizer_steps`: optimizer steps of one epoch over the rollout (`plan_optimizer_steps`);
-    `kl_in_reward`: the algorithm's token targets read pi_old (`Algorithm._reward_kl`); `dropout`:
+    `kl_in_reward` / `teacher`: the algorithm's token targets read pi_old (`Algorithm._reward_kl`,
+    the teacher's term `Algorithm.targets`); `dropout`:
     where the trained model has dropout active in training mode (`active_dropout`), None where none.
     """
     if mode not in OLD_LOGPROBS_MODES:
@@ -46,6 +49,7 @@ def old_logprobs_from_update(
             "later steps run on moved weights",
         ),
         (kl_in_reward, "the KL penalty in the reward reads them before the update (algo.kl_placement=in_reward)"),
+        (teacher, "the teacher's term reads them before the update (algo.distill_coef)"),
         (dropout is not None, f"dropout is active in training ({dropout}): the update's forward draws its own mask"),
     )
     for applies, reason in fallbacks:

@@ -15,7 +15,7 @@ from rlhf_orch.liveness import resolved
 from rlhf_orch.trainer import checkpointing
 from rlhf_orch.trainer.experience import make_experience
 from rlhf_orch.trainer.forward import enable_gradient_checkpointing, load_policy, shares_prompts
-from rlhf_orch.trainer.frozen_models import frozen_logprobs, reference_model
+from rlhf_orch.trainer.frozen_models import frozen_logprobs, frozen_models
 from rlhf_orch.trainer.lora import apply_lora, frozen_base
 from rlhf_orch.trainer.phase_memory import ends_a_phase
 from rlhf_orch.trainer.policy_update import train_policy
@@ -37,7 +37,7 @@ class PolicyWorker(TrainerWorker):
         """(Re)build the DeepSpeed engine from the checkpoint; `spec` replaces this role's settings."""
         self.spec = respecced(self.spec, spec, self.role, self.world_size)
         if spec is not None:
-            self.reference = None  # another spec may name another model: loaded again below
+            self.frozen = None  # another spec may name other models: loaded again below
         model = load_policy(self.spec.model_path, self.spec.dtype, self.device).to(self.device)
         model.config.use_cache = False
         if self.spec.gradient_checkpointing:
@@ -50,12 +50,11 @@ class PolicyWorker(TrainerWorker):
         # what a sync sends -- the same, or the adapter tensors alone (model.lora.sync=adapter).
         self.weight_views = PolicyWeights(self.engine.module, self.spec.zero_stage, lora)
         self.checkpoint_weights, self.weights = self.weight_views.full, self.weight_views.for_sync()
-        if lora is not None:
-            self.reference = None  # the frozen base under the adapters is the reference (`frozen_base`)
-        elif self.spec.host_reference and getattr(self, "reference", None) is None:
-            # The frozen initial policy, as a ReferenceWorker would load it (a rebuild keeps it:
-            # it never changes), sharded over the policy ranks under trainer.reference_memory.
-            self.reference = reference_model(self.spec, self.device, self.world_size, self.work_done)
+        if self.spec.host_reference and getattr(self, "frozen", None) is None:
+            # The frozen models, as a ReferenceWorker would load them (a rebuild keeps them: they
+            # never change), sharded over the policy ranks under trainer.reference_memory. Under
+            # model.lora the frozen base under the adapters is the reference (`frozen_base`).
+            self.frozen = frozen_models(self.spec, self.device, self.world_size, self.work_done, reference=lora is None)
         return sum(p.numel() for p in model.parameters())
 
     def use_lora_sync(self, mode: str) -> None:
@@ -75,8 +74,8 @@ class PolicyWorker(TrainerWorker):
 
     # ---------------------------------------------------------------- the hosted reference
     @torch.no_grad()
-    def reference_logprobs(self, shard: int) -> list[torch.Tensor]:
-        """What `ReferenceWorker.logprobs` returns, from the reference this rank holds
+    def reference_logprobs(self, shard: int) -> dict[str, list[torch.Tensor]]:
+        """What `ReferenceWorker.logprobs` returns, from the frozen models this rank holds
         (`host_reference`); the shard stays staged for this rank's experience and update. Under
         model.lora the reference is the policy's own base with the adapters switched off."""
         share = shares_prompts(self.spec.share_prompts, self.device)
@@ -92,11 +91,12 @@ class PolicyWorker(TrainerWorker):
                 self.work_done,
             )
 
-        if self.spec.lora is not None:
+        out = {name: logprobs(model) for name, model in self.frozen.items()}
+        if self.spec.lora is not None and self.spec.holds_reference:
             self.engine.eval()
             with frozen_base(self.engine.module) as base:
-                return logprobs(base)
-        return logprobs(self.reference)
+                out["ref"] = logprobs(base)
+        return out
 
     def reference_placement(self) -> dict[str, Any]:
         from rlhf_orch.topology.introspect import where_am_i
@@ -109,19 +109,20 @@ class PolicyWorker(TrainerWorker):
     def make_experience(
         self,
         shard: int,
-        ref_logprobs: list[torch.Tensor] | None,
+        frozen: dict[str, list[torch.Tensor]] | None,
         values: list[torch.Tensor] | None,
         algo: Algorithm,
         sample_values: dict[int, float],
     ) -> tuple[dict[str, float], list[torch.Tensor]]:
         """Old logprobs, then the algorithm's token targets (`experience.make_experience`). Returns
-        stats and the critic's returns. `ref_logprobs` / `values` may come `Deferred`: fetched here.
+        stats and the critic's returns. `frozen` (the reference ranks' log-probs, "ref" / "teacher")
+        and `values` may come `Deferred`: fetched here.
         Whether the update's forward is to give the old log-probs is kept for `train`, with the shard."""
-        ref_logprobs, values = resolved(ref_logprobs), resolved(values)
+        frozen, values = resolved(frozen), resolved(values)
         stats, returns, from_update = make_experience(
             self.engine,
             staged_micro_batches(self._staged, shard),
-            ref_logprobs,
+            frozen,
             values,
             algo,
             sample_values,

@@ -33,6 +33,12 @@ class TrainerSpec:
     offload_optimizer: bool = False  # trainer.offload_optimizer (ZeRO-Offload; GPU layouts)
     gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
     host_reference: bool = False  # the policy rank also holds the reference (plan.reference_in_actor)
+    # The frozen models of a reference rank (or of a policy rank hosting it), each held only where
+    # the algorithm reads it: the KL reference (the initial policy: a KL term) and the teacher
+    # (teacher=<model option>: its checkpoint and dtype; algo.distill_coef).
+    holds_reference: bool = True
+    teacher_path: str | None = None
+    teacher_dtype: str | None = None
     share_prompts: bool = False  # trainer.share_prompts: packed micro-batches run a repeated prompt once
     old_logprobs: str = "auto"  # trainer.old_logprobs: "auto" (from the update's forward where exact) or "forward"
     # model.lora (its sync resolved to adapter or merged): the policy trains adapters on a frozen

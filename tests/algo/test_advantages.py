@@ -253,3 +253,56 @@ def test_dynamic_sampling_keep():
         False,
         True,
     ]
+
+
+# --------------------------------------------------------------------------- the teacher's term
+def test_distill_advantages_by_hand():
+    """coef * (log pi_teacher - log pi_old) on action tokens: token 0: 0.5 * (-1.0 - -2.0) = 0.5;
+    token 1: 0.5 * (-3.0 - -1.0) = -1.0; token 2 is masked out (its -inf never reaches the sum)."""
+    from rlhf_orch.algo.advantages import distill_advantages
+
+    old, teacher = t([[-2.0, -1.0, 0.0]]), t([[-1.0, -3.0, -INF]])
+    adv = distill_advantages(old, teacher, t([[1, 1, 0]]), 0.5)
+    assert adv.tolist() == [[0.5, -1.0, 0.0]]
+
+
+def _rows(old, teacher, mask, sample_values):
+    from rlhf_orch.algo.estimators import TargetRows
+
+    return [
+        TargetRows(mask=t(mask), sample_values=t(sample_values), old_logprobs=t(old), ref_logprobs=None, values=None,
+                   teacher_logprobs=t(teacher))
+    ]  # fmt: skip
+
+
+def test_on_policy_distill_trains_on_the_teacher_term_alone():
+    """algo=on_policy_distill: the score is not trained on (its sample value is 0 whatever the score),
+    the advantage is the per-token log-ratio; another algorithm adds the term to its own."""
+    from tests.conftest import compose_config
+    from hydra.utils import instantiate
+
+    distill = instantiate(compose_config(["algo=on_policy_distill", "teacher=tiny"]).algo)
+    values, _ = distill.sample_values(t([1.0, 0.0]), ids([0, 0]), ids([2, 2]), 4)
+    assert values.tolist() == [0.0, 0.0]
+    old, teacher, mask = [[-2.0, -0.5], [-1.0, -1.0]], [[-1.0, -1.5], [-3.0, -1.0]], [[1, 1], [1, 0]]
+    (target,) = distill.targets(_rows(old, teacher, mask, [0.0, 0.0]), lambda x: x)
+    assert target.advantages.tolist() == [[1.0, -1.0], [-2.0, 0.0]]
+    # GRPO's group advantage (+-0.7071 for scores 1 and 0, std unbiased) plus 0.5 times the term
+    grpo = instantiate(compose_config(["algo=grpo", "algo.distill_coef=0.5", "teacher=tiny"]).algo)
+    values, _ = grpo.sample_values(t([1.0, 0.0]), ids([0, 0]), ids([2, 2]), 4)
+    (target,) = grpo.targets(_rows(old, teacher, mask, values.tolist()), lambda x: x)
+    a = 0.70710677  # (1 - 0.5) / std([1, 0]) = 0.5 / 0.7071
+    assert target.advantages.flatten().tolist() == pytest.approx(
+        [a + 0.5, a - 0.5, -a - 1.0, 0.0], abs=1e-5
+    )  # (eps 1e-6 in the std)
+
+
+def test_the_teacher_term_without_the_old_logprobs_is_refused():
+    from tests.conftest import compose_config
+    from hydra.utils import instantiate
+
+    distill = instantiate(compose_config(["algo=on_policy_distill", "teacher=tiny"]).algo)
+    rows = _rows([[-1.0]], [[-1.0]], [[1]], [0.0])
+    rows[0].old_logprobs = None
+    with pytest.raises(ValueError, match="teacher term reads the old"):
+        distill.targets(rows, lambda x: x)

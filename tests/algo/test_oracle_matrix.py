@@ -63,7 +63,7 @@ from tests.conftest import compose_config, start_trainer_ranks
 pytestmark = pytest.mark.integration
 
 ENV = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}}
-ALGORITHMS = ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo"]
+ALGORITHMS = ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "on_policy_distill"]
 TRANSFERS = ["padded", "micro_batched", "packed"]
 SAMPLES_PER_PROMPT = 4
 MAX_RESPONSE_LEN = 10
@@ -128,6 +128,11 @@ def _rollout() -> list[Sample]:
             temperatures[: n // 2] = [0.7] * (n // 2)
             temperatures[n // 2 :] = [1.3] * (n - n // 2)
         s.fields[SAMPLING_TEMPERATURE] = temperatures
+    # A teacher's log-probs of every response token (the teacher term: algo.distill_coef), drawn
+    # apart so the rollout above stays what it was; some above the tiny model's, some below.
+    teacher_rng = random.Random(7)
+    for s in samples:
+        s.fields["teacher"] = [teacher_rng.uniform(-4.5, -1.5) for _ in s.response_ids]
     return samples
 
 
@@ -155,9 +160,17 @@ def _composed_algo(name: str, correction: str):
     return instantiate(compose_config(overrides).algo)
 
 
-def _algo(name: str, agg: str, epochs: int, correction: str, kl_placement: str | None = None):
+def _algo(
+    name: str,
+    agg: str,
+    epochs: int,
+    correction: str,
+    kl_placement: str | None = None,
+    distill_coef: float | None = None,
+):
     algo = dataclasses.replace(_composed_algo(name, correction), loss_agg=agg, ppo_epochs=epochs)
-    return dataclasses.replace(algo, kl_placement=kl_placement) if kl_placement else algo
+    algo = dataclasses.replace(algo, kl_placement=kl_placement) if kl_placement else algo
+    return dataclasses.replace(algo, distill_coef=distill_coef) if distill_coef is not None else algo
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,12 +241,19 @@ def _submit_update(
     made = []
     for rank, shard in enumerate(shards):
         policy[rank].stage.remote(rank, shard)
-        ref = [mb.fields["ref"] for mb in shard] if algo.needs_reference else None
+        # what the reference ranks return: the KL reference's and the teacher's log-probs (given here)
+        frozen = {
+            key: [mb.fields[key] for mb in shard]
+            for key, read in (("ref", algo.needs_reference), ("teacher", algo.uses_teacher))
+            if read
+        }
         old_values = None
         if critic:
             critic[rank].stage.remote(rank, shard)
             old_values = critic[rank].values.remote(rank)
-        made.append(policy[rank].make_experience.options(num_returns=2).remote(rank, ref, old_values, algo, by_index))
+        made.append(
+            policy[rank].make_experience.options(num_returns=2).remote(rank, frozen or None, old_values, algo, by_index)
+        )
     return {
         "exp": [m[0] for m in made],
         # (every sequence kept for the rollout dump: what it shows is checked against the oracle too)
@@ -297,6 +317,7 @@ def _oracle(model_path, algo, optimizer, policy_steps, critic_steps, lora: LoraS
         scores=[s.reward for s in SAMPLES],
         group_ids=[s.index // SAMPLES_PER_PROMPT for s in SAMPLES],
         ref_logprobs=[list(s.fields["ref"]) for s in SAMPLES],
+        teacher_logprobs=[list(s.fields["teacher"]) for s in SAMPLES],
         engine_logprobs=[list(s.engine_logprobs) for s in SAMPLES],
         loss_masks=[[int(m) for m in s.fields[LOSS_MASK]] for s in SAMPLES],
         turn_rewards=[list(s.fields[TURN_REWARDS]) for s in SAMPLES],
@@ -451,10 +472,11 @@ def _check_against_the_oracle(
     lora=None,
     settings_of=None,
     kl_placement=None,
+    distill_coef=None,
 ) -> list[dict]:
     """Every setting of `_settings(case)` (or `settings_of(case)`) through the system, each held to
     the oracle; returns the system's metrics of each setting. `lora`: the policy trains LoRA adapters;
-    `kl_placement`: another than the algo option's."""
+    `kl_placement` / `distill_coef`: another than the algo option's."""
     settings_of = settings_of or _settings
     # The critic's update does not depend on the policy's loss aggregation: it is checked with
     # token-mean; the other aggregations' cases use its values for GAE and leave it untrained.
@@ -465,7 +487,7 @@ def _check_against_the_oracle(
             _submit_update(
                 actors,
                 tiny_model_path,
-                _algo(name, agg, settings[0], correction, kl_placement),
+                _algo(name, agg, settings[0], correction, kl_placement, distill_coef),
                 *settings[2:],
                 settings[1],
                 train_critic,
@@ -478,7 +500,7 @@ def _check_against_the_oracle(
     for (epochs, optimizer, transfer_name, ranks, cut), refs in pending:
         what = f"algo={name} loss_agg={agg} {correction} ppo_epochs={epochs} {optimizer} transfer={transfer_name} ranks={ranks} cut={cut}"
         what += f" lora rank={lora.rank}" if lora else ""
-        algo = _algo(name, agg, epochs, correction, kl_placement)
+        algo = _algo(name, agg, epochs, correction, kl_placement, distill_coef)
         system = _collect(refs, algo)
         # trainer.old_logprobs=auto: the update's own forward gives the old log-probs exactly where
         # they are the same (the oracle computes them with a forward of their own either way).
@@ -532,8 +554,23 @@ def _assert_dump_shows_what_trained(dumped: list[dict], oracle, what: str) -> No
 
 def _old_logprobs_from_update(algo, cut: str) -> bool:
     """Whether the trainer is to take the old log-probs from the update's forward: one epoch of one
-    optimizer step (the one-step cut) and no KL in the reward (the tiny model has no dropout)."""
-    return algo.ppo_epochs == 1 and cut == "one_step" and not algo.kl_in_reward
+    optimizer step (the one-step cut), no KL in the reward and no teacher term (the tiny model has
+    no dropout)."""
+    return algo.ppo_epochs == 1 and cut == "one_step" and not algo.kl_in_reward and not algo.uses_teacher
+
+
+def test_the_teacher_term_beside_another_algorithm_matches_the_oracle(actors, initial_weights, tiny_model_path):
+    """Distillation beside RL: PPO (GAE over KL-shaped rewards, whitened; the critic trains) with the
+    teacher's term added (algo.distill_coef=0.5): Adam, one epoch of one step over two packed ranks
+    (where the update's own forward could have given the old log-probs, but the teacher term reads
+    them first), and SGD over two epochs of two steps on one micro-batched rank. (on_policy_distill's
+    own cases take every transfer x ranks x cut.)"""
+    settings = [(1, "adamw", "packed", 2, "one_step"), (2, "sgd", "micro_batched", 1, "two_steps")]
+    metrics = _check_against_the_oracle(
+        actors, initial_weights, tiny_model_path, "ppo", "token-mean", 0, "tis",
+        settings_of=lambda case: settings, distill_coef=0.5,
+    )  # fmt: skip
+    assert all(m["distill/reverse_kl"] != 0.0 for m in metrics)
 
 
 def test_the_critic_s_update_with_the_old_logprobs_from_the_policy_update_matches_the_oracle(

@@ -232,7 +232,7 @@ HYDRA_MISTAKES = [
     (
         ["algo=grpoo"],
         "error: algo=grpoo: no such option in algo; did you mean algo=grpo",
-        "options: dapo, dr_grpo, grpo, ppo",
+        "options: dapo, dr_grpo, grpo, on_policy_distill, ppo",
     ),
     (["algoo=ppo"], "error: algoo: no such key; did you mean algo?", "--cfg job"),
     (

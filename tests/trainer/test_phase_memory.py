@@ -91,6 +91,7 @@ def _worker(cls, shares_gpu: bool, device: torch.device):
     worker.device = device  # (as a rank on a GPU would hold it; the shard below is empty: nothing runs on it)
     worker._staged = {0: []}
     worker.model = worker.engine = torch.nn.Identity()
+    worker.frozen = {"ref": worker.model}
     worker._old_values = {}
     return worker
 

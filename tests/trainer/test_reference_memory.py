@@ -51,7 +51,7 @@ def test_a_sharded_reference_is_the_initial_policy(tmp_path, hosted, shared_ray)
 
 def _held_of_reference(worker) -> tuple[int, int]:
     """(elements this rank keeps, elements of the whole model) of the rank's reference."""
-    model = worker.reference if hasattr(worker, "reference") else worker.model
+    model = worker.frozen["ref"]
     params = list(model.parameters())
     return (
         sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params),

@@ -1,0 +1,74 @@
+"""The teacher (teacher=<model option>): refused before anything starts when it does nothing, when
+the algorithm's teacher term has none, or when its tokenizer reads the policy's token ids otherwise
+(`rlhf_orch.models.teacher`, `rlhf_orch.config.checks_algo.teacher`); planned with its own shape."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from rlhf_orch.app import check, plan_line
+from rlhf_orch.config.problems import ConfigError
+from rlhf_orch.memory.check import check_memory
+from rlhf_orch.models.teacher import tokenizer_mismatch
+from rlhf_orch.orchestration.inputs import InputError, prepare_inputs
+from tests.conftest import compose_config
+
+
+@pytest.mark.parametrize(
+    "overrides, key, fragment",
+    [
+        (["algo=on_policy_distill"], "teacher", "reads a teacher's log-prob of every sampled token: set teacher="),
+        (["algo=grpo", "algo.distill_coef=0.1"], "teacher", "set teacher=<model option>"),
+        (["teacher=tiny"], "teacher", "does nothing: no term of the algorithm reads a teacher"),
+        (["algo=on_policy_distill", "teacher=tiny", "teacher.lora.rank=4"], "teacher.lora.rank", "frozen"),
+        (["algo=on_policy_distill", "teacher=tiny", "algo.distill_coef=-1"], "algo.distill_coef", ">= 0"),
+    ],
+)
+def test_a_teacher_that_does_nothing_or_is_missing_is_refused(overrides, key, fragment):
+    cfg = compose_config(overrides)
+    with pytest.raises(ConfigError) as refused:
+        check(cfg, instantiate(cfg.launcher))
+    assert f"{key}=" in str(refused.value) and fragment in str(refused.value), str(refused.value)
+
+
+def test_the_teacher_term_places_reference_ranks_without_a_kl_term():
+    cfg = compose_config(["algo=on_policy_distill", "teacher=tiny"])
+    typed, plan = check(cfg, instantiate(cfg.launcher))
+    assert not typed.algo.needs_reference and plan.slots_for("reference") and plan.reference_in_actor
+    assert "reference=1(teacher, in actor)" in plan_line(typed, plan)  # the start-up line says what it holds
+
+
+def test_a_tokenizer_mismatch_is_named(smollm2_tokenizer, tiny_model):
+    assert tokenizer_mismatch(smollm2_tokenizer, copy.deepcopy(smollm2_tokenizer)) is None
+    assert "tokens against the policy's" in tokenizer_mismatch(smollm2_tokenizer, tiny_model.tokenizer())
+
+    class Swapped:  # two of SmolLM2's tokens under each other's ids
+        eos_token_id = smollm2_tokenizer.eos_token_id
+
+        def get_vocab(self):
+            vocab = dict(smollm2_tokenizer.get_vocab())
+            vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]
+            return vocab
+
+    assert tokenizer_mismatch(smollm2_tokenizer, Swapped()).startswith("2 of 49152 tokens under other ids")
+
+
+def test_a_teacher_on_another_tokenizer_is_refused_before_ray(smollm2_path, tiny_model_path):
+    cfg = compose_config(["algo=on_policy_distill", "teacher=smollm2_135m"])  # the tiny policy, SmolLM2 teacher
+    with pytest.raises(InputError, match=r"^teacher \(.*SmolLM2.*\): its tokenizer is not the policy's \(49152 tokens"):
+        prepare_inputs(cfg, OmegaConf.to_object(cfg))  # one line, exit 2 (app.main)
+
+
+def test_the_teacher_is_in_the_memory_plan(smollm2_path):
+    cfg = compose_config(["model=smollm2_student", "teacher=smollm2_135m", "algo=on_policy_distill"])
+    typed, plan = check(cfg, instantiate(cfg.launcher))
+    memory = check_memory(typed, plan, on_gpu=False, reward_model=False).plan
+    (reference,) = [p for p in memory.processes if p.role == "reference"]
+    teacher_weights = sum(t.bytes for t in reference.terms if t.name == "teacher weights")
+    # SmolLM2-135M in float32 (134.5M parameters), and no reference of the student's: no KL term
+    assert 0.5e9 < teacher_weights < 0.56e9 and not any(t.name == "weights" for t in reference.terms)
+    assert "teacher" in memory.model
