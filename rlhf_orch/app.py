@@ -113,9 +113,11 @@ def plan_line(typed: RootConfig, plan: PlacementPlan) -> str:
     groups = ["algo", "placement", "pipeline", "transfer", "sync", "model", "teacher", "data", "reward"]
     if getattr(typed.env, "max_turns", None) is not None:  # multi-turn rollouts: say which environment
         groups.append("env")
-    picked = " ".join(f"{g}={choices[g]}" for g in groups if choices.get(g) and (g, choices[g]) != ("teacher", "none"))
+    if typed.teacher is None:
+        groups.remove("teacher")
+    picked = " ".join(f"{g}={choices[g]}" for g in groups if choices.get(g))
     # what the reference ranks hold (the KL reference, the teacher) and where
-    held = "+".join(["ref"] * typed.algo.needs_reference + ["teacher"] * typed.algo.uses_teacher)
+    held = "+".join(typed.algo.frozen_models)
     where = ", in actor" if plan.reference_in_actor else ""
     hosted = {"reference": f"({held}{where})"} if held != "ref" or where else {}
     ranks = " ".join(f"{role}={plan.num_ranks(role)}{hosted.get(role, '')}" for role in plan.roles)

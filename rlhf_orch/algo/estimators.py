@@ -59,7 +59,7 @@ class TargetRows:
     mask: Tensor
     sample_values: Tensor  # [b]: what `sample_values` computed for each row's sample
     # pi_old; None when the update's own forward gives them (trainer.old_logprobs): only a KL in
-    # the reward reads them here, and then they are always computed first.
+    # the reward and the teacher's term read them here, and then they are always computed first.
     old_logprobs: Optional[Tensor]
     ref_logprobs: Optional[Tensor]  # None when the algorithm uses no reference
     values: Optional[Tensor]  # critic values; None without a critic

@@ -64,9 +64,10 @@ class AlgoConfig:
     # > 1 (AReaL's behav_imp_weight_cap, 5 in its examples); not with tis_cap. null = off.
     decoupled_is_cap: Optional[float] = None
     # The teacher's term (teacher=<model option>): every action token's advantage gains
-    # distill_coef * (log pi_teacher - log pi_old) of its sampled token, minus the per-token reverse
-    # KL to the teacher (on-policy distillation; no discount), added after the algorithm's own
-    # advantages (their baselines and normalisation untouched). 0 = off (no teacher is placed).
+    # distill_coef * (log pi_teacher - log pi_old) of its sampled token, i.e. the negative of the
+    # per-token reverse KL to the teacher (on-policy distillation; no discount), added after the
+    # algorithm's own advantages (their baselines and normalisation untouched). 0 = off (no
+    # teacher is placed).
     distill_coef: float = 0.0
 
     needs_critic: ClassVar[bool] = False
@@ -95,10 +96,15 @@ class AlgoConfig:
         return self.distill_coef > 0
 
     @property
+    def frozen_models(self) -> tuple[str, ...]:
+        """The frozen models the reference ranks hold, by the name their log-probs go under: "ref"
+        the KL reference (the initial policy), "teacher" the teacher -- whichever the algorithm reads."""
+        return ("ref",) * self.needs_reference + ("teacher",) * self.uses_teacher
+
+    @property
     def needs_reference_ranks(self) -> bool:
-        """The planner's reference ranks exist: they hold the frozen models, the KL reference
-        and the teacher, whichever the algorithm reads."""
-        return self.needs_reference or self.uses_teacher
+        """The planner places reference ranks: some frozen model is read (`frozen_models`)."""
+        return bool(self.frozen_models)
 
     @property
     def compares_group_samples(self) -> bool:

@@ -134,9 +134,31 @@ def teacher(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]
                 "algo=on_policy_distill, set algo.distill_coef>0 beside another algorithm, or teacher=none",
             )
         ]
+    problems = []
     if t.lora.rank > 0:
-        return [Problem("teacher.lora.rank", t.lora.rank, "the teacher is frozen: adapters on it train nothing; set 0")]
-    return []
+        problems.append(
+            Problem("teacher.lora.rank", t.lora.rank, "the teacher is frozen: adapters on it train nothing; set 0")
+        )
+    longest = cfg.data.prompt_max_len + cfg.data.response_max_len
+    if t.context_len < longest:
+        problems.append(
+            Problem(
+                "teacher.context_len",
+                t.context_len,
+                f"the teacher scores whole sequences of up to data.prompt_max_len + data.response_max_len = {longest} "
+                "tokens: raise it (up to its checkpoint's position limit) or shorten the data's lengths",
+            )
+        )
+    if getattr(a, "dynamic_sampling", False):
+        problems.append(
+            Problem(
+                "algo.distill_coef",
+                a.distill_coef,
+                "dynamic sampling drops every group of equal scores, and with it the teacher's signal on those "
+                "samples: set algo.dynamic_sampling=false, or algo.distill_coef=0",
+            )
+        )
+    return problems
 
 
 def evaluation(cfg: RootConfig, plan: PlacementPlan, hw: Hardware) -> list[Problem]:

@@ -101,7 +101,7 @@ def _needs_critic(c: RootConfig) -> bool:
     return c.algo.needs_critic
 
 
-def _needs_reference(c: RootConfig) -> bool:
+def _has_reference_ranks(c: RootConfig) -> bool:
     """Reference ranks are placed: they hold the KL reference and the teacher."""
     return c.algo.needs_reference_ranks
 
@@ -144,13 +144,13 @@ RANGES: tuple[Range, ...] = (
         "placement.reference_ranks",
         1,
         "the KL term and the teacher need a reference rank",
-        when=lambda c: _ranked(c) and _needs_reference(c),
+        when=lambda c: _ranked(c) and _has_reference_ranks(c),
     ),
     ints(
         "placement.reference_ranks",
         0,
         "unused without a KL term or a teacher",
-        when=lambda c: _ranked(c) and not _needs_reference(c),
+        when=lambda c: _ranked(c) and not _has_reference_ranks(c),
     ),
     ints("placement.engines", 1, "rollouts need at least one vLLM engine", when=_ranked),
     *(

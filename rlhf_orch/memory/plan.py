@@ -10,7 +10,7 @@ every process's peak at once, plus the driver and Ray's own processes.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
@@ -305,16 +305,28 @@ def batch_quantities(typed: RootConfig, plan: PlacementPlan, wl: Workload) -> di
 
 
 def _frozen_models_terms(
-    typed: RootConfig, shape: ModelShape, teacher: Optional[ModelShape], wl: Workload, dp: int
+    typed: RootConfig, shape: ModelShape, teacher: Optional[ModelShape], wl: Workload, dp: int, hosted: bool
 ) -> tuple[list[Term], str]:
-    """A reference rank: the KL reference (the policy's shape) and the teacher, whichever is read."""
-    reference = (
-        forward_only_terms("reference", shape.policy_params, shape, wl, dp) if typed.algo.needs_reference else None
-    )
-    if teacher is None or not typed.algo.uses_teacher:
-        return reference or [], ""
-    held = with_teacher_terms(reference, forward_only_terms("reference", teacher.policy_params, teacher, wl, dp))
-    return held, ("reference + teacher" if reference is not None else "teacher")
+    """A reference rank: the frozen models the algorithm reads (`AlgoConfig.frozen_models`), the KL
+    reference in the policy's shape and dtype, the teacher in its own. `hosted`: inside the policy
+    rank's process (no runtime of its own; under model.lora the reference is the policy's base: no
+    weights or load of its own either)."""
+    held = typed.algo.frozen_models
+    reference = None
+    if "ref" in held:
+        reference = forward_only_terms("reference", shape.policy_params, shape, wl, dp)
+        if hosted and wl.lora_rank > 0:
+            reference = [t for t in reference if t.name not in ("weights", "checkpoint load")]
+    terms, note = reference or [], ""
+    if "teacher" in held and teacher is not None:
+        teacher_wl = replace(wl, dtype=typed.teacher.dtype)
+        terms = with_teacher_terms(
+            reference, forward_only_terms("reference", teacher.policy_params, teacher, teacher_wl, dp)
+        )
+        note = "reference + teacher" if reference is not None else "teacher"
+    if hosted:
+        terms = [t for t in terms if t.name not in RUNTIME_TERM_NAMES]
+    return terms, note
 
 
 # --------------------------------------------------------------------------- the plan
@@ -337,7 +349,7 @@ def plan_memory(
     role_terms = {
         "actor": lambda dp, rank: (trainer_terms("actor", shape.policy_params, shape, wl, dp, rank), ""),
         "critic": lambda dp, rank: (trainer_terms("critic", shape.critic_params, shape, wl, dp, rank), ""),
-        "reference": lambda dp, rank: _frozen_models_terms(typed, shape, teacher, wl, dp),
+        "reference": lambda dp, rank: _frozen_models_terms(typed, shape, teacher, wl, dp, plan.reference_in_actor),
         "reward": lambda dp, rank: (forward_only_terms("reward", shape.reward_params, shape, wl), ""),
         "engine": lambda dp, rank: engine_terms(shape, wl),
     }
@@ -346,14 +358,8 @@ def plan_memory(
         proc = ProcessMemory(slot.role, slot.rank)
         proc.terms, proc.note = role_terms[slot.role](max(plan.num_ranks(slot.role), 1), slot.rank)
         if slot.role == "reference" and plan.reference_in_actor:
-            # Inside the policy rank's process: its model and forward, not a second runtime; under
-            # model.lora not a second model either (the reference is the policy's frozen base).
-            lora = wl.lora_rank > 0
-            proc.terms = [
-                t
-                for t in proc.terms
-                if t.name not in RUNTIME_TERM_NAMES and not (lora and t.name in ("weights", "checkpoint load"))
-            ]
+            # (its terms: `_frozen_models_terms`, without a runtime of its own)
+            lora = wl.lora_rank > 0 and "ref" in typed.algo.frozen_models
             proc.note = ", ".join(
                 filter(
                     None,

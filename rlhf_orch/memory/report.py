@@ -28,6 +28,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
         "allocator reserve",
         "tokenizer",
         "checkpoint load",
+        "teacher checkpoint load",
         "zero-3 runtime",
         "runtime",
         "shared libraries",

@@ -388,20 +388,26 @@ def forward_only_terms(role: str, params: int, shape: ModelShape, wl: Workload, 
     return terms
 
 
+#: Terms each DeepSpeed engine or each loaded model of a process has its own of: a process holding
+#: the teacher beside the KL reference holds two (the rest of the two models' terms are transient
+#: and run one after the other: the larger counts).
+PER_MODEL_TERMS = ("zero-3 runtime", "allocator reserve")
+
+
 def with_teacher_terms(reference: list[Term] | None, teacher: list[Term]) -> list[Term]:
-    """A reference rank holding the teacher too (teacher=<model option>): both models' weights (the
-    teacher's as "teacher weights"), and of every other term the larger of the two -- the models
-    load and run their forwards one after the other in one process. `reference` None: the rank
-    holds the teacher alone (no KL term)."""
+    """A reference rank holding the teacher too (teacher=<model option>): both models' weights and
+    checkpoint loads (the teacher's as "teacher weights" / "teacher checkpoint load"), each model's
+    `PER_MODEL_TERMS`, and of every other term the larger of the two -- the models run their
+    forwards one after the other in one process. `reference` None: the rank holds the teacher
+    alone (no KL term, or a LoRA policy's own base is the reference)."""
+    own = {"weights": "teacher weights", "checkpoint load": "teacher checkpoint load"}
+    teacher = [Term(own.get(t.name, t.name), t.bytes, t.phase, t.on_host, t.reclaimable) for t in teacher]
     if reference is None:
-        return [Term("teacher weights", t.bytes, t.phase, t.on_host) if t.name == "weights" else t for t in teacher]
+        return teacher
     out = list(reference)
     for t in teacher:
-        if t.name == "weights":
-            out.append(Term("teacher weights", t.bytes, t.phase, t.on_host))
-            continue
         same = [k for k, r in enumerate(out) if (r.name, r.phase, r.on_host) == (t.name, t.phase, t.on_host)]
-        if not same:
+        if not same or t.name in PER_MODEL_TERMS:
             out.append(t)
         elif t.bytes > out[same[0]].bytes:
             out[same[0]] = t

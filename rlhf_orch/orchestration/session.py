@@ -98,9 +98,9 @@ def trainer_specs(
             old_logprobs=t.old_logprobs,
             free_cache_between_phases=plan.shares_gpu(role),
             # (the reference ranks' frozen models; a policy rank reads them when it hosts those ranks)
-            holds_reference=a.needs_reference,
-            teacher_path=teacher_path if a.uses_teacher else None,
-            teacher_dtype=cfg.teacher.dtype if a.uses_teacher and cfg.teacher is not None else None,
+            holds_reference="ref" in a.frozen_models,
+            teacher_path=teacher_path if "teacher" in a.frozen_models else None,
+            teacher_dtype=cfg.teacher.dtype if "teacher" in a.frozen_models and cfg.teacher is not None else None,
         )
 
     # model.lora trains the policy's adapters only; the critic and the reference are full models.

@@ -32,7 +32,7 @@ class RankedPlacementConfig(PlacementConfig):
 
     actor_ranks: int = 1  # DeepSpeed data-parallel ranks of the policy
     critic_ranks: int = 1  # DeepSpeed data-parallel ranks of the value model
-    reference_ranks: int = 1  # forward-only copies of the initial policy
+    reference_ranks: int = 1  # forward-only ranks: the initial policy (KL term), the teacher (algo.distill_coef)
     engines: int = 1  # vLLM engines
 
 

@@ -132,7 +132,7 @@ def plan_cpu_local(
 
     An engine with engine_tp=k gets k bundles (its TP workers are processes too); a reward model
     gets one bundle per critic rank (per actor rank without a critic). `critic=False` (a
-    critic-free algorithm) places no critic at all, `reference=False` (no KL term) no reference.
+    critic-free algorithm) places no critic at all, `reference=False` (no KL term, no teacher) no reference.
     """
     critic_ranks = critic_ranks if critic else 0
     reference_ranks = reference_ranks if reference else 0
@@ -410,7 +410,7 @@ def _check_ranks(
     if critic:
         _require_at_least("critic_ranks", critic_ranks, 1, "an algorithm with a critic needs at least one critic rank")
     if reference:
-        _require_at_least("reference_ranks", reference_ranks, 1, "the KL term needs a reference rank")
+        _require_at_least("reference_ranks", reference_ranks, 1, "the KL term and the teacher need a reference rank")
     _require_at_least("engines", engines, 1, "rollouts need at least one vLLM engine")
     _require_at_least("engine_tp", engine_tp, 1, "an engine needs at least one device")
 

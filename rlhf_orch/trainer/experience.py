@@ -46,8 +46,9 @@ def make_experience(
 
     `sample_values` (sample index -> value) is what the algorithm computed on the driver from
     the final scores: the score itself (PPO, REINFORCE++), a group-centred score, or the
-    advantage (GRPO, RLOO, DAPO). `frozen`: what the reference ranks computed (`FrozenModels.logprobs`:
-    "ref" the KL reference's, "teacher" the teacher's), None without them; `values` None without a
+    advantage (GRPO, RLOO, DAPO). `frozen`: what the reference ranks computed (`ReferenceWorker.logprobs`,
+    `PolicyWorker.reference_logprobs`: "ref" the KL reference's, "teacher" the teacher's, as
+    `AlgoConfig.frozen_models` names them), None without them; `values` None without a
     critic. Batch-wide normalisation is over all policy ranks (they all call this).
     """
     engine.eval()

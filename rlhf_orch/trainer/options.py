@@ -29,7 +29,7 @@ class TrainerConfig:
     # Recompute each layer's activations in the backward pass instead of keeping them (HF's
     # gradient checkpointing): activation memory ~1/layers for ~30 % more trainer compute.
     gradient_checkpointing: bool = False
-    # How each rank holds the KL reference: "full" (a whole copy per reference rank), "sharded"
+    # How each reference rank holds its frozen models (the KL reference, the teacher): "full" (a whole copy per reference rank), "sharded"
     # (DeepSpeed ZeRO-3 over the reference ranks -- the policy ranks when it lives in their
     # processes: 1/ranks of the weights each, a layer gathered at a time), "offloaded" (sharded, the
     # shards in host memory; GPU layouts). What a policy too large for a whole reference per GPU needs.

@@ -149,7 +149,7 @@ def predicted(overrides: list[str]) -> tuple[dict[str, float], float, float]:
     cfg = compose_config(overrides)
     typed = OmegaConf.to_object(cfg)
     plan = instantiate(cfg.placement).plan(
-        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
+        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference_ranks
     )
     verdict = check_memory(typed, plan, on_gpu=False, reward_model=False)
     load = verdict.plan.loads[0]

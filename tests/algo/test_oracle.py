@@ -11,6 +11,7 @@ scores.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,8 @@ from rlhf_orch.algo.losses import LOSS_AGGREGATIONS, aggregate_loss
 from rlhf_orch.algo.oracle import ADVANTAGES, Rollout, _aggregate, advantages
 from tests.conftest import compose_config
 
-ALGORITHMS = ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo"]
+# Every `algo` option (conf/algo/*.yaml): a new one without a specification fails below.
+ALGORITHMS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "algo").glob("*.yaml"))
 MAX_LEN = 8
 
 
@@ -46,6 +48,7 @@ def _rollout() -> tuple[Rollout, list[torch.Tensor], list[torch.Tensor]]:
     )
     old = [torch.tensor([rng.uniform(-4, -1) for _ in range(k)]) for k in lengths]
     values = [torch.tensor([rng.uniform(-1, 1) for _ in range(k)]) for k in lengths]
+    rollout.teacher_logprobs = [[rng.uniform(-4, -1) for _ in range(k)] for k in lengths]
     return rollout, old, values
 
 
@@ -68,6 +71,8 @@ def test_oracle_advantages_equal_the_estimators_on_masks_with_holes(name):
         overrides.append("algo.overlong_buffer=3")
     if name in ("ppo", "reinforce_pp", "reinforce_pp_baseline"):
         overrides += ["algo.kl_placement=in_reward", "algo.kl_estimator=k2", "algo.gamma=0.9"]
+    if name in ("ppo", "grpo"):  # the teacher's term beside the algorithm's own (whitened, group-relative)
+        overrides.append("algo.distill_coef=0.3")
     algo = instantiate(compose_config(overrides).algo)
     rollout, old, values = _rollout()
     mask = _rows(rollout.loss_masks, MAX_LEN).bool()
@@ -81,8 +86,9 @@ def test_oracle_advantages_equal_the_estimators_on_masks_with_holes(name):
         old_logprobs=_rows(old, MAX_LEN),
         ref_logprobs=_rows(rollout.ref_logprobs, MAX_LEN),
         values=_rows(values, MAX_LEN) if algo.needs_critic else None,
+        teacher_logprobs=_rows(rollout.teacher_logprobs, MAX_LEN),
     )
-    (targets,) = algo.token_targets([rows], lambda t: t)
+    (targets,) = algo.targets([rows], lambda t: t)
     expected_adv, expected_ret = advantages(algo, rollout, old, values if algo.needs_critic else None, MAX_LEN)
     torch.testing.assert_close(
         torch.where(mask, targets.advantages, 0.0), _rows(expected_adv, MAX_LEN), atol=1e-5, rtol=1e-5

@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 import ray
@@ -242,11 +243,7 @@ def _submit_update(
     for rank, shard in enumerate(shards):
         policy[rank].stage.remote(rank, shard)
         # what the reference ranks return: the KL reference's and the teacher's log-probs (given here)
-        frozen = {
-            key: [mb.fields[key] for mb in shard]
-            for key, read in (("ref", algo.needs_reference), ("teacher", algo.uses_teacher))
-            if read
-        }
+        frozen = {key: [mb.fields[key] for mb in shard] for key in algo.frozen_models}
         old_values = None
         if critic:
             critic[rank].stage.remote(rank, shard)
@@ -584,6 +581,11 @@ def test_the_critic_s_update_with_the_old_logprobs_from_the_policy_update_matche
         actors, initial_weights, tiny_model_path, "ppo", "token-mean", 0, "tis",
         settings_of=lambda case: settings, kl_placement="in_loss",
     )  # fmt: skip
+
+
+def test_the_matrix_has_every_algo_option():
+    conf = Path(__file__).resolve().parents[2] / "conf" / "algo"
+    assert sorted(ALGORITHMS) == sorted(p.stem for p in conf.glob("*.yaml"))
 
 
 def test_the_ci_cases_take_the_old_logprobs_both_ways():

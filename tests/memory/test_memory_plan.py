@@ -36,7 +36,7 @@ def verdict(overrides: list[str], host_gb: float = 24.0):
     cfg = compose_config(overrides)
     typed = OmegaConf.to_object(cfg)
     plan = instantiate(cfg.placement).plan(
-        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
+        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference_ranks
     )
     import rlhf_orch.memory.check as check
 
@@ -519,7 +519,7 @@ def test_a_cpu_engine_gets_the_kv_cache_its_plan_counts(overrides, sequences):
     cfg = compose_config(overrides)
     typed = OmegaConf.to_object(cfg)
     plan = instantiate(cfg.placement).plan(
-        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
+        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference_ranks
     )
     memory = verdict(overrides).plan
     planned = next(t.bytes for p in memory.processes if p.role == "engine" for t in p.terms if t.name == "kv cache")

@@ -15,7 +15,7 @@ def _spec(overrides: list[str]):
     cfg = compose_config(overrides)
     typed = OmegaConf.to_object(cfg)
     plan = instantiate(cfg.placement).plan(
-        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference
+        reward_model=False, critic=typed.algo.needs_critic, reference=typed.algo.needs_reference_ranks
     )
     return engine_spec(typed, plan, "unused", instantiate(cfg.pipeline), None)
 

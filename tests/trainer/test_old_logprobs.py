@@ -33,6 +33,7 @@ def test_the_update_gives_the_old_logprobs_only_where_they_are_the_same():
         "algo.ppo_epochs=2": dict(ppo_epochs=2),
         "3 optimizer steps per epoch": dict(optimizer_steps=3),
         "the KL penalty in the reward": dict(kl_in_reward=True),
+        "the teacher's term reads them before the update (algo.distill_coef)": dict(teacher=True),
         "dropout is active in training (attention_dropout=0.1)": dict(dropout="attention_dropout=0.1"),
     }
     for reason, change in fallbacks.items():
