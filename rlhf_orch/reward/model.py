@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_orch.models.hub import resolve_local_checkpoint
+from rlhf_orch.models.token_ids import tokenizer_mismatch
 
 
 class RewardModelError(ValueError):
@@ -65,8 +66,9 @@ class RewardModel:
         from transformers import AutoTokenizer
 
         # The reward model reads the policy's token ids as they are: the vocabularies must agree.
-        if AutoTokenizer.from_pretrained(path).get_vocab() != policy_tokenizer.get_vocab():
+        why = tokenizer_mismatch(policy_tokenizer, AutoTokenizer.from_pretrained(path))
+        if why is not None:
             raise RewardModelError(
-                f"reward.model_path={path!r} has a different tokenizer than the policy; the reward model scores "
-                "the policy's token ids, so use one trained with the policy's tokenizer"
+                f"reward.model_path={path!r} has a different tokenizer than the policy ({why}); the reward model "
+                "scores the policy's token ids, so use one trained with the policy's tokenizer"
             )

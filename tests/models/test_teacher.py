@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from rlhf_orch.app import check, plan_line
 from rlhf_orch.config.problems import ConfigError
 from rlhf_orch.memory.check import check_memory
-from rlhf_orch.models.teacher import tokenizer_mismatch
+from rlhf_orch.models.token_ids import tokenizer_mismatch
 from rlhf_orch.orchestration.inputs import InputError, prepare_inputs
 from tests.conftest import compose_config
 
@@ -108,3 +108,17 @@ def test_the_teacher_is_in_the_memory_plan_in_its_own_shape_and_dtype(smollm2_pa
     lora = _reference_terms("algo.kl_placement=in_loss", "algo.kl_coef=0.01", "model.lora.rank=8")
     assert "weights" not in lora and "checkpoint load" not in lora
     assert lora["teacher weights"] == terms["teacher weights"] and "teacher checkpoint load" in lora
+
+
+def test_a_reward_model_on_another_tokenizer_is_refused_with_the_same_rule(tiny_model, smollm2_tokenizer):
+    """reward=model asks the same question of its checkpoint (`rlhf_orch.models.token_ids`)."""
+    from rlhf_orch.reward.model import RewardModelError
+    from rlhf_orch.reward.scoring import build_reward
+
+    reward = build_reward(compose_config(["reward=model"]).reward).model
+    path = reward.resolve(tiny_model)  # the tiny reward model, on the tiny tokenizer
+    reward.check(path, tiny_model.tokenizer())
+    with pytest.raises(
+        RewardModelError, match=r"different tokenizer than the policy \(49 tokens against the policy's 49152\)"
+    ):
+        reward.check(path, smollm2_tokenizer)
