@@ -7,6 +7,7 @@ the same samples at step 1 -- each step's prompts alone move the metric by as mu
 from __future__ import annotations
 
 import pytest
+import ray
 from hydra.utils import instantiate
 
 from rlhf_orch.app import check
@@ -75,3 +76,32 @@ def test_the_policy_moves_toward_the_teacher(tmp_path, shared_ray, held_still, h
     assert sum(kl[1:]) < sum(held_still[1:]) - 0.5 and kl[-1] < held_still[-1] - 0.2, (kl, held_still)
     assert "kl" not in rows[0] and "reward/mean" in rows[0]  # no KL reference; the reward is still scored
     assert (tmp_path / "plots" / "distill.png").exists()
+
+
+# slow (~80 s): the run twice, one of them restarted (restarting every role is the point).
+@pytest.mark.extended
+@pytest.mark.slow
+def test_a_lost_teacher_restarts_every_role_from_the_checkpoint_and_the_run_ends_the_same(tmp_path, shared_ray):
+    """The teacher's own process (a reference rank of its own) is killed after step 2: like any lost
+    trainer process, every role restarts from step 2's checkpoint, and the run logs what the
+    uninterrupted run logs (the teacher is frozen: nothing of it is in the checkpoint to lose)."""
+    from tests.e2e.test_resume import _comparable
+
+    own = ["placement.reference_in_actor=false", "algo.actor_lr=1e-3", "checkpoint.every_n_steps=2"]
+    killed = []
+
+    def kill(step: int, loop) -> None:
+        if step == 2 and not killed:
+            killed.append(loop.actors.reference[0])
+            ray.kill(loop.actors.reference[0])
+
+    whole = _distill(own, tmp_path / "whole")
+    cfg = compose_config([*DISTILL, *own, *SHARED_RAY])
+    launcher = instantiate(cfg.launcher)
+    typed, plan = check(cfg, launcher)
+    summary = run_training(cfg, typed, plan, launcher, tmp_path / "faulted", callbacks=[kill])
+    assert summary["status"] == "completed" and summary["trainer_restarts"] == 1 and killed, summary
+    faulted = read_metrics(tmp_path / "faulted")
+    assert [r["step"] for r in faulted] == [1, 2, 3, 4] and [r["fault/trainer_restarts"] for r in faulted][-1] == 1
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("fault/")} for r in _comparable(rows)]  # noqa: E731
+    assert strip(faulted) == strip(whole)
