@@ -110,11 +110,10 @@ def plan_line(typed: RootConfig, plan: PlacementPlan) -> str:
         choices = dict(HydraConfig.get().runtime.choices)
     except ValueError:  # not under @hydra.main
         choices = {}
-    groups = ["algo", "placement", "pipeline", "transfer", "sync", "model", "teacher", "data", "reward"]
+    teacher = ["teacher"] if typed.teacher is not None else []
+    groups = ["algo", "placement", "pipeline", "transfer", "sync", "model", *teacher, "data", "reward"]
     if getattr(typed.env, "max_turns", None) is not None:  # multi-turn rollouts: say which environment
         groups.append("env")
-    if typed.teacher is None:
-        groups.remove("teacher")
     picked = " ".join(f"{g}={choices[g]}" for g in groups if choices.get(g))
     # what the reference ranks hold (the KL reference, the teacher) and where
     held = "+".join(typed.algo.frozen_models)

@@ -327,7 +327,7 @@ def advantages(
         raise ValueError(f"the oracle has no specification for algo class {kind}; add one to ADVANTAGES")
     masks = [rollout.mask(i) for i in range(len(old))]
     adv, returns = ADVANTAGES[kind](_Inputs(algo, rollout, old, values, masks, max_response_len))
-    coef = getattr(algo, "distill_coef", 0.0)
+    coef = algo.distill_coef
     if coef > 0:
         adv = [
             torch.tensor(
@@ -432,7 +432,7 @@ def reference_update(
     )
     if algo.kl_placement != "off" and algo.kl_coef > 0:  # a KL term: the run has a reference
         metrics["kl"] = _token_mean([old[i] - torch.tensor(rollout.ref_logprobs[i]) for i in range(n)], masks)
-    if getattr(algo, "distill_coef", 0.0) > 0:  # the per-token reverse KL to the teacher (k1)
+    if algo.distill_coef > 0:  # the per-token reverse KL to the teacher (k1)
         metrics["distill/reverse_kl"] = _token_mean(
             [old[i] - torch.tensor(rollout.teacher_logprobs[i]) for i in range(n)], masks
         )

@@ -305,28 +305,31 @@ def batch_quantities(typed: RootConfig, plan: PlacementPlan, wl: Workload) -> di
 
 
 def _frozen_models_terms(
-    typed: RootConfig, shape: ModelShape, teacher: Optional[ModelShape], wl: Workload, dp: int, hosted: bool
+    typed: RootConfig, shape: ModelShape, teacher: Optional[ModelShape], wl: Workload, dp: int, rank: int, hosted: bool
 ) -> tuple[list[Term], str]:
-    """A reference rank: the frozen models the algorithm reads (`AlgoConfig.frozen_models`), the KL
-    reference in the policy's shape and dtype, the teacher in its own. `hosted`: inside the policy
-    rank's process (no runtime of its own; under model.lora the reference is the policy's base: no
-    weights or load of its own either)."""
+    """Reference rank `rank`: the frozen models the algorithm reads (`AlgoConfig.frozen_models`),
+    the KL reference in the policy's shape and dtype, the teacher in its own. `hosted`: inside the
+    policy rank's process (no runtime of its own; under model.lora the reference is the policy's
+    base: no weights or load of its own either)."""
     held = typed.algo.frozen_models
+    base = hosted and wl.lora_rank > 0 and "ref" in held  # the reference is the LoRA policy's own base
     reference = None
     if "ref" in held:
         reference = forward_only_terms("reference", shape.policy_params, shape, wl, dp)
-        if hosted and wl.lora_rank > 0:
+        if base:
             reference = [t for t in reference if t.name not in ("weights", "checkpoint load")]
-    terms, note = reference or [], ""
+    terms, notes = reference or [], []
+    if hosted:
+        notes.append(f"inside actor{rank}'s process" + (" (the policy's base: model.lora)" if base else ""))
     if "teacher" in held and teacher is not None:
         teacher_wl = replace(wl, dtype=typed.teacher.dtype)
         terms = with_teacher_terms(
             reference, forward_only_terms("reference", teacher.policy_params, teacher, teacher_wl, dp)
         )
-        note = "reference + teacher" if reference is not None else "teacher"
+        notes.append("reference + teacher" if reference is not None else "teacher")
     if hosted:
         terms = [t for t in terms if t.name not in RUNTIME_TERM_NAMES]
-    return terms, note
+    return terms, ", ".join(notes)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -349,7 +352,9 @@ def plan_memory(
     role_terms = {
         "actor": lambda dp, rank: (trainer_terms("actor", shape.policy_params, shape, wl, dp, rank), ""),
         "critic": lambda dp, rank: (trainer_terms("critic", shape.critic_params, shape, wl, dp, rank), ""),
-        "reference": lambda dp, rank: _frozen_models_terms(typed, shape, teacher, wl, dp, plan.reference_in_actor),
+        "reference": lambda dp, rank: _frozen_models_terms(
+            typed, shape, teacher, wl, dp, rank, plan.reference_in_actor
+        ),
         "reward": lambda dp, rank: (forward_only_terms("reward", shape.reward_params, shape, wl), ""),
         "engine": lambda dp, rank: engine_terms(shape, wl),
     }
@@ -357,18 +362,6 @@ def plan_memory(
     for slot in plan.slots:
         proc = ProcessMemory(slot.role, slot.rank)
         proc.terms, proc.note = role_terms[slot.role](max(plan.num_ranks(slot.role), 1), slot.rank)
-        if slot.role == "reference" and plan.reference_in_actor:
-            # (its terms: `_frozen_models_terms`, without a runtime of its own)
-            lora = wl.lora_rank > 0 and "ref" in typed.algo.frozen_models
-            proc.note = ", ".join(
-                filter(
-                    None,
-                    [
-                        f"inside actor{slot.rank}'s process" + (" (the policy's base: model.lora)" if lora else ""),
-                        proc.note,
-                    ],
-                )
-            )
         processes[(slot.role, slot.rank)] = proc
 
     loads: list[DeviceLoad] = []

@@ -59,6 +59,18 @@ class ModelSource(ABC):
         """The checkpoint's directory on this machine (a hub id resolves to its cached snapshot)."""
         return self.path()
 
+    def check(self) -> None:
+        """Refuse (one line) a checkpoint that cannot be had offline, before anything is built
+        (a hub id not in the local cache, a package not installed); nothing to refuse by default."""
+
+    def ready(self) -> str:
+        """The checkpoint made ready for a run: checked, found or built (the tiny model is built and
+        cached on first use), its context length within the checkpoint's positions. Its path."""
+        self.check()
+        path = self.path()
+        self.check_context_len()
+        return path
+
     def check_context_len(self) -> None:
         """Refuse a `context_len` longer than the checkpoint's position limit (config.json): the
         engines would refuse such a max_model_len and the trainers would index past the positions."""

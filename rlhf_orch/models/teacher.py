@@ -16,11 +16,7 @@ class TeacherTokenizerError(ModelSourceError):
 def check_teacher(teacher: Any, policy_tokenizer: Any) -> str:
     """The teacher model option (`rlhf_orch.models.base` API) made ready: found or built offline,
     its context long enough, its tokenizer the policy's. Returns its checkpoint path."""
-    check = getattr(teacher, "check", None)
-    if check is not None:
-        check()
-    path = teacher.path()
-    teacher.check_context_len()
+    path = teacher.ready()
     why = tokenizer_mismatch(policy_tokenizer, teacher.tokenizer())
     if why is not None:
         raise TeacherTokenizerError(

@@ -52,11 +52,7 @@ def prepare_inputs(cfg: DictConfig, typed: RootConfig) -> RunInputs:
 
 def _prepare(cfg: DictConfig, typed: RootConfig) -> RunInputs:
     model = instantiate(cfg.model)
-    check_model = getattr(model, "check", None)
-    if check_model is not None:
-        check_model()  # a hub id must be loadable offline before anything starts
-    model_path = model.path()  # builds and caches the tiny model on first use
-    model.check_context_len()
+    model_path = model.ready()  # a hub id loadable offline; the tiny model built on first use
     tokenizer = model.tokenizer()
     # (validate refused a teacher that no algorithm term reads, and a teacher term without one)
     teacher_path = check_teacher(instantiate(cfg.teacher), tokenizer) if typed.teacher is not None else None

@@ -68,13 +68,12 @@ def make_experience(
         if from_update
         else [sequence_logprobs(engine, mb, spec.temperature, share_prompts).float() for mb in work_done.each(mbs)]
     )
-    frozen = frozen or {}
-    ref = [r.to(device) for r in frozen["ref"]] if "ref" in frozen else None
-    teacher = [t.to(device) for t in frozen["teacher"]] if "teacher" in frozen else None
+    frozen = {name: [lp.to(device) for lp in per_mb] for name, per_mb in (frozen or {}).items()}
+    ref, teacher = frozen.get("ref"), frozen.get("teacher")
     vals = [v.to(device) for v in values] if values is not None else None
     # Targets run along each sequence: on [b, L-1] rows (packed micro-batches are unpacked
     # here, in this process, for this math only); results go back to the mb's layout.
-    per_token = {"old": old, "ref": ref, "teacher": teacher, "values": vals}
+    per_token = {"old": old, **frozen, "values": vals}
     rows = rows_for_targets(mbs, {k: v for k, v in per_token.items() if v is not None}, spec.pad_id)
     target_rows = [
         TargetRows(
@@ -124,10 +123,19 @@ def make_experience(
         stats.update(old_logprob_stats(mbs, old, ref))
     if teacher is not None:
         # (summed over action tokens: the driver divides by all ranks' tokens -> distill/reverse_kl)
-        stats["distill_kl_sum"] = sum(
-            float(kl_divergence(o, t, "k1", mask=mb.action_mask).sum()) for mb, o, t in zip(mbs, old, teacher)
-        )
+        stats["distill_kl_sum"] = k1_sum(mbs, old, teacher)
     return stats, returns, from_update
+
+
+def k1_sum(
+    mbs: Sequence[PaddedBatch | PackedBatch], old: Sequence[torch.Tensor], other: Sequence[torch.Tensor]
+) -> float:
+    """The k1 KL(old || other), log old - log other, summed over the action tokens of `mbs` (each
+    tensor in its micro-batch's layout): the `kl` metric's sum (other = the reference) and
+    distill/reverse_kl's (other = the teacher)."""
+    return sum(
+        float(kl_divergence(o, x.to(o.device), "k1", mask=mb.action_mask).sum()) for mb, o, x in zip(mbs, old, other)
+    )
 
 
 def old_logprob_stats(
@@ -137,13 +145,8 @@ def old_logprob_stats(
     its micro-batch's layout) and the reference's `ref` (None without a reference): the summed k1
     KL(old || ref) over the action tokens, and the engine-vs-trainer mismatch (`logprob_mismatch`)."""
     every_diff = logprob_mismatch(mbs, old)
-    kl_sum = 0.0
-    if ref is not None:
-        kl_sum = sum(
-            float(kl_divergence(o, r.to(o.device), "k1", mask=mb.action_mask).sum()) for mb, o, r in zip(mbs, old, ref)
-        )
     return {
-        "kl_sum": kl_sum,
+        "kl_sum": k1_sum(mbs, old, ref) if ref is not None else 0.0,
         "logprob_diff_max": float(every_diff.max()) if every_diff.numel() else 0.0,
         "logprob_diff_sum": float(every_diff.sum()),
         "logprob_diff_tokens": float(every_diff.numel()),
